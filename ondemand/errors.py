@@ -1,0 +1,72 @@
+"""Errors that carry data, and the one function that renders them.
+
+Every error a client or an admin sees is an ``OndemandError``: HTTP status, a
+stable ``code`` (the names of the design document: ``invalid_path``,
+``ondemand_queue_full`` ...), the OpenAI ``type``, the client's message and
+extra headers. ``detail`` is for the log only. Imports nothing of ours.
+"""
+from __future__ import annotations
+
+import orjson
+
+# OpenAI's error types by status, as its SDKs map them.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class OndemandError(Exception):
+    """An error with everything needed to answer it."""
+
+    def __init__(self, status: int, code: str, message: str, *,
+                 headers: dict[str, str] | None = None, detail: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+        self.detail = detail
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def envelope(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.envelope())
+
+    def __repr__(self) -> str:
+        return f"OndemandError({self.status}, {self.code!r}, {self.message!r})"
+
+
+def not_found(message: str = "Not found") -> OndemandError:
+    return OndemandError(404, "not_found", message)
+
+
+def bad_request(code: str, message: str) -> OndemandError:
+    return OndemandError(400, code, message)
+
+
+class InsufficientMemory(Exception):
+    """The deployer's fit check said no: ``need`` GiB does not fit in ``free``."""
+
+    def __init__(self, need: float, free: float, capacity: float):
+        super().__init__(f"needs {need:g} GiB, {free:g} GiB free of {capacity:g} GiB on-demand capacity")
+        self.need = need
+        self.free = free
+        self.capacity = capacity
+
+
+class DeployerError(Exception):
+    """A deployer operation that could not be done (bad state, backend error)."""
+
+
+class ConfigError(Exception):
+    """A configuration key is unknown or out of range; the message names it."""
