@@ -1,0 +1,278 @@
+"""Configuration: read once at the command-line edge, validated, passed down.
+
+One TOML file (``--config``, else ``$ONDEMAND_CONFIG``, else built-in
+defaults); every key can be overridden by ``ONDEMAND_<KEY>`` in upper case,
+with the dot of a table key written as ``_`` (``budget.source`` is
+``ONDEMAND_BUDGET_SOURCE``). An unknown key or a value out of range raises
+``ConfigError`` whose one-line message names the key and what it allows.
+No other module reads ``os.environ`` (STYLE.md, habit 9). Imports nothing of
+ours but ``errors``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (DGX OS 22.04)
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetConfig:
+    source: str = "nvidia-smi"
+    capacity_gib: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployerConfig:
+    backend: str = "docker"
+    docker_url: str | None = None
+    network: str = "dgxmm"
+    start_timeout_s: float = 1800.0
+    stop_timeout_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LiteLLMConfig:
+    url: str | None = None
+    master_key_file: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    state_dir: Path = Path("./state")
+    listen: str = "0.0.0.0:8090"
+    base_path: str = "/dgxmm"
+    internal_url: str = "http://dgxmm:8090/dgxmm"
+    ondemand_key_file: Path | None = None  # None: {state_dir}/ondemand.key
+    admin_token_file: Path | None = None  # None: {state_dir}/admin.token
+    ondemand_allowed_cidrs: str | tuple[str, ...] = "auto"
+    decider_network: str | None = None
+    ondemand_idle_timeout_s: int = 600
+    ondemand_queue_timeout_s: int = 900
+    ondemand_max_queued: int = 256
+    reap_interval_s: float = 15.0
+    min_idle_timeout_s: int = 60
+    metrics_interval_s: float = 10.0
+    shutdown_grace_s: float = 30.0
+    log_level: str = "info"
+    budget: BudgetConfig = BudgetConfig()
+    deployer: DeployerConfig = DeployerConfig()
+    litellm: LiteLLMConfig = LiteLLMConfig()
+
+    # Paths derived from state_dir, so that one setting moves them all.
+    @property
+    def key_file(self) -> Path:
+        return self.ondemand_key_file or self.state_dir / "ondemand.key"
+
+    @property
+    def token_file(self) -> Path:
+        return self.admin_token_file or self.state_dir / "admin.token"
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "ondemand.db"
+
+    @property
+    def admin_socket(self) -> Path:
+        return self.state_dir / "admin.sock"
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+# --- validation table -------------------------------------------------------
+# key -> (parse, check, what is allowed). parse turns TOML or env text into the
+# value; check returns False when it is out of range.
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError
+    return int(v)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError
+    return float(v)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError
+    return v
+
+
+def _opt_str(v: Any) -> str | None:
+    if v is None or v == "":
+        return None
+    return _str(v)
+
+
+def _opt_path(v: Any) -> Path | None:
+    s = _opt_str(v)
+    return Path(s) if s is not None else None
+
+
+def _cidrs(v: Any) -> str | tuple[str, ...]:
+    if isinstance(v, str):
+        if v.strip() == "auto":
+            return "auto"
+        v = [part for part in v.replace(",", " ").split() if part]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError
+    out = []
+    for item in v:
+        ipaddress.ip_network(_str(item), strict=False)
+        out.append(item)
+    return tuple(out)
+
+
+def _listen(v: Any) -> str:
+    s = _str(v)
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not 0 <= int(port) <= 65535:
+        raise ValueError
+    return s
+
+
+def _base_path(v: Any) -> str:
+    s = _str(v).rstrip("/")
+    if s and (not s.startswith("/") or "//" in s or any(c in s for c in "?#\\ ")):
+        raise ValueError
+    return s
+
+
+def _between(lo: float, hi: float) -> Callable[[Any], bool]:
+    return lambda x: lo <= x <= hi
+
+
+def _one_of(*names: str) -> Callable[[Any], bool]:
+    return lambda x: x in names
+
+
+_KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
+    "state_dir": (lambda v: Path(_str(v)), bool, "a directory path"),
+    "listen": (_listen, bool, "HOST:PORT"),
+    "base_path": (_base_path, lambda s: True, "a path prefix like /dgxmm, or empty"),
+    "internal_url": (_str, lambda s: s.startswith(("http://", "https://")), "an http(s) URL"),
+    "ondemand_key_file": (_opt_path, lambda s: True, "a file path"),
+    "admin_token_file": (_opt_path, lambda s: True, "a file path"),
+    "ondemand_allowed_cidrs": (_cidrs, lambda s: True, '"auto" or a list of CIDRs'),
+    "decider_network": (_opt_str, lambda s: True, "a Docker network name"),
+    "ondemand_idle_timeout_s": (_int, _between(1, 86400), "whole seconds, 60 to 86400 (min_idle_timeout_s to 86400)"),
+    "ondemand_queue_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
+    "ondemand_max_queued": (_int, _between(1, 100000), "1 to 100000"),
+    "reap_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
+    "min_idle_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
+    "metrics_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
+    "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
+    "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),
+                  "debug, info, warning or error"),
+    "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
+    "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),
+                            lambda x: x is None or 0 < x <= 1e6, "GiB, more than 0"),
+    "deployer.backend": (_str, _one_of("docker", "process"), "docker or process"),
+    "deployer.docker_url": (_opt_str, lambda s: True, "a Docker API URL (unix:///var/run/docker.sock)"),
+    "deployer.network": (_str, bool, "a Docker network name"),
+    "deployer.start_timeout_s": (_float, _between(1, 86400), "seconds, 1 to 86400"),
+    "deployer.stop_timeout_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
+    "litellm.url": (_opt_str, lambda s: s is None or s.startswith(("http://", "https://")), "an http(s) URL"),
+    "litellm.master_key_file": (_opt_str, lambda s: True, "a file path"),
+}
+
+_TABLES = {"budget": BudgetConfig, "deployer": DeployerConfig, "litellm": LiteLLMConfig}
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and key in _TABLES and not prefix:
+            flat.update(_flatten(value, f"{key}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _env_name(key: str) -> str:
+    return "ONDEMAND_" + key.replace(".", "_").upper()
+
+
+def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+         overrides: dict[str, Any] | None = None) -> Config:
+    """Build the one Config: defaults < file < environment < overrides."""
+    env = dict(os.environ) if env is None else env
+    path = path or env.get("ONDEMAND_CONFIG") or None
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                raw = _flatten(tomllib.load(fh))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    for key in raw:
+        if key not in _KEYS:
+            raise ConfigError(f"unknown configuration key {key!r} in {path}; known keys: {', '.join(_KEYS)}")
+    known_env = {_env_name(k): k for k in _KEYS}
+    for name, text in env.items():
+        if name in known_env:
+            raw[known_env[name]] = text
+        elif name.startswith("ONDEMAND_") and name != "ONDEMAND_CONFIG" and name not in _IGNORED_ENV:
+            raise ConfigError(f"unknown configuration variable {name}; known: {', '.join(known_env)}")
+    raw.update(overrides or {})
+
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        parse, check, allowed = _KEYS[key]
+        try:
+            parsed = parse(value)
+            ok = check(parsed)
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"configuration key {key} = {value!r} is not allowed: {allowed}")
+        values[key] = parsed
+
+    top = {k: v for k, v in values.items() if "." not in k}
+    for table, cls in _TABLES.items():
+        sub = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(table + ".")}
+        top[table] = cls(**sub)
+    cfg = Config(**top)
+
+    if not cfg.min_idle_timeout_s <= cfg.ondemand_idle_timeout_s <= 86400:
+        raise ConfigError(
+            f"configuration key ondemand_idle_timeout_s = {cfg.ondemand_idle_timeout_s} is not allowed: "
+            f"whole seconds, {cfg.min_idle_timeout_s} (min_idle_timeout_s) to 86400")
+    if cfg.budget.source == "static" and cfg.budget.capacity_gib is None:
+        raise ConfigError("configuration key budget.capacity_gib is required with budget.source = static")
+    return cfg
+
+
+# Variables of ours that are not configuration keys (read by the CLI edge).
+_IGNORED_ENV = frozenset({"ONDEMAND_CACHE", "ONDEMAND_ADMIN_TOKEN"})
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(key, default, allowed) for the README and `ondemand doctor`."""
+    defaults = Config()
+    rows = []
+    for key, (_, _, allowed) in _KEYS.items():
+        obj: Any = defaults
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        rows.append((key, "" if obj is None else str(obj), allowed))
+    return rows

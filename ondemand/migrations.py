@@ -1,0 +1,157 @@
+"""Schema migrations of the state file, in order, each described.
+
+Each migration runs once, in one transaction together with its bump of
+``schema_version`` (mautrix's async_db pattern), so a crash leaves the file at
+the old version or the new one, never between. A database newer than this
+code is refused with an explanation. After the numbered migrations,
+``add_missing_columns`` adds nullable columns that later code expects
+(``pending_mode``), which is safe to run on every start.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Awaitable, Callable
+
+import aiosqlite
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    apply: Callable[[aiosqlite.Connection], Awaitable[None]]
+
+
+async def _columns(db: aiosqlite.Connection, table: str) -> set[str]:
+    async with db.execute(f"PRAGMA table_info({table})") as cur:
+        return {row[1] for row in await cur.fetchall()}
+
+
+async def _v1_initial(db: aiosqlite.Connection) -> None:
+    await db.execute("""
+        CREATE TABLE deployments (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            name TEXT NOT NULL UNIQUE,
+            served_name TEXT NOT NULL,
+            engine TEXT NOT NULL CHECK (engine IN ('vllm', 'llamacpp')),
+            image TEXT,
+            args TEXT NOT NULL DEFAULT '[]',
+            command TEXT NOT NULL DEFAULT '[]',
+            port INTEGER NOT NULL DEFAULT 8000,
+            memory_gib REAL NOT NULL DEFAULT 0,
+            role TEXT NOT NULL DEFAULT 'model' CHECK (role IN ('model', 'decision', 'system')),
+            state TEXT NOT NULL DEFAULT 'planned',
+            state_reason TEXT,
+            log_tail TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )""")
+    await db.execute("""
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            actor TEXT NOT NULL,
+            user TEXT,
+            deployment_id INTEGER,
+            text TEXT NOT NULL,
+            detail TEXT NOT NULL DEFAULT '{}'
+        )""")
+    await db.execute("CREATE INDEX events_deployment ON events (deployment_id, id)")
+    await db.execute("""
+        CREATE TABLE audit (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            at REAL NOT NULL,
+            action TEXT NOT NULL,
+            actor TEXT NOT NULL,
+            user TEXT,
+            deployment_id INTEGER,
+            text TEXT NOT NULL,
+            detail TEXT NOT NULL DEFAULT '{}'
+        )""")
+
+
+async def _v2_ondemand_mode(db: aiosqlite.Connection) -> None:
+    # The design document's "migration 40": existing deployments keep their
+    # behaviour, so every existing row becomes always_on.
+    cols = await _columns(db, "deployments")
+    if "mode" not in cols:
+        await db.execute("ALTER TABLE deployments ADD COLUMN mode TEXT "
+                         "CHECK (mode IS NULL OR mode IN ('on_demand', 'always_on'))")
+    if "idle_timeout_s" not in cols:
+        await db.execute("ALTER TABLE deployments ADD COLUMN idle_timeout_s INTEGER")
+    await db.execute("UPDATE deployments SET mode = 'always_on'")
+
+
+MIGRATIONS: list[Migration] = [
+    Migration(1, "deployments, events and audit", _v1_initial),
+    Migration(2, "deployments: on-demand mode (design document migration 40)", _v2_ondemand_mode),
+]
+
+LATEST = MIGRATIONS[-1].version
+
+# Nullable columns added outside the numbered migrations: (table, column, SQL type).
+MISSING_COLUMNS = [
+    ("deployments", "pending_mode", "TEXT CHECK (pending_mode IS NULL OR pending_mode = 'always_on')"),
+]
+
+
+class SchemaTooNew(Exception):
+    pass
+
+
+async def schema_version(db: aiosqlite.Connection) -> int:
+    await db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    async with db.execute("SELECT version FROM schema_version") as cur:
+        row = await cur.fetchone()
+    return row[0] if row else 0
+
+
+async def add_missing_columns(db: aiosqlite.Connection) -> list[str]:
+    added = []
+    for table, column, sqltype in MISSING_COLUMNS:
+        if column not in await _columns(db, table):
+            await db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sqltype}")
+            added.append(f"{table}.{column}")
+    return added
+
+
+async def upgrade(db: aiosqlite.Connection, target: int = LATEST) -> tuple[int, int]:
+    """Apply the migrations up to ``target``; returns (from, to).
+
+    The connection must be in autocommit mode (isolation_level=None): each
+    migration opens its own BEGIN IMMEDIATE so that two processes opening the
+    same file cannot both apply it.
+    """
+    start = await schema_version(db)
+    if start > LATEST:
+        raise SchemaTooNew(
+            f"the state file is at schema version {start}, newer than this ondemand "
+            f"({LATEST}): it was written by a newer release; run that release or restore a backup")
+    current = start
+    for migration in MIGRATIONS:
+        if migration.version <= current or migration.version > target:
+            continue
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            # Re-read under the write lock: another process may have got here first.
+            if await schema_version(db) >= migration.version:
+                await db.execute("ROLLBACK")
+                current = await schema_version(db)
+                continue
+            await migration.apply(db)
+            await db.execute("DELETE FROM schema_version")
+            await db.execute("INSERT INTO schema_version (version) VALUES (?)", (migration.version,))
+            await db.execute("COMMIT")
+        except BaseException:
+            await db.execute("ROLLBACK")
+            raise
+        current = migration.version
+    if current >= 1:
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            await add_missing_columns(db)
+            await db.execute("COMMIT")
+        except BaseException:
+            await db.execute("ROLLBACK")
+            raise
+    return start, current

@@ -1,0 +1,167 @@
+"""The state file: one SQLite database, ``{state_dir}/ondemand.db``.
+
+Owns the connection (aiosqlite, WAL, foreign keys, ``synchronous=NORMAL``,
+a busy timeout), the transaction discipline and the typed reads and writes of
+``deployments``, ``events`` and ``audit``. Every write runs in a transaction;
+nested ``transaction()`` blocks join the outer one. One asyncio lock orders
+the transactions of this process, because aiosqlite runs one connection on a
+thread and two interleaved BEGINs on it would join each other's work.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiosqlite
+import orjson
+
+from . import migrations
+
+DEPLOYMENT_FIELDS = (
+    "id", "name", "served_name", "engine", "image", "args", "command", "port", "memory_gib",
+    "role", "state", "state_reason", "log_tail", "mode", "idle_timeout_s", "pending_mode",
+    "created_at", "updated_at",
+)
+_JSON_FIELDS = ("args", "command")
+
+# Set while this task is inside a transaction, so nested blocks join it.
+_in_tx: contextvars.ContextVar[bool] = contextvars.ContextVar("ondemand_in_tx", default=False)
+
+
+def _row_to_deployment(row: aiosqlite.Row) -> dict[str, Any]:
+    dep = {k: row[k] for k in row.keys() if k in DEPLOYMENT_FIELDS}
+    for k in _JSON_FIELDS:
+        dep[k] = orjson.loads(dep[k]) if dep.get(k) else []
+    return dep
+
+
+class Store:
+    def __init__(self, db: aiosqlite.Connection, path: Path):
+        self.db = db
+        self.path = path
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike, *, migrate: bool = True) -> "Store":
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = await aiosqlite.connect(path, isolation_level=None)
+        try:
+            db.row_factory = aiosqlite.Row
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute("PRAGMA foreign_keys=ON")
+            await db.execute("PRAGMA synchronous=NORMAL")
+            await db.execute("PRAGMA busy_timeout=5000")
+            if migrate:
+                await migrations.upgrade(db)
+        except BaseException:
+            await db.close()
+            raise
+        return cls(db, path)
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    async def version(self) -> int:
+        return await migrations.schema_version(self.db)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        if _in_tx.get():
+            yield self.db
+            return
+        async with self._lock:
+            token = _in_tx.set(True)
+            try:
+                await self.db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.db
+                except BaseException:
+                    await self.db.execute("ROLLBACK")
+                    raise
+                await self.db.execute("COMMIT")
+            finally:
+                _in_tx.reset(token)
+
+    # --- deployments ---------------------------------------------------------
+
+    async def deployments(self) -> list[dict[str, Any]]:
+        async with self.db.execute("SELECT * FROM deployments ORDER BY id") as cur:
+            return [_row_to_deployment(r) for r in await cur.fetchall()]
+
+    async def deployment(self, dep_id: int) -> dict[str, Any] | None:
+        async with self.db.execute("SELECT * FROM deployments WHERE id = ?", (dep_id,)) as cur:
+            row = await cur.fetchone()
+        return _row_to_deployment(row) if row else None
+
+    async def insert_deployment(self, fields: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        values = {k: v for k, v in fields.items() if k in DEPLOYMENT_FIELDS and k != "id"}
+        values.setdefault("created_at", now)
+        values["updated_at"] = now
+        for k in _JSON_FIELDS:
+            if k in values:
+                values[k] = orjson.dumps(values[k] or []).decode()
+        cols = ", ".join(values)
+        marks = ", ".join("?" for _ in values)
+        async with self.transaction() as db:
+            cur = await db.execute(f"INSERT INTO deployments ({cols}) VALUES ({marks})", tuple(values.values()))
+            dep_id = cur.lastrowid
+        dep = await self.deployment(dep_id)
+        assert dep is not None
+        return dep
+
+    async def update_deployment(self, dep_id: int, **fields: Any) -> None:
+        """Update some fields; call inside ``transaction()`` to join other writes."""
+        fields = {k: v for k, v in fields.items() if k in DEPLOYMENT_FIELDS and k != "id"}
+        fields["updated_at"] = time.time()
+        for k in _JSON_FIELDS:
+            if k in fields:
+                fields[k] = orjson.dumps(fields[k] or []).decode()
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        async with self.transaction() as db:
+            await db.execute(f"UPDATE deployments SET {sets} WHERE id = ?", (*fields.values(), dep_id))
+
+    async def delete_deployment(self, dep_id: int) -> None:
+        async with self.transaction() as db:
+            await db.execute("DELETE FROM deployments WHERE id = ?", (dep_id,))
+
+    # --- events and audit ----------------------------------------------------
+
+    async def write_event(self, *, actor: str, text: str, deployment_id: int | None = None,
+                          user: str | None = None, detail: dict | None = None) -> None:
+        async with self.transaction() as db:
+            await db.execute(
+                "INSERT INTO events (at, actor, user, deployment_id, text, detail) VALUES (?, ?, ?, ?, ?, ?)",
+                (time.time(), actor, user, deployment_id, text, orjson.dumps(detail or {}).decode()))
+
+    async def write_audit(self, *, action: str, actor: str, text: str, deployment_id: int | None = None,
+                          user: str | None = None, detail: dict | None = None) -> None:
+        async with self.transaction() as db:
+            await db.execute(
+                "INSERT INTO audit (at, action, actor, user, deployment_id, text, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (time.time(), action, actor, user, deployment_id, text, orjson.dumps(detail or {}).decode()))
+
+    async def events(self, deployment_id: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        return await self._rows("events", deployment_id, limit)
+
+    async def audit(self, deployment_id: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        return await self._rows("audit", deployment_id, limit)
+
+    async def _rows(self, table: str, deployment_id: int | None, limit: int) -> list[dict[str, Any]]:
+        where, args = ("WHERE deployment_id = ?", (deployment_id,)) if deployment_id is not None else ("", ())
+        async with self.db.execute(
+                f"SELECT * FROM {table} {where} ORDER BY id DESC LIMIT ?", (*args, limit)) as cur:
+            rows = await cur.fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["detail"] = orjson.loads(d["detail"])
+            out.append(d)
+        return out

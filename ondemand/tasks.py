@@ -1,0 +1,44 @@
+"""Every background task goes through here: named, referenced, and cancelled
+with a reason at shutdown (STYLE.md: mitmproxy's rule; asyncio keeps only a
+weak reference to tasks, so an unreferenced one can vanish mid-flight)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Coroutine
+
+log = logging.getLogger("ondemand.tasks")
+
+
+class TaskGroup:
+    """A set of named long-lived tasks owned by one component."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.owner}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def close(self, reason: str = "shutdown") -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel(reason)
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                pass  # already logged by _done
+
+    def __len__(self) -> int:
+        return len(self._tasks)

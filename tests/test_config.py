@@ -1,0 +1,85 @@
+from pathlib import Path
+
+import pytest
+
+from ondemand import config
+from ondemand.errors import ConfigError
+
+
+def test_defaults_follow_the_documents():
+    cfg = config.load(env={})
+    assert cfg.listen == "0.0.0.0:8090"
+    assert cfg.base_path == "/dgxmm"
+    assert cfg.internal_url == "http://dgxmm:8090/dgxmm"
+    assert cfg.ondemand_allowed_cidrs == "auto"
+    assert (cfg.ondemand_idle_timeout_s, cfg.ondemand_queue_timeout_s, cfg.ondemand_max_queued) == (600, 900, 256)
+    assert (cfg.reap_interval_s, cfg.min_idle_timeout_s, cfg.metrics_interval_s) == (15, 60, 10)
+    assert cfg.budget.source == "nvidia-smi" and cfg.deployer.backend == "docker"
+    assert cfg.deployer.network == "dgxmm" and cfg.deployer.start_timeout_s == 1800
+    assert cfg.litellm.url is None
+    assert cfg.key_file == Path("state/ondemand.key")
+    assert cfg.db_path == Path("state/ondemand.db")
+    assert cfg.admin_socket == Path("state/admin.sock")
+
+
+def test_file_then_environment(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('state_dir = "/srv/od"\nondemand_queue_timeout_s = 60\n'
+                 '[budget]\nsource = "static"\ncapacity_gib = 80\n'
+                 '[deployer]\nbackend = "process"\n')
+    cfg = config.load(f, env={"ONDEMAND_ONDEMAND_QUEUE_TIMEOUT_S": "120", "ONDEMAND_BUDGET_CAPACITY_GIB": "96"})
+    assert cfg.state_dir == Path("/srv/od") and cfg.key_file == Path("/srv/od/ondemand.key")
+    assert cfg.ondemand_queue_timeout_s == 120
+    assert cfg.budget.source == "static" and cfg.budget.capacity_gib == 96.0
+    assert cfg.deployer.backend == "process"
+
+
+def test_config_file_from_environment(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('listen = "127.0.0.1:9000"\n')
+    assert config.load(env={"ONDEMAND_CONFIG": str(f)}).listen == "127.0.0.1:9000"
+
+
+@pytest.mark.parametrize("text, key", [
+    ("bogus = 1\n", "bogus"),
+    ("ondemand_queue_timeout_s = -1\n", "ondemand_queue_timeout_s"),
+    ("ondemand_queue_timeout_s = 0\n", "ondemand_queue_timeout_s"),
+    ("ondemand_max_queued = 100001\n", "ondemand_max_queued"),
+    ("ondemand_idle_timeout_s = 30\n", "ondemand_idle_timeout_s"),
+    ('ondemand_allowed_cidrs = ["10.0.0.0/33"]\n', "ondemand_allowed_cidrs"),
+    ('[budget]\nsource = "gpu"\n', "budget.source"),
+    ('[budget]\nsource = "static"\n', "budget.capacity_gib"),
+    ('[deployer]\nbackend = "k8s"\n', "deployer.backend"),
+    ('[deployer]\nwhat = 1\n', "deployer.what"),
+    ('listen = "8090"\n', "listen"),
+    ('ondemand_queue_timeout_s = "soon"\n', "ondemand_queue_timeout_s"),
+])
+def test_bad_values_name_the_key(tmp_path, text, key):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        config.load(f, env={})
+    msg = str(exc.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_bad_environment_value_names_the_key():
+    with pytest.raises(ConfigError, match="ondemand_queue_timeout_s"):
+        config.load(env={"ONDEMAND_ONDEMAND_QUEUE_TIMEOUT_S": "-1"})
+    with pytest.raises(ConfigError, match="ONDEMAND_QUEUE_TIMOUT"):
+        config.load(env={"ONDEMAND_QUEUE_TIMOUT": "5"})
+
+
+def test_idle_timeout_bound_follows_min_idle_timeout():
+    cfg = config.load(env={"ONDEMAND_MIN_IDLE_TIMEOUT_S": "1", "ONDEMAND_ONDEMAND_IDLE_TIMEOUT_S": "2"})
+    assert cfg.ondemand_idle_timeout_s == 2
+
+
+def test_cidr_list_from_environment():
+    cfg = config.load(env={"ONDEMAND_ONDEMAND_ALLOWED_CIDRS": "127.0.0.0/8, 10.1.0.0/16"})
+    assert cfg.ondemand_allowed_cidrs == ("127.0.0.0/8", "10.1.0.0/16")
+
+
+def test_describe_lists_every_key():
+    keys = [row[0] for row in config.describe()]
+    assert "budget.capacity_gib" in keys and "ondemand_queue_timeout_s" in keys

@@ -1,0 +1,134 @@
+import asyncio
+import sqlite3
+
+import aiosqlite
+import pytest
+
+from ondemand import migrations
+from ondemand.store import Store
+
+
+async def test_fresh_file_is_wal_at_latest_version(tmp_path):
+    store = await Store.open(tmp_path / "s" / "ondemand.db")
+    try:
+        assert await store.version() == migrations.LATEST
+        async with store.db.execute("PRAGMA journal_mode") as cur:
+            assert (await cur.fetchone())[0] == "wal"
+        async with store.db.execute("PRAGMA foreign_keys") as cur:
+            assert (await cur.fetchone())[0] == 1
+        dep = await store.insert_deployment(dict(name="a", served_name="A", engine="vllm", mode="on_demand",
+                                                 args=["--x"], state="stopped"))
+        assert dep["args"] == ["--x"] and dep["mode"] == "on_demand" and dep["pending_mode"] is None
+    finally:
+        await store.close()
+
+
+async def test_ondemand_mode_migration_upgrades_old_rows(tmp_path):
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await migrations.upgrade(db, target=1)
+    cols = await migrations._columns(db, "deployments")
+    assert "mode" not in cols and "idle_timeout_s" not in cols
+    for i in range(3):
+        await db.execute(
+            "INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+            "VALUES (?, ?, 'vllm', 'ready', 0, 0)", (f"d{i}", f"D{i}"))
+    await db.close()
+
+    store = await Store.open(path)
+    try:
+        assert await store.version() == migrations.LATEST
+        deps = await store.deployments()
+        assert [d["mode"] for d in deps] == ["always_on"] * 3
+        assert all(d["idle_timeout_s"] is None and d["pending_mode"] is None for d in deps)
+        cols = await migrations._columns(store.db, "deployments")
+        assert {"mode", "idle_timeout_s", "pending_mode"} <= cols
+        # A deployment made on demand after the upgrade stays so on the next start.
+        await store.update_deployment(deps[0]["id"], mode="on_demand")
+    finally:
+        await store.close()
+
+    store = await Store.open(path)  # the upgrade again changes nothing
+    try:
+        assert [d["mode"] for d in await store.deployments()] == ["on_demand", "always_on", "always_on"]
+        assert await migrations.upgrade(store.db) == (migrations.LATEST, migrations.LATEST)
+    finally:
+        await store.close()
+
+
+async def test_migration_is_one_transaction(tmp_path, monkeypatch):
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await migrations.upgrade(db, target=1)
+
+    async def broken(db):
+        await db.execute("ALTER TABLE deployments ADD COLUMN mode TEXT")
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(migrations, "MIGRATIONS",
+                        [migrations.MIGRATIONS[0], migrations.Migration(2, "broken", broken)])
+    with pytest.raises(RuntimeError):
+        await migrations.upgrade(db)
+    assert await migrations.schema_version(db) == 1
+    assert "mode" not in await migrations._columns(db, "deployments")
+    await db.close()
+
+
+async def test_newer_database_is_refused(tmp_path):
+    path = tmp_path / "ondemand.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    con.execute("INSERT INTO schema_version VALUES (999)")
+    con.commit()
+    con.close()
+    with pytest.raises(migrations.SchemaTooNew, match="newer"):
+        await Store.open(path)
+
+
+async def test_transactions_nest_and_roll_back_together(tmp_path):
+    store = await Store.open(tmp_path / "ondemand.db")
+    try:
+        dep = await store.insert_deployment(dict(name="a", served_name="A", engine="vllm"))
+        with pytest.raises(RuntimeError):
+            async with store.transaction():
+                await store.update_deployment(dep["id"], state="ready")
+                await store.write_event(actor="deployer", deployment_id=dep["id"], text="ready")
+                raise RuntimeError("boom")
+        assert (await store.deployment(dep["id"]))["state"] == "planned"
+        assert await store.events() == []
+
+        async with store.transaction():
+            await store.update_deployment(dep["id"], state="ready")
+            await store.write_event(actor="ondemand", deployment_id=dep["id"], text="ready", detail={"a": 1})
+            await store.write_audit(action="ondemand_start", actor="ondemand", deployment_id=dep["id"],
+                                    text="started for a request")
+        ev = (await store.events())[0]
+        assert ev["actor"] == "ondemand" and ev["user"] is None and ev["detail"] == {"a": 1}
+        au = (await store.audit())[0]
+        assert au["action"] == "ondemand_start" and au["user"] is None and au["deployment_id"] == dep["id"]
+    finally:
+        await store.close()
+
+
+async def test_concurrent_transactions_do_not_join(tmp_path):
+    store = await Store.open(tmp_path / "ondemand.db")
+    try:
+        dep = await store.insert_deployment(dict(name="a", served_name="A", engine="vllm"))
+
+        async def good():
+            async with store.transaction():
+                await store.write_event(actor="x", text="kept")
+                await asyncio.sleep(0.01)
+
+        async def bad():
+            with pytest.raises(RuntimeError):
+                async with store.transaction():
+                    await store.write_event(actor="x", text="dropped")
+                    await asyncio.sleep(0.01)
+                    raise RuntimeError
+
+        await asyncio.gather(good(), bad(), good())
+        assert sorted(e["text"] for e in await store.events()) == ["kept", "kept"]
+        assert dep["id"] == 1
+    finally:
+        await store.close()
