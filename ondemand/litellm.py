@@ -1,0 +1,613 @@
+"""LiteLLM registration: the admin-API client and the sync that keeps our entries right.
+
+This module owns everything ondemand says to LiteLLM's proxy:
+
+- ``LiteLLMClient``: ``GET /model/info``, ``POST /model/new`` (verified by a read) and
+  ``POST /model/delete``, with the master key, and LiteLLM's answers turned into
+  ``LiteLLMError`` codes (``litellm_unreachable``, ``litellm_unauthorized``,
+  ``litellm_no_db``, ``litellm_not_stored``, ``litellm_error``).
+- ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as the design document
+  ("LiteLLM registration") describes them.
+- ``LiteLLMSync``: reconciles LiteLLM's list with the deployments, adds before deletes,
+  never concurrently, on triggers and every ``interval_s``; it keeps each deployment's
+  LiteLLM status for the deployment views and ``ondemand.litellm_ready``.
+
+Our entries are the ones whose ``model_info`` carries ``dgxmm_id``; nothing else in
+LiteLLM is ever touched. Entries are replaced (add, then delete), never edited: the old
+``POST /model/update`` (update_model) merges litellm_params only and keeps the stored
+model_info, so a fingerprint would never change, and ``PATCH /model/{id}/update`` is
+recent; add-then-delete works on every release and keeps the name served throughout. Facts about LiteLLM relied on here are cited by file and
+function of BerriAI/litellm (``proxy_server.py``, ``management_endpoints/
+model_management_endpoints.py``, ``health_check.py``, ``types/router.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import orjson
+
+from .errors import OndemandError
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
+# LiteLLM needs *some* key for an openai/ entry; the engines behind always-on entries
+# take none, so a harmless placeholder is sent (it never reaches a secret check).
+ALWAYS_ON_API_KEY = "none"
+
+# Codes for which a sync stops at once: every further write would fail the same way.
+_GLOBAL_CODES = frozenset({"litellm_unreachable", "litellm_unauthorized", "litellm_no_db"})
+
+# The text of LiteLLM's answers we recognise. add_new_model / delete_model
+# (management_endpoints/model_management_endpoints.py, older: proxy_server.py) raise
+# HTTPException(500, {"error": "No DB Connected. Here's how to do it - ..."}) without a
+# database and HTTPException(500, {"error": "Set `'STORE_MODEL_IN_DB='True'` in your env
+# to enable this feature."}) when models are not stored in it; both end up as
+# ProxyException(message=str(detail), type="auth_error", code="500").
+_NO_DB_MARKERS = ("No DB Connected", "STORE_MODEL_IN_DB")
+# model_info_v1 (proxy_server.py) answers 500 "LLM Router is not loaded in ..." (older:
+# "LLM Model List not loaded in ...") while the proxy has no model at all: that is an
+# empty list, not an outage.
+_NO_ROUTER_MARKERS = ("LLM Router is not loaded in", "LLM Model List not loaded in")
+# delete_model: HTTPException(400, {"error": f"Model with id={id} not found in db"}).
+_NOT_FOUND_MARKER = "not found in db"
+
+
+class LiteLLMError(OndemandError):
+    """LiteLLM could not do what was asked; ``code`` says why (502 for the admin API)."""
+
+    def __init__(self, code: str, message: str, *, detail: str | None = None):
+        super().__init__(502, code, message, detail=detail, type="server_error")
+
+    def __repr__(self) -> str:
+        return f"LiteLLMError({self.code!r}, {self.message!r})"
+
+
+# ---------------------------------------------------------------------------
+# Entries
+
+
+def _fp(text: str | bytes) -> str:
+    """First 12 hex digits of a SHA-256, the design's fingerprint length."""
+    if isinstance(text, str):
+        text = text.encode()
+    return hashlib.sha256(text).hexdigest()[:12]
+
+
+def key_fingerprint(key: str) -> str:
+    return _fp(key)
+
+
+def params_fingerprint(litellm_params: dict, model_info: dict) -> str:
+    """Fingerprint of what an on-demand entry adds to an always-on one.
+
+    LiteLLM normalises what it returns (GenericLiteLLMParams in types/router.py types
+    ``timeout`` as float, so 1500 comes back as 1500.0, and /model/info never returns
+    api_key), so the entry is not compared field by field: this value, stored in
+    model_info (kept verbatim: ModelInfo has extra="allow"), is.
+    """
+    covered = {
+        "api_base": litellm_params.get("api_base"),
+        "timeout": litellm_params.get("timeout"),
+        "stream_timeout": litellm_params.get("stream_timeout"),
+        "num_retries": litellm_params.get("num_retries"),
+        "health_check_params": model_info.get("health_check_params"),
+    }
+    return _fp(orjson.dumps(covered, option=orjson.OPT_SORT_KEYS))
+
+
+def _served_name(dep: dict) -> str:
+    return dep.get("served_name") or dep["name"]
+
+
+def ondemand_timeout(queue_timeout_s: int) -> int:
+    """A request may wait the whole queue limit for memory, plus the start."""
+    return max(1200, int(queue_timeout_s) + 600)
+
+
+def ondemand_entry(dep: dict, key: str, internal_url: str, queue_timeout_s: int) -> dict:
+    """The gateway entry of an on-demand deployment (design: "LiteLLM registration")."""
+    dep_id = int(dep["id"])
+    served = _served_name(dep)
+    timeout = ondemand_timeout(queue_timeout_s)
+    litellm_params = {
+        "model": f"openai/{served}",
+        "api_base": f"{internal_url.rstrip('/')}/ondemand/{dep_id}/v1",
+        "api_key": key,
+        "timeout": timeout,
+        "stream_timeout": timeout,
+        # LiteLLM must not retry or fail over a request the gateway is holding.
+        "num_retries": 0,
+    }
+    # health_check.py _update_litellm_params_for_health_check merges
+    # model_info.health_check_params into the probe's litellm_params only, so the marker
+    # header rides on health checks and never on traffic.
+    health_check_params = {"extra_headers": {HEALTH_CHECK_HEADER: "1"}}
+    model_info: dict[str, Any] = {
+        "dgxmm_id": dep_id,
+        "dgxmm_key_fp": key_fingerprint(key),
+        "dgxmm_params_fp": "",
+        "health_check_params": health_check_params,
+    }
+    model_info["dgxmm_params_fp"] = params_fingerprint(litellm_params, model_info)
+    return {"model_name": served, "litellm_params": litellm_params, "model_info": model_info}
+
+
+def always_on_entry(dep: dict, engine_base_url: str) -> dict:
+    """The direct entry of an always-on deployment: LiteLLM calls the engine itself."""
+    served = _served_name(dep)
+    return {
+        "model_name": served,
+        "litellm_params": {
+            "model": f"openai/{served}",
+            "api_base": f"{engine_base_url.rstrip('/')}/v1",
+            "api_key": ALWAYS_ON_API_KEY,
+        },
+        "model_info": {"dgxmm_id": int(dep["id"])},
+    }
+
+
+def entry_dgxmm_id(entry: dict) -> int | str | None:
+    """Our id of a LiteLLM entry, or None when the entry is not ours.
+
+    We write an int; LiteLLM keeps extra model_info keys as given (types/router.py
+    ModelInfo, extra="allow") but a hand edit or another serialisation may turn it into
+    a string, so "7", 7 and 7.0 are the same deployment. Anything else that is set is
+    still ours (kept as the raw string) and simply never wanted.
+    """
+    info = entry.get("model_info")
+    if not isinstance(info, dict):
+        return None
+    raw = info.get("dgxmm_id")
+    if raw is None or isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    text = str(raw).strip()
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _entry_id(entry: dict) -> str | None:
+    """LiteLLM's own id of an entry: model_info.id (the DB row's model_id for DB models)."""
+    info = entry.get("model_info")
+    if isinstance(info, dict) and info.get("id") is not None:
+        return str(info["id"])
+    return None
+
+
+def _norm_base(url: Any) -> str | None:
+    return url.rstrip("/") if isinstance(url, str) else None
+
+
+def entry_matches(existing: dict, wanted: dict) -> bool:
+    """Whether an entry LiteLLM lists is the one we want (then nothing is written)."""
+    have_p = existing.get("litellm_params") or {}
+    want_p = wanted["litellm_params"]
+    have_i = existing.get("model_info") or {}
+    want_i = wanted["model_info"]
+    return (
+        existing.get("model_name") == wanted["model_name"]
+        and have_p.get("model") == want_p["model"]
+        and _norm_base(have_p.get("api_base")) == _norm_base(want_p["api_base"])
+        # Always-on entries carry neither fingerprint: both sides None.
+        and have_i.get("dgxmm_key_fp") == want_i.get("dgxmm_key_fp")
+        and have_i.get("dgxmm_params_fp") == want_i.get("dgxmm_params_fp")
+    )
+
+
+# ---------------------------------------------------------------------------
+# Client
+
+
+class LiteLLMClient:
+    """LiteLLM's model-management API, with the master key as Bearer token."""
+
+    def __init__(self, base_url: str, master_key: str, *, timeout_s: float = 10.0,
+                 session_factory: Callable[[], aiohttp.ClientSession] | None = None,
+                 verify_attempts: int = 3, verify_delay_s: float = 0.5):
+        self.base_url = base_url.rstrip("/")
+        self._master_key = master_key
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session_factory = session_factory
+        self._session: aiohttp.ClientSession | None = None
+        self._verify_attempts = max(1, verify_attempts)
+        self._verify_delay_s = verify_delay_s
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = (self._session_factory() if self._session_factory
+                             else aiohttp.ClientSession())
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def _request(self, method: str, path: str, *, json: Any = None) -> tuple[int, Any]:
+        """One call; returns (status, parsed body) or raises for transport failures."""
+        headers = {"Authorization": f"Bearer {self._master_key}"}
+        if json is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self._get_session().request(
+                method, self.base_url + path, headers=headers,
+                data=None if json is None else orjson.dumps(json),
+                timeout=self._timeout,
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise LiteLLMError("litellm_unreachable", f"LiteLLM is unreachable at {self.base_url}",
+                               detail=repr(exc)) from exc
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            body = raw.decode(errors="replace")
+        return status, body
+
+    @staticmethod
+    def _message(body: Any) -> str:
+        """The message of LiteLLM's error shape (proxy_server.py openai_exception_handler:
+        {"error": {"message", "type", "param", "code"}}; FastAPI's own: {"detail": ...})."""
+        if isinstance(body, dict):
+            err = body.get("error")
+            if isinstance(err, dict) and err.get("message") is not None:
+                return str(err["message"])
+            if err is not None:
+                return str(err)
+            if body.get("detail") is not None:
+                return str(body["detail"])
+        return str(body)[:500] if body is not None else ""
+
+    def _error(self, what: str, status: int, body: Any) -> LiteLLMError:
+        message = self._message(body)
+        if status in (401, 403):
+            return LiteLLMError("litellm_unauthorized",
+                                f"LiteLLM refused the master key ({status}) on {what}", detail=message)
+        if any(marker in message for marker in _NO_DB_MARKERS):
+            return LiteLLMError("litellm_no_db",
+                                "LiteLLM has no database to store models in (set DATABASE_URL "
+                                "and STORE_MODEL_IN_DB=True)", detail=message)
+        if status in (502, 503, 504):
+            return LiteLLMError("litellm_unreachable", f"LiteLLM answered {status} on {what}",
+                                detail=message)
+        return LiteLLMError("litellm_error", f"LiteLLM answered {status} on {what}: {message[:300]}",
+                            detail=message)
+
+    async def list_models(self, *, ours_only: bool = False) -> list[dict]:
+        """Every entry LiteLLM serves (``GET /model/info``), or only ours (with dgxmm_id).
+
+        model_info_v1 (proxy_server.py) answers {"data": [deployment, ...]} for the master
+        key: the router's deployments with api_key removed
+        (remove_sensitive_info_from_deployment) and model_info.id = the DB row's model_id.
+        It lists what the router serves, not the DB: a row that failed to load is absent.
+        """
+        status, body = await self._request("GET", "/model/info")
+        if status >= 400:
+            if status == 500 and any(m in self._message(body) for m in _NO_ROUTER_MARKERS):
+                return []
+            raise self._error("GET /model/info", status, body)
+        data = body.get("data") if isinstance(body, dict) else None
+        if isinstance(data, dict):  # the single-model shape (litellm_model_id / user_model)
+            data = [data]
+        if not isinstance(data, list):
+            raise LiteLLMError("litellm_error", "LiteLLM's /model/info has no data list",
+                               detail=str(body)[:500])
+        entries = [e for e in data if isinstance(e, dict)]
+        if ours_only:
+            entries = [e for e in entries if entry_dgxmm_id(e) is not None]
+        return entries
+
+    async def add_model(self, model_name: str, litellm_params: dict, model_info: dict) -> dict:
+        """Add an entry and prove it is served; returns LiteLLM's entry as /model/info lists it.
+
+        add_new_model answers the created DB row (LiteLLM_ProxyModelTable: model_id, and
+        litellm_params encrypted by encrypt_value_helper, so unreadable). Some versions
+        answer 200 with nothing stored or loaded (the row creation's or the router reload's
+        exception swallowed and logged, the body null or a row the router never loaded), so
+        success is only what a following read shows.
+        """
+        payload = {"model_name": model_name, "litellm_params": litellm_params,
+                   "model_info": model_info}
+        status, body = await self._request("POST", "/model/new", json=payload)
+        if status >= 400:
+            raise self._error("POST /model/new", status, body)
+        model_id = body.get("model_id") if isinstance(body, dict) else None
+        wanted = {"model_name": model_name, "litellm_params": litellm_params,
+                  "model_info": model_info}
+        for attempt in range(self._verify_attempts):
+            if attempt:
+                # A reload may still be running; a pod behind a balancer may poll later.
+                await asyncio.sleep(self._verify_delay_s)
+            for entry in await self.list_models():
+                if model_id is not None:
+                    if _entry_id(entry) == str(model_id):
+                        return entry
+                elif (entry_dgxmm_id(wanted) is not None
+                      and entry_dgxmm_id(entry) == entry_dgxmm_id(wanted)
+                      and entry_matches(entry, wanted)):
+                    return entry
+        raise LiteLLMError(
+            "litellm_not_stored",
+            f"LiteLLM accepted {model_name!r} (200) but does not list it",
+            detail=f"/model/new answered {str(body)[:300]}")
+
+    async def delete_model(self, model_id: str) -> bool:
+        """Delete by LiteLLM's id (``POST /model/delete`` {"id"}); False when already gone."""
+        status, body = await self._request("POST", "/model/delete", json={"id": str(model_id)})
+        if status == 400 and _NOT_FOUND_MARKER in self._message(body):
+            return False
+        if status >= 400:
+            raise self._error("POST /model/delete", status, body)
+        return True
+
+
+# ---------------------------------------------------------------------------
+# Sync
+
+
+def _status(status: str, code: str | None = None) -> dict:
+    return {"status": status, "code": code}
+
+
+class LiteLLMSync:
+    """Keeps LiteLLM's entries equal to what the deployments want.
+
+    Rules (design document, "LiteLLM registration"):
+
+    - On-demand deployments are registered in every state except failed, as gateway
+      entries, while a key is readable. Without a key they are not registered, their
+      existing entries are left alone, and their status is error ondemand_not_configured.
+    - Always-on deployments are registered as direct entries only while ready *and*
+      their engine has an address: a direct entry of an engine that is not serving would
+      only produce errors, and the design syncs whenever a deployment enters or leaves
+      ready. During a switch to always on the deployment stays on_demand (pending_mode)
+      until ready, so the gateway entry covers the whole start.
+    - The decision model (role "decision") never goes through the gateway: it is always
+      treated as always on, i.e. a direct entry while ready, whatever its mode says.
+      System deployments follow their mode like models.
+    - An existing entry of a wanted id is kept when model name, model, api_base and both
+      fingerprints match; otherwise the new entry is added and the old ones deleted, all
+      adds of a sync before all its deletes, so a name is never missing. Entries of ids no
+      longer wanted (removed, failed, always-on not ready) are deleted; entries without
+      dgxmm_id are never touched; an unchanged state writes nothing.
+    - LiteLLM unreachable, without a database or refusing the key: the sync reports the
+      code, deletes nothing, and the next trigger or period retries.
+    """
+
+    def __init__(self, *, client: LiteLLMClient | None, internal_url: str, queue_timeout_s: int,
+                 list_deployments: Callable[[], Awaitable[list[dict]]],
+                 current_key: Callable[[], str | None],
+                 engine_base_url: Callable[[dict], str | None],
+                 interval_s: float = 60.0):
+        self._client = client
+        self.internal_url = internal_url
+        self.queue_timeout_s = queue_timeout_s
+        self._list_deployments = list_deployments
+        self._current_key = current_key
+        self._engine_base_url = engine_base_url
+        self._interval_s = interval_s
+        self._lock = asyncio.Lock()
+        self._pending = False
+        self._drain_task: asyncio.Task | None = None
+        self._closed = False
+        self._last_ok = False
+        self.last_result: dict | None = None
+        self._statuses: dict[int, dict] = {}
+
+    # -- state --------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    @property
+    def last_ok(self) -> bool:
+        """LiteLLM enabled and its last sync succeeded (``ondemand.litellm_ready``)."""
+        return self.enabled and self._last_ok
+
+    def status_of(self, dep_id: int) -> dict:
+        """{"status": "registered"|"pending"|"error", "code"} of a deployment's entry."""
+        if not self.enabled:
+            return _status("error", "litellm_disabled")
+        return dict(self._statuses.get(int(dep_id), _status("pending")))
+
+    # -- scheduling ---------------------------------------------------------
+
+    def trigger(self) -> None:
+        """Ask for a sync soon. Triggers while one runs fold into exactly one more."""
+        if not self.enabled or self._closed:
+            return
+        self._pending = True
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.get_running_loop().create_task(
+                self._drain(), name="litellm-sync")
+
+    async def _drain(self) -> None:
+        # No await between the last check of _pending and the task's end, so a trigger
+        # either lands before the check (one more round) or sees the task done (new task).
+        while self._pending:
+            self._pending = False
+            try:
+                await self.sync_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # sync_now reports errors itself; this is a bug
+                log.exception("LiteLLM sync failed unexpectedly")
+
+    async def run(self) -> None:
+        """Sync at once, then every ``interval_s`` and on each trigger, until cancelled."""
+        if not self.enabled:
+            return
+        try:
+            while True:
+                self.trigger()
+                await asyncio.sleep(self._interval_s)
+        finally:
+            await self._cancel_drain()
+
+    async def wait_idle(self) -> None:
+        """Return once no triggered sync is running or pending."""
+        while self._drain_task is not None and not self._drain_task.done():
+            await asyncio.wait({self._drain_task})
+
+    async def _cancel_drain(self) -> None:
+        task, self._drain_task = self._drain_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def close(self) -> None:
+        """Stop scheduling, cancel a running sync and close the client."""
+        self._closed = True
+        await self._cancel_drain()
+        if self._client is not None:
+            await self._client.close()
+
+    # -- the sync -----------------------------------------------------------
+
+    async def sync_now(self) -> dict:
+        """One reconciliation; {"added": [...], "deleted": [...], "error": None|code}."""
+        if self._client is None:
+            return {"added": [], "deleted": [], "error": "litellm_disabled"}
+        async with self._lock:
+            result = await self._sync_locked(self._client)
+        self.last_result = result
+        return result
+
+    def _plan(self, deployments: list[dict], key: str | None) -> tuple[dict, set, dict]:
+        """What each deployment wants: (wanted entries by id, ids left alone, statuses)."""
+        wanted: dict[int, dict] = {}
+        left_alone: set[int] = set()
+        statuses: dict[int, dict] = {}
+        for dep in deployments:
+            dep_id = int(dep["id"])
+            if dep.get("state") == "failed":
+                statuses[dep_id] = _status("pending", "deployment_failed")
+                continue
+            on_demand = (dep.get("mode") or "always_on") == "on_demand" and dep.get("role") != "decision"
+            if on_demand:
+                if key is None:
+                    left_alone.add(dep_id)
+                    statuses[dep_id] = _status("error", "ondemand_not_configured")
+                    continue
+                wanted[dep_id] = ondemand_entry(dep, key, self.internal_url, self.queue_timeout_s)
+                continue
+            base = self._engine_base_url(dep) if dep.get("state") == "ready" else None
+            if not base:
+                statuses[dep_id] = _status("pending", "engine_not_ready")
+                continue
+            wanted[dep_id] = always_on_entry(dep, base)
+        return wanted, left_alone, statuses
+
+    async def _sync_locked(self, client: LiteLLMClient) -> dict:
+        added: list[dict] = []
+        deleted: list[dict] = []
+        try:
+            deployments = await self._list_deployments()
+            key = self._current_key() or None
+            wanted, left_alone, statuses = self._plan(deployments, key)
+        except Exception:
+            log.exception("LiteLLM sync: could not read the deployments")
+            self._last_ok = False
+            return {"added": [], "deleted": [], "error": "internal_error"}
+        known = {int(d["id"]) for d in deployments}
+        previous = {i: s for i, s in self._statuses.items() if i in known}
+
+        def fail(code: str) -> dict:
+            # Entries of registered deployments are still in LiteLLM (nothing was
+            # deleted); the others wait with the reason.
+            merged = dict(statuses)
+            for dep_id in wanted:
+                done = any(a["dgxmm_id"] == dep_id for a in added)
+                was = previous.get(dep_id, {}).get("status")
+                if dep_id in merged:
+                    continue
+                merged[dep_id] = _status("registered") if done or was == "registered" else _status("error", code)
+            self._statuses = merged
+            self._last_ok = False
+            return {"added": added, "deleted": deleted, "error": code}
+
+        try:
+            entries = await client.list_models()
+        except LiteLLMError as exc:
+            log.warning("LiteLLM sync: %s (%s)", exc.message, exc.detail)
+            return fail(exc.code)
+
+        ours: dict[int | str, list[dict]] = {}
+        for entry in entries:
+            dep_id = entry_dgxmm_id(entry)
+            if dep_id is not None:
+                ours.setdefault(dep_id, []).append(entry)
+
+        to_add: list[int] = []
+        # Deletes allowed once the ids' adds succeeded (None key: needs no add).
+        replace: dict[int | str, list[dict]] = {}
+        for dep_id, want in wanted.items():
+            existing = ours.get(dep_id, [])
+            keep = next((e for e in existing if entry_matches(e, want)), None)
+            if keep is None:
+                to_add.append(dep_id)
+                replace[dep_id] = existing
+            else:
+                statuses[dep_id] = _status("registered")
+                # Duplicates (e.g. a row stored but loaded late after a failed verify).
+                replace[dep_id] = [e for e in existing if e is not keep]
+        for dep_id, existing in ours.items():
+            if dep_id not in wanted and dep_id not in left_alone:
+                replace[dep_id] = existing
+
+        first_error: str | None = None
+        for dep_id in to_add:
+            want = wanted[dep_id]
+            try:
+                entry = await client.add_model(want["model_name"], want["litellm_params"],
+                                               want["model_info"])
+            except LiteLLMError as exc:
+                log.warning("LiteLLM sync: adding %s failed: %s (%s)",
+                            want["model_name"], exc.message, exc.detail)
+                if exc.code in _GLOBAL_CODES:
+                    return fail(exc.code)
+                first_error = first_error or exc.code
+                statuses[dep_id] = _status("error", exc.code)
+                replace.pop(dep_id, None)  # keep the old entry: the name must not vanish
+                continue
+            statuses[dep_id] = _status("registered")
+            added.append({"dgxmm_id": dep_id, "model_name": want["model_name"],
+                          "model_id": _entry_id(entry)})
+
+        for dep_id, existing in replace.items():
+            for entry in existing:
+                model_id = _entry_id(entry)
+                if model_id is None:
+                    continue  # nothing LiteLLM could delete it by
+                try:
+                    await client.delete_model(model_id)
+                except LiteLLMError as exc:
+                    log.warning("LiteLLM sync: deleting %s failed: %s (%s)",
+                                entry.get("model_name"), exc.message, exc.detail)
+                    if exc.code in _GLOBAL_CODES:
+                        return fail(exc.code)
+                    first_error = first_error or exc.code
+                    continue
+                deleted.append({"dgxmm_id": dep_id, "model_name": entry.get("model_name"),
+                                "model_id": model_id})
+
+        self._statuses = statuses
+        self._last_ok = first_error is None
+        if added or deleted:
+            log.info("LiteLLM sync: added %s, deleted %s",
+                     [a["model_name"] for a in added], [d["model_name"] for d in deleted])
+        return {"added": added, "deleted": deleted, "error": first_error}

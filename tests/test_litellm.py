@@ -1,0 +1,591 @@
+"""LiteLLM registration: entries, the client and the sync, against the LiteLLM double over HTTP."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+
+import aiohttp
+import pytest
+
+from ondemand.litellm import (
+    LiteLLMClient,
+    LiteLLMError,
+    LiteLLMSync,
+    always_on_entry,
+    ondemand_entry,
+)
+from litellm_double import litellm_double
+
+MASTER = "sk-master"
+INTERNAL = "http://dgxmm:8090/dgxmm"
+
+
+def fp(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def params_fp(api_base: str, timeout: int) -> str:
+    covered = {"api_base": api_base, "health_check_params": {"extra_headers": {"x-dgxmm-health-check": "1"}},
+               "num_retries": 0, "stream_timeout": timeout, "timeout": timeout}
+    return fp(json.dumps(covered, sort_keys=True, separators=(",", ":")))
+
+
+def dep(dep_id: int, name: str, *, mode: str | None = "on_demand", state: str = "stopped",
+        role: str = "model", served_name: str | None = None) -> dict:
+    return {"id": dep_id, "name": name, "served_name": served_name or f"{name}-served",
+            "engine": "vllm", "state": state, "mode": mode, "role": role}
+
+
+class World:
+    """The deployments, key and engine addresses the sync reads."""
+
+    def __init__(self, *deps: dict, key: str | None = "key-one"):
+        self.deployments = list(deps)
+        self.key = key
+        self.addresses: dict[int, str] = {}
+        self.delay = 0.0
+        self.syncs = 0
+        self.running = 0
+        self.max_running = 0
+        self.started = asyncio.Event()
+
+    async def list_deployments(self) -> list[dict]:
+        self.syncs += 1
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        self.started.set()
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            return copy.deepcopy(self.deployments)
+        finally:
+            self.running -= 1
+
+    def current_key(self) -> str | None:
+        return self.key
+
+    def engine_base_url(self, d: dict) -> str | None:
+        return self.addresses.get(d["id"])
+
+    def set(self, dep_id: int, **fields) -> None:
+        next(d for d in self.deployments if d["id"] == dep_id).update(fields)
+
+
+def make_sync(double, world: World, *, queue_timeout_s: int = 900, interval_s: float = 60.0) -> LiteLLMSync:
+    client = LiteLLMClient(double.url, MASTER, timeout_s=2.0, verify_attempts=2, verify_delay_s=0.01)
+    return LiteLLMSync(client=client, internal_url=INTERNAL, queue_timeout_s=queue_timeout_s,
+                       list_deployments=world.list_deployments, current_key=world.current_key,
+                       engine_base_url=world.engine_base_url, interval_s=interval_s)
+
+
+def by_dgxmm_id(double) -> dict:
+    out: dict = {}
+    for m in double.models:
+        if "dgxmm_id" in m["model_info"]:
+            out.setdefault(m["model_info"]["dgxmm_id"], []).append(m)
+    return out
+
+
+def assert_adds_before_deletes(calls) -> None:
+    writes = [path for method, path, _ in calls if method == "POST"]
+    assert "/model/new" in writes and "/model/delete" in writes
+    assert max(i for i, p in enumerate(writes) if p == "/model/new") < \
+        min(i for i, p in enumerate(writes) if p == "/model/delete"), writes
+
+
+# ---------------------------------------------------------------------------
+# Entries
+
+
+def test_ondemand_entry_every_field():
+    entry = ondemand_entry(dep(7, "qwen", served_name="Qwen/Qwen3-8B"), "secret-key", INTERNAL, 900)
+    api_base = "http://dgxmm:8090/dgxmm/ondemand/7/v1"
+    assert entry == {
+        "model_name": "Qwen/Qwen3-8B",
+        "litellm_params": {
+            "model": "openai/Qwen/Qwen3-8B",
+            "api_base": api_base,
+            "api_key": "secret-key",
+            "timeout": 1500,
+            "stream_timeout": 1500,
+            "num_retries": 0,
+        },
+        "model_info": {
+            "dgxmm_id": 7,
+            "dgxmm_key_fp": hashlib.sha256(b"secret-key").hexdigest()[:12],
+            "dgxmm_params_fp": params_fp(api_base, 1500),
+            "health_check_params": {"extra_headers": {"x-dgxmm-health-check": "1"}},
+        },
+    }
+    # The floor is 1200 s; above it, the queue limit plus 600 s.
+    assert ondemand_entry(dep(7, "q"), "k", INTERNAL, 60)["litellm_params"]["timeout"] == 1200
+    long = ondemand_entry(dep(7, "q"), "k", INTERNAL + "/", 1000)
+    assert long["litellm_params"]["stream_timeout"] == 1600
+    assert long["litellm_params"]["api_base"] == api_base
+    assert long["model_info"]["dgxmm_params_fp"] == params_fp(api_base, 1600)
+
+
+def test_always_on_entry_every_field():
+    entry = always_on_entry(dep(3, "llama", mode="always_on", served_name="llama-3"), "http://dgxmm-llama:8000")
+    assert entry == {
+        "model_name": "llama-3",
+        "litellm_params": {"model": "openai/llama-3", "api_base": "http://dgxmm-llama:8000/v1",
+                           "api_key": "none"},
+        "model_info": {"dgxmm_id": 3},
+    }
+
+
+async def test_registered_entry_is_stored_exactly():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="planned"))
+        sync = make_sync(double, world)
+        result = await sync.sync_now()
+        assert result["error"] is None
+        assert [a["dgxmm_id"] for a in result["added"]] == [1]
+        (stored,) = double.models
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900)
+        model_id = stored["model_info"].pop("id")
+        assert result["added"][0]["model_id"] == model_id
+        assert stored["model_info"] == {"db_model": True, **want["model_info"]}
+        assert stored["model_name"] == want["model_name"]
+        assert stored["litellm_params"] == want["litellm_params"]
+        assert sync.status_of(1) == {"status": "registered", "code": None}
+        assert sync.last_ok and sync.enabled
+        await sync.close()
+
+
+# ---------------------------------------------------------------------------
+# Reconciliation
+
+
+async def test_key_rotation_replaces_entries_adds_before_deletes():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"), dep(2, "b", state="ready"))
+        sync = make_sync(double, world)
+        assert (await sync.sync_now())["error"] is None
+        old_ids = {m["model_info"]["id"] for m in double.models}
+        world.key = "key-two"
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert result["error"] is None
+        assert sorted(a["dgxmm_id"] for a in result["added"]) == [1, 2]
+        assert {d["model_id"] for d in result["deleted"]} == old_ids
+        assert_adds_before_deletes(double.calls)
+        assert len(double.models) == 2
+        for m in double.models:
+            assert m["litellm_params"]["api_key"] == "key-two"
+            assert m["model_info"]["dgxmm_key_fp"] == fp("key-two")
+        await sync.close()
+
+
+async def test_failed_deployment_entry_is_removed():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"), dep(2, "b"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        world.set(2, state="failed")
+        result = await sync.sync_now()
+        assert result["error"] is None and result["added"] == []
+        assert [d["dgxmm_id"] for d in result["deleted"]] == [2]
+        assert list(by_dgxmm_id(double)) == [1]
+        assert sync.status_of(2) == {"status": "pending", "code": "deployment_failed"}
+        # A removed deployment's entry goes as well.
+        world.deployments = []
+        await sync.sync_now()
+        assert double.models == []
+        await sync.close()
+
+
+async def test_without_key_nothing_is_deleted():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"), dep(2, "b", mode="always_on", state="ready"))
+        world.addresses[2] = "http://engine-b:8000"
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        before = double.models
+        world.key = None
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert result == {"added": [], "deleted": [], "error": None}
+        assert double.writes() == []
+        assert double.models == before
+        assert sync.status_of(1) == {"status": "error", "code": "ondemand_not_configured"}
+        assert sync.status_of(2) == {"status": "registered", "code": None}
+        # A new on-demand deployment is not registered without a key; always-on ones are.
+        world.deployments.append(dep(3, "c"))
+        world.deployments.append(dep(4, "d", mode=None, state="ready"))
+        world.addresses[4] = "http://engine-d:8000"
+        result = await sync.sync_now()
+        assert [a["dgxmm_id"] for a in result["added"]] == [4]
+        assert sorted(by_dgxmm_id(double)) == [1, 2, 4]
+        assert sync.status_of(3) == {"status": "error", "code": "ondemand_not_configured"}
+        await sync.close()
+
+
+async def test_unchanged_state_writes_nothing():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"), dep(2, "b", mode="always_on", state="ready"),
+                      dep(3, "c", state="asleep"))
+        world.addresses[2] = "http://engine-b:8000"
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        double.calls.clear()
+        for _ in range(2):
+            assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert double.writes() == []
+        assert [c[:2] for c in double.calls] == [("GET", "/model/info")] * 2
+        await sync.close()
+
+
+async def test_changed_queue_timeout_replaces_once_then_stable():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"), dep(2, "b"))
+        sync = make_sync(double, world, queue_timeout_s=900)
+        await sync.sync_now()
+        sync.queue_timeout_s = 1200
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert len(result["added"]) == 2 and len(result["deleted"]) == 2
+        assert_adds_before_deletes(double.calls)
+        for m in double.models:
+            assert m["litellm_params"]["timeout"] == 1800
+        double.calls.clear()
+        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert double.writes() == []
+        await sync.close()
+
+
+async def test_entries_of_an_older_version_are_replaced_once():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"))
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900)
+        # Same api_base and key fingerprint, but from before the health-check marker.
+        old_id = double.seed(want["model_name"], want["litellm_params"],
+                             {"dgxmm_id": 1, "dgxmm_key_fp": fp("key-one")})
+        sync = make_sync(double, world)
+        result = await sync.sync_now()
+        assert [a["dgxmm_id"] for a in result["added"]] == [1]
+        assert [d["model_id"] for d in result["deleted"]] == [old_id]
+        assert_adds_before_deletes(double.calls)
+        (m,) = double.models
+        assert m["model_info"]["health_check_params"] == {"extra_headers": {"x-dgxmm-health-check": "1"}}
+        double.calls.clear()
+        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert double.writes() == []
+        await sync.close()
+
+
+async def test_mode_switch_changes_api_base_add_then_delete():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        (gateway,) = double.models
+        assert gateway["litellm_params"]["api_base"] == f"{INTERNAL}/ondemand/1/v1"
+        # Switching: stays on_demand (pending_mode) while starting: the gateway entry stays.
+        world.set(1, state="starting", pending_mode="always_on")
+        assert (await sync.sync_now())["added"] == []
+        # Ready: the mode is applied, the direct entry replaces the gateway one.
+        world.set(1, state="ready", mode="always_on", pending_mode=None)
+        world.addresses[1] = "http://engine-a:8000/"
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert [d["model_id"] for d in result["deleted"]] == [gateway["model_info"]["id"]]
+        assert_adds_before_deletes(double.calls)
+        (direct,) = double.models
+        assert direct["litellm_params"] == {"model": "openai/a-served", "api_base": "http://engine-a:8000/v1",
+                                            "api_key": "none"}
+        assert {k: v for k, v in direct["model_info"].items() if k not in ("id", "db_model")} == {"dgxmm_id": 1}
+        # And back to on demand.
+        world.set(1, mode="on_demand")
+        double.calls.clear()
+        await sync.sync_now()
+        assert_adds_before_deletes(double.calls)
+        (back,) = double.models
+        assert back["litellm_params"]["api_base"] == f"{INTERNAL}/ondemand/1/v1"
+        await sync.close()
+
+
+async def test_always_on_registered_only_while_ready_and_decision_is_direct():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "m", mode="always_on", state="starting"),
+                      dep(2, "decider", mode="on_demand", state="ready", role="decision"),
+                      dep(3, "sys", mode=None, state="ready", role="system"))
+        world.addresses.update({2: "http://decider:8000", 3: "http://sys:8000"})
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        entries = by_dgxmm_id(double)
+        assert sorted(entries) == [2, 3]
+        assert entries[2][0]["litellm_params"]["api_base"] == "http://decider:8000/v1"
+        assert sync.status_of(1) == {"status": "pending", "code": "engine_not_ready"}
+        # Ready but no address yet: still not registered.
+        world.set(1, state="ready")
+        await sync.sync_now()
+        assert 1 not in by_dgxmm_id(double)
+        world.addresses[1] = "http://m:8000"
+        await sync.sync_now()
+        assert 1 in by_dgxmm_id(double)
+        assert sync.status_of(1) == {"status": "registered", "code": None}
+        # Leaving ready removes the direct entry.
+        world.set(1, state="stopping")
+        result = await sync.sync_now()
+        assert [d["dgxmm_id"] for d in result["deleted"]] == [1]
+        await sync.close()
+
+
+async def test_entries_not_ours_are_never_touched():
+    async with litellm_double(MASTER) as double:
+        foreign = [
+            double.seed("a-served", {"model": "openai/a-served", "api_base": "http://elsewhere/v1"}),
+            double.seed("gpt-4o", {"model": "openai/gpt-4o"}, {"team_id": None, "note": "x"}),
+            double.seed("cfg", {"model": "openai/cfg"}, db_model=False),
+        ]
+        world = World(dep(1, "a"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        world.key = "key-two"
+        await sync.sync_now()
+        world.deployments = []
+        await sync.sync_now()
+        deleted = [body["id"] for method, path, body in double.calls if path == "/model/delete"]
+        assert not set(deleted) & set(foreign)
+        assert sorted(m["model_info"]["id"] for m in double.models) == sorted(foreign)
+        await sync.close()
+
+
+async def test_dgxmm_id_is_compared_robustly():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(5, "a"))
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900)
+        info = dict(want["model_info"], dgxmm_id="5")  # came back as a string
+        double.seed(want["model_name"], want["litellm_params"], info)
+        sync = make_sync(double, world)
+        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert double.writes() == []
+        assert sync.status_of(5)["status"] == "registered"
+        # Duplicates of one id are folded into one entry.
+        double.seed(want["model_name"], want["litellm_params"], want["model_info"])
+        result = await sync.sync_now()
+        assert result["added"] == [] and len(result["deleted"]) == 1
+        assert len(double.models) == 1
+        await sync.close()
+
+
+# ---------------------------------------------------------------------------
+# LiteLLM failing
+
+
+async def test_litellm_down_loses_nothing_and_recovers():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"), dep(2, "b"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        before = double.models
+        world.key = "key-two"
+        world.set(2, state="failed")
+        world.deployments.append(dep(3, "c"))
+        for down, code in ((True, "litellm_error"), ("close", "litellm_unreachable")):
+            double.down = down
+            result = await sync.sync_now()
+            assert result == {"added": [], "deleted": [], "error": code}
+            assert not sync.last_ok
+            assert sync.status_of(1) == {"status": "registered", "code": None}
+            assert sync.status_of(3) == {"status": "error", "code": code}
+        assert double.models == before
+        double.down = False
+        result = await sync.sync_now()
+        assert result["error"] is None and sync.last_ok
+        assert sorted(a["dgxmm_id"] for a in result["added"]) == [1, 3]
+        assert sorted(d["dgxmm_id"] for d in result["deleted"]) == [1, 2]
+        assert sorted(by_dgxmm_id(double)) == [1, 3]
+        await sync.close()
+
+
+async def test_litellm_stopped_is_unreachable():
+    async with litellm_double(MASTER) as double:
+        url = double.url
+    client = LiteLLMClient(url, MASTER, timeout_s=1.0)
+    with pytest.raises(LiteLLMError) as info:
+        await client.list_models()
+    assert info.value.code == "litellm_unreachable"
+    await client.close()
+
+
+async def test_no_db_is_a_clear_error():
+    async with litellm_double(MASTER, no_db=True) as double:
+        config_id = double.seed("cfg", {"model": "openai/cfg"}, db_model=False)
+        world = World(dep(1, "a"))
+        sync = make_sync(double, world)
+        result = await sync.sync_now()
+        assert result == {"added": [], "deleted": [], "error": "litellm_no_db"}
+        assert sync.status_of(1) == {"status": "error", "code": "litellm_no_db"}
+        assert not sync.last_ok
+        assert [m["model_info"]["id"] for m in double.models] == [config_id]
+        client = LiteLLMClient(double.url, MASTER)
+        with pytest.raises(LiteLLMError) as info:
+            await client.add_model("x", {"model": "openai/x"}, {"dgxmm_id": 9})
+        assert info.value.code == "litellm_no_db"
+        assert "database" in info.value.message
+        assert "No DB Connected" in info.value.detail
+        with pytest.raises(LiteLLMError) as info:
+            await client.delete_model(config_id)
+        assert info.value.code == "litellm_no_db"
+        # A database but STORE_MODEL_IN_DB unset: the same code.
+        double.no_db, double.no_store = False, True
+        with pytest.raises(LiteLLMError) as info:
+            await client.add_model("x", {"model": "openai/x"}, {"dgxmm_id": 9})
+        assert info.value.code == "litellm_no_db"
+        assert "STORE_MODEL_IN_DB" in info.value.detail
+        await client.close()
+        await sync.close()
+
+
+async def test_silent_store_failure_is_detected_and_keeps_the_old_entry():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        before = double.models
+        world.key = "key-two"
+        double.store_silently_fails = True
+        result = await sync.sync_now()
+        assert result == {"added": [], "deleted": [], "error": "litellm_not_stored"}
+        assert sync.status_of(1) == {"status": "error", "code": "litellm_not_stored"}
+        assert double.models == before  # the old entry stays: the name never vanishes
+        assert not sync.last_ok
+        double.store_silently_fails = False
+        result = await sync.sync_now()
+        assert len(result["added"]) == 1 and len(result["deleted"]) == 1
+        assert sync.last_ok
+        await sync.close()
+
+
+async def test_add_model_verifies_with_a_read():
+    async with litellm_double(MASTER) as double:
+        client = LiteLLMClient(double.url, MASTER, verify_attempts=2, verify_delay_s=0.01)
+        entry = await client.add_model("x", {"model": "openai/x", "api_base": "http://e/v1"}, {"dgxmm_id": 9})
+        assert entry["model_info"]["dgxmm_id"] == 9 and "api_key" not in entry["litellm_params"]
+        for trap in (True, "null"):
+            double.store_silently_fails = trap
+            with pytest.raises(LiteLLMError) as info:
+                await client.add_model("y", {"model": "openai/y"}, {"dgxmm_id": 10})
+            assert info.value.code == "litellm_not_stored"
+        assert [m["model_name"] for m in double.models] == ["x"]
+        assert await client.delete_model(entry["model_info"]["id"]) is True
+        assert await client.delete_model(entry["model_info"]["id"]) is False  # already gone
+        await client.close()
+
+
+async def test_wrong_master_key_is_unauthorized():
+    async with litellm_double(MASTER) as double:
+        client = LiteLLMClient(double.url, "sk-wrong")
+        with pytest.raises(LiteLLMError) as info:
+            await client.list_models()
+        assert info.value.code == "litellm_unauthorized"
+        await client.close()
+        async with aiohttp.ClientSession() as session:
+            async with session.get(double.url + "/model/info") as resp:
+                assert resp.status == 401
+                body = await resp.json()
+        assert body == {"error": {"message": "Authentication Error, No api key passed in.",
+                                  "type": "auth_error", "param": "None", "code": "401"}}
+
+
+async def test_empty_litellm_without_router_lists_nothing():
+    async with litellm_double(MASTER) as double:
+        double.no_router = True
+        world = World(dep(1, "a"))
+        sync = make_sync(double, world)
+        assert (await sync.sync_now())["error"] is None
+        assert list(by_dgxmm_id(double)) == [1]
+        await sync.close()
+
+
+async def test_double_answers_like_litellm():
+    async with litellm_double(MASTER) as double:
+        headers = {"Authorization": f"Bearer {MASTER}"}
+        entry = ondemand_entry(dep(1, "a"), "key-one", INTERNAL, 900)
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.post(double.url + "/model/new", json=entry) as resp:
+                assert resp.status == 200
+                row = await resp.json()
+            assert set(row) >= {"model_id", "model_name", "litellm_params", "model_info"}
+            assert row["litellm_params"]["api_key"] != "key-one"  # encrypted in the row
+            for path in ("/model/info", "/v2/model/info"):
+                async with session.get(double.url + path) as resp:
+                    (listed,) = (await resp.json())["data"]
+                assert "api_key" not in listed["litellm_params"]
+                assert listed["litellm_params"]["timeout"] == 1500.0
+                assert listed["model_info"]["id"] == row["model_id"]
+            async with session.post(double.url + "/model/delete", json={"id": "nope"}) as resp:
+                assert resp.status == 400
+                assert await resp.json() == {"error": {
+                    "message": "{'error': 'Model with id=nope not found in db'}",
+                    "type": "auth_error", "param": "None", "code": "400"}}
+            double.no_db = True
+            async with session.post(double.url + "/model/new", json=entry) as resp:
+                assert resp.status == 500
+                err = (await resp.json())["error"]
+            assert err["message"] == ("{'error': \"No DB Connected. Here's how to do it - "
+                                      "https://docs.litellm.ai/docs/proxy/virtual_keys\"}")
+            assert err["code"] == "500" and err["type"] == "auth_error"
+
+
+# ---------------------------------------------------------------------------
+# Scheduling
+
+
+async def test_triggers_coalesce_and_syncs_never_overlap():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"))
+        world.delay = 0.1
+        sync = make_sync(double, world)
+        sync.trigger()
+        sync.trigger()  # before the first sync started: the same sync
+        await asyncio.wait_for(world.started.wait(), 2)
+        for _ in range(20):
+            sync.trigger()
+        direct = asyncio.create_task(sync.sync_now(), name="direct-sync")
+        await sync.wait_idle()
+        await direct
+        assert world.syncs == 3  # the first, exactly one for the burst, the direct one
+        assert world.max_running == 1
+        sync.trigger()
+        await sync.wait_idle()
+        assert world.syncs == 4
+        await sync.close()
+
+
+async def test_run_syncs_periodically_and_cancels_cleanly():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a"))
+        sync = make_sync(double, world, interval_s=0.05)
+        task = asyncio.create_task(sync.run(), name="litellm-sync-run")
+        await asyncio.sleep(0.3)
+        assert world.syncs >= 3
+        assert sync.last_ok
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        count = world.syncs
+        await asyncio.sleep(0.1)
+        assert world.syncs == count
+        await sync.close()
+        sync.trigger()  # closed: no-op
+        assert world.syncs == count
+
+
+async def test_disabled_sync():
+    world = World(dep(1, "a"))
+    sync = LiteLLMSync(client=None, internal_url=INTERNAL, queue_timeout_s=900,
+                       list_deployments=world.list_deployments, current_key=world.current_key,
+                       engine_base_url=world.engine_base_url)
+    assert not sync.enabled and not sync.last_ok
+    assert await sync.sync_now() == {"added": [], "deleted": [], "error": "litellm_disabled"}
+    sync.trigger()
+    await sync.run()  # returns at once
+    assert world.syncs == 0
+    assert sync.status_of(1) == {"status": "error", "code": "litellm_disabled"}
+    await sync.close()
