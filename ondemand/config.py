@@ -28,6 +28,8 @@ from .errors import ConfigError
 class BudgetConfig:
     source: str = "nvidia-smi"
     capacity_gib: float | None = None
+    nvidia_smi: str = "nvidia-smi"
+    meminfo_path: str = "/proc/meminfo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +185,8 @@ _KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
     "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
     "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),
                             lambda x: x is None or 0 < x <= 1e6, "GiB, more than 0"),
+    "budget.nvidia_smi": (_str, bool, "the nvidia-smi command (a path or a name on PATH)"),
+    "budget.meminfo_path": (_str, bool, "the meminfo file (/proc/meminfo)"),
     "deployer.backend": (_str, _one_of("docker", "process"), "docker or process"),
     "deployer.docker_url": (_opt_str, lambda s: True, "a Docker API URL (unix:///var/run/docker.sock)"),
     "deployer.network": (_str, bool, "a Docker network name"),

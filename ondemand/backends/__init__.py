@@ -1,0 +1,57 @@
+"""Engine backends: how an engine is run. The deployer decides when.
+
+A backend knows nothing of states, budgets or requests. It starts an engine
+for a deployment row and hands back an ``Engine`` handle (base URL, a way to
+wait for its exit, its log tail), stops it, and finds engines of ours that
+outlived a restart of ondemand (adoption).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Engine:
+    """A running engine as the deployer sees it."""
+    deployment_id: int
+    name: str
+    base_url: str
+    ref: Any = None  # the backend's own handle (process, container id)
+    adopted: bool = False
+
+
+class BackendError(Exception):
+    """The backend could not do it (docker error, command not found ...)."""
+
+
+class Backend(abc.ABC):
+    kind: str
+
+    @abc.abstractmethod
+    async def start(self, dep: dict[str, Any]) -> Engine:
+        """Create and start the engine; returns at once, before it is ready."""
+
+    @abc.abstractmethod
+    async def wait_exit(self, engine: Engine) -> int | None:
+        """Return when the engine has exited, with its exit code."""
+
+    @abc.abstractmethod
+    async def stop(self, engine: Engine, timeout: float) -> None:
+        """Ask it to end (SIGTERM / docker stop), kill it after ``timeout``; idempotent."""
+
+    @abc.abstractmethod
+    async def remove(self, dep: dict[str, Any]) -> None:
+        """Remove what is left of the deployment's engine (stopped container)."""
+
+    @abc.abstractmethod
+    async def adopt(self, dep: dict[str, Any]) -> Engine | None:
+        """An engine of ours for ``dep`` still running from before our restart."""
+
+    @abc.abstractmethod
+    async def log_tail(self, engine: Engine | None, dep: dict[str, Any], lines: int = 40) -> str:
+        """The last lines the engine wrote, for the failure reason."""
+
+    async def close(self) -> None:
+        pass

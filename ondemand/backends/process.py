@@ -1,0 +1,147 @@
+"""The process backend: each engine is a child process of ondemand.
+
+For installs beside DGXMM without Docker, the embedded default of ``make run``
+and the tests. ``command`` is an argv list whose ``{port}`` is replaced by a
+free loopback port; the engine is reached at ``http://127.0.0.1:{port}``. Its
+output goes to ``{state_dir}/logs/{name}.log``. Stop is SIGTERM, then SIGKILL
+after the grace period. A pid file beside the log lets the next ondemand kill
+an engine it left behind when it died without stopping it: a child cannot be
+re-adopted (its exit status belongs to the dead parent), and an orphan would
+hold GPU memory the budget no longer counts.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import Backend, BackendError, Engine
+
+log = logging.getLogger("ondemand.backends.process")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def self_command() -> list[str]:
+    """How to run this very ondemand again: the zipapp, or the package."""
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", "") or ""
+    if ".pyz" in main_file or ".pyz" in (sys.argv[0] if sys.argv else ""):
+        return [sys.executable, os.path.abspath(sys.argv[0])]
+    return [sys.executable, "-m", "ondemand"]
+
+
+def _child_env() -> dict[str, str]:
+    # `python -m ondemand` must find the package the same way we did.
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks (/proc/PID/stat field 22), or ""."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+class ProcessBackend(Backend):
+    kind = "process"
+
+    def __init__(self, state_dir: Path):
+        self.log_dir = Path(state_dir) / "logs"
+
+    def _paths(self, name: str) -> tuple[Path, Path]:
+        return self.log_dir / f"{name}.log", self.log_dir / f"{name}.pid"
+
+    async def start(self, dep: dict[str, Any]) -> Engine:
+        command = dep.get("command") or []
+        if not command:
+            raise BackendError(f"deployment {dep['name']} has no command (the process backend runs `command`)")
+        port = free_port()
+        argv = [str(a).replace("{port}", str(port)) for a in command]
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # the interpreter running us, venv or zipapp
+        elif argv[0] == "ondemand":
+            argv[:1] = self_command()  # e.g. the engine simulator of the embedded default
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path, pid_path = self._paths(dep["name"])
+        await self._kill_leftover(dep["name"])
+        with open(log_path, "ab") as out:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                    env=_child_env(), start_new_session=True)  # our Ctrl-C is not the engine's
+            except OSError as exc:
+                raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
+        pid_path.write_text(f"{proc.pid} {_start_time(proc.pid)}")
+        log.info("started %s: pid %d on port %d", dep["name"], proc.pid, port)
+        return Engine(dep["id"], dep["name"], f"http://127.0.0.1:{port}", ref=proc)
+
+    async def wait_exit(self, engine: Engine) -> int | None:
+        code = await engine.ref.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self._paths(engine.name)[1].unlink()
+        return code
+
+    async def stop(self, engine: Engine, timeout: float) -> None:
+        proc: asyncio.subprocess.Process = engine.ref
+        if proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%s did not exit within %gs of SIGTERM: killing it", engine.name, timeout)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def remove(self, dep: dict[str, Any]) -> None:
+        await self._kill_leftover(dep["name"])
+
+    async def adopt(self, dep: dict[str, Any]) -> Engine | None:
+        await self._kill_leftover(dep["name"])
+        return None
+
+    async def _kill_leftover(self, name: str) -> None:
+        pid_path = self._paths(name)[1]
+        try:
+            pid_text, started = pid_path.read_text().split()
+            pid = int(pid_text)
+        except (FileNotFoundError, ValueError):
+            return
+        pid_path.unlink(missing_ok=True)
+        if _start_time(pid) != started:
+            return  # gone, or the pid now belongs to someone else
+        try:
+            os.killpg(pid, signal.SIGKILL)  # a session leader: the group is the engine's
+            log.warning("killed engine %s (pid %d) left behind by an earlier ondemand", name, pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def log_tail(self, engine: Engine | None, dep: dict[str, Any], lines: int = 40) -> str:
+        path = self._paths(dep["name"])[0]
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - 16384))
+                data = fh.read()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])

@@ -1,0 +1,144 @@
+"""The memory budget: how much GPU memory there is, and whether a model fits.
+
+Three sources (``budget.source``):
+
+- ``nvidia-smi``: total and used memory of all GPUs, measured;
+- ``meminfo``: unified-memory boxes (DGX Spark, where nvidia-smi says
+  "Not Supported" for memory): ``MemTotal`` and ``MemAvailable``;
+- ``static``: ``budget.capacity_gib`` minus what deployments holding memory
+  declared (``memory_gib``).
+
+Measured sources cannot see an engine that is still loading, so deployments
+in ``starting`` count with their declared size on top of the measurement.
+The on-demand capacity is usable memory minus what always-on and system
+deployments hold: a model bigger than that can never fit by stopping
+on-demand models (design document, ``does_not_fit``).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, Iterable
+
+from .errors import InsufficientMemory
+
+log = logging.getLogger("ondemand.budget")
+
+GIB = 1024 ** 3
+MIB_PER_GIB = 1024
+
+# States in which an engine holds (or is about to hold) its memory.
+HOLDING = frozenset({"starting", "ready", "asleep", "stopping"})
+
+
+class BudgetError(Exception):
+    """The source could not be read (nvidia-smi missing or failing ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    capacity: float  # usable memory, GiB
+    used: float  # GiB in use, measured or declared
+    free: float  # GiB free for a new engine
+    ondemand_capacity: float  # capacity minus always-on and system holdings
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in dataclasses.asdict(self).items()}
+
+
+def _declared(deps: Iterable[dict[str, Any]], states=HOLDING, exclude: int | None = None) -> float:
+    return sum(float(d.get("memory_gib") or 0) for d in deps
+               if d["state"] in states and d["id"] != exclude)
+
+
+def _always_on_held(deps: Iterable[dict[str, Any]]) -> float:
+    return sum(float(d.get("memory_gib") or 0) for d in deps
+               if d["state"] in HOLDING and ((d.get("mode") or "always_on") == "always_on" or d["role"] != "model"))
+
+
+class Budget:
+    def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
+                 nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo"):
+        self.source = source
+        self.capacity_gib = capacity_gib
+        self.nvidia_smi = nvidia_smi
+        self.meminfo_path = meminfo_path
+
+    @classmethod
+    def from_config(cls, cfg) -> "Budget":
+        b = cfg.budget
+        return cls(b.source, b.capacity_gib, nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path)
+
+    async def measure(self) -> tuple[float, float] | None:
+        """(total GiB, used GiB) as measured, or None for the static source."""
+        if self.source == "nvidia-smi":
+            return await self._nvidia_smi()
+        if self.source == "meminfo":
+            return self._meminfo()
+        return None
+
+    async def _nvidia_smi(self) -> tuple[float, float]:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.nvidia_smi, "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 15)
+        except FileNotFoundError:
+            raise BudgetError(f"{self.nvidia_smi} not found: install the NVIDIA driver tools, "
+                              "or set budget.source to meminfo (unified memory) or static") from None
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise BudgetError(f"{self.nvidia_smi} did not answer within 15 s") from None
+        if proc.returncode != 0:
+            raise BudgetError(f"{self.nvidia_smi} failed ({proc.returncode}): {err.decode(errors='replace').strip()}")
+        total = used = 0.0
+        lines = [ln for ln in out.decode().splitlines() if ln.strip()]
+        if not lines:
+            raise BudgetError(f"{self.nvidia_smi} listed no GPU")
+        for line in lines:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                t, u = float(parts[0]), float(parts[1])
+            except (ValueError, IndexError):
+                raise BudgetError(f"{self.nvidia_smi} reports memory as {line.strip()!r}: on a unified-memory "
+                                  "box (DGX Spark) set budget.source = meminfo") from None
+            total += t
+            used += u
+        return total / MIB_PER_GIB, used / MIB_PER_GIB
+
+    def _meminfo(self) -> tuple[float, float]:
+        fields = {}
+        try:
+            with open(self.meminfo_path) as fh:
+                for line in fh:
+                    key, _, rest = line.partition(":")
+                    fields[key] = int(rest.split()[0]) * 1024
+        except (OSError, ValueError, IndexError) as exc:
+            raise BudgetError(f"cannot read {self.meminfo_path}: {exc}") from None
+        if "MemTotal" not in fields or "MemAvailable" not in fields:
+            raise BudgetError(f"{self.meminfo_path} has no MemTotal/MemAvailable")
+        return fields["MemTotal"] / GIB, (fields["MemTotal"] - fields["MemAvailable"]) / GIB
+
+    async def snapshot(self, deps: list[dict[str, Any]], exclude: int | None = None) -> Snapshot:
+        """The budget now. ``exclude``: a deployment whose own holding does not
+        count against itself (waking an asleep one)."""
+        measured = await self.measure()
+        if measured is None:
+            capacity = float(self.capacity_gib or 0)
+            used = _declared(deps, exclude=exclude)
+        else:
+            total, used_measured = measured
+            capacity = min(total, self.capacity_gib) if self.capacity_gib else total
+            # A loading engine has not allocated yet: count what it declared.
+            used = used_measured + _declared(deps, states={"starting"}, exclude=exclude)
+        free = max(0.0, capacity - used)
+        return Snapshot(capacity, used, free, max(0.0, capacity - _always_on_held(deps)))
+
+    async def fit(self, dep: dict[str, Any], deps: list[dict[str, Any]]) -> Snapshot:
+        """Raise InsufficientMemory unless ``dep`` fits now."""
+        snap = await self.snapshot(deps, exclude=dep["id"])
+        need = float(dep.get("memory_gib") or 0)
+        if need > snap.free + 1e-9:
+            raise InsufficientMemory(need, snap.free, snap.ondemand_capacity)
+        return snap

@@ -1,0 +1,26 @@
+"""Shared fixtures: real state files and the one fake of nvidia-smi (tests/fakes)."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import FAKES
+from ondemand.store import Store
+
+
+@pytest.fixture
+async def store(tmp_path):
+    s = await Store.open(tmp_path / "ondemand.db")
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """Write GPU lines ("total, used" in MiB) and get the fake's path."""
+    f = tmp_path / "gpus.csv"
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_FILE", str(f))
+
+    def set_gpus(*lines: str) -> str:
+        f.write_text("".join(line + "\n" for line in lines))
+        return str(FAKES / "nvidia-smi")
+    return set_gpus
