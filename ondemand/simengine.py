@@ -1,0 +1,687 @@
+"""A simulated LLM engine: an aiohttp server that answers like vLLM's OpenAI server.
+
+It is not a real engine and says so (``owned_by`` is ``ondemand-simulator``, and
+the startup line on stderr). It lets the gateway, its tests, its benchmark and
+the demo (``make run``) run without a GPU::
+
+    python -m ondemand.simengine --port 8001 --model demo [--flavor llamacpp]
+
+Text is deterministic: ``tok0 tok1 ...``, one token per streamed chunk. The
+answer is ``--tokens`` long (default 16); ``max_tokens`` (or
+``max_completion_tokens`` / ``max_output_tokens``) cuts it short with finish
+reason ``length``, and ``"ignore_eos": true`` makes it exactly ``max_tokens``
+long, as vLLM does. Prompt "tokens" are whitespace-separated words.
+
+Like vLLM, a body that is not ``application/json`` or not JSON is a 400, and an
+unknown ``model`` a 404 (``{"error": {"message", "type", "param", "code"}}``).
+``--flavor llamacpp`` answers ``/health`` with ``{"status": "ok"}``, exposes
+llama.cpp's metric names and, like llama.cpp, serves whatever model is asked.
+
+While loading (``--startup-delay S``, or forever with ``--fail never-ready``) the
+socket listens at once and every engine route, ``/health`` and ``/v1/models``
+included, answers 503 ``Loading model`` (llama.cpp's behaviour; vLLM would not
+answer at all, which a gateway cannot tell from a hang). ``/_sim/*`` always
+answers. While asleep (``POST /sleep``) generation routes answer 503.
+Failures: ``exit-at-start`` exits with code 3 before listening;
+``crash-mid-stream`` and ``exit-after S`` end the process with ``os._exit(1)``.
+
+Every request but ``/_sim/*`` is recorded (the last ``--record-limit``):
+``GET /_sim/requests`` lists them, ``DELETE /_sim/requests`` clears them.
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import base64
+import collections
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+FLAVORS = ("vllm", "llamacpp")
+FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after")
+GENERATION = frozenset((
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+    "/v1/audio/transcriptions", "/v1/chat/completions/batch"))
+CRASH_AFTER = 3  # content chunks sent before --fail crash-mid-stream kills the process
+
+_SSE = {"Content-Type": "text/event-stream; charset=utf-8"}
+_DONE = b"data: [DONE]\n\n"
+_LOADING = orjson.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}})
+
+_TOK: list[str] = []  # token i as text, shared by every request
+_TOKJ: list[bytes] = []  # the same, JSON-encoded once
+
+
+def _tokens(n: int) -> None:
+    for i in range(len(_TOK), n):
+        s = f" tok{i}" if i else "tok0"
+        _TOK.append(s)
+        _TOKJ.append(orjson.dumps(s))
+
+
+@dataclass
+class SimOptions:
+    """The command-line options, for in-process use with ``build_app``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "sim-model"
+    flavor: str = "vllm"
+    startup_delay: float = 0.0
+    token_delay: float = 0.0
+    tokens: int = 16
+    fail: str | None = None  # one of FAILURES
+    fail_after: float = 0.0  # seconds, for fail="exit-after"
+    max_model_len: int = 4096
+    max_running: int = 0  # 0: unlimited; above it requests wait (vllm:num_requests_waiting)
+    embedding_dim: int = 8
+    record_limit: int = 1000
+
+
+class SimError(Exception):
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+
+
+def _error(status: int, message: str, type: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type, "param": param, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+def _event(d: dict) -> bytes:
+    return b"event: " + d["type"].encode() + b"\ndata: " + orjson.dumps(d) + b"\n\n"
+
+
+def _words(x) -> int:
+    if isinstance(x, str):
+        return len(x.split())
+    if isinstance(x, list):
+        return sum(_words(e) for e in x)
+    if isinstance(x, dict):
+        return _words(x.get("content", x.get("text")))
+    return 1 if isinstance(x, int) and not isinstance(x, bool) else 0
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex
+
+
+def _die(why: str, code: int = 1) -> None:
+    print(f"ondemand simulator: simulated failure: {why}", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+class Sim:
+    def __init__(self, opts: SimOptions):
+        if opts.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, not {opts.flavor!r}")
+        if opts.fail is not None and opts.fail not in FAILURES:
+            raise ValueError(f"fail must be one of {FAILURES}, not {opts.fail!r}")
+        if opts.tokens < 1:
+            raise ValueError("tokens must be at least 1")
+        self.opts = opts
+        self.vllm = opts.flavor == "vllm"
+        self.model = opts.model
+        self.model_j = orjson.dumps(opts.model)
+        self.crash = opts.fail == "crash-mid-stream"
+        self.ready = False
+        self.ready_at = float("inf")
+        self.sleeping = False
+        self.sleep_level = 0
+        self.running = 0
+        self.waiting = 0
+        self.sem = asyncio.Semaphore(opts.max_running) if opts.max_running > 0 else None
+        self.record: collections.deque = collections.deque(maxlen=opts.record_limit)
+        self.tasks: list[asyncio.Task] = []
+        self.card = {"id": opts.model, "object": "model", "created": int(time.time()),
+                     "owned_by": "ondemand-simulator", "root": opts.model, "parent": None,
+                     "max_model_len": opts.max_model_len}
+        self.models_body = orjson.dumps({"object": "list", "data": [self.card]})
+        _tokens(opts.tokens)
+
+    # -- plumbing -------------------------------------------------------------------
+
+    async def on_startup(self, app: web.Application) -> None:
+        self.ready_at = time.monotonic() + self.opts.startup_delay
+        if self.opts.fail == "exit-after":
+            self.tasks.append(asyncio.ensure_future(self._exit_later()))
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+    async def _exit_later(self) -> None:
+        await asyncio.sleep(self.opts.startup_delay + self.opts.fail_after)
+        _die(f"exit {self.opts.fail_after:g}s after ready (--fail exit-after)")
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        path = request.path
+        if path.startswith("/_sim/"):
+            return await handler(request)
+        body = await request.read() if request.body_exists else b""
+        self.record.append((time.time(), request.method, path, request.query_string, request.raw_headers, body))
+        if not self.ready:
+            if self.opts.fail == "never-ready" or time.monotonic() < self.ready_at:
+                return web.Response(status=503, body=_LOADING, content_type="application/json")
+            self.ready = True
+        if self.sleeping and path in GENERATION:
+            return _error(503, "The engine is sleeping; POST /wake_up first.", "ServiceUnavailableError")
+        try:
+            return await handler(request)
+        except SimError as e:
+            return _error(e.status, e.message, e.type, e.param)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            # FastAPI's shape, which is what vLLM answers for unknown routes
+            return _json({"detail": e.reason}, e.status)
+
+    async def _body(self, request: web.Request) -> dict:
+        if self.vllm and request.content_type != "application/json":
+            raise SimError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise SimError(400, f"JSON decode error: {e}") from None
+        if not isinstance(body, dict):
+            raise SimError(400, "Input should be a valid dictionary or object")
+        model = body.get("model")
+        if model and model != self.model and self.vllm:  # llama.cpp serves whatever is asked
+            raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return body
+
+    def _length(self, body: dict, *keys: str) -> tuple[int, bool]:
+        """Tokens to generate, and whether the request's limit cut them short."""
+        for k in keys:
+            lim = body.get(k)
+            if lim is not None:
+                if not isinstance(lim, int) or isinstance(lim, bool) or lim < 1:
+                    raise SimError(400, f"{k} must be at least 1, got {lim}.", param=k)
+                if lim > self.opts.max_model_len:
+                    raise SimError(400, f"'{k}' is too large: {lim}. This model's maximum context length is "
+                                        f"{self.opts.max_model_len} tokens.", param=k)
+                n = lim if body.get("ignore_eos") else min(lim, self.opts.tokens)
+                _tokens(n)
+                return n, n == lim
+        return self.opts.tokens, False
+
+    async def _enter(self) -> None:
+        if self.sem is not None:
+            self.waiting += 1
+            try:
+                await self.sem.acquire()
+            finally:
+                self.waiting -= 1
+        self.running += 1
+
+    def _leave(self) -> None:
+        self.running -= 1
+        if self.sem is not None:
+            self.sem.release()
+
+    async def _generate(self, n: int, make) -> web.Response:
+        await self._enter()
+        try:
+            if self.opts.token_delay:
+                await asyncio.sleep(self.opts.token_delay * n)
+            out = make()
+            return out if isinstance(out, web.StreamResponse) else _json(out)
+        finally:
+            self._leave()
+
+    async def _stream(self, request, n: int, before: list[bytes], frame, after) -> web.StreamResponse:
+        await self._enter()
+        resp = web.StreamResponse(headers=_SSE)
+        try:
+            await resp.prepare(request)
+            write = resp.write
+            for b in before:
+                await write(b)
+            delay = self.opts.token_delay
+            crash_at = min(CRASH_AFTER, n - 1) if self.crash else -1
+            for i in range(n):
+                if delay:
+                    await asyncio.sleep(delay)
+                if i == crash_at:
+                    _die("crash mid-stream (--fail crash-mid-stream)")
+                await write(frame(i))
+            for b in after():
+                await write(b)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; so does the generation
+        finally:
+            self._leave()
+        return resp
+
+    # -- control routes -------------------------------------------------------------
+
+    async def health(self, request):
+        return _json({"status": "ok"}) if not self.vllm else web.Response()
+
+    async def models(self, request):
+        return web.Response(body=self.models_body, content_type="application/json")
+
+    async def model_card(self, request):
+        name = request.match_info["model"]
+        if name != self.model:
+            raise SimError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+        return _json(self.card)
+
+    async def metrics(self, request):
+        if self.vllm:
+            label = '{model_name="%s"}' % self.model.replace("\\", "\\\\").replace('"', '\\"')
+            text = (
+                "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+                "# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{label} {float(self.running)}\n"
+                "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f"vllm:num_requests_waiting{label} {float(self.waiting)}\n")
+        else:
+            text = (
+                "# HELP llamacpp:requests_processing Number of requests processing.\n"
+                "# TYPE llamacpp:requests_processing gauge\n"
+                f"llamacpp:requests_processing {self.running}\n"
+                "# HELP llamacpp:requests_deferred Number of requests deferred.\n"
+                "# TYPE llamacpp:requests_deferred gauge\n"
+                f"llamacpp:requests_deferred {self.waiting}\n")
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def sleep(self, request):
+        level = request.query.get("level", "1")
+        if not level.isdigit():
+            raise SimError(400, f"level must be an integer, got {level!r}", param="level")
+        self.sleeping, self.sleep_level = True, int(level)
+        return web.Response()
+
+    async def wake_up(self, request):
+        self.sleeping, self.sleep_level = False, 0
+        return web.Response()
+
+    async def is_sleeping(self, request):
+        return _json({"is_sleeping": self.sleeping})
+
+    async def sim_requests(self, request):
+        return _json([{"time": t, "method": m, "path": p, "query": q,
+                       "headers": [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in h],
+                       "body": b.decode("utf-8", "replace"), "body_b64": base64.b64encode(b).decode()}
+                      for t, m, p, q, h, b in self.record])
+
+    async def sim_clear(self, request):
+        self.record.clear()
+        return web.Response(status=204)
+
+    # -- generation -----------------------------------------------------------------
+
+    def _usage(self, p: int, n: int) -> dict:
+        return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n, "prompt_tokens_details": None}
+
+    def _include_usage(self, body: dict) -> bool:
+        so = body.get("stream_options")
+        return isinstance(so, dict) and bool(so.get("include_usage", True))
+
+    async def chat(self, request):
+        body = await self._body(request)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise SimError(400, "messages: Field required", param="messages")
+        n, cut = self._length(body, "max_completion_tokens", "max_tokens")
+        p, rid, created = _words(msgs), "chatcmpl-" + _uid(), int(time.time())
+        finish = "length" if cut else "stop"
+        if not body.get("stream"):
+            return await self._generate(n, lambda: {
+                "id": rid, "object": "chat.completion", "created": created, "model": self.model,
+                "choices": [self._chat_choice(0, n, finish)], "usage": self._usage(p, n)})
+        head = b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,"delta":{' % (
+            rid.encode(), created, self.model_j)
+        mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
+        last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
+
+        def after():
+            if usage:
+                yield b"data: " + orjson.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                                "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+            yield _DONE
+        return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
+                                  lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
+
+    def _chat_choice(self, index: int, n: int, finish: str) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(_TOK[:n]), "refusal": None,
+                                            "tool_calls": [], "reasoning_content": None},
+                "logprobs": None, "finish_reason": finish, "stop_reason": None}
+
+    async def chat_batch(self, request):
+        body = await self._body(request)
+        convs = body.get("messages")
+        if not isinstance(convs, list) or not convs:
+            raise SimError(400, "messages: Field required", param="messages")
+        if not isinstance(convs[0], list):
+            convs = [convs]
+        if body.get("stream"):
+            raise SimError(400, "Streaming is not supported for batch chat completions.", param="stream")
+        n, cut = self._length(body, "max_completion_tokens", "max_tokens")
+        p, finish = _words(convs), "length" if cut else "stop"
+        rid, created = "chatcmpl-" + _uid(), int(time.time())
+        return await self._generate(n, lambda: {
+            "id": rid, "object": "chat.completion", "created": created, "model": self.model,
+            "choices": [self._chat_choice(i, n, finish) for i in range(len(convs))],
+            "usage": self._usage(p, n * len(convs))})
+
+    async def completions(self, request):
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise SimError(400, "prompt: Field required", param="prompt")
+        n, cut = self._length(body, "max_tokens")
+        p, rid, created = _words(prompt), "cmpl-" + _uid(), int(time.time())
+        finish = "length" if cut else "stop"
+        if not body.get("stream"):
+            return await self._generate(n, lambda: {
+                "id": rid, "object": "text_completion", "created": created, "model": self.model,
+                "choices": [{"index": 0, "text": "".join(_TOK[:n]), "logprobs": None, "finish_reason": finish,
+                             "stop_reason": None, "prompt_logprobs": None}],
+                "usage": self._usage(p, n)})
+        head = b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,"choices":[{"index":0,"text":' % (
+            rid.encode(), created, self.model_j)
+        mid = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+        end = b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
+        last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
+
+        def after():
+            if usage:
+                yield b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": created,
+                                                "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+            yield _DONE
+        return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after)
+
+    def _response(self, rid: str, created: int, body: dict, status: str, output: list, usage) -> dict:
+        return {"id": rid, "object": "response", "created_at": created, "status": status, "background": False,
+                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "metadata": body.get("metadata"), "model": self.model, "output": output,
+                "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
+                "temperature": body.get("temperature", 1.0), "text": {"format": {"type": "text"}},
+                "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
+                "usage": usage}
+
+    async def responses(self, request):
+        body = await self._body(request)
+        if body.get("input") is None:
+            raise SimError(400, "input: Field required", param="input")
+        n, cut = self._length(body, "max_output_tokens")
+        p = _words(body["input"]) + _words(body.get("instructions") or "")
+        uid, created = _uid(), int(time.time())
+        rid, mid, status = "resp_" + uid, "msg_" + uid, "incomplete" if cut else "completed"
+
+        def final(seq: int | None = None):
+            text = "".join(_TOK[:n])
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item = {"id": mid, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
+            usage = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
+                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + n}
+            done = self._response(rid, created, body, status, [item], usage)
+            if seq is None:
+                return done
+            at = {"item_id": mid, "output_index": 0, "content_index": 0}
+            return [_event({"type": "response.output_text.done", "sequence_number": seq, **at,
+                            "text": text, "logprobs": []}),
+                    _event({"type": "response.content_part.done", "sequence_number": seq + 1, **at, "part": part}),
+                    _event({"type": "response.output_item.done", "sequence_number": seq + 2, "output_index": 0,
+                            "item": item}),
+                    _event({"type": "response.completed", "sequence_number": seq + 3, "response": done})]
+        if not body.get("stream"):
+            return await self._generate(n, final)
+        started = self._response(rid, created, body, "in_progress", [], None)
+        before = [
+            _event({"type": "response.created", "sequence_number": 0, "response": started}),
+            _event({"type": "response.in_progress", "sequence_number": 1, "response": started}),
+            _event({"type": "response.output_item.added", "sequence_number": 2, "output_index": 0,
+                    "item": {"id": mid, "type": "message", "status": "in_progress", "role": "assistant",
+                             "content": []}}),
+            _event({"type": "response.content_part.added", "sequence_number": 3, "item_id": mid, "output_index": 0,
+                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})]
+        head = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":'
+        mid_b = b',"item_id":"%s","output_index":0,"content_index":0,"delta":' % mid.encode()
+        tj = _TOKJ
+        return await self._stream(request, n, before,
+                                  lambda i: head + b"%d" % (4 + i) + mid_b + tj[i] + b',"logprobs":[]}\n\n',
+                                  lambda: final(4 + n))
+
+    async def messages(self, request):
+        body = await self._body(request)
+        if not isinstance(body.get("messages"), list):
+            raise SimError(400, "messages: Field required", param="messages")
+        if body.get("max_tokens") is None:
+            raise SimError(400, "max_tokens: Field required", param="max_tokens")
+        n, cut = self._length(body, "max_tokens")
+        p = _words(body["messages"]) + _words(body.get("system") or "")
+        mid, stop = "msg_" + _uid(), "max_tokens" if cut else "end_turn"
+        if not body.get("stream"):
+            return await self._generate(n, lambda: {
+                "id": mid, "type": "message", "role": "assistant", "model": self.model,
+                "content": [{"type": "text", "text": "".join(_TOK[:n])}], "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": p, "output_tokens": n}})
+        before = [
+            _event({"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "content": [], "model": self.model,
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": p, "output_tokens": 0}}}),
+            _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})]
+        head = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+        tj = _TOKJ
+        # vLLM ends its Anthropic stream with a bare "data: [DONE]" too; clients ignore it.
+        return await self._stream(request, n, before, lambda i: head + tj[i] + b"}}\n\n", lambda: [
+            _event({"type": "content_block_stop", "index": 0}),
+            _event({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                    "usage": {"input_tokens": p, "output_tokens": n}}),
+            _event({"type": "message_stop"}), _DONE])
+
+    def _vector(self, key: str, dim: int) -> list[float]:
+        r = random.Random(key)
+        v = [r.uniform(-1.0, 1.0) for _ in range(dim)]
+        norm = sum(x * x for x in v) ** 0.5 or 1.0
+        return [x / norm for x in v]
+
+    async def embeddings(self, request):
+        body = await self._body(request)
+        inp = body.get("input")
+        if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
+            inp = [inp]
+        if not isinstance(inp, list) or not inp:
+            raise SimError(400, "input: Field required", param="input")
+        dim = body.get("dimensions") or self.opts.embedding_dim
+        if not isinstance(dim, int) or dim < 1:
+            raise SimError(400, f"dimensions must be a positive integer, got {dim!r}", param="dimensions")
+        b64 = body.get("encoding_format") == "base64"
+        data = []
+        for i, x in enumerate(inp):
+            v = self._vector(x if isinstance(x, str) else orjson.dumps(x).decode(), dim)
+            data.append({"index": i, "object": "embedding",
+                         "embedding": base64.b64encode(array.array("f", v).tobytes()).decode() if b64 else v})
+        p = _words(inp)
+        return await self._generate(1, lambda: {
+            "id": "embd-" + _uid(), "object": "list", "created": int(time.time()), "model": self.model,
+            "data": data, "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0,
+                                    "prompt_tokens_details": None}})
+
+    def _score(self, a, b) -> float:
+        return random.Random(f"{a}\x00{b}").random()
+
+    async def rerank(self, request):
+        body = await self._body(request)
+        query, docs = body.get("query"), body.get("documents")
+        if not isinstance(query, str) or not isinstance(docs, list):
+            raise SimError(400, "query and documents are required", param="documents")
+        texts = [d.get("text", "") if isinstance(d, dict) else str(d) for d in docs]
+        results = sorted(({"index": i, "document": {"text": t}, "relevance_score": self._score(query, t)}
+                          for i, t in enumerate(texts)), key=lambda r: -r["relevance_score"])
+        top = body.get("top_n") or len(results)
+        if not isinstance(top, int) or top < 0:
+            raise SimError(400, f"top_n must be a non-negative integer, got {top!r}", param="top_n")
+        tokens = _words(query) * len(texts) + _words(texts)
+        return await self._generate(1, lambda: {"id": "rerank-" + _uid(), "model": self.model,
+                                                "usage": {"total_tokens": tokens}, "results": results[:top]})
+
+    async def score(self, request):
+        body = await self._body(request)
+        a, b = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
+        if a is None or b is None:
+            raise SimError(400, "text_1 and text_2 are required", param="text_2")
+        a, b = a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]
+        if len(a) == 1:
+            a = a * len(b)
+        if len(a) != len(b):
+            raise SimError(400, "text_1 and text_2 must have the same length, or text_1 a single text")
+        p = _words(a) + _words(b)
+        return await self._generate(1, lambda: {
+            "id": "score-" + _uid(), "object": "list", "created": int(time.time()), "model": self.model,
+            "data": [{"index": i, "object": "score", "score": self._score(x, y)} for i, (x, y) in enumerate(zip(a, b))],
+            "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0, "prompt_tokens_details": None}})
+
+    async def transcriptions(self, request):
+        if request.content_type != "multipart/form-data":
+            raise SimError(400, "Expected multipart/form-data with a file field", param="file")
+        from email.parser import BytesParser  # here: it costs startup time, and this route is rare
+        raw = await request.read()
+        msg = BytesParser().parsebytes(
+            b"Content-Type: " + request.headers["Content-Type"].encode() + b"\r\n\r\n" + raw)
+        fields = {part.get_param("name", header="content-disposition"): part for part in msg.get_payload() or []
+                  if not isinstance(part, str)}
+        if "file" not in fields:
+            raise SimError(400, "file: Field required", param="file")
+        model = fields["model"].get_payload(decode=True).decode() if "model" in fields else None
+        if model and model != self.model and self.vllm:
+            raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        size = len(fields["file"].get_payload(decode=True) or b"")
+        text = f"simulated transcription of {size} bytes"
+        fmt = fields["response_format"].get_payload(decode=True).decode() if "response_format" in fields else "json"
+        return await self._generate(1, lambda: web.Response(text=text) if fmt == "text" else {"text": text})
+
+
+SIM_KEY = web.AppKey("sim", Sim)
+
+
+def build_app(opts: SimOptions) -> web.Application:
+    """The simulator as an aiohttp application; its ``Sim`` state is ``app[SIM_KEY]``."""
+    sim = Sim(opts)
+    app = web.Application(middlewares=[sim.middleware], client_max_size=256 * 1024 * 1024)
+    app[SIM_KEY] = sim
+    app.on_startup.append(sim.on_startup)
+    app.on_cleanup.append(sim.on_cleanup)
+    r = app.router
+    r.add_get("/health", sim.health)
+    r.add_get("/v1/models", sim.models)
+    r.add_get("/v1/models/{model}", sim.model_card)
+    r.add_get("/metrics", sim.metrics)
+    r.add_post("/sleep", sim.sleep)
+    r.add_post("/wake_up", sim.wake_up)
+    r.add_get("/is_sleeping", sim.is_sleeping)
+    r.add_get("/_sim/requests", sim.sim_requests)
+    r.add_delete("/_sim/requests", sim.sim_clear)
+    r.add_post("/v1/chat/completions", sim.chat)
+    r.add_post("/v1/chat/completions/batch", sim.chat_batch)
+    r.add_post("/v1/completions", sim.completions)
+    r.add_post("/v1/responses", sim.responses)
+    r.add_post("/v1/messages", sim.messages)
+    r.add_post("/v1/embeddings", sim.embeddings)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r.add_post(path, sim.rerank)
+    for path in ("/v1/score", "/score"):
+        r.add_post(path, sim.score)
+    r.add_post("/v1/audio/transcriptions", sim.transcriptions)
+    return app
+
+
+async def serve(opts: SimOptions) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the startup line: whoever reads it may stop us at once
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(build_app(opts), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, opts.host, opts.port, backlog=1024).start()
+        port = runner.addresses[0][1]
+        print(f"ondemand simulator (not a real engine) serving {opts.model} on {opts.host}:{port}",
+              file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def parse_args(argv: list[str] | None = None) -> SimOptions:
+    ap = argparse.ArgumentParser(prog="python -m ondemand.simengine", description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (the startup line names it)")
+    ap.add_argument("--model", default="sim-model", help="served model name")
+    ap.add_argument("--flavor", choices=FLAVORS, default="vllm")
+    ap.add_argument("--startup-delay", type=float, default=0.0, metavar="S", help="answer 503 for S seconds")
+    ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
+    ap.add_argument("--tokens", type=int, default=16, metavar="N", help="length of an answer")
+    ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
+                    help="exit-at-start | never-ready | crash-mid-stream | exit-after S")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-running", type=int, default=0, metavar="N", help="concurrent generations (0: no limit)")
+    ap.add_argument("--embedding-dim", type=int, default=8)
+    ap.add_argument("--record-limit", type=int, default=1000, metavar="N")
+    a = ap.parse_args(argv)
+    fail, fail_after = None, 0.0
+    if a.fail:
+        fail = a.fail[0]
+        if fail not in FAILURES:
+            ap.error(f"--fail: {fail!r} is not one of {', '.join(FAILURES)}")
+        if (fail == "exit-after") != (len(a.fail) == 2) or len(a.fail) > 2:
+            ap.error("--fail: only exit-after takes a value, and it needs one: --fail exit-after S")
+        if fail == "exit-after":
+            try:
+                fail_after = float(a.fail[1])
+            except ValueError:
+                ap.error(f"--fail exit-after: {a.fail[1]!r} is not a number of seconds")
+    if a.tokens < 1:
+        ap.error("--tokens must be at least 1")
+    return SimOptions(host=a.host, port=a.port, model=a.model, flavor=a.flavor, startup_delay=a.startup_delay,
+                      token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
+                      max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
+                      record_limit=a.record_limit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    if opts.fail == "exit-at-start":
+        print("ondemand simulator: simulated failure: exit at start (--fail exit-at-start)", file=sys.stderr, flush=True)
+        return 3
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve(opts))
+    except OSError as e:
+        print(f"ondemand simulator: cannot listen on {opts.host}:{opts.port}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
