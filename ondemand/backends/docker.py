@@ -1,0 +1,354 @@
+"""The docker backend: each engine is a container, made and driven through aiodocker.
+
+The container is ``ondemand-{name}``: the deployment's ``image`` with ``Cmd`` = its ``args``
+(the image's entrypoint stays; vLLM images take the engine arguments), on the configured Docker
+network (the admin's: it must exist, it is never created here), with every GPU when ``gpus``.
+Labels mark it ours (``ondemand.managed``), name its deployment (id and name) and fingerprint
+what it was made from (``ondemand.config_hash``), so that after an ondemand restart ``adopt``
+takes back only a running container made for this deployment from its current configuration;
+an older one is stopped and removed instead of being served or left holding GPU memory.
+
+Address: when ondemand runs in a container on that network, ``http://ondemand-{name}:{port}``
+(Docker's DNS). Otherwise the engine port is published on 127.0.0.1 only, on a host port Docker
+picks, read back from the inspect: ``http://127.0.0.1:{hostport}``. Never on another address:
+the engine has no key of its own.
+
+Images are never pulled (an appliance may reach no registry): a missing image is an error that
+says to load it locally. Every Docker error becomes a ``BackendError`` carrying Docker's message.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+from typing import Any
+
+import aiohttp
+import aiodocker
+from aiodocker.containers import DockerContainer
+from aiodocker.exceptions import DockerError
+
+from . import Backend, BackendError, Engine
+
+log = logging.getLogger("ondemand.backends.docker")
+
+LABEL_MANAGED = "ondemand.managed"
+LABEL_ID = "ondemand.deployment_id"
+LABEL_NAME = "ondemand.deployment_name"
+LABEL_HASH = "ondemand.config_hash"
+PREFIX = "ondemand-"
+# Grace period when a stale container of ours (older configuration) is replaced.
+STALE_STOP_S = 30
+# Ordinary API calls (inspect, create, start, delete); waits, stops and logs have no total.
+API_TIMEOUT = aiohttp.ClientTimeout(total=120, connect=10)
+GPU_REQUEST = {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
+
+
+def container_name(dep: dict[str, Any]) -> str:
+    return PREFIX + dep["name"]
+
+
+def _port(dep: dict[str, Any]) -> int:
+    return int(dep.get("port") or 8000)
+
+
+def _error(what: str, exc: Exception) -> BackendError:
+    """A Docker (or transport) failure as a BackendError with Docker's own message."""
+    if isinstance(exc, DockerError):
+        if exc.status == 900:  # aiodocker: cannot connect
+            return BackendError(f"{what}: Docker is unreachable: {exc.message}")
+        return BackendError(f"{what}: {exc.message}")
+    if isinstance(exc, asyncio.TimeoutError):
+        return BackendError(f"{what}: the Docker API did not answer in time")
+    return BackendError(f"{what}: lost the Docker API connection: {exc or type(exc).__name__}")
+
+
+_TRANSPORT = (DockerError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+class DockerBackend(Backend):
+    kind = "docker"
+
+    def __init__(self, *, docker_url: str | None, network: str, in_container: bool | None = None,
+                 own_container_id: str | None = None, gpus: bool = True):
+        """``docker_url``: the Docker API address (None: aiodocker's discovery, i.e. the Docker
+        context, ``DOCKER_HOST`` or the local socket). ``network``: the network engines join.
+        ``in_container``: whether ondemand runs in a container on ``network`` (engines are then
+        reached by container name); None: find out by inspecting ``own_container_id``.
+        ``gpus``: request every GPU (nvidia device request); off for machines without one."""
+        self.docker_url = docker_url
+        self.network = network
+        self.gpus = gpus
+        self.own_container_id = own_container_id
+        self._in_container = in_container
+        self._docker: aiodocker.Docker | None = None
+        self._docker_lock = asyncio.Lock()
+
+    # --- the client -------------------------------------------------------------------------
+
+    async def _client(self) -> aiodocker.Docker:
+        async with self._docker_lock:
+            if self._docker is None:
+                try:
+                    self._docker = aiodocker.Docker(url=self.docker_url, timeout=API_TIMEOUT)
+                except (AssertionError, ValueError) as exc:  # no socket found, bad URL
+                    raise BackendError(f"no usable Docker API address ({self.docker_url or 'default'}): "
+                                       f"{str(exc) or 'no Docker socket found'}") from exc
+            return self._docker
+
+    async def close(self) -> None:
+        if self._docker is not None:
+            docker, self._docker = self._docker, None
+            await docker.close()
+
+    async def in_container(self) -> bool:
+        """Whether engines are reached by container name on the network (decided once)."""
+        if self._in_container is None:
+            self._in_container = await self._detect_in_container()
+        return self._in_container
+
+    async def _detect_in_container(self) -> bool:
+        if not self.own_container_id:
+            return False
+        docker = await self._client()
+        try:
+            info = await docker.containers.get(self.own_container_id)
+        except DockerError as exc:
+            if exc.status == 404:
+                return False  # a container, but of another Docker (or none at all)
+            raise _error("inspecting our own container", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error("inspecting our own container", exc) from exc
+        networks = (info._container.get("NetworkSettings") or {}).get("Networks") or {}
+        if self.network not in networks:
+            log.warning("ondemand runs in container %s, which is not attached to network %s: "
+                        "engines will not be reachable by name (docker network connect %s %s)",
+                        self.own_container_id, self.network, self.network, self.own_container_id)
+        return True
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def config_hash(self, dep: dict[str, Any]) -> str:
+        """Fingerprint of what the container is made from; a change means "replace it"."""
+        spec = {"image": dep.get("image"), "args": [str(a) for a in dep.get("args") or []],
+                "port": _port(dep), "engine": dep.get("engine"), "network": self.network,
+                "gpus": self.gpus}
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _labels(self, dep: dict[str, Any]) -> dict[str, str]:
+        return {LABEL_MANAGED: "true", LABEL_ID: str(dep["id"]), LABEL_NAME: dep["name"],
+                LABEL_HASH: self.config_hash(dep)}
+
+    async def _inspect(self, ref: str, what: str) -> dict[str, Any] | None:
+        """The container's inspect, or None when there is none by that name or id."""
+        docker = await self._client()
+        try:
+            container = await docker.containers.get(ref)
+        except DockerError as exc:
+            if exc.status == 404:
+                return None
+            raise _error(what, exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(what, exc) from exc
+        return container._container
+
+    @staticmethod
+    def _ours(info: dict[str, Any]) -> bool:
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        return labels.get(LABEL_MANAGED) == "true"
+
+    def _matches(self, info: dict[str, Any], dep: dict[str, Any]) -> str | None:
+        """None when ``info`` is a container made for ``dep`` as configured now, else why not."""
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        if labels.get(LABEL_ID) != str(dep["id"]):
+            return f"it belongs to deployment id {labels.get(LABEL_ID)}"
+        if labels.get(LABEL_HASH) != self.config_hash(dep):
+            return "it was made from an older configuration"
+        return None
+
+    @staticmethod
+    def _running(info: dict[str, Any]) -> bool:
+        return bool((info.get("State") or {}).get("Running"))
+
+    async def _base_url(self, info: dict[str, Any], dep: dict[str, Any]) -> str | None:
+        """The engine's address, or None when it has none we can reach (no published port)."""
+        port = _port(dep)
+        if await self.in_container():
+            return f"http://{container_name(dep)}:{port}"
+        ports = (info.get("NetworkSettings") or {}).get("Ports") or {}
+        for binding in ports.get(f"{port}/tcp") or ():
+            if binding.get("HostIp") in ("127.0.0.1", "") and binding.get("HostPort"):
+                return f"http://127.0.0.1:{binding['HostPort']}"
+        return None
+
+    async def _discard(self, info: dict[str, Any], why: str) -> None:
+        """Stop (gracefully) and remove a container of ours that must not be used."""
+        docker = await self._client()
+        container = docker.containers.container(info["Id"])
+        name = info.get("Name", "").lstrip("/")
+        log.warning("replacing container %s: %s", name, why)
+        try:
+            if self._running(info):
+                await container.stop(t=STALE_STOP_S)
+            await container.delete(force=True)
+        except DockerError as exc:
+            if exc.status != 404:
+                raise _error(f"removing the old container {name}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"removing the old container {name}", exc) from exc
+
+    # --- the Backend API ----------------------------------------------------------------------
+
+    async def start(self, dep: dict[str, Any]) -> Engine:
+        name = container_name(dep)
+        image = dep.get("image")
+        if not image:
+            raise BackendError(f"deployment {dep['name']} has no image (the docker backend runs `image`)")
+        docker = await self._client()
+        info = await self._inspect(name, f"inspecting container {name}")
+        if info is not None:
+            if not self._ours(info):
+                raise BackendError(f"a container named {name} exists and was not made by ondemand "
+                                   f"(no {LABEL_MANAGED} label): remove or rename it")
+            why = self._matches(info, dep)
+            if why is None and self._running(info):
+                url = await self._base_url(info, dep)
+                if url is not None:
+                    log.info("container %s is running already: adopting it (%s)", name, url)
+                    return Engine(dep["id"], dep["name"], url, ref=info["Id"], adopted=True)
+                why = "its engine port is not published on 127.0.0.1"
+            await self._discard(info, why or "it is not running")
+        await self._check_network(docker)
+
+        port = _port(dep)
+        host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
+        if self.gpus:
+            host_config["DeviceRequests"] = [GPU_REQUEST]
+        if not await self.in_container():
+            host_config["PortBindings"] = {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
+        config: dict[str, Any] = {
+            "Image": image,
+            "Labels": self._labels(dep),
+            "ExposedPorts": {f"{port}/tcp": {}},
+            "HostConfig": host_config,
+        }
+        args = [str(a) for a in dep.get("args") or []]
+        if args:
+            config["Cmd"] = args
+        try:
+            container = await docker.containers.create(config, name=name)
+        except DockerError as exc:
+            if exc.status == 404 and "image" in exc.message.lower():
+                raise BackendError(
+                    f"image {image} is not on this Docker host ({exc.message}); ondemand never pulls "
+                    f"(no registry may be reachable): load it locally first (docker load / docker pull)"
+                ) from exc
+            raise _error(f"creating container {name}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"creating container {name}", exc) from exc
+        try:
+            await container.start()
+            info = await container.show()
+        except _TRANSPORT as exc:
+            err = _error(f"starting container {name}", exc)
+            if self.gpus and "device driver" in str(exc):
+                err = BackendError(f"{err}: this Docker host cannot give containers GPUs "
+                                   f"(is the NVIDIA Container Toolkit installed and configured?)")
+            with contextlib.suppress(*_TRANSPORT):
+                await container.delete(force=True)
+            raise err from exc
+        url = await self._base_url(info, dep)
+        if url is None:
+            # Exited before Docker published the port (it fails at start): wait_exit tells.
+            log.warning("container %s has no published port (state %s)", name,
+                        (info.get("State") or {}).get("Status"))
+            url = "http://127.0.0.1:0"
+        log.info("started %s: container %s at %s", dep["name"], container.id[:12], url)
+        return Engine(dep["id"], dep["name"], url, ref=container.id)
+
+    async def _check_network(self, docker: aiodocker.Docker) -> None:
+        try:
+            await docker.networks.get(self.network)
+        except DockerError as exc:
+            if exc.status == 404:
+                raise BackendError(
+                    f"Docker network {self.network} does not exist: create it (docker network create "
+                    f"{self.network}) or set deployer.network to the network ondemand and LiteLLM use"
+                ) from exc
+            raise _error(f"inspecting network {self.network}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"inspecting network {self.network}", exc) from exc
+
+    async def wait_exit(self, engine: Engine) -> int | None:
+        docker = await self._client()
+        container = docker.containers.container(engine.ref)
+        try:
+            result = await container.wait()
+        except DockerError as exc:
+            if exc.status == 404:
+                return None  # removed: its exit code went with it
+            raise _error(f"waiting for container {container_name({'name': engine.name})}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"waiting for container {container_name({'name': engine.name})}", exc) from exc
+        code = result.get("StatusCode")
+        return int(code) if code is not None else None
+
+    async def stop(self, engine: Engine, timeout: float) -> None:
+        docker = await self._client()
+        container = docker.containers.container(engine.ref)
+        try:
+            await container.stop(t=max(0, math.ceil(timeout)))
+        except DockerError as exc:
+            if exc.status in (304, 404):
+                return  # stopped already, or gone
+            raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
+
+    async def remove(self, dep: dict[str, Any]) -> None:
+        name = container_name(dep)
+        info = await self._inspect(name, f"inspecting container {name}")
+        if info is None:
+            return
+        if not self._ours(info):
+            log.warning("not removing container %s: it was not made by ondemand", name)
+            return
+        docker = await self._client()
+        try:
+            await docker.containers.container(info["Id"]).delete(force=True)
+        except DockerError as exc:
+            if exc.status != 404:
+                raise _error(f"removing container {name}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"removing container {name}", exc) from exc
+
+    async def adopt(self, dep: dict[str, Any]) -> Engine | None:
+        name = container_name(dep)
+        info = await self._inspect(name, f"inspecting container {name}")
+        if info is None or not self._ours(info) or not self._running(info):
+            return None  # an exited one stays for its log tail; start() replaces it
+        why = self._matches(info, dep)
+        url = await self._base_url(info, dep) if why is None else None
+        if why is None and url is None:
+            why = "its engine port is not published on 127.0.0.1"
+        if why is not None:
+            # Not served, and not left running either: it would hold GPU memory nobody counts.
+            await self._discard(info, why)
+            return None
+        return Engine(dep["id"], dep["name"], url, ref=info["Id"], adopted=True)
+
+    async def log_tail(self, engine: Engine | None, dep: dict[str, Any], lines: int = 40) -> str:
+        ref = engine.ref if engine is not None else container_name(dep)
+        docker = await self._client()
+        try:
+            chunks = await docker.containers.container(ref).log(stdout=True, stderr=True, tail=lines)
+        except DockerError as exc:
+            if exc.status == 404:
+                return ""
+            raise _error(f"reading the log of {container_name(dep)}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"reading the log of {container_name(dep)}", exc) from exc
+        return "\n".join("".join(chunks).splitlines()[-lines:])

@@ -1,0 +1,280 @@
+"""The docker backend against a real Docker engine (``make test-docker``), no doubles.
+
+Engines are the engine simulator in the locally built image ``ondemand-sim-engine:latest``
+(``make engine-image``), on a user-defined network made for this run. Everything the tests
+create (containers ``ondemand-t<run>-*``, the network) is removed at the end, also on failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+import uuid
+
+import aiohttp
+import pytest
+
+from ondemand.backends import BackendError
+from ondemand.backends.docker import LABEL_HASH, LABEL_ID, LABEL_MANAGED, LABEL_NAME, DockerBackend
+
+pytestmark = pytest.mark.docker
+
+IMAGE = "ondemand-sim-engine:latest"
+RUN = uuid.uuid4().hex[:8]
+READY_S = 20.0
+
+
+def _docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def docker_env():
+    """The run's network and the simulator image; skips when there is no Docker engine."""
+    if shutil.which("docker") is None:
+        pytest.skip("docker unavailable: no docker CLI on PATH")
+    info = _docker("info", "--format", "{{.ServerVersion}}", check=False, timeout=30)
+    if info.returncode != 0:
+        pytest.skip(f"docker unavailable: `docker info` failed: {(info.stderr or info.stdout).strip()[:300]}")
+    image = _docker("image", "inspect", IMAGE, check=False)
+    if image.returncode != 0:
+        pytest.skip(f"image {IMAGE} is missing: build it with `make engine-image` (scripts/heavy/engine-image.sh)")
+    config = json.loads(image.stdout)[0]["Config"]
+    network = f"ondemand-test-{RUN}"
+    _docker("network", "create", network)
+    try:
+        yield {"network": network, "entrypoint": config.get("Entrypoint") or []}
+    finally:
+        ids = _docker("ps", "-aq", "--filter", f"name=ondemand-t{RUN}-", check=False).stdout.split()
+        if ids:
+            _docker("rm", "-f", *ids, check=False)
+        _docker("network", "rm", network, check=False)
+
+
+@pytest.fixture(scope="session")
+def idle_container(docker_env):
+    """A container on the run's network that only sleeps: a place to call engines by name from."""
+    name = f"ondemand-t{RUN}-idle"
+    out = _docker("run", "-d", "--name", name, "--network", docker_env["network"], "--entrypoint", "python3",
+                  IMAGE, "-c", "import time; time.sleep(600)")
+    return {"name": name, "id": out.stdout.strip()}
+
+
+@pytest.fixture
+async def backends(docker_env):
+    """Make DockerBackends on the run's network (GPU-less); all are closed at the end."""
+    made: list[DockerBackend] = []
+
+    def make(**kw) -> DockerBackend:
+        kw.setdefault("docker_url", None)
+        kw.setdefault("network", docker_env["network"])
+        kw.setdefault("gpus", False)
+        kw.setdefault("in_container", False)
+        made.append(DockerBackend(**kw))
+        return made[-1]
+    yield make
+    for b in made:
+        await b.close()
+
+
+_seq = iter(range(1, 10_000))
+
+
+def deployment(docker_env, *sim_opts: str, **fields) -> dict:
+    """A deployment row for the simulator image; ``sim_opts`` are the simulator's options."""
+    n = next(_seq)
+    name = f"t{RUN}-{n}"
+    sim = ["--host", "0.0.0.0", "--port", "8000", "--model", f"m{n}", *sim_opts]
+    if not any("ondemand.simengine" in part for part in docker_env["entrypoint"]):
+        sim = ["python3", "-m", "ondemand.simengine", *sim]
+    row = {"id": 1000 + n, "name": name, "served_name": f"m{n}", "engine": "vllm", "image": IMAGE,
+           "args": sim, "command": [], "port": 8000, "memory_gib": 1, "role": "model",
+           "state": "starting", "mode": "on_demand"}
+    row.update(fields)
+    return row
+
+
+def inspect(ref: str) -> dict | None:
+    out = _docker("container", "inspect", ref, check=False)
+    return json.loads(out.stdout)[0] if out.returncode == 0 else None
+
+
+def containers_named(name: str) -> list[str]:
+    out = _docker("ps", "-aq", "--no-trunc", "--filter", f"name=^/{name}$")
+    return out.stdout.split()
+
+
+async def answers(base_url: str, within: float = READY_S) -> int:
+    """Poll GET /v1/models until it is 200; returns the status (or the last one seen)."""
+    deadline = time.monotonic() + within
+    status = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < deadline:
+            try:
+                async with http.get(base_url + "/v1/models") as resp:
+                    status = resp.status
+                    if status == 200:
+                        return status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.2)
+    return status
+
+
+async def test_start_answers_on_loopback_then_stop_wait_remove(docker_env, backends):
+    backend = backends()
+    dep = deployment(docker_env)
+    engine = await backend.start(dep)
+    assert engine.deployment_id == dep["id"] and engine.name == dep["name"] and not engine.adopted
+    assert engine.base_url.startswith("http://127.0.0.1:")
+    info = inspect(f"ondemand-{dep['name']}")
+    assert info is not None and info["Id"] == engine.ref
+    labels = info["Config"]["Labels"]
+    assert labels[LABEL_MANAGED] == "true" and labels[LABEL_ID] == str(dep["id"])
+    assert labels[LABEL_NAME] == dep["name"] and labels[LABEL_HASH] == backend.config_hash(dep)
+    bindings = info["HostConfig"]["PortBindings"]["8000/tcp"]
+    assert [b["HostIp"] for b in bindings] == ["127.0.0.1"]  # never on another address
+    assert info["HostConfig"]["NetworkMode"] == docker_env["network"]
+    assert not info["HostConfig"].get("DeviceRequests")  # gpus=False
+
+    assert await answers(engine.base_url) == 200
+    exit_task = asyncio.create_task(backend.wait_exit(engine))
+    await backend.stop(engine, 5)
+    assert await asyncio.wait_for(exit_task, 10) == 0  # SIGTERM: the simulator ends cleanly
+    await backend.stop(engine, 5)  # idempotent: stopped already
+    assert "serving" in await backend.log_tail(engine, dep)  # an exited container keeps its log
+    await backend.remove(dep)
+    assert inspect(engine.ref) is None
+    await backend.remove(dep)  # nothing left: fine
+    await backend.stop(engine, 5)  # gone: fine too
+    assert await backend.wait_exit(engine) is None  # gone: no exit code left
+
+
+async def test_adoption_after_restart_and_no_duplicate(docker_env, backends):
+    dep = deployment(docker_env)
+    first = await backends().start(dep)
+    assert await answers(first.base_url) == 200
+
+    restarted = backends()  # a new ondemand: nothing in memory
+    engine = await restarted.adopt(dep)
+    assert engine is not None and engine.adopted
+    assert engine.ref == first.ref and engine.base_url == first.base_url
+    assert await answers(engine.base_url, 5) == 200
+
+    again = await restarted.start(dep)  # running already: taken, not duplicated
+    assert again.ref == first.ref
+    assert containers_named(f"ondemand-{dep['name']}") == [first.ref]
+
+    # Another deployment row with no container, and a foreign id, are not adopted.
+    assert await restarted.adopt(deployment(docker_env)) is None
+
+    # A container made from an older configuration is not served: stopped and removed.
+    changed = dict(dep, args=dep["args"] + ["--tokens", "4"])
+    assert await restarted.adopt(changed) is None
+    assert inspect(first.ref) is None
+
+
+async def test_exit_at_start_code_and_log_tail(docker_env, backends):
+    backend = backends()
+    dep = deployment(docker_env, "--fail", "exit-at-start")
+    engine = await backend.start(dep)
+    assert await asyncio.wait_for(backend.wait_exit(engine), READY_S) == 3
+    line = "simulated failure: exit at start"
+    assert line in await backend.log_tail(engine, dep)
+    assert line in await backend.log_tail(None, dep, lines=5)  # by name, after a restart
+    assert await backends().adopt(dep) is None  # exited: nothing to adopt, left for its log
+
+    # Starting it again replaces the exited container of ours.
+    fixed = dict(dep, args=[a for a in dep["args"] if a not in ("--fail", "exit-at-start")])
+    engine2 = await backend.start(fixed)
+    assert engine2.ref != engine.ref and inspect(engine.ref) is None
+    assert await answers(engine2.base_url) == 200
+    await backend.stop(engine2, 5)
+
+
+async def test_base_url_by_name_from_another_container(docker_env, backends, idle_container):
+    backend = backends(in_container=True)
+    dep = deployment(docker_env)
+    engine = await backend.start(dep)
+    assert engine.base_url == f"http://ondemand-{dep['name']}:8000"
+    assert not inspect(engine.ref)["HostConfig"].get("PortBindings")  # nothing published
+
+    probe = ("import sys, urllib.request\n"
+             "try: print(urllib.request.urlopen(sys.argv[1] + '/v1/models', timeout=2).status)\n"
+             "except Exception as e: print('no', e)")
+    deadline = time.monotonic() + READY_S
+    out = ""
+    while time.monotonic() < deadline:
+        proc = await asyncio.create_subprocess_exec(
+            "docker", "exec", idle_container["name"], "python3", "-c", probe, engine.base_url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out = (await proc.communicate())[0].decode().strip()
+        if out == "200":
+            break
+        await asyncio.sleep(0.3)
+    assert out == "200"
+
+    # After a restart inside the container the same name-based address is adopted.
+    engine2 = await backends(in_container=True).adopt(dep)
+    assert engine2 is not None and engine2.base_url == engine.base_url
+    await backend.stop(engine, 5)
+
+
+async def test_detect_in_container(docker_env, backends, idle_container):
+    assert await backends(in_container=None, own_container_id=idle_container["id"][:12]).in_container()
+    assert not await backends(in_container=None, own_container_id=None).in_container()
+    assert not await backends(in_container=None, own_container_id="0123456789ab").in_container()
+
+
+async def test_unknown_image_is_a_helpful_error(docker_env, backends):
+    dep = deployment(docker_env, image=f"ondemand-no-such-image-{RUN}:latest")
+    with pytest.raises(BackendError, match="load it locally") as err:
+        await backends().start(dep)
+    assert "no registry" in str(err.value) and dep["image"] in str(err.value)
+    assert containers_named(f"ondemand-{dep['name']}") == []
+
+
+async def test_gpu_request(docker_env, backends):
+    """gpus=True asks for every GPU; where Docker cannot give one, start says so and leaves nothing."""
+    backend = backends(gpus=True)
+    dep = deployment(docker_env)
+    try:
+        engine = await backend.start(dep)
+    except BackendError as exc:
+        assert "nvidia" in str(exc) or "gpu" in str(exc).lower()
+        assert containers_named(f"ondemand-{dep['name']}") == []
+    else:  # a machine with GPUs
+        requests = inspect(engine.ref)["HostConfig"]["DeviceRequests"]
+        assert requests == [{"Driver": "nvidia", "Count": -1, "DeviceIDs": None,
+                             "Capabilities": [["gpu"]], "Options": {}}]
+        await backend.stop(engine, 5)
+
+
+async def test_missing_network_is_an_error(docker_env, backends):
+    dep = deployment(docker_env)
+    with pytest.raises(BackendError, match=f"network ondemand-nonet-{RUN} does not exist"):
+        await backends(network=f"ondemand-nonet-{RUN}").start(dep)
+    assert containers_named(f"ondemand-{dep['name']}") == []
+
+
+async def test_a_foreign_container_of_that_name_is_left_alone(docker_env, backends):
+    dep = deployment(docker_env)
+    name = f"ondemand-{dep['name']}"
+    foreign = _docker("create", "--name", name, IMAGE).stdout.strip()
+    backend = backends()
+    with pytest.raises(BackendError, match="not made by ondemand"):
+        await backend.start(dep)
+    assert await backend.adopt(dep) is None
+    await backend.remove(dep)
+    assert inspect(foreign) is not None
+
+
+async def test_unreachable_docker_is_a_backend_error(docker_env, backends):
+    backend = backends(docker_url=f"unix:///nonexistent-{RUN}/docker.sock")
+    dep = deployment(docker_env)
+    with pytest.raises(BackendError, match="unreachable"):
+        await backend.start(dep)
+    with pytest.raises(BackendError, match="unreachable"):
+        await backend.adopt(dep)
