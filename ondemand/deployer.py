@@ -98,8 +98,12 @@ class Deployer:
         return engine.base_url if engine else None
 
     def ready_engines(self) -> list[tuple[int, str]]:
+        return self.engines_in(("ready",))
+
+    def engines_in(self, states: tuple[str, ...]) -> list[tuple[int, str]]:
+        """(id, base URL) of the engines whose deployment is in one of ``states``."""
         return [(i, e.base_url) for i, e in self._engines.items()
-                if self._deps.get(i, {}).get("state") == "ready"]
+                if self._deps.get(i, {}).get("state") in states]
 
     def changed(self, dep_id: int) -> asyncio.Future:
         """A future resolved at the next transition or removal of ``dep_id``."""
@@ -327,7 +331,7 @@ class Deployer:
                 if dep["state"] == "starting":
                     await self._transition(dep_id, "ready", text="ready")
                 return
-            await asyncio.wait([exited, self.changed(dep_id)], timeout=0.2)
+            await asyncio.wait([exited, self.changed(dep_id)], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
 
     async def _wake(self, dep_id: int) -> None:
         async with self._gate, self._through_gate(dep_id):

@@ -44,8 +44,8 @@ async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, wha
 
 
 @contextlib.asynccontextmanager
-async def running_deployer(tmp_path, store, capacity: float = 24, **kw):
-    d = Deployer(store, ProcessBackend(tmp_path), Budget("static", capacity),
+async def running_deployer(tmp_path, store, capacity: float = 24, budget=None, **kw):
+    d = Deployer(store, ProcessBackend(tmp_path), budget or Budget("static", capacity),
                  start_timeout_s=kw.pop("start_timeout_s", 20), stop_timeout_s=kw.pop("stop_timeout_s", 5),
                  **kw)
     await d.load()
@@ -55,3 +55,50 @@ async def running_deployer(tmp_path, store, capacity: float = 24, **kw):
         await d.close(stop_engines=True)
 
 
+
+
+class Env:
+    """A deployer, a metrics sampler and a controller over one state file."""
+
+    def __init__(self, deployer, sampler, controller, store):
+        self.deployer = deployer
+        self.sampler = sampler
+        self.controller = controller
+        self.store = store
+        self.published: list[int] = []
+
+    async def add(self, name, memory_gib=10, *sim_args, **kw):
+        return (await self.deployer.create(dep_fields(name, memory_gib, kw.pop("mode", "on_demand"),
+                                                      *sim_args, **kw)))["id"]
+
+    def state(self, dep_id):
+        dep = self.deployer.get(dep_id)
+        return dep and dep["state"]
+
+    async def start(self, dep_id):
+        await self.deployer.restart(dep_id)
+
+    async def fresh_metrics(self):
+        await self.sampler.sample_once()
+
+
+@contextlib.asynccontextmanager
+async def controller_env(tmp_path, store, capacity: float = 24, *, queue_timeout_s: float = 30,
+                         max_queued: int = 256, idle_timeout_s: int = 1, **kw):
+    from ondemand.controller import Controller
+    from ondemand.metrics import MetricsSampler
+
+    async with running_deployer(tmp_path, store, capacity, kw.pop("budget", None), **kw.pop("deployer_kw", {})) as d:
+        sampler = MetricsSampler(lambda: d.engines_in(("ready", "asleep")), interval_s=0.1)
+        env = Env(d, sampler, None, store)
+        c = Controller(d, d.budget, sampler, queue_timeout_s=queue_timeout_s, max_queued=max_queued,
+                       idle_timeout_s=idle_timeout_s, min_idle_timeout_s=1,
+                       on_counters=env.published.append, **kw)
+        env.controller = c
+        task = asyncio.get_running_loop().create_task(sampler.run())
+        try:
+            yield env
+        finally:
+            task.cancel()
+            await c.close()
+            await sampler.close()
