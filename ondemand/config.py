@@ -39,6 +39,7 @@ class DeployerConfig:
     network: str = "dgxmm"
     start_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
+    gpus: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,9 @@ _KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
     "deployer.docker_url": (_opt_str, lambda s: True, "a Docker API URL (unix:///var/run/docker.sock)"),
     "deployer.network": (_str, bool, "a Docker network name"),
     "deployer.start_timeout_s": (_float, _between(1, 86400), "seconds, 1 to 86400"),
+    "deployer.gpus": (lambda v: v if isinstance(v, bool) else {"true": True, "false": False, "1": True,
+                                                               "0": False}[str(v).lower()],
+                      lambda x: True, "true or false (request every GPU for engine containers)"),
     "deployer.stop_timeout_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "litellm.url": (_opt_str, lambda s: s is None or s.startswith(("http://", "https://")), "an http(s) URL"),
     "litellm.master_key_file": (_opt_str, lambda s: True, "a file path"),
@@ -245,7 +249,7 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
         try:
             parsed = parse(value)
             ok = check(parsed)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, LookupError):
             ok = False
         if not ok:
             raise ConfigError(f"configuration key {key} = {value!r} is not allowed: {allowed}")

@@ -102,3 +102,79 @@ async def controller_env(tmp_path, store, capacity: float = 24, *, queue_timeout
             task.cancel()
             await c.close()
             await sampler.close()
+
+
+class Server:
+    """A whole ondemand running on loopback, for end-to-end tests."""
+
+    def __init__(self, app, url: str, cfg, key: str, token: str):
+        self.app = app
+        self.url = url  # http://127.0.0.1:PORT/dgxmm
+        self.cfg = cfg
+        self.key = key
+        self.token = token
+
+    @property
+    def deployer(self):
+        from ondemand import app as app_mod
+        return self.app[app_mod.DEPLOYER]
+
+    @property
+    def controller(self):
+        from ondemand import app as app_mod
+        return self.app[app_mod.CONTROLLER]
+
+    def gw(self, dep_id, route: str) -> str:
+        return f"{self.url}/ondemand/{dep_id}/v1/{route}"
+
+    def auth(self, key: str | None = None) -> dict:
+        return {"Authorization": f"Bearer {key or self.key}"}
+
+    def admin_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    async def add(self, name, memory_gib=10, *sim_args, **kw) -> int:
+        fields = dep_fields(name, memory_gib, kw.pop("mode", "on_demand"), *sim_args, **kw)
+        return (await self.deployer.create(fields))["id"]
+
+    def state(self, dep_id):
+        dep = self.deployer.get(dep_id)
+        return dep and dep["state"]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def run_app(tmp_path, *, write_key: bool = True, **overrides):
+    """Start ondemand (process backend, static budget) on 127.0.0.1 with a key and a token."""
+    from aiohttp import web
+
+    from ondemand import app as app_mod, config, keys
+
+    port = free_port()
+    settings = {"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{port}",
+                "ondemand_allowed_cidrs": ["127.0.0.0/8"], "deployer.backend": "process",
+                "budget.source": "static", "budget.capacity_gib": 24, "min_idle_timeout_s": 1,
+                "ondemand_idle_timeout_s": 60, "ondemand_queue_timeout_s": 30, "reap_interval_s": 0.2,
+                "metrics_interval_s": 0.2, "deployer.start_timeout_s": 20, "shutdown_grace_s": 1}
+    settings.update(overrides)
+    cfg = config.load(env={}, overrides=settings)
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    key = keys.generate_key()
+    if write_key:
+        keys.write_key_file(cfg.key_file, key)
+    token = app_mod._ensure_token(cfg.token_file)
+    app = app_mod.build_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.UnixSite(runner, str(cfg.admin_socket)).start()
+    try:
+        yield Server(app, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,342 @@
+"""The admin API: ``{base_path}/api/...``, JSON in and out.
+
+Behind the admin token on TCP (``Authorization: Bearer``, constant-time
+compare; the on-demand key never opens it) and open on the Unix socket
+``{state_dir}/admin.sock`` (mode 0600), which the command line uses.
+Errors use the gateway's ``{"error": {"message", "type", "code"}}`` form;
+validation errors name the field.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import socket
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from . import __version__, keys as keys_mod
+from .budget import BudgetError
+from .config import Config
+from .deployer import StartFailed, StartInterrupted
+from .errors import DeployerError, InsufficientMemory, OndemandError
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
+_JSON = "application/json"
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS),
+                        content_type=_JSON)
+
+
+def _field_error(field: str, message: str) -> OndemandError:
+    return OndemandError(400, "invalid_field", f"{field}: {message}")
+
+
+def _is_unix(request: web.BaseRequest) -> bool:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def auth_middleware(cfg: Config):
+    api = cfg.base_path + "/api"
+    ui = cfg.base_path + "/ui"
+
+    @web.middleware
+    async def admin_auth(request: web.Request, handler):
+        path = request.path
+        if not (path.startswith(api) or path.startswith(ui)):
+            return await handler(request)
+        if not _is_unix(request):
+            token = keys_mod.read_key_file(cfg.token_file)
+            auth = request.headers.get("Authorization", "")
+            presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if token is None or not hmac.compare_digest(presented.encode(), token.encode()):
+                err = OndemandError(401, "invalid_admin_token",
+                                    "The admin API needs the admin token (admin_token_file), or the admin socket")
+                return web.Response(status=401, body=err.body(), content_type=_JSON)
+        try:
+            return await handler(request)
+        except OndemandError as err:
+            return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
+    return admin_auth
+
+
+def _app_parts(request: web.Request):
+    from . import app as app_mod
+    return app_mod, request.app
+
+
+def _dep_id(request: web.Request) -> int:
+    raw = request.match_info["id"]
+    if not raw.isdigit():
+        raise OndemandError(404, "not_found", f"no deployment {raw!r}")
+    app_mod, app = _app_parts(request)
+    dep_id = int(raw)
+    if app[app_mod.DEPLOYER].get(dep_id) is None:
+        raise OndemandError(404, "not_found", f"no deployment {dep_id}")
+    return dep_id
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        data = orjson.loads(await request.read() or b"{}")
+    except orjson.JSONDecodeError:
+        raise OndemandError(400, "invalid_json", "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OndemandError(400, "invalid_json", "the body must be a JSON object")
+    return data
+
+
+def _user(request: web.Request) -> str:
+    return "socket" if _is_unix(request) else "token"
+
+
+# --- host -------------------------------------------------------------------------
+
+async def host(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    cfg: Config = app[app_mod.CONFIG]
+    deployer = app[app_mod.DEPLOYER]
+    try:
+        snap = (await deployer.budget.snapshot(deployer.all())).as_dict()
+        budget: dict[str, Any] = {"source": deployer.budget.source, **snap}
+    except BudgetError as exc:
+        budget = {"source": deployer.budget.source, "error": str(exc)}
+    key = app[app_mod.KEYS].current()
+    sync = app[app_mod.SYNC]
+    last = getattr(sync, "last_result", None) or {}
+    return _json({
+        "version": __version__,
+        "hostname": socket.gethostname(),
+        "listen": cfg.listen,
+        "backend": deployer.backend.kind,
+        "budget": budget,
+        "ondemand": {
+            "configured": key is not None,
+            "key_fingerprint": keys_mod.fingerprint(key) if key else None,
+            "litellm_enabled": sync.enabled,
+            "litellm_ready": sync.last_ok,
+            "litellm_error": last.get("error") if isinstance(last, dict) else None,
+            "queued": app[app_mod.CONTROLLER].waiting(),
+            "queue": app[app_mod.CONTROLLER].queue.ids(),
+        },
+    })
+
+
+# --- deployments ------------------------------------------------------------------
+
+async def list_deployments(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    return _json([app_mod.view(app, d) for d in app[app_mod.DEPLOYER].all()])
+
+
+async def get_deployment(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    dep_id = _dep_id(request)
+    return _json(app_mod.view(app, app[app_mod.DEPLOYER].get(dep_id)))
+
+
+def validate_new(data: dict[str, Any], cfg: Config, existing: list[dict[str, Any]]) -> dict[str, Any]:
+    allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role",
+               "mode", "idle_timeout_s", "start"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise _field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
+    name = data.get("name")
+    if not isinstance(name, str) or not _NAME.match(name) or len(name) > 63:
+        raise _field_error("name", "required; lower-case letters, digits, '.', '_' and '-', starting with a "
+                                   "letter or digit, at most 63 characters")
+    if any(d["name"] == name for d in existing):
+        raise OndemandError(409, "name_taken", f"name: a deployment named {name!r} exists")
+    served = data.get("served_name", name)
+    if not isinstance(served, str) or not served.strip() or len(served) > 256:
+        raise _field_error("served_name", "a non-empty string")
+    engine = data.get("engine", "vllm")
+    if engine not in ("vllm", "llamacpp"):
+        raise _field_error("engine", "vllm or llamacpp")
+    role = data.get("role", "model")
+    if role not in ("model", "decision", "system"):
+        raise _field_error("role", "model, decision or system")
+    mode = data.get("mode", "always_on")
+    if mode not in ("on_demand", "always_on"):
+        raise _field_error("mode", "on_demand or always_on")
+    if role != "model" and mode == "on_demand":
+        raise _field_error("mode", f"a {role} deployment is always always_on")
+    for field in ("args", "command"):
+        value = data.get(field, [])
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise _field_error(field, "a list of strings")
+    image = data.get("image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise _field_error("image", "a container image name")
+    if cfg.deployer.backend == "docker" and not image:
+        raise _field_error("image", "required with the docker backend")
+    if cfg.deployer.backend == "process" and not data.get("command"):
+        raise _field_error("command", "required with the process backend (argv with {port})")
+    port = data.get("port", 8000)
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise _field_error("port", "1 to 65535")
+    memory = data.get("memory_gib", 0)
+    if not isinstance(memory, (int, float)) or isinstance(memory, bool) or not 0 <= memory <= 1e6:
+        raise _field_error("memory_gib", "GiB, 0 or more")
+    idle = data.get("idle_timeout_s")
+    if idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)
+                             or not cfg.min_idle_timeout_s <= idle <= 86400):
+        raise _field_error("idle_timeout_s", f"null or {cfg.min_idle_timeout_s} to 86400 seconds")
+    start = data.get("start", True)
+    if not isinstance(start, bool):
+        raise _field_error("start", "true or false")
+    state = "planned" if not start else ("stopped" if mode == "on_demand" else "planned")
+    return {"name": name, "served_name": served, "engine": engine, "image": image, "args": data.get("args", []),
+            "command": data.get("command", []), "port": port, "memory_gib": float(memory), "role": role,
+            "mode": mode, "idle_timeout_s": idle, "state": state}, start and mode == "always_on"
+
+
+async def create_deployment(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    deployer = app[app_mod.DEPLOYER]
+    fields, start_now = validate_new(await _body(request), app[app_mod.CONFIG], deployer.all())
+    dep = await deployer.create(fields, actor="admin", user=_user(request))
+    if start_now:
+        await _admit(deployer, dep["id"], request)
+    return _json(app_mod.view(app, deployer.get(dep["id"])), status=201)
+
+
+async def _admit(deployer, dep_id: int, request: web.Request) -> None:
+    try:
+        await deployer.admit_start(dep_id, actor="admin", user=_user(request), text="started by an administrator")
+    except InsufficientMemory as exc:
+        raise OndemandError(409, "insufficient_memory", f"it does not fit now: {exc}") from exc
+    except DeployerError as exc:
+        raise OndemandError(409, "invalid_state", str(exc)) from exc
+
+
+async def delete_deployment(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    dep_id = _dep_id(request)
+    await app[app_mod.DEPLOYER].remove(dep_id, actor="admin", user=_user(request))
+    return _json({"id": dep_id, "removed": True})
+
+
+async def set_mode(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    dep_id = _dep_id(request)
+    data = await _body(request)
+    unknown = sorted(set(data) - {"mode", "idle_timeout_s"})
+    if unknown:
+        raise _field_error(unknown[0], "unknown field; known: mode, idle_timeout_s")
+    mode = data.get("mode")
+    if mode not in ("on_demand", "always_on"):
+        raise _field_error("mode", "on_demand or always_on")
+    idle = data.get("idle_timeout_s")
+    if "idle_timeout_s" in data and idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)):
+        raise _field_error("idle_timeout_s", "null or whole seconds")
+    try:
+        await app[app_mod.CONTROLLER].set_mode(dep_id, mode, idle_timeout_s=idle,
+                                               set_idle_timeout="idle_timeout_s" in data, user=_user(request))
+    except OndemandError as err:
+        if err.code == "invalid_idle_timeout":
+            raise _field_error("idle_timeout_s", err.message.split(": ", 1)[-1]) from None
+        if err.code == "invalid_mode":
+            raise _field_error("mode", err.message) from None
+        raise
+    return _json(app_mod.view(app, app[app_mod.DEPLOYER].get(dep_id)))
+
+
+async def action(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    dep_id = _dep_id(request)
+    deployer = app[app_mod.DEPLOYER]
+    verb = request.match_info["action"]
+    user = _user(request)
+    try:
+        if verb == "start":
+            dep = deployer.get(dep_id)
+            if dep["state"] == "asleep":
+                raise OndemandError(409, "invalid_state", "it is asleep: use wake")
+            await _admit(deployer, dep_id, request)
+        elif verb == "wake":
+            if deployer.get(dep_id)["state"] != "asleep":
+                raise OndemandError(409, "invalid_state", "it is not asleep")
+            await _admit(deployer, dep_id, request)
+        elif verb == "stop":
+            await deployer.stop(dep_id, actor="admin", user=user, text="stopped by an administrator")
+        elif verb == "sleep":
+            await deployer.sleep(dep_id, actor="admin", user=user)
+        else:
+            raise OndemandError(404, "not_found", f"no action {verb!r}")
+    except DeployerError as exc:
+        raise OndemandError(409, "invalid_state", str(exc)) from exc
+    wait = request.query.get("wait")
+    if verb in ("start", "wake") and wait not in (None, "0", "false"):
+        try:
+            await deployer.wait_started(dep_id)
+        except (StartFailed, StartInterrupted) as exc:
+            raise OndemandError(409, "start_failed", str(exc)) from exc
+    return _json(app_mod.view(app, deployer.get(dep_id)))
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """Server-Sent Events: one ``deployment`` event per change (the view)."""
+    app_mod, app = _app_parts(request)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    bus = app[app_mod.BUS]
+    with bus.subscribe() as queue:
+        for dep in app[app_mod.DEPLOYER].all():  # the current views first
+            await resp.write(b"event: deployment\ndata: " + orjson.dumps(app_mod.view(app, dep)) + b"\n\n")
+        while True:
+            try:
+                kind, data = await asyncio.wait_for(queue.get(), 15)
+            except asyncio.TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+                continue
+            await resp.write(f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n")
+
+
+async def audit(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    try:
+        limit = min(1000, max(1, int(request.query.get("limit", "100"))))
+        dep = request.query.get("deployment_id")
+        dep_id = int(dep) if dep else None
+    except ValueError:
+        raise _field_error("limit", "a whole number") from None
+    return _json(await app[app_mod.STORE].audit(dep_id, limit=limit))
+
+
+async def deployment_events(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    return _json(await app[app_mod.STORE].events(_dep_id(request), limit=100))
+
+
+async def sync_now(request: web.Request) -> web.Response:
+    app_mod, app = _app_parts(request)
+    sync = app[app_mod.SYNC]
+    if not sync.enabled:
+        raise OndemandError(409, "litellm_disabled", "LiteLLM is not configured (litellm.url, litellm.master_key_file)")
+    return _json(await sync.sync_now())
+
+
+def add_routes(app: web.Application, base_path: str) -> None:
+    api = base_path + "/api"
+    r = app.router
+    r.add_get(api + "/host", host)
+    r.add_get(api + "/deployments", list_deployments)
+    r.add_post(api + "/deployments", create_deployment)
+    r.add_get(api + "/deployments/{id}", get_deployment)
+    r.add_delete(api + "/deployments/{id}", delete_deployment)
+    r.add_patch(api + "/deployments/{id}/mode", set_mode)
+    r.add_get(api + "/deployments/{id}/events", deployment_events)
+    r.add_post(api + "/deployments/{id}/{action:start|stop|sleep|wake}", action)
+    r.add_get(api + "/events", events)
+    r.add_get(api + "/audit", audit)
+    r.add_post(api + "/sync", sync_now)

@@ -1,0 +1,284 @@
+"""The one composition module: builds every object, wires them, runs the server.
+
+Every long-lived resource is a typed ``web.AppKey`` started and stopped
+through ``app.cleanup_ctx``, so the start-up order is the list in
+``build_app`` and shutdown is its reverse (aiohttp's habit). Nothing else in
+the package constructs components or reads the environment.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from . import __version__, keys as keys_mod
+from .backends import Backend
+from .backends.process import ProcessBackend
+from .budget import Budget
+from .config import Config
+from .controller import Controller
+from .deployer import Deployer
+from .events import EventBus
+from .forward import Upstreams
+from .gateway import MAX_BODY, Gateway
+from .litellm import LiteLLMClient, LiteLLMSync
+from .metrics import MetricsSampler
+from .peers import PeerGuard, PeerPolicySource
+from .ratelimit import FailureLimiter
+from .reaper import Reaper
+from .store import Store
+from .tasks import TaskGroup
+
+log = logging.getLogger("ondemand.app")
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says why and what to do."""
+
+
+STORE = web.AppKey("store", Store)
+BUS = web.AppKey("bus", EventBus)
+DEPLOYER = web.AppKey("deployer", Deployer)
+CONTROLLER = web.AppKey("controller", Controller)
+SAMPLER = web.AppKey("sampler", MetricsSampler)
+KEYS = web.AppKey("keys", keys_mod.KeyWatcher)
+SYNC = web.AppKey("sync", LiteLLMSync)
+PEERS = web.AppKey("peers", PeerPolicySource)
+GATEWAY = web.AppKey("gateway", Gateway)
+CONFIG = web.AppKey("config", Config)
+STARTED_AT = web.AppKey("started_at", float)
+TASKS = web.AppKey("tasks", TaskGroup)
+
+# Deployment states whose entry or exit changes what LiteLLM should list.
+_SYNC_STATES = frozenset({"ready", "failed", "planned"})
+
+
+def view(app: web.Application, dep: dict[str, Any]) -> dict[str, Any]:
+    """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
+    out = dict(dep)
+    dep_id = dep["id"]
+    out["mode"] = dep.get("mode") or "always_on"
+    out["base_url"] = app[DEPLOYER].base_url(dep_id)
+    out["ondemand"] = app[CONTROLLER].status(dep_id)
+    sync = app.get(SYNC)
+    out["litellm"] = sync.status_of(dep_id) if sync is not None else None
+    sample = app[SAMPLER].as_dict(dep_id)
+    out["engine_metrics"] = sample
+    return out
+
+
+def make_backend(cfg: Config) -> Backend:
+    if cfg.deployer.backend == "process":
+        return ProcessBackend(cfg.state_dir)
+    from .backends.docker import DockerBackend
+    return DockerBackend(docker_url=cfg.deployer.docker_url, network=cfg.deployer.network,
+                         own_container_id=socket.gethostname(), gpus=cfg.deployer.gpus)
+
+
+def _ensure_token(path: Path) -> str:
+    token = keys_mod.read_key_file(path)
+    if token is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        token = keys_mod.generate_key().replace("odk-", "oda-", 1)
+        keys_mod.write_key_file(path, token)
+        log.info("wrote a new admin token to %s", path)
+    return token
+
+
+def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application:
+    from . import admin  # the admin API's routes
+
+    app = web.Application(client_max_size=MAX_BODY + 1, handler_args={"max_field_size": 65536})
+    app[CONFIG] = cfg
+    app[BUS] = EventBus()
+    app[STARTED_AT] = time.time()
+
+    async def state(app: web.Application) -> AsyncIterator[None]:
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        app[STORE] = await Store.open(cfg.db_path)
+        yield
+        await app[STORE].close()
+
+    async def engines(app: web.Application) -> AsyncIterator[None]:
+        deployer = Deployer(app[STORE], backend or make_backend(cfg), Budget.from_config(cfg),
+                            start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s)
+        app[DEPLOYER] = deployer
+        app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in(("ready", "asleep")),
+                                      interval_s=cfg.metrics_interval_s)
+        await deployer.load()
+        yield
+        await deployer.close(stop_engines=deployer.backend.kind == "process")
+        await app[SAMPLER].close()
+
+    async def control(app: web.Application) -> AsyncIterator[None]:
+        bus = app[BUS]
+        deployer = app[DEPLOYER]
+
+        def publish(dep_id: int) -> None:
+            dep = deployer.get(dep_id)
+            bus.publish(view(app, dep) if dep is not None else {"id": dep_id, "removed": True})
+
+        app[CONTROLLER] = Controller(
+            deployer, deployer.budget, app[SAMPLER], queue_timeout_s=cfg.ondemand_queue_timeout_s,
+            max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
+            min_idle_timeout_s=cfg.min_idle_timeout_s, on_counters=publish)
+        deployer.listeners.append(lambda dep_id, dep, old: publish(dep_id))
+        yield
+        await app[CONTROLLER].close()
+
+    async def gateway(app: web.Application) -> AsyncIterator[None]:
+        watcher = keys_mod.KeyWatcher(cfg.key_file)
+        limiter = FailureLimiter()
+        watcher.on_change.append(limiter.clear)  # design: failed-attempt counts cleared at rotation
+        watcher.current()
+        app[KEYS] = watcher
+        upstreams = Upstreams()
+        app[DEPLOYER].listeners.append(lambda dep_id, dep, old: dep is None and upstreams.forget(dep_id))
+        app[GATEWAY] = Gateway(controller=app[CONTROLLER], deployer=app[DEPLOYER], keys=watcher,
+                               limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
+        yield
+        await upstreams.close()
+
+    async def litellm(app: web.Application) -> AsyncIterator[None]:
+        client = None
+        if cfg.litellm.url:
+            master = keys_mod.read_key_file(cfg.litellm.master_key_file) if cfg.litellm.master_key_file else None
+            if master is None:
+                log.warning("litellm.url is set but litellm.master_key_file holds no key: the sync is disabled")
+            else:
+                client = LiteLLMClient(cfg.litellm.url, master)
+        deployer = app[DEPLOYER]
+
+        async def deployments() -> list[dict[str, Any]]:
+            return [dict(d) for d in deployer.all()]
+
+        sync = LiteLLMSync(client=client, internal_url=cfg.internal_url.rstrip("/"),
+                           queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
+                           current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
+        app[SYNC] = sync
+
+        def on_deployment(dep_id: int, dep: dict | None, old: str | None) -> None:
+            if dep is None or old is None or (old != dep["state"] and (old in _SYNC_STATES or dep["state"] in _SYNC_STATES)):
+                sync.trigger()
+
+        deployer.listeners.append(on_deployment)
+        mode_seen: dict[int, Any] = {d["id"]: d.get("mode") for d in deployer.all()}
+
+        def on_mode(dep_id: int, dep: dict | None, old: str | None) -> None:
+            if dep is not None and mode_seen.get(dep_id) != dep.get("mode"):
+                mode_seen[dep_id] = dep.get("mode")
+                sync.trigger()
+
+        deployer.listeners.append(on_mode)
+        app[KEYS].on_change.append(sync.trigger)
+        yield
+        await sync.close()
+
+    async def background(app: web.Application) -> AsyncIterator[None]:
+        tasks = app[TASKS] = TaskGroup("app")
+        peers = app[PEERS] = PeerPolicySource(cfg.ondemand_allowed_cidrs, decider_network=cfg.decider_network,
+                                              container_id_hint=socket.gethostname(),
+                                              docker_url=cfg.deployer.docker_url)
+        holder.source = peers
+        await peers.refresh()
+        tasks.spawn(peers.run(30.0), "peer policy")
+        tasks.spawn(app[SAMPLER].run(), "metrics sampler")
+        tasks.spawn(Reaper(app[CONTROLLER], cfg.reap_interval_s).run(), "reaper")
+        tasks.spawn(app[SYNC].run(), "litellm sync")
+        tasks.spawn(_watch_key(app[KEYS]), "key watcher")
+        yield
+        await tasks.close()
+
+    # Routes and middlewares exist before start-up (aiohttp freezes them); the
+    # objects behind them are made by the cleanup contexts.
+    holder = _PolicyHolder()
+    app.middlewares.append(PeerGuard(holder, cfg.base_path + "/ondemand"))
+    app.middlewares.append(admin.auth_middleware(cfg))
+
+    async def gateway_route(request: web.Request) -> web.StreamResponse:
+        return await request.app[GATEWAY].handle(request)
+
+    prefix = cfg.base_path + "/ondemand"
+    app.router.add_route("*", prefix, gateway_route)
+    app.router.add_route("*", prefix + "/{tail:.*}", gateway_route)
+    admin.add_routes(app, cfg.base_path)
+    app.cleanup_ctx.extend([state, engines, control, gateway, litellm, background])
+    return app
+
+
+class _PolicyHolder:
+    """The peer guard's policy before and after the first refresh: nobody until then."""
+    source: PeerPolicySource | None = None
+
+    def allows(self, ip: str) -> bool:
+        return self.source is not None and self.source.allows(ip)
+
+
+async def _watch_key(watcher: keys_mod.KeyWatcher) -> None:
+    """Look at the key file about once a second even without traffic, so that a
+    rotation re-registers LiteLLM's entries promptly."""
+    while True:
+        watcher.current()
+        await asyncio.sleep(1.0)
+
+
+# --- running -------------------------------------------------------------------
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=None,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM or SIGINT: stop accepting, let streams end within the
+    grace period, then cancel what is left (uvicorn's order)."""
+    setup_logging(cfg.log_level)
+    _ensure_token(cfg.token_file)
+    app = build_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace_s,
+                           access_log=None)
+    try:
+        await runner.setup()
+    except Exception as exc:
+        raise StartupError(f"cannot start: {exc}") from exc
+    host, port = cfg.listen_host_port
+    sock_path = cfg.admin_socket
+    try:
+        await web.TCPSite(runner, host or None, port, reuse_address=True).start()
+        if sock_path.exists() or sock_path.is_symlink():
+            sock_path.unlink()
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            await web.UnixSite(runner, str(sock_path)).start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(sock_path, stat.S_IRUSR | stat.S_IWUSR)
+    except OSError as exc:
+        await runner.cleanup()
+        raise StartupError(f"cannot listen on {cfg.listen} / {sock_path}: {exc.strerror or exc}") from exc
+    log.info("ondemand %s listening on %s (gateway %s/ondemand, admin %s/api, socket %s)",
+             __version__, cfg.listen, cfg.base_path, cfg.base_path, sock_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: no new connections; streams get %gs to end", cfg.shutdown_grace_s)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        sock_path.unlink(missing_ok=True)
+        log.info("stopped")

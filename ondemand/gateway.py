@@ -1,0 +1,334 @@
+"""The gateway: ``{base_path}/ondemand/{id}/v1/...``, what LiteLLM calls
+instead of the engine.
+
+The checks run in the design document's order: the peer guard (middleware,
+``peers.PeerGuard``, before routing), the raw path, a configured key, the
+rate limit on failed keys, the key, the body size, the deployment. Then a
+traffic request takes a slot from the controller (which may start the model,
+make room or queue) and is streamed to the engine and back, chunk by chunk.
+Unknown routes answer 404 after the key check, so nothing about the routes
+is learnt without the key; the engine is never called for them.
+
+Hang-ups: the application runs with handler cancellation, so a client that
+goes away cancels its handler: a pending ``acquire`` (the controller removes
+the waiter) or the upstream request (its connection is closed). The slot is
+released in ``finally``; when ``acquire`` runs in a task of its own (the
+streaming notice), a slot it grants after the hang-up is released by a done
+callback.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from . import notice
+from .controller import Controller, Slot
+from .deployer import Deployer
+from .errors import OndemandError
+from .forward import Upstreams, request_headers, response_headers
+from .keys import KeyWatcher
+from .paths import rebuild, split_checked
+from .ratelimit import FailureLimiter
+
+log = logging.getLogger("ondemand.gateway")
+
+MAX_BODY = 16 * 1024 * 1024
+TRAFFIC = frozenset({
+    "chat/completions", "completions", "embeddings", "responses", "messages", "chat/completions/batch",
+    "audio/transcriptions", "audio/translations", "rerank", "score"})
+MULTIPART = frozenset({"audio/transcriptions", "audio/translations"})
+HEALTH_HEADER = "x-dgxmm-health-check"
+STATE_HEADER = "x-dgxmm-ondemand-state"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_JSON = "application/json"
+
+
+def error_response(err: OndemandError) -> web.Response:
+    return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
+
+
+def _err(status: int, code: str, message: str, **kw: Any) -> OndemandError:
+    return OndemandError(status, code, message, **kw)
+
+
+def _not_found() -> OndemandError:
+    return OndemandError(404, "not_found", "Not found")
+
+
+def _release_when_granted(task: asyncio.Future) -> None:
+    """A slot granted to a request that is gone is released at once."""
+    def done(t: asyncio.Future) -> None:
+        if not t.cancelled() and t.exception() is None:
+            t.result().release()
+    task.add_done_callback(done)
+
+
+def health_answer(route: str, served: str) -> dict[str, Any] | None:
+    now = int(time.time())
+    if route == "chat/completions":
+        return {"id": "ondemand-health", "object": "chat.completion", "created": now, "model": served,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+    if route == "completions":
+        return {"id": "ondemand-health", "object": "text_completion", "created": now, "model": served,
+                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+    if route == "responses":
+        return {"id": "resp_ondemand_health", "object": "response", "created_at": now, "status": "completed",
+                "model": served, "output": [], "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}
+    if route == "messages":
+        return {"id": "msg_ondemand_health", "type": "message", "role": "assistant", "model": served,
+                "content": [], "stop_reason": "end_turn", "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0}}
+    if route == "embeddings":
+        return {"object": "list", "model": served, "data": [{"object": "embedding", "index": 0, "embedding": []}],
+                "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+    return None
+
+
+class Gateway:
+    def __init__(self, *, controller: Controller, deployer: Deployer, keys: KeyWatcher,
+                 limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
+                 clock=time.monotonic):
+        self.controller = controller
+        self.deployer = deployer
+        self.keys = keys
+        self.limiter = limiter
+        self.upstreams = upstreams
+        self.prefix = base_path + "/ondemand"
+        self.max_body = max_body
+        self.clock = clock
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._handle(request)
+        except OndemandError as err:
+            if err.status >= 500:
+                log.info("%s %s: %d %s", request.method, request.raw_path, err.status, err.code)
+            return error_response(err)
+
+    # --- the checks -------------------------------------------------------------
+
+    def _check_key(self, request: web.Request) -> None:
+        if self.keys.current() is None:
+            raise _err(503, "ondemand_not_configured",
+                       "The on-demand gateway has no key configured (ondemand_key_file)")
+        peer = request.transport.get_extra_info("peername")[0] if request.transport else "?"
+        retry = self.limiter.retry_after(peer)
+        if retry is not None:
+            raise _err(429, "rate_limited", "Too many failed key checks; try again later",
+                       headers={"Retry-After": str(retry)})
+        auth = request.headers.get("Authorization", "")
+        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        verdict = self.keys.check(presented)
+        if verdict == "ok":
+            return
+        if verdict == "bad":  # the previous key, just rotated, does not count (design: Key rotation)
+            self.limiter.fail(peer)
+        raise _err(401, "invalid_api_key", "Invalid API key for the on-demand gateway")
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        arrival = self.clock()
+        segs = split_checked(request.raw_path, self.prefix)
+        self._check_key(request)
+        # Route: {id}/v1/<route>
+        if len(segs) < 3 or segs[1] != "v1" or not segs[0].isdigit() or not segs[0].isascii():
+            raise _not_found()
+        dep_id = int(segs[0])
+        route = "/".join(segs[2:])
+        method = request.method
+        if method == "POST" and route in TRAFFIC:
+            kind = "traffic"
+        elif route == "models" and method == "GET":
+            kind = "models"
+        elif len(segs) == 4 and segs[2] == "models" and method in ("GET", "HEAD"):
+            kind = "model"
+        else:
+            raise _not_found()
+        length = request.content_length
+        if length is not None and length > self.max_body:
+            raise self._too_large()
+        dep = self.deployer.get(dep_id)
+        if dep is None:
+            raise _not_found()
+        if dep["role"] == "decision":
+            raise _err(503, "not_on_demand", f"{dep['served_name']} is not served through the on-demand gateway")
+        if kind == "models":
+            return web.json_response({"object": "list", "data": [{
+                "id": dep["served_name"], "object": "model", "created": int(dep.get("created_at") or 0),
+                "owned_by": "dgxmm"}]}, dumps=lambda o: orjson.dumps(o).decode())
+        if kind == "model":
+            if dep["state"] != "ready":
+                raise _err(503, "ondemand_not_ready", f"{dep['served_name']} is {dep['state']}")
+            return await self._forward(request, dep, segs, None, route)
+
+        if HEALTH_HEADER in request.headers:
+            return self._health(dep, route)
+        on_demand = (dep.get("mode") or "always_on") == "on_demand"
+        if not on_demand and dep["state"] != "ready":
+            raise _err(503, "not_on_demand", f"{dep['served_name']} is always on and is {dep['state']}")
+
+        body = await self._read_body(request)
+        parsed = None
+        if route not in MULTIPART:
+            try:
+                parsed = orjson.loads(body) if body else None
+            except orjson.JSONDecodeError:
+                raise _err(400, "invalid_json", "The request body is not valid JSON") from None
+            if parsed is not None and not isinstance(parsed, dict):
+                raise _err(400, "invalid_json", "The request body must be a JSON object")
+        if not on_demand:
+            return await self._forward(request, dep, segs, body, route)
+        how = notice.mode(route, parsed)
+        if how == notice.STREAM_NOTICE:
+            return await self._stream_with_notice(request, dep, segs, body, route, arrival)
+        queued: list[bool] = []
+        slot = await self.controller.acquire(dep_id, arrival=arrival, on_queued=lambda: queued.append(True))
+        try:
+            return await self._forward(request, dep, segs, body, route,
+                                       prepend=how == notice.PREPEND and bool(queued))
+        finally:
+            slot.release()
+
+    def _too_large(self) -> OndemandError:
+        return _err(413, "request_too_large", f"The request body is larger than {self.max_body // 2**20} MiB")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """Counted while it arrives (chunked too): aiohttp stops at client_max_size."""
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        if len(body) > self.max_body:
+            raise self._too_large()
+        return body
+
+    def _health(self, dep: dict[str, Any], route: str) -> web.Response:
+        """LiteLLM's health checks are answered here, never forwarded, in every state:
+        the header is no secret, and a forwarded one would run without a slot."""
+        if dep["state"] == "failed":
+            raise _err(503, "ondemand_not_ready", f"{dep['served_name']} failed: {dep.get('state_reason') or ''}")
+        answer = health_answer(route, dep["served_name"])
+        if answer is None:
+            raise _err(503, "ondemand_health_unsupported", f"no health answer for /v1/{route}")
+        return web.Response(body=orjson.dumps(answer), content_type=_JSON, headers={STATE_HEADER: dep["state"]})
+
+    # --- streaming with the queued notice -----------------------------------------
+
+    async def _stream_with_notice(self, request: web.Request, dep: dict[str, Any], segs: list[str],
+                                  body: bytes, route: str, arrival: float) -> web.StreamResponse:
+        queued = asyncio.Event()
+        acq = asyncio.ensure_future(self.controller.acquire(dep["id"], arrival=arrival, on_queued=queued.set))
+        slot: Slot | None = None
+        try:
+            if not acq.done():
+                q = asyncio.ensure_future(queued.wait())
+                try:
+                    await asyncio.wait((acq, q), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    q.cancel()
+            if acq.done():
+                slot = acq.result()  # raises the controller's error as a plain answer
+                return await self._forward(request, dep, segs, body, route)
+            # Queued for memory: tell the person now, then wait.
+            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+            await out.prepare(request)
+            await out.write(notice.queued_chunk(route, dep["served_name"]))
+            try:
+                slot = await acq
+            except OndemandError as err:
+                await out.write(notice.error_events(err.envelope()))
+                await out.write_eof()
+                return out
+            return await self._forward(request, dep, segs, body, route, started=out)
+        finally:
+            if slot is not None:
+                slot.release()
+            elif not acq.done():
+                acq.cancel()
+                _release_when_granted(acq)
+            else:
+                _release_when_granted(acq)
+
+    # --- forwarding -----------------------------------------------------------------
+
+    async def _forward(self, request: web.Request, dep: dict[str, Any], segs: list[str], body: bytes | None,
+                       route: str, *, prepend: bool = False,
+                       started: web.StreamResponse | None = None) -> web.StreamResponse:
+        base = self.deployer.base_url(dep["id"])
+        if base is None:
+            return await self._upstream_failed(started, "the engine has no address")
+        lease = self.upstreams.open(dep["id"], base)
+        try:
+            url = base + rebuild(segs[1:])
+            try:
+                ctx = lease.session.request(request.method, url, headers=request_headers(request.headers),
+                                            data=body, allow_redirects=False)
+                up = await ctx.__aenter__()
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                return await self._upstream_failed(started, f"the engine did not answer: {exc}")
+            try:
+                if started is not None:
+                    return await self._into_started(request, up, started)
+                if prepend and up.status == 200 and up.content_type == _JSON:
+                    data = notice.prepend(route, await up.read(), dep["served_name"])
+                    headers = response_headers(up.headers)
+                    return web.Response(status=200, body=data, headers=headers)
+                out = web.StreamResponse(status=up.status, reason=up.reason, headers=response_headers(up.headers))
+                if up.content_length is not None:
+                    out.content_length = up.content_length
+                await out.prepare(request)
+                if request.method != "HEAD":
+                    try:
+                        async for chunk in up.content.iter_any():
+                            await out.write(chunk)
+                    except aiohttp.ClientPayloadError:
+                        # The engine broke off mid-answer: so do we, rather than end it cleanly.
+                        if request.transport is not None:
+                            request.transport.close()
+                        return out
+                await out.write_eof()
+                return out
+            finally:
+                await ctx.__aexit__(None, None, None)
+        finally:
+            lease.end()
+
+    async def _into_started(self, request: web.Request, up: aiohttp.ClientResponse,
+                            out: web.StreamResponse) -> web.StreamResponse:
+        """The engine's SSE bytes after the queued notice; an engine error becomes an SSE error."""
+        if up.status != 200:
+            raw = await up.content.read(65536)
+            try:
+                error = orjson.loads(raw)
+                if not isinstance(error, dict) or "error" not in error:
+                    raise ValueError
+            except ValueError:
+                error = {"error": {"message": raw.decode("utf-8", "replace")[:2000] or f"engine answered {up.status}",
+                                   "type": "server_error", "code": up.status}}
+            await out.write(notice.error_events(error))
+            await out.write_eof()
+            return out
+        try:
+            async for chunk in up.content.iter_any():
+                await out.write(chunk)
+        except aiohttp.ClientPayloadError:
+            if request.transport is not None:
+                request.transport.close()
+            return out
+        await out.write_eof()
+        return out
+
+    async def _upstream_failed(self, started: web.StreamResponse | None, why: str) -> web.StreamResponse:
+        err = _err(502, "ondemand_upstream_error", f"The engine could not be reached: {why}")
+        if started is None:
+            raise err
+        await started.write(notice.error_events(err.envelope()))
+        await started.write_eof()
+        return started

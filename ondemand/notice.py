@@ -1,0 +1,105 @@
+"""The queued notice: telling a person why their answer is late, without
+breaking any client that parses the answer.
+
+Who gets what (design document, "Queued notice"):
+- a streaming chat/completions or completions request that waits for memory
+  gets one ``ondemand-queued`` chunk at once, then the engine's bytes;
+- Responses and Anthropic messages streams never get one (their typed events
+  must begin with response.created / message_start);
+- a non-streaming chat, completions or Responses answer of a request that
+  queued gets the notice prepended to its text;
+- a request that asks for structured output gets none at all.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+STREAM_NOTICE = "stream"  # send the chunk while queued
+PREPEND = "prepend"  # prepend to a non-streaming answer
+NONE = None
+
+_STRUCTURED = ("response_format", "tools", "tool_choice", "functions", "function_call", "structured_outputs")
+
+
+def notice_text(served_name: str) -> str:
+    return (f"[ondemand] {served_name} is waiting for GPU memory to be freed and will start "
+            f"when it is; your answer follows.\n\n")
+
+
+def is_structured(body: dict[str, Any]) -> bool:
+    for key in _STRUCTURED:
+        if body.get(key) is not None:
+            return True
+    for key, value in body.items():
+        if key.startswith("guided_") and value is not None:
+            return True
+    text = body.get("text")
+    if isinstance(text, dict):
+        fmt = text.get("format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+            return True
+    return False
+
+
+def mode(route: str, body: dict[str, Any] | None) -> str | None:
+    """How a request to ``route`` (e.g. "chat/completions") may get a notice."""
+    if body is None or route not in ("chat/completions", "completions", "responses") or is_structured(body):
+        return NONE
+    if body.get("stream"):
+        return STREAM_NOTICE if route != "responses" else NONE
+    return PREPEND
+
+
+def queued_chunk(route: str, served_name: str) -> bytes:
+    now = int(time.time())
+    text = notice_text(served_name)
+    if route == "completions":
+        chunk = {"id": "ondemand-queued", "object": "text_completion", "created": now, "model": served_name,
+                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+    else:
+        chunk = {"id": "ondemand-queued", "object": "chat.completion.chunk", "created": now,
+                 "model": served_name,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                              "logprobs": None, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def error_events(error: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+
+
+def prepend(route: str, body: bytes, served_name: str) -> bytes:
+    """The engine's JSON answer with the notice in front of its text; unchanged
+    when the answer has no place for it (tool calls with null content ...)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    text = notice_text(served_name)
+    changed = False
+    try:
+        if route == "chat/completions":
+            msg = answer["choices"][0]["message"]
+            if isinstance(msg.get("content"), str):
+                msg["content"] = text + msg["content"]
+                changed = True
+        elif route == "completions":
+            choice = answer["choices"][0]
+            if isinstance(choice.get("text"), str):
+                choice["text"] = text + choice["text"]
+                changed = True
+        elif route == "responses":
+            for item in answer.get("output") or ():
+                if item.get("type") == "message":
+                    for part in item.get("content") or ():
+                        if part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                            part["text"] = text + part["text"]
+                            changed = True
+                            break
+                    break
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return body
+    return orjson.dumps(answer) if changed else body

@@ -1,0 +1,505 @@
+"""The gateway end to end: a real ondemand on loopback, the engine simulator
+behind it, real sockets and the real state file."""
+import asyncio
+import contextlib
+import os
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from ondemand import keys
+
+from helpers import run_app, wait_for
+
+CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
+
+
+async def err(resp):
+    body = await resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}
+    return resp.status, body["error"]["code"]
+
+
+async def recorded(server, dep_id):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
+            return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
+
+
+@pytest.fixture
+async def server(tmp_path):
+    async with run_app(tmp_path) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_cold_start_then_forward(server, http):
+    a = await server.add("a", 10, "--startup-delay", "0.3")
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert r.status == 200
+        body = await r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+    assert server.state(a) == "ready"
+    assert server.controller.inflight(a) == 0
+    assert server.controller.status(a)["last_request_at"] is not None
+
+
+async def test_nothing_secret_reaches_the_engine(server, http):
+    a = await server.add("a")
+    await server.deployer.restart(a)
+    headers = {**server.auth(), "Cookie": "session=1", "Connection": "keep-alive, X-Private",
+               "X-Private": "secret", "Keep-Alive": "timeout=5", "Accept-Encoding": "gzip", "X-Custom": "kept"}
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=headers) as r:
+        assert r.status == 200
+    (req,) = await recorded(server, a)
+    names = {k.lower(): v for k, v in req["headers"]}
+    for banned in ("authorization", "cookie", "x-private", "keep-alive", "x-dgxmm-health-check",
+                   "x-forwarded-for", "forwarded", "x-real-ip"):
+        assert banned not in names, banned
+    assert names["accept-encoding"] == "identity" and names["x-custom"] == "kept"
+    assert req["path"] == "/v1/chat/completions"
+
+
+async def test_stream_is_byte_for_byte_the_engines(server, http):
+    a = await server.add("a")
+    await server.deployer.restart(a)
+    body = {**CHAT, "stream": True, "seed": 1}
+    async with http.post(server.gw(a, "chat/completions"), json=body, headers=server.auth()) as r:
+        via = await r.read()
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        assert "Server" not in r.headers or "Python" in r.headers["Server"]
+    async with http.post(server.deployer.base_url(a) + "/v1/chat/completions", json=body) as r:
+        direct = await r.read()
+    norm = lambda b: [orjson.loads(l[6:]) | {"id": 0, "created": 0} if l != b"data: [DONE]" else l
+                      for l in b.split(b"\n\n") if l]
+    assert norm(via) == norm(direct)
+    assert via.endswith(b"data: [DONE]\n\n")
+
+
+async def test_engine_errors_pass_through_unchanged(server, http):
+    a = await server.add("a")
+    await server.deployer.restart(a)
+    async with http.post(server.gw(a, "chat/completions"), json={**CHAT, "model": "nope"},
+                         headers=server.auth()) as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["message"].startswith("The model `nope` does not exist")
+
+
+async def test_models_from_the_record_never_wakes(server, http):
+    a = await server.add("a")
+    async with http.get(server.gw(a, "models"), headers=server.auth()) as r:
+        body = await r.json()
+    assert body["object"] == "list" and body["data"][0]["id"] == "A" and body["data"][0]["owned_by"] == "dgxmm"
+    assert server.state(a) == "stopped"
+    async with http.get(server.gw(a, "models/A"), headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_not_ready")
+    await server.deployer.restart(a)
+    async with http.get(server.gw(a, "models/A"), headers=server.auth()) as r:
+        assert r.status == 200 and (await r.json())["id"] == "A"
+    async with http.head(server.gw(a, "models/A"), headers=server.auth()) as r:
+        assert r.status == 200
+    assert server.controller.inflight(a) == 0
+
+
+@pytest.mark.parametrize("path", [
+    "sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "metrics", "health", "tokenize",
+    "chat/completions/render", "messages/count_tokens", "load_lora_adapter", "responses/abc",
+    "responses/abc/cancel", "models/A/extra", "embeddings/x"])
+async def test_everything_else_is_404_and_never_reaches_the_engine(server, http, path):
+    a = await server.add("a")
+    await server.deployer.restart(a)
+    for method in ("GET", "POST"):
+        async with http.request(method, server.gw(a, path), headers=server.auth(), json={}) as r:
+            assert await err(r) == (404, "not_found")
+    async with http.get(server.gw(a, "responses"), headers=server.auth()) as r:
+        assert await err(r) == (404, "not_found")
+    async with http.get(f"{server.url}/ondemand/{a}/v2/models", headers=server.auth()) as r:
+        assert await err(r) == (404, "not_found")
+    assert await recorded(server, a) == []
+
+
+@pytest.mark.parametrize("raw", [
+    "/ondemand/1/v1/./chat/completions", "/ondemand/1/v1/../v1/chat/completions", "/ondemand/1//v1/models",
+    "/ondemand/1/v1/chat%2fcompletions", "/ondemand/1/v1/chat%5Ccompletions", "/ondemand/1/v1/models%00",
+    "/ondemand/1/v1/chat\\completions", "/ondemand/1/v1/models%23x", "/ondemand/1/v1/models%3fx",
+    "/ondemand/1/v1/models?x=1", "/ondemand/1/v1/%2e%2e/models", "/ondemand/1/v1/models/"])
+async def test_bad_paths_are_400(server, raw):
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(server.url.split(":")[2].split("/")[0]))
+    writer.write(f"GET /dgxmm{raw} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.key}\r\n"
+                 f"Connection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert orjson.loads(body)["error"]["code"] == "invalid_path"
+
+
+async def test_key_checks(server, http):
+    a = await server.add("a")
+    async with http.get(server.gw(a, "models")) as r:
+        assert await err(r) == (401, "invalid_api_key")
+    async with http.get(server.gw(a, "models"), headers={"Authorization": "Bearer " + server.key + "x"}) as r:
+        assert await err(r) == (401, "invalid_api_key")
+    async with http.get(server.gw(a, "models"), headers={"Authorization": "Basic " + server.key}) as r:
+        assert await err(r) == (401, "invalid_api_key")
+    # the admin token does not open the gateway, nor the key the admin API
+    async with http.get(server.gw(a, "models"), headers=server.auth(server.token)) as r:
+        assert await err(r) == (401, "invalid_api_key")
+    async with http.get(server.url + "/api/host", headers=server.auth()) as r:
+        assert r.status == 401
+
+
+async def test_rate_limit_after_20_failures(server, http):
+    a = await server.add("a")
+    for _ in range(20):
+        async with http.get(server.gw(a, "models"), headers=server.auth("wrong")) as r:
+            assert r.status == 401
+    async with http.get(server.gw(a, "models"), headers=server.auth()) as r:
+        assert await err(r) == (429, "rate_limited")
+        assert r.headers["Retry-After"] == "60"
+    # another peer is not limited
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as other:
+        async with other.get(server.gw(a, "models").replace("127.0.0.1", "127.0.0.1"), headers=server.auth()) as r:
+            assert r.status == 200
+
+
+async def test_key_rotation_without_restart(server, http):
+    a = await server.add("a")
+    old = server.key
+    new = keys.generate_key()
+    keys.write_key_file(server.cfg.key_file, new)
+    await asyncio.sleep(1.1)  # looked at at most once a second
+    async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
+        assert r.status == 200
+    # the previous key: 401, but never counted towards the rate limit
+    for _ in range(30):
+        async with http.get(server.gw(a, "models"), headers=server.auth(old)) as r:
+            assert await err(r) == (401, "invalid_api_key")
+    async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
+        assert r.status == 200
+    os.unlink(server.cfg.key_file)
+    await asyncio.sleep(1.1)
+    async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
+        assert await err(r) == (503, "ondemand_not_configured")
+
+
+async def test_not_configured_without_a_key(tmp_path, http):
+    async with run_app(tmp_path, write_key=False) as server:
+        a = await server.add("a")
+        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+            assert await err(r) == (503, "ondemand_not_configured")
+        assert server.state(a) == "stopped"
+
+
+async def test_body_limit(server, http):
+    a = await server.add("a")
+    big = b'{"model": "A", "x": "' + b"x" * (16 * 2**20) + b'"}'
+    async with http.post(server.gw(a, "chat/completions"), data=big,
+                         headers={**server.auth(), "Content-Type": "application/json"}) as r:
+        assert await err(r) == (413, "request_too_large")
+
+    async def chunked():
+        for _ in range(17):
+            yield b"x" * 2**20
+    async with http.post(server.gw(a, "audio/transcriptions"), data=chunked(), headers=server.auth()) as r:
+        assert await err(r) == (413, "request_too_large")
+    assert server.state(a) == "stopped" and server.controller.waiting() == 0
+
+
+async def test_deployment_checks(server, http):
+    async with http.post(server.gw(99, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (404, "not_found")
+    d = await server.add("d", role="decision", mode="always_on")
+    async with http.post(server.gw(d, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "not_on_demand")
+    ao = await server.add("ao", mode="always_on")
+    async with http.post(server.gw(ao, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "not_on_demand")
+    assert server.state(ao) == "stopped"  # never started by the gateway
+    await server.deployer.restart(ao)
+    async with http.post(server.gw(ao, "chat/completions"), json={**CHAT, "model": "AO"},
+                         headers=server.auth()) as r:
+        assert r.status == 200
+    assert server.controller.inflight(ao) == 0 and server.controller.status(ao)["last_request_at"] is None
+
+
+async def test_invalid_json_starts_nothing(server, http):
+    a = await server.add("a")
+    async with http.post(server.gw(a, "chat/completions"), data=b"{nope",
+                         headers={**server.auth(), "Content-Type": "application/json"}) as r:
+        assert await err(r) == (400, "invalid_json")
+    assert server.state(a) == "stopped"
+
+
+@pytest.mark.parametrize("route, shape", [
+    ("chat/completions", "chat.completion"), ("completions", "text_completion"), ("responses", "response"),
+    ("messages", "message"), ("embeddings", "list")])
+async def test_health_checks_are_answered_here(server, http, route, shape):
+    a = await server.add("a")
+    h = {**server.auth(), "x-dgxmm-health-check": "1"}
+    async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
+        assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "stopped"
+        body = await r.json()
+        assert body.get("object", body.get("type")) == shape
+    assert server.state(a) == "stopped" and server.controller.status(a)["last_request_at"] is None
+    await server.deployer.restart(a)
+    async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
+        assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "ready"
+    assert await recorded(server, a) == []  # never forwarded, even when ready
+    async with http.post(server.gw(a, route), json=CHAT, headers={"x-dgxmm-health-check": "1"}) as r:
+        assert r.status == 401  # the header needs the key
+
+
+async def test_health_check_other_cases(server, http):
+    a = await server.add("a", 10, "--fail", "exit-at-start")
+    h = {**server.auth(), "x-dgxmm-health-check": "1"}
+    async with http.post(server.gw(a, "rerank"), json={}, headers=h) as r:
+        assert await err(r) == (503, "ondemand_health_unsupported")
+    with contextlib.suppress(Exception):
+        await server.deployer.restart(a)
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=h) as r:
+        assert await err(r) == (503, "ondemand_not_ready")
+
+
+async def test_start_failure_is_503(server, http):
+    a = await server.add("a", 10, "--fail", "exit-at-start")
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "start_failed")
+
+
+async def test_queue_full(tmp_path, http):
+    async with run_app(tmp_path, ondemand_max_queued=1) as server:
+        a = await server.add("a", 10, "--startup-delay", "1")
+        first = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
+        await wait_for(lambda: server.controller.waiting() == 1)
+        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+            assert await err(r) == (503, "ondemand_queue_full") and r.headers["Retry-After"] == "60"
+        r = await first
+        assert r.status == 200
+        r.release()
+
+
+async def test_upstream_unreachable_is_502(server, http):
+    a = await server.add("a")
+    await server.deployer.restart(a)
+    proc = server.deployer._engines[a].ref
+    os.killpg(proc.pid, 19)  # frozen: accepts nothing new ... then gone
+    server.deployer._engines[a].base_url = "http://127.0.0.1:1"
+    try:
+        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+            assert await err(r) == (502, "ondemand_upstream_error")
+    finally:
+        os.killpg(proc.pid, 18)
+    assert server.controller.inflight(a) == 0
+
+
+def _queued_setup(server):
+    async def go(second_args=()):
+        big = await server.add("big", 15)
+        x = await server.add("x", 12, *second_args)
+        await server.deployer.restart(big)
+        slot = await server.controller.acquire(big)  # busy: x must queue
+        return big, x, slot
+    return go
+
+
+async def test_streaming_chat_gets_the_queued_notice_then_the_engine(server, http):
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        first = await r.content.readuntil(b"\n\n")
+        chunk = orjson.loads(first[6:])
+        assert chunk["id"] == "ondemand-queued" and chunk["object"] == "chat.completion.chunk"
+        assert chunk["model"] == "X" and "GPU memory" in chunk["choices"][0]["delta"]["content"]
+        slot.release()
+        server.controller._last_activity[big] = 0  # idle for its full timeout now
+        await server.app[__import__("ondemand.app").app.SAMPLER].sample_once()
+        rest = await r.read()
+    assert rest.endswith(b"data: [DONE]\n\n")
+    events = [orjson.loads(l[6:]) for l in rest.split(b"\n\n") if l and l != b"data: [DONE]"]
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] != "ondemand-queued" for e in events)
+    assert server.state(big) == "stopped" and server.state(x) == "ready"
+
+
+async def test_streaming_completions_notice_and_timeout_error(tmp_path, http):
+    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
+        big, x, slot = await _queued_setup(server)()
+        body = {"model": "X", "prompt": "hi", "stream": True}
+        async with http.post(server.gw(x, "completions"), json=body, headers=server.auth()) as r:
+            assert r.status == 200
+            data = await r.read()
+        parts = [p for p in data.split(b"\n\n") if p]
+        assert orjson.loads(parts[0][6:])["object"] == "text_completion"
+        assert orjson.loads(parts[1][6:])["error"]["code"] == "ondemand_queue_timeout"
+        assert parts[2] == b"data: [DONE]"
+        slot.release()
+        assert server.controller.waiting() == 0
+
+
+@pytest.mark.parametrize("route, body", [
+    ("responses", {"model": "X", "input": "hi", "stream": True}),
+    ("messages", {"model": "X", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                          "response_format": {"type": "json_object"}}),
+])
+async def test_no_notice_for_typed_streams_and_structured_output(tmp_path, http, route, body):
+    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
+        big, x, slot = await _queued_setup(server)()
+        async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r:
+            assert await err(r) == (503, "ondemand_queue_timeout")  # a plain 503
+        slot.release()
+
+
+async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "input": "hi", "stream": True}
+    task = asyncio.ensure_future(http.post(server.gw(x, "responses"), json=body, headers=server.auth()))
+    await wait_for(lambda: x in server.controller.queue)
+    slot.release()
+    server.controller._last_activity[big] = 0
+    from ondemand import app as app_mod
+    await server.app[app_mod.SAMPLER].sample_once()
+    r = await task
+    data = await r.read()
+    assert data.startswith(b"event: response.created\n")
+
+
+@pytest.mark.parametrize("route, body, where", [
+    ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}]},
+     lambda b: b["choices"][0]["message"]["content"]),
+    ("completions", {"model": "X", "prompt": "hi"}, lambda b: b["choices"][0]["text"]),
+    ("responses", {"model": "X", "input": "hi"}, lambda b: b["output"][0]["content"][0]["text"]),
+])
+async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http, route, body, where):
+    big, x, slot = await _queued_setup(server)()
+    task = asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
+    await wait_for(lambda: x in server.controller.queue)
+    slot.release()
+    server.controller._last_activity[big] = 0
+    from ondemand import app as app_mod
+    await server.app[app_mod.SAMPLER].sample_once()
+    r = await task
+    raw = await r.read()
+    assert int(r.headers["Content-Length"]) == len(raw)
+    text = where(orjson.loads(raw))
+    assert text.startswith("[ondemand] X is waiting for GPU memory")
+    # a request that did not queue gets the engine's answer untouched
+    async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r2:
+        assert not where(await r2.json()).startswith("[ondemand]")
+
+
+async def test_structured_non_streaming_gets_no_notice(server, http):
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
+            "function": {"name": "f", "parameters": {}}}]}
+    task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
+    await wait_for(lambda: x in server.controller.queue)
+    slot.release()
+    server.controller._last_activity[big] = 0
+    from ondemand import app as app_mod
+    await server.app[app_mod.SAMPLER].sample_once()
+    r = await task
+    assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
+
+
+async def test_hang_up_while_waiting_releases_everything(server, http):
+    a = await server.add("a", 10, "--startup-delay", "1")
+    task = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
+    await wait_for(lambda: server.controller.waiting() == 1)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: server.controller.waiting() == 0, what="waiter removed")
+    await wait_for(lambda: server.state(a) == "ready", what="the shared start still finished")
+    assert server.controller.inflight(a) == 0
+
+
+async def test_hang_up_mid_stream_closes_the_engine_connection(server, http):
+    a = await server.add("a", 10, "--token-delay", "0.1", "--tokens", "100")
+    await server.deployer.restart(a)
+    body = {**CHAT, "stream": True}
+    r = await http.post(server.gw(a, "chat/completions"), json=body, headers=server.auth())
+    await r.content.readuntil(b"\n\n")
+    assert server.controller.inflight(a) == 1
+    r.close()  # the client goes away
+    await wait_for(lambda: server.controller.inflight(a) == 0, what="slot released")
+    from ondemand import app as app_mod
+    sampler = server.app[app_mod.SAMPLER]
+
+    async def engine_idle():
+        await sampler.sample_once()
+        return sampler.idle(a)
+    await wait_for(engine_idle, what="engine saw the disconnect")
+
+
+async def test_hang_up_on_a_queued_stream_releases(server, http):
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    r = await http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth())
+    await r.content.readuntil(b"\n\n")  # the notice
+    r.close()
+    await wait_for(lambda: server.controller.waiting() == 0 and x not in server.controller.queue)
+    slot.release()
+
+
+async def test_engine_crash_mid_stream_is_not_a_clean_end(server, http):
+    a = await server.add("a", 10, "--fail", "crash-mid-stream", "--token-delay", "0.05")
+    body = {**CHAT, "stream": True}
+    async with http.post(server.gw(a, "chat/completions"), json=body, headers=server.auth()) as r:
+        assert r.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await r.read()
+    await wait_for(lambda: server.controller.inflight(a) == 0)
+
+
+async def test_a_client_per_deployment_closed_after_its_last_stream(server, http):
+    a = await server.add("a", 10, "--token-delay", "0.05", "--tokens", "20")
+    await server.deployer.restart(a)
+    from ondemand import app as app_mod
+    gw = server.app[app_mod.GATEWAY]
+    body = {**CHAT, "stream": True}
+    r = await http.post(server.gw(a, "chat/completions"), json=body, headers=server.auth())
+    await r.content.readuntil(b"\n\n")
+    old = gw.upstreams._current[a]
+    # the engine restarts on a new address while the stream runs
+    lease = gw.upstreams.open(a, "http://127.0.0.1:9")
+    lease.end()
+    assert old.retired and not old.session.closed
+    rest = await r.read()
+    assert rest.endswith(b"data: [DONE]\n\n")
+    await wait_for(lambda: old.session.closed, what="old session closed after its stream")
+
+
+async def test_peer_guard_on_the_raw_peer(tmp_path):
+    async with run_app(tmp_path, ondemand_allowed_cidrs=["127.0.0.2/32"]) as server:
+        a = await server.add("a")
+
+        def client(addr):
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(addr, 0)))
+        async with client("127.0.0.2") as ok, client("127.0.0.3") as no:
+            async with ok.get(server.gw(a, "models"), headers=server.auth()) as r:
+                assert r.status == 200
+            async with no.get(server.gw(a, "models"), headers=server.auth()) as r:
+                assert await err(r) == (404, "not_found")
+            for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+                # a header never makes a peer: even from the allowed address it is refused
+                async with ok.get(server.gw(a, "models"), headers={**server.auth(), h: "127.0.0.2"}) as r:
+                    assert await err(r) == (404, "not_found")
+            async with no.get(server.url + "/api/host", headers=server.admin_headers()) as r:
+                assert r.status == 200  # the guard is the gateway's, not the admin API's
+
+
+async def test_auto_outside_docker_allows_nobody(tmp_path):
+    async with run_app(tmp_path, ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"}) as server:
+        a = await server.add("a")
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
+                assert await err(r) == (404, "not_found")
