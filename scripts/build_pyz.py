@@ -1,0 +1,516 @@
+#!/usr/bin/env python3
+"""Build the ondemand zipapp as ondemand.pyz.spec says.
+
+    build_pyz.py                          native: dist/ondemand.pyz
+    build_pyz.py --target py312-aarch64   dist/ondemand-py312-aarch64.pyz
+    build_pyz.py --list                   the spec's targets
+    options: --spec FILE, --out PATH, --refresh (resolve again even if cached)
+
+Run it with the interpreter whose pip and shiv should do the work (the venv's:
+`.venv/bin/python scripts/build_pyz.py`). For `native` that interpreter is also
+the Python the zipapp is for. The spec's comments explain the steps. In short:
+resolve the setup.cfg pins for the target (markers evaluated for the target),
+cache the wheels in ${ONDEMAND_CACHE:-~/.cache/ondemand}/wheels/<target>/,
+install them into a temporary site-packages, add our packages, zip with shiv.
+
+Exit codes: 0 built, 1 the build failed (pip, shiv), 2 bad usage or spec.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = ROOT / "ondemand.pyz.spec"
+NATIVE = "native"
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ImportError:
+        tomllib = None  # type: ignore[assignment]
+
+try:
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+except ImportError:  # pip always carries a copy
+    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[no-redef]
+    from pip._vendor.packaging.utils import canonicalize_name  # type: ignore[no-redef]
+
+
+class BuildError(Exception):
+    """A failure with a message for the user. code 1 means the build failed,
+    2 means bad usage or a bad spec."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def log(message: str) -> None:
+    print(f"build_pyz: {message}", flush=True)
+
+
+# --- the spec ------------------------------------------------------------------
+
+@dataclass
+class Target:
+    name: str
+    description: str = ""
+    python: str | None = None          # "3.12"; None for native
+    implementation: str = "cp"
+    abi: str = ""
+    machine: str = ""
+    platforms: list[str] = field(default_factory=list)
+
+    @property
+    def cross(self) -> bool:
+        return self.python is not None
+
+    def pip_args(self) -> list[str]:
+        """The pip flags that select wheels for this target ([] for native)."""
+        if not self.cross:
+            return []
+        args = ["--python-version", self.python, "--implementation", self.implementation,
+                "--abi", self.abi]
+        for tag in self.platforms:
+            args += ["--platform", tag]
+        return args
+
+    def marker_environment(self) -> dict[str, str] | None:
+        """What environment markers see on the target (None: this interpreter)."""
+        if not self.cross:
+            return None
+        full = f"{self.python}.0"
+        return {
+            "implementation_name": "cpython",
+            "implementation_version": full,
+            "platform_python_implementation": "CPython",
+            "python_version": self.python,
+            "python_full_version": full,
+            "platform_machine": self.machine,
+            "platform_system": "Linux",
+            "sys_platform": "linux",
+            "os_name": "posix",
+            "platform_release": "",
+            "platform_version": "",
+        }
+
+    def identity(self) -> dict:
+        """What the cached resolution depends on besides the requirements."""
+        if self.cross:
+            return {"python": self.python, "implementation": self.implementation,
+                    "abi": self.abi, "machine": self.machine, "platforms": self.platforms}
+        return {"python": sys.version, "implementation": sys.implementation.cache_tag,
+                "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
+                "platform": sysconfig.get_platform(), "machine": platform.machine(),
+                "libc": list(platform.libc_ver())}
+
+    def summary(self) -> str:
+        if not self.cross:
+            return (f"{sys.implementation.name} {platform.python_version()} "
+                    f"on {sysconfig.get_platform()} ({sys.executable})")
+        return (f"CPython {self.python} ({self.abi}) on {self.machine}, "
+                f"platform tags {self.platforms[0]} .. {self.platforms[-1]}")
+
+
+@dataclass
+class Spec:
+    path: Path
+    entry_point: str
+    interpreter: str
+    packages: list[str]
+    output: str
+    target_output: str
+    compressed: bool
+    reproducible: bool
+    compile_pyc: bool
+    root: str
+    targets: dict[str, Target]
+
+    @property
+    def base(self) -> Path:
+        return self.path.parent
+
+    def output_for(self, target: Target) -> Path:
+        rel = self.output if target.name == NATIVE else self.target_output.format(target=target.name)
+        return self.base / rel
+
+
+_SPEC_KEYS = {
+    "zipapp": {"entry_point": str, "interpreter": str, "packages": list, "output": str,
+               "target_output": str},
+    "shiv": {"compressed": bool, "reproducible": bool, "compile_pyc": bool, "root": str},
+}
+_TARGET_KEYS = {"description": str, "python": str, "implementation": str, "abi": str,
+                "machine": str, "platforms": list}
+
+
+def _bad(path: Path, message: str) -> BuildError:
+    return BuildError(f"{path}: {message}", 2)
+
+
+def load_spec(path: Path) -> Spec:
+    if tomllib is None:
+        raise BuildError("reading the spec needs Python >= 3.11 (tomllib) or the tomli package", 2)
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise BuildError(f"{path}: no such spec file", 2) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise _bad(path, f"not valid TOML: {exc}") from None
+
+    unknown = set(raw) - set(_SPEC_KEYS) - {"targets"}
+    if unknown:
+        raise _bad(path, f"unknown table(s): {', '.join(sorted(unknown))}")
+    values: dict = {}
+    for table, keys in _SPEC_KEYS.items():
+        section = raw.get(table)
+        if not isinstance(section, dict):
+            raise _bad(path, f"missing table [{table}]")
+        extra = set(section) - set(keys)
+        if extra:
+            raise _bad(path, f"[{table}]: unknown key(s): {', '.join(sorted(extra))}")
+        for key, typ in keys.items():
+            if key not in section:
+                raise _bad(path, f"[{table}]: missing {key}")
+            if not isinstance(section[key], typ):
+                raise _bad(path, f"[{table}] {key}: expected {typ.__name__}")
+            values[key] = section[key]
+
+    mod, sep, fn = values["entry_point"].partition(":")
+    if not sep or not all(p.isidentifier() for p in mod.split(".") + fn.split(".")):
+        raise _bad(path, f"[zipapp] entry_point {values['entry_point']!r}: expected 'module:function'")
+    if not values["packages"] or not all(isinstance(p, str) and p.isidentifier()
+                                         for p in values["packages"]):
+        raise _bad(path, "[zipapp] packages: expected a non-empty list of package names")
+    if "{target}" not in values["target_output"]:
+        raise _bad(path, "[zipapp] target_output must contain {target}")
+
+    targets_raw = raw.get("targets")
+    if not isinstance(targets_raw, dict) or NATIVE not in targets_raw:
+        raise _bad(path, f"missing [targets.{NATIVE}]")
+    targets: dict[str, Target] = {}
+    for name, t in targets_raw.items():
+        where = f"[targets.{name}]"
+        if not isinstance(t, dict):
+            raise _bad(path, f"{where}: expected a table")
+        extra = set(t) - set(_TARGET_KEYS)
+        if extra:
+            raise _bad(path, f"{where}: unknown key(s): {', '.join(sorted(extra))}")
+        for key, typ in _TARGET_KEYS.items():
+            if key in t and not isinstance(t[key], typ):
+                raise _bad(path, f"{where} {key}: expected {typ.__name__}")
+        if name == NATIVE:
+            if set(t) - {"description"}:
+                raise _bad(path, f"{where}: native takes only a description; it is this interpreter")
+            targets[name] = Target(name, t.get("description", ""))
+            continue
+        missing = [k for k in ("python", "abi", "machine", "platforms") if k not in t]
+        if missing:
+            raise _bad(path, f"{where}: missing {', '.join(missing)}")
+        target = Target(name, t.get("description", ""), t["python"], t.get("implementation", "cp"),
+                        t["abi"], t["machine"], list(t["platforms"]))
+        if not re.fullmatch(r"3\.\d+", target.python):
+            raise _bad(path, f"{where} python: expected 'X.Y', got {target.python!r}")
+        if target.implementation != "cp":
+            raise _bad(path, f"{where} implementation: only 'cp' (CPython) is supported")
+        if target.abi != "cp" + target.python.replace(".", ""):
+            raise _bad(path, f"{where} abi {target.abi!r} does not match python {target.python}")
+        if not target.platforms:
+            raise _bad(path, f"{where} platforms: empty")
+        for tag in target.platforms:
+            if not isinstance(tag, str) or not tag.endswith("_" + target.machine):
+                raise _bad(path, f"{where} platforms: {tag!r} is not a tag for {target.machine}")
+        targets[name] = target
+    return Spec(path=path, targets=targets, **values)
+
+
+def load_requirements() -> list[str]:
+    """setup.cfg's install_requires, through scripts/requirements.py."""
+    spec = importlib.util.spec_from_file_location("_ondemand_requirements",
+                                                  ROOT / "scripts" / "requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reqs = module.requirements()
+    if not reqs:
+        raise BuildError("setup.cfg [options] install_requires is empty", 2)
+    return reqs
+
+
+def package_version(spec: Spec, package: str) -> str:
+    init = spec.base / package / "__init__.py"
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""",
+                      init.read_text(encoding="utf-8"), re.M) if init.is_file() else None
+    if not match:
+        raise BuildError(f"{init}: no __version__ = '...' line (the zipapp must carry a version)", 2)
+    return match.group(1)
+
+
+# --- pip -----------------------------------------------------------------------
+
+def pip(args: list[str], what: str) -> str:
+    """Run this interpreter's pip; return its output, or raise with it."""
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    for var in ("PIP_TARGET", "PIP_USER", "PIP_PREFIX", "PIP_REQUIRE_VIRTUALENV"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-25:])
+        hint = ""
+        if "No matching distribution" in proc.stdout:
+            hint = ("\n(either pip cannot reach the package index, or a requirement has no wheel "
+                    "for this target's Python and platform tags)")
+        raise BuildError(f"{what} failed (pip exit {proc.returncode}):\n{tail}{hint}")
+    return proc.stdout
+
+
+def _stripped(req: Requirement) -> str:
+    """The requirement without its marker (already evaluated for the target)."""
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    return f"{req.name}{extras}{req.specifier}"
+
+
+def _applies(marker: Marker | None, env: dict[str, str] | None, extra: str = "") -> bool:
+    if marker is None:
+        return True
+    return marker.evaluate({**(env or {}), "extra": extra})
+
+
+def resolve(target: Target, requirements: list[str], work: Path) -> list[str]:
+    """Pin the full set of distributions the target needs: ["name==version", ...].
+
+    pip resolves (with the target's version and platform tags), but evaluates
+    markers for the interpreter running it. So: walk pip's report with the
+    target's markers; whatever the target needs that pip left out (tomli, say,
+    for 3.10 when this is 3.11) becomes a top-level requirement, and pip
+    resolves again. What pip added only for this interpreter is not reached by
+    the walk and is left out."""
+    env = target.marker_environment()
+    roots: dict[str, Requirement] = {}
+    for line in requirements:
+        req = Requirement(line)
+        if _applies(req.marker, env):
+            roots[canonicalize_name(req.name)] = req
+    for round_ in range(1, 11):
+        report_path = work / f"report-{round_}.json"
+        pip(["install", "--dry-run", "--ignore-installed", "--only-binary", ":all:",
+             "--report", str(report_path), *target.pip_args(),
+             *[_stripped(r) for r in roots.values()]],
+            f"resolving the requirements for target {target.name}")
+        report = json.loads(report_path.read_text())
+        resolved = {}
+        for item in report.get("install", []):
+            meta = item["metadata"]
+            resolved[canonicalize_name(meta["name"])] = meta
+        needed: dict[str, set[str]] = {}
+        missing: list[Requirement] = []
+        queue = list(roots.values())
+        while queue:
+            req = queue.pop()
+            name = canonicalize_name(req.name)
+            meta = resolved.get(name)
+            if meta is None or not req.specifier.contains(meta["version"], prereleases=True):
+                missing.append(req)
+                continue
+            if name in needed and req.extras <= needed[name]:
+                continue
+            needed.setdefault(name, set()).update(req.extras)
+            for dep_line in meta.get("requires_dist") or []:
+                dep = Requirement(dep_line)
+                if any(_applies(dep.marker, env, e) for e in ["", *needed[name]]):
+                    queue.append(Requirement(_stripped(dep)))
+        if not missing:
+            return sorted(f"{resolved[n]['name']}=={resolved[n]['version']}" for n in needed)
+        for req in missing:
+            name = canonicalize_name(req.name)
+            old = roots.get(name)
+            if old is not None:
+                merged = Requirement(_stripped(old))
+                merged.specifier = SpecifierSet(str(old.specifier & req.specifier))
+                merged.extras = set(old.extras) | set(req.extras)
+                req = merged
+            roots[name] = Requirement(_stripped(req))
+        log(f"  the target also needs: {', '.join(_stripped(r) for r in missing)}; resolving again")
+    raise BuildError(f"resolving for target {target.name} did not settle after 10 rounds")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ONDEMAND_CACHE") or "~/.cache/ondemand").expanduser()
+
+
+@contextlib.contextmanager
+def locked(directory: Path):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def install_from_cache(target: Target, pins: list[str], wheels: Path, stage: Path) -> None:
+    pip(["install", "--no-index", "--find-links", str(wheels), "--no-deps", "--no-compile",
+         "--only-binary", ":all:", "--target", str(stage), *target.pip_args(), *pins],
+        f"installing the wheels for target {target.name} from {wheels}")
+
+
+def stage_dependencies(target: Target, requirements: list[str], stage: Path, work: Path,
+                       refresh: bool) -> list[str]:
+    """Fill stage with the target's wheels; return the pins."""
+    wheels = cache_root() / "wheels" / target.name
+    lock_file = wheels / "resolved.json"
+    key = hashlib.sha256(json.dumps({"requirements": requirements, "target": target.identity()},
+                                    sort_keys=True).encode()).hexdigest()
+    with locked(wheels):
+        if not refresh:
+            try:
+                cached = json.loads(lock_file.read_text())
+            except (OSError, ValueError):
+                cached = {}
+            if cached.get("key") == key:
+                try:
+                    install_from_cache(target, cached["pins"], wheels, stage)
+                    log(f"wheels from the cache {wheels} (--refresh resolves again)")
+                    return cached["pins"]
+                except BuildError:
+                    log("the cached wheels are incomplete; resolving again")
+                    shutil.rmtree(stage, ignore_errors=True)
+                    stage.mkdir()
+        log(f"resolving {len(requirements)} requirements for {target.name} ...")
+        pins = resolve(target, requirements, work)
+        log(f"downloading {len(pins)} wheels to {wheels} ...")
+        pip(["download", "--no-deps", "--only-binary", ":all:", "--dest", str(wheels),
+             *target.pip_args(), *pins], f"downloading the wheels for target {target.name}")
+        install_from_cache(target, pins, wheels, stage)
+        tmp = lock_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "target": target.name, "pins": pins,
+                                   "resolved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                  indent=2) + "\n")
+        os.replace(tmp, lock_file)
+        return pins
+
+
+# --- the build -----------------------------------------------------------------
+
+def add_packages(spec: Spec, stage: Path) -> None:
+    for package in spec.packages:
+        src = spec.base / package
+        if not (src / "__init__.py").is_file():
+            raise BuildError(f"{src}: not a package (no __init__.py)", 2)
+        dest = stage / package
+        if dest.exists():
+            raise BuildError(f"a dependency also installs a top-level {package!r}")
+        shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo"))
+
+
+def check_tools() -> None:
+    """Fail before any download if this interpreter cannot do the build."""
+    for module, hint in (("pip", "python3 -m ensurepip"),
+                         ("shiv", "pip install shiv==1.0.8 (setup.cfg's test extra)")):
+        if importlib.util.find_spec(module) is None:
+            raise BuildError(f"{module} is not installed for {sys.executable}: {hint}; "
+                             "or run this script with the venv's python (.venv/bin/python)")
+
+
+def run_shiv(spec: Spec, stage: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    cmd = [sys.executable, "-m", "shiv", "--site-packages", str(stage),
+           "--entry-point", spec.entry_point, "--python", spec.interpreter,
+           "--output-file", str(partial),
+           "--compressed" if spec.compressed else "--uncompressed"]
+    if spec.reproducible:
+        cmd.append("--reproducible")
+    if spec.compile_pyc:
+        cmd.append("--compile-pyc")
+    if spec.root:
+        cmd += ["--root", spec.root]
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"shiv failed (exit {proc.returncode}):\n{proc.stdout.strip()}")
+    os.replace(partial, out)  # a running copy of the old file keeps its inode
+
+
+def build(spec: Spec, target: Target, out: Path, refresh: bool = False) -> Path:
+    started = time.monotonic()
+    check_tools()
+    requirements = load_requirements()
+    version = package_version(spec, spec.entry_point.split(".")[0].split(":")[0])
+    log(f"target {target.name}: {target.summary()}")
+    with tempfile.TemporaryDirectory(prefix=f"ondemand-pyz-{target.name}-") as tmp:
+        work = Path(tmp)
+        stage = work / "site-packages"
+        stage.mkdir()
+        pins = stage_dependencies(target, requirements, stage, work, refresh)
+        log(f"bundling: {' '.join(pins)}")
+        add_packages(spec, stage)
+        run_shiv(spec, stage, out)
+    size = out.stat().st_size
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    try:
+        shown = out.resolve().relative_to(Path.cwd())
+    except ValueError:
+        shown = out
+    log(f"built {shown}: ondemand {version}, {size / 2**20:.1f} MiB ({size} bytes), "
+        f"sha256 {digest[:16]}, {time.monotonic() - started:.1f} s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="build_pyz.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=NATIVE, help="a [targets.NAME] of the spec (default: native)")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC, help="the spec file (default: %(default)s)")
+    parser.add_argument("--out", type=Path, help="output path (default: the spec's output for the target)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="resolve and download again instead of using the cached resolution")
+    parser.add_argument("--list", action="store_true", help="list the spec's targets and exit")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.spec.resolve())
+        if args.list:
+            for name, target in spec.targets.items():
+                print(f"{name:16} {target.description}")
+            return 0
+        target = spec.targets.get(args.target)
+        if target is None:
+            raise BuildError(f"unknown target {args.target!r}; the spec has: "
+                             f"{', '.join(spec.targets)}", 2)
+        out = args.out.resolve() if args.out else spec.output_for(target)
+        build(spec, target, out, refresh=args.refresh)
+        return 0
+    except BuildError as exc:
+        print(f"build_pyz: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
