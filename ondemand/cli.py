@@ -76,12 +76,49 @@ def cli(ctx: click.Context, config_path: str | None) -> None:
 
 # --- serve -----------------------------------------------------------------
 
+DEMO_DEPLOYMENTS = [
+    # (name, GiB, simulator arguments): both do not fit in the demo's 24 GiB.
+    ("demo-small", 10, ["--startup-delay", "3", "--token-delay", "0.05", "--tokens", "40"]),
+    ("demo-large", 16, ["--startup-delay", "5", "--token-delay", "0.05", "--tokens", "40"]),
+]
+
+
+async def _seed_demo(cfg: config_mod.Config) -> list[str]:
+    """The two on-demand demo deployments, unless they exist; and a key."""
+    from . import keys
+    from .store import Store
+    made = []
+    if keys.read_key_file(cfg.key_file) is None:
+        cfg.key_file.parent.mkdir(parents=True, exist_ok=True)
+        keys.write_key_file(cfg.key_file, keys.generate_key())
+        made.append(f"key {cfg.key_file}")
+    store = await Store.open(cfg.db_path)
+    try:
+        names = {d["name"] for d in await store.deployments()}
+        for name, gib, sim in DEMO_DEPLOYMENTS:
+            if name not in names:
+                await store.insert_deployment(dict(
+                    name=name, served_name=name, engine="vllm", memory_gib=gib, mode="on_demand", state="stopped",
+                    role="model", command=["ondemand", "sim-engine", "--port", "{port}", "--model", name, *sim]))
+                made.append(f"deployment {name}")
+    finally:
+        await store.close()
+    return made
+
+
 @cli.command()
+@click.option("--demo", is_flag=True, help="first make a key and two on-demand demo deployments backed by "
+                                           "the engine simulator (the embedded default of `make run`)")
 @pass_ctx
-def serve(ctx: Ctx) -> None:
+def serve(ctx: Ctx, demo: bool) -> None:
     """Run the gateway, the admin API, the controller and the deployer."""
     from . import app
     cfg = ctx.cfg
+    if demo:
+        if cfg.deployer.backend != "process":
+            _fail("--demo runs the engine simulator as child processes: set deployer.backend = process", EXIT_USAGE)
+        for item in _run(_seed_demo(cfg)):
+            click.echo(f"demo: made {item}", err=True)
     try:
         _run(app.serve(cfg))
     except KeyboardInterrupt:
@@ -168,6 +205,431 @@ def migrate(ctx: Ctx, as_json: bool) -> None:
         _fail(str(exc))
     _echo_json({"db": str(ctx.cfg.db_path), "schema_version": version}) if as_json else \
         click.echo(f"{ctx.cfg.db_path}: schema version {version}")
+
+
+# --- talking to the server ----------------------------------------------------
+
+class NoServer(Exception):
+    pass
+
+
+async def _admin(cfg: config_mod.Config, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One admin API call over the Unix socket (no token: the socket is 0600)."""
+    import aiohttp
+    sock = cfg.admin_socket
+    if not sock.exists():
+        raise NoServer(f"no server: {sock} does not exist")
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as s:
+            async with s.request(method, f"http://ondemand{cfg.base_path}/api{path}",
+                                 data=None if body is None else orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as r:
+                raw = await r.read()
+                return r.status, (orjson.loads(raw) if raw else None)
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise NoServer(f"no server answers on {sock}: {exc}") from None
+
+
+def _call(ctx: Ctx, method: str, path: str, body: Any = None) -> Any:
+    """An admin call whose failure ends the command with the API's message."""
+    try:
+        status, data = _run(_admin(ctx.cfg, method, path, body))
+    except NoServer as exc:
+        _fail(f"{exc}; start it with `ondemand serve`", EXIT_NO_SERVER)
+    if status >= 400:
+        err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        _fail(f"{err.get('message', status)} ({err.get('code', status)})")
+    return data
+
+
+def _offline_views(ctx: Ctx) -> list[dict[str, Any]] | None:
+    """Deployment views read from the state file when no server runs."""
+    from .store import Store
+    if not ctx.cfg.db_path.exists():
+        return None
+
+    async def go():
+        store = await Store.open(ctx.cfg.db_path, migrate=False)
+        try:
+            return await store.deployments()
+        finally:
+            await store.close()
+    rows = _run(go())
+    for row in rows:
+        row["mode"] = row.get("mode") or "always_on"
+        phase = "failed" if row["state"] == "failed" else \
+            "sleeping" if row["state"] in ("stopped", "asleep", "stopping", "planned") else "idle"
+        row["ondemand"] = {"inflight": 0, "queued": 0, "last_request_at": None, "phase": phase}
+        row["offline"] = True
+    return rows
+
+
+def _views(ctx: Ctx, path: str = "/deployments") -> tuple[Any, bool]:
+    try:
+        status, data = _run(_admin(ctx.cfg, "GET", path))
+    except NoServer:
+        rows = _offline_views(ctx)
+        if rows is None:
+            _fail(f"no server runs and there is no state file at {ctx.cfg.db_path}", EXIT_NO_SERVER)
+        if path == "/deployments":
+            return rows, True
+        dep_id = int(path.rsplit("/", 1)[1])
+        for row in rows:
+            if row["id"] == dep_id:
+                return row, True
+        _fail(f"no deployment {dep_id}")
+    if status >= 400:
+        _fail(f"{data['error']['message']} ({data['error']['code']})")
+    return data, False
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    import time
+    s = max(0, int(time.time() - ts))
+    return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
+
+
+def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for v in views:
+        od = v.get("ondemand") or {}
+        rows.append([v["id"], v["name"], v["served_name"], v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else ""),
+                     v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
+                     _ago(od.get("last_request_at")), f"{v.get('memory_gib') or 0:g} GiB"])
+    return rows
+
+
+_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"]
+
+
+# --- status ------------------------------------------------------------------
+
+@cli.command()
+@json_option
+@pass_ctx
+def status(ctx: Ctx, as_json: bool) -> None:
+    """Host, budget, and each deployment's phase, in-flight and queued counts."""
+    views, offline = _views(ctx)
+    host = None if offline else _call(ctx, "GET", "/host")
+    if as_json:
+        _echo_json({"host": host, "deployments": views, "offline": offline})
+        return
+    if offline:
+        click.echo(f"no server runs: read from {ctx.cfg.db_path} (no live counters)")
+    else:
+        b = host["budget"]
+        budget = (f"{b['free']:g} GiB free of {b['capacity']:g} GiB ({b['source']}), "
+                  f"{b['ondemand_capacity']:g} GiB for on-demand models") if "free" in b else f"unreadable: {b['error']}"
+        od = host["ondemand"]
+        click.echo(f"ondemand {host['version']} on {host['listen']} ({host['backend']} backend)")
+        click.echo(f"budget: {budget}")
+        click.echo(f"key: {'fingerprint ' + od['key_fingerprint'] if od['configured'] else 'NOT CONFIGURED (ondemand key init)'}"
+                   f"; LiteLLM: {'ready' if od['litellm_ready'] else ('not ready: ' + str(od['litellm_error'])) if od['litellm_enabled'] else 'disabled'}"
+                   f"; waiting requests: {od['queued']}")
+        click.echo("")
+    click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
+
+
+# --- deployments ---------------------------------------------------------------
+
+@cli.group()
+def deploy() -> None:
+    """Manage deployments."""
+
+
+@deploy.command("add")
+@click.argument("name")
+@click.option("--served-name", help="the model name clients send (default: NAME)")
+@click.option("--engine", type=click.Choice(["vllm", "llamacpp"]), default="vllm", show_default=True)
+@click.option("--image", help="container image (docker backend)")
+@click.option("--arg", "args", multiple=True, help="an engine argument (docker backend); repeat")
+@click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
+@click.option("--port", type=int, default=8000, show_default=True, help="the engine's port in its container")
+@click.option("--memory-gib", type=float, default=0, show_default=True, help="GPU memory it needs")
+@click.option("--role", type=click.Choice(["model", "decision", "system"]), default="model", show_default=True)
+@click.option("--mode", type=click.Choice(["on_demand", "always_on"]), default="always_on", show_default=True)
+@click.option("--idle-timeout", type=int, help="seconds idle before it is put to sleep (on demand)")
+@click.option("--no-start", is_flag=True, help="leave it planned")
+@json_option
+@pass_ctx
+def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, memory_gib, role, mode,
+               idle_timeout, no_start, as_json) -> None:
+    """Create a deployment. On demand it rests stopped until its first request;
+    always on it starts at once."""
+    import shlex
+    body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
+                            "role": role, "mode": mode, "args": list(args), "start": not no_start}
+    if served_name:
+        body["served_name"] = served_name
+    if image:
+        body["image"] = image
+    if command:
+        body["command"] = shlex.split(command)
+    if idle_timeout is not None:
+        body["idle_timeout_s"] = idle_timeout
+    view = _call(ctx, "POST", "/deployments", body)
+    _echo_json(view) if as_json else click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
+
+
+@deploy.command("list")
+@json_option
+@pass_ctx
+def deploy_list(ctx: Ctx, as_json: bool) -> None:
+    """List deployments."""
+    views, _ = _views(ctx)
+    _echo_json(views) if as_json else click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
+
+
+@deploy.command("show")
+@click.argument("dep_id", type=int)
+@json_option
+@pass_ctx
+def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
+    """Show one deployment's view."""
+    view, _ = _views(ctx, f"/deployments/{dep_id}")
+    if as_json:
+        _echo_json(view)
+        return
+    for key in ("id", "name", "served_name", "engine", "role", "mode", "pending_mode", "state", "state_reason",
+                "memory_gib", "idle_timeout_s", "base_url", "image", "args", "command"):
+        if key in view:
+            click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
+    od = view.get("ondemand") or {}
+    click.echo(f"{'ondemand:':16} phase {od.get('phase')}, in-flight {od.get('inflight')}, queued {od.get('queued')}, "
+               f"last request {_ago(od.get('last_request_at'))}")
+    if view.get("litellm"):
+        click.echo(f"{'litellm:':16} {view['litellm'].get('status')} {view['litellm'].get('code') or ''}".rstrip())
+    if view.get("log_tail") and view["state"] == "failed":
+        click.echo("log tail:\n" + view["log_tail"])
+
+
+def _action(ctx: Ctx, dep_id: int, verb: str, as_json: bool, wait: bool = False) -> None:
+    view = _call(ctx, "POST" if verb != "rm" else "DELETE",
+                 f"/deployments/{dep_id}" + ("" if verb == "rm" else f"/{verb}" + ("?wait=1" if wait else "")))
+    if as_json:
+        _echo_json(view)
+    elif verb == "rm":
+        click.echo(f"removed deployment {dep_id}")
+    else:
+        click.echo(f"{view['name']}: {view['state']}")
+
+
+@deploy.command("rm")
+@click.argument("dep_id", type=int)
+@json_option
+@pass_ctx
+def deploy_rm(ctx: Ctx, dep_id: int, as_json: bool) -> None:
+    """Stop and remove a deployment."""
+    _action(ctx, dep_id, "rm", as_json)
+
+
+@deploy.command("start")
+@click.argument("dep_id", type=int)
+@click.option("--wait", is_flag=True, help="return when it is ready (or failed)")
+@json_option
+@pass_ctx
+def deploy_start(ctx: Ctx, dep_id: int, wait: bool, as_json: bool) -> None:
+    """Start a deployment now (an administrator's start)."""
+    _action(ctx, dep_id, "start", as_json, wait)
+
+
+@deploy.command("stop")
+@click.argument("dep_id", type=int)
+@json_option
+@pass_ctx
+def deploy_stop(ctx: Ctx, dep_id: int, as_json: bool) -> None:
+    """Stop a deployment's engine."""
+    _action(ctx, dep_id, "stop", as_json)
+
+
+# --- mode ----------------------------------------------------------------------
+
+@cli.group()
+def mode() -> None:
+    """A deployment's mode: on_demand or always_on."""
+
+
+@mode.command("get")
+@click.argument("dep_id", type=int)
+@json_option
+@pass_ctx
+def mode_get(ctx: Ctx, dep_id: int, as_json: bool) -> None:
+    view, _ = _views(ctx, f"/deployments/{dep_id}")
+    data = {"id": view["id"], "mode": view["mode"], "pending_mode": view.get("pending_mode"),
+            "idle_timeout_s": view.get("idle_timeout_s")}
+    if as_json:
+        _echo_json(data)
+    else:
+        extra = f" (switching to {data['pending_mode']})" if data["pending_mode"] else ""
+        idle = f", idle timeout {data['idle_timeout_s']} s" if data["idle_timeout_s"] else ""
+        click.echo(f"{data['mode']}{extra}{idle}")
+
+
+@mode.command("set")
+@click.argument("dep_id", type=int)
+@click.argument("new_mode", type=click.Choice(["on_demand", "always_on"]))
+@click.option("--idle-timeout", help="seconds, or 'default' for ondemand_idle_timeout_s")
+@json_option
+@pass_ctx
+def mode_set(ctx: Ctx, dep_id: int, new_mode: str, idle_timeout: str | None, as_json: bool) -> None:
+    """Switch a deployment's mode (audited as ondemand_mode)."""
+    body: dict[str, Any] = {"mode": new_mode}
+    if idle_timeout is not None:
+        if idle_timeout == "default":
+            body["idle_timeout_s"] = None
+        elif idle_timeout.isdigit():
+            body["idle_timeout_s"] = int(idle_timeout)
+        else:
+            _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
+    view = _call(ctx, "PATCH", f"/deployments/{dep_id}/mode", body)
+    if as_json:
+        _echo_json(view)
+    else:
+        pending = f"; it stays {view['mode']} until it has started" if view.get("pending_mode") else ""
+        click.echo(f"{view['name']}: {view['mode']}{pending}")
+
+
+# --- sync ----------------------------------------------------------------------
+
+@cli.command()
+@json_option
+@pass_ctx
+def sync(ctx: Ctx, as_json: bool) -> None:
+    """Run a LiteLLM sync now and print what it added and deleted."""
+    result = _call(ctx, "POST", "/sync")
+    if as_json:
+        _echo_json(result)
+        return
+    for what in ("added", "deleted"):
+        for item in result.get(what) or ():
+            click.echo(f"{what}: {item.get('model_name', item) if isinstance(item, dict) else item}")
+    if result.get("error"):
+        _fail(f"sync failed: {result['error']}")
+    if not result.get("added") and not result.get("deleted"):
+        click.echo("in sync: nothing to change")
+
+
+# --- doctor ----------------------------------------------------------------------
+
+@cli.command()
+@json_option
+@pass_ctx
+def doctor(ctx: Ctx, as_json: bool) -> None:
+    """Check the Docker socket, nvidia-smi, the key file, LiteLLM and the listener."""
+    checks = _run(_doctor(ctx.cfg))
+    if as_json:
+        _echo_json(checks)
+    else:
+        for c in checks:
+            click.echo(f"{'OK  ' if c['ok'] else 'FAIL' if c['ok'] is False else 'SKIP'}  {c['check']:10} {c['detail']}")
+    if any(c["ok"] is False for c in checks):
+        sys.exit(EXIT_FAILED)
+
+
+async def _doctor(cfg: config_mod.Config) -> list[dict[str, Any]]:
+    import os
+    import stat as stat_mod
+
+    import aiohttp
+
+    from . import keys
+    from .budget import Budget, BudgetError
+    out: list[dict[str, Any]] = []
+
+    def add(check: str, ok: bool | None, detail: str) -> None:
+        out.append({"check": check, "ok": ok, "detail": detail})
+
+    # Docker
+    if cfg.deployer.backend == "docker":
+        import aiodocker
+        try:
+            docker = aiodocker.Docker(url=cfg.deployer.docker_url)
+            try:
+                version = await docker.version()
+                try:
+                    await docker.networks.get(cfg.deployer.network)
+                    add("docker", True, f"Docker {version.get('Version')} answers; network {cfg.deployer.network} exists")
+                except aiodocker.DockerError:
+                    add("docker", False, f"network {cfg.deployer.network!r} is missing: create it "
+                                         f"(docker network create {cfg.deployer.network}) or set deployer.network")
+            finally:
+                await docker.close()
+        except Exception as exc:
+            add("docker", False, f"the Docker API does not answer ({exc or type(exc).__name__}): start dockerd, "
+                                 "mount /var/run/docker.sock, or set deployer.docker_url")
+    else:
+        add("docker", None, "deployer.backend = process: engines run as child processes")
+    # nvidia-smi / budget
+    budget = Budget.from_config(cfg)
+    try:
+        measured = await budget.measure()
+        if measured is None:
+            add("budget", True, f"static: {cfg.budget.capacity_gib:g} GiB declared")
+        else:
+            add("budget", True, f"{cfg.budget.source}: {measured[1]:.1f} of {measured[0]:.1f} GiB in use")
+    except BudgetError as exc:
+        add("budget", False, str(exc))
+    # key
+    key = keys.read_key_file(cfg.key_file)
+    if key is None:
+        add("key", False, f"no key in {cfg.key_file}: run `ondemand key init` (the gateway answers 503 until then)")
+    else:
+        mode = stat_mod.S_IMODE(os.stat(cfg.key_file).st_mode)
+        if mode & 0o077:
+            add("key", False, f"{cfg.key_file} is readable by others (mode {mode:o}): chmod 600 it")
+        else:
+            add("key", True, f"{cfg.key_file}, fingerprint {keys.fingerprint(key)}")
+    # LiteLLM
+    if not cfg.litellm.url:
+        add("litellm", None, "litellm.url is not set: models are not registered in LiteLLM")
+    else:
+        from .litellm import LiteLLMClient, LiteLLMError
+        master = keys.read_key_file(cfg.litellm.master_key_file) if cfg.litellm.master_key_file else None
+        if master is None:
+            add("litellm", False, "litellm.master_key_file holds no key: set it to a file with LiteLLM's master key")
+        else:
+            client = LiteLLMClient(cfg.litellm.url, master)
+            try:
+                models = await client.list_models()
+                add("litellm", True, f"{cfg.litellm.url} answers; {len(models)} models listed")
+            except LiteLLMError as exc:
+                hint = (" — LiteLLM's model routes need its database: set DATABASE_URL and STORE_MODEL_IN_DB=True"
+                        if exc.code == "litellm_no_db" else "")
+                add("litellm", False, f"{exc.message} ({exc.code}){hint}")
+            finally:
+                await client.close()
+    # listener and admin socket
+    host, port = cfg.listen_host_port
+    try:
+        status, data = await _admin(cfg, "GET", "/host")
+        add("server", True, f"answers on {cfg.admin_socket} (version {data.get('version') if data else '?'})")
+        probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        try:
+            _r, w = await asyncio.wait_for(asyncio.open_connection(probe, port), 5)
+            w.close()
+            add("listener", True, f"{cfg.listen} accepts connections")
+        except (OSError, asyncio.TimeoutError) as exc:
+            add("listener", False, f"{cfg.listen} refuses connections: {exc}")
+    except NoServer:
+        add("server", None, "no server runs (ondemand serve)")
+        try:
+            import socket as socket_mod
+            with socket_mod.socket(socket_mod.AF_INET6 if ":" in host else socket_mod.AF_INET) as s:
+                s.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEADDR, 1)
+                s.bind((host, port))
+            add("listener", True, f"{cfg.listen} is free to listen on")
+        except OSError as exc:
+            add("listener", False, f"cannot listen on {cfg.listen}: {exc.strerror} (another process? change listen)")
+    return out
 
 
 # --- the engine simulator --------------------------------------------------

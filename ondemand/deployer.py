@@ -150,8 +150,14 @@ class Deployer:
         """Stop background work; with ``stop_engines`` also the engines (process backend)."""
         await self.tasks.close()
         if stop_engines:
-            await asyncio.gather(*(self.backend.stop(e, self.stop_timeout_s) for e in self._engines.values()),
+            engines = list(self._engines.values())
+            await asyncio.gather(*(self.backend.stop(e, self.stop_timeout_s) for e in engines),
                                  return_exceptions=True)
+            for e in engines:  # the rows say what is true for the next start
+                dep = self._deps.get(e.deployment_id)
+                if dep is not None and dep["state"] in ("starting", "ready", "asleep", "stopping"):
+                    with contextlib.suppress(Exception):
+                        await self._transition(dep["id"], "stopped", text="stopped at shutdown")
         if self._http is not None:
             await self._http.close()
         await self.backend.close()

@@ -1,0 +1,88 @@
+# ondemand: every set-up step lives here, so a clean clone needs only
+#   make run        the gateway on the embedded default (no Docker, GPU or LiteLLM)
+#   make test       the fast suite (under 5 minutes on 2 cores)
+#   make test-all   the fast suite, the long race loops, and the suites with real
+#                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp
+# Heavy parts are installed and cached outside the clone, in $(CACHE).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CACHE ?= $(or $(ONDEMAND_CACHE),$(HOME)/.cache/ondemand)
+HEAVY := scripts/heavy
+TARGET ?= native
+PYZ_TARGETS := native py310-x86_64 py311-x86_64 py312-x86_64 py312-aarch64
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+export ONDEMAND_CACHE := $(CACHE)
+
+.PHONY: install run run-real test test-all test-slow test-docker test-litellm test-llamacpp \
+        pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
+
+install: $(STAMP)
+
+# Fast when nothing changed: the stamp is newer than setup.cfg.
+$(STAMP): setup.cfg scripts/requirements.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PYTHON) scripts/requirements.py test > $(VENV)/requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r $(VENV)/requirements.txt
+	touch $(STAMP)
+
+run: install
+	$(PY) -m ondemand --config packaging/demo.toml serve --demo
+
+run-real: install
+	bash scripts/run-real.sh
+
+test: install
+	$(PYTEST) -q -m "not slow and not docker and not litellm and not llamacpp"
+
+test-slow: install
+	$(PYTEST) -q -m "slow"
+
+docker-up:
+	bash $(HEAVY)/docker-up.sh
+
+engine-image: docker-up
+	bash $(HEAVY)/engine-image.sh
+
+llama:
+	bash $(HEAVY)/llama-server.sh
+
+gemma:
+	bash $(HEAVY)/gemma-model.sh
+
+litellm-venv:
+	bash $(HEAVY)/litellm-venv.sh
+
+# Docker's tests skip (saying why) only where dockerd cannot start: docker-up.sh exits 2 there.
+test-docker: install
+	rc=0; bash $(HEAVY)/docker-up.sh || rc=$$?; \
+	if [ $$rc -eq 0 ]; then bash $(HEAVY)/engine-image.sh >/dev/null && $(PYTEST) -q -m docker; \
+	elif [ $$rc -eq 2 ]; then $(PYTEST) -q -m docker -rs; else exit $$rc; fi
+
+test-litellm: install
+	LITELLM_PY=$$(bash $(HEAVY)/litellm-venv.sh | tail -1) $(PYTEST) -q -m litellm
+
+test-llamacpp: install
+	LLAMA_SERVER=$$(bash $(HEAVY)/llama-server.sh | tail -1) \
+	GEMMA_GGUF=$$(bash $(HEAVY)/gemma-model.sh | tail -1) $(PYTEST) -q -m llamacpp
+
+test-all: test test-slow test-docker test-litellm test-llamacpp
+
+pyz: install
+	$(PY) scripts/build_pyz.py --target $(TARGET)
+
+pyz-all: install
+	for t in $(PYZ_TARGETS); do $(PY) scripts/build_pyz.py --target $$t || exit 1; done
+
+bench: install
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf dist build .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) state
