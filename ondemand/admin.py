@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import __version__, keys as keys_mod
+from . import __version__, components, keys as keys_mod
 from .budget import BudgetError
 from .config import Config
 from .deployer import StartFailed, StartInterrupted
@@ -70,8 +70,7 @@ def auth_middleware(cfg: Config):
 
 
 def _app_parts(request: web.Request):
-    from . import app as app_mod
-    return app_mod, request.app
+    return components, request.app
 
 
 def _dep_id(request: web.Request) -> int:

@@ -36,43 +36,17 @@ from .ratelimit import FailureLimiter
 from .reaper import Reaper
 from .store import Store
 from .tasks import TaskGroup
+from .components import (BUS, CONFIG, CONTROLLER, DEPLOYER, GATEWAY, KEYS, PEERS, SAMPLER, STARTED_AT, STORE,
+                         SYNC, TASKS, view)
 
 log = logging.getLogger("ondemand.app")
-
-
-class StartupError(Exception):
-    """The server cannot start; the message says why and what to do."""
-
-
-STORE = web.AppKey("store", Store)
-BUS = web.AppKey("bus", EventBus)
-DEPLOYER = web.AppKey("deployer", Deployer)
-CONTROLLER = web.AppKey("controller", Controller)
-SAMPLER = web.AppKey("sampler", MetricsSampler)
-KEYS = web.AppKey("keys", keys_mod.KeyWatcher)
-SYNC = web.AppKey("sync", LiteLLMSync)
-PEERS = web.AppKey("peers", PeerPolicySource)
-GATEWAY = web.AppKey("gateway", Gateway)
-CONFIG = web.AppKey("config", Config)
-STARTED_AT = web.AppKey("started_at", float)
-TASKS = web.AppKey("tasks", TaskGroup)
 
 # Deployment states whose entry or exit changes what LiteLLM should list.
 _SYNC_STATES = frozenset({"ready", "failed", "planned"})
 
 
-def view(app: web.Application, dep: dict[str, Any]) -> dict[str, Any]:
-    """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
-    out = dict(dep)
-    dep_id = dep["id"]
-    out["mode"] = dep.get("mode") or "always_on"
-    out["base_url"] = app[DEPLOYER].base_url(dep_id)
-    out["ondemand"] = app[CONTROLLER].status(dep_id)
-    sync = app.get(SYNC)
-    out["litellm"] = sync.status_of(dep_id) if sync is not None else None
-    sample = app[SAMPLER].as_dict(dep_id)
-    out["engine_metrics"] = sample
-    return out
+class StartupError(Exception):
+    """The server cannot start; the message says why and what to do."""
 
 
 def make_backend(cfg: Config) -> Backend:

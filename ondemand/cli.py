@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -539,7 +538,6 @@ async def _doctor(cfg: config_mod.Config) -> list[dict[str, Any]]:
     import os
     import stat as stat_mod
 
-    import aiohttp
 
     from . import keys
     from .budget import Budget, BudgetError

@@ -3,17 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from ondemand.backends.process import ProcessBackend
 from ondemand.budget import Budget
 from ondemand.deployer import Deployer
-from ondemand.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fakes"

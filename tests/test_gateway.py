@@ -3,7 +3,6 @@ behind it, real sockets and the real state file."""
 import asyncio
 import contextlib
 import os
-import time
 
 import aiohttp
 import orjson

@@ -28,7 +28,6 @@ from typing import Any
 
 import aiohttp
 import aiodocker
-from aiodocker.containers import DockerContainer
 from aiodocker.exceptions import DockerError
 
 from . import Backend, BackendError, Engine

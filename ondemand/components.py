@@ -1,0 +1,48 @@
+"""The typed keys of the long-lived components on the aiohttp application, and
+the deployment view built from them. ``app`` fills them in; the admin API and
+the publishers read them. Imports only the component types."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from .config import Config
+from .controller import Controller
+from .deployer import Deployer
+from .events import EventBus
+from .gateway import Gateway
+from .keys import KeyWatcher
+from .litellm import LiteLLMSync
+from .metrics import MetricsSampler
+from .peers import PeerPolicySource
+from .store import Store
+from .tasks import TaskGroup
+
+STORE = web.AppKey("store", Store)
+BUS = web.AppKey("bus", EventBus)
+DEPLOYER = web.AppKey("deployer", Deployer)
+CONTROLLER = web.AppKey("controller", Controller)
+SAMPLER = web.AppKey("sampler", MetricsSampler)
+KEYS = web.AppKey("keys", KeyWatcher)
+SYNC = web.AppKey("sync", LiteLLMSync)
+PEERS = web.AppKey("peers", PeerPolicySource)
+GATEWAY = web.AppKey("gateway", Gateway)
+CONFIG = web.AppKey("config", Config)
+STARTED_AT = web.AppKey("started_at", float)
+TASKS = web.AppKey("tasks", TaskGroup)
+
+
+
+def view(app: web.Application, dep: dict[str, Any]) -> dict[str, Any]:
+    """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
+    out = dict(dep)
+    dep_id = dep["id"]
+    out["mode"] = dep.get("mode") or "always_on"
+    out["base_url"] = app[DEPLOYER].base_url(dep_id)
+    out["ondemand"] = app[CONTROLLER].status(dep_id)
+    sync = app.get(SYNC)
+    out["litellm"] = sync.status_of(dep_id) if sync is not None else None
+    sample = app[SAMPLER].as_dict(dep_id)
+    out["engine_metrics"] = sample
+    return out
