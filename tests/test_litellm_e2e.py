@@ -1,0 +1,477 @@
+"""ondemand behind the REAL LiteLLM: the proxy, and the `litellm` library as a client.
+
+Everything runs for real on loopback: ondemand in-process (``run_app``: process
+backend, engine simulator), LiteLLM in its own venv (``scripts/heavy/litellm-venv.sh``,
+``LITELLM_PY`` = that venv's python). Nothing about LiteLLM is faked.
+
+1. The proxy (one per module, ``litellm --config``, no database) with the model
+   entries exactly as the sync registers them (``ondemand_entry``): a cold start,
+   a stream, ``GET /health`` that reaches the gateway with the marker header and
+   never wakes a model, and a held request that fails is never retried.
+2. The library (``tests/clients/litellm_client.py``, run with ``LITELLM_PY``):
+   ``litellm.acompletion`` cold start, the queued notice as the first content of a
+   streaming ``acompletion``, and ``litellm.ahealth_check`` called as the proxy calls
+   it with our ``health_check_params``.
+
+The gateway is observed by wrapping two methods of the running instances
+(``Gateway._check_key`` sees every request that reaches the key check, with its
+headers; nothing is changed in ``ondemand/``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from ondemand import app as app_mod
+from ondemand.litellm import HEALTH_CHECK_HEADER, ondemand_entry
+
+from helpers import free_port, run_app
+
+CLIENT = Path(__file__).resolve().parent / "clients" / "litellm_client.py"
+MASTER = "sk-ondemand-e2e-master"
+
+
+def _litellm_python() -> tuple[Path | None, str]:
+    """LITELLM_PY when set (it must then work: never a silent skip), else the cached venv."""
+    if "LITELLM_PY" in os.environ:
+        return Path(os.environ["LITELLM_PY"]), "LITELLM_PY"
+    cache = Path(os.environ.get("ONDEMAND_CACHE") or Path.home() / ".cache" / "ondemand")
+    default = cache / "litellm-venv" / "bin" / "python"
+    return (default, "cache") if default.exists() else (None, str(default))
+
+
+LITELLM_PY, _FROM = _litellm_python()
+
+pytestmark = [
+    pytest.mark.litellm,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(LITELLM_PY is None, reason=(
+        f"LiteLLM venv not found: LITELLM_PY is unset and {_FROM} does not exist "
+        "(run scripts/heavy/litellm-venv.sh, or make test-litellm)")),
+]
+
+
+def _python() -> Path:
+    assert LITELLM_PY is not None
+    if not os.environ.get("LITELLM_PY", "x") or not LITELLM_PY.is_file():
+        # LITELLM_PY was set (maybe empty: the setup script failed): that fails, it never skips
+        pytest.fail(f"LITELLM_PY={os.environ.get('LITELLM_PY')!r} is not a python executable "
+                    "(scripts/heavy/litellm-venv.sh prints it as its last line)")
+    return LITELLM_PY
+
+
+def litellm_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "LITELLM_MASTER_KEY")}
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # else litellm fetches a price list from the internet
+    for var in ("NO_PROXY", "no_proxy"):  # loopback never through an HTTP proxy
+        env[var] = ",".join(x for x in (env.get(var), "127.0.0.1", "localhost") if x)
+    env.setdefault("LITELLM_LOG", "ERROR")
+    return env
+
+
+# --- watching the gateway and the engines ------------------------------------------------
+
+
+class GatewaySpy:
+    """Every request that reached the gateway's key check: method, path, headers."""
+
+    def __init__(self, server):
+        self.hits: list[dict] = []
+        gateway = server.app[app_mod.GATEWAY]
+        original = gateway._check_key
+
+        def check_key(request):
+            self.hits.append({"method": request.method, "path": request.path,
+                              "headers": {k.lower(): v for k, v in request.headers.items()}})
+            return original(request)
+
+        gateway._check_key = check_key  # the instance's attribute: ondemand/ is not touched
+
+    def to(self, server, dep_id: int, route: str = "chat/completions", *, health: bool | None = None) -> list[dict]:
+        path = server.gw(dep_id, route).split("://", 1)[1].split("/", 1)[1]
+        out = [h for h in self.hits if h["path"] == "/" + path]
+        if health is not None:
+            out = [h for h in out if (HEALTH_CHECK_HEADER in h["headers"]) == health]
+        return out
+
+
+async def engine_requests(server, dep_id: int) -> list[dict]:
+    """What the engine simulator received (generation routes only)."""
+    base = server.deployer.base_url(dep_id)
+    if base is None:
+        return []  # no engine running: it received nothing
+    async with aiohttp.ClientSession() as s, s.get(base + "/_sim/requests") as r:
+        return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
+
+
+async def starts(server, dep_id: int) -> int:
+    """Engine starts of a deployment, from its recorded events."""
+    events = await server.app[app_mod.STORE].events(dep_id, limit=1000)
+    return sum(1 for e in events if (e.get("detail") or {}).get("to") == "starting")
+
+
+def entry_for(server, dep_id: int) -> dict:
+    """The entry LiteLLMSync would register for this deployment, reachable on loopback."""
+    return ondemand_entry(server.deployer.get(dep_id), server.key, server.url, server.cfg.ondemand_queue_timeout_s)
+
+
+def sse_events(raw: bytes) -> list:
+    out = []
+    for block in raw.split(b"\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith(b"data: "), block
+        data = block[6:]
+        out.append(data if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+# --- the LiteLLM proxy --------------------------------------------------------------------
+
+
+class Proxy:
+    def __init__(self, url: str, proc: asyncio.subprocess.Process, log: Path):
+        self.url = url
+        self.proc = proc
+        self.log = log
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {MASTER}"}
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+@contextlib.asynccontextmanager
+async def litellm_proxy(tmp: Path, model_list: list[dict], *, ready_timeout: float = 120):
+    """``litellm --config`` on a free loopback port, without a database; stopped on exit."""
+    cfg = {
+        "model_list": model_list,
+        # Live checks: GET /health probes the entries itself (background checks run the
+        # same _run_model_health_check per entry, on a timer, and /health then answers
+        # from their cache).
+        "general_settings": {"master_key": MASTER, "background_health_checks": False},
+        "litellm_settings": {"drop_params": False},
+    }
+    path = tmp / "litellm-config.yaml"
+    path.write_text(json.dumps(cfg, indent=2))  # JSON is YAML
+    port = free_port()
+    cli = _python().parent / "litellm"
+    argv = ([str(cli)] if cli.exists() else [str(_python()), "-m", "litellm.proxy.proxy_cli"])
+    log = tmp / "litellm-proxy.log"
+    with open(log, "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, "--config", str(path), "--host", "127.0.0.1", "--port", str(port),
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            env=litellm_env(), start_new_session=True)
+    proxy = Proxy(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if proc.returncode is not None:
+                    pytest.fail(f"litellm proxy exited with {proc.returncode}:\n{proxy.tail()}")
+                try:
+                    async with s.get(proxy.url + "/health/liveliness", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        if r.status == 200:
+                            break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"litellm proxy not live after {ready_timeout:g} s:\n{proxy.tail()}")
+                await asyncio.sleep(0.25)
+        yield proxy
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: workers too
+                await proc.wait()
+
+
+class World:
+    def __init__(self, server, proxy: Proxy, spy: GatewaySpy, a: int, b: int, f: int):
+        self.server, self.proxy, self.spy = server, proxy, spy
+        self.a, self.b, self.f = a, b, f  # cold start + stream, health only, fails at start
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("litellm-proxy")
+    async with run_app(tmp, ondemand_idle_timeout_s=3600) as server:  # no reaper during the module
+        a = await server.add("a", 4, "--startup-delay", "0.5")
+        b = await server.add("b", 4)
+        f = await server.add("f", 4, "--fail", "exit-at-start")
+        spy = GatewaySpy(server)
+        model_list = [entry_for(server, d) for d in (a, b, f)]
+        for entry in model_list:  # what LiteLLM gets is the registration, unmodified
+            assert entry["litellm_params"]["num_retries"] == 0
+            assert entry["model_info"]["health_check_params"] == {"extra_headers": {HEALTH_CHECK_HEADER: "1"}}
+        t0 = time.monotonic()
+        async with litellm_proxy(tmp, model_list) as proxy:
+            print(f"litellm proxy live in {time.monotonic() - t0:.1f} s")
+            yield World(server, proxy, spy, a, b, f)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as s:
+        yield s
+
+
+def chat(model: str, **kw) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hello there"}], **kw}
+
+
+async def test_proxy_cold_starts_a_stopped_model_and_answers(world, http):
+    server, proxy, a = world.server, world.proxy, world.a
+    assert server.state(a) == "stopped" and server.deployer.base_url(a) is None
+    t0 = time.monotonic()
+    async with http.post(proxy.url + "/v1/chat/completions", json=chat("A"), headers=proxy.headers()) as r:
+        body = await r.json()
+        assert r.status == 200, (body, proxy.tail())
+    took = time.monotonic() - t0
+    assert body["choices"][0]["message"]["content"] == " ".join(f"tok{i}" for i in range(16))
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert server.state(a) == "ready" and await starts(server, a) == 1
+    assert took >= 0.5  # it waited for the start-up delay: a real cold start
+    (hit,) = world.spy.to(server, a)
+    assert hit["method"] == "POST" and hit["headers"]["authorization"] == f"Bearer {server.key}"
+    assert HEALTH_CHECK_HEADER not in hit["headers"]  # the marker rides on health checks only
+    (req,) = await engine_requests(server, a)
+    sent = {k.lower() for k, _ in req["headers"]}
+    assert "authorization" not in sent and HEALTH_CHECK_HEADER not in sent
+    assert json.loads(req["body"])["model"] == "A"
+    assert server.controller.inflight(a) == 0
+
+
+async def test_proxy_streams_through_the_gateway(world, http):
+    server, proxy, a = world.server, world.proxy, world.a
+    before = len(await engine_requests(server, a))
+    body = chat("A", stream=True)
+    async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=proxy.headers()) as r:
+        assert r.status == 200, proxy.tail()
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = await r.read()
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]" and raw.rstrip().endswith(b"data: [DONE]")
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == " ".join(f"tok{i}" for i in range(16))
+    finishes = [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]]
+    assert [x for x in finishes if x] == ["stop"]  # LiteLLM leaves out a null finish_reason
+    reqs = await engine_requests(server, a)
+    assert len(reqs) == before + 1 and json.loads(reqs[-1]["body"])["stream"] is True
+    assert await starts(server, a) == 1 and server.controller.inflight(a) == 0
+
+
+async def test_proxy_health_check_reaches_the_gateway_and_never_wakes(world, http):
+    server, proxy, a, b, f = world.server, world.proxy, world.a, world.b, world.f
+    c = server.controller
+    before = {d: c.status(d) for d in (a, b, f)}
+    waiting, events_b = c.waiting(), await server.app[app_mod.STORE].events(b, limit=1000)
+    engine_a = len(await engine_requests(server, a))
+    # GET /health probes every entry (ready A, stopped B and F) with a real completion.
+    async with http.get(proxy.url + "/health", headers=proxy.headers()) as r:
+        result = await r.json()
+        assert r.status == 200, (result, proxy.tail())
+    assert result["unhealthy_count"] == 0, result["unhealthy_endpoints"]
+    assert sorted(e["model"] for e in result["healthy_endpoints"]) == ["openai/A", "openai/B", "openai/F"]
+    for dep_id in (a, b, f):
+        probes = world.spy.to(server, dep_id, health=True)
+        assert len(probes) == 1, (dep_id, probes)
+        assert probes[0]["method"] == "POST" and probes[0]["headers"][HEALTH_CHECK_HEADER] == "1"
+        assert probes[0]["headers"]["authorization"] == f"Bearer {server.key}"
+    # Answered by the gateway: nothing started, nothing forwarded, no counter moved.
+    assert server.state(b) == "stopped" and server.deployer.base_url(b) is None
+    assert server.state(f) == "stopped" and await starts(server, b) == 0 and await starts(server, f) == 0
+    assert await server.app[app_mod.STORE].events(b, limit=1000) == events_b
+    assert {d: c.status(d) for d in (a, b, f)} == before and c.waiting() == waiting
+    assert len(await engine_requests(server, a)) == engine_a  # the ready one was not called either
+    # A targeted check of the stopped model: healthy, and still stopped.
+    async with http.get(proxy.url + "/health", params={"model": "B"}, headers=proxy.headers()) as r:
+        result = await r.json()
+        assert r.status == 200 and result["healthy_count"] == 1, result
+    assert len(world.spy.to(server, b, health=True)) == 2 and server.state(b) == "stopped"
+    assert await starts(server, b) == 0 and c.status(b) == before[b]
+    # The probe changed nothing LiteLLM keeps: traffic after it carries no marker.
+    async with http.post(proxy.url + "/v1/chat/completions", json=chat("A"), headers=proxy.headers()) as r:
+        assert r.status == 200
+    assert HEALTH_CHECK_HEADER not in world.spy.to(server, a, health=None)[-1]["headers"]
+    assert len(await engine_requests(server, a)) == engine_a + 1
+
+
+async def test_proxy_never_retries_a_request_the_gateway_failed(world, http):
+    server, proxy, f = world.server, world.proxy, world.f
+    assert server.state(f) == "stopped"
+    t0 = time.monotonic()
+    async with http.post(proxy.url + "/v1/chat/completions", json=chat("F"), headers=proxy.headers()) as r:
+        status, text = r.status, await r.text()
+    took = time.monotonic() - t0
+    assert status == 503, (status, text)
+    # LiteLLM keeps the status and our message (not our code): start_failed's text.
+    assert "failed to start" in text and "No fallback was attempted" in text, text
+    # LiteLLM retries before it answers, and it honours our Retry-After (59 s), so the
+    # count is final and a retried request would have taken a minute. Without the
+    # entry's num_retries: 0 the Router's default (openai.DEFAULT_MAX_RETRIES, 2) applies.
+    assert took < 30, took
+    traffic = world.spy.to(server, f, health=False)
+    assert len(traffic) == 1, [h["headers"] for h in traffic]
+    assert await starts(server, f) == 1 and server.state(f) == "failed"
+
+
+# --- the litellm library as a client --------------------------------------------------------
+
+
+class ClientRun:
+    """tests/clients/litellm_client.py running under LITELLM_PY, its JSON lines as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self.events: list[dict] = []
+
+    async def next(self, timeout: float = 60) -> dict:
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            err = (await self.proc.stderr.read()).decode(errors="replace")
+            pytest.fail(f"litellm client ended without 'done' (rc {await self.proc.wait()}):\n{err[-4000:]}")
+        event = json.loads(line)
+        self.events.append(event)
+        return event
+
+    async def rest(self, timeout: float = 60) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while not self.events or self.events[-1].get("event") != "done":
+            await self.next(max(deadline - time.monotonic(), 0.1))
+        assert await asyncio.wait_for(self.proc.wait(), 10) == 0
+        return self.events
+
+
+@contextlib.asynccontextmanager
+async def litellm_client(job: dict):
+    proc = await asyncio.create_subprocess_exec(
+        str(_python()), str(CLIENT), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=litellm_env(), limit=2**20)
+    proc.stdin.write(json.dumps(job).encode())
+    proc.stdin.close()
+    run = ClientRun(proc)
+    try:
+        yield run
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+async def run_client(job: dict, timeout: float = 90) -> list[dict]:
+    async with litellm_client(job) as run:
+        return await run.rest(timeout)
+
+
+def job_for(server, dep_id: int, *calls: dict, **extra) -> dict:
+    return {"api_base": f"{server.url}/ondemand/{dep_id}/v1", "api_key": server.key,
+            "model": f"openai/{server.deployer.get(dep_id)['served_name']}",
+            "entry": entry_for(server, dep_id), "calls": list(calls), **extra}
+
+
+def results(events: list[dict]) -> list[dict]:
+    errors = [e for e in events if e.get("event") == "error"]
+    assert not errors, errors
+    return [e for e in events if e.get("event") == "result"]
+
+
+@pytest.mark.clients
+async def test_library_acompletion_cold_starts_the_model(tmp_path):
+    async with run_app(tmp_path) as server:
+        x = await server.add("x", 4, "--startup-delay", "0.3")
+        spy = GatewaySpy(server)
+        events = await run_client(job_for(server, x, {"kind": "completion"}, {"kind": "stream"}))
+        done, streamed = results(events)
+        assert done["content"] == " ".join(f"tok{i}" for i in range(16)) and done["finish_reason"] == "stop"
+        assert done["model"].endswith("X")
+        assert streamed["content"] == done["content"] and streamed["finish_reason"] == "stop"
+        assert server.state(x) == "ready" and await starts(server, x) == 1
+        assert len(spy.to(server, x, health=False)) == 2 and len(await engine_requests(server, x)) == 2
+
+
+@pytest.mark.clients
+async def test_library_stream_gets_the_queued_notice_first(tmp_path):
+    async with run_app(tmp_path) as server:
+        big = await server.add("big", 15)
+        x = await server.add("x", 12)
+        await server.deployer.restart(big)
+        slot = await server.controller.acquire(big)  # busy: x (12 GiB of 24) must queue
+        released = False
+        try:
+            async with litellm_client(job_for(server, x, {"kind": "stream"})) as run:
+                first = await run.next(60)
+                assert first["event"] == "chunk", first
+                assert first["content"] and "GPU memory" in first["content"], first
+                assert first["id"] == "ondemand-queued", first
+                assert x in server.controller.queue and server.state(x) == "stopped"
+                notice = first["content"]
+                slot.release()
+                released = True
+                server.controller._last_activity[big] = 0  # idle for its full timeout now
+                await server.app[app_mod.SAMPLER].sample_once()
+                events = await run.rest(60)
+        finally:
+            if not released:
+                slot.release()
+        (result,) = results(events)
+        chunks = [e for e in events if e.get("event") == "chunk"]
+        contents = [c["content"] for c in chunks if c["content"]]
+        assert contents[0] == notice  # the notice is the first content the client saw
+        assert all(c["id"] != "ondemand-queued" for c in chunks[1:] if c["content"])  # then the engine's
+        assert "".join(contents[1:]) == " ".join(f"tok{i}" for i in range(16))
+        assert result["content"] == notice + " ".join(f"tok{i}" for i in range(16))
+        assert result["finish_reason"] == "stop"
+        assert server.state(big) == "stopped" and server.state(x) == "ready"
+        assert await starts(server, x) == 1
+
+
+@pytest.mark.clients
+async def test_library_health_check_as_the_proxy_makes_it_leaves_the_model_stopped(tmp_path):
+    async with run_app(tmp_path) as server:
+        x = await server.add("x", 4)
+        f = await server.add("f", 4, "--fail", "exit-at-start")
+        with pytest.raises(Exception):
+            await server.deployer.restart(f)
+        assert server.state(f) == "failed"
+        spy = GatewaySpy(server)
+        before, events_x = server.controller.status(x), await server.app[app_mod.STORE].events(x, limit=1000)
+        events = await run_client(job_for(server, x, {"kind": "health"},
+                                          {"kind": "health", "entry": entry_for(server, f)}))
+        healthy, failed = results(events)
+        assert healthy["healthy"] is True, healthy
+        assert healthy["probe_extra_headers"] == {HEALTH_CHECK_HEADER: "1"}  # merged from model_info
+        (probe,) = spy.to(server, x)
+        assert probe["headers"][HEALTH_CHECK_HEADER] == "1"
+        assert server.state(x) == "stopped" and server.deployer.base_url(x) is None
+        assert await starts(server, x) == 0 and server.controller.status(x) == before
+        assert await server.app[app_mod.STORE].events(x, limit=1000) == events_x
+        # A failed deployment is reported unhealthy (503 ondemand_not_ready), not woken.
+        # (LiteLLM keeps the status and our message, "F failed: ...", not our code.)
+        assert failed["healthy"] is False and failed["status_code"] == 503, failed
+        assert failed["error"].startswith("litellm.ServiceUnavailableError") and "F failed" in failed["error"], failed
+        assert len(spy.to(server, f, health=True)) == 1 and not spy.to(server, f, health=False)
+        assert server.state(f) == "failed" and await starts(server, f) == 1
