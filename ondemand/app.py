@@ -163,7 +163,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
                                               docker_url=cfg.deployer.docker_url)
         holder.source = peers
         await peers.refresh()
-        tasks.spawn(peers.run(30.0), "peer policy")
+        tasks.spawn(peers.run(30.0, refresh_first=False), "peer policy")  # refreshed just above
         tasks.spawn(app[SAMPLER].run(), "metrics sampler")
         tasks.spawn(Reaper(app[CONTROLLER], cfg.reap_interval_s).run(), "reaper")
         tasks.spawn(app[SYNC].run(), "litellm sync")

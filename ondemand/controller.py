@@ -174,9 +174,10 @@ class Controller:
         dep = self.deployer.get(dep_id)
         dw = self._waits.get(dep_id)
         inflight = self._inflight.get(dep_id, 0)
-        if dep_id in self.queue:
+        starting = dep is not None and dep["state"] == "starting"
+        if dep_id in self.queue and not starting:
             phase = "queued"
-        elif dep is not None and dep["state"] == "starting" and dw is not None and dw.starting_for_request:
+        elif starting and dw is not None and dw.starting_for_request:
             phase = "starting_for_request"
         elif inflight:
             phase = "serving"
@@ -434,12 +435,15 @@ class Controller:
                             self._enqueue(dep_id, dw)
                             return
                 waking = dep["state"] == "asleep"
+                # Set before the move to starting, whose view is published from inside admit_start.
+                dw.starting_for_request = True
                 try:
                     admitted = await self.deployer.admit_start(
                         dep_id, actor=ACTOR, audit="ondemand_start",
                         text=("Woken" if waking else "Started") + " for a request")
                     break
                 except InsufficientMemory as exc:
+                    dw.starting_for_request = False
                     recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
                     if exc.need > exc.capacity + 1e-9 and not stopped_victim and not recent_stop:
                         self._give_verdict(dep_id, OndemandError(
@@ -460,14 +464,15 @@ class Controller:
                     self.queue.reserve(dep_id, freed)
                     await self._wait_for_free(dep, need)
                 except DeployerError as exc:
+                    dw.starting_for_request = False
                     dep = self.deployer.get(dep_id)
                     if dep is not None and dep["state"] in STARTABLE:
                         b = self._record_failure(dep_id, str(exc))
                         self._give_verdict(dep_id, self._start_failed(dep, b))
                     return
         if not admitted:
+            dw.starting_for_request = False
             return
-        dw.starting_for_request = True
         if self.queue.remove(dep_id):
             self._wake_all()
         try:

@@ -172,6 +172,7 @@ class Deployer:
         old = dep["state"]
         dep["state"] = state
         dep["state_reason"] = reason
+        dep["updated_at"] = time.time()
         if log_tail is not None or state in ("starting", "ready"):
             dep["log_tail"] = log_tail
         if state in ("ready", "failed", "stopped") and dep.get("pending_mode"):
@@ -182,7 +183,7 @@ class Deployer:
             async with self.store.transaction():
                 await self.store.update_deployment(
                     dep_id, state=dep["state"], state_reason=dep["state_reason"], log_tail=dep.get("log_tail"),
-                    mode=dep.get("mode"), pending_mode=dep.get("pending_mode"))
+                    mode=dep.get("mode"), pending_mode=dep.get("pending_mode"), updated_at=dep["updated_at"])
                 await self.store.write_event(actor=actor, user=user, deployment_id=dep_id, text=text,
                                              detail={"from": old, "to": state, **(detail or {})})
                 if audit:
@@ -221,6 +222,7 @@ class Deployer:
         bad = set(fields) & {"id", "state", "state_reason"}
         if bad:
             raise DeployerError(f"not changeable through update: {', '.join(sorted(bad))}")
+        fields["updated_at"] = time.time()
         dep.update(fields)
         async with self.store.transaction():
             await self.store.update_deployment(dep_id, **fields)

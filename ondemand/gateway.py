@@ -49,8 +49,17 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _JSON = "application/json"
 
 
+# A request held for these must not be sent again at once: the OpenAI SDKs retry
+# 5xx answers unless told otherwise, and each retry would wait or start again.
+_NO_RETRY = frozenset({"start_failed", "does_not_fit", "ondemand_queue_timeout", "ondemand_stopped",
+                       "ondemand_not_configured", "not_on_demand"})
+
+
 def error_response(err: OndemandError) -> web.Response:
-    return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
+    headers = err.headers
+    if err.code in _NO_RETRY:
+        headers = {**headers, "x-should-retry": "false"}
+    return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=headers)
 
 
 def _err(status: int, code: str, message: str, **kw: Any) -> OndemandError:

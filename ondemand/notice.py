@@ -62,7 +62,9 @@ def queued_chunk(route: str, served_name: str) -> bytes:
     else:
         chunk = {"id": "ondemand-queued", "object": "chat.completion.chunk", "created": now,
                  "model": served_name,
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                 # No "role": the engine's first chunk carries it, and clients that
+                 # accumulate deltas (the OpenAI SDK's stream helper) would join two.
+                 "choices": [{"index": 0, "delta": {"content": text},
                               "logprobs": None, "finish_reason": None}]}
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 

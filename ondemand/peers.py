@@ -372,8 +372,10 @@ class PeerPolicySource:
                 self._warned.pop(next(iter(self._warned)))
             self._log.warning("peer policy: %s", "; ".join(policy.warnings))
 
-    async def run(self, interval_s: float = 30.0) -> None:
-        """Refresh now and every ``interval_s`` until cancelled."""
+    async def run(self, interval_s: float = 30.0, *, refresh_first: bool = True) -> None:
+        """Refresh now (unless ``refresh_first`` is false) and every ``interval_s`` until cancelled."""
+        if not refresh_first:
+            await asyncio.sleep(interval_s)
         while True:
             try:
                 await self.refresh()

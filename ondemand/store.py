@@ -119,7 +119,7 @@ class Store:
     async def update_deployment(self, dep_id: int, **fields: Any) -> None:
         """Update some fields; call inside ``transaction()`` to join other writes."""
         fields = {k: v for k, v in fields.items() if k in DEPLOYMENT_FIELDS and k != "id"}
-        fields["updated_at"] = time.time()
+        fields.setdefault("updated_at", time.time())
         for k in _JSON_FIELDS:
             if k in fields:
                 fields[k] = orjson.dumps(fields[k] or []).decode()

@@ -33,12 +33,14 @@ class TaskGroup:
         for task in tasks:
             task.cancel(reason)
         for task in tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                pass  # already logged by _done
+            # Cancel again until it ends: on Python 3.10 and 3.11, asyncio.wait_for
+            # can swallow a cancellation that races with its inner result
+            # (CPython gh-86296), and a task that lost it would keep shutdown waiting.
+            while not task.done():
+                await asyncio.wait({task}, timeout=1.0)
+                if not task.done():
+                    log.warning("task %s ignored its cancellation; cancelling again", task.get_name())
+                    task.cancel(reason)
 
     def __len__(self) -> int:
         return len(self._tasks)

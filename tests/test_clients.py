@@ -131,10 +131,6 @@ async def test_queued_streaming_chat_first_chunk_is_the_notice(server):
     assert server.state(big) == "stopped" and server.state(x) == "ready"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: the ondemand-queued chunk carries delta.role='assistant' and the engine's first chunk "
-    "does too; the SDK's stream accumulator concatenates string deltas, so the final message's role is "
-    "'assistantassistant' (notice.queued_chunk should not send a role, the engine's first chunk does)"))
 async def test_queued_stream_through_the_sdk_stream_helper_accumulates_a_valid_message(server):
     big, x, slot = await pressure(server)
     async with sdk(server, x) as client:

@@ -24,3 +24,22 @@ async def test_broken_listener_does_not_stop_others(caplog):
     bus.listen(lambda k, v: seen.append(v))
     bus.publish({"id": 1})
     assert seen == [{"id": 1}]
+
+
+async def test_task_group_cancels_a_task_that_swallowed_its_cancellation():
+    from ondemand.tasks import TaskGroup
+    import asyncio
+    group = TaskGroup("t")
+    seen = []
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append("swallowed")  # as asyncio.wait_for may on 3.10/3.11
+        await asyncio.sleep(10)
+
+    group.spawn(stubborn(), "stubborn")
+    await asyncio.sleep(0)
+    await asyncio.wait_for(group.close(), 5)
+    assert seen == ["swallowed"] and len(group) == 0

@@ -1,0 +1,220 @@
+"""The admin API and the wiring of the app: token and socket, validation,
+mode switches, SSE events, audit, and the LiteLLM sync's triggers."""
+import asyncio
+import os
+import stat
+
+import aiohttp
+import orjson
+import pytest
+
+from ondemand import keys
+
+from helpers import run_app, sim_command, wait_for
+from litellm_double import litellm_double
+
+
+@pytest.fixture
+async def server(tmp_path):
+    async with run_app(tmp_path) as srv:
+        yield srv
+
+
+async def api(server, method, path, body=None, headers=None, unix=False):
+    if unix:
+        conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))
+        url = f"http://ondemand{server.cfg.base_path}/api{path}"
+    else:
+        conn = None
+        url = f"{server.url}/api{path}"
+        headers = server.admin_headers() if headers is None else headers
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async with s.request(method, url, json=body, headers=headers) as r:
+            return r.status, await r.json()
+
+
+def new_dep(name="a", **kw):
+    body = {"name": name, "command": sim_command(name.upper()), "memory_gib": 10, "mode": "on_demand"}
+    body.update(kw)
+    return body
+
+
+async def test_token_on_tcp_never_the_ondemand_key(server):
+    assert (await api(server, "GET", "/host"))[0] == 200
+    status, body = await api(server, "GET", "/host", headers={})
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+    status, _ = await api(server, "GET", "/host", headers={"Authorization": f"Bearer {server.key}"})
+    assert status == 401
+    status, _ = await api(server, "GET", "/host", headers={"Authorization": f"Bearer {server.token}x"})
+    assert status == 401
+
+
+async def test_socket_is_open_and_0600(tmp_path):
+    import os as _os
+    from ondemand import config
+    # served as `serve` does: the socket is born 0600
+    cfg = config.load(env={}, overrides={"state_dir": str(tmp_path / "s"), "listen": "127.0.0.1:0",
+                                         "deployer.backend": "process", "budget.source": "static",
+                                         "budget.capacity_gib": 10, "ondemand_allowed_cidrs": ["127.0.0.0/8"]})
+    from ondemand import app as app_mod
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(app_mod.serve(cfg, ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        mode = stat.S_IMODE(_os.stat(cfg.admin_socket).st_mode)
+        assert mode == 0o600
+        assert stat.S_IMODE(_os.stat(cfg.token_file).st_mode) == 0o600
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(cfg.admin_socket))) as s:
+            async with s.get("http://x/dgxmm/api/host") as r:
+                assert r.status == 200 and (await r.json())["version"]
+    finally:
+        os.kill(os.getpid(), 15)  # SIGTERM: the graceful path
+        await asyncio.wait_for(task, 15)
+    assert not cfg.admin_socket.exists()
+
+
+async def test_host_view(server):
+    status, host = await api(server, "GET", "/host")
+    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "free": 24.0, "ondemand_capacity": 24.0}
+    assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
+    assert host["ondemand"]["litellm_ready"] is False
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"name": "Bad Name"}, "name"), ({"name": "a", "engine": "tgi"}, "engine"),
+    ({"name": "a", "mode": "sometimes"}, "mode"), ({"name": "a", "memory_gib": -1}, "memory_gib"),
+    ({"name": "a", "idle_timeout_s": 0}, "idle_timeout_s"), ({"name": "a", "idle_timeout_s": 90000}, "idle_timeout_s"),
+    ({"name": "a", "role": "decision", "mode": "on_demand"}, "mode"), ({"name": "a", "port": 0}, "port"),
+    ({"name": "a", "colour": "red"}, "colour"), ({"name": "a", "command": "not a list"}, "command"),
+])
+async def test_validation_names_the_field(server, body, field):
+    full = {"command": sim_command("A"), **body}
+    status, err = await api(server, "POST", "/deployments", full)
+    assert status == 400 and err["error"]["code"] == "invalid_field"
+    assert err["error"]["message"].startswith(field + ":")
+    assert server.deployer.all() == []
+
+
+async def test_create_defaults_and_states(server):
+    status, view = await api(server, "POST", "/deployments", {"name": "ao", "command": sim_command("AO"), "memory_gib": 4})
+    assert status == 201 and view["mode"] == "always_on"  # the default
+    await wait_for(lambda: server.state(view["id"]) == "ready", what="always on starts at once")
+    status, od = await api(server, "POST", "/deployments", new_dep("od"))
+    assert od["mode"] == "on_demand" and od["state"] == "stopped"
+    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping"}
+    status, planned = await api(server, "POST", "/deployments", new_dep("pl", mode="always_on", start=False))
+    assert planned["state"] == "planned"
+    status, err = await api(server, "POST", "/deployments", new_dep("od"))
+    assert status == 409 and err["error"]["code"] == "name_taken"
+    status, lst = await api(server, "GET", "/deployments")
+    assert [v["name"] for v in lst] == ["ao", "od", "pl"]
+    status, err = await api(server, "GET", "/deployments/99")
+    assert status == 404
+
+
+async def test_mode_switch_is_audited_and_bounded(server):
+    _, v = await api(server, "POST", "/deployments", new_dep("a"))
+    status, err = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "on_demand", "idle_timeout_s": 5000000})
+    assert status == 400 and err["error"]["message"].startswith("idle_timeout_s:")
+    status, view = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "always_on"})
+    assert status == 200 and view["pending_mode"] == "always_on" and view["mode"] == "on_demand"
+    await wait_for(lambda: server.deployer.get(v["id"])["mode"] == "always_on", what="pending mode applied at ready")
+    _, audit = await api(server, "GET", "/audit")
+    row = [r for r in audit if r["action"] == "ondemand_mode"][0]
+    assert row["detail"]["old"]["mode"] == "on_demand" and row["detail"]["new"]["pending_mode"] == "always_on"
+    status, view = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "on_demand", "idle_timeout_s": 120})
+    assert view["mode"] == "on_demand" and view["idle_timeout_s"] == 120
+
+
+async def test_actions(server):
+    _, v = await api(server, "POST", "/deployments", new_dep("a"))
+    i = v["id"]
+    status, view = await api(server, "POST", f"/deployments/{i}/start?wait=1")
+    assert status == 200 and view["state"] == "ready" and view["base_url"].startswith("http://127.0.0.1:")
+    status, view = await api(server, "POST", f"/deployments/{i}/sleep")
+    assert view["state"] == "asleep"
+    status, view = await api(server, "POST", f"/deployments/{i}/wake?wait=1")
+    assert view["state"] == "ready"
+    status, view = await api(server, "POST", f"/deployments/{i}/stop")
+    assert view["state"] == "stopped"
+    status, err = await api(server, "POST", f"/deployments/{i}/wake")
+    assert status == 409
+    _, big = await api(server, "POST", "/deployments", new_dep("big", memory_gib=20))
+    await api(server, "POST", f"/deployments/{i}/start?wait=1")
+    status, err = await api(server, "POST", f"/deployments/{big['id']}/start")
+    assert status == 409 and err["error"]["code"] == "insufficient_memory"
+    status, body = await api(server, "DELETE", f"/deployments/{i}")
+    assert status == 200 and server.deployer.get(i) is None
+    _, events = await api(server, "GET", f"/deployments/{big['id']}/events")
+    assert events[-1]["text"].startswith("created")
+
+
+async def test_events_stream_views_and_folds_counters(server):
+    _, v = await api(server, "POST", "/deployments", new_dep("a"))
+    i = v["id"]
+    await server.deployer.restart(i)
+    got = []
+
+    async def reader():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{server.url}/api/events", headers=server.admin_headers()) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        got.append(orjson.loads(line[6:]))
+    task = asyncio.ensure_future(reader())
+    await wait_for(lambda: got, what="initial views")
+    got.clear()
+    slots = [await server.controller.acquire(i) for _ in range(10)]
+    for s in slots:
+        s.release()
+    await asyncio.sleep(1.5)
+    task.cancel()
+    counters = [e for e in got if e.get("id") == i]
+    assert 1 <= len(counters) <= 2  # twenty changes, at most one event a second
+    assert counters[0]["ondemand"]["inflight"] >= 1 and counters[-1]["ondemand"]["inflight"] == 0
+
+
+async def test_litellm_sync_is_wired(tmp_path):
+    async with litellm_double("sk-m") as double:
+        mk = tmp_path / "master.key"
+        mk.write_text("sk-m\n")
+        async with run_app(tmp_path, **{"litellm.url": double.url, "litellm.master_key_file": str(mk),
+                                        "internal_url": "http://ondemand:8090/dgxmm"}) as server:
+            _, v = await api(server, "POST", "/deployments", new_dep("a"))
+            await wait_for(lambda: any(m["model_name"] == "a" for m in double.models), what="registered")
+            entry = [m for m in double.models if m["model_name"] == "a"][0]
+            assert entry["litellm_params"]["api_base"] == f"http://ondemand:8090/dgxmm/ondemand/{v['id']}/v1"
+            _, host = await api(server, "GET", "/host")
+            await wait_for(lambda: server.app[__import__("ondemand.components").components.SYNC].last_ok)
+            _, host = await api(server, "GET", "/host")
+            assert host["ondemand"]["litellm_ready"] is True
+            _, view = await api(server, "GET", f"/deployments/{v['id']}")
+            assert view["litellm"]["status"] == "registered"
+            # a rotated key re-registers without a restart
+            new = keys.generate_key()
+            keys.write_key_file(server.cfg.key_file, new)
+            fp = keys.fingerprint(new)
+            await wait_for(lambda: any(m["model_info"].get("dgxmm_key_fp") == fp for m in double.models),
+                           timeout=10, what="re-registered with the new key")
+            status, result = await api(server, "POST", "/sync")
+            assert status == 200 and result["error"] is None and result["added"] == [] and result["deleted"] == []
+
+
+async def test_published_views_of_a_cold_start(server):
+    """The view published with `starting` says starting_for_request; updated_at follows the file."""
+    from ondemand import components
+    _, v = await api(server, "POST", "/deployments", new_dep("a", command=sim_command("A", "--startup-delay", "0.3")))
+    i = v["id"]
+    seen = []
+    server.app[components.BUS].listen(
+        lambda kind, view: view.get("id") == i and seen.append((view["state"], view["ondemand"]["phase"], view["updated_at"])))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.gw(i, "chat/completions"), headers=server.auth(),
+                          json={"model": "A", "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 200
+    phases = [(state, phase) for state, phase, _ in seen]
+    assert ("starting", "starting_for_request") in phases, phases
+    stored = await server.deployer.store.deployment(i)
+    _, view = await api(server, "GET", f"/deployments/{i}")
+    assert view["updated_at"] == stored["updated_at"] > v["created_at"]
+    assert seen[-1][2] >= seen[0][2]
