@@ -1,0 +1,156 @@
+"""The command line as an admin uses it: real processes, the real socket and state file."""
+import asyncio
+import json
+import os
+import re
+import stat
+import sys
+
+import pytest
+
+from helpers import ROOT, run_app, sim_command
+
+
+async def cli(*args, config=None, env=None):
+    argv = [sys.executable, "-m", "ondemand"] + (["--config", str(config)] if config else []) + list(args)
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_")}, **(env or {})})
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+def write_config(path, state_dir, **extra):
+    settings = {"state_dir": str(state_dir), "listen": "127.0.0.1:0", "ondemand_allowed_cidrs": ["127.0.0.0/8"],
+                "min_idle_timeout_s": 1, **extra}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    lines += ["[budget]", 'source = "static"', "capacity_gib = 24", "[deployer]", 'backend = "process"']
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+async def test_key_init_show_rotate(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
+    rc, out, err = await cli("key", "show", config=cfg)
+    assert rc == 1 and "key init" in err
+    rc, out, _ = await cli("key", "init", config=cfg)
+    assert rc == 0
+    key_file = tmp_path / "s" / "ondemand.key"
+    key = key_file.read_text().strip()
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert key not in out
+    rc, out, _ = await cli("key", "show", config=cfg)
+    assert rc == 0 and re.fullmatch(r"[0-9a-f]{12}\n", out)
+    rc, _, err = await cli("key", "init", config=cfg)
+    assert rc == 1 and "rotate" in err
+    rc, out, _ = await cli("key", "rotate", "--json", config=cfg)
+    assert rc == 0 and json.loads(out)["fingerprint"] != out
+    assert key_file.read_text().strip() != key
+
+
+@pytest.mark.parametrize("text, key", [("bogus = 1\n", "bogus"),
+                                       ("ondemand_queue_timeout_s = -1\n", "ondemand_queue_timeout_s")])
+async def test_bad_config_names_the_key(tmp_path, text, key):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    rc, out, err = await cli("migrate", config=cfg)
+    assert rc == 2 and key in err and len(err.strip().splitlines()) == 1
+
+
+async def test_bad_environment_names_the_key(tmp_path):
+    rc, _, err = await cli("migrate", env={"ONDEMAND_ONDEMAND_MAX_QUEUED": "0",
+                                           "ONDEMAND_STATE_DIR": str(tmp_path)})
+    assert rc == 2 and "ondemand_max_queued" in err
+
+
+async def test_migrate(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
+    rc, out, _ = await cli("migrate", "--json", config=cfg)
+    assert rc == 0 and json.loads(out)["schema_version"] >= 2
+
+
+async def test_commands_against_a_running_server(tmp_path):
+    async with run_app(tmp_path) as server:
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        rc, out, err = await cli("deploy", "add", "alpha", "--command", " ".join(sim_command("alpha")),
+                                 "--memory-gib", "8", "--mode", "on_demand", "--json", config=cfg)
+        assert rc == 0, err
+        dep = json.loads(out)
+        assert (dep["mode"], dep["state"]) == ("on_demand", "stopped")
+        rc, _, err = await cli("deploy", "add", "Bad Name", "--command", "x", config=cfg)
+        assert rc == 1 and "name:" in err
+        rc, out, _ = await cli("deploy", "list", config=cfg)
+        assert "alpha" in out and "on_demand" in out and "sleeping" in out
+        rc, out, _ = await cli("deploy", "start", str(dep["id"]), "--wait", config=cfg)
+        assert rc == 0 and "ready" in out
+        rc, out, _ = await cli("status", config=cfg)
+        assert rc == 0 and "budget: 16 GiB free of 24 GiB" in out
+        header = [l for l in out.splitlines() if l.startswith("ID")][0]
+        for col in ("NAME", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"):
+            assert col in header
+        rc, out, _ = await cli("mode", "get", str(dep["id"]), config=cfg)
+        assert out.strip() == "on_demand"
+        rc, out, _ = await cli("mode", "set", str(dep["id"]), "on_demand", "--idle-timeout", "120", config=cfg)
+        assert rc == 0
+        rc, out, _ = await cli("mode", "get", str(dep["id"]), "--json", config=cfg)
+        assert json.loads(out)["idle_timeout_s"] == 120
+        rc, _, err = await cli("mode", "set", str(dep["id"]), "on_demand", "--idle-timeout", "5000000", config=cfg)
+        assert rc == 1 and "idle_timeout_s" in err
+        rc, out, _ = await cli("deploy", "show", str(dep["id"]), config=cfg)
+        assert "base_url:" in out and "phase idle" in out
+        rc, out, _ = await cli("deploy", "stop", str(dep["id"]), config=cfg)
+        assert rc == 0 and "stopped" in out
+        rc, _, err = await cli("sync", config=cfg)
+        assert rc == 1 and "litellm_disabled" in err
+        rc, out, _ = await cli("doctor", "--json", config=cfg)
+        checks = {c["check"]: c for c in json.loads(out)}
+        assert checks["key"]["ok"] and checks["server"]["ok"] and checks["budget"]["ok"]
+        rc, out, _ = await cli("deploy", "rm", str(dep["id"]), config=cfg)
+        assert rc == 0
+        rc, _, err = await cli("deploy", "show", str(dep["id"]), config=cfg)
+        assert rc == 1
+
+
+async def test_read_only_commands_without_a_server(tmp_path):
+    async with run_app(tmp_path) as server:
+        await server.add("alpha")
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    rc, out, _ = await cli("status", config=cfg)
+    assert rc == 0 and "no server runs" in out and "alpha" in out
+    rc, out, _ = await cli("deploy", "list", "--json", config=cfg)
+    assert json.loads(out)[0]["name"] == "alpha"
+    rc, _, err = await cli("deploy", "start", "1", config=cfg)
+    assert rc == 3 and "ondemand serve" in err
+    rc, out, _ = await cli("doctor", config=cfg)
+    assert rc == 0 and "no server runs" in out
+
+
+async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
+    import aiohttp
+    from helpers import free_port
+    port = free_port()
+    cfg = write_config(tmp_path / "c.toml", tmp_path / "s", listen=f"127.0.0.1:{port}", shutdown_grace_s=2)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ondemand", "--config", str(cfg), "serve", "--demo", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        body = None
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):
+                try:
+                    key = (tmp_path / "s" / "ondemand.key").read_text().strip()
+                    async with s.get(f"http://127.0.0.1:{port}/dgxmm/ondemand/1/v1/models",
+                                     headers={"Authorization": f"Bearer {key}"}) as r:
+                        body = await r.json()
+                        break
+                except (OSError, aiohttp.ClientError, FileNotFoundError):
+                    await asyncio.sleep(0.1)
+            assert body is not None, (await proc.stderr.read(4000)).decode()
+            assert body["data"][0]["id"] == "demo-small"
+        proc.send_signal(2)  # Ctrl-C
+        await asyncio.wait_for(proc.wait(), 15)
+        assert proc.returncode == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,69 @@
+"""Imports flow one way: request → gateway → controller → deployer → backends.
+A module that reaches backwards is a sign the design wants a change (README, Layout)."""
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
+
+# What each module may import from the package. Only app (the composition) and
+# cli (the edge) may import everything.
+ALLOWED = {
+    "errors": set(), "config": {"errors"}, "events": set(), "tasks": set(),
+    "paths": {"errors"}, "keys": {"errors"}, "ratelimit": set(), "peers": {"errors"},
+    "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
+    "budget": {"errors"}, "metrics": set(), "eviction": set(), "queue": set(),
+    "backends": {"errors"}, "backends.process": {"backends"}, "backends.docker": {"backends"},
+    "deployer": {"backends", "budget", "errors", "store", "tasks"},
+    "controller": {"budget", "deployer", "errors", "eviction", "metrics", "queue", "tasks"},
+    "reaper": {"controller"},
+    "gateway": {"notice", "controller", "deployer", "errors", "forward", "keys", "paths", "ratelimit"},
+    "litellm": {"errors"},
+    "components": {"config", "controller", "deployer", "events", "gateway", "keys", "litellm", "metrics", "peers",
+                   "store", "tasks"},
+    "admin": {"components", "keys", "budget", "config", "deployer", "errors"},
+    "simengine": set(),
+}
+
+
+def ours(path: pathlib.Path) -> set[str]:
+    mod = ".".join(path.relative_to(PKG).with_suffix("").parts)
+    package = mod.rsplit(".", 1)[0] if "." in mod else ""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+            base = [b for b in base if b]
+            target = ".".join(base + ([node.module] if node.module else []))
+            if node.module is None:
+                found |= {".".join(base + [a.name]) for a in node.names}
+            else:
+                found.add(target)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ondemand"):
+            found.add(node.module.removeprefix("ondemand").lstrip("."))
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("ondemand.") for a in node.names if a.name.startswith("ondemand.")}
+    modules = {".".join(p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+               for p in PKG.rglob("*.py")}
+    return {f for f in found if f in modules}
+
+
+def test_imports_flow_one_way():
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        mod = ".".join(path.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+        if mod in ("app", "cli", "__main__", "__init__"):
+            continue
+        assert mod in ALLOWED, f"new module {mod}: say in ALLOWED what it may import"
+        extra = ours(path) - ALLOWED[mod]
+        if extra:
+            bad.append(f"{mod} imports {sorted(extra)}")
+    assert bad == []
+
+
+def test_only_the_composition_reads_the_environment():
+    for path in PKG.rglob("*.py"):
+        # config reads it once; the simulator is a program of its own; the process
+        # backend hands it on to the engines it starts (their PATH, CUDA_VISIBLE_DEVICES ...).
+        if path.name in ("config.py", "simengine.py", "process.py"):
+            continue
+        assert "os.environ" not in path.read_text(), path.name
