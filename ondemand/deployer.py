@@ -62,7 +62,7 @@ class StartInterrupted(Exception):
 class Deployer:
     def __init__(self, store: Store, backend: Backend, budget: Budget, *,
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
-                 watch_interval_s: float = 5.0, watch_failures: int = 3,
+                 watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.backend = backend
@@ -71,6 +71,7 @@ class Deployer:
         self.stop_timeout_s = stop_timeout_s
         self.watch_interval_s = watch_interval_s
         self.watch_failures = watch_failures
+        self.probe_timeout_s = probe_timeout_s
         self.clock = clock
         self.listeners: list[Listener] = []
         self._deps: dict[int, dict[str, Any]] = {}
@@ -372,7 +373,7 @@ class Deployer:
     async def _answers(self, engine: Engine, path: str) -> bool:
         try:
             async with self._http.get(engine.base_url + path,  # type: ignore[union-attr]
-                                      timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                                      timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False

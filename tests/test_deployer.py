@@ -72,7 +72,7 @@ async def test_watchdog_engine_exit_while_ready_is_failed(tmp_path, store):
 
 
 async def test_watchdog_engine_that_stops_answering_is_failed(tmp_path, store):
-    async with running_deployer(tmp_path, store, watch_interval_s=0.05, watch_failures=2) as d:
+    async with running_deployer(tmp_path, store, watch_interval_s=0.05, watch_failures=2, probe_timeout_s=0.3) as d:
         dep = await d.create(dep_fields("a"))
         await d.restart(dep["id"])
         os.killpg(d._engines[dep["id"]].ref.pid, 19)  # SIGSTOP: alive but silent
