@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import pathlib
 import re
 import socket
 from typing import Any
@@ -47,12 +48,11 @@ def _is_unix(request: web.BaseRequest) -> bool:
 
 def auth_middleware(cfg: Config):
     api = cfg.base_path + "/api"
-    ui = cfg.base_path + "/ui"
 
     @web.middleware
     async def admin_auth(request: web.Request, handler):
-        path = request.path
-        if not (path.startswith(api) or path.startswith(ui)):
+        # The UI page itself is static and holds no data: it asks for the token.
+        if not request.path.startswith(api):
             return await handler(request)
         if not _is_unix(request):
             token = keys_mod.read_key_file(cfg.token_file)
@@ -325,9 +325,24 @@ async def sync_now(request: web.Request) -> web.Response:
     return _json(await sync.sync_now())
 
 
+_UI = (pathlib.Path(__file__).parent / "ui" / "index.html")
+
+
+async def ui(request: web.Request) -> web.Response:
+    return web.Response(body=_UI.read_bytes(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-cache", "X-Frame-Options": "DENY",
+                                 "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                            "style-src 'unsafe-inline'"})
+
+
 def add_routes(app: web.Application, base_path: str) -> None:
     api = base_path + "/api"
     r = app.router
+    r.add_get(base_path + "/ui/", ui)
+
+    async def to_ui(request: web.Request) -> web.Response:
+        raise web.HTTPFound(base_path + "/ui/")
+    r.add_get(base_path + "/ui", to_ui)
     r.add_get(api + "/host", host)
     r.add_get(api + "/deployments", list_deployments)
     r.add_post(api + "/deployments", create_deployment)

@@ -218,3 +218,12 @@ async def test_published_views_of_a_cold_start(server):
     _, view = await api(server, "GET", f"/deployments/{i}")
     assert view["updated_at"] == stored["updated_at"] > v["created_at"]
     assert seen[-1][2] >= seen[0][2]
+
+
+async def test_ui_page_is_served_without_data(server):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{server.url}/ui/") as r:
+            assert r.status == 200 and r.content_type == "text/html"
+            page = await r.text()
+    assert "../api/" in page and "events" in page
+    assert server.token not in page and server.key not in page
