@@ -278,3 +278,38 @@ async def test_unreachable_docker_is_a_backend_error(docker_env, backends):
         await backend.start(dep)
     with pytest.raises(BackendError, match="unreachable"):
         await backend.adopt(dep)
+
+
+async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env, backends, tmp_path):
+    """The deployer over the docker backend: a start through the start-up gate, and an
+    ondemand restart that finds the container running and adopts it instead of starting
+    a second one."""
+    from ondemand.budget import Budget
+    from ondemand.deployer import Deployer
+    from ondemand.store import Store
+
+    store = await Store.open(tmp_path / "ondemand.db")
+    try:
+        row = deployment(docker_env)
+        fields = {k: v for k, v in row.items() if k not in ("id", "state")}
+        d1 = Deployer(store, backends(), Budget("static", 10), start_timeout_s=READY_S)
+        await d1.load()
+        dep = await d1.create({**fields, "state": "stopped"})
+        await d1.restart(dep["id"])
+        first = d1._engines[dep["id"]].ref
+        assert d1.get(dep["id"])["state"] == "ready"
+        await d1.close(stop_engines=False)  # ondemand goes away; the container stays
+
+        d2 = Deployer(store, backends(), Budget("static", 10), start_timeout_s=READY_S)
+        await d2.load()
+        try:
+            assert d2.get(dep["id"])["state"] == "ready"
+            assert d2._engines[dep["id"]].ref == first and d2._engines[dep["id"]].adopted
+            assert await answers(d2.base_url(dep["id"])) == 200
+            assert containers_named(f"ondemand-{row['name']}") == [first]
+            await d2.remove(dep["id"])
+            assert containers_named(f"ondemand-{row['name']}") == []
+        finally:
+            await d2.close(stop_engines=True)
+    finally:
+        await store.close()
