@@ -227,7 +227,9 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     host, port = cfg.listen_host_port
     sock_path = cfg.admin_socket
     try:
-        await web.TCPSite(runner, host or None, port, reuse_address=True).start()
+        # A deep backlog: LiteLLM may open hundreds of connections at once, and a full
+        # default queue (128) drops handshakes that then retry after 1, 3, 7 s.
+        await web.TCPSite(runner, host or None, port, reuse_address=True, backlog=4096).start()
         if sock_path.exists() or sock_path.is_symlink():
             sock_path.unlink()
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect

@@ -69,6 +69,8 @@ class _Upstream:
                                            enable_cleanup_closed=False),
             # connect: waiting for a pooled connection plus connecting; sock_connect: connecting.
             timeout=aiohttp.ClientTimeout(total=None, connect=60, sock_connect=10, sock_read=None),
+            # No cookie jar: a Set-Cookie of one answer must never ride on another user's request.
+            cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"))
         self.streams = 0
         self.retired = False

@@ -297,6 +297,8 @@ class Gateway:
                     try:
                         async for chunk in up.content.iter_any():
                             await out.write(chunk)
+                    except ConnectionResetError:
+                        return out  # the client went away; the engine connection closes below
                     except aiohttp.ClientPayloadError:
                         # The engine broke off mid-answer: so do we, rather than end it cleanly.
                         if request.transport is not None:
@@ -327,6 +329,8 @@ class Gateway:
         try:
             async for chunk in up.content.iter_any():
                 await out.write(chunk)
+        except ConnectionResetError:
+            return out
         except aiohttp.ClientPayloadError:
             if request.transport is not None:
                 request.transport.close()

@@ -502,3 +502,80 @@ async def test_auto_outside_docker_allows_nobody(tmp_path):
         async with aiohttp.ClientSession() as s:
             async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
                 assert await err(r) == (404, "not_found")
+
+
+async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
+    """Streaming requests that queued (acquire runs in a task of its own) hang up at random
+    moments around the grant: every slot is released, nothing waits, nothing hangs."""
+    import random
+    rng = random.Random(7)
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def one():
+        try:
+            async with http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()) as r:
+                await asyncio.sleep(rng.random() * 1.5)
+                if rng.random() < 0.7:
+                    return  # hang up (the response is closed unread)
+                await r.read()
+        except aiohttp.ClientError:
+            pass
+    tasks = [asyncio.ensure_future(one()) for _ in range(30)]
+    await wait_for(lambda: x in server.controller.queue)
+    await asyncio.sleep(0.3)
+    slot.release()
+    server.controller._last_activity[big] = 0
+    from ondemand import app as app_mod
+    await server.app[app_mod.SAMPLER].sample_once()
+    done, pending = await asyncio.wait(tasks, timeout=30)
+    assert not pending
+    await wait_for(lambda: server.controller.inflight(x) == 0 and server.controller.waiting() == 0,
+                   what="every slot released")
+    assert server.state(x) == "ready"
+
+
+async def test_engine_cookies_never_reach_another_request(server, http):
+    from helpers import FAKES
+    c = (await server.deployer.create(dict(
+        name="c", served_name="C", engine="vllm", memory_gib=1, mode="on_demand", state="stopped", role="model",
+        command=["python3", str(FAKES / "cookie_engine.py"), "{port}"])))["id"]
+    for _ in range(2):
+        async with http.post(server.gw(c, "chat/completions"), json={"model": "C"}, headers=server.auth()) as r:
+            assert r.status == 200
+            assert (await r.json())["cookie"] is None
+            assert "engine_session" in r.headers.get("Set-Cookie", "")  # passed back to its client
+        http.cookie_jar.clear()
+
+
+async def test_upstream_sessions_keep_no_cookies(tmp_path):
+    """By name (as engines are reached in Docker) a cookie jar would keep the engine's
+    cookie and send it with the next user's request."""
+    import sys as _sys
+    from helpers import FAKES, free_port
+    from ondemand.forward import Upstreams
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(_sys.executable, str(FAKES / "cookie_engine.py"), str(port))
+    ups = Upstreams()
+    try:
+        await wait_for(lambda: _connectable(port), what="engine up")
+        for _ in range(2):
+            lease = ups.open(1, f"http://localhost:{port}")
+            try:
+                async with lease.session.post(lease.base_url + "/v1/chat/completions", json={}) as r:
+                    assert (await r.json())["cookie"] is None
+            finally:
+                lease.end()
+    finally:
+        await ups.close()
+        proc.terminate()
+        await proc.wait()
+
+
+async def _connectable(port):
+    try:
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.close()
+        return True
+    except OSError:
+        return False
