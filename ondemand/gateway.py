@@ -78,6 +78,22 @@ def _release_when_granted(task: asyncio.Future) -> None:
     task.add_done_callback(done)
 
 
+async def _pump(request: web.Request, up: aiohttp.ClientResponse, out: web.StreamResponse) -> web.StreamResponse:
+    """The engine's bytes to the client as they come, chunk by chunk, unbuffered."""
+    try:
+        async for chunk in up.content.iter_any():
+            await out.write(chunk)
+    except ConnectionResetError:
+        return out  # the client went away; the caller closes the engine connection
+    except aiohttp.ClientPayloadError:
+        # The engine broke off mid-answer: so do we, rather than end the answer cleanly.
+        if request.transport is not None:
+            request.transport.close()
+        return out
+    await out.write_eof()
+    return out
+
+
 def health_answer(route: str, served: str) -> dict[str, Any] | None:
     now = int(time.time())
     if route == "chat/completions":
@@ -293,19 +309,10 @@ class Gateway:
                 if up.content_length is not None:
                     out.content_length = up.content_length
                 await out.prepare(request)
-                if request.method != "HEAD":
-                    try:
-                        async for chunk in up.content.iter_any():
-                            await out.write(chunk)
-                    except ConnectionResetError:
-                        return out  # the client went away; the engine connection closes below
-                    except aiohttp.ClientPayloadError:
-                        # The engine broke off mid-answer: so do we, rather than end it cleanly.
-                        if request.transport is not None:
-                            request.transport.close()
-                        return out
-                await out.write_eof()
-                return out
+                if request.method == "HEAD":
+                    await out.write_eof()
+                    return out
+                return await _pump(request, up, out)
             finally:
                 await ctx.__aexit__(None, None, None)
         finally:
@@ -326,17 +333,7 @@ class Gateway:
             await out.write(notice.error_events(error))
             await out.write_eof()
             return out
-        try:
-            async for chunk in up.content.iter_any():
-                await out.write(chunk)
-        except ConnectionResetError:
-            return out
-        except aiohttp.ClientPayloadError:
-            if request.transport is not None:
-                request.transport.close()
-            return out
-        await out.write_eof()
-        return out
+        return await _pump(request, up, out)
 
     async def _upstream_failed(self, started: web.StreamResponse | None, why: str) -> web.StreamResponse:
         err = _err(502, "ondemand_upstream_error", f"The engine could not be reached: {why}")

@@ -299,6 +299,14 @@ async def test_upstream_unreachable_is_502(server, http):
     assert server.controller.inflight(a) == 0
 
 
+async def _relieve(server, big, slot):
+    """Let the queued deployment through: the busy one becomes idle for its full timeout."""
+    slot.release()
+    server.controller._last_activity[big] = 0
+    from ondemand import app as app_mod
+    await server.app[app_mod.SAMPLER].sample_once()
+
+
 def _queued_setup(server):
     async def go(second_args=()):
         big = await server.add("big", 15)
@@ -362,10 +370,7 @@ async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
     body = {"model": "X", "input": "hi", "stream": True}
     task = asyncio.ensure_future(http.post(server.gw(x, "responses"), json=body, headers=server.auth()))
     await wait_for(lambda: x in server.controller.queue)
-    slot.release()
-    server.controller._last_activity[big] = 0
-    from ondemand import app as app_mod
-    await server.app[app_mod.SAMPLER].sample_once()
+    await _relieve(server, big, slot)
     r = await task
     data = await r.read()
     assert data.startswith(b"event: response.created\n")
@@ -381,10 +386,7 @@ async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, 
     big, x, slot = await _queued_setup(server)()
     task = asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
     await wait_for(lambda: x in server.controller.queue)
-    slot.release()
-    server.controller._last_activity[big] = 0
-    from ondemand import app as app_mod
-    await server.app[app_mod.SAMPLER].sample_once()
+    await _relieve(server, big, slot)
     r = await task
     raw = await r.read()
     assert int(r.headers["Content-Length"]) == len(raw)
@@ -401,10 +403,7 @@ async def test_structured_non_streaming_gets_no_notice(server, http):
             "function": {"name": "f", "parameters": {}}}]}
     task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
     await wait_for(lambda: x in server.controller.queue)
-    slot.release()
-    server.controller._last_activity[big] = 0
-    from ondemand import app as app_mod
-    await server.app[app_mod.SAMPLER].sample_once()
+    await _relieve(server, big, slot)
     r = await task
     assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
 
@@ -524,10 +523,7 @@ async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
     tasks = [asyncio.ensure_future(one()) for _ in range(30)]
     await wait_for(lambda: x in server.controller.queue)
     await asyncio.sleep(0.3)
-    slot.release()
-    server.controller._last_activity[big] = 0
-    from ondemand import app as app_mod
-    await server.app[app_mod.SAMPLER].sample_once()
+    await _relieve(server, big, slot)
     done, pending = await asyncio.wait(tasks, timeout=30)
     assert not pending
     await wait_for(lambda: server.controller.inflight(x) == 0 and server.controller.waiting() == 0,
