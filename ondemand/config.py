@@ -137,7 +137,7 @@ def _cidrs(v: Any) -> str | tuple[str, ...]:
         raise ValueError
     out = []
     for item in v:
-        ipaddress.ip_network(_str(item), strict=False)
+        ipaddress.ip_network(_str(item), strict=True)  # host bits set: a typo that would allow a network
         out.append(item)
     return tuple(out)
 

@@ -47,6 +47,7 @@ def test_config_file_from_environment(tmp_path):
     ("ondemand_max_queued = 100001\n", "ondemand_max_queued"),
     ("ondemand_idle_timeout_s = 30\n", "ondemand_idle_timeout_s"),
     ('ondemand_allowed_cidrs = ["10.0.0.0/33"]\n', "ondemand_allowed_cidrs"),
+    ('ondemand_allowed_cidrs = ["10.0.0.1/8"]\n', "ondemand_allowed_cidrs"),
     ('[budget]\nsource = "gpu"\n', "budget.source"),
     ('[budget]\nsource = "static"\n', "budget.capacity_gib"),
     ('[deployer]\nbackend = "k8s"\n', "deployer.backend"),
