@@ -143,7 +143,9 @@ async def get_deployment(request: web.Request) -> web.Response:
     return _json(app_mod.view(app, app[app_mod.DEPLOYER].get(dep_id)))
 
 
-def validate_new(data: dict[str, Any], cfg: Config, existing: list[dict[str, Any]]) -> dict[str, Any]:
+def validate_new(data: dict[str, Any], cfg: Config,
+                 existing: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """The row to insert, and whether to start it now (always on, not planned)."""
     allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role",
                "mode", "idle_timeout_s", "start"}
     unknown = sorted(set(data) - allowed)
