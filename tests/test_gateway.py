@@ -575,3 +575,33 @@ async def _connectable(port):
         return True
     except OSError:
         return False
+
+
+async def test_slot_granted_at_the_moment_of_the_hang_up_is_released(server, http):
+    """On the notice path acquire runs in a task of its own; when the grant and the
+    hang-up land in the same turn of the loop, the handler never takes the slot, and
+    a done callback must release it."""
+    big, x, slot = await _queued_setup(server)()
+    c = server.controller
+    real_acquire = c.acquire
+
+    def acquire(dep_id, **kw):
+        handler = asyncio.current_task()  # the request's handler creates this coroutine
+
+        async def granted_then_hang_up():
+            s = await real_acquire(dep_id, **kw)
+            # The client goes away in the same turn of the loop as the grant: the handler
+            # is cancelled before it resumes to take the slot.
+            asyncio.get_running_loop().call_soon(handler.cancel)
+            return s
+        return granted_then_hang_up()
+    c.acquire = acquire
+    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
+    await wait_for(lambda: x in c.queue)
+    await _relieve(server, big, slot)
+    with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
+        r = await task
+        await r.read()
+    await wait_for(lambda: server.state(x) == "ready")
+    await wait_for(lambda: c.inflight(x) == 0 and c.waiting() == 0, what="the granted slot released")
