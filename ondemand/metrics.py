@@ -68,6 +68,7 @@ class MetricsSampler:
         self.max_age_s = max_age_s
         self._clock = clock
         self._samples: dict[int, Sample] = {}
+        self._warned: set[int] = set()
         self._session: aiohttp.ClientSession | None = None
 
     def sample(self, dep_id: int) -> Sample | None:
@@ -95,15 +96,18 @@ class MetricsSampler:
     async def _read(self, dep_id: int, base_url: str) -> None:
         try:
             async with self._session.get(base_url + "/metrics") as resp:  # type: ignore[union-attr]
-                if resp.status != 200:
-                    return
-                text = await resp.text()
+                text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.debug("metrics of deployment %d unreadable: %s", dep_id, exc)
             return
         parsed = parse(text)
         if parsed is None:
-            log.debug("metrics of deployment %d have no request gauges", dep_id)
+            if dep_id not in self._warned:
+                self._warned.add(dep_id)
+                # Without a sample the deployment is never idle: never reaped, never a victim.
+                log.warning("deployment %d: its engine's /metrics has no request gauges (vllm:num_requests_* or "
+                            "llamacpp:requests_*; llama-server needs --metrics): it will never be put to sleep",
+                            dep_id)
             return
         self._samples[dep_id] = Sample(parsed[0], parsed[1], self._clock())
 
