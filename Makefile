@@ -16,7 +16,7 @@ PYZ_TARGETS := native py310-x86_64 py311-x86_64 py312-x86_64 py312-aarch64
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 export ONDEMAND_CACHE := $(CACHE)
 
-.PHONY: install run run-real test test-all test-slow test-docker test-litellm test-llamacpp \
+.PHONY: install run run-real test test-all test-slow test-docker test-litellm test-llamacpp test-browser \
         pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
 
 install: $(STAMP)
@@ -36,7 +36,7 @@ run-real: install
 	bash scripts/run-real.sh
 
 test: install
-	$(PYTEST) -q -m "not slow and not docker and not litellm and not llamacpp"
+	$(PYTEST) -q -m "not slow and not docker and not litellm and not llamacpp and not browser"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
@@ -69,7 +69,10 @@ test-llamacpp: install
 	LLAMA_SERVER=$$(bash $(HEAVY)/llama-server.sh | tail -1) \
 	GEMMA_GGUF=$$(bash $(HEAVY)/gemma-model.sh | tail -1) $(PYTEST) -q -m llamacpp
 
-test-all: test test-slow test-docker test-litellm test-llamacpp
+test-browser: install
+	BROWSER_NODE_PATH=$$(bash $(HEAVY)/browser.sh | tail -1) $(PYTEST) -q -m browser
+
+test-all: test test-slow test-docker test-litellm test-browser test-llamacpp
 
 pyz: install
 	$(PY) scripts/build_pyz.py --target $(TARGET)
