@@ -605,6 +605,26 @@ async def _doctor(cfg: config_mod.Config) -> list[dict[str, Any]]:
                 add("litellm", False, f"{exc.message} ({exc.code}){hint}")
             finally:
                 await client.close()
+    # engines whose idleness cannot be seen
+    rows = None
+    try:
+        status_code, rows = await _admin(cfg, "GET", "/deployments")
+    except NoServer:
+        if cfg.db_path.exists():
+            from .store import Store
+            store = await Store.open(cfg.db_path, migrate=False)
+            try:
+                rows = await store.deployments()
+            finally:
+                await store.close()
+    blind = [d["name"] for d in rows or () if d.get("engine") == "llamacpp"
+             and (d.get("mode") or "always_on") == "on_demand"
+             and "--metrics" not in [*(d.get("command") or []), *(d.get("args") or [])]]
+    if blind:
+        add("engines", False, f"llama.cpp without --metrics: {', '.join(blind)}: without its request gauges "
+                              "an engine is never seen idle, so it is never put to sleep; add --metrics")
+    elif rows is not None:
+        add("engines", True, f"{len(rows)} deployments; every on-demand engine can report its load")
     # listener and admin socket
     host, port = cfg.listen_host_port
     try:

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import FAKES
+try:
+    import aiohttp  # noqa: F401  (the project's dependencies live in its venv)
+except ModuleNotFoundError:
+    pytest.exit("the tests need the project's virtual environment: run `make test` "
+                "(or `make install`, then `.venv/bin/python -m pytest`)", returncode=4)
+
+from helpers import FAKES  # noqa: E402
 from ondemand.store import Store
 
 

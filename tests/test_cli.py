@@ -154,3 +154,13 @@ async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_doctor_flags_llamacpp_without_metrics(tmp_path):
+    async with run_app(tmp_path) as server:
+        await server.deployer.create(dict(name="blind", served_name="b", engine="llamacpp", mode="on_demand",
+                                          state="stopped", role="model", command=["llama-server", "--port", "{port}"]))
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        rc, out, _ = await cli("doctor", "--json", config=cfg)
+        checks = {c["check"]: c for c in json.loads(out)}
+        assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
