@@ -514,3 +514,33 @@ async def test_race_hang_ups_at_random_moments(tmp_path, store, seed):
         assert c.waiting() == 0 and c.inflight(a) == 0 and c.inflight(b) == 0
         assert c.status(a)["queued"] == 0 and c.status(b)["queued"] == 0 and len(c.queue) == 0
         assert not c._waits
+
+
+async def test_too_big_is_not_refused_right_after_an_ondemand_stop(tmp_path, store):
+    """Within ~20 s of an on-demand stop freed memory may still read as used, so a model
+    bigger than the capacity waits instead of failing at once; later it fails at once."""
+    async with controller_env(tmp_path, store, capacity=24, queue_timeout_s=1) as env:
+        c = env.controller
+        a = await env.add("a", 10)
+        big = await env.add("big", 30)
+        await env.start(a)
+        await asyncio.sleep(1.1)
+        await env.fresh_metrics()
+        assert await c.reap_once() == [a]
+        assert await code_of(c.acquire(big)) == "ondemand_queue_timeout"  # waited, not refused
+        c._last_ondemand_stop -= 21
+        assert await code_of(c.acquire(big)) == "does_not_fit"
+
+
+async def test_switch_to_on_demand_restarts_the_idle_timer(tmp_path, store):
+    async with controller_env(tmp_path, store) as env:
+        c = env.controller
+        a = await env.add("a", 10, mode="always_on", idle_timeout_s=1)
+        await env.start(a)
+        await asyncio.sleep(1.2)
+        await env.fresh_metrics()
+        await c.set_mode(a, "on_demand")
+        assert await c.reap_once() == []  # a full idle timeout from the switch
+        await asyncio.sleep(1.1)
+        await env.fresh_metrics()
+        assert await c.reap_once() == [a]
