@@ -47,7 +47,7 @@ import orjson
 from aiohttp import web
 
 FLAVORS = ("vllm", "llamacpp")
-FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after")
+FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails")
 GENERATION = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
     "/v1/messages", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
@@ -312,6 +312,8 @@ class Sim:
         return web.Response()
 
     async def wake_up(self, request):
+        if self.opts.fail == "wake-fails":  # as vLLM does when it cannot re-allocate its weights
+            raise SimError(500, "simulated failure: wake_up failed (--fail wake-fails)")
         self.sleeping, self.sleep_level = False, 0
         return web.Response()
 
@@ -637,7 +639,7 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
     ap.add_argument("--tokens", type=int, default=16, metavar="N", help="length of an answer")
     ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
-                    help="exit-at-start | never-ready | crash-mid-stream | exit-after S")
+                    help="exit-at-start | never-ready | crash-mid-stream | exit-after S | wake-fails")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-running", type=int, default=0, metavar="N", help="concurrent generations (0: no limit)")
     ap.add_argument("--embedding-dim", type=int, default=8)

@@ -544,3 +544,34 @@ async def test_switch_to_on_demand_restarts_the_idle_timer(tmp_path, store):
         await asyncio.sleep(1.1)
         await env.fresh_metrics()
         assert await c.reap_once() == [a]
+
+
+async def test_background_wake_that_fails_is_start_failed(tmp_path, store):
+    async with controller_env(tmp_path, store) as env:
+        c = env.controller
+        a = await env.add("a", 10, "--fail", "wake-fails")
+        await env.start(a)
+        await env.deployer.sleep(a)
+        ws = [asyncio.ensure_future(c.acquire(a)) for _ in range(2)]
+        assert [await code_of(w) for w in ws] == ["start_failed"] * 2
+        assert env.state(a) == "failed" and c._backoff[a].delay == 60
+        assert await code_of(c.acquire(a)) == "start_failed"  # refused at once for 60 s
+
+
+async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidia_smi):
+    """Asleep, its weights left the GPU; others took the memory: the wake queues."""
+    from ondemand.budget import Budget
+    smi = fake_nvidia_smi("24576, 4096")
+    async with controller_env(tmp_path, store, budget=Budget("nvidia-smi", nvidia_smi=smi),
+                              queue_timeout_s=1) as env:
+        c = env.controller
+        a = await env.add("a", 10)
+        await env.start(a)
+        await env.deployer.sleep(a)
+        fake_nvidia_smi("24576, 20480")  # 4 GiB free now: someone else's memory
+        queued = []
+        assert await code_of(c.acquire(a, on_queued=lambda: queued.append(1))) == "ondemand_queue_timeout"
+        assert queued == [1] and env.state(a) == "asleep"
+        fake_nvidia_smi("24576, 4096")
+        async with await c.acquire(a):
+            assert env.state(a) == "ready"
