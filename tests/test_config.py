@@ -84,3 +84,10 @@ def test_cidr_list_from_environment():
 def test_describe_lists_every_key():
     keys = [row[0] for row in config.describe()]
     assert "budget.capacity_gib" in keys and "ondemand_queue_timeout_s" in keys
+
+
+@pytest.mark.parametrize("name", ["ondemand.example.toml", "demo.toml", "real.toml"])
+def test_shipped_configs_load(name):
+    path = Path(__file__).resolve().parent.parent / "packaging" / name
+    cfg = config.load(path, env={})
+    assert cfg.listen and cfg.state_dir
