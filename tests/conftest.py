@@ -27,6 +27,8 @@ def fake_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_NVIDIA_SMI_FILE", str(f))
 
     def set_gpus(*lines: str) -> str:
-        f.write_text("".join(line + "\n" for line in lines))
+        tmp = f.with_suffix(".tmp")  # atomic: a read in between never sees an empty file
+        tmp.write_text("".join(line + "\n" for line in lines))
+        tmp.replace(f)
         return str(FAKES / "nvidia-smi")
     return set_gpus
