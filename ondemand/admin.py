@@ -28,10 +28,6 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
 _JSON = "application/json"
 
 
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
-
-
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS),
                         content_type=_JSON)

@@ -272,13 +272,6 @@ class Controller:
             self._last_activity[dep_id] = self.clock()
         self._counters_changed(dep_id)
 
-    def try_acquire(self, dep_id: int) -> Slot | None:
-        """A slot if the deployment is ready now, else None (no waiting)."""
-        dep = self.deployer.get(dep_id)
-        if dep is not None and dep["state"] == "ready":
-            return self._grant(dep_id)
-        return None
-
     async def acquire(self, dep_id: int, *, on_queued: Callable[[], None] | None = None,
                       arrival: float | None = None) -> Slot:
         """A slot of ``dep_id``, starting it, making room or queueing as needed.

@@ -39,7 +39,6 @@ from .tasks import TaskGroup
 
 log = logging.getLogger("ondemand.deployer")
 
-STATES = ("planned", "starting", "ready", "asleep", "stopping", "stopped", "failed")
 STARTABLE = frozenset({"planned", "stopped", "failed"})
 # Fields whose change means "a changed model or configuration" (start backoff reset).
 CONFIG_FIELDS = frozenset({"served_name", "engine", "image", "args", "command", "port", "memory_gib"})

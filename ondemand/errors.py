@@ -50,10 +50,6 @@ def not_found(message: str = "Not found") -> OndemandError:
     return OndemandError(404, "not_found", message)
 
 
-def bad_request(code: str, message: str) -> OndemandError:
-    return OndemandError(400, code, message)
-
-
 class InsufficientMemory(Exception):
     """The deployer's fit check said no: ``need`` GiB does not fit in ``free``."""
 

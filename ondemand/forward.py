@@ -117,9 +117,6 @@ class Upstreams:
         if up is not None:
             self._retire(up)
 
-    def sessions(self) -> int:
-        return len(self._current) + len(self._retired)
-
     async def close(self) -> None:
         ups = list(self._current.values()) + list(self._retired)
         self._current.clear()

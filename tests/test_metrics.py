@@ -1,8 +1,5 @@
-import asyncio
 import logging
 
-import aiohttp
-import pytest
 from aiohttp import web
 
 from ondemand.metrics import MetricsSampler, parse

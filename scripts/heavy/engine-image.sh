@@ -31,7 +31,9 @@ REPO="$(cd "$HERE/../.." && pwd)"
 RECIPE=1                      # bump when the image layout below changes
 SUITE=bookworm                # python3 3.11 == the cp311 wheels below
 INCLUDE=python3
-PINS=(aiohttp==3.14.5 orjson==3.13.0 uvloop==0.23.0)   # keep in step with setup.cfg
+# The simulator's runtime pins, read from setup.cfg (the one place that pins them).
+mapfile -t PINS < <(python3 "$REPO/scripts/requirements.py" | grep -E '^(aiohttp|orjson|uvloop)==')
+[[ ${#PINS[@]} -eq 3 ]] || die "could not read the aiohttp, orjson and uvloop pins from setup.cfg"
 IMAGE=ondemand-sim-engine
 PKG_DIR="$REPO/ondemand"
 DIR="$CACHE/engine-image"
