@@ -575,3 +575,16 @@ async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidi
         fake_nvidia_smi("24576, 4096")
         async with await c.acquire(a):
             assert env.state(a) == "ready"
+
+
+async def test_waiters_of_a_switch_to_always_on_whose_start_failed(tmp_path, store):
+    """While set_mode starts it the waiters wait; when that start fails the deployment
+    is always on and failed, which the gateway never starts: they are told so at once."""
+    async with controller_env(tmp_path, store) as env:
+        c = env.controller
+        a = await env.add("a", 10, "--fail", "exit-at-start")
+        await c.set_mode(a, "always_on")
+        assert await code_of(c.acquire(a)) == "not_on_demand"
+        dep = env.deployer.get(a)
+        assert (dep["mode"], dep["pending_mode"], dep["state"]) == ("always_on", None, "failed")
+        assert c.waiting() == 0

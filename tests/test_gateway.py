@@ -541,6 +541,9 @@ async def test_engine_cookies_never_reach_another_request(server, http):
             assert r.status == 200
             assert (await r.json())["cookie"] is None
             assert "engine_session" in r.headers.get("Set-Cookie", "")  # passed back to its client
+            # headers pass back, except hop-by-hop ones (also those named in Connection) and Server
+            assert r.headers["X-Engine"] == "kept"
+            assert "X-Hop" not in r.headers and "fake-engine" not in r.headers.get("Server", "")
         http.cookie_jar.clear()
 
 

@@ -1,5 +1,6 @@
 """An engine that sets a cookie on every answer and says which Cookie header it
-received: the gateway must never carry one client's cookie to another request."""
+received (the gateway must never carry one client's cookie to another request),
+with a header of its own, its own Server, and a header named in Connection."""
 import sys
 
 from aiohttp import web
@@ -10,7 +11,9 @@ async def models(request):
 
 
 async def chat(request):
-    resp = web.json_response({"cookie": request.headers.get("Cookie")})
+    resp = web.json_response({"cookie": request.headers.get("Cookie")},
+                             headers={"X-Engine": "kept", "Server": "fake-engine/1.0",
+                                      "Connection": "keep-alive, X-Hop", "X-Hop": "hop-by-hop"})
     resp.set_cookie("engine_session", "secret-of-the-first-user")
     return resp
 
