@@ -5,7 +5,10 @@ a busy timeout), the transaction discipline and the typed reads and writes of
 ``deployments``, ``events`` and ``audit``. Every write runs in a transaction;
 nested ``transaction()`` blocks join the outer one. One asyncio lock orders
 the transactions of this process, because aiosqlite runs one connection on a
-thread and two interleaved BEGINs on it would join each other's work.
+thread and two interleaved BEGINs on it would join each other's work. Reads
+take the same lock (unless they are part of a transaction): on the one shared
+connection a read in the middle of another task's transaction would see its
+uncommitted rows, half of a change or one about to be rolled back.
 """
 from __future__ import annotations
 
@@ -88,14 +91,23 @@ class Store:
             finally:
                 _in_tx.reset(token)
 
+    @contextlib.asynccontextmanager
+    async def _reading(self) -> AsyncIterator[aiosqlite.Connection]:
+        """Read committed rows only: wait for another task's transaction to end."""
+        if _in_tx.get():
+            yield self.db
+            return
+        async with self._lock:
+            yield self.db
+
     # --- deployments ---------------------------------------------------------
 
     async def deployments(self) -> list[dict[str, Any]]:
-        async with self.db.execute("SELECT * FROM deployments ORDER BY id") as cur:
+        async with self._reading() as db, db.execute("SELECT * FROM deployments ORDER BY id") as cur:
             return [_row_to_deployment(r) for r in await cur.fetchall()]
 
     async def deployment(self, dep_id: int) -> dict[str, Any] | None:
-        async with self.db.execute("SELECT * FROM deployments WHERE id = ?", (dep_id,)) as cur:
+        async with self._reading() as db, db.execute("SELECT * FROM deployments WHERE id = ?", (dep_id,)) as cur:
             row = await cur.fetchone()
         return _row_to_deployment(row) if row else None
 
@@ -156,7 +168,7 @@ class Store:
 
     async def _rows(self, table: str, deployment_id: int | None, limit: int) -> list[dict[str, Any]]:
         where, args = ("WHERE deployment_id = ?", (deployment_id,)) if deployment_id is not None else ("", ())
-        async with self.db.execute(
+        async with self._reading() as db, db.execute(
                 f"SELECT * FROM {table} {where} ORDER BY id DESC LIMIT ?", (*args, limit)) as cur:
             rows = await cur.fetchall()
         out = []

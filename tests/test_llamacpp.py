@@ -303,7 +303,11 @@ async def test_llamacpp_on_demand_end_to_end(tmp_path, engine_files):
 
         # 5. The reaper stops it after its idle timeout: audited, the process gone.
         before = len(tl.events)
-        await wait_for(lambda: server.state(d) == "stopped", timeout=IDLE_S + 15, interval=0.05,
+        # Wait on the timeline, not on server.state(): the deployer changes the
+        # in-memory state first and tells its listeners only after the state
+        # file's transaction, so "stopped" is readable a moment before the
+        # listener (and the audit row) has it.
+        await wait_for(lambda: tl.states(before)[-1:] == ["stopped"], timeout=IDLE_S + 15, interval=0.05,
                        what="the reaper stopping the idle model")
         assert tl.states(before) == ["stopping", "stopped"], tl.events
         idle_for = tl.at("stopping", before) - stream_end

@@ -132,3 +132,45 @@ async def test_concurrent_transactions_do_not_join(tmp_path):
         assert dep["id"] == 1
     finally:
         await store.close()
+
+
+async def test_reads_see_only_committed_transactions(tmp_path):
+    # On the one shared connection, a read in the middle of another task's
+    # transaction would see its rows before COMMIT: half of a change, or one
+    # that is then rolled back. Reads wait for the transaction instead.
+    store = await Store.open(tmp_path / "ondemand.db")
+    try:
+        dep = await store.insert_deployment(dict(name="a", served_name="A", engine="vllm"))
+        midway = asyncio.Event()
+
+        async def change(state: str, fail: bool):
+            async with store.transaction():
+                await store.update_deployment(dep["id"], state=state)
+                midway.set()
+                await asyncio.sleep(0.05)  # a reader runs here
+                if fail:
+                    raise RuntimeError("rolled back")
+                await store.write_event(actor="deployer", deployment_id=dep["id"], text=state)
+
+        for state, fail in (("failed", True), ("ready", False)):
+            midway.clear()
+            writer = asyncio.ensure_future(change(state, fail))
+            await midway.wait()
+            row, rows, events = await asyncio.gather(
+                store.deployment(dep["id"]), store.deployments(), store.events(dep["id"]))
+            assert writer.done()  # the reads waited for the end of the transaction
+            if fail:
+                with pytest.raises(RuntimeError):
+                    await writer
+                assert row["state"] == rows[0]["state"] == "planned" and events == []
+            else:
+                await writer
+                assert row["state"] == rows[0]["state"] == "ready"
+                assert [e["text"] for e in events] == ["ready"]
+
+        # Reads inside a transaction join it (no deadlock) and see its own rows.
+        async with store.transaction():
+            await store.update_deployment(dep["id"], state="stopped")
+            assert (await store.deployment(dep["id"]))["state"] == "stopped"
+    finally:
+        await store.close()
