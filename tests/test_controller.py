@@ -65,7 +65,7 @@ async def test_deadline_counts_from_arrival(tmp_path, store):
         arrival = env.controller.clock() - 0.8  # the request arrived a while ago
         t0 = env.controller.clock()
         assert await code_of(env.controller.acquire(a, arrival=arrival)) == "ondemand_queue_timeout"
-        assert env.controller.clock() - t0 < 0.6
+        assert env.controller.clock() - t0 < 0.9  # ~0.2 s left of 1 s, not a whole second
         assert [r["action"] for r in await store.audit(a)][0] == "ondemand_queue_timeout"
         assert env.controller.waiting() == 0
 
