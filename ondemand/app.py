@@ -54,7 +54,8 @@ def make_backend(cfg: Config) -> Backend:
         return ProcessBackend(cfg.state_dir)
     from .backends.docker import DockerBackend
     return DockerBackend(docker_url=cfg.deployer.docker_url, network=cfg.deployer.network,
-                         own_container_id=socket.gethostname(), gpus=cfg.deployer.gpus)
+                         own_container_id=socket.gethostname(), gpus=cfg.deployer.gpus,
+                         shm_size_gib=cfg.deployer.shm_size_gib)
 
 
 def _ensure_token(path: Path) -> str:

@@ -40,6 +40,7 @@ class DeployerConfig:
     start_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
     gpus: bool = True
+    shm_size_gib: float = 16.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +197,8 @@ _KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
                                                                "0": False}[str(v).lower()],
                       lambda x: True, "true or false (request every GPU for engine containers)"),
     "deployer.stop_timeout_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
+    "deployer.shm_size_gib": (_float, _between(0, 1024),
+                              "GiB, 0 to 1024 (size of /dev/shm in engine containers; 0: Docker's 64 MiB)"),
     "litellm.url": (_opt_str, lambda s: s is None or s.startswith(("http://", "https://")), "an http(s) URL"),
     "litellm.master_key_file": (_opt_str, lambda s: True, "a file path"),
 }

@@ -52,6 +52,7 @@ def test_config_file_from_environment(tmp_path):
     ('[budget]\nsource = "static"\n', "budget.capacity_gib"),
     ('[deployer]\nbackend = "k8s"\n', "deployer.backend"),
     ('[deployer]\nwhat = 1\n', "deployer.what"),
+    ('[deployer]\nshm_size_gib = -1\n', "deployer.shm_size_gib"),
     ('listen = "8090"\n', "listen"),
     ('ondemand_queue_timeout_s = "soon"\n', "ondemand_queue_timeout_s"),
 ])

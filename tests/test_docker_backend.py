@@ -138,6 +138,9 @@ async def test_start_answers_on_loopback_then_stop_wait_remove(docker_env, backe
     assert [b["HostIp"] for b in bindings] == ["127.0.0.1"]  # never on another address
     assert info["HostConfig"]["NetworkMode"] == docker_env["network"]
     assert not info["HostConfig"].get("DeviceRequests")  # gpus=False
+    # /dev/shm is the configured size (default 16 GiB), not Docker's 64 MiB.
+    assert info["HostConfig"]["ShmSize"] == 16 * 2**30
+    assert _docker("exec", engine.ref, "df", "-k", "/dev/shm").stdout.split()[-5] == str(16 * 2**20)
 
     assert await answers(engine.base_url) == 200
     exit_task = asyncio.create_task(backend.wait_exit(engine))
@@ -313,3 +316,14 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
             await d2.close(stop_engines=True)
     finally:
         await store.close()
+
+
+async def test_shm_size_zero_leaves_dockers_default(docker_env, backends):
+    backend = backends(shm_size_gib=0)
+    dep = deployment(docker_env)
+    engine = await backend.start(dep)
+    try:
+        assert inspect(engine.ref)["HostConfig"]["ShmSize"] == 64 * 2**20  # Docker's own default
+    finally:
+        await backend.stop(engine, 5)
+        await backend.remove(dep)

@@ -72,15 +72,19 @@ class DockerBackend(Backend):
     kind = "docker"
 
     def __init__(self, *, docker_url: str | None, network: str, in_container: bool | None = None,
-                 own_container_id: str | None = None, gpus: bool = True):
+                 own_container_id: str | None = None, gpus: bool = True, shm_size_gib: float = 16.0):
         """``docker_url``: the Docker API address (None: aiodocker's discovery, i.e. the Docker
         context, ``DOCKER_HOST`` or the local socket). ``network``: the network engines join.
         ``in_container``: whether ondemand runs in a container on ``network`` (engines are then
         reached by container name); None: find out by inspecting ``own_container_id``.
-        ``gpus``: request every GPU (nvidia device request); off for machines without one."""
+        ``gpus``: request every GPU (nvidia device request); off for machines without one.
+        ``shm_size_gib``: size of the container's /dev/shm (0: Docker's default of 64 MiB, which
+        vLLM's tensor-parallel workers and PyTorch data loaders outgrow: NCCL fails with a bus
+        error). A tmpfs: it takes memory only as it is used."""
         self.docker_url = docker_url
         self.network = network
         self.gpus = gpus
+        self.shm_size = int(shm_size_gib * 2**30)
         self.own_container_id = own_container_id
         self._in_container = in_container
         self._docker: aiodocker.Docker | None = None
@@ -226,6 +230,8 @@ class DockerBackend(Backend):
         host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
         if self.gpus:
             host_config["DeviceRequests"] = [GPU_REQUEST]
+        if self.shm_size:
+            host_config["ShmSize"] = self.shm_size
         if not await self.in_container():
             host_config["PortBindings"] = {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
         config: dict[str, Any] = {
