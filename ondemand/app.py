@@ -8,6 +8,8 @@ the package constructs components or reads the environment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -58,6 +60,31 @@ def make_backend(cfg: Config) -> Backend:
                          shm_size_gib=cfg.deployer.shm_size_gib)
 
 
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold ``{state_dir}/ondemand.lock`` for the life of this process (an flock:
+    the kernel releases it when the process dies, however it dies).
+
+    Only one ondemand may own a state directory: at start-up the deployer
+    adopts the engines it finds and kills the process backend's leftovers, so a
+    second ``serve`` (a second terminal, an overlapping restart) would kill the
+    engines of the one already running, busy or not. Returns the open file."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / "ondemand.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = ""
+        with contextlib.suppress(OSError):
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StartupError(f"another ondemand (pid {holder or 'unknown'}) is running with state_dir "
+                           f"{state_dir}: stop it first, or give this one its own state_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _ensure_token(path: Path) -> str:
     token = keys_mod.read_key_file(path)
     if token is None:
@@ -77,10 +104,13 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     app[STARTED_AT] = time.time()
 
     async def state(app: web.Application) -> AsyncIterator[None]:
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        app[STORE] = await Store.open(cfg.db_path)
-        yield
-        await app[STORE].close()
+        lock = lock_state_dir(cfg.state_dir)  # first: before anything touches engines or the file
+        try:
+            app[STORE] = await Store.open(cfg.db_path)
+            yield
+            await app[STORE].close()
+        finally:
+            os.close(lock)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         deployer = Deployer(app[STORE], backend or make_backend(cfg), Budget.from_config(cfg),
@@ -223,6 +253,8 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
                            access_log=None)
     try:
         await runner.setup()
+    except StartupError:
+        raise
     except Exception as exc:
         raise StartupError(f"cannot start: {exc}") from exc
     host, port = cfg.listen_host_port

@@ -10,6 +10,7 @@ usage or configuration, 3 when the server is needed but not running.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import Any
 
@@ -116,8 +117,15 @@ def serve(ctx: Ctx, demo: bool) -> None:
     if demo:
         if cfg.deployer.backend != "process":
             _fail("--demo runs the engine simulator as child processes: set deployer.backend = process", EXIT_USAGE)
-        for item in _run(_seed_demo(cfg)):
-            click.echo(f"demo: made {item}", err=True)
+        try:  # not behind the back of a server that owns this state directory
+            lock = app.lock_state_dir(cfg.state_dir)
+        except app.StartupError as exc:
+            _fail(str(exc))
+        try:
+            for item in _run(_seed_demo(cfg)):
+                click.echo(f"demo: made {item}", err=True)
+        finally:
+            os.close(lock)
     try:
         _run(app.serve(cfg))
     except KeyboardInterrupt:

@@ -16,7 +16,12 @@ async def cli(*args, config=None, env=None):
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_")}, **(env or {})})
-    out, err = await proc.communicate()
+    try:
+        out, err = await proc.communicate()
+    except asyncio.CancelledError:  # a wait_for ran out: leave no process behind
+        proc.kill()
+        await proc.wait()
+        raise
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -123,6 +128,40 @@ async def test_read_only_commands_without_a_server(tmp_path):
     assert rc == 3 and "ondemand serve" in err
     rc, out, _ = await cli("doctor", config=cfg)
     assert rc == 0 and "no server runs" in out
+
+
+async def test_second_serve_on_the_same_state_dir_refuses_and_touches_nothing(tmp_path):
+    # A second `serve` (another terminal, an overlapping restart) must not adopt
+    # or kill the engines of the running one, busy or not, nor take its socket.
+    import aiohttp
+    async with run_app(tmp_path) as server:
+        a = await server.add("a", 10, "--token-delay", "0.05", "--tokens", "60")
+        await server.deployer.restart(a)
+        engine_url = server.deployer.base_url(a)
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        async with aiohttp.ClientSession() as http, \
+                http.post(server.gw(a, "chat/completions"), headers=server.auth(),
+                          json={"model": "A", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")  # mid-stream
+            for args in (("serve",), ("serve", "--demo")):
+                rc, out, err = await asyncio.wait_for(cli(*args, config=cfg), 30)
+                assert rc == 1, (out, err)
+                assert f"another ondemand (pid {os.getpid()}) is running" in err and len(err.strip().splitlines()) == 1
+            body = await r.read()  # the stream went on to its end
+        assert body.rstrip().endswith(b"data: [DONE]")
+        assert server.state(a) == "ready" and server.deployer.base_url(a) == engine_url
+        assert server.cfg.admin_socket.exists()
+        assert [d["name"] for d in await server.deployer.store.deployments()] == ["a"]  # no demo rows
+    # Once the first one stopped, the state directory is free again (this
+    # serve gets past the lock and stops at a listen address that is taken).
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir, listen="127.0.0.1:%d" % taken.getsockname()[1])
+        rc, out, err = await asyncio.wait_for(cli("serve", "--demo", config=cfg), 30)
+    assert rc == 1 and "another ondemand" not in err and "cannot listen" in err, err
 
 
 async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
