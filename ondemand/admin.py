@@ -42,14 +42,37 @@ def _is_unix(request: web.BaseRequest) -> bool:
     return sock is not None and sock.family == socket.AF_UNIX
 
 
+# aiohttp's own refusals (no route, wrong method, body over client_max_size),
+# in the API's error form: scripts read error.code.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    code = _HTTP_CODES.get(exc.status, exc.reason.lower().replace(" ", "_"))
+    message = {413: "The request body is larger than 16 MiB"}.get(exc.status, exc.text or exc.reason)
+    if exc.status == 405:
+        message = f"{exc.reason}; allowed: {exc.headers.get('Allow', '')}"
+    err = OndemandError(exc.status, code, message.removeprefix(f"{exc.status}: "))
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return web.Response(status=exc.status, body=err.body(), content_type=_JSON, headers=headers)
+
+
 def auth_middleware(cfg: Config):
     api = cfg.base_path + "/api"
+    gateway = cfg.base_path + "/ondemand"
 
     @web.middleware
     async def admin_auth(request: web.Request, handler):
-        # The UI page itself is static and holds no data: it asks for the token.
+        if request.path.startswith(gateway):
+            return await handler(request)  # the gateway answers its own errors
         if not request.path.startswith(api):
-            return await handler(request)
+            # The UI page itself is static and holds no data: it asks for the token.
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return _http_error(exc)
         if not _is_unix(request):
             token = keys_mod.read_key_file(cfg.token_file)
             auth = request.headers.get("Authorization", "")
@@ -62,6 +85,10 @@ def auth_middleware(cfg: Config):
             return await handler(request)
         except OndemandError as err:
             return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _http_error(exc)
     return admin_auth
 
 

@@ -95,6 +95,42 @@ async def test_validation_names_the_field(server, body, field):
     assert server.deployer.all() == []
 
 
+@pytest.mark.parametrize("unix", [False, True])
+async def test_routing_refusals_are_json_errors(server, unix):
+    # aiohttp's own answers (no route, wrong method, body too large) in the
+    # API's error form, on TCP and on the socket; nothing is created.
+    headers = {} if unix else server.admin_headers()
+    if unix:
+        conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))
+        base = f"http://ondemand{server.cfg.base_path}"
+    else:
+        conn, base = None, server.url
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async def call(method, path, **kw):
+            kw.setdefault("headers", headers)
+            async with s.request(method, base + path, **kw) as r:
+                assert r.content_type == "application/json", (method, path, await r.text())
+                return r.status, r.headers, await r.json()
+
+        status, _, body = await call("GET", "/api/nosuch")
+        assert status == 404 and body["error"]["code"] == "not_found"
+        status, h, body = await call("PUT", "/api/host")
+        assert status == 405 and body["error"]["code"] == "method_not_allowed" and "GET" in h["Allow"]
+        assert "GET" in body["error"]["message"]
+        status, _, body = await call("POST", "/api/deployments/1/mode")
+        assert status == 405 and body["error"]["code"] == "method_not_allowed"
+        status, _, body = await call("POST", "/api/deployments", data=b"x" * (16 * 2**20 + 2),
+                                     headers={**headers, "Content-Type": "application/json"})
+        assert status == 413 and body["error"]["code"] == "request_too_large"
+        assert set(body["error"]) == {"message", "type", "code"}
+        status, _, body = await call("GET", "/elsewhere")  # outside the API too
+        assert status == 404 and body["error"]["code"] == "not_found"
+    assert server.deployer.all() == []
+    # Redirects stay redirects.
+    async with aiohttp.ClientSession() as s, s.get(server.url + "/ui", allow_redirects=False) as r:
+        assert r.status == 302 and r.headers["Location"].endswith("/ui/")
+
+
 async def test_create_defaults_and_states(server):
     status, view = await api(server, "POST", "/deployments", {"name": "ao", "command": sim_command("AO"), "memory_gib": 4})
     assert status == 201 and view["mode"] == "always_on"  # the default
