@@ -268,7 +268,7 @@ async def set_mode(request: web.Request) -> web.Response:
                                                set_idle_timeout="idle_timeout_s" in data, user=_user(request))
     except OndemandError as err:
         if err.code == "invalid_idle_timeout":
-            raise _field_error("idle_timeout_s", err.message.split(": ", 1)[-1]) from None
+            raise _field_error("idle_timeout_s", err.message.removeprefix("idle_timeout_s ")) from None
         if err.code == "invalid_mode":
             raise _field_error("mode", err.message) from None
         raise

@@ -470,6 +470,7 @@ def mode() -> None:
 @json_option
 @pass_ctx
 def mode_get(ctx: Ctx, dep_id: int, as_json: bool) -> None:
+    """Show a deployment's mode, pending mode and idle timeout."""
     view, _ = _views(ctx, f"/deployments/{dep_id}")
     data = {"id": view["id"], "mode": view["mode"], "pending_mode": view.get("pending_mode"),
             "idle_timeout_s": view.get("idle_timeout_s")}

@@ -175,7 +175,9 @@ _KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
     "admin_token_file": (_opt_path, lambda s: True, "a file path"),
     "ondemand_allowed_cidrs": (_cidrs, lambda s: True, '"auto" or a list of CIDRs'),
     "decider_network": (_opt_str, lambda s: True, "a Docker network name"),
-    "ondemand_idle_timeout_s": (_int, _between(1, 86400), "whole seconds, 60 to 86400 (min_idle_timeout_s to 86400)"),
+    # The bound depends on min_idle_timeout_s: checked once both are known (below),
+    # so that the message states the real range.
+    "ondemand_idle_timeout_s": (_int, lambda x: True, "whole seconds, min_idle_timeout_s (60 unless set) to 86400"),
     "ondemand_queue_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
     "ondemand_max_queued": (_int, _between(1, 100000), "1 to 100000"),
     "reap_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),

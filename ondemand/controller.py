@@ -530,7 +530,7 @@ class Controller:
         for dep in self.deployer.all():
             if not self.is_idle(dep, now):
                 continue
-            minutes = self.idle_timeout(dep) / 60
+            minutes = round(self.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
             ok = await self.deployer.stop(dep["id"], lambda d: self.is_idle(d), actor=ACTOR, audit="ondemand_sleep",
                                           text=f"Put to sleep after {minutes:g} min idle")
             if ok:

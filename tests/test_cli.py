@@ -203,3 +203,16 @@ async def test_doctor_flags_llamacpp_without_metrics(tmp_path):
         rc, out, _ = await cli("doctor", "--json", config=cfg)
         checks = {c["check"]: c for c in json.loads(out)}
         assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
+
+
+def test_every_command_says_what_it_does():
+    import click
+
+    from ondemand.cli import cli as root
+
+    def walk(cmd, path):
+        assert cmd.help or cmd.short_help, f"`{path} --help` has no description"
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+    walk(root, "ondemand")
+    assert isinstance(root, click.Group) and len(root.commands) >= 8

@@ -75,6 +75,12 @@ def test_bad_environment_value_names_the_key():
 def test_idle_timeout_bound_follows_min_idle_timeout():
     cfg = config.load(env={"ONDEMAND_MIN_IDLE_TIMEOUT_S": "1", "ONDEMAND_ONDEMAND_IDLE_TIMEOUT_S": "2"})
     assert cfg.ondemand_idle_timeout_s == 2
+    # The message states the range that applies with this min_idle_timeout_s.
+    for bad in ("0", "5", "100000"):
+        with pytest.raises(ConfigError) as exc:
+            config.load(env={"ONDEMAND_MIN_IDLE_TIMEOUT_S": "10", "ONDEMAND_ONDEMAND_IDLE_TIMEOUT_S": bad})
+        assert str(exc.value).endswith(f"ondemand_idle_timeout_s = {bad} is not allowed: "
+                                       "whole seconds, 10 (min_idle_timeout_s) to 86400"), str(exc.value)
 
 
 def test_cidr_list_from_environment():
