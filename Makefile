@@ -27,6 +27,10 @@ $(STAMP): setup.cfg scripts/requirements.py
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PYTHON) scripts/requirements.py test > $(VENV)/requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r $(VENV)/requirements.txt
+	# The package from this clone, importable from any directory, and the `ondemand` command.
+	$(PY) -c 'import os, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "ondemand-src.pth"), "w").write(os.getcwd() + "\n")'
+	printf '#!/bin/sh\nexec "%s" -m ondemand "$$@"\n' "$(abspath $(PY))" > $(VENV)/bin/ondemand
+	chmod +x $(VENV)/bin/ondemand
 	touch $(STAMP)
 
 run: install
