@@ -1,23 +1,46 @@
-"""Forwarding to an engine: one client session per deployment, and the headers rule.
+"""Forwarding to an engine: a keep-alive connection pool per deployment, and the headers rule.
 
 Request headers: Authorization, Cookie, Host, forwarding headers, hop-by-hop
-headers (and any named in Connection), Content-Length (aiohttp sets its own)
-and the health-check marker are removed; ``Accept-Encoding: identity`` is
-sent, so the bytes passed back are the bytes the engine wrote. Response
-headers: all but hop-by-hop, Server and Date (aiohttp writes its own).
+headers (and any named in Connection), Content-Length, Expect and the
+health-check marker are removed; ``Accept-Encoding: identity`` is sent, so the
+bytes passed back are the bytes the engine wrote. Host is the engine's
+host:port; a request with a body (possibly empty) gets its Content-Length and,
+when the client sent none, ``Content-Type: application/octet-stream`` (what
+aiohttp's client sent before this pool). Response headers: all but hop-by-hop,
+Server and Date (aiohttp's server writes its own) and Content-Length (set from
+the body passed back). There is no cookie jar: nothing of one answer rides on
+another request.
 
-Sessions: one per deployment (256 connections; 10 s to connect; 60 s to
-wait for a pooled connection; no read or write timeout, because generation
-can be long). When an engine comes back on a new address, the old session is
-closed only when its last stream ends: a long generation must not be cut by
-a restart of a neighbour's engine on the same deployment id.
+Pools: one per deployment (:meth:`Upstreams.open`), plain HTTP/1.1 on
+``asyncio.Protocol``: at most 256 connections; 10 s to connect; 60 s to wait
+for a free connection when all 256 are busy; no read or write timeout, because
+generation can be long. A request is one write (head and body); the answer's
+head and chunked framing are parsed by aiohttp's C parser (the one aiohttp's
+client uses) and the body is passed on as it arrives through an aiohttp
+``StreamReader``, which pauses reading the engine's socket while more than
+128 KiB wait for a slow client. A connection goes back to the pool only when
+its answer was read to the end and neither side said ``Connection: close``;
+otherwise (the client hung up, the engine broke off) it is closed, which makes
+vLLM and llama.cpp cancel the generation. An idle connection the engine closes
+(uvicorn does after 5 s) leaves the pool at once; a request whose reused
+connection closes before any byte of the answer (the engine closed it while
+the request was on its way) is sent once more on a connection that never sat
+idle; any other failure is the caller's :class:`UpstreamError`. When an engine
+comes back on a new address, the old pool is closed only when its last stream
+ends: a long generation must not be cut by a restart of a neighbour's engine
+on the same deployment id.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import socket
+from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
+from aiohttp import ClientPayloadError
+from aiohttp.http_parser import HttpResponseParser
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 log = logging.getLogger("ondemand.forward")
@@ -31,6 +54,11 @@ _DROP_REQUEST = HOP_BY_HOP | frozenset(istr(h) for h in (
     "Accept-Encoding", "Expect", "x-dgxmm-health-check"))
 _DROP_RESPONSE = HOP_BY_HOP | frozenset(istr(h) for h in ("Server", "Date", "Content-Length"))
 _IDENTITY = (istr("Accept-Encoding"), "identity")
+
+LIMIT = 256              # connections per deployment
+CONNECT_TIMEOUT = 10.0   # seconds to open a TCP connection
+POOL_TIMEOUT = 60.0      # seconds to wait for a free connection when all are busy
+READ_LIMIT = 2 ** 16     # the StreamReader's low water mark; reading pauses at twice this
 
 
 def _named_in_connection(headers: CIMultiDictProxy[str]) -> frozenset[str]:
@@ -59,60 +87,386 @@ def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return out
 
 
-class _Upstream:
-    __slots__ = ("base_url", "session", "streams", "retired")
+class UpstreamError(Exception):
+    """The engine could not be reached, or closed or garbled the connection before its answer's head."""
 
-    def __init__(self, base_url: str):
+
+class _Stale(UpstreamError):
+    """The connection closed before any byte of the answer arrived."""
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; at most one exchange at a time."""
+    __slots__ = ("pool", "transport", "parser", "head", "payload", "got_bytes", "keep", "paused")
+
+    def __init__(self, pool: "_Pool"):
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser: Any = None       # an HttpResponseParser while an exchange runs, else None
+        self.head: asyncio.Future | None = None
+        self.payload: Any = None      # the body's StreamReader once the head arrived
+        self.got_bytes = False
+        self.keep = True              # False once anything rules out another exchange
+        self.paused = False
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:  # idle: the engine has nothing to say now
+            self.close()
+            return
+        self.got_bytes = True
+        try:
+            messages, upgraded, _tail = parser.feed_data(data)
+        except Exception as exc:  # a malformed answer (aiohttp's HttpProcessingError and kin)
+            self._failed(f"malformed answer from the engine: {exc!r}")
+            self.close()
+            return
+        for msg, payload in messages:
+            head = self.head
+            if head is None or head.done() or upgraded:
+                self._failed("the engine sent more than one answer")
+                self.close()
+                return
+            if msg.code < 200:  # an interim answer (1xx): the real one follows
+                continue
+            if msg.should_close:
+                self.keep = False
+            self.payload = payload
+            head.set_result(msg)
+
+    def eof_received(self) -> None:
+        return None  # close the transport: a half-closed engine connection is of no further use
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self.keep = False
+        self.pool._lost(self)
+        if self.parser is None:
+            return
+        head = self.head
+        if head is not None and not head.done():
+            why = f"the engine closed the connection{': ' + str(exc) if exc else ''}"
+            head.set_exception(_Stale(why) if not self.got_bytes else UpstreamError(why))
+            return
+        payload = self.payload
+        if payload is not None and not payload.is_eof():
+            try:
+                self.parser.feed_eof()  # ends a close-delimited body; raises for a cut one
+            except Exception as err:
+                payload.set_exception(ClientPayloadError(f"the engine broke off the answer: {err}"))
+            if not payload.is_eof() and payload.exception() is None:
+                payload.set_exception(ClientPayloadError("the engine broke off the answer"))
+
+    # --- flow control, called by the body's StreamReader ---
+
+    @property
+    def connected(self) -> bool:
+        return self.transport is not None
+
+    def pause_reading(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    # --- ours ---
+
+    def _failed(self, why: str) -> None:
+        self.keep = False
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(UpstreamError(why))
+        elif self.payload is not None and not self.payload.is_eof():
+            self.payload.set_exception(ClientPayloadError(why))
+
+    def alive(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def close(self) -> None:
+        self.keep = False
+        if self.transport is not None:
+            self.transport.close()
+
+    async def exchange(self, data: bytes | list[bytes], head_only: bool) -> "Response":
+        """Send one request and wait for the answer's head; on any exception the connection is closed."""
+        loop = self.pool.loop
+        self.parser = HttpResponseParser(self, loop, READ_LIMIT, payload_exception=ClientPayloadError,
+                                         response_with_body=not head_only, read_until_eof=True,
+                                         auto_decompress=False)
+        self.head = head = loop.create_future()
+        self.payload = None
+        self.got_bytes = False
+        try:
+            if self.transport is None or self.transport.is_closing():
+                raise _Stale("the engine closed the connection")
+            if type(data) is list:
+                self.transport.writelines(data)
+            else:
+                self.transport.write(data)  # type: ignore[arg-type]
+            msg = await head
+        except BaseException:
+            # Cancelled (the client hung up) or failed: the engine must see the connection close.
+            self.close()
+            raise
+        return Response(self, msg, self.payload)
+
+    def done(self) -> None:
+        """The exchange is over: back to the pool when the answer was read to its end, else closed."""
+        payload = self.payload
+        if self.keep and payload is not None and payload.is_eof() and payload.exception() is None \
+                and self.transport is not None and not self.transport.is_closing():
+            self.parser = self.head = self.payload = None
+            self.resume_reading()  # an idle connection must notice the engine closing it
+            self.pool._put_back(self)
+        else:
+            self.close()
+
+
+class Response:
+    """An engine's answer: status, headers and ``content`` (an aiohttp ``StreamReader``)."""
+    __slots__ = ("status", "reason", "headers", "content", "_conn")
+
+    def __init__(self, conn: _Conn, msg: Any, payload: Any):
+        self.status: int = msg.code
+        self.reason: str = msg.reason
+        self.headers: CIMultiDictProxy[str] = msg.headers
+        self.content = payload
+        self._conn: _Conn | None = conn
+
+    @property
+    def content_length(self) -> int | None:
+        v = self.headers.get("Content-Length")
+        return int(v) if v is not None and v.isdigit() else None
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("Content-Type", "application/octet-stream").partition(";")[0].strip().lower()
+
+    async def read(self) -> bytes:
+        return await self.content.read()
+
+    def release(self) -> None:
+        """Exactly once per answer, however it ended (idempotent)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.done()
+
+
+class _Pool:
+    """The connections to one engine address."""
+
+    def __init__(self, base_url: str, limit: int = LIMIT, connect_timeout: float = CONNECT_TIMEOUT,
+                 pool_timeout: float = POOL_TIMEOUT):
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"not an http:// engine address: {base_url!r}")
         self.base_url = base_url
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256, limit_per_host=256, ttl_dns_cache=60,
-                                           enable_cleanup_closed=False),
-            # connect: waiting for a pooled connection plus connecting; sock_connect: connecting.
-            timeout=aiohttp.ClientTimeout(total=None, connect=60, sock_connect=10, sock_read=None),
-            # No cookie jar: a Set-Cookie of one answer must never ride on another user's request.
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"))
-        self.streams = 0
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self.host_header = parts.netloc.rpartition("@")[2]
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        self.pool_timeout = pool_timeout
+        self.loop = asyncio.get_running_loop()
+        self.size = 0                  # connections open or being opened (each holds a slot)
+        self.conns: set[_Conn] = set()   # every open connection, idle or busy
+        self.idle: list[_Conn] = []    # LIFO: the most recently used connection is the likeliest alive
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.streams = 0               # leases not yet ended
         self.retired = False
+        self.closed = False
+
+    # --- requests ---
+
+    def _encode(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None) -> bytes | list[bytes]:
+        lines = [f"{method} {self.prefix}{target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}\r\n")
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}\r\n")
+            if "Content-Type" not in headers:
+                lines.append("Content-Type: application/octet-stream\r\n")
+        lines.append("\r\n")
+        head = "".join(lines)
+        # Names and values come from aiohttp's parser, which refuses CR and LF in them; a line
+        # break of their own would be a second header or request: count, never trust.
+        if head.count("\n") != len(lines) + 1 or head.count("\r") != len(lines) + 1:
+            raise ValueError("line break in a request header")
+        raw = head.encode("utf-8", "surrogateescape")  # the bytes the client sent, in aiohttp's decoding
+        if not body:
+            return raw
+        return raw + body if len(body) <= 65536 else [raw, body]
+
+    async def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None) -> Response:
+        """The answer's head; the caller must ``release()`` it. Raises :class:`UpstreamError`."""
+        data = self._encode(method, target, headers, body)
+        head_only = method == "HEAD"
+        conn, reused = await self._acquire(fresh=False)
+        try:
+            return await conn.exchange(data, head_only)
+        except _Stale:
+            if not reused:
+                raise
+        # The engine closed the idle connection while the request was on its way: once more,
+        # on a connection that did not sit idle.
+        conn, _ = await self._acquire(fresh=True)
+        return await conn.exchange(data, head_only)
+
+    # --- connections ---
+
+    async def _acquire(self, fresh: bool) -> tuple[_Conn, bool]:
+        if self.closed:
+            raise UpstreamError("the engine's address changed")
+        if not fresh:
+            while self.idle:
+                conn = self.idle.pop()
+                if conn.alive():
+                    return conn, True
+        if self.size < self.limit:
+            self.size += 1
+            return await self._connect(), False
+        waiter = self.loop.create_future()
+        self.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.pool_timeout):
+                got = await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._hand_on(waiter.result())  # handed a connection or a slot in the same turn: pass it on
+            else:
+                waiter.cancel()
+                try:
+                    self.waiters.remove(waiter)
+                except ValueError:
+                    pass
+            if isinstance(exc, TimeoutError):
+                raise UpstreamError(f"no free connection to the engine within {self.pool_timeout:g} s") from None
+            raise
+        if got is None:  # a slot: connect
+            return await self._connect(), False
+        if fresh:  # a connection handed over straight from a finished answer never sat idle
+            return got, False
+        return got, True
+
+    async def _connect(self) -> _Conn:
+        """Open a connection on a slot the caller holds; the slot is passed on when this fails."""
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _tr, conn = await self.loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        except BaseException as exc:
+            self._slot_free()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamError(f"connect to {self.host}:{self.port} timed out after "
+                                    f"{self.connect_timeout:g} s") from None
+            if isinstance(exc, OSError):
+                raise UpstreamError(str(exc) or repr(exc)) from None
+            raise
+        if self.closed or conn.transport is None:  # closed while connecting, by us or the engine
+            conn.close()
+            self._slot_free()  # connection_lost frees only the slots of registered connections
+            raise _Stale("the engine's address changed" if self.closed else "the engine closed the connection")
+        self.conns.add(conn)
+        return conn
+
+    def _hand_on(self, got: _Conn | None) -> None:
+        if got is None:
+            self._slot_free()
+        else:
+            self._put_back(got)
+
+    def _put_back(self, conn: _Conn) -> None:
+        if self.closed:
+            conn.close()
+            return
+        waiters = self.waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(conn)
+                return
+        self.idle.append(conn)
+
+    def _slot_free(self) -> None:
+        """A connection closed (or never opened): its slot goes to the first waiter, else back."""
+        waiters = self.waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+        self.size -= 1
+
+    def _lost(self, conn: _Conn) -> None:
+        """connection_lost: called once per connection; a registered one gives its slot back."""
+        if conn in self.conns:
+            self.conns.discard(conn)
+            try:
+                self.idle.remove(conn)
+            except ValueError:
+                pass
+            self._slot_free()
+
+    def close(self) -> None:
+        """Close every connection, busy ones too, and refuse new requests."""
+        self.closed = True
+        for w in self.waiters:
+            if not w.done():
+                w.set_exception(UpstreamError("the engine's address changed"))
+        self.waiters.clear()
+        self.idle.clear()
+        for conn in list(self.conns):
+            conn.close()
 
 
 class Upstreams:
-    """The client sessions of the engines, by deployment id."""
+    """The connection pools of the engines, by deployment id."""
 
-    def __init__(self) -> None:
-        self._current: dict[int, _Upstream] = {}
-        self._retired: set[_Upstream] = set()
-        self._closing: set[asyncio.Task] = set()
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._current: dict[int, _Pool] = {}
+        self._retired: set[_Pool] = set()
 
     def open(self, dep_id: int, base_url: str) -> "_Lease":
         up = self._current.get(dep_id)
         if up is None or up.base_url != base_url:
             if up is not None:
                 self._retire(up)
-            up = self._current[dep_id] = _Upstream(base_url)
+            up = self._current[dep_id] = _Pool(base_url, self.limit)
         up.streams += 1
         return _Lease(self, up)
 
-    def _retire(self, up: _Upstream) -> None:
+    def _retire(self, up: _Pool) -> None:
         up.retired = True
         if up.streams == 0:
-            self._close(up)
+            up.close()
         else:
             self._retired.add(up)
 
-    def _ended(self, up: _Upstream) -> None:
+    def _ended(self, up: _Pool) -> None:
         up.streams -= 1
         if up.retired and up.streams == 0:
             self._retired.discard(up)
-            self._close(up)
-
-    def _close(self, up: _Upstream) -> None:
-        task = asyncio.get_running_loop().create_task(up.session.close(), name=f"close upstream {up.base_url}")
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+            up.close()
 
     def forget(self, dep_id: int) -> None:
-        """The deployment was removed: close its session once idle."""
+        """The deployment was removed: close its pool once idle."""
         up = self._current.pop(dep_id, None)
         if up is not None:
             self._retire(up)
@@ -121,25 +475,27 @@ class Upstreams:
         ups = list(self._current.values()) + list(self._retired)
         self._current.clear()
         self._retired.clear()
-        await asyncio.gather(*(u.session.close() for u in ups), *self._closing, return_exceptions=True)
+        for up in ups:
+            up.close()
+        await asyncio.sleep(0)  # the transports' connection_lost runs on the next turn of the loop
 
 
 class _Lease:
-    """One stream's use of a session; ``end()`` exactly once (idempotent)."""
+    """One stream's use of a pool; ``end()`` exactly once (idempotent), after its answer's ``release()``."""
     __slots__ = ("_owner", "_up", "_ended")
 
-    def __init__(self, owner: Upstreams, up: _Upstream):
+    def __init__(self, owner: Upstreams, up: _Pool):
         self._owner = owner
         self._up = up
         self._ended = False
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        return self._up.session
-
-    @property
     def base_url(self) -> str:
         return self._up.base_url
+
+    def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None):
+        """``await`` it for the answer's head (a :class:`Response`); raises :class:`UpstreamError`."""
+        return self._up.request(method, target, headers, body)
 
     def end(self) -> None:
         if not self._ended:

@@ -31,7 +31,7 @@ from . import notice
 from .controller import Controller, Slot
 from .deployer import Deployer
 from .errors import OndemandError
-from .forward import Upstreams, request_headers, response_headers
+from .forward import Response as UpstreamResponse, UpstreamError, Upstreams, request_headers, response_headers
 from .keys import KeyWatcher
 from .paths import rebuild, split_checked
 from .ratelimit import FailureLimiter
@@ -78,7 +78,7 @@ def _release_when_granted(task: asyncio.Future) -> None:
     task.add_done_callback(done)
 
 
-async def _pump(request: web.Request, up: aiohttp.ClientResponse, out: web.StreamResponse) -> web.StreamResponse:
+async def _pump(request: web.Request, up: UpstreamResponse, out: web.StreamResponse) -> web.StreamResponse:
     """The engine's bytes to the client as they come, chunk by chunk, unbuffered."""
     try:
         async for chunk in up.content.iter_any():
@@ -289,14 +289,12 @@ class Gateway:
         base = self.deployer.base_url(dep["id"])
         if base is None:
             return await self._upstream_failed(started, "the engine has no address")
+        target = rebuild(segs[1:])
         lease = self.upstreams.open(dep["id"], base)
         try:
-            url = base + rebuild(segs[1:])
             try:
-                ctx = lease.session.request(request.method, url, headers=request_headers(request.headers),
-                                            data=body, allow_redirects=False)
-                up = await ctx.__aenter__()
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                up = await lease.request(request.method, target, request_headers(request.headers), body)
+            except (UpstreamError, ValueError) as exc:
                 return await self._upstream_failed(started, f"the engine did not answer: {exc}")
             try:
                 if started is not None:
@@ -314,11 +312,11 @@ class Gateway:
                     return out
                 return await _pump(request, up, out)
             finally:
-                await ctx.__aexit__(None, None, None)
+                up.release()  # back to the pool when read to the end, else closed (the engine stops)
         finally:
             lease.end()
 
-    async def _into_started(self, request: web.Request, up: aiohttp.ClientResponse,
+    async def _into_started(self, request: web.Request, up: UpstreamResponse,
                             out: web.StreamResponse) -> web.StreamResponse:
         """The engine's SSE bytes after the queued notice; an engine error becomes an SSE error."""
         if up.status != 200:

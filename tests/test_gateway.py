@@ -470,10 +470,10 @@ async def test_a_client_per_deployment_closed_after_its_last_stream(server, http
     # the engine restarts on a new address while the stream runs
     lease = gw.upstreams.open(a, "http://127.0.0.1:9")
     lease.end()
-    assert old.retired and not old.session.closed
+    assert old.retired and not old.closed and old.conns
     rest = await r.read()
     assert rest.endswith(b"data: [DONE]\n\n")
-    await wait_for(lambda: old.session.closed, what="old session closed after its stream")
+    await wait_for(lambda: old.closed and not old.conns, what="old pool closed after its stream")
 
 
 async def test_peer_guard_on_the_raw_peer(tmp_path):
@@ -552,7 +552,9 @@ async def test_upstream_sessions_keep_no_cookies(tmp_path):
     cookie and send it with the next user's request."""
     import sys as _sys
     from helpers import FAKES, free_port
+    from multidict import CIMultiDict
     from ondemand.forward import Upstreams
+    _JSON = "application/json"
     port = free_port()
     proc = await asyncio.create_subprocess_exec(_sys.executable, str(FAKES / "cookie_engine.py"), str(port))
     ups = Upstreams()
@@ -561,8 +563,11 @@ async def test_upstream_sessions_keep_no_cookies(tmp_path):
         for _ in range(2):
             lease = ups.open(1, f"http://localhost:{port}")
             try:
-                async with lease.session.post(lease.base_url + "/v1/chat/completions", json={}) as r:
-                    assert (await r.json())["cookie"] is None
+                r = await lease.request("POST", "/v1/chat/completions", CIMultiDict({"Content-Type": _JSON}), b"{}")
+                try:
+                    assert orjson.loads(await r.read())["cookie"] is None
+                finally:
+                    r.release()
             finally:
                 lease.end()
     finally:
