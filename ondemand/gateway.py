@@ -47,6 +47,7 @@ HEALTH_HEADER = "x-dgxmm-health-check"
 STATE_HEADER = "x-dgxmm-ondemand-state"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _JSON = "application/json"
+_EMPTY_BODY = frozenset({204, 304})
 
 
 # A request held for these must not be sent again at once: the OpenAI SDKs retry
@@ -303,6 +304,12 @@ class Gateway:
                     data = notice.prepend(route, await up.read(), dep["served_name"])
                     headers = response_headers(up.headers)
                     return web.Response(status=200, body=data, headers=headers)
+                content = up.content
+                if content.is_eof() and request.method != "HEAD" and up.status not in _EMPTY_BODY:
+                    # The whole answer is here already (a short one usually is): head and body
+                    # in one write, where a StreamResponse writes its head on its own.
+                    return web.Response(status=up.status, reason=up.reason, headers=response_headers(up.headers),
+                                        body=await content.read())
                 out = web.StreamResponse(status=up.status, reason=up.reason, headers=response_headers(up.headers))
                 if up.content_length is not None:
                     out.content_length = up.content_length

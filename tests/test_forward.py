@@ -1,0 +1,661 @@
+"""The engine connection pool (ondemand.forward) against real loopback servers: raw asyncio
+engine doubles that count their connections and answer exactly as each test scripts."""
+import asyncio
+import contextlib
+import random
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from ondemand import forward
+from ondemand.forward import UpstreamError, Upstreams
+
+from helpers import wait_for
+
+JSON = CIMultiDict({"Content-Type": "application/json"})
+
+
+class Engine:
+    """An HTTP/1.1 engine double on loopback. ``answer(req, writer)`` writes the answer
+    (an async function of the test's); it returns False to close the connection."""
+
+    def __init__(self, answer=None):
+        self.answer = answer or ok_answer
+        self.accepted = 0
+        self.open = 0            # connections open right now (server side)
+        self.closed_by_peer = 0  # connections the gateway closed (EOF seen while reading)
+        self.requests: list[dict] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server = None
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+        for w in self.writers:
+            w.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader, writer):
+        self.accepted += 1
+        self.open += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    self.closed_by_peer += 1
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ")
+                headers = [tuple(x.split(": ", 1)) for x in lines[1:] if x]
+                length = int(dict((k.lower(), v) for k, v in headers).get("content-length", 0))
+                body = await reader.readexactly(length) if length else b""
+                req = dict(method=method, target=target, headers=headers, body=body, raw=head, conn=self.accepted,
+                           reader=reader)
+                self.requests.append(req)
+                if await self.answer(req, writer) is False:
+                    return
+        finally:
+            self.open -= 1
+            writer.close()
+
+
+async def ok_answer(req, writer, body=b'{"ok": true}'):
+    if req["method"] == "HEAD":
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+    await writer.drain()
+
+
+async def fetch(ups, url, method="POST", target="/v1/chat/completions", body=b"{}", dep=1, headers=JSON):
+    lease = ups.open(dep, url)
+    try:
+        r = await lease.request(method, target, headers, body)
+        try:
+            return r.status, r.headers, await r.read()
+        finally:
+            r.release()
+    finally:
+        lease.end()
+
+
+@pytest.fixture
+async def ups():
+    u = Upstreams()
+    yield u
+    await u.close()
+
+
+def pool(ups, dep=1):
+    return ups._current[dep]
+
+
+async def test_the_request_as_the_engine_sees_it(ups):
+    async with Engine() as eng:
+        await fetch(ups, eng.url, body=b'{"a": 1}', headers=CIMultiDict({"Content-Type": "application/json",
+                                                                        "Accept-Encoding": "identity", "X-Custom": "é"}))
+        await fetch(ups, eng.url, body=b"", headers=CIMultiDict())
+        await fetch(ups, eng.url, method="GET", target="/v1/models/A", body=None, headers=CIMultiDict())
+    port = eng.url.rsplit(":", 1)[1]
+    assert eng.requests[0]["raw"] == (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:" + port.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nAccept-Encoding: identity\r\nX-Custom: \xc3\xa9\r\n"
+        b"Content-Length: 8\r\n\r\n")
+    assert eng.requests[0]["body"] == b'{"a": 1}'
+    # what aiohttp's client sent for a body without a Content-Type, and for a GET without a body
+    assert eng.requests[1]["headers"][1:] == [("Content-Length", "0"), ("Content-Type", "application/octet-stream")]
+    assert eng.requests[2]["headers"][1:] == []
+    assert eng.accepted == 1
+
+
+async def test_a_line_break_in_a_header_is_refused(ups):
+    async with Engine() as eng:
+        with pytest.raises(ValueError):
+            await fetch(ups, eng.url, headers=CIMultiDict({"X-A": "1\r\nX-Injected: 2"}))
+        assert eng.requests == []
+        assert pool(ups).size == 0
+
+
+async def test_one_connection_serves_sequential_requests(ups):
+    async with Engine() as eng:
+        for i in range(5):
+            status, headers, body = await fetch(ups, eng.url)
+            assert (status, body) == (200, b'{"ok": true}')
+        assert eng.accepted == 1 and len(eng.requests) == 5
+        assert pool(ups).size == 1 and len(pool(ups).idle) == 1
+
+
+async def _chunked(req, writer):
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for i in range(3):
+        data = b"data: %d\n\n" % i
+        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
+async def test_chunked_body_is_decoded_and_the_connection_kept(ups):
+    async with Engine(_chunked) as eng:
+        for _ in range(2):
+            status, headers, body = await fetch(ups, eng.url)
+            assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert eng.accepted == 1
+
+
+async def test_chunked_pieces_pass_as_they_arrive(ups):
+    go = asyncio.Event()
+
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+    async with Engine(answer) as eng:
+        lease = ups.open(1, eng.url)
+        r = await lease.request("POST", "/v1/x", JSON, b"{}")
+        assert await asyncio.wait_for(r.content.readany(), 5) == b"first"  # before the rest exists
+        go.set()
+        assert await r.content.read() == b"second"
+        r.release()
+        lease.end()
+        assert pool(ups).idle
+
+
+async def test_close_delimited_body_then_a_new_connection(ups):
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end")
+        await writer.drain()
+        return False
+    async with Engine(answer) as eng:
+        for _ in range(2):
+            assert (await fetch(ups, eng.url))[2] == b"until the end"
+        assert eng.accepted == 2
+        await wait_for(lambda: pool(ups).size == 0, what="closed connection left the pool")
+
+
+async def test_connection_close_from_the_engine_is_not_reused(ups):
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the engine lingers: the gateway must not send on it anyway
+    async with Engine(answer) as eng:
+        for _ in range(2):
+            assert (await fetch(ups, eng.url))[2] == b"ok"
+        assert eng.accepted == 2
+
+
+async def test_head_has_no_body_and_keeps_the_connection(ups):
+    async with Engine() as eng:
+        status, headers, body = await asyncio.wait_for(fetch(ups, eng.url, method="HEAD", body=None), 5)
+        assert status == 200 and headers["Content-Length"] == "12" and body == b""
+        assert (await fetch(ups, eng.url))[2] == b'{"ok": true}'
+        assert eng.accepted == 1
+
+
+async def test_204_and_304_have_no_body(ups):
+    async def answer(req, writer):
+        code = b"204 No Content" if req["target"] == "/a" else b"304 Not Modified"
+        writer.write(b"HTTP/1.1 " + code + b"\r\nX-A: 1\r\n\r\n")
+        await writer.drain()
+    async with Engine(answer) as eng:
+        assert await asyncio.wait_for(fetch(ups, eng.url, target="/a"), 5) == (204, {"X-A": "1"}, b"")
+        status, _, body = await asyncio.wait_for(fetch(ups, eng.url, target="/b", method="GET", body=None), 5)
+        assert (status, body) == (304, b"")
+        assert eng.accepted == 1
+
+
+async def test_an_idle_connection_the_engine_closes_leaves_the_pool_at_once(ups):
+    async def answer(req, writer):
+        await ok_answer(req, writer)
+        await asyncio.sleep(0.05)
+        return False  # uvicorn's keep-alive timeout, shortened
+    async with Engine(answer) as eng:
+        await fetch(ups, eng.url)
+        p = pool(ups)
+        await wait_for(lambda: p.size == 0 and not p.idle and not p.conns, timeout=2, what="dropped")
+        assert (await fetch(ups, eng.url))[0] == 200
+        assert eng.accepted == 2
+
+
+async def test_stale_keep_alive_race_is_retried_once_on_a_fresh_connection(ups):
+    async def answer(req, writer):
+        if req["conn"] == 1 and len(eng.requests) == 2:
+            return False  # closes the reused connection with the request unanswered
+        await ok_answer(req, writer)
+    async with Engine(answer) as eng:
+        await fetch(ups, eng.url)
+        assert (await fetch(ups, eng.url, body=b'{"n": 2}'))[0] == 200
+        assert [(r["conn"], r["body"]) for r in eng.requests] == [(1, b"{}"), (1, b'{"n": 2}'), (2, b'{"n": 2}')]
+
+
+async def test_a_fresh_connection_that_fails_is_reported_not_retried(ups):
+    async def answer(req, writer):
+        return False
+    async with Engine(answer) as eng:
+        with pytest.raises(UpstreamError):
+            await fetch(ups, eng.url)
+        assert eng.accepted == 1
+        await wait_for(lambda: pool(ups).size == 0, what="slot freed")
+
+
+async def test_a_reused_connection_fails_twice_is_reported(ups):
+    async def answer(req, writer):
+        if len(eng.requests) == 1:
+            await ok_answer(req, writer)
+            return
+        return False
+    async with Engine(answer) as eng:
+        await fetch(ups, eng.url)
+        with pytest.raises(UpstreamError):
+            await fetch(ups, eng.url)
+        assert eng.accepted == 2 and len(eng.requests) == 3  # one retry only
+
+
+async def test_an_answer_after_the_first_byte_is_never_retried(ups):
+    async def answer(req, writer):
+        if len(eng.requests) == 1:
+            await ok_answer(req, writer)
+            return
+        writer.write(b"HTTP/1.1 200")
+        await writer.drain()
+        return False
+    async with Engine(answer) as eng:
+        await fetch(ups, eng.url)
+        with pytest.raises(UpstreamError):
+            await fetch(ups, eng.url)
+        assert len(eng.requests) == 2
+
+
+async def test_unreachable_engine(ups):
+    from helpers import free_port
+    with pytest.raises(UpstreamError):
+        await fetch(ups, f"http://127.0.0.1:{free_port()}")
+    assert pool(ups).size == 0
+
+
+@pytest.mark.parametrize("answer_bytes", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+])
+async def test_engine_breaking_off_mid_body_is_an_error(ups, answer_bytes):
+    async def answer(req, writer):
+        writer.write(answer_bytes)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        return False
+    async with Engine(answer) as eng:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await fetch(ups, eng.url)
+        await wait_for(lambda: pool(ups).size == 0, what="connection gone")
+
+
+async def test_a_malformed_answer_is_an_upstream_error(ups):
+    async def answer(req, writer):
+        writer.write(b"NOT HTTP\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+    async with Engine(answer) as eng:
+        with pytest.raises(UpstreamError):
+            await fetch(ups, eng.url)
+        await wait_for(lambda: eng.closed_by_peer == 1 or eng.open == 0, what="closed by the gateway")
+
+
+async def test_releasing_an_unread_answer_closes_the_engine_connection(ups):
+    """A client that hangs up mid-answer: the engine sees its connection close (that stops vLLM)."""
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        assert await req["reader"].read(1) == b""  # waits for the gateway to close
+        eng.closed_by_peer += 1
+        return False
+    async with Engine(answer) as eng:
+        lease = ups.open(1, eng.url)
+        r = await lease.request("POST", "/v1/x", JSON, b"{}")
+        assert await r.content.readany() == b"hello"
+        r.release()
+        lease.end()
+        await wait_for(lambda: eng.closed_by_peer == 1, what="engine connection closed")
+        await wait_for(lambda: pool(ups).size == 0 and not pool(ups).conns)
+
+
+async def test_back_pressure_pauses_reading_the_engine(ups):
+    """A client that reads nothing: the pool stops reading the engine's socket (the engine's writes
+    block) instead of buffering the whole answer."""
+    sent = 0
+    blocked = asyncio.Event()
+
+    async def answer(req, writer):
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"x" * 65536
+        while sent < 64 * 2**20:
+            writer.write(b"10000\r\n" + piece + b"\r\n")
+            try:
+                await asyncio.wait_for(writer.drain(), 0.5)
+            except asyncio.TimeoutError:
+                blocked.set()
+                return False
+            sent += len(piece)
+    async with Engine(answer) as eng:
+        lease = ups.open(1, eng.url)
+        r = await lease.request("POST", "/v1/x", JSON, b"{}")
+        await asyncio.wait_for(blocked.wait(), 10)
+        assert sent < 16 * 2**20  # kernel buffers plus the StreamReader's 128 KiB, not 64 MiB
+        assert r.content._size <= 4 * 2**20
+        r.release()
+        lease.end()
+
+
+async def test_limit_and_waiting_for_a_free_connection():
+    assert forward.LIMIT == 256 and Upstreams().limit == 256
+    assert (forward.CONNECT_TIMEOUT, forward.POOL_TIMEOUT) == (10.0, 60.0)
+    hold = asyncio.Event()
+
+    async def answer(req, writer):
+        await hold.wait()
+        await ok_answer(req, writer)
+    ups = Upstreams(limit=2)
+    try:
+        async with Engine(answer) as eng:
+            tasks = [asyncio.ensure_future(fetch(ups, eng.url)) for _ in range(3)]
+            await wait_for(lambda: len(eng.requests) == 2, what="two requests at the engine")
+            await asyncio.sleep(0.1)
+            p = pool(ups)
+            assert eng.accepted == 2 and len(p.waiters) == 1 and not any(t.done() for t in tasks)
+            hold.set()
+            assert [s for s, _, _ in await asyncio.gather(*tasks)] == [200, 200, 200]
+            assert eng.accepted == 2  # the third waited for a connection and reused it
+            # a wait that runs out is the upstream error
+            hold.clear()
+            p.pool_timeout = 0.2
+            tasks = [asyncio.ensure_future(fetch(ups, eng.url)) for _ in range(2)]
+            await wait_for(lambda: len(eng.requests) == 5)
+            with pytest.raises(UpstreamError, match="no free connection"):
+                await fetch(ups, eng.url)
+            assert not p.waiters
+            hold.set()
+            await asyncio.gather(*tasks)
+            assert p.size == 2 and len(p.idle) == 2
+    finally:
+        await ups.close()
+
+
+async def test_a_waiter_gets_the_slot_of_a_closed_connection():
+    hold = asyncio.Event()
+
+    async def answer(req, writer):
+        if req["target"] == "/close":
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            return False
+        await hold.wait()
+        await ok_answer(req, writer)
+    ups = Upstreams(limit=1)
+    try:
+        async with Engine(answer) as eng:
+            first = asyncio.ensure_future(fetch(ups, eng.url, target="/close"))
+            second = asyncio.ensure_future(fetch(ups, eng.url))
+            hold.set()
+            assert (await first)[0] == 200 and (await second)[0] == 200
+            assert eng.accepted == 2 and pool(ups).size == 1
+    finally:
+        await ups.close()
+
+
+async def test_new_address_retires_the_old_pool_after_its_last_stream(ups):
+    go = asyncio.Event()
+
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"4\r\nlast\r\n0\r\n\r\n")
+        await writer.drain()
+    async with Engine(answer) as old_eng, Engine() as new_eng:
+        lease = ups.open(1, old_eng.url)
+        r = await lease.request("POST", "/v1/x", JSON, b"{}")
+        old = pool(ups)
+        assert await r.content.readany() == b"first"
+        assert (await fetch(ups, new_eng.url))[0] == 200  # the engine came back on a new address
+        assert old.retired and not old.closed and pool(ups) is not old
+        go.set()
+        assert await r.content.read() == b"last"  # the running stream is not cut
+        r.release()
+        assert not old.closed
+        lease.end()
+        assert old.closed
+        await wait_for(lambda: old_eng.open == 0 and not old.conns, what="old connections closed")
+        with pytest.raises(UpstreamError):
+            await old.request("POST", "/v1/x", JSON, b"{}")
+
+
+async def test_forget_and_close(ups):
+    async with Engine() as eng:
+        await fetch(ups, eng.url, dep=1)
+        await fetch(ups, eng.url, dep=2)
+        p1 = pool(ups, 1)
+        ups.forget(1)
+        assert p1.closed and 1 not in ups._current
+        await wait_for(lambda: eng.open == 1, what="the forgotten pool's connection closed")
+        await ups.close()
+        await wait_for(lambda: eng.open == 0, what="every connection closed")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_race_cancelled_requests_leak_nothing(seed):
+    """Requests cancelled at random moments (waiting for a connection, connecting, waiting for
+    the head, reading the body) against an engine with random answers: afterwards every
+    connection is idle in the pool or closed, no slot or waiter is left, and the engine has
+    exactly the pool's connections open."""
+    rng = random.Random(seed)
+
+    async def answer(req, writer):
+        await asyncio.sleep(rng.random() * 0.01)
+        kind = rng.random()
+        if kind < 0.3:
+            await ok_answer(req, writer)
+        elif kind < 0.8:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(rng.randrange(1, 5)):
+                writer.write(b"3\r\nabc\r\n")
+                await writer.drain()
+                await asyncio.sleep(rng.random() * 0.005)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        elif kind < 0.9:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+            await writer.drain()
+            return False  # closes the connection after the answer
+        else:
+            return False  # closes the connection unanswered
+    ups = Upstreams(limit=4)
+    try:
+        async with Engine(answer) as eng:
+            async def one():
+                with contextlib.suppress(UpstreamError, aiohttp.ClientPayloadError):
+                    await fetch(ups, eng.url)
+
+            tasks = []
+            for _ in range(300):
+                t = asyncio.ensure_future(one())
+                tasks.append(t)
+                if rng.random() < 0.6:
+                    asyncio.get_running_loop().call_later(rng.random() * 0.02, t.cancel)
+                if rng.random() < 0.3:
+                    await asyncio.sleep(rng.random() * 0.003)
+            done, pending = await asyncio.wait(tasks, timeout=60)
+            assert not pending
+            for t in done:
+                assert t.cancelled() or t.exception() is None
+            p = pool(ups)
+            await wait_for(lambda: p.size == len(p.conns) == len(p.idle) and eng.open == p.size,
+                           what="every connection idle or closed")
+            assert p.size <= 4 and not p.waiters and p.streams == 0
+            assert all(c.alive() and c.parser is None for c in p.idle)
+            eng.answer = ok_answer
+            for _ in range(4):  # and the pool still works
+                assert (await fetch(ups, eng.url))[0] == 200
+    finally:
+        await ups.close()
+
+
+async def test_the_retry_never_takes_another_idle_connection(ups):
+    """The engine closed every idle connection at once (say, a restart of its keep-alive):
+    the retry must not go to a second idle connection that is just as stale."""
+    hold = asyncio.Event()
+    stale = set()
+
+    async def answer(req, writer):
+        if req["conn"] in stale:
+            return False
+        await hold.wait()
+        await ok_answer(req, writer)
+    async with Engine(answer) as eng:
+        tasks = [asyncio.ensure_future(fetch(ups, eng.url)) for _ in range(2)]
+        await wait_for(lambda: len(eng.requests) == 2)
+        hold.set()
+        await asyncio.gather(*tasks)
+        assert len(pool(ups).idle) == 2
+        stale.update((1, 2))
+        assert (await fetch(ups, eng.url))[0] == 200
+        assert [r["conn"] for r in eng.requests[2:]] == [2, 3]  # the latest idle one, then a new one
+
+
+@pytest.mark.parametrize("how", ["reuse", "close"])
+async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on(how):
+    """The connection (or, when it closed, its slot) is handed to a waiting request in the same
+    turn of the loop as that request is cancelled: it must go back, not vanish."""
+    ups = Upstreams(limit=1)
+    close_now = asyncio.Event()
+    try:
+        async def answer(req, writer):
+            if how == "close" and len(eng.requests) == 1:
+                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+                await close_now.wait()
+                return False
+            await ok_answer(req, writer)
+        async with Engine(answer) as eng:
+            lease = ups.open(1, eng.url)
+            r = await lease.request("POST", "/v1/x", JSON, b"{}")
+            await r.read()
+            waiting = asyncio.ensure_future(fetch(ups, eng.url))
+            await wait_for(lambda: pool(ups).waiters)
+            p = pool(ups)
+            if how == "close":
+                lost = p._lost
+
+                def lost_then_cancel(conn):
+                    lost(conn)  # the slot is handed to the waiter ...
+                    waiting.cancel()  # ... which goes away in the same turn
+                p._lost = lost_then_cancel
+                close_now.set()
+                await wait_for(lambda: waiting.done(), what="the engine closed it")
+                r.release()
+            else:
+                r.release()  # the connection is handed to the waiter ...
+                waiting.cancel()  # ... which goes away in the same turn
+            lease.end()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            assert not p.waiters and p.size == len(p.idle) == (1 if how == "reuse" else 0)
+            p.pool_timeout = 2
+            assert (await fetch(ups, eng.url))[0] == 200  # the slot is usable
+    finally:
+        await ups.close()
+
+
+# --- through the gateway ------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def gateway_to(tmp_path, engine):
+    """A running ondemand whose deployment ``a`` is ready and reached at the engine double."""
+    from helpers import run_app
+    async with run_app(tmp_path) as server:
+        a = await server.add("a")
+        await server.deployer.restart(a)
+        server.deployer._engines[a].base_url = engine.url
+        async with aiohttp.ClientSession() as http:
+            yield server, http, server.gw(a, "chat/completions"), a
+
+
+async def not_ours(req, writer):
+    """The deployer's own requests (metrics, health) are not the gateway's: a plain 404."""
+    if req["target"].startswith("/v1/"):
+        return False
+    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+def gateway_requests(eng):
+    return [r for r in eng.requests if r["target"].startswith("/v1/")]
+
+
+async def test_gateway_client_hang_up_mid_stream_closes_the_engine_connection(tmp_path):
+    async def answer(req, writer):
+        if await not_ours(req, writer):
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"c\r\ndata: one\n\n\r\n")
+        await writer.drain()
+        assert await req["reader"].read(1) == b""  # the gateway closes; the engine stops generating
+        saw_close.set()
+        return False
+    saw_close = asyncio.Event()  # (the deployer's own requests to the engine close connections too)
+    async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        r = await http.post(url, json={"model": "A", "stream": True}, headers=server.auth())
+        assert await r.content.readuntil(b"\n\n") == b"data: one\n\n"
+        r.close()  # the client goes away
+        await asyncio.wait_for(saw_close.wait(), 10)
+        await wait_for(lambda: server.controller.inflight(a) == 0)
+
+
+async def test_gateway_cuts_the_client_when_the_engine_breaks_off_a_sized_answer(tmp_path):
+    async def answer(req, writer):
+        if await not_ours(req, writer):
+            return
+        if len(gateway_requests(eng)) == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"par")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            return False
+        await ok_answer(req, writer)
+    async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        async with http.post(url, json={"model": "A"}, headers=server.auth()) as r:
+            assert r.status == 200 and r.headers["Content-Length"] == "100"
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(r.read(), 10)
+        # and the next request gets a whole answer, in one piece with its length
+        async with http.post(url, json={"model": "A"}, headers=server.auth()) as r:
+            assert r.status == 200 and await r.read() == b'{"ok": true}' and r.headers["Content-Length"] == "12"
+            assert r.headers["Content-Type"] == "application/json"
+        await wait_for(lambda: server.controller.inflight(a) == 0)
+
+
+async def test_gateway_passes_204_and_head_without_a_body(tmp_path):
+    async def answer(req, writer):
+        if await not_ours(req, writer):
+            return
+        if req["method"] == "HEAD":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 204 No Content\r\nX-Engine: 1\r\n\r\n")
+        await writer.drain()
+    async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        async with http.post(url, json={"model": "A"}, headers=server.auth()) as r:
+            assert r.status == 204 and r.headers["X-Engine"] == "1" and await r.read() == b""
+        async with http.head(server.gw(a, "models/A"), headers=server.auth()) as r:
+            assert r.status == 200 and r.headers["Content-Length"] == "12"
+        assert len({r["conn"] for r in gateway_requests(eng)}) == 1
