@@ -229,8 +229,11 @@ class _Conn(asyncio.Protocol):
     def done(self) -> None:
         """The exchange is over: back to the pool when the answer was read to its end, else closed."""
         payload = self.payload
+        transport = self.transport
+        # Not while part of the request is still unsent: an engine that answered early would
+        # read the rest of that body as the next request.
         if self.keep and payload is not None and payload.is_eof() and payload.exception() is None \
-                and self.transport is not None and not self.transport.is_closing():
+                and transport is not None and not transport.is_closing() and not transport.get_write_buffer_size():
             self.parser = self.head = self.payload = None
             self.resume_reading()  # an idle connection must notice the engine closing it
             self.pool._put_back(self)

@@ -659,3 +659,29 @@ async def test_gateway_passes_204_and_head_without_a_body(tmp_path):
         async with http.head(server.gw(a, "models/A"), headers=server.auth()) as r:
             assert r.status == 200 and r.headers["Content-Length"] == "12"
         assert len({r["conn"] for r in gateway_requests(eng)}) == 1
+
+
+async def test_an_answer_before_the_whole_request_was_sent_closes_the_connection(ups):
+    """An engine that answers (say 413) without reading a large body: the rest of that body must
+    never be read by the engine as the next request on a reused connection."""
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)  # reads nothing more for a while
+        return False
+
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        eng.requests.append({})
+        await answer(None, writer)
+        writer.close()
+    async with Engine() as eng:
+        eng.server.close()
+        eng.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{eng.server.sockets[0].getsockname()[1]}"
+        lease = ups.open(1, url)
+        r = await lease.request("POST", "/v1/x", JSON, b"x" * (32 * 2**20))
+        assert r.status == 413 and await r.read() == b""
+        r.release()
+        lease.end()
+        assert not pool(ups).idle
