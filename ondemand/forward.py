@@ -19,9 +19,12 @@ head and chunked framing are parsed by aiohttp's C parser (the one aiohttp's
 client uses) and the body is passed on as it arrives through an aiohttp
 ``StreamReader``, which pauses reading the engine's socket while more than
 128 KiB wait for a slow client. A connection goes back to the pool only when
-its answer was read to the end and neither side said ``Connection: close``;
-otherwise (the client hung up, the engine broke off) it is closed, which makes
-vLLM and llama.cpp cancel the generation. An idle connection the engine closes
+the whole answer arrived, the whole request was sent and the engine allows
+keep-alive (no ``Connection: close``, no close-delimited body); otherwise (the
+client hung up, the engine broke off) it is closed, which makes vLLM and
+llama.cpp cancel the generation. A request that finds every connection busy
+waits in line (first come, first served) for a connection or for the slot of
+one that closed. An idle connection the engine closes
 (uvicorn does after 5 s) leaves the pool at once; a request whose reused
 connection closes before any byte of the answer (the engine closed it while
 the request was on its way) is sent once more on a connection that never sat
@@ -29,6 +32,11 @@ idle; any other failure is the caller's :class:`UpstreamError`. When an engine
 comes back on a new address, the old pool is closed only when its last stream
 ends: a long generation must not be cut by a restart of a neighbour's engine
 on the same deployment id.
+
+No locks or shields: all of it runs on the event loop, and every await that a
+cancellation (the client hanging up) can interrupt closes the connection or
+gives its slot back; a connection or slot handed to a waiter that is cancelled
+in the same turn of the loop is passed on to the next.
 """
 from __future__ import annotations
 
@@ -59,6 +67,7 @@ LIMIT = 256              # connections per deployment
 CONNECT_TIMEOUT = 10.0   # seconds to open a TCP connection
 POOL_TIMEOUT = 60.0      # seconds to wait for a free connection when all are busy
 READ_LIMIT = 2 ** 16     # the StreamReader's low water mark; reading pauses at twice this
+_FLOW_CONTROL_ERRORS = (AttributeError, NotImplementedError, RuntimeError)  # as aiohttp's BaseProtocol
 
 
 def _named_in_connection(headers: CIMultiDictProxy[str]) -> frozenset[str]:
@@ -177,13 +186,19 @@ class _Conn(asyncio.Protocol):
     def pause_reading(self) -> None:
         if not self.paused and self.transport is not None:
             self.paused = True
-            self.transport.pause_reading()
+            try:
+                self.transport.pause_reading()
+            except _FLOW_CONTROL_ERRORS:  # a closing transport: nothing more to read anyway
+                pass
 
     def resume_reading(self, resume_parser: bool = True) -> None:
         if self.paused:
             self.paused = False
             if self.transport is not None:
-                self.transport.resume_reading()
+                try:
+                    self.transport.resume_reading()
+                except _FLOW_CONTROL_ERRORS:
+                    pass
 
     # --- ours ---
 
