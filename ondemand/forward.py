@@ -4,9 +4,10 @@ Request headers: Authorization, Cookie, Host, forwarding headers, hop-by-hop
 headers (and any named in Connection), Content-Length, Expect and the
 health-check marker are removed; ``Accept-Encoding: identity`` is sent, so the
 bytes passed back are the bytes the engine wrote. Host is the engine's
-host:port; a request with a body (possibly empty) gets its Content-Length and,
-when the client sent none, ``Content-Type: application/octet-stream`` (what
-aiohttp's client sent before this pool). Response headers: all but hop-by-hop,
+host:port; a request with a body (possibly empty) gets its Content-Length. No
+Content-Type is added when the client sent none (aiohttp's client added
+``application/octet-stream``, which FastAPI engines such as vLLM then refuse to
+read as JSON; with none they parse it). Response headers: all but hop-by-hop,
 Server and Date (aiohttp's server writes its own) and Content-Length (set from
 the body passed back). There is no cookie jar: nothing of one answer rides on
 another request.
@@ -44,12 +45,18 @@ import asyncio
 import collections
 import logging
 import socket
+import sys
 from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import ClientPayloadError
 from aiohttp.http_parser import HttpResponseParser
 from multidict import CIMultiDict, CIMultiDictProxy, istr
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
+    from async_timeout import timeout as _timeout
 
 log = logging.getLogger("ondemand.forward")
 
@@ -319,8 +326,6 @@ class _Pool:
             lines.append(f"{name}: {value}\r\n")
         if body is not None:
             lines.append(f"Content-Length: {len(body)}\r\n")
-            if "Content-Type" not in headers:
-                lines.append("Content-Type: application/octet-stream\r\n")
         lines.append("\r\n")
         head = "".join(lines)
         # Names and values come from aiohttp's parser, which refuses CR and LF in them; a line
@@ -363,7 +368,7 @@ class _Pool:
         waiter = self.loop.create_future()
         self.waiters.append(waiter)
         try:
-            async with asyncio.timeout(self.pool_timeout):
+            async with _timeout(self.pool_timeout):
                 got = await waiter
         except BaseException as exc:
             if waiter.done() and not waiter.cancelled():
@@ -374,7 +379,7 @@ class _Pool:
                     self.waiters.remove(waiter)
                 except ValueError:
                     pass
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, asyncio.TimeoutError):  # TimeoutError itself from 3.11
                 raise UpstreamError(f"no free connection to the engine within {self.pool_timeout:g} s") from None
             raise
         if got is None:  # a slot: connect
@@ -386,11 +391,11 @@ class _Pool:
     async def _connect(self) -> _Conn:
         """Open a connection on a slot the caller holds; the slot is passed on when this fails."""
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with _timeout(self.connect_timeout):
                 _tr, conn = await self.loop.create_connection(lambda: _Conn(self), self.host, self.port)
         except BaseException as exc:
             self._slot_free()
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, asyncio.TimeoutError):  # TimeoutError itself from 3.11
                 raise UpstreamError(f"connect to {self.host}:{self.port} timed out after "
                                     f"{self.connect_timeout:g} s") from None
             if isinstance(exc, OSError):

@@ -153,6 +153,51 @@ class Sandbox:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def serve_demo_and_chat(sandbox: Sandbox, pyz: Path) -> dict:
+    """`serve --demo` from the zipapp (process backend, engines are the zipapp's own
+    simulator), then one chat through the gateway: a cold start and a forwarded answer."""
+    import signal
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = sandbox.root / "demo-state"
+    config = sandbox.root / "demo.toml"
+    config.write_text(f'state_dir = "{state}"\nlisten = "127.0.0.1:{port}"\n'
+                      'ondemand_allowed_cidrs = ["127.0.0.0/8"]\nshutdown_grace_s = 2\n'
+                      '[budget]\nsource = "static"\ncapacity_gib = 24\n'
+                      '[deployer]\nbackend = "process"\nstart_timeout_s = 60\n')
+    proc = subprocess.Popen([str(sandbox.bin / "python3"), str(pyz), "--config", str(config), "serve", "--demo"],
+                            cwd=sandbox.root, env=sandbox.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        body = json.dumps({"model": "demo-small", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/dgxmm/ondemand/1/v1/chat/completions", data=body,
+                    headers={"Authorization": f"Bearer {(state / 'ondemand.key').read_text().strip()}",
+                             "Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return json.loads(r.read())
+            except (FileNotFoundError, ConnectionError, urllib.error.URLError) as exc:
+                if isinstance(exc, urllib.error.HTTPError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # not listening yet
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0, proc.stderr.read().decode()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def so_names(pyz: Path) -> list[str]:
     with zipfile.ZipFile(pyz) as zf:
         return [n for n in zf.namelist() if n.endswith(".so")]
@@ -196,6 +241,11 @@ def test_key_init_then_show(native_pyz, sandbox, tmp_path):
     # a second init refuses to overwrite, with the CLI's exit code 1
     again = sandbox.run(native_pyz, "--config", str(config), "key", "init", check=False)
     assert again.returncode == 1 and "already holds a key" in again.stderr
+
+
+def test_serves_the_demo_through_the_gateway(native_pyz, sandbox):
+    answer = serve_demo_and_chat(sandbox, native_pyz)
+    assert answer["object"] == "chat.completion" and answer["model"] == "demo-small"
 
 
 def test_runs_on_uvloop_from_its_own_site_packages(native_pyz, sandbox):
@@ -270,3 +320,6 @@ def test_cross_build_for_python310_bundles_its_markers_and_runs(tmp_path_factory
     assert re.fullmatch(r"[0-9a-f]{12}", sandbox.run(pyz, "--config", str(config), "key", "show").stdout.strip())
     report = sandbox.probe(pyz)
     assert report["python"] == "3.10" and report["loop"] == "uvloop.Loop"
+    # The whole path on 3.10: controller, process backend, the gateway's engine pool.
+    answer = serve_demo_and_chat(sandbox, pyz)
+    assert answer["object"] == "chat.completion" and answer["model"] == "demo-small"
