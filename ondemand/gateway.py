@@ -203,8 +203,10 @@ class Gateway:
         body = await self._read_body(request)
         parsed = None
         if route not in MULTIPART:
+            if not body:  # the engine would refuse it too: no reason to start one for it
+                raise _err(400, "invalid_json", "The request body is empty: a JSON object is expected")
             try:
-                parsed = orjson.loads(body) if body else None
+                parsed = orjson.loads(body)
             except orjson.JSONDecodeError:
                 raise _err(400, "invalid_json", "The request body is not valid JSON") from None
             if parsed is not None and not isinstance(parsed, dict):

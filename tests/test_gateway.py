@@ -229,12 +229,14 @@ async def test_deployment_checks(server, http):
     assert server.controller.inflight(ao) == 0 and server.controller.status(ao)["last_request_at"] is None
 
 
-async def test_invalid_json_starts_nothing(server, http):
+@pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b"", None])
+async def test_invalid_json_starts_nothing(server, http, body):
     a = await server.add("a")
-    async with http.post(server.gw(a, "chat/completions"), data=b"{nope",
+    async with http.post(server.gw(a, "chat/completions"), data=body,
                          headers={**server.auth(), "Content-Type": "application/json"}) as r:
         assert await err(r) == (400, "invalid_json")
     assert server.state(a) == "stopped"
+    assert server.controller.inflight(a) == 0 and server.controller.waiting() == 0
 
 
 @pytest.mark.parametrize("route, shape", [
