@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import pathlib
 import re
 import socket
@@ -23,6 +24,8 @@ from .budget import BudgetError
 from .config import Config
 from .deployer import StartFailed, StartInterrupted
 from .errors import DeployerError, InsufficientMemory, OndemandError
+
+log = logging.getLogger("ondemand.admin")
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
 _JSON = "application/json"
@@ -89,6 +92,12 @@ def auth_middleware(cfg: Config):
             if exc.status < 400:
                 raise
             return _http_error(exc)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            if request.writer is None or request.writer.output_size:
+                raise  # an answer (an event stream) is under way: aiohttp cuts the connection
+            err = OndemandError(500, "internal_error", "ondemand failed on this request; see its log")
+            return web.Response(status=500, body=err.body(), content_type=_JSON)
     return admin_auth
 
 

@@ -138,6 +138,13 @@ class Gateway:
             if err.status >= 500:
                 log.info("%s %s: %d %s", request.method, request.raw_path, err.status, err.code)
             return error_response(err)
+        except Exception:
+            # A defect of ours: logged with its traceback, answered in the documented form
+            # when nothing of an answer went out yet (else aiohttp cuts the connection).
+            log.exception("%s %s failed", request.method, request.raw_path)
+            if request.writer is None or request.writer.output_size:
+                raise
+            return error_response(_err(500, "internal_error", "ondemand failed on this request; see its log"))
 
     # --- the checks -------------------------------------------------------------
 

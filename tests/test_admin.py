@@ -131,6 +131,16 @@ async def test_routing_refusals_are_json_errors(server, unix):
         assert r.status == 302 and r.headers["Location"].endswith("/ui/")
 
 
+async def test_a_defect_of_ours_is_a_json_500(server, monkeypatch):
+    def broken():
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(server.deployer, "all", broken)
+    status, body = await api(server, "GET", "/deployments")
+    assert status == 500 and body["error"]["code"] == "internal_error" and "a bug" not in body["error"]["message"]
+    monkeypatch.undo()
+    assert (await api(server, "GET", "/deployments"))[0] == 200
+
+
 async def test_create_defaults_and_states(server):
     status, view = await api(server, "POST", "/deployments", {"name": "ao", "command": sim_command("AO"), "memory_gib": 4})
     assert status == 201 and view["mode"] == "always_on"  # the default

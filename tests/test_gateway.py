@@ -229,6 +229,21 @@ async def test_deployment_checks(server, http):
     assert server.controller.inflight(ao) == 0 and server.controller.status(ao)["last_request_at"] is None
 
 
+async def test_a_defect_of_ours_is_a_json_500_and_leaves_no_trace(server, http, monkeypatch, caplog):
+    a = await server.add("a")
+
+    async def broken(*args, **kw):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(server.controller, "acquire", broken)
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (500, "internal_error")
+    assert "a bug" in caplog.text  # the traceback is in the log, not in the answer
+    monkeypatch.undo()
+    assert server.controller.inflight(a) == 0 and server.controller.waiting() == 0
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert r.status == 200  # and the gateway goes on serving
+
+
 @pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b"", None])
 async def test_invalid_json_starts_nothing(server, http, body):
     a = await server.add("a")
