@@ -26,10 +26,15 @@ client hung up, the engine broke off) it is closed, which makes vLLM and
 llama.cpp cancel the generation. A request that finds every connection busy
 waits in line (first come, first served) for a connection or for the slot of
 one that closed. An idle connection the engine closes
-(uvicorn does after 5 s) leaves the pool at once; a request whose reused
-connection closes before any byte of the answer (the engine closed it while
-the request was on its way) is sent once more on a connection that never sat
-idle; any other failure is the caller's :class:`UpstreamError`. When an engine
+(uvicorn and llama.cpp do after 5 s) leaves the pool at once, and one idle
+for more than 4 s is not reused (closed instead), so that race hardly ever
+happens. A request whose reused connection closes within 1 s of the request
+and before any byte of the answer (the engine closed it while the request was
+on its way) is sent once more on a connection that never sat idle; a later
+close is the caller's :class:`UpstreamError`, like any other failure: the
+engine may have worked on the request, and a generation must not run twice.
+A connection closed with part of its request unsent is aborted (reset), not
+closed after a flush that an engine no longer reading would never allow. When an engine
 comes back on a new address, the old pool is closed only when its last stream
 ends: a long generation must not be cut by a restart of a neighbour's engine
 on the same deployment id.
@@ -73,6 +78,9 @@ _IDENTITY = (istr("Accept-Encoding"), "identity")
 LIMIT = 256              # connections per deployment
 CONNECT_TIMEOUT = 10.0   # seconds to open a TCP connection
 POOL_TIMEOUT = 60.0      # seconds to wait for a free connection when all are busy
+IDLE_MAX = 4.0           # seconds an idle connection is reused: below the 5 s keep-alive of uvicorn (vLLM)
+                         # and of llama.cpp's server, so the engine hardly ever closes one we are about to use
+STALE_WINDOW = 1.0       # a reused connection closed within this of the request, with no answer, was stale
 READ_LIMIT = 2 ** 16     # the StreamReader's low water mark; reading pauses at twice this
 _FLOW_CONTROL_ERRORS = (AttributeError, NotImplementedError, RuntimeError)  # as aiohttp's BaseProtocol
 
@@ -113,7 +121,8 @@ class _Stale(UpstreamError):
 
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; at most one exchange at a time."""
-    __slots__ = ("pool", "transport", "parser", "head", "payload", "got_bytes", "keep", "paused")
+    __slots__ = ("pool", "transport", "parser", "head", "payload", "got_bytes", "keep", "paused",
+                 "sent_at", "idle_since")
 
     def __init__(self, pool: "_Pool"):
         self.pool = pool
@@ -124,6 +133,8 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False
         self.keep = True              # False once anything rules out another exchange
         self.paused = False
+        self.sent_at = 0.0            # loop time of the current exchange's request
+        self.idle_since = 0.0         # loop time it went back to the pool
 
     # --- asyncio.Protocol ---
 
@@ -173,7 +184,11 @@ class _Conn(asyncio.Protocol):
         head = self.head
         if head is not None and not head.done():
             why = f"the engine closed the connection{': ' + str(exc) if exc else ''}"
-            head.set_exception(_Stale(why) if not self.got_bytes else UpstreamError(why))
+            # Stale (safe to send again) only when the close came right after the request:
+            # the engine closing an idle connection as it arrived. Later, the engine may have
+            # worked on it (a generation, a crash): sending it again could run it twice.
+            stale = not self.got_bytes and self.pool.loop.time() - self.sent_at < STALE_WINDOW
+            head.set_exception(_Stale(why) if stale else UpstreamError(why))
             return
         payload = self.payload
         if payload is not None and not payload.is_eof():
@@ -223,7 +238,13 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         self.keep = False
         if self.transport is not None:
-            self.transport.close()
+            if self.transport.get_write_buffer_size():
+                # Part of the request is unsent (the client hung up during a big upload, or the
+                # engine answered early): close() would first wait for an engine that may never
+                # read it, holding the slot; and the engine would get the whole request after all.
+                self.transport.abort()
+            else:
+                self.transport.close()
 
     async def exchange(self, data: bytes | list[bytes], head_only: bool) -> "Response":
         """Send one request and wait for the answer's head; on any exception the connection is closed."""
@@ -234,6 +255,7 @@ class _Conn(asyncio.Protocol):
         self.head = head = loop.create_future()
         self.payload = None
         self.got_bytes = False
+        self.sent_at = loop.time()
         try:
             if self.transport is None or self.transport.is_closing():
                 raise _Stale("the engine closed the connection")
@@ -245,6 +267,8 @@ class _Conn(asyncio.Protocol):
         except BaseException:
             # Cancelled (the client hung up) or failed: the engine must see the connection close.
             self.close()
+            if not head.done():
+                head.cancel()  # awaited by no one now: connection_lost must not leave an exception in it
             raise
         return Response(self, msg, self.payload)
 
@@ -358,10 +382,13 @@ class _Pool:
         if self.closed:
             raise UpstreamError("the engine's address changed")
         if not fresh:
+            now = self.loop.time()
             while self.idle:
                 conn = self.idle.pop()
                 if conn.alive():
-                    return conn, True
+                    if now - conn.idle_since <= IDLE_MAX:
+                        return conn, True
+                    conn.close()  # idle too long: the engine may close it any moment (its slot comes back)
         if self.size < self.limit:
             self.size += 1
             return await self._connect(), False
@@ -424,6 +451,7 @@ class _Pool:
             if not w.done():
                 w.set_result(conn)
                 return
+        conn.idle_since = self.loop.time()
         self.idle.append(conn)
 
     def _slot_free(self) -> None:

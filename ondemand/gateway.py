@@ -310,7 +310,11 @@ class Gateway:
                 if started is not None:
                     return await self._into_started(request, up, started)
                 if prepend and up.status == 200 and up.content_type == _JSON:
-                    data = notice.prepend(route, await up.read(), dep["served_name"])
+                    try:
+                        raw = await up.read()
+                    except aiohttp.ClientPayloadError as exc:
+                        return await self._upstream_failed(None, f"the engine broke off its answer: {exc}")
+                    data = notice.prepend(route, raw, dep["served_name"])
                     headers = response_headers(up.headers)
                     return web.Response(status=200, body=data, headers=headers)
                 content = up.content
@@ -336,7 +340,13 @@ class Gateway:
                             out: web.StreamResponse) -> web.StreamResponse:
         """The engine's SSE bytes after the queued notice; an engine error becomes an SSE error."""
         if up.status != 200:
-            raw = await up.content.read(65536)
+            raw = b""
+            content = up.content
+            try:
+                while len(raw) < 65536 and not content.at_eof():  # read() gives what arrived, not all
+                    raw += await content.read(65536 - len(raw))
+            except aiohttp.ClientPayloadError as exc:
+                return await self._upstream_failed(out, f"the engine broke off its answer: {exc}")
             try:
                 error = orjson.loads(raw)
                 if not isinstance(error, dict) or "error" not in error:

@@ -685,3 +685,162 @@ async def test_an_answer_before_the_whole_request_was_sent_closes_the_connection
         r.release()
         lease.end()
         assert not pool(ups).idle
+
+
+# --- found in review: never twice, never held by an unsent body, no stray errors ----------
+
+async def test_a_request_the_engine_worked_on_is_never_sent_again(ups, monkeypatch):
+    # The engine read the request, worked on it (a generation), then its connection closed
+    # with no answer (a crash, a killed worker): sending it again could run it twice.
+    monkeypatch.setattr(forward, "STALE_WINDOW", 0.1)
+
+    async def answer(req, writer):
+        if len(eng.requests) == 2:
+            await asyncio.sleep(0.3)  # working on it
+            return False              # then gone, no byte of an answer
+        await ok_answer(req, writer)
+    async with Engine(answer) as eng:
+        await fetch(ups, eng.url)
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await fetch(ups, eng.url, body=b'{"prompt": "expensive"}')
+        assert [r["body"] for r in eng.requests] == [b"{}", b'{"prompt": "expensive"}']  # once
+        assert eng.accepted == 1
+
+
+async def test_a_connection_idle_too_long_is_closed_not_reused(ups, monkeypatch):
+    # Engines close idle keep-alive connections after 5 s; one idle for IDLE_MAX (4 s)
+    # is not risked: it is closed and the request goes on a new one.
+    monkeypatch.setattr(forward, "IDLE_MAX", 0.1)
+    async with Engine() as eng:
+        await fetch(ups, eng.url)
+        assert (await fetch(ups, eng.url))[0] == 200
+        assert eng.accepted == 1  # reused while fresh
+        await asyncio.sleep(0.2)
+        assert (await fetch(ups, eng.url))[0] == 200
+        assert eng.accepted == 2
+        await wait_for(lambda: eng.closed_by_peer == 1 and eng.open == 1, what="the old one closed")
+        p = pool(ups)
+        assert p.size == len(p.conns) == len(p.idle) == 1
+
+
+async def test_hang_up_during_a_big_upload_resets_the_engine_connection(ups):
+    # The engine does not read the body (busy); the client hangs up. A plain close would wait
+    # for the 32 MiB to flush first: the slot stays taken, the engine never sees a close.
+    got_head = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        got_head.set()
+        await asyncio.sleep(3)  # busy: reads nothing for a while
+        try:
+            while await reader.read(2**20):
+                pass
+        except ConnectionError:
+            pass
+        closed.set()
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        t = asyncio.ensure_future(fetch(ups, url, body=b"z" * (32 * 2**20)))
+        await got_head.wait()
+        t.cancel()  # the client hangs up
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+        p = pool(ups)
+        await wait_for(lambda: p.size == 0 and not p.conns, timeout=1, what="slot back at once")
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        server.close()
+
+
+async def test_a_connection_lost_in_the_turn_it_was_handed_over_leaves_no_stray_error():
+    import gc
+    errors = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx["message"]))
+    ups = Upstreams(limit=1)
+    try:
+        async with Engine() as eng:
+            lease = ups.open(1, eng.url)
+            r = await lease.request("POST", "/v1/x", JSON, b"{}")
+            await r.read()
+            waiting = asyncio.ensure_future(fetch(ups, eng.url))
+            await wait_for(lambda: pool(ups).waiters)
+            conn = r._conn
+            r.release()             # handed to the waiter ...
+            conn.transport.close()  # ... and closed in the same turn
+            lease.end()
+            assert (await waiting)[0] == 200  # sent on a new connection
+            del conn, r
+            for _ in range(3):
+                gc.collect()
+                await asyncio.sleep(0.01)
+            assert errors == []  # no "Future exception was never retrieved"
+    finally:
+        await ups.close()
+        loop.set_exception_handler(None)
+
+
+class _Out:
+    """What _into_started writes to: the client's answer, already begun by the queued notice."""
+
+    def __init__(self):
+        self.data = b""
+
+    async def write(self, b):
+        self.data += b
+
+    async def write_eof(self):
+        self.data += b"<eof>"
+
+
+def _gateway():
+    from types import SimpleNamespace
+
+    from ondemand.gateway import Gateway
+    return SimpleNamespace(_upstream_failed=lambda started, why: Gateway._upstream_failed(None, started, why))
+
+
+async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
+    from ondemand.gateway import Gateway
+    err = b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
+
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(err), err[:20]))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(err[20:])
+        await writer.drain()
+    async with Engine(answer) as eng:
+        lease = ups.open(1, eng.url)
+        up = await lease.request("POST", "/v1/chat/completions", JSON, b"{}")
+        out = _Out()
+        try:
+            await Gateway._into_started(_gateway(), None, up, out)
+        finally:
+            up.release()
+            lease.end()
+    import orjson
+    assert out.data == b"data: " + orjson.dumps(orjson.loads(err)) + b"\n\ndata: [DONE]\n\n<eof>", out.data
+
+
+async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_error(ups):
+    from ondemand.gateway import Gateway
+
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+        return False
+    async with Engine(answer) as eng:
+        lease = ups.open(1, eng.url)
+        up = await lease.request("POST", "/v1/chat/completions", JSON, b"{}")
+        out = _Out()
+        try:
+            await Gateway._into_started(_gateway(), None, up, out)
+        finally:
+            up.release()
+            lease.end()
+    assert b'"ondemand_upstream_error"' in out.data and b"broke off" in out.data and out.data.endswith(b"<eof>")
