@@ -32,3 +32,16 @@ def fake_nvidia_smi(tmp_path, monkeypatch):
         tmp.replace(f)
         return str(FAKES / "nvidia-smi")
     return set_gpus
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """The event loops a test runs on: asyncio's, and uvloop too (the loop ondemand
+    serves on) for a module with ``LOOPS = ("asyncio", "uvloop")`` or a test marked
+    ``uvloop``: the forwarding paths, whose transports behave differently on the two."""
+    import asyncio
+
+    loops = {"asyncio": asyncio.new_event_loop}
+    if "uvloop" in getattr(item.module, "LOOPS", ()) or item.get_closest_marker("uvloop"):
+        import uvloop
+        loops["uvloop"] = uvloop.new_event_loop
+    return loops

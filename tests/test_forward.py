@@ -16,6 +16,12 @@ from helpers import wait_for
 JSON = CIMultiDict({"Content-Type": "application/json"})
 
 
+# Every test here runs on asyncio's loop and on uvloop, the one ondemand serves on: the
+# pool is a Protocol, and the two loops' transports differ in when they call it
+# (conftest.py's pytest_asyncio_loop_factories reads this).
+LOOPS = ("asyncio", "uvloop")
+
+
 class Engine:
     """An HTTP/1.1 engine double on loopback. ``answer(req, writer)`` writes the answer
     (an async function of the test's); it returns False to close the connection."""

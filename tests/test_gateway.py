@@ -39,6 +39,7 @@ async def http():
         yield s
 
 
+@pytest.mark.uvloop
 async def test_cold_start_then_forward(server, http):
     a = await server.add("a", 10, "--startup-delay", "0.3")
     async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
@@ -50,6 +51,7 @@ async def test_cold_start_then_forward(server, http):
     assert server.controller.status(a)["last_request_at"] is not None
 
 
+@pytest.mark.uvloop
 async def test_nothing_secret_reaches_the_engine(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -66,6 +68,7 @@ async def test_nothing_secret_reaches_the_engine(server, http):
     assert req["path"] == "/v1/chat/completions"
 
 
+@pytest.mark.uvloop
 async def test_stream_is_byte_for_byte_the_engines(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -82,6 +85,7 @@ async def test_stream_is_byte_for_byte_the_engines(server, http):
     assert via.endswith(b"data: [DONE]\n\n")
 
 
+@pytest.mark.uvloop
 async def test_engine_errors_pass_through_unchanged(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -302,6 +306,7 @@ async def test_queue_full(tmp_path, http):
         r.release()
 
 
+@pytest.mark.uvloop
 async def test_upstream_unreachable_is_502(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -334,6 +339,7 @@ def _queued_setup(server):
     return go
 
 
+@pytest.mark.uvloop
 async def test_streaming_chat_gets_the_queued_notice_then_the_engine(server, http):
     big, x, slot = await _queued_setup(server)()
     body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -382,6 +388,7 @@ async def test_no_notice_for_typed_streams_and_structured_output(tmp_path, http,
         slot.release()
 
 
+@pytest.mark.uvloop
 async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
     big, x, slot = await _queued_setup(server)()
     body = {"model": "X", "input": "hi", "stream": True}
@@ -399,6 +406,7 @@ async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
     ("completions", {"model": "X", "prompt": "hi"}, lambda b: b["choices"][0]["text"]),
     ("responses", {"model": "X", "input": "hi"}, lambda b: b["output"][0]["content"][0]["text"]),
 ])
+@pytest.mark.uvloop
 async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http, route, body, where):
     big, x, slot = await _queued_setup(server)()
     task = asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
@@ -425,6 +433,7 @@ async def test_structured_non_streaming_gets_no_notice(server, http):
     assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
 
 
+@pytest.mark.uvloop
 async def test_hang_up_while_waiting_releases_everything(server, http):
     a = await server.add("a", 10, "--startup-delay", "1")
     task = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
@@ -437,6 +446,7 @@ async def test_hang_up_while_waiting_releases_everything(server, http):
     assert server.controller.inflight(a) == 0
 
 
+@pytest.mark.uvloop
 async def test_hang_up_mid_stream_closes_the_engine_connection(server, http):
     a = await server.add("a", 10, "--token-delay", "0.1", "--tokens", "100")
     await server.deployer.restart(a)
@@ -455,6 +465,7 @@ async def test_hang_up_mid_stream_closes_the_engine_connection(server, http):
     await wait_for(engine_idle, what="engine saw the disconnect")
 
 
+@pytest.mark.uvloop
 async def test_hang_up_on_a_queued_stream_releases(server, http):
     big, x, slot = await _queued_setup(server)()
     body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -465,6 +476,7 @@ async def test_hang_up_on_a_queued_stream_releases(server, http):
     slot.release()
 
 
+@pytest.mark.uvloop
 async def test_engine_crash_mid_stream_is_not_a_clean_end(server, http):
     a = await server.add("a", 10, "--fail", "crash-mid-stream", "--token-delay", "0.05")
     body = {**CHAT, "stream": True}
@@ -475,6 +487,7 @@ async def test_engine_crash_mid_stream_is_not_a_clean_end(server, http):
     await wait_for(lambda: server.controller.inflight(a) == 0)
 
 
+@pytest.mark.uvloop
 async def test_a_client_per_deployment_closed_after_its_last_stream(server, http):
     a = await server.add("a", 10, "--token-delay", "0.05", "--tokens", "20")
     await server.deployer.restart(a)
@@ -520,6 +533,7 @@ async def test_auto_outside_docker_allows_nobody(tmp_path):
                 assert await err(r) == (404, "not_found")
 
 
+@pytest.mark.uvloop
 async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
     """Streaming requests that queued (acquire runs in a task of its own) hang up at random
     moments around the grant: every slot is released, nothing waits, nothing hangs."""
@@ -602,6 +616,7 @@ async def _connectable(port):
         return False
 
 
+@pytest.mark.uvloop
 async def test_slot_granted_at_the_moment_of_the_hang_up_is_released(server, http):
     """On the notice path acquire runs in a task of its own; when the grant and the
     hang-up land in the same turn of the loop, the handler never takes the slot, and
