@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import __version__, components, keys as keys_mod
+from . import __version__, components, keys as keys_mod, metrics
 from .budget import BudgetError
 from .config import Config
 from .deployer import StartFailed, StartInterrupted
@@ -238,6 +238,8 @@ async def create_deployment(request: web.Request) -> web.Response:
     deployer = app[app_mod.DEPLOYER]
     fields, start_now = validate_new(await _body(request), app[app_mod.CONFIG], deployer.all())
     dep = await deployer.create(fields, actor="admin", user=_user(request))
+    if metrics.blind(dep):
+        log.warning("%s: %s", dep["name"], metrics.BLIND_WARNING)
     if start_now:
         await _admit(deployer, dep["id"], request)
     return _json(app_mod.view(app, deployer.get(dep["id"])), status=201)

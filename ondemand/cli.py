@@ -385,6 +385,7 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
         body["idle_timeout_s"] = idle_timeout
     view = _call(ctx, "POST", "/deployments", body)
     _echo_json(view) if as_json else click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
+    _warn_if_blind(view)
 
 
 @deploy.command("list")
@@ -504,6 +505,13 @@ def mode_set(ctx: Ctx, dep_id: int, new_mode: str, idle_timeout: str | None, as_
     else:
         pending = f"; it stays {view['mode']} until it has started" if view.get("pending_mode") else ""
         click.echo(f"{view['name']}: {view['mode']}{pending}")
+    _warn_if_blind(view)
+
+
+def _warn_if_blind(view: dict[str, Any]) -> None:
+    from .metrics import BLIND_WARNING, blind
+    if blind(view):
+        click.echo(f"warning: {view['name']}: {BLIND_WARNING}", err=True)
 
 
 # --- sync ----------------------------------------------------------------------
@@ -626,9 +634,8 @@ async def _doctor(cfg: config_mod.Config) -> list[dict[str, Any]]:
                 rows = await store.deployments()
             finally:
                 await store.close()
-    blind = [d["name"] for d in rows or () if d.get("engine") == "llamacpp"
-             and (d.get("mode") or "always_on") == "on_demand"
-             and "--metrics" not in [*(d.get("command") or []), *(d.get("args") or [])]]
+    from .metrics import blind as is_blind
+    blind = [d["name"] for d in rows or () if is_blind(d)]
     if blind:
         add("engines", False, f"llama.cpp without --metrics: {', '.join(blind)}: without its request gauges "
                               "an engine is never seen idle, so it is never put to sleep; add --metrics")

@@ -59,6 +59,17 @@ def parse(text: str) -> tuple[float, float] | None:
     return (totals["running"], totals["waiting"]) if seen else None
 
 
+BLIND_WARNING = ("llama.cpp without --metrics has no request gauges: unless it turns them on another way "
+                 "(LLAMA_ARG_ENDPOINT_METRICS), it is never seen idle, so it is never put to sleep; add --metrics")
+
+
+def blind(dep: dict[str, Any]) -> bool:
+    """An on-demand llama.cpp deployment started without ``--metrics``: the sampler
+    cannot read its load, and the idle rule needs it (design document)."""
+    return (dep.get("engine") == "llamacpp" and (dep.get("mode") or "always_on") == "on_demand"
+            and not dep.get("pending_mode") and "--metrics" not in [*(dep.get("command") or []), *(dep.get("args") or [])])
+
+
 class MetricsSampler:
     def __init__(self, targets: Callable[[], list[tuple[int, str]]], *, interval_s: float = 10.0,
                  max_age_s: float = 60.0, clock: Callable[[], float] = time.monotonic):

@@ -205,6 +205,24 @@ async def test_doctor_flags_llamacpp_without_metrics(tmp_path):
         assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
 
 
+async def test_adding_or_switching_llamacpp_without_metrics_warns(tmp_path):
+    async with run_app(tmp_path) as server:
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        rc, out, err = await cli("deploy", "add", "blind", "--engine", "llamacpp", "--mode", "on_demand",
+                                 "--command", "llama-server --port {port}", config=cfg)
+        assert rc == 0 and "created blind" in out
+        assert err.startswith("warning: blind: llama.cpp without --metrics") and "never put to sleep" in err
+        rc, out, err = await cli("deploy", "add", "seen", "--engine", "llamacpp", "--mode", "on_demand",
+                                 "--command", "llama-server --metrics --port {port}", config=cfg)
+        assert rc == 0 and err == ""
+        rc, out, err = await cli("deploy", "add", "later", "--engine", "llamacpp", "--no-start",
+                                 "--command", "llama-server --port {port}", config=cfg)
+        assert rc == 0 and err == ""  # always on: nothing to put to sleep
+        later = server.deployer.all()[-1]["id"]
+        rc, out, err = await cli("mode", "set", str(later), "on_demand", config=cfg)
+        assert rc == 0 and "warning: later:" in err
+
+
 def test_every_command_says_what_it_does():
     import click
 
