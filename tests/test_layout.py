@@ -20,7 +20,7 @@ ALLOWED = {
     "litellm": {"errors"},
     "components": {"config", "controller", "deployer", "events", "gateway", "keys", "litellm", "metrics", "peers",
                    "store", "tasks"},
-    "admin": {"components", "keys", "budget", "config", "deployer", "errors"},
+    "admin": {"components", "keys", "budget", "config", "deployer", "errors", "metrics"},
     "simengine": set(),
 }
 
