@@ -52,12 +52,11 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def _http_error(exc: web.HTTPException) -> web.Response:
     code = _HTTP_CODES.get(exc.status, exc.reason.lower().replace(" ", "_"))
-    message = {413: "The request body is larger than 16 MiB"}.get(exc.status, exc.text or exc.reason)
-    if exc.status == 405:
-        message = f"{exc.reason}; allowed: {exc.headers.get('Allow', '')}"
-    err = OndemandError(exc.status, code, message.removeprefix(f"{exc.status}: "))
-    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-    return web.Response(status=exc.status, body=err.body(), content_type=_JSON, headers=headers)
+    allow = exc.headers.get("Allow")
+    message = {405: f"{exc.reason}; allowed: {allow}", 413: "The request body is larger than 16 MiB"}
+    err = OndemandError(exc.status, code, message.get(exc.status, exc.reason))
+    return web.Response(status=exc.status, body=err.body(), content_type=_JSON,
+                        headers={"Allow": allow} if allow else None)
 
 
 def auth_middleware(cfg: Config):
@@ -68,15 +67,8 @@ def auth_middleware(cfg: Config):
     async def admin_auth(request: web.Request, handler):
         if request.path.startswith(gateway):
             return await handler(request)  # the gateway answers its own errors
-        if not request.path.startswith(api):
-            # The UI page itself is static and holds no data: it asks for the token.
-            try:
-                return await handler(request)
-            except web.HTTPException as exc:
-                if exc.status < 400:
-                    raise
-                return _http_error(exc)
-        if not _is_unix(request):
+        # The UI page itself is static and holds no data: it asks for the token.
+        if request.path.startswith(api) and not _is_unix(request):
             token = keys_mod.read_key_file(cfg.token_file)
             auth = request.headers.get("Authorization", "")
             presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""

@@ -634,11 +634,10 @@ async def _doctor(cfg: config_mod.Config) -> list[dict[str, Any]]:
                 rows = await store.deployments()
             finally:
                 await store.close()
-    from .metrics import blind as is_blind
+    from .metrics import BLIND_WARNING, blind as is_blind
     blind = [d["name"] for d in rows or () if is_blind(d)]
     if blind:
-        add("engines", False, f"llama.cpp without --metrics: {', '.join(blind)}: without its request gauges "
-                              "an engine is never seen idle, so it is never put to sleep; add --metrics")
+        add("engines", False, f"{', '.join(blind)}: {BLIND_WARNING}")
     elif rows is not None:
         add("engines", True, f"{len(rows)} deployments; every on-demand engine can report its load")
     # listener and admin socket

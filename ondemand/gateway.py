@@ -216,7 +216,7 @@ class Gateway:
                 parsed = orjson.loads(body)
             except orjson.JSONDecodeError:
                 raise _err(400, "invalid_json", "The request body is not valid JSON") from None
-            if parsed is not None and not isinstance(parsed, dict):
+            if not isinstance(parsed, dict):  # null too: every JSON route takes an object
                 raise _err(400, "invalid_json", "The request body must be a JSON object")
         if not on_demand:
             return await self._forward(request, dep, segs, body, route)

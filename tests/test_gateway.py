@@ -248,7 +248,7 @@ async def test_a_defect_of_ours_is_a_json_500_and_leaves_no_trace(server, http, 
         assert r.status == 200  # and the gateway goes on serving
 
 
-@pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b"", None])
+@pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b"null", b"", None])
 async def test_invalid_json_starts_nothing(server, http, body):
     a = await server.add("a")
     async with http.post(server.gw(a, "chat/completions"), data=body,
