@@ -20,10 +20,11 @@ import orjson
 from aiohttp import web
 
 from . import __version__, components, keys as keys_mod, metrics
-from .budget import BudgetError
 from .config import Config
 from .deployer import StartFailed, StartInterrupted
-from .errors import DeployerError, InsufficientMemory, OndemandError
+from .errors import BudgetError, DeployerError, InsufficientMemory, OndemandError
+from .events import ViewPublished
+from .model import State
 
 log = logging.getLogger("ondemand.admin")
 
@@ -242,6 +243,9 @@ async def _admit(deployer, dep_id: int, request: web.Request) -> None:
         await deployer.admit_start(dep_id, actor="admin", user=_user(request), text="started by an administrator")
     except InsufficientMemory as exc:
         raise OndemandError(409, "insufficient_memory", f"it does not fit now: {exc}") from exc
+    except BudgetError as exc:
+        raise OndemandError(503, "budget_unavailable", f"the GPU memory budget cannot be read: {exc}",
+                            headers={"Retry-After": "10"}) from exc
     except DeployerError as exc:
         raise OndemandError(409, "invalid_state", str(exc)) from exc
 
@@ -267,7 +271,7 @@ async def set_mode(request: web.Request) -> web.Response:
     if "idle_timeout_s" in data and idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)):
         raise _field_error("idle_timeout_s", "null or whole seconds")
     try:
-        await app[app_mod.CONTROLLER].set_mode(dep_id, mode, idle_timeout_s=idle,
+        await app[app_mod.ADMISSION].set_mode(dep_id, mode, idle_timeout_s=idle,
                                                set_idle_timeout="idle_timeout_s" in data, user=_user(request))
     except OndemandError as err:
         if err.code == "invalid_idle_timeout":
@@ -286,12 +290,11 @@ async def action(request: web.Request) -> web.Response:
     user = _user(request)
     try:
         if verb == "start":
-            dep = deployer.get(dep_id)
-            if dep["state"] == "asleep":
+            if deployer.get(dep_id).state is State.ASLEEP:
                 raise OndemandError(409, "invalid_state", "it is asleep: use wake")
             await _admit(deployer, dep_id, request)
         elif verb == "wake":
-            if deployer.get(dep_id)["state"] != "asleep":
+            if deployer.get(dep_id).state is not State.ASLEEP:
                 raise OndemandError(409, "invalid_state", "it is not asleep")
             await _admit(deployer, dep_id, request)
         elif verb == "stop":
@@ -317,16 +320,16 @@ async def events(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     bus = app[app_mod.BUS]
-    with bus.subscribe() as queue:
+    with bus.stream(ViewPublished) as queue:
         for dep in app[app_mod.DEPLOYER].all():  # the current views first
             await resp.write(b"event: deployment\ndata: " + orjson.dumps(app_mod.view(app, dep)) + b"\n\n")
         while True:
             try:
-                kind, data = await asyncio.wait_for(queue.get(), 15)
+                event = await asyncio.wait_for(queue.get(), 15)
             except asyncio.TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue
-            await resp.write(f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n")
+            await resp.write(b"event: deployment\ndata: " + orjson.dumps(event.view) + b"\n\n")
 
 
 async def audit(request: web.Request) -> web.Response:

@@ -26,26 +26,25 @@ from .backends import Backend
 from .backends.process import ProcessBackend
 from .budget import Budget
 from .config import Config
+from .admission import Admission
 from .controller import Controller
 from .deployer import Deployer
-from .events import EventBus
+from .effects import DeployerEffects
+from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
 from .forward import Upstreams
 from .gateway import MAX_BODY, Gateway
 from .litellm import LiteLLMClient, LiteLLMSync
 from .metrics import MetricsSampler
+from .model import SYNC_STATES, State
 from .peers import PeerGuard, PeerPolicySource
 from .ratelimit import FailureLimiter
 from .reaper import Reaper
 from .store import Store
 from .tasks import TaskGroup
-from .components import (BUS, CONFIG, CONTROLLER, DEPLOYER, GATEWAY, KEYS, PEERS, SAMPLER, STARTED_AT, STORE,
-                         SYNC, TASKS, view)
+from .components import (ADMISSION, BUS, CONFIG, CONTROLLER, DEPLOYER, EFFECTS, GATEWAY, KEYS, PEERS, POLICY,
+                         SAMPLER, STARTED_AT, STORE, SYNC, TASKS, view)
 
 log = logging.getLogger("ondemand.app")
-
-# Deployment states whose entry or exit changes what LiteLLM should list.
-_SYNC_STATES = frozenset({"ready", "failed", "planned"})
-
 
 class StartupError(Exception):
     """The server cannot start; the message says why and what to do."""
@@ -96,115 +95,16 @@ def _ensure_token(path: Path) -> str:
 
 
 def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application:
+    """The application: routes and middlewares now (aiohttp freezes them), the
+    components in the cleanup contexts below, in start-up order."""
     from . import admin  # the admin API's routes
 
     app = web.Application(client_max_size=MAX_BODY + 1, handler_args={"max_field_size": 65536})
     app[CONFIG] = cfg
     app[BUS] = EventBus()
     app[STARTED_AT] = time.time()
-
-    async def state(app: web.Application) -> AsyncIterator[None]:
-        lock = lock_state_dir(cfg.state_dir)  # first: before anything touches engines or the file
-        try:
-            app[STORE] = await Store.open(cfg.db_path)
-            yield
-            await app[STORE].close()
-        finally:
-            os.close(lock)
-
-    async def engines(app: web.Application) -> AsyncIterator[None]:
-        deployer = Deployer(app[STORE], backend or make_backend(cfg), Budget.from_config(cfg),
-                            start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s)
-        app[DEPLOYER] = deployer
-        app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in(("ready", "asleep")),
-                                      interval_s=cfg.metrics_interval_s)
-        await deployer.load()
-        yield
-        await deployer.close(stop_engines=deployer.backend.kind == "process")
-        await app[SAMPLER].close()
-
-    async def control(app: web.Application) -> AsyncIterator[None]:
-        bus = app[BUS]
-        deployer = app[DEPLOYER]
-
-        def publish(dep_id: int) -> None:
-            dep = deployer.get(dep_id)
-            bus.publish(view(app, dep) if dep is not None else {"id": dep_id, "removed": True})
-
-        app[CONTROLLER] = Controller(
-            deployer, deployer.budget, app[SAMPLER], queue_timeout_s=cfg.ondemand_queue_timeout_s,
-            max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
-            min_idle_timeout_s=cfg.min_idle_timeout_s, on_counters=publish)
-        deployer.listeners.append(lambda dep_id, dep, old: publish(dep_id))
-        yield
-        await app[CONTROLLER].close()
-
-    async def gateway(app: web.Application) -> AsyncIterator[None]:
-        watcher = keys_mod.KeyWatcher(cfg.key_file)
-        limiter = FailureLimiter()
-        watcher.on_change.append(limiter.clear)  # design: failed-attempt counts cleared at rotation
-        watcher.current()
-        app[KEYS] = watcher
-        upstreams = Upstreams()
-        app[DEPLOYER].listeners.append(lambda dep_id, dep, old: dep is None and upstreams.forget(dep_id))
-        app[GATEWAY] = Gateway(controller=app[CONTROLLER], deployer=app[DEPLOYER], keys=watcher,
-                               limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
-        yield
-        await upstreams.close()
-
-    async def litellm(app: web.Application) -> AsyncIterator[None]:
-        client = None
-        if cfg.litellm.url:
-            master = keys_mod.read_key_file(cfg.litellm.master_key_file) if cfg.litellm.master_key_file else None
-            if master is None:
-                log.warning("litellm.url is set but litellm.master_key_file holds no key: the sync is disabled")
-            else:
-                client = LiteLLMClient(cfg.litellm.url, master)
-        deployer = app[DEPLOYER]
-
-        async def deployments() -> list[dict[str, Any]]:
-            return [dict(d) for d in deployer.all()]
-
-        sync = LiteLLMSync(client=client, internal_url=cfg.internal_url.rstrip("/"),
-                           queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
-                           current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
-        app[SYNC] = sync
-
-        def on_deployment(dep_id: int, dep: dict | None, old: str | None) -> None:
-            if dep is None or old is None or (old != dep["state"] and (old in _SYNC_STATES or dep["state"] in _SYNC_STATES)):
-                sync.trigger()
-
-        deployer.listeners.append(on_deployment)
-        mode_seen: dict[int, Any] = {d["id"]: d.get("mode") for d in deployer.all()}
-
-        def on_mode(dep_id: int, dep: dict | None, old: str | None) -> None:
-            if dep is not None and mode_seen.get(dep_id) != dep.get("mode"):
-                mode_seen[dep_id] = dep.get("mode")
-                sync.trigger()
-
-        deployer.listeners.append(on_mode)
-        app[KEYS].on_change.append(sync.trigger)
-        yield
-        await sync.close()
-
-    async def background(app: web.Application) -> AsyncIterator[None]:
-        tasks = app[TASKS] = TaskGroup("app")
-        peers = app[PEERS] = PeerPolicySource(cfg.ondemand_allowed_cidrs, decider_network=cfg.decider_network,
-                                              container_id_hint=socket.gethostname(),
-                                              docker_url=cfg.deployer.docker_url)
-        holder.source = peers
-        await peers.refresh()
-        tasks.spawn(peers.run(30.0, refresh_first=False), "peer policy")  # refreshed just above
-        tasks.spawn(app[SAMPLER].run(), "metrics sampler")
-        tasks.spawn(Reaper(app[CONTROLLER], cfg.reap_interval_s).run(), "reaper")
-        tasks.spawn(app[SYNC].run(), "litellm sync")
-        tasks.spawn(_watch_key(app[KEYS]), "key watcher")
-        yield
-        await tasks.close()
-
-    # Routes and middlewares exist before start-up (aiohttp freezes them); the
-    # objects behind them are made by the cleanup contexts.
     holder = _PolicyHolder()
+    app[POLICY] = holder
     app.middlewares.append(PeerGuard(holder, cfg.base_path + "/ondemand"))
     app.middlewares.append(admin.auth_middleware(cfg))
 
@@ -215,8 +115,133 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     app.router.add_route("*", prefix, gateway_route)
     app.router.add_route("*", prefix + "/{tail:.*}", gateway_route)
     admin.add_routes(app, cfg.base_path)
-    app.cleanup_ctx.extend([state, engines, control, gateway, litellm, background])
+
+    async def engines(app: web.Application) -> AsyncIterator[None]:
+        async for _ in _engines(app, backend):
+            yield
+
+    app.cleanup_ctx.extend([_state, engines, _control, _gateway, _litellm, _views, _background])
     return app
+
+
+async def _state(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    lock = lock_state_dir(cfg.state_dir)  # first: before anything touches engines or the file
+    try:
+        app[STORE] = await Store.open(cfg.db_path)
+        yield
+        await app[STORE].close()
+    finally:
+        os.close(lock)
+
+
+async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    deployer = Deployer(app[STORE], backend or make_backend(cfg), Budget.from_config(cfg), publish=app[BUS].publish,
+                        start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s)
+    app[DEPLOYER] = deployer
+    app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in((State.READY, State.ASLEEP)),
+                                  interval_s=cfg.metrics_interval_s)
+    await deployer.load()
+    yield
+    await deployer.close(stop_engines=deployer.backend.kind == "process")
+    await app[SAMPLER].close()
+
+
+async def _control(app: web.Application) -> AsyncIterator[None]:
+    cfg, bus, deployer = app[CONFIG], app[BUS], app[DEPLOYER]
+    effects = app[EFFECTS] = DeployerEffects(deployer, deployer.budget, app[SAMPLER], publish=bus.publish)
+    controller = app[CONTROLLER] = Controller(
+        effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
+        max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
+        min_idle_timeout_s=cfg.min_idle_timeout_s)
+    effects.bind(controller)
+    app[ADMISSION] = Admission(controller, deployer)
+    bus.subscribe(DeploymentChanged, lambda e: controller.on_deployment(e.dep_id, e.dep, e.old))
+    yield
+    controller.close()
+    await effects.close()
+
+
+async def _gateway(app: web.Application) -> AsyncIterator[None]:
+    cfg, bus = app[CONFIG], app[BUS]
+    watcher = app[KEYS] = keys_mod.KeyWatcher(cfg.key_file, publish=bus.publish)
+    limiter = FailureLimiter()
+    bus.subscribe(KeyRotated, lambda e: limiter.clear())  # failed-attempt counts cleared at rotation
+    watcher.current()
+    upstreams = Upstreams()
+    bus.subscribe(DeploymentChanged, lambda e: e.removed and upstreams.forget(e.dep_id))
+    app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
+                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
+    yield
+    await upstreams.close()
+
+
+def _litellm_client(cfg: Config) -> LiteLLMClient | None:
+    if not cfg.litellm.url:
+        return None
+    master = keys_mod.read_key_file(cfg.litellm.master_key_file) if cfg.litellm.master_key_file else None
+    if master is None:
+        log.warning("litellm.url is set but litellm.master_key_file holds no key: the sync is disabled")
+        return None
+    return LiteLLMClient(cfg.litellm.url, master)
+
+
+def _sync_needed(e: DeploymentChanged) -> bool:
+    """A change that changes what LiteLLM should list: created, removed, a mode change,
+    or entering or leaving ready, failed or planned."""
+    if e.dep is None or e.old is None:
+        return True
+    if e.old.mode is not e.dep.mode:
+        return True
+    return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
+
+
+async def _litellm(app: web.Application) -> AsyncIterator[None]:
+    cfg, bus, deployer = app[CONFIG], app[BUS], app[DEPLOYER]
+
+    async def deployments() -> list[dict[str, Any]]:
+        return [d.as_dict() for d in deployer.all()]
+
+    sync = app[SYNC] = LiteLLMSync(
+        client=_litellm_client(cfg), internal_url=cfg.internal_url.rstrip("/"),
+        queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
+        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
+    bus.subscribe(DeploymentChanged, lambda e: _sync_needed(e) and sync.trigger())
+    bus.subscribe(KeyRotated, lambda e: sync.trigger())
+    yield
+    await sync.close()
+
+
+async def _views(app: web.Application) -> AsyncIterator[None]:
+    """Deployment views for the admin API's event stream: on every change of a
+    deployment, and on the controller's (throttled) counter changes."""
+    bus, deployer = app[BUS], app[DEPLOYER]
+
+    def publish(dep_id: int) -> None:
+        dep = deployer.get(dep_id)
+        bus.publish(ViewPublished(view(app, dep) if dep is not None else {"id": dep_id, "removed": True}))
+
+    bus.subscribe(DeploymentChanged, lambda e: publish(e.dep_id))
+    bus.subscribe(CountersChanged, lambda e: publish(e.dep_id))
+    yield
+
+
+async def _background(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    tasks = app[TASKS] = TaskGroup("app")
+    peers = app[PEERS] = PeerPolicySource(cfg.ondemand_allowed_cidrs, decider_network=cfg.decider_network,
+                                          container_id_hint=socket.gethostname(),
+                                          docker_url=cfg.deployer.docker_url)
+    app[POLICY].source = peers
+    await peers.refresh()
+    tasks.spawn(peers.run(30.0, refresh_first=False), "peer policy")  # refreshed just above
+    tasks.spawn(app[SAMPLER].run(), "metrics sampler")
+    tasks.spawn(Reaper(app[CONTROLLER], cfg.reap_interval_s).run(), "reaper")
+    tasks.spawn(app[SYNC].run(), "litellm sync")
+    tasks.spawn(_watch_key(app[KEYS]), "key watcher")
+    yield
+    await tasks.close()
 
 
 class _PolicyHolder:

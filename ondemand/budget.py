@@ -19,21 +19,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from .errors import InsufficientMemory
+from .errors import BudgetError, InsufficientMemory
+from .model import HOLDING, Deployment, Mode, Role, State
 
 log = logging.getLogger("ondemand.budget")
 
 GIB = 1024 ** 3
 MIB_PER_GIB = 1024
 
-# States in which an engine holds (or is about to hold) its memory.
-HOLDING = frozenset({"starting", "ready", "asleep", "stopping"})
+if TYPE_CHECKING:
+    from .config import Config
 
-
-class BudgetError(Exception):
-    """The source could not be read (nvidia-smi missing or failing ...)."""
+__all__ = ["Budget", "BudgetError", "Reading", "Snapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +46,27 @@ class Snapshot:
         return {k: round(v, 3) for k, v in dataclasses.asdict(self).items()}
 
 
-def _declared(deps: Iterable[dict[str, Any]], states=HOLDING, exclude: int | None = None) -> float:
-    return sum(float(d.get("memory_gib") or 0) for d in deps
-               if d["state"] in states and d["id"] != exclude)
+def _declared(deps: Iterable[Deployment], counted: Callable[[Deployment], bool], exclude: int | None) -> float:
+    return sum(d.memory_gib for d in deps if d.id != exclude and counted(d))
 
 
-def _always_on_held(deps: Iterable[dict[str, Any]]) -> float:
-    return sum(float(d.get("memory_gib") or 0) for d in deps
-               if d["state"] in HOLDING and ((d.get("mode") or "always_on") == "always_on" or d["role"] != "model"))
+def _always_on_held(deps: Iterable[Deployment]) -> float:
+    return sum(d.memory_gib for d in deps
+               if d.state in HOLDING and (d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """One measurement, and which deployments were starting when it was taken.
+
+    A loading engine has not allocated yet, so what it declared counts on top
+    of the measurement: both for the ones starting at the reading and for the
+    ones starting at the decision. One that went from starting to ready in
+    between is counted by what it declared (the measurement missed it), so a
+    check made with an older reading is never optimistic, and needs no lock."""
+    total: float | None  # GiB; None: the static source (nothing measured)
+    used: float | None
+    starting: frozenset[int] = frozenset()
 
 
 class Budget:
@@ -66,7 +78,7 @@ class Budget:
         self.meminfo_path = meminfo_path
 
     @classmethod
-    def from_config(cls, cfg) -> "Budget":
+    def from_config(cls, cfg: Config) -> Budget:
         b = cfg.budget
         return cls(b.source, b.capacity_gib, nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path)
 
@@ -120,25 +132,39 @@ class Budget:
             raise BudgetError(f"{self.meminfo_path} has no MemTotal/MemAvailable")
         return fields["MemTotal"] / GIB, (fields["MemTotal"] - fields["MemAvailable"]) / GIB
 
-    async def snapshot(self, deps: list[dict[str, Any]], exclude: int | None = None) -> Snapshot:
-        """The budget now. ``exclude``: a deployment whose own holding does not
-        count against itself (waking an asleep one)."""
+    async def read(self, deps: Iterable[Deployment]) -> Reading:
+        """Measure (the only await of the budget); raises BudgetError."""
+        starting = frozenset(d.id for d in deps if d.state is State.STARTING)
         measured = await self.measure()
         if measured is None:
+            return Reading(None, None, starting)
+        return Reading(measured[0], measured[1], starting)
+
+    def snapshot_of(self, reading: Reading, deps: list[Deployment], exclude: int | None = None,
+                    held_for_others: float = 0.0) -> Snapshot:
+        """The budget from ``reading`` and the deployments as they are now (no await).
+        ``exclude``: a deployment whose own holding does not count against itself
+        (waking an asleep one); ``held_for_others``: memory the queue reserves for
+        its head, not free for anyone else."""
+        if reading.total is None or reading.used is None:
             capacity = float(self.capacity_gib or 0)
-            used = _declared(deps, exclude=exclude)
+            used = _declared(deps, lambda d: d.state in HOLDING, exclude)
         else:
-            total, used_measured = measured
-            capacity = min(total, self.capacity_gib) if self.capacity_gib else total
-            # A loading engine has not allocated yet: count what it declared.
-            used = used_measured + _declared(deps, states={"starting"}, exclude=exclude)
-        free = max(0.0, capacity - used)
+            capacity = min(reading.total, self.capacity_gib) if self.capacity_gib else reading.total
+            used = reading.used + _declared(
+                deps, lambda d: d.state is State.STARTING or d.id in reading.starting, exclude)
+        free = max(0.0, capacity - used - held_for_others)
         return Snapshot(capacity, used, free, max(0.0, capacity - _always_on_held(deps)))
 
-    async def fit(self, dep: dict[str, Any], deps: list[dict[str, Any]]) -> Snapshot:
-        """Raise InsufficientMemory unless ``dep`` fits now."""
-        snap = await self.snapshot(deps, exclude=dep["id"])
-        need = float(dep.get("memory_gib") or 0)
-        if need > snap.free + 1e-9:
-            raise InsufficientMemory(need, snap.free, snap.ondemand_capacity)
+    async def snapshot(self, deps: list[Deployment], exclude: int | None = None) -> Snapshot:
+        """The budget now (reads it; for views and the wait for freed memory)."""
+        return self.snapshot_of(await self.read(deps), deps, exclude)
+
+    def check_fit(self, dep: Deployment, deps: list[Deployment], reading: Reading,
+                  held_for_others: float = 0.0) -> Snapshot:
+        """Raise InsufficientMemory unless ``dep`` fits (no await: the deployer
+        marks it starting in the same step)."""
+        snap = self.snapshot_of(reading, deps, exclude=dep.id, held_for_others=held_for_others)
+        if dep.memory_gib > snap.free + 1e-9:
+            raise InsufficientMemory(dep.memory_gib, snap.free, snap.ondemand_capacity)
         return snap

@@ -3,13 +3,17 @@ the deployment view built from them. ``app`` fills them in; the admin API and
 the publishers read them. Imports only the component types."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
+
+from .model import Deployment
 
 from aiohttp import web
 
 from .config import Config
+from .admission import Admission
 from .controller import Controller
 from .deployer import Deployer
+from .effects import DeployerEffects
 from .events import EventBus
 from .gateway import Gateway
 from .keys import KeyWatcher
@@ -23,6 +27,8 @@ STORE = web.AppKey("store", Store)
 BUS = web.AppKey("bus", EventBus)
 DEPLOYER = web.AppKey("deployer", Deployer)
 CONTROLLER = web.AppKey("controller", Controller)
+ADMISSION = web.AppKey("admission", Admission)
+EFFECTS = web.AppKey("effects", DeployerEffects)
 SAMPLER = web.AppKey("sampler", MetricsSampler)
 KEYS = web.AppKey("keys", KeyWatcher)
 SYNC = web.AppKey("sync", LiteLLMSync)
@@ -33,12 +39,21 @@ STARTED_AT = web.AppKey("started_at", float)
 TASKS = web.AppKey("tasks", TaskGroup)
 
 
+class PolicyHolder(Protocol):
+    """What the peer guard asks: set to the live policy source once it has read one."""
+    source: PeerPolicySource | None
 
-def view(app: web.Application, dep: dict[str, Any]) -> dict[str, Any]:
+    def allows(self, ip: str) -> bool: ...
+
+
+POLICY = web.AppKey("policy", PolicyHolder)
+
+
+
+def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
-    out = dict(dep)
-    dep_id = dep["id"]
-    out["mode"] = dep.get("mode") or "always_on"
+    out = dep.as_dict()
+    dep_id = dep.id
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
     out["ondemand"] = app[CONTROLLER].status(dep_id)
     sync = app.get(SYNC)

@@ -1,65 +1,106 @@
-"""The controller: slots, the wait queue, make-room decisions, start failures,
-mode switches and the live counters of on-demand deployments.
+"""The controller's decision core: slots, waiters, the wait queue, make-room,
+start failures, mode switches, the idle rule and the live counters.
 
-It owns in memory (nothing is persisted; design document, "Nothing is
-persisted"): per-deployment in-flight counts, idle timers, the waiters and
-the queue. It drives the deployer, which owns the states.
+Every method here is a plain ``def``: no await, no I/O. On one event loop a
+method without an await is atomic, so the core needs no lock: each decision
+reads the in-memory state and acts on it in one step. What it decides is
+done through ``Effects`` (start, stop, wait for memory, audit, publish,
+timers), one narrow interface: the real one (``effects.py``) runs each
+effect as a named task and reports the result back by calling one of the
+``on_*`` methods below, which decide the next step. Tests drive the same
+methods with a fake clock and a recording fake of ``Effects``.
 
-How a request gets a slot (``acquire``): ready → a slot at once, counted
-only when the waiter takes it (no await between the state read and the
-count). Otherwise the request becomes a waiter of its deployment and loops:
-it kicks the deployment's *attempt* if none runs, then sleeps until a change
-(state change, removal, queue change), its own verdict, or at most 15 s.
-An attempt is a task of its own, one per deployment, shared by all its
-waiters, so a burst of first requests starts the model once, and a waiter
-that hangs up never cancels a deployer call half-way. Its decisions (start,
-make room, queue) run under ``_lock``, the one controller lock, so two
-attempts never pick the same victims or count the same free memory twice.
+Per deployment with waiters, one *attempt* moves through phases:
 
-Invariants:
-- a slot is handed out only for state ``ready``, synchronously;
-- a stop is approved only by ``is_idle`` run inside ``deployer.stop``'s
-  precheck, which marks ``stopping`` before any await; so a slot and a stop
-  never interleave (design document, "Never stopping a busy model");
-- every waiter leaves in its ``finally``, so counts never drift, and the
-  queue entry of a deployment nobody waits for is removed at once.
+    idle ──admit──▶ admitting ──refused, head, victims──▶ stopping victims
+      ▲                 │ started                              │ freed
+      │                 ▼                                      ▼
+      └──────────── (the start runs; ready / failed      settling (memory
+                     / stopped arrive as changes)         to show as free)
+
+At most one effect of an attempt is out at a time, so a burst of first
+requests starts the model once, and a waiter that hangs up never cancels an
+effect half-way (its task is not the waiter's).
+
+Invariants (each has a test that races it):
+- a slot is counted only when a waiter takes it, for state ``ready``, in the
+  same step as the read (``take``);
+- a stop by the controller goes through the deployer with ``is_idle`` as its
+  precheck, run in the same step as marking ``stopping``: a slot and a stop
+  never interleave;
+- a start is asked for only while someone waits, and the deployer asks again
+  (``wanted``) in the step that marks ``starting``;
+- only the head of the queue makes room; memory freed for it is held for it
+  until it starts or gives up;
+- every waiter leaves through ``leave``: counts never drift, and the queue
+  entry of a deployment nobody waits for goes at once, its hold with it.
+Nothing is persisted: after a restart every deployment waits a full idle
+timeout.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import enum
 import logging
 import math
-import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from .budget import Budget
-from .deployer import Deployer, StartFailed, StartInterrupted
-from .errors import DeployerError, InsufficientMemory, OndemandError
+from .errors import InsufficientMemory, OndemandError
 from .eviction import Candidate, pick_victims
-from .metrics import MetricsSampler
+from .model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, Mode, Role, State
 from .queue import WaitQueue
-from .tasks import TaskGroup
 
 log = logging.getLogger("ondemand.controller")
 
 ACTOR = "ondemand"
-STARTABLE = frozenset({"stopped", "failed", "asleep"})
-SLEEPING = frozenset({"stopped", "asleep", "stopping", "planned"})
 BACKOFF_FIRST_S = 60.0
 BACKOFF_MAX_S = 900.0
 
 
-def _err_stopped(name: str) -> OndemandError:
-    return OndemandError(503, "ondemand_stopped",
-                         f"{name} was stopped while it was starting for this request; send it again to start it")
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Effects(Protocol):
+    """The core's whole window onto the world: reads of the deployer's state, and
+    actions that run in the background and report back through ``on_*``."""
+
+    def deployment(self, dep_id: int) -> Deployment | None: ...
+
+    def deployments(self) -> list[Deployment]: ...
+
+    def engine_idle(self, dep_id: int) -> bool:
+        """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
+
+    def admit(self, dep_id: int, *, held_for_others: float, text: str) -> None:
+        """Fit check and start; reports ``on_admitted``, ``on_refused``, ``on_budget_error``
+        or ``on_start_error``."""
+
+    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
+
+    def settle(self, dep_id: int, need: float, within_s: float) -> None:
+        """Wait until ``need`` GiB reads as free, or ``within_s``; reports ``on_settled``."""
+
+    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None: ...
+
+    def counters_changed(self, dep_id: int) -> None: ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer: ...
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ADMITTING = "admitting"
+    STOPPING = "stopping victims"
+    SETTLING = "settling"
 
 
 class Slot:
     """A granted slot; ``release()`` is idempotent, so a double release cannot drift the count."""
     __slots__ = ("_controller", "dep_id", "_released")
 
-    def __init__(self, controller: "Controller", dep_id: int):
+    def __init__(self, controller: Controller, dep_id: int):
         self._controller = controller
         self.dep_id = dep_id
         self._released = False
@@ -67,32 +108,39 @@ class Slot:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._controller._release(self.dep_id)
+            self._controller.release(self.dep_id)
 
-    async def __aenter__(self) -> "Slot":
+    async def __aenter__(self) -> Slot:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.release()
 
 
-class _Waiter:
-    __slots__ = ("dep_id", "arrival", "deadline", "on_queued", "notified", "verdict")
+class Waiter:
+    """One request waiting for a slot. ``notify`` wakes its task (set by whoever waits)."""
+    __slots__ = ("dep_id", "arrival", "deadline", "on_queued", "notify", "notified", "verdict")
 
-    def __init__(self, dep_id: int, arrival: float, deadline: float, on_queued, verdict: asyncio.Future):
+    def __init__(self, dep_id: int, arrival: float, deadline: float,
+                 on_queued: Callable[[], None] | None, notify: Callable[[], None]):
         self.dep_id = dep_id
         self.arrival = arrival
         self.deadline = deadline
         self.on_queued = on_queued
-        self.notified = False
-        self.verdict = verdict  # resolved with an OndemandError for this waiter
+        self.notify = notify
+        self.notified = False  # the queued notice went out
+        self.verdict: OndemandError | None = None
 
 
 @dataclasses.dataclass
 class _DepWait:
-    waiters: list[_Waiter] = dataclasses.field(default_factory=list)
-    attempt: asyncio.Task | None = None
+    waiters: list[Waiter] = dataclasses.field(default_factory=list)
+    phase: Phase = Phase.IDLE
     starting_for_request: bool = False
+    stopped_victim: bool = False  # this attempt stopped a victim: no does_not_fit now
+    victims: set[int] = dataclasses.field(default_factory=set)  # stops out for this attempt
+    freed: float = 0.0
+    need: float = 0.0
 
 
 @dataclasses.dataclass
@@ -102,16 +150,28 @@ class _Backoff:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ModePlan:
+    """What a mode switch changes, decided in one step (``plan_mode``)."""
+    fields: dict[str, Any]
+    start: bool
+    text: str
+    detail: dict[str, Any]
+
+
+def _stopped_error(name: str) -> OndemandError:
+    return OndemandError(503, "ondemand_stopped",
+                         f"{name} was stopped while it was starting for this request; send it again to start it")
+
+
 class Controller:
-    def __init__(self, deployer: Deployer, budget: Budget, metrics: MetricsSampler, *,
+    def __init__(self, effects: Effects, *, clock: Callable[[], float], wall: Callable[[], float],
                  queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
                  min_idle_timeout_s: int = 60, make_room_wait_s: float = 20.0, recent_stop_s: float = 20.0,
-                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 on_counters: Callable[[int], None] | None = None):
-        self.deployer = deployer
-        self.budget = budget
-        self.metrics = metrics
+                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0):
+        self.effects = effects
+        self.clock = clock
+        self.wall = wall
         self.queue_timeout_s = queue_timeout_s
         self.max_queued = max_queued
         self.idle_timeout_s = idle_timeout_s
@@ -120,12 +180,7 @@ class Controller:
         self.recent_stop_s = recent_stop_s
         self.max_tick_s = max_tick_s
         self.publish_interval_s = publish_interval_s
-        self.clock = clock
-        self.wall = wall
-        self.on_counters = on_counters
         self.queue = WaitQueue()
-        self.tasks = TaskGroup("controller")
-        self._lock = asyncio.Lock()
         self._inflight: dict[int, int] = {}
         self._last_activity: dict[int, float] = {}
         self._last_request_at: dict[int, float] = {}
@@ -133,15 +188,12 @@ class Controller:
         self._waiting = 0
         self._backoff: dict[int, _Backoff] = {}
         self._last_ondemand_stop = -math.inf
-        self._seen: dict[int, tuple] = {}
         self._published_at: dict[int, float] = {}
-        self._publish_timers: dict[int, asyncio.TimerHandle] = {}
-        self._tick: asyncio.Future | None = None
+        self._publish_timers: dict[int, Timer] = {}
+        self._tick_timer: Timer | None = None
         now = clock()
-        for dep in deployer.all():  # first seen after a restart: a full idle timeout
-            self._last_activity[dep["id"]] = now
-            self._seen[dep["id"]] = self._fingerprint(dep)
-        deployer.listeners.append(self._on_deployment)
+        for dep in effects.deployments():  # first seen after a restart: a full idle timeout
+            self._last_activity[dep.id] = now
 
     # --- reads ----------------------------------------------------------------
 
@@ -154,106 +206,53 @@ class Controller:
         dw = self._waits.get(dep_id)
         return len(dw.waiters) if dw else 0
 
-    def idle_timeout(self, dep: dict[str, Any]) -> int:
-        return dep.get("idle_timeout_s") or self.idle_timeout_s
+    def idle_timeout(self, dep: Deployment) -> int:
+        return dep.idle_timeout_s or self.idle_timeout_s
 
-    def is_idle(self, dep: dict[str, Any], now: float | None = None) -> bool:
-        """May this deployment be stopped as idle (reaper, make-room)? No await: a precheck."""
-        dep_id = dep["id"]
+    def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
+        """May this deployment be stopped as idle (reaper, make-room)? The stop's precheck."""
         now = self.clock() if now is None else now
-        return ((dep.get("mode") or "always_on") == "on_demand"
-                and dep["role"] == "model"
-                and dep["state"] in ("ready", "asleep")
-                and not dep.get("pending_mode")
-                and self._inflight.get(dep_id, 0) == 0
-                and not self.waiting(dep_id)
-                and now - self._last_activity.get(dep_id, now) >= self.idle_timeout(dep)
-                and self.metrics.idle(dep_id))
+        return (dep.on_demand
+                and dep.state in STOPPABLE_WHEN_IDLE
+                and dep.pending_mode is None
+                and not self._inflight.get(dep.id)
+                and not self.waiting(dep.id)
+                and now - self._last_activity.get(dep.id, now) >= self.idle_timeout(dep)
+                and self.effects.engine_idle(dep.id))
 
     def status(self, dep_id: int) -> dict[str, Any]:
-        dep = self.deployer.get(dep_id)
+        """The ``ondemand`` field of a deployment view."""
+        dep = self.effects.deployment(dep_id)
         dw = self._waits.get(dep_id)
         inflight = self._inflight.get(dep_id, 0)
-        starting = dep is not None and dep["state"] == "starting"
+        starting = dep is not None and dep.state is State.STARTING
         if dep_id in self.queue and not starting:
             phase = "queued"
         elif starting and dw is not None and dw.starting_for_request:
             phase = "starting_for_request"
         elif inflight:
             phase = "serving"
-        elif dep is None or dep["state"] == "failed":
+        elif dep is None or dep.state is State.FAILED:
             phase = "failed"
-        elif dep["state"] in SLEEPING:
+        elif dep.state in SLEEPING:
             phase = "sleeping"
         else:
             phase = "idle"
         return {"inflight": inflight, "queued": len(dw.waiters) if dw else 0,
                 "last_request_at": self._last_request_at.get(dep_id), "phase": phase}
 
-    # --- notifications ----------------------------------------------------------
-
-    def _wake_all(self) -> None:
-        if self._tick is not None and not self._tick.done():
-            self._tick.set_result(None)
-        self._tick = None
-
-    def _tick_future(self) -> asyncio.Future:
-        if self._tick is None:
-            self._tick = asyncio.get_running_loop().create_future()
-        return self._tick
-
-    @staticmethod
-    def _fingerprint(dep: dict[str, Any]) -> tuple:
-        from .deployer import CONFIG_FIELDS
-        return tuple(repr(dep.get(k)) for k in sorted(CONFIG_FIELDS)) + (dep.get("mode"),)
-
-    def _on_deployment(self, dep_id: int, dep: dict[str, Any] | None, old: str | None) -> None:
-        """Deployer listener: every transition, change and removal."""
-        now = self.clock()
-        if dep is None:
-            dw = self._waits.get(dep_id)
-            if dw is not None:
-                name = f"deployment {dep_id}"
-                err = _err_stopped(name) if dw.starting_for_request else \
-                    OndemandError(404, "not_found", f"deployment {dep_id} was removed")
-                self._give_verdict(dep_id, err)
-            self.queue.remove(dep_id)
-            for table in (self._inflight, self._last_activity, self._last_request_at, self._backoff, self._seen):
-                table.pop(dep_id, None)
-            self._wake_all()
-            return
-        fp = self._fingerprint(dep)
-        seen = self._seen.get(dep_id)
-        if seen is None:
-            self._last_activity[dep_id] = now  # a new deployment
-        elif seen != fp:
-            self._backoff.pop(dep_id, None)  # a changed model or configuration
-            if seen[-1] != "on_demand" and dep.get("mode") == "on_demand":
-                self._last_activity[dep_id] = now  # switched to on demand
-        self._seen[dep_id] = fp
-        if dep["state"] == "ready" and old != "ready":
-            self._last_activity[dep_id] = now
-            self._backoff.pop(dep_id, None)
-        self._wake_all()
-
-    def _counters_changed(self, dep_id: int) -> None:
-        """At most one publish a second per deployment: the first at once, later ones folded."""
-        if self.on_counters is None or dep_id in self._publish_timers:
-            return
-        now = self.clock()
-        due = self._published_at.get(dep_id, -math.inf) + self.publish_interval_s
-        if now >= due:
-            self._publish(dep_id)
-        else:
-            self._publish_timers[dep_id] = asyncio.get_running_loop().call_later(due - now, self._publish, dep_id)
-
-    def _publish(self, dep_id: int) -> None:
-        self._publish_timers.pop(dep_id, None)
-        self._published_at[dep_id] = self.clock()
-        if self.deployer.get(dep_id) is not None and self.on_counters is not None:
-            self.on_counters(dep_id)
+    def attempt_phase(self, dep_id: int) -> Phase | None:
+        dw = self._waits.get(dep_id)
+        return dw.phase if dw else None
 
     # --- slots ------------------------------------------------------------------
+
+    def try_take(self, dep_id: int) -> Slot | None:
+        """A slot at once when the deployment is ready (the fast path: no waiter)."""
+        dep = self.effects.deployment(dep_id)
+        if dep is not None and dep.state is State.READY:
+            return self._grant(dep_id)
+        return None
 
     def _grant(self, dep_id: int) -> Slot:
         self._inflight[dep_id] = self._inflight.get(dep_id, 0) + 1
@@ -262,7 +261,7 @@ class Controller:
         self._counters_changed(dep_id)
         return Slot(self, dep_id)
 
-    def _release(self, dep_id: int) -> None:
+    def release(self, dep_id: int) -> None:
         n = self._inflight.get(dep_id, 0) - 1
         if n > 0:
             self._inflight[dep_id] = n
@@ -272,90 +271,78 @@ class Controller:
             self._last_activity[dep_id] = self.clock()
         self._counters_changed(dep_id)
 
-    async def acquire(self, dep_id: int, *, on_queued: Callable[[], None] | None = None,
-                      arrival: float | None = None) -> Slot:
-        """A slot of ``dep_id``, starting it, making room or queueing as needed.
+    # --- waiters ------------------------------------------------------------------
 
-        ``arrival``: when the request arrived (the deadline counts from it).
-        ``on_queued`` is called once, the first time the request waits for memory.
-        Raises OndemandError with the design document's codes.
-        """
-        dep = self.deployer.get(dep_id)
+    def join(self, dep_id: int, *, arrival: float, notify: Callable[[], None],
+             on_queued: Callable[[], None] | None = None) -> Waiter:
+        """A request that found no ready engine starts waiting; raises the refusals
+        that need no wait (unknown, planned, backoff, queue full)."""
+        dep = self.effects.deployment(dep_id)
         if dep is None:
             raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
-        if dep["state"] == "ready":
-            return self._grant(dep_id)
-        self._check_backoff(dep)
+        if dep.state is State.PLANNED:
+            raise OndemandError(503, "ondemand_planned",
+                                f"{dep.served_name} is planned: an administrator has to start it first")
+        if dep.state in REQUEST_STARTABLE:  # a start by hand is waited for, backoff or not
+            self._check_backoff(dep)
         if self._waiting >= self.max_queued:
             raise OndemandError(503, "ondemand_queue_full",
                                 f"{self._waiting} requests are waiting already (ondemand_max_queued)",
                                 headers={"Retry-After": "60"})
-        arrival = self.clock() if arrival is None else arrival
-        waiter = _Waiter(dep_id, arrival, arrival + self.queue_timeout_s, on_queued,
-                         asyncio.get_running_loop().create_future())
+        waiter = Waiter(dep_id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
         dw = self._waits.get(dep_id)
         if dw is None:
             dw = self._waits[dep_id] = _DepWait()
         dw.waiters.append(waiter)
         self._waiting += 1
         self._counters_changed(dep_id)
-        try:
-            if dep_id in self.queue:
-                self._notify_queued(waiter)
-            while True:
-                if waiter.verdict.done():
-                    raise waiter.verdict.result()
-                dep = self.deployer.get(dep_id)
-                if dep is None:
-                    raise OndemandError(404, "not_found", f"deployment {dep_id} was removed")
-                if dep["state"] == "ready":
-                    return self._grant(dep_id)
-                self._kick(dep_id, dw, dep)
-                if waiter.verdict.done():
-                    continue
-                now = self.clock()
-                if now >= waiter.deadline:
-                    await self._timed_out(dep, waiter)
-                timeout = min(self.max_tick_s, waiter.deadline - now, self._next_idle_expiry(now))
-                await asyncio.wait((self._tick_future(), waiter.verdict), timeout=max(timeout, 0.01),
-                                   return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            dw.waiters.remove(waiter)
-            self._waiting -= 1
-            if not dw.waiters:
-                if self._waits.get(dep_id) is dw and (dw.attempt is None or dw.attempt.done()):
-                    del self._waits[dep_id]
-                if self.queue.remove(dep_id):  # nobody waits: it gives up its place
-                    self._wake_all()
-            self._counters_changed(dep_id)
+        if dep_id in self.queue:
+            self._notify_queued(waiter)
+        self._advance(dep_id)
+        return waiter
 
-    async def _timed_out(self, dep: dict[str, Any], waiter: _Waiter) -> None:
-        waited = self.clock() - waiter.arrival
-        text = f"a request for {dep['name']} gave up after waiting {waited:.0f} s (ondemand_queue_timeout_s)"
-        try:
-            await self.deployer.store.write_audit(action="ondemand_queue_timeout", actor=ACTOR,
-                                                  deployment_id=dep["id"], text=text,
-                                                  detail={"waited_s": round(waited, 1), "state": dep["state"]})
-        except Exception:
-            log.exception("cannot audit a queue timeout")
-        raise OndemandError(503, "ondemand_queue_timeout",
-                            f"{dep['served_name']} was not ready within {self.queue_timeout_s:g} s; try again later",
-                            headers={"Retry-After": "60"})
+    def take(self, waiter: Waiter) -> Slot | None:
+        """The waiter's turn: its slot when ready, its verdict raised, or None (wait on).
+        Raises ``ondemand_queue_timeout`` once its deadline has passed."""
+        if waiter.verdict is not None:
+            raise waiter.verdict
+        dep = self.effects.deployment(waiter.dep_id)
+        if dep is None:
+            raise OndemandError(404, "not_found", f"deployment {waiter.dep_id} was removed")
+        if dep.state is State.READY:
+            return self._grant(waiter.dep_id)
+        now = self.clock()
+        if now >= waiter.deadline:
+            waited = now - waiter.arrival
+            self.effects.audit("ondemand_queue_timeout", dep.id,
+                               f"a request for {dep.name} gave up after waiting {waited:.0f} s "
+                               "(ondemand_queue_timeout_s)",
+                               {"waited_s": round(waited, 1), "state": dep.state.value})
+            raise OndemandError(503, "ondemand_queue_timeout",
+                                f"{dep.served_name} was not ready within {self.queue_timeout_s:g} s; try again later",
+                                headers={"Retry-After": "60"})
+        return None
 
-    def _next_idle_expiry(self, now: float) -> float:
-        """Seconds until some idle timeout runs out, when anything is queued (a victim may appear)."""
-        if not len(self.queue):
-            return math.inf
-        soonest = math.inf
-        for dep in self.deployer.all():
-            if ((dep.get("mode") or "always_on") == "on_demand" and dep["state"] in ("ready", "asleep")
-                    and not self._inflight.get(dep["id"])):
-                left = self._last_activity.get(dep["id"], now) + self.idle_timeout(dep) - now
-                if left > 0:
-                    soonest = min(soonest, left + 0.05)
-        return soonest
+    def leave(self, waiter: Waiter) -> None:
+        """A waiter is done (slot taken, verdict, timeout or hang-up)."""
+        dep_id = waiter.dep_id
+        dw = self._waits.get(dep_id)
+        if dw is None or waiter not in dw.waiters:
+            return
+        dw.waiters.remove(waiter)
+        self._waiting -= 1
+        if not dw.waiters:
+            if dw.phase is Phase.IDLE and not dw.starting_for_request:
+                del self._waits[dep_id]
+            if self.queue.remove(dep_id):  # nobody waits: it gives up its place and its hold
+                self._advance_all()
+        self._counters_changed(dep_id)
 
-    def _notify_queued(self, waiter: _Waiter) -> None:
+    def next_wake(self, waiter: Waiter) -> float:
+        """Seconds the waiter may sleep before it looks again (its deadline)."""
+        return max(0.0, waiter.deadline - self.clock())
+
+    def _notify_queued(self, waiter: Waiter) -> None:
         if not waiter.notified:
             waiter.notified = True
             if waiter.on_queued is not None:
@@ -364,24 +351,30 @@ class Controller:
                 except Exception:
                     log.exception("on_queued callback failed")
 
+    def _wake_waiters(self, dep_id: int) -> None:
+        dw = self._waits.get(dep_id)
+        for waiter in list(dw.waiters if dw else ()):
+            waiter.notify()
+
     def _give_verdict(self, dep_id: int, err: OndemandError) -> None:
         dw = self._waits.get(dep_id)
-        for waiter in (dw.waiters if dw else ()):
-            if not waiter.verdict.done():
-                waiter.verdict.set_result(err)
+        for waiter in list(dw.waiters if dw else ()):
+            if waiter.verdict is None:
+                waiter.verdict = err
+                waiter.notify()
 
     # --- start failures -------------------------------------------------------
 
-    def _check_backoff(self, dep: dict[str, Any]) -> None:
-        b = self._backoff.get(dep["id"])
+    def _check_backoff(self, dep: Deployment) -> None:
+        b = self._backoff.get(dep.id)
         if b is not None and self.clock() < b.until:
             raise self._start_failed(dep, b)
 
-    def _start_failed(self, dep: dict[str, Any], b: _Backoff) -> OndemandError:
+    def _start_failed(self, dep: Deployment, b: _Backoff) -> OndemandError:
         left = max(1, int(b.until - self.clock()))
         return OndemandError(503, "start_failed",
-                             f"{dep['served_name']} failed to start: {b.reason}; new starts are refused "
-                             f"for {left} s", headers={"Retry-After": str(left)})
+                             f"{dep.served_name} failed to start: {b.reason}; new starts are refused for {left} s",
+                             headers={"Retry-After": str(left)})
 
     def _record_failure(self, dep_id: int, reason: str) -> _Backoff:
         prev = self._backoff.get(dep_id)
@@ -389,212 +382,343 @@ class Controller:
         b = self._backoff[dep_id] = _Backoff(self.clock() + delay, delay, reason)
         return b
 
-    # --- attempts -------------------------------------------------------------
+    def backoff_left(self, dep_id: int) -> float:
+        b = self._backoff.get(dep_id)
+        return max(0.0, b.until - self.clock()) if b else 0.0
 
-    def _kick(self, dep_id: int, dw: _DepWait, dep: dict[str, Any]) -> None:
-        """Start the deployment's attempt unless one runs or the state says wait."""
-        if dw.attempt is not None and not dw.attempt.done():
+    # --- the attempt ----------------------------------------------------------------
+
+    def _advance_all(self) -> None:
+        for dep_id in list(self._waits):
+            self._advance(dep_id)
+
+    def _advance(self, dep_id: int) -> None:
+        """Decide the next step of ``dep_id``'s attempt."""
+        dw = self._waits.get(dep_id)
+        if dw is None or not dw.waiters:
             return
-        if dep["state"] not in STARTABLE or dep.get("pending_mode"):
-            return  # starting by hand, stopping, planned, or set_mode is starting it: wait
-        if (dep.get("mode") or "always_on") != "on_demand":
-            if dep["state"] in ("stopped", "failed"):
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            return
+        if dep.state is State.READY:
+            self._wake_waiters(dep_id)
+            return
+        if dw.phase is not Phase.IDLE:
+            return  # an effect of this attempt is out; its report decides
+        if dep.state not in REQUEST_STARTABLE or dep.pending_mode is not None:
+            return  # starting (by hand or for us), stopping, or set_mode starts it: wait
+        if not dep.on_demand:
+            if dep.state is not State.ASLEEP:
                 self._give_verdict(dep_id, OndemandError(
-                    503, "not_on_demand", f"{dep['served_name']} was switched to always on and is {dep['state']}"))
+                    503, "not_on_demand", f"{dep.served_name} was switched to always on and is {dep.state}"))
             return
         b = self._backoff.get(dep_id)
         if b is not None and self.clock() < b.until:
             self._give_verdict(dep_id, self._start_failed(dep, b))
             return
-        dw.attempt = self.tasks.spawn(self._attempt(dep_id, dw), f"attempt {dep['name']}")
+        held = 0.0 if self.queue.is_head_or_empty(dep_id) else self.queue.reserved_for_others(dep_id)
+        dw.phase = Phase.ADMITTING
+        # Set before the move to starting, whose view is published as the start is admitted.
+        dw.starting_for_request = True
+        waking = dep.state is State.ASLEEP
+        self.effects.admit(dep_id, held_for_others=held,
+                           text=("Woken" if waking else "Started") + " for a request")
 
-    async def _attempt(self, dep_id: int, dw: _DepWait) -> None:
-        stopped_victim = False
-        async with self._lock:
-            while True:
-                dep = self.deployer.get(dep_id)
-                if not dw.waiters or dep is None:
-                    return  # an attempt starts nothing when no one waits any more
-                if dep["state"] not in STARTABLE or dep.get("pending_mode") \
-                        or (dep.get("mode") or "always_on") != "on_demand":
-                    return
-                is_head = self.queue.is_head_or_empty(dep_id)
-                need = float(dep.get("memory_gib") or 0)
-                if not is_head:
-                    reserved = self.queue.reserved_for_others(dep_id)
-                    if reserved > 0:
-                        snap = await self.budget.snapshot(self.deployer.all(), exclude=dep_id)
-                        if need > snap.free - reserved + 1e-9:
-                            self._enqueue(dep_id, dw)
-                            return
-                waking = dep["state"] == "asleep"
-                # Set before the move to starting, whose view is published from inside admit_start.
-                dw.starting_for_request = True
-                try:
-                    admitted = await self.deployer.admit_start(
-                        dep_id, actor=ACTOR, audit="ondemand_start",
-                        text=("Woken" if waking else "Started") + " for a request")
-                    break
-                except InsufficientMemory as exc:
-                    dw.starting_for_request = False
-                    recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
-                    if exc.need > exc.capacity + 1e-9 and not stopped_victim and not recent_stop:
-                        self._give_verdict(dep_id, OndemandError(
-                            503, "does_not_fit",
-                            f"{dep['served_name']} needs {exc.need:g} GiB, more than the {exc.capacity:g} GiB "
-                            "that on-demand models can ever use here"))
-                        return
-                    self._enqueue(dep_id, dw)
-                    if not is_head:
-                        return  # only the head makes room
-                    victims = self._pick_victims(dep_id, exc.need - exc.free)
-                    if not victims:
-                        return  # queued until something changes
-                    freed = await self._stop_victims(victims, dep)
-                    if not freed:
-                        return  # they became busy: wait for the next change
-                    stopped_victim = True
-                    self.queue.reserve(dep_id, freed)
-                    await self._wait_for_free(dep, need)
-                except DeployerError as exc:
-                    dw.starting_for_request = False
-                    dep = self.deployer.get(dep_id)
-                    if dep is not None and dep["state"] in STARTABLE:
-                        b = self._record_failure(dep_id, str(exc))
-                        self._give_verdict(dep_id, self._start_failed(dep, b))
-                    return
-        if not admitted:
+    def wanted(self, dep_id: int) -> bool:
+        """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)"""
+        return self.waiting(dep_id) > 0
+
+    def on_admitted(self, dep_id: int, started: bool) -> None:
+        """The admit effect's report: ``started`` False when it was starting or ready
+        already, or nobody wanted it any more."""
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            return
+        dw.phase = Phase.IDLE
+        if not started:
+            # Starting or ready already, being removed, or nobody waits: the change that
+            # follows (or none is needed) moves it on. Never ask again from here: a loop.
             dw.starting_for_request = False
+            self._forget_if_unused(dep_id)
             return
         if self.queue.remove(dep_id):
-            self._wake_all()
-        try:
-            await self.deployer.wait_started(dep_id)
-        except StartFailed as exc:
-            dep = self.deployer.get(dep_id)
-            b = self._record_failure(dep_id, str(exc))
-            if dep is not None:
-                self._give_verdict(dep_id, self._start_failed(dep, b))
-        except StartInterrupted:
-            self._give_verdict(dep_id, _err_stopped(dep["served_name"]))
-        finally:
-            dw.starting_for_request = False
-            if not dw.waiters and self._waits.get(dep_id) is dw:
-                del self._waits[dep_id]
+            self._advance_all()
+
+    def on_refused(self, dep_id: int, exc: InsufficientMemory) -> None:
+        """The fit check said no: does_not_fit, or queue, and the head makes room."""
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            return
+        dw.phase = Phase.IDLE
+        dw.starting_for_request = False
+        dep = self.effects.deployment(dep_id)
+        if not dw.waiters or dep is None:
+            self._forget_if_unused(dep_id)
+            return
+        recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
+        if exc.need > exc.capacity + 1e-9 and not dw.stopped_victim and not recent_stop:
+            self._give_verdict(dep_id, OndemandError(
+                503, "does_not_fit", f"{dep.served_name} needs {exc.need:g} GiB, more than the "
+                                     f"{exc.capacity:g} GiB that on-demand models can ever use here"))
+            return
+        self._enqueue(dep_id, dw)
+        if not self.queue.is_head_or_empty(dep_id):
+            return  # only the head makes room
+        victims = self._pick_victims(dep_id, exc.need - exc.free)
+        if not victims:
+            self._schedule_tick()
+            return  # queued until something changes
+        dw.phase = Phase.STOPPING
+        dw.victims = {v.id for v in victims}
+        dw.freed = 0.0
+        dw.need = exc.need
+        for v in victims:
+            self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
+
+    def on_budget_error(self, dep_id: int, reason: str) -> None:
+        """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            return
+        dw.phase = Phase.IDLE
+        dw.starting_for_request = False
+        dep = self.effects.deployment(dep_id)
+        name = dep.served_name if dep else f"deployment {dep_id}"
+        self._give_verdict(dep_id, OndemandError(
+            503, "budget_unavailable", f"cannot start {name} now: the GPU memory budget cannot be read ({reason})",
+            headers={"Retry-After": "10"}))
+        self._forget_if_unused(dep_id)
+
+    def on_start_error(self, dep_id: int, reason: str) -> None:
+        """The deployer refused the start (a state it cannot start from): a start failure."""
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            return
+        dw.phase = Phase.IDLE
+        dw.starting_for_request = False
+        dep = self.effects.deployment(dep_id)
+        if dep is not None and dep.state in REQUEST_STARTABLE:
+            self._give_verdict(dep_id, self._start_failed(dep, self._record_failure(dep_id, reason)))
+        self._forget_if_unused(dep_id)
+
+    def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None, freed_gib: float) -> None:
+        """A stop effect's report (reaper or make-room)."""
+        if approved:
+            self._last_ondemand_stop = self.clock()
+        if for_dep is None:
+            return
+        dw = self._waits.get(for_dep)
+        if dw is None or dw.phase is not Phase.STOPPING or dep_id not in dw.victims:
+            return
+        dw.victims.discard(dep_id)
+        if approved:
+            dw.freed += freed_gib
+        if dw.victims:
+            return  # the others are still stopping
+        if not dw.waiters:
+            dw.phase = Phase.IDLE
+            self._forget_if_unused(for_dep)
+            return
+        if dw.freed <= 0:
+            dw.phase = Phase.IDLE  # they became busy: wait for the next change
+            self._schedule_tick()
+            return
+        names = self.effects.deployment(for_dep)
+        log.info("stopped idle models to make room for %s (%.1f GiB)", names.name if names else for_dep, dw.freed)
+        dw.stopped_victim = True
+        self.queue.reserve(for_dep, dw.freed)
+        dw.phase = Phase.SETTLING
+        self.effects.settle(for_dep, dw.need, self.make_room_wait_s)
+
+    def on_settled(self, dep_id: int) -> None:
+        """Freed memory shows (or the wait ran out): try again."""
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            return
+        dw.phase = Phase.IDLE
+        self._forget_if_unused(dep_id)
+        self._advance(dep_id)
+
+    def _forget_if_unused(self, dep_id: int) -> None:
+        dw = self._waits.get(dep_id)
+        if dw is not None and not dw.waiters and dw.phase is Phase.IDLE and not dw.starting_for_request:
+            del self._waits[dep_id]
 
     def _enqueue(self, dep_id: int, dw: _DepWait) -> None:
         first = min((w.arrival for w in dw.waiters), default=self.clock())
         if self.queue.add(dep_id, first):
             log.info("deployment %d queued for memory", dep_id)
-            self._wake_all()
         for waiter in dw.waiters:
             self._notify_queued(waiter)
         self._counters_changed(dep_id)
+        self._schedule_tick()
 
     def _pick_victims(self, requester: int, shortfall: float) -> list[Candidate]:
         now = self.clock()
-        candidates = [Candidate(d["id"], float(d.get("memory_gib") or 0), self._last_activity.get(d["id"], now))
-                      for d in self.deployer.all() if d["id"] != requester and self.is_idle(d, now)]
+        claimed = {v for dw in self._waits.values() for v in dw.victims}
+        candidates = [Candidate(d.id, d.memory_gib, self._last_activity.get(d.id, now))
+                      for d in self.effects.deployments()
+                      if d.id != requester and d.id not in claimed and self.is_idle(d, now)]
         return pick_victims(candidates, shortfall)
 
-    async def _stop_victims(self, victims: list[Candidate], requester: dict[str, Any]) -> float:
-        freed = 0.0
-        names = []
-        for v in victims:
-            stopped = await self.deployer.stop(
-                v.id, lambda d: self.is_idle(d), actor=ACTOR, audit="ondemand_sleep",
-                text=f"Put to sleep to make room for {requester['served_name']}")
-            if stopped:
-                self._last_ondemand_stop = self.clock()
-                freed += v.memory_gib
-                names.append(str(v.id))
-        if names:
-            log.info("stopped %s to make room for %s (%.1f GiB)", ", ".join(names), requester["name"], freed)
-        return freed
+    # --- time -------------------------------------------------------------------------
 
-    async def _wait_for_free(self, dep: dict[str, Any], need: float) -> None:
-        """Freed memory may read as used for a while (nvidia-smi): wait up to ~20 s."""
-        deadline = self.clock() + self.make_room_wait_s
-        while self.clock() < deadline:
-            snap = await self.budget.snapshot(self.deployer.all(), exclude=dep["id"])
-            if snap.free + 1e-9 >= need:
-                return
-            await asyncio.sleep(0.25)
+    def _schedule_tick(self) -> None:
+        """While something is queued, look again at most every ``max_tick_s``, and just
+        after the next idle timeout runs out (a victim may appear then)."""
+        if self._tick_timer is not None or not len(self.queue):
+            return
+        delay = min(self.max_tick_s, self._next_idle_expiry(self.clock()))
+        self._tick_timer = self.effects.call_later(max(delay, 0.01), self.tick)
 
-    # --- the reaper's step ------------------------------------------------------
+    def tick(self) -> None:
+        self._tick_timer = None
+        self._advance_all()
+        self._schedule_tick()
 
-    async def reap_once(self) -> list[int]:
-        """Stop every on-demand deployment that is idle by the rules; returns their ids."""
-        stopped = []
+    def _next_idle_expiry(self, now: float) -> float:
+        soonest = math.inf
+        for dep in self.effects.deployments():
+            if dep.on_demand and dep.state in STOPPABLE_WHEN_IDLE and not self._inflight.get(dep.id):
+                left = self._last_activity.get(dep.id, now) + self.idle_timeout(dep) - now
+                if left > 0:
+                    soonest = min(soonest, left + 0.05)
+        return soonest
+
+    # --- what the deployer reports ------------------------------------------------------
+
+    def on_deployment(self, dep_id: int, dep: Deployment | None, old: Deployment | None) -> None:
+        """Every creation, change, transition and removal of a deployment."""
         now = self.clock()
-        for dep in self.deployer.all():
-            if not self.is_idle(dep, now):
+        if dep is None:
+            self._removed(dep_id)
+            return
+        if old is None:
+            self._last_activity[dep_id] = now  # a new deployment
+        else:
+            if old.config() != dep.config():
+                self._backoff.pop(dep_id, None)  # a changed model or configuration
+            if not old.on_demand and dep.on_demand:
+                self._last_activity[dep_id] = now  # switched to on demand
+        if dep.state is State.READY and (old is None or old.state is not State.READY):
+            self._last_activity[dep_id] = now
+            self._backoff.pop(dep_id, None)
+        if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
+            self._start_ended(dep)
+        self._advance_all()
+
+    def _start_ended(self, dep: Deployment) -> None:
+        dw = self._waits.get(dep.id)
+        if dw is None:
+            return
+        for_request, dw.starting_for_request = dw.starting_for_request, False
+        if dep.state is State.FAILED:
+            if for_request or dw.waiters:  # waiters hear it, and new starts wait for the backoff
+                b = self._record_failure(dep.id, dep.state_reason or "start failed")
+                self._give_verdict(dep.id, self._start_failed(dep, b))
+        elif dep.state is not State.READY and for_request:
+            self._give_verdict(dep.id, _stopped_error(dep.served_name))
+        self._forget_if_unused(dep.id)
+
+    def _removed(self, dep_id: int) -> None:
+        dw = self._waits.get(dep_id)
+        if dw is not None:
+            started_for_them = dw.starting_for_request and dw.phase is Phase.IDLE
+            err = _stopped_error(f"deployment {dep_id}") if started_for_them else \
+                OndemandError(404, "not_found", f"deployment {dep_id} was removed")
+            self._give_verdict(dep_id, err)
+            dw.phase = Phase.IDLE
+            dw.starting_for_request = False
+            self._forget_if_unused(dep_id)
+        if self.queue.remove(dep_id):
+            self._advance_all()
+        for table in (self._inflight, self._last_activity, self._last_request_at, self._backoff,
+                      self._published_at):
+            table.pop(dep_id, None)
+        timer = self._publish_timers.pop(dep_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    # --- the reaper's step ----------------------------------------------------------------
+
+    def reap(self) -> list[int]:
+        """Ask to stop every on-demand deployment idle by the rules; returns their ids."""
+        now = self.clock()
+        asked = []
+        claimed = {v for dw in self._waits.values() for v in dw.victims}
+        for dep in self.effects.deployments():
+            if dep.id in claimed or not self.is_idle(dep, now):
                 continue
             minutes = round(self.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
-            ok = await self.deployer.stop(dep["id"], lambda d: self.is_idle(d), actor=ACTOR, audit="ondemand_sleep",
-                                          text=f"Put to sleep after {minutes:g} min idle")
-            if ok:
-                self._last_ondemand_stop = self.clock()
-                stopped.append(dep["id"])
-        return stopped
+            self.effects.stop(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
+            asked.append(dep.id)
+        return asked
 
-    # --- mode switch --------------------------------------------------------------
+    # --- mode switch ------------------------------------------------------------------------
 
-    async def set_mode(self, dep_id: int, mode: str, *, idle_timeout_s: int | None = None,
-                       set_idle_timeout: bool = False, user: str | None = None) -> dict[str, Any]:
-        """Switch a deployment's mode (design document, "Switch to always on")."""
-        if mode not in ("on_demand", "always_on"):
+    def plan_mode(self, dep_id: int, mode: str, *, idle_timeout_s: int | None = None,
+                  set_idle_timeout: bool = False) -> ModePlan:
+        """Decide a switch (design: "Switch to always on"); resets the start backoff."""
+        if mode not in (Mode.ON_DEMAND.value, Mode.ALWAYS_ON.value):
             raise OndemandError(400, "invalid_mode", "mode must be on_demand or always_on")
         if set_idle_timeout and idle_timeout_s is not None and \
                 not self.min_idle_timeout_s <= idle_timeout_s <= 86400:
             raise OndemandError(400, "invalid_idle_timeout",
                                 f"idle_timeout_s must be {self.min_idle_timeout_s} to 86400 seconds, or null")
-        async with self._lock:  # a start decision, like an attempt's
-            dep = self.deployer.get(dep_id)
-            if dep is None:
-                raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
-            if dep["role"] != "model" and mode == "on_demand":
-                raise OndemandError(400, "invalid_mode", f"a {dep['role']} deployment is always always_on")
-            old = {"mode": dep.get("mode") or "always_on", "idle_timeout_s": dep.get("idle_timeout_s"),
-                   "pending_mode": dep.get("pending_mode")}
-            fields: dict[str, Any] = {}
-            if set_idle_timeout:
-                fields["idle_timeout_s"] = idle_timeout_s
-            start = False
-            if mode == "on_demand":
-                fields.update(mode="on_demand", pending_mode=None)
-            elif old["mode"] == "always_on":
-                fields["pending_mode"] = None
-            elif dep["state"] in ("stopped", "failed", "asleep"):
-                fields["pending_mode"] = "always_on"
-                start = True
-            elif dep["state"] == "starting":
-                fields["pending_mode"] = "always_on"  # applied when the start ends
-            else:
-                fields.update(mode="always_on", pending_mode=None)
-            self._backoff.pop(dep_id, None)  # set_mode resets the start backoff
-            new = {**old, **{k: v for k, v in fields.items() if k in old}}
-            text = f"mode {old['mode']} → {mode}" + (" (pending the start)" if start else "")
-            dep = await self.deployer.update(dep_id, actor="admin", user=user, audit="ondemand_mode", text=text,
-                                             detail={"old": old, "new": new}, **fields)
-            if mode == "on_demand":
-                self._last_activity[dep_id] = self.clock()
-            if start:
-                try:
-                    await self.deployer.admit_start(dep_id, actor="admin", user=user,
-                                                    text="starting for the switch to always on")
-                except (InsufficientMemory, DeployerError) as exc:
-                    # A refused start clears the pending mode and leaves the deployment as it was.
-                    await self.deployer.update(dep_id, actor="admin", user=user, pending_mode=None,
-                                               text=f"switch to always on refused: {exc}")
-                    if isinstance(exc, InsufficientMemory):
-                        raise OndemandError(409, "insufficient_memory", f"cannot start it now: {exc}") from exc
-                    raise OndemandError(409, "start_refused", f"cannot start it now: {exc}") from exc
-        self._wake_all()
-        return dep
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
+        if dep.role is not Role.MODEL and mode == Mode.ON_DEMAND:
+            raise OndemandError(400, "invalid_mode", f"a {dep.role} deployment is always always_on")
+        old = {"mode": dep.mode.value, "idle_timeout_s": dep.idle_timeout_s,
+               "pending_mode": dep.pending_mode.value if dep.pending_mode else None}
+        fields: dict[str, Any] = {}
+        if set_idle_timeout:
+            fields["idle_timeout_s"] = idle_timeout_s
+        start = False
+        if mode == Mode.ON_DEMAND:
+            fields.update(mode=Mode.ON_DEMAND, pending_mode=None)
+        elif dep.mode is Mode.ALWAYS_ON:
+            fields["pending_mode"] = None
+        elif dep.state in REQUEST_STARTABLE:
+            fields["pending_mode"] = Mode.ALWAYS_ON
+            start = True
+        elif dep.state is State.STARTING:
+            fields["pending_mode"] = Mode.ALWAYS_ON  # applied when the start ends
+        else:
+            fields.update(mode=Mode.ALWAYS_ON, pending_mode=None)
+        self._backoff.pop(dep_id, None)  # set_mode resets the start backoff
+        new = {**old, **{k: getattr(v, "value", v) for k, v in fields.items() if k in old}}
+        text = f"mode {old['mode']} → {mode}" + (" (pending the start)" if start else "")
+        return ModePlan(fields, start, text, {"old": old, "new": new})
 
-    async def close(self) -> None:
-        for handle in self._publish_timers.values():
-            handle.cancel()
+    def mode_switched(self, dep_id: int) -> None:
+        """The switch is stored: waiters look again (a start may be theirs to wait for now)."""
+        self._advance(dep_id)
+
+    # --- live counters ----------------------------------------------------------------------
+
+    def _counters_changed(self, dep_id: int) -> None:
+        """At most one publish a second per deployment: the first at once, later ones folded."""
+        if dep_id in self._publish_timers:
+            return
+        now = self.clock()
+        due = self._published_at.get(dep_id, -math.inf) + self.publish_interval_s
+        if now >= due:
+            self._publish(dep_id)
+        else:
+            self._publish_timers[dep_id] = self.effects.call_later(due - now, lambda: self._publish(dep_id))
+
+    def _publish(self, dep_id: int) -> None:
+        self._publish_timers.pop(dep_id, None)
+        self._published_at[dep_id] = self.clock()
+        if self.effects.deployment(dep_id) is not None:
+            self.effects.counters_changed(dep_id)
+
+    def close(self) -> None:
+        for timer in self._publish_timers.values():
+            timer.cancel()
         self._publish_timers.clear()
-        await self.tasks.close()
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None

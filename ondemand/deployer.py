@@ -1,22 +1,29 @@
 """The deployer: owner of every deployment's state and of its engine.
 
-States: planned, starting, ready, asleep, stopping, stopped, failed (and
-removal). Only the deployer changes a state. Each transition updates the
-in-memory row at once (readers on the event loop see it without an await),
-then writes the row, its event and any audit row in one transaction, then
-tells the listeners (the app publishes the view; the controller wakes its
-waiters; the LiteLLM sync is triggered).
+States (``model.State``): planned, starting, ready, asleep, stopping,
+stopped, failed, and removal. Only the deployer changes a deployment. Each
+change replaces the frozen ``Deployment`` in memory at once (readers on the
+event loop see it without an await), then writes the row, its event and any
+audit row in one transaction, then publishes ``DeploymentChanged`` on the
+bus (the controller decides, the app publishes the view, the LiteLLM sync
+is triggered).
 
-Two locks, each with one reason:
+No lock orders the decisions: each one reads the state and changes it in
+memory with no await in between, which on one event loop is atomic. That
+holds for the two that matter:
 
-- ``_lock`` orders the decisions that read a state and then change it across
-  an await (a fit check reads nvidia-smi), so a stop cannot slip between a
-  start's check and its ``starting``; and ``stop(precheck=...)`` runs the
-  precheck and marks ``stopping`` under it with no await in between, so that
-  handing out a slot (controller, no await either) and approving a stop can
-  never interleave (design document, "Never stopping a busy model").
-- ``_gate`` is the start-up gate: engines start one at a time, from create to
-  ready, so two cold starts do not fight over memory while neither shows it.
+- ``stop(precheck=...)`` runs the precheck and marks ``stopping`` in one
+  step, so handing out a slot (the controller, no await either) and approving
+  a stop can never interleave ("never stop a busy model");
+- ``admit_start`` reads the memory budget first (the one await), then checks
+  the fit and marks ``starting`` in one step; the budget's reading counts
+  every engine that was starting at the reading or is starting now by what
+  it declared, so a reading that aged during the await is never optimistic.
+
+``_gate`` is the start-up gate: engines start one at a time, from create to
+ready, so two cold starts do not fight over memory while neither shows it.
+It is the one lock held across slow work, on purpose; nothing that must
+answer quickly waits for it (a stop cancels a start still waiting there).
 
 Waking a vLLM engine from sleep mode goes through ``starting`` too: it takes
 memory back, may fail, and its waiters wait like a start's.
@@ -27,23 +34,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
 from .backends import Backend, BackendError, Engine
-from .budget import Budget, BudgetError
+from .budget import Budget
 from .errors import DeployerError
+from .events import DeploymentChanged
+from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, Role, State
 from .store import Store
 from .tasks import TaskGroup
 
 log = logging.getLogger("ondemand.deployer")
 
-STARTABLE = frozenset({"planned", "stopped", "failed"})
-# Fields whose change means "a changed model or configuration" (start backoff reset).
-CONFIG_FIELDS = frozenset({"served_name", "engine", "image", "args", "command", "port", "memory_gib"})
-
-Listener = Callable[[int, "dict[str, Any] | None", "str | None"], None]
+Precheck = Callable[[Deployment], bool]
 
 
 class StartFailed(Exception):
@@ -58,39 +63,47 @@ class StartInterrupted(Exception):
         self.state = state
 
 
+class DeploymentBusy(DeployerError):
+    """An edit of a deployment whose engine runs or is about to."""
+
+
+def _no_publish(event: object) -> None:
+    pass
+
+
 class Deployer:
     def __init__(self, store: Store, backend: Backend, budget: Budget, *,
+                 publish: Callable[[object], None] = _no_publish,
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
                  watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.backend = backend
         self.budget = budget
+        self.publish = publish
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.watch_interval_s = watch_interval_s
         self.watch_failures = watch_failures
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
-        self.listeners: list[Listener] = []
-        self._deps: dict[int, dict[str, Any]] = {}
+        self._deps: dict[int, Deployment] = {}
         self._engines: dict[int, Engine] = {}
-        self._starts: dict[int, asyncio.Task] = {}
+        self._starts: dict[int, asyncio.Task[None]] = {}
         self._gated: set[int] = set()  # starts past the gate: busy with the backend
-        self._exits: dict[int, asyncio.Future] = {}
-        self._changes: dict[int, list[asyncio.Future]] = {}
-        self._lock = asyncio.Lock()
+        self._removing: set[int] = set()  # stopped for removal: nothing starts them again
+        self._exits: dict[int, asyncio.Future[int | None]] = {}
+        self._changes: dict[int, list[asyncio.Future[None]]] = {}
         self._gate = asyncio.Lock()
         self._http: aiohttp.ClientSession | None = None
         self.tasks = TaskGroup("deployer")
 
     # --- reads (no await: safe to combine with a decision) ------------------
 
-    def get(self, dep_id: int) -> dict[str, Any] | None:
-        """The live row. Read it, never change it: the deployer owns it."""
+    def get(self, dep_id: int) -> Deployment | None:
         return self._deps.get(dep_id)
 
-    def all(self) -> list[dict[str, Any]]:
+    def all(self) -> list[Deployment]:
         return list(self._deps.values())
 
     def base_url(self, dep_id: int) -> str | None:
@@ -98,24 +111,34 @@ class Deployer:
         return engine.base_url if engine else None
 
     def ready_engines(self) -> list[tuple[int, str]]:
-        return self.engines_in(("ready",))
+        return self.engines_in((State.READY,))
 
-    def engines_in(self, states: tuple[str, ...]) -> list[tuple[int, str]]:
+    def engines_in(self, states: tuple[State, ...]) -> list[tuple[int, str]]:
         """(id, base URL) of the engines whose deployment is in one of ``states``."""
-        return [(i, e.base_url) for i, e in self._engines.items()
-                if self._deps.get(i, {}).get("state") in states]
+        out = []
+        for i, e in self._engines.items():
+            dep = self._deps.get(i)
+            if dep is not None and dep.state in states:
+                out.append((i, e.base_url))
+        return out
 
-    def changed(self, dep_id: int) -> asyncio.Future:
-        """A future resolved at the next transition or removal of ``dep_id``."""
-        fut = asyncio.get_running_loop().create_future()
+    def changed(self, dep_id: int) -> asyncio.Future[None]:
+        """A future resolved at the next change or removal of ``dep_id``."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._changes.setdefault(dep_id, []).append(fut)
         return fut
 
-    def _get(self, dep_id: int) -> dict[str, Any]:
+    def _get(self, dep_id: int) -> Deployment:
         dep = self._deps.get(dep_id)
         if dep is None:
             raise DeployerError(f"deployment {dep_id} does not exist")
         return dep
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("the deployer is not loaded")
+        return self._http
 
     # --- life of the deployer -------------------------------------------------
 
@@ -123,28 +146,30 @@ class Deployer:
         """Read the rows and take back what survived our restart."""
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10, connect=5))
         for row in await self.store.deployments():
-            self._deps[row["id"]] = row
+            dep = Deployment.from_row(row)
+            self._deps[dep.id] = dep
         for dep in list(self._deps.values()):
-            try:
-                engine = await self.backend.adopt(dep)
-            except BackendError as exc:
-                log.warning("cannot look for the engine of %s: %s", dep["name"], exc)
-                engine = None
-            state = dep["state"]
-            if engine is not None and state in ("ready", "asleep", "starting"):
-                log.info("adopted the running engine of %s (%s)", dep["name"], engine.base_url)
-                self._attach(engine)
-                if state == "starting":
-                    self._starts[dep["id"]] = self.tasks.spawn(
-                        self._finish_start(dep["id"], engine), f"start {dep['name']}")
-            elif engine is not None:
-                await self.backend.stop(engine, self.stop_timeout_s)
-                if state == "stopping":
-                    await self._transition(dep["id"], "stopped", text="stopped after ondemand restarted")
-            elif state in ("starting", "ready", "asleep", "stopping"):
-                await self._transition(dep["id"], "stopped", reason="engine gone after ondemand restarted",
-                                       text="engine gone after ondemand restarted")
+            await self._take_back(dep)
         self.tasks.spawn(self._watchdog(), "watchdog")
+
+    async def _take_back(self, dep: Deployment) -> None:
+        try:
+            engine = await self.backend.adopt(dep)
+        except BackendError as exc:
+            log.warning("cannot look for the engine of %s: %s", dep.name, exc)
+            engine = None
+        if engine is not None and dep.state in (State.READY, State.ASLEEP, State.STARTING):
+            log.info("adopted the running engine of %s (%s)", dep.name, engine.base_url)
+            self._attach(engine)
+            if dep.state is State.STARTING:
+                self._starts[dep.id] = self.tasks.spawn(self._finish_start(dep.id, engine), f"start {dep.name}")
+        elif engine is not None:
+            await self.backend.stop(engine, self.stop_timeout_s)
+            if dep.state is State.STOPPING:
+                await self._transition(dep.id, State.STOPPED, text="stopped after ondemand restarted")
+        elif dep.state in HOLDING:
+            await self._transition(dep.id, State.STOPPED, reason="engine gone after ondemand restarted",
+                                   text="engine gone after ondemand restarted")
 
     async def close(self, stop_engines: bool) -> None:
         """Stop background work; with ``stop_engines`` also the engines (process backend)."""
@@ -155,125 +180,172 @@ class Deployer:
                                  return_exceptions=True)
             for e in engines:  # the rows say what is true for the next start
                 dep = self._deps.get(e.deployment_id)
-                if dep is not None and dep["state"] in ("starting", "ready", "asleep", "stopping"):
+                if dep is not None and dep.state in HOLDING:
                     with contextlib.suppress(Exception):
-                        await self._transition(dep["id"], "stopped", text="stopped at shutdown")
+                        await self._transition(dep.id, State.STOPPED, text="stopped at shutdown")
         if self._http is not None:
             await self._http.close()
         await self.backend.close()
 
-    # --- transitions ----------------------------------------------------------
+    # --- changes ----------------------------------------------------------------
 
-    async def _transition(self, dep_id: int, state: str, *, reason: str | None = None,
+    def _replace(self, dep_id: int, **changes: Any) -> tuple[Deployment, Deployment]:
+        """Replace the live deployment (no await); returns (old, new)."""
+        old = self._deps[dep_id]
+        new = old.replace(updated_at=time.time(), **changes)
+        self._deps[dep_id] = new
+        return old, new
+
+    def _mark(self, dep_id: int, state: State, reason: str | None = None,
+              log_tail: str | None = None) -> tuple[Deployment, Deployment]:
+        """The in-memory half of a transition (no await)."""
+        dep = self._deps[dep_id]
+        changes: dict[str, Any] = {"state": state, "state_reason": reason}
+        if log_tail is not None or state in (State.STARTING, State.READY):
+            changes["log_tail"] = log_tail
+        if state in (State.READY, State.FAILED, State.STOPPED) and dep.pending_mode is not None:
+            # A switch to always on is applied in the same transaction as the state change.
+            changes["mode"], changes["pending_mode"] = dep.pending_mode, None
+        return self._replace(dep_id, **changes)
+
+    async def _transition(self, dep_id: int, state: State, *, reason: str | None = None,
                           log_tail: str | None = None, text: str | None = None, actor: str = "deployer",
                           user: str | None = None, audit: str | None = None,
-                          detail: dict | None = None) -> None:
-        dep = self._deps[dep_id]
-        old = dep["state"]
-        dep["state"] = state
-        dep["state_reason"] = reason
-        dep["updated_at"] = time.time()
-        if log_tail is not None or state in ("starting", "ready"):
-            dep["log_tail"] = log_tail
-        if state in ("ready", "failed", "stopped") and dep.get("pending_mode"):
-            # Design document, "Switch to always on": in the same transaction.
-            dep["mode"], dep["pending_mode"] = dep["pending_mode"], None
-        text = text or f"{old} → {state}" + (f": {reason}" if reason else "")
+                          detail: dict[str, Any] | None = None) -> None:
+        old, new = self._mark(dep_id, state, reason, log_tail)
+        await self._persist(old, new, text=text, actor=actor, user=user, audit=audit, detail=detail)
+
+    async def _persist(self, old: Deployment, new: Deployment, *, text: str | None = None, actor: str = "deployer",
+                       user: str | None = None, audit: str | None = None,
+                       detail: dict[str, Any] | None = None) -> None:
+        """The stored half of a transition marked with ``_mark``: the row, its event and
+        its audit row in one transaction; then the change is published."""
+        text = text or f"{old.state} → {new.state}" + (f": {new.state_reason}" if new.state_reason else "")
+        detail = {"from": old.state.value, "to": new.state.value, **(detail or {})}
         try:
             async with self.store.transaction():
                 await self.store.update_deployment(
-                    dep_id, state=dep["state"], state_reason=dep["state_reason"], log_tail=dep.get("log_tail"),
-                    mode=dep.get("mode"), pending_mode=dep.get("pending_mode"), updated_at=dep["updated_at"])
-                await self.store.write_event(actor=actor, user=user, deployment_id=dep_id, text=text,
-                                             detail={"from": old, "to": state, **(detail or {})})
+                    new.id, state=new.state, state_reason=new.state_reason, log_tail=new.log_tail,
+                    mode=new.mode, pending_mode=new.pending_mode, updated_at=new.updated_at)
+                await self.store.write_event(actor=actor, user=user, deployment_id=new.id, text=text, detail=detail)
                 if audit:
-                    await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=dep_id,
-                                                 text=text, detail={"from": old, "to": state, **(detail or {})})
+                    await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=new.id,
+                                                 text=text, detail=detail)
         finally:
-            log.info("%s: %s", dep["name"], text)
-            self._notify(dep_id, dep, old)
+            log.info("%s: %s", new.name, text)
+            self._notify(new.id, self._deps.get(new.id), old)
 
-    def _notify(self, dep_id: int, dep: dict[str, Any] | None, old: str | None) -> None:
+    def _notify(self, dep_id: int, dep: Deployment | None, old: Deployment | None) -> None:
         for fut in self._changes.pop(dep_id, ()):
             if not fut.done():
                 fut.set_result(None)
-        for listener in list(self.listeners):
-            try:
-                listener(dep_id, dep, old)
-            except Exception:
-                log.exception("deployment listener failed")
+        self.publish(DeploymentChanged(dep_id, dep, old))
 
     # --- create, change, remove ----------------------------------------------
 
-    async def create(self, fields: dict[str, Any], *, actor: str = "admin", user: str | None = None) -> dict:
+    async def create(self, fields: dict[str, Any], *, actor: str = "admin", user: str | None = None) -> Deployment:
         row = await self.store.insert_deployment(fields)
+        dep = Deployment.from_row(row)
         async with self.store.transaction():
-            await self.store.write_event(actor=actor, user=user, deployment_id=row["id"],
-                                         text=f"created ({row['mode'] or 'always_on'})")
-        self._deps[row["id"]] = row
-        self._notify(row["id"], row, None)
-        return row
+            await self.store.write_event(actor=actor, user=user, deployment_id=dep.id, text=f"created ({dep.mode})")
+        self._deps[dep.id] = dep
+        self._notify(dep.id, dep, None)
+        return dep
 
     async def update(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
-                     text: str | None = None, audit: str | None = None, detail: dict | None = None,
-                     **fields: Any) -> dict[str, Any]:
-        """Change stored fields (not the state) in one transaction with its event."""
-        dep = self._get(dep_id)
+                     text: str | None = None, audit: str | None = None, detail: dict[str, Any] | None = None,
+                     **fields: Any) -> Deployment:
+        """Change stored fields (not the state) in one transaction with its event.
+        The in-memory change is made before the first await."""
         bad = set(fields) & {"id", "state", "state_reason"}
         if bad:
             raise DeployerError(f"not changeable through update: {', '.join(sorted(bad))}")
-        fields["updated_at"] = time.time()
-        dep.update(fields)
+        self._get(dep_id)
+        old, new = self._replace(dep_id, **_typed(fields))
         async with self.store.transaction():
-            await self.store.update_deployment(dep_id, **fields)
+            await self.store.update_deployment(dep_id, **{k: getattr(new, k) for k in fields},
+                                               updated_at=new.updated_at)
             if text:
                 await self.store.write_event(actor=actor, user=user, deployment_id=dep_id, text=text,
                                              detail=detail or {})
             if audit:
                 await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=dep_id,
                                              text=text or audit, detail=detail or {})
-        self._notify(dep_id, dep, dep["state"])
-        return dep
+        self._notify(dep_id, self._deps.get(dep_id), old)
+        return new
+
+    async def edit(self, dep_id: int, changes: dict[str, Any], *, actor: str = "admin",
+                   user: str | None = None) -> Deployment:
+        """Edit fields of a deployment with no engine (stopped, failed, planned) in place:
+        same id. The state check and the in-memory change are one step."""
+        dep = self._get(dep_id)
+        if dep.state not in EDITABLE:
+            raise DeploymentBusy(f"{dep.name} is {dep.state}: stop it before editing it")
+        changed = {k: v for k, v in _typed(changes).items() if getattr(dep, k) != v}
+        if not changed:
+            return dep
+        old = {k: _plain(getattr(dep, k)) for k in changed}
+        new = {k: _plain(v) for k, v in changed.items()}
+        return await self.update(dep_id, actor=actor, user=user, audit="deployment_update",
+                                 text=f"edited {', '.join(sorted(changed))}",
+                                 detail={"old": old, "new": new}, **changed)
 
     async def remove(self, dep_id: int, *, actor: str = "admin", user: str | None = None) -> None:
         dep = self._get(dep_id)
-        await self.stop(dep_id, actor=actor, user=user, text="stopped for removal")
-        with contextlib.suppress(BackendError):
-            await self.backend.remove(dep)
-        async with self.store.transaction():
-            await self.store.delete_deployment(dep_id)
-            await self.store.write_event(actor=actor, user=user, deployment_id=dep_id,
-                                         text=f"removed {dep['name']}")
-        self._deps.pop(dep_id, None)
-        self._notify(dep_id, None, dep["state"])
+        self._removing.add(dep_id)
+        try:
+            await self.stop(dep_id, actor=actor, user=user, text="stopped for removal")
+            with contextlib.suppress(BackendError):
+                await self.backend.remove(dep)
+            async with self.store.transaction():
+                await self.store.delete_deployment(dep_id)
+                await self.store.write_event(actor=actor, user=user, deployment_id=dep_id,
+                                             text=f"removed {dep.name}")
+        finally:
+            self._removing.discard(dep_id)
+        old = self._deps.pop(dep_id, dep)
+        self._notify(dep_id, None, old)
 
     # --- start and wake -------------------------------------------------------
 
     async def admit_start(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
-                          text: str | None = None, audit: str | None = None) -> bool:
-        """Fit check and the move to ``starting``; the engine then starts in the
-        background behind the start-up gate. Returns False when the deployment
-        is starting or ready already (nothing to do, wait for it). Raises
-        InsufficientMemory, or DeployerError for a state that cannot start."""
-        async with self._lock:
-            dep = self._get(dep_id)
-            state = dep["state"]
-            if state in ("starting", "ready"):
-                return False
-            if state not in STARTABLE and state != "asleep":
-                raise DeployerError(f"{dep['name']} is {state}: it cannot be started now")
-            if state == "asleep" and dep["engine"] != "vllm":
-                raise DeployerError(f"{dep['name']} is asleep but {dep['engine']} has no sleep mode")
-            try:
-                await self.budget.fit(dep, self.all())
-            except BudgetError as exc:
-                raise DeployerError(f"memory budget unreadable: {exc}") from exc
-            waking = state == "asleep"
-            await self._transition(dep_id, "starting", actor=actor, user=user, audit=audit,
-                                   text=text or ("waking" if waking else "starting"))
-            coro = self._wake(dep_id) if waking else self._start(dep_id)
-            self._starts[dep_id] = self.tasks.spawn(coro, f"start {dep['name']}")
-            return True
+                          text: str | None = None, audit: str | None = None,
+                          held_for_others: float = 0.0, wanted: Callable[[], bool] | None = None) -> bool:
+        """The fit check and the move to ``starting``; the engine then starts in the
+        background behind the start-up gate. Returns False when it is starting or
+        ready already (nothing to do: wait for it). Raises InsufficientMemory,
+        BudgetError (the budget could not be read: nothing was tried), or
+        DeployerError for a state that cannot start. ``held_for_others``: memory
+        the wait queue keeps for its head. ``wanted``: asked in the same step as the
+        fit check; False means nobody needs the start any more, and nothing starts."""
+        if self._check_startable(dep_id) is None:
+            return False
+        reading = await self.budget.read(self.all())
+        # From here to the mark, no await: the check and the move are one step.
+        dep = self._check_startable(dep_id)
+        if dep is None or (wanted is not None and not wanted()):
+            return False
+        self.budget.check_fit(dep, self.all(), reading, held_for_others)
+        waking = dep.state is State.ASLEEP
+        old, new = self._mark(dep_id, State.STARTING)
+        coro = self._wake(dep_id) if waking else self._start(dep_id)
+        self._starts[dep_id] = self.tasks.spawn(coro, f"start {dep.name}")
+        await self._persist(old, new, actor=actor, user=user, audit=audit,
+                            text=text or ("waking" if waking else "starting"))
+        return True
+
+    def _check_startable(self, dep_id: int) -> Deployment | None:
+        """The deployment if it can start now; None if it is starting, ready or being
+        removed (nothing to do: wait); raises otherwise."""
+        dep = self._get(dep_id)
+        if dep.state in (State.STARTING, State.READY) or dep_id in self._removing:
+            return None
+        if dep.state is State.ASLEEP:
+            if dep.engine != "vllm":
+                raise DeployerError(f"{dep.name} is asleep but {dep.engine} has no sleep mode")
+        elif dep.state not in ADMIN_STARTABLE:
+            raise DeployerError(f"{dep.name} is {dep.state}: it cannot be started now")
+        return dep
 
     async def wait_started(self, dep_id: int) -> None:
         """Wait until a start ends: returns when ready; raises StartFailed or StartInterrupted."""
@@ -281,63 +353,58 @@ class Deployer:
             dep = self._deps.get(dep_id)
             if dep is None:
                 raise StartInterrupted("removed")
-            if dep["state"] == "ready":
+            if dep.state is State.READY:
                 return
-            if dep["state"] == "failed":
-                raise StartFailed(dep.get("state_reason") or "start failed")
-            if dep["state"] in ("stopping", "stopped", "planned", "asleep"):
-                raise StartInterrupted(dep["state"])
+            if dep.state is State.FAILED:
+                raise StartFailed(dep.state_reason or "start failed")
+            if dep.state is not State.STARTING:
+                raise StartInterrupted(dep.state.value)
             await self.changed(dep_id)
 
     async def restart(self, dep_id: int, **kw: Any) -> None:
-        """Start a stopped, failed or planned deployment and wait until it is ready."""
-        await self.admit_start(dep_id, **kw)
-        await self.wait_started(dep_id)
-
-    async def wake(self, dep_id: int, **kw: Any) -> None:
-        """Wake an asleep (vLLM sleep mode) deployment and wait until it is ready."""
-        dep = self._get(dep_id)
-        if dep["state"] not in ("asleep", "starting", "ready"):
-            raise DeployerError(f"{dep['name']} is {dep['state']}, not asleep")
+        """Start a stopped, failed or planned deployment (or wake an asleep one) and wait until it is ready."""
         await self.admit_start(dep_id, **kw)
         await self.wait_started(dep_id)
 
     async def _start(self, dep_id: int) -> None:
         async with self._gate, self._through_gate(dep_id):
             dep = self._deps.get(dep_id)
-            if dep is None or dep["state"] != "starting":
+            if dep is None or dep.state is not State.STARTING:
                 return  # stopped or removed while it waited at the gate
             try:
                 engine = await self.backend.start(dep)
             except BackendError as exc:
                 tail = await self._tail(None, dep)
-                await self._transition(dep_id, "failed", reason=str(exc), log_tail=tail)
+                await self._transition(dep_id, State.FAILED, reason=str(exc), log_tail=tail)
                 return
             self._attach(engine)
             await self._finish_start(dep_id, engine)
 
     async def _finish_start(self, dep_id: int, engine: Engine) -> None:
         dep = self._deps[dep_id]
-        health = "/health" if dep["engine"] == "llamacpp" else "/v1/models"
+        health = "/health" if dep.engine == "llamacpp" else "/v1/models"
         deadline = self.clock() + self.start_timeout_s
         exited = self._exits[dep_id]
         while True:
-            if self._deps.get(dep_id) is not dep or dep["state"] != "starting":
+            dep_now = self._deps.get(dep_id)
+            if dep_now is None or dep_now.state is not State.STARTING:
                 return  # a stop took over; it stops the engine
             if exited.done():
                 code = exited.result()
-                await self._transition(dep_id, "failed", reason=f"engine exited with code {code} before it was ready",
+                await self._transition(dep_id, State.FAILED,
+                                       reason=f"engine exited with code {code} before it was ready",
                                        log_tail=await self._tail(engine, dep))
                 return
             if self.clock() >= deadline:
-                await self._transition(dep_id, "failed",
+                await self._transition(dep_id, State.FAILED,
                                        reason=f"engine did not answer {health} within {self.start_timeout_s:g} s",
                                        log_tail=await self._tail(engine, dep))
                 await self.backend.stop(engine, self.stop_timeout_s)
                 return
             if await self._answers(engine, health):
-                if dep["state"] == "starting":
-                    await self._transition(dep_id, "ready", text="ready")
+                dep_now = self._deps.get(dep_id)
+                if dep_now is not None and dep_now.state is State.STARTING:
+                    await self._transition(dep_id, State.READY, text="ready")
                 return
             await asyncio.wait([exited, self.changed(dep_id)], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
 
@@ -345,24 +412,24 @@ class Deployer:
         async with self._gate, self._through_gate(dep_id):
             dep = self._deps.get(dep_id)
             engine = self._engines.get(dep_id)
-            if dep is None or dep["state"] != "starting":
+            if dep is None or dep.state is not State.STARTING:
                 return
             if engine is None:
-                await self._transition(dep_id, "failed", reason="no engine to wake")
+                await self._transition(dep_id, State.FAILED, reason="no engine to wake")
                 return
             try:
-                async with self._http.post(engine.base_url + "/wake_up") as resp:  # type: ignore[union-attr]
+                async with self.http.post(engine.base_url + "/wake_up") as resp:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                           message=(await resp.text())[:200])
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                await self._transition(dep_id, "failed", reason=f"wake_up failed: {exc}",
+                await self._transition(dep_id, State.FAILED, reason=f"wake_up failed: {exc}",
                                        log_tail=await self._tail(engine, dep))
                 return
             await self._finish_start(dep_id, engine)
 
     @contextlib.asynccontextmanager
-    async def _through_gate(self, dep_id: int):
+    async def _through_gate(self, dep_id: int) -> AsyncIterator[None]:
         self._gated.add(dep_id)
         try:
             yield
@@ -371,19 +438,19 @@ class Deployer:
 
     async def _answers(self, engine: Engine, path: str) -> bool:
         try:
-            async with self._http.get(engine.base_url + path,  # type: ignore[union-attr]
-                                      timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+            async with self.http.get(engine.base_url + path,
+                                     timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
     def _attach(self, engine: Engine) -> None:
         self._engines[engine.deployment_id] = engine
-        exited = asyncio.get_running_loop().create_future()
+        exited: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         self._exits[engine.deployment_id] = exited
         self.tasks.spawn(self._watch_exit(engine, exited), f"exit {engine.name}")
 
-    async def _watch_exit(self, engine: Engine, exited: asyncio.Future) -> None:
+    async def _watch_exit(self, engine: Engine, exited: asyncio.Future[int | None]) -> None:
         try:
             code = await self.backend.wait_exit(engine)
         except BackendError as exc:
@@ -395,9 +462,9 @@ class Deployer:
         if self._engines.get(dep_id) is engine:
             del self._engines[dep_id]
         dep = self._deps.get(dep_id)
-        if dep is not None and dep["state"] in ("ready", "asleep"):
+        if dep is not None and dep.state in (State.READY, State.ASLEEP):
             # Watchdog: an engine that exits while serving is failed, not stopped.
-            await self._transition(dep_id, "failed", reason=f"engine exited with code {code}",
+            await self._transition(dep_id, State.FAILED, reason=f"engine exited with code {code}",
                                    log_tail=await self._tail(engine, dep), actor="watchdog")
 
     async def _watchdog(self) -> None:
@@ -405,8 +472,7 @@ class Deployer:
         misses: dict[int, int] = {}
         while True:
             await asyncio.sleep(self.watch_interval_s)
-            for dep_id, base_url in self.ready_engines():
-                dep = self._deps[dep_id]
+            for dep_id, _ in self.ready_engines():
                 engine = self._engines.get(dep_id)
                 if engine is None:
                     continue
@@ -414,14 +480,15 @@ class Deployer:
                     misses.pop(dep_id, None)
                     continue
                 misses[dep_id] = misses.get(dep_id, 0) + 1
-                if misses[dep_id] >= self.watch_failures and dep["state"] == "ready":
+                dep = self._deps.get(dep_id)
+                if misses[dep_id] >= self.watch_failures and dep is not None and dep.state is State.READY:
                     misses.pop(dep_id, None)
-                    await self._transition(dep_id, "failed", actor="watchdog",
+                    await self._transition(dep_id, State.FAILED, actor="watchdog",
                                            reason=f"engine stopped answering /health ({self.watch_failures} checks)",
                                            log_tail=await self._tail(engine, dep))
                     await self.backend.stop(engine, self.stop_timeout_s)
 
-    async def _tail(self, engine: Engine | None, dep: dict[str, Any]) -> str:
+    async def _tail(self, engine: Engine | None, dep: Deployment) -> str:
         try:
             return await self.backend.log_tail(engine, dep)
         except Exception as exc:  # the tail is a courtesy; never fail a transition over it
@@ -429,24 +496,27 @@ class Deployer:
 
     # --- stop and sleep -------------------------------------------------------
 
-    async def stop(self, dep_id: int, precheck: Callable[[dict[str, Any]], bool] | None = None, *,
+    def _approve_stop(self, dep_id: int, precheck: Precheck | None) -> tuple[Deployment, Deployment] | None:
+        """The stop decision, with no await: the precheck and the mark are one step."""
+        dep = self._deps.get(dep_id)
+        if dep is None or (precheck is not None and not precheck(dep)):
+            return None
+        if dep.state in (State.STOPPED, State.PLANNED, State.STOPPING) or \
+                (dep.state is State.FAILED and dep_id not in self._engines):
+            return None
+        return self._mark(dep_id, State.STOPPING)
+
+    async def stop(self, dep_id: int, precheck: Precheck | None = None, *,
                    actor: str = "admin", user: str | None = None, text: str | None = None,
                    audit: str | None = None) -> bool:
-        """Stop the engine. With ``precheck``, only if it approves: it runs under
-        the lock with no await before ``stopping`` is marked. Returns whether
-        this call stopped it (False: refused, or nothing to stop)."""
-        async with self._lock:
-            dep = self._deps.get(dep_id)
-            if dep is None:
-                return False
-            if precheck is not None and not precheck(dep):
-                return False
-            state = dep["state"]
-            if state in ("stopped", "planned", "stopping") or (state == "failed" and dep_id not in self._engines):
-                return False
-            # _transition sets the state before its first await. The approved
-            # stop is the one that is recorded (and audited when asked).
-            await self._transition(dep_id, "stopping", actor=actor, user=user, text=text, audit=audit)
+        """Stop the engine. With ``precheck``, only if it approves. Returns whether
+        this call stopped it (False: refused, or nothing to stop). The approved stop
+        is the one recorded (and audited when asked)."""
+        marked = self._approve_stop(dep_id, precheck)
+        if marked is None:
+            return False
+        await self._persist(*marked, actor=actor, user=user, text=text, audit=audit)
+        dep = marked[1]
         start = self._starts.get(dep_id)
         if start is not None and not start.done():
             if dep_id in self._gated:
@@ -461,28 +531,54 @@ class Deployer:
             try:
                 await self.backend.stop(engine, self.stop_timeout_s)
             except BackendError as exc:
-                log.error("stopping %s: %s", dep["name"], exc)
+                log.error("stopping %s: %s", dep.name, exc)
             exited = self._exits.get(dep_id)
             if exited is not None:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s + 5)
-        if self._deps.get(dep_id) is dep and dep["state"] == "stopping":
-            await self._transition(dep_id, "stopped", actor=actor, user=user)
+        now = self._deps.get(dep_id)
+        if now is not None and now.state is State.STOPPING:
+            await self._transition(dep_id, State.STOPPED, actor=actor, user=user)
         return True
 
     async def sleep(self, dep_id: int, *, actor: str = "admin", user: str | None = None) -> None:
-        """vLLM sleep mode level 1: the engine keeps running, its weights leave the GPU."""
-        async with self._lock:
-            dep = self._get(dep_id)
-            if dep["engine"] != "vllm":
-                raise DeployerError(f"{dep['engine']} has no sleep mode; stop it instead")
-            if dep["state"] != "ready":
-                raise DeployerError(f"{dep['name']} is {dep['state']}, not ready")
-            engine = self._engines[dep_id]
-            try:
-                async with self._http.post(engine.base_url + "/sleep", params={"level": "1"}) as resp:  # type: ignore[union-attr]
-                    if resp.status != 200:
-                        raise DeployerError(f"engine refused /sleep: {resp.status} {(await resp.text())[:200]}")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                raise DeployerError(f"engine unreachable: {exc}") from exc
-            await self._transition(dep_id, "asleep", actor=actor, user=user, text="put to sleep (sleep mode)")
+        """vLLM sleep mode level 1: the engine keeps running, its weights leave the GPU.
+        A stop during the engine's /sleep call wins: the deployment is then not marked asleep."""
+        dep = self._get(dep_id)
+        if dep.engine != "vllm":
+            raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
+        engine = self._engines.get(dep_id)
+        if dep.state is not State.READY or engine is None:
+            raise DeployerError(f"{dep.name} is {dep.state}, not ready")
+        try:
+            async with self.http.post(engine.base_url + "/sleep", params={"level": "1"}) as resp:
+                if resp.status != 200:
+                    raise DeployerError(f"engine refused /sleep: {resp.status} {(await resp.text())[:200]}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise DeployerError(f"engine unreachable: {exc}") from exc
+        now = self._deps.get(dep_id)
+        if now is not None and now.state is State.READY:
+            await self._transition(dep_id, State.ASLEEP, actor=actor, user=user, text="put to sleep (sleep mode)")
+
+
+def _typed(fields: dict[str, Any]) -> dict[str, Any]:
+    """Field values as the Deployment holds them (enums, tuples)."""
+    out = dict(fields)
+    for k in ("args", "command"):
+        if k in out:
+            out[k] = tuple(out[k] or ())
+    if "mode" in out:
+        out["mode"] = Mode(out["mode"] or Mode.ALWAYS_ON)
+    if "pending_mode" in out:
+        out["pending_mode"] = Mode(out["pending_mode"]) if out["pending_mode"] else None
+    if "memory_gib" in out:
+        out["memory_gib"] = float(out["memory_gib"] or 0)
+    if "role" in out:
+        out["role"] = Role(out["role"])
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    return getattr(value, "value", value)

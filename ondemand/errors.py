@@ -60,6 +60,10 @@ class InsufficientMemory(Exception):
         self.capacity = capacity
 
 
+class BudgetError(Exception):
+    """The memory budget could not be read (nvidia-smi missing, failing or too slow ...)."""
+
+
 class DeployerError(Exception):
     """A deployer operation that could not be done (bad state, backend error)."""
 

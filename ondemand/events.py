@@ -1,56 +1,110 @@
-"""The in-process event bus: deployment views out to whoever listens.
+"""The one in-process event bus, and its typed events.
 
-Publishers (the deployer on every transition, the controller for live
-counters) call ``publish(view)``; the admin API's SSE stream subscribes with
-a bounded queue, and in-process listeners (the LiteLLM sync trigger) register
-plain callbacks. Publishing never awaits and never blocks on a slow reader: a
-subscriber whose queue is full loses its oldest event, because a view is a
-full snapshot and the newest one is what matters. Imports nothing of ours.
+Owners publish what happened (the deployer every transition, change and
+removal; the controller a change of its live counters; the key watcher a
+rotation; the app a deployment view for the admin API's stream). Subscribers
+register a handler per event type; every subscription is made in ``app``, so
+who hears what is visible in one place.
+
+``publish`` is synchronous and never blocks: handlers are plain functions that
+must not await (they note, decide or spawn a named task). A handler that
+raises is logged and the others still run. ``stream`` hands an async reader
+(the SSE route) a bounded queue of one event type; when it is full the oldest
+event is dropped, because a view is a full snapshot and the newest one is what
+matters. Imports only the deployment value type.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+from .model import Deployment, State
 
 log = logging.getLogger("ondemand.events")
 
-Listener = Callable[[str, dict[str, Any]], None]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeploymentChanged:
+    """A deployment was created, changed, moved to another state, or removed (``dep`` None)."""
+    dep_id: int
+    dep: Deployment | None
+    old: Deployment | None  # None when it was just created
+
+    @property
+    def created(self) -> bool:
+        return self.old is None
+
+    @property
+    def removed(self) -> bool:
+        return self.dep is None
+
+    @property
+    def old_state(self) -> State | None:
+        return self.old.state if self.old is not None else None
+
+    @property
+    def new_state(self) -> State | None:
+        return self.dep.state if self.dep is not None else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CountersChanged:
+    """The controller's in-flight or queued counts of a deployment changed (already throttled)."""
+    dep_id: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyRotated:
+    """The on-demand key changed, appeared or went away."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ViewPublished:
+    """A deployment view (or ``{"id", "removed": true}``) for the admin API's stream."""
+    view: dict[str, Any]
+
+
+E = TypeVar("E")
+Handler = Callable[[Any], None]
 
 
 class EventBus:
-    def __init__(self, queue_size: int = 256):
+    def __init__(self, queue_size: int = 256) -> None:
         self._queue_size = queue_size
-        self._queues: set[asyncio.Queue] = set()
-        self._listeners: list[Listener] = []
+        self._handlers: dict[type, list[Handler]] = {}
+        self._queues: dict[type, set[asyncio.Queue[Any]]] = {}
 
-    def publish(self, view: dict[str, Any], kind: str = "deployment") -> None:
-        for queue in self._queues:
+    def subscribe(self, kind: type[E], handler: Callable[[E], None]) -> Callable[[], None]:
+        """Call ``handler(event)`` for every published event of ``kind``; returns the unsubscribe."""
+        handlers = self._handlers.setdefault(kind, [])
+        handlers.append(handler)
+        return lambda: handlers.remove(handler)
+
+    def publish(self, event: object) -> None:
+        kind = type(event)
+        for queue in self._queues.get(kind, ()):
             if queue.full():
                 queue.get_nowait()
-            queue.put_nowait((kind, view))
-        for listener in list(self._listeners):
+            queue.put_nowait(event)
+        for handler in list(self._handlers.get(kind, ())):
             try:
-                listener(kind, view)
-            except Exception:  # one broken listener must not stop the others
-                log.exception("event listener %r failed", listener)
-
-    def listen(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(kind, view)`` on every publish; returns the unsubscribe."""
-        self._listeners.append(listener)
-        return lambda: self._listeners.remove(listener)
+                handler(event)
+            except Exception:  # one broken handler must not stop the others
+                log.exception("handler %r of %s failed", handler, kind.__name__)
 
     @contextlib.contextmanager
-    def subscribe(self) -> Iterator[asyncio.Queue]:
-        """A queue of (kind, view) for as long as the ``with`` block lasts."""
-        queue: asyncio.Queue = asyncio.Queue(self._queue_size)
-        self._queues.add(queue)
+    def stream(self, kind: type[E]) -> Iterator[asyncio.Queue[E]]:
+        """A bounded queue of the events of ``kind`` for as long as the ``with`` block lasts."""
+        queue: asyncio.Queue[E] = asyncio.Queue(self._queue_size)
+        queues = self._queues.setdefault(kind, set())
+        queues.add(queue)
         try:
             yield queue
         finally:
-            self._queues.discard(queue)
+            queues.discard(queue)
 
-    @property
-    def subscribers(self) -> int:
-        return len(self._queues)
+    def readers(self, kind: type) -> int:
+        return len(self._queues.get(kind, ()))

@@ -28,9 +28,11 @@ import orjson
 from aiohttp import web
 
 from . import notice
-from .controller import Controller, Slot
+from .admission import Admission
+from .controller import Slot
 from .deployer import Deployer
 from .errors import OndemandError
+from .model import Deployment, Role, State
 from .forward import Response as UpstreamResponse, UpstreamError, Upstreams, request_headers, response_headers
 from .keys import KeyWatcher
 from .paths import rebuild, split_checked
@@ -53,7 +55,7 @@ _EMPTY_BODY = frozenset({204, 304})
 # A request held for these must not be sent again at once: the OpenAI SDKs retry
 # 5xx answers unless told otherwise, and each retry would wait or start again.
 _NO_RETRY = frozenset({"start_failed", "does_not_fit", "ondemand_queue_timeout", "ondemand_stopped",
-                       "ondemand_not_configured", "not_on_demand"})
+                       "ondemand_not_configured", "not_on_demand", "ondemand_planned"})
 
 
 def error_response(err: OndemandError) -> web.Response:
@@ -119,7 +121,7 @@ def health_answer(route: str, served: str) -> dict[str, Any] | None:
 
 
 class Gateway:
-    def __init__(self, *, controller: Controller, deployer: Deployer, keys: KeyWatcher,
+    def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
                  clock=time.monotonic):
         self.controller = controller
@@ -190,21 +192,24 @@ class Gateway:
         dep = self.deployer.get(dep_id)
         if dep is None:
             raise _not_found()
-        if dep["role"] == "decision":
+        if dep.role is Role.DECISION:
             raise _err(503, "not_on_demand", f"{dep['served_name']} is not served through the on-demand gateway")
         if kind == "models":
             return web.json_response({"object": "list", "data": [{
-                "id": dep["served_name"], "object": "model", "created": int(dep.get("created_at") or 0),
+                "id": dep.served_name, "object": "model", "created": int(dep.created_at),
                 "owned_by": "dgxmm"}]}, dumps=lambda o: orjson.dumps(o).decode())
+        if dep.state is State.PLANNED:  # not registered in LiteLLM: nothing to wait for
+            raise _err(503, "ondemand_planned",
+                       f"{dep.served_name} is planned: an administrator has to start it first")
         if kind == "model":
-            if dep["state"] != "ready":
+            if dep.state is not State.READY:
                 raise _err(503, "ondemand_not_ready", f"{dep['served_name']} is {dep['state']}")
             return await self._forward(request, dep, segs, None, route)
 
         if HEALTH_HEADER in request.headers:
             return self._health(dep, route)
-        on_demand = (dep.get("mode") or "always_on") == "on_demand"
-        if not on_demand and dep["state"] != "ready":
+        on_demand = dep.on_demand
+        if not on_demand and dep.state is not State.READY:
             raise _err(503, "not_on_demand", f"{dep['served_name']} is always on and is {dep['state']}")
 
         body = await self._read_body(request)
@@ -244,22 +249,25 @@ class Gateway:
             raise self._too_large()
         return body
 
-    def _health(self, dep: dict[str, Any], route: str) -> web.Response:
+    def _health(self, dep: Deployment, route: str) -> web.Response:
         """LiteLLM's health checks are answered here, never forwarded, in every state:
         the header is no secret, and a forwarded one would run without a slot."""
-        if dep["state"] == "failed":
-            raise _err(503, "ondemand_not_ready", f"{dep['served_name']} failed: {dep.get('state_reason') or ''}")
-        answer = health_answer(route, dep["served_name"])
+        if dep.state is State.FAILED:
+            raise _err(503, "ondemand_not_ready", f"{dep.served_name} failed: {dep.state_reason or ''}")
+        answer = health_answer(route, dep.served_name)
         if answer is None:
             raise _err(503, "ondemand_health_unsupported", f"no health answer for /v1/{route}")
-        return web.Response(body=orjson.dumps(answer), content_type=_JSON, headers={STATE_HEADER: dep["state"]})
+        return web.Response(body=orjson.dumps(answer), content_type=_JSON, headers={STATE_HEADER: dep.state.value})
 
     # --- streaming with the queued notice -----------------------------------------
 
-    async def _stream_with_notice(self, request: web.Request, dep: dict[str, Any], segs: list[str],
+    async def _stream_with_notice(self, request: web.Request, dep: Deployment, segs: list[str],
                                   body: bytes, route: str, arrival: float) -> web.StreamResponse:
         queued = asyncio.Event()
-        acq = asyncio.ensure_future(self.controller.acquire(dep["id"], arrival=arrival, on_queued=queued.set))
+        # A child task, awaited or cancelled below (not a background task): the notice
+        # must go out while the acquire still waits.
+        acq = asyncio.ensure_future(  # noqa: TID251
+            self.controller.acquire(dep.id, arrival=arrival, on_queued=queued.set))
         slot: Slot | None = None
         try:
             if not acq.done():
@@ -274,7 +282,7 @@ class Gateway:
             # Queued for memory: tell the person now, then wait.
             out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             await out.prepare(request)
-            await out.write(notice.queued_chunk(route, dep["served_name"]))
+            await out.write(notice.queued_chunk(route, dep.served_name))
             try:
                 slot = await acq
             except OndemandError as err:
@@ -293,14 +301,14 @@ class Gateway:
 
     # --- forwarding -----------------------------------------------------------------
 
-    async def _forward(self, request: web.Request, dep: dict[str, Any], segs: list[str], body: bytes | None,
+    async def _forward(self, request: web.Request, dep: Deployment, segs: list[str], body: bytes | None,
                        route: str, *, prepend: bool = False,
                        started: web.StreamResponse | None = None) -> web.StreamResponse:
-        base = self.deployer.base_url(dep["id"])
+        base = self.deployer.base_url(dep.id)
         if base is None:
             return await self._upstream_failed(started, "the engine has no address")
         target = rebuild(segs[1:])
-        lease = self.upstreams.open(dep["id"], base)
+        lease = self.upstreams.open(dep.id, base)
         try:
             try:
                 up = await lease.request(request.method, target, request_headers(request.headers), body)
@@ -314,7 +322,7 @@ class Gateway:
                         raw = await up.read()
                     except aiohttp.ClientPayloadError as exc:
                         return await self._upstream_failed(None, f"the engine broke off its answer: {exc}")
-                    data = notice.prepend(route, raw, dep["served_name"])
+                    data = notice.prepend(route, raw, dep.served_name)
                     headers = response_headers(up.headers)
                     return web.Response(status=200, body=data, headers=headers)
                 content = up.content

@@ -16,6 +16,8 @@ import secrets
 import time
 from typing import Callable, Literal
 
+from .events import KeyRotated
+
 __all__ = ["generate_key", "fingerprint", "write_key_file", "read_key_file", "KeyWatcher"]
 
 _log = logging.getLogger("ondemand.keys")
@@ -97,18 +99,17 @@ class KeyWatcher:
     recognised (``check`` says ``"previous"``) so LiteLLM, which keeps sending it until it reloads
     the re-registered entries, gets 401 without being counted as a failed attempt.
 
-    ``on_change`` is a list of zero-argument callables run synchronously after every change of the
-    key (a new key, a removal); the app appends the LiteLLM sync trigger and the rate limiter's
-    ``clear``. They must be cheap; one that raises is logged and does not stop the others.
+    ``publish`` gets a ``KeyRotated`` event after every change of the key (a new key, a
+    removal); the app subscribes the LiteLLM sync trigger and the rate limiter's ``clear``.
     """
 
     STAT_INTERVAL_S = 1.0
 
     def __init__(self, path: str | os.PathLike, *, clock: Callable[[], float] = time.monotonic,
                  previous_grace_s: float = 300.0, logger: logging.Logger | None = None,
-                 on_change: list[Callable[[], object]] | None = None):
+                 publish: Callable[[object], None] | None = None):
         self.path = os.fspath(path)
-        self.on_change: list[Callable[[], object]] = list(on_change or ())
+        self.publish = publish
         self._clock = clock
         self._grace = previous_grace_s
         self._log = logger or _log
@@ -201,8 +202,5 @@ class KeyWatcher:
         self._fp = fingerprint(key) if key is not None else None
         if first:
             return  # loading the key at start is not a change: nothing to sync or clear
-        for cb in list(self.on_change):
-            try:
-                cb()
-            except Exception:
-                self._log.exception("ondemand key on_change callback %r failed", cb)
+        if self.publish is not None:
+            self.publish(KeyRotated())

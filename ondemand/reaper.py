@@ -1,7 +1,8 @@
 """The reaper: every ``reap_interval_s``, idle on-demand models are put to sleep.
 
 The rule of "idle" and the stop itself belong to the controller
-(``is_idle`` as the precheck of ``deployer.stop``); this is only the clock.
+(``Controller.reap``, with ``is_idle`` as the precheck of the deployer's
+stop); this is only the clock.
 """
 from __future__ import annotations
 
@@ -18,13 +19,10 @@ class Reaper:
         self.controller = controller
         self.interval_s = interval_s
 
-    async def reap_once(self) -> list[int]:
-        return await self.controller.reap_once()
-
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await self.reap_once()
+                self.controller.reap()
             except Exception:
                 log.exception("reaper step failed")

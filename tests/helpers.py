@@ -54,22 +54,25 @@ async def running_deployer(tmp_path, store, capacity: float = 24, budget=None, *
 
 
 class Env:
-    """A deployer, a metrics sampler and a controller over one state file."""
+    """A deployer, a metrics sampler and the controller (core, effects, admission) over one state file."""
 
-    def __init__(self, deployer, sampler, controller, store):
+    def __init__(self, deployer, sampler, controller, admission, effects, bus, store):
         self.deployer = deployer
         self.sampler = sampler
         self.controller = controller
+        self.admission = admission
+        self.effects = effects
+        self.bus = bus
         self.store = store
         self.published: list[int] = []
 
     async def add(self, name, memory_gib=10, *sim_args, **kw):
         return (await self.deployer.create(dep_fields(name, memory_gib, kw.pop("mode", "on_demand"),
-                                                      *sim_args, **kw)))["id"]
+                                                      *sim_args, **kw))).id
 
     def state(self, dep_id):
         dep = self.deployer.get(dep_id)
-        return dep and dep["state"]
+        return dep and dep.state.value
 
     async def start(self, dep_id):
         await self.deployer.restart(dep_id)
@@ -77,26 +80,50 @@ class Env:
     async def fresh_metrics(self):
         await self.sampler.sample_once()
 
+    def acquire(self, dep_id, **kw):
+        return self.admission.acquire(dep_id, **kw)
+
+    async def reap(self) -> list[int]:
+        """The reaper's step, and the stops it asked for, to their end."""
+        asked = self.controller.reap()
+        await self.effects_done()
+        return [i for i in asked if self.state(i) == "stopped"]
+
+    async def effects_done(self, timeout: float = 30.0) -> None:
+        """Wait until no effect task of the controller runs."""
+        await wait_for(lambda: len(self.effects.tasks) == 0, timeout=timeout, interval=0.005,
+                       what="the controller's effects to end")
+
 
 @contextlib.asynccontextmanager
 async def controller_env(tmp_path, store, capacity: float = 24, *, queue_timeout_s: float = 30,
                          max_queued: int = 256, idle_timeout_s: int = 1, **kw):
+    from ondemand.admission import Admission
     from ondemand.controller import Controller
+    from ondemand.effects import DeployerEffects
+    from ondemand.events import CountersChanged, DeploymentChanged, EventBus
     from ondemand.metrics import MetricsSampler
+    from ondemand.model import State
 
-    async with running_deployer(tmp_path, store, capacity, kw.pop("budget", None), **kw.pop("deployer_kw", {})) as d:
-        sampler = MetricsSampler(lambda: d.engines_in(("ready", "asleep")), interval_s=0.1)
-        env = Env(d, sampler, None, store)
-        c = Controller(d, d.budget, sampler, queue_timeout_s=queue_timeout_s, max_queued=max_queued,
-                       idle_timeout_s=idle_timeout_s, min_idle_timeout_s=1,
-                       on_counters=env.published.append, **kw)
-        env.controller = c
+    bus = EventBus()
+    deployer_kw = {"publish": bus.publish, **kw.pop("deployer_kw", {})}
+    async with running_deployer(tmp_path, store, capacity, kw.pop("budget", None), **deployer_kw) as d:
+        sampler = MetricsSampler(lambda: d.engines_in((State.READY, State.ASLEEP)), interval_s=0.1)
+        effects = DeployerEffects(d, d.budget, sampler, publish=bus.publish, settle_poll_s=0.05)
+        c = Controller(effects, clock=kw.pop("clock", time.monotonic), wall=time.time,
+                       queue_timeout_s=queue_timeout_s, max_queued=max_queued,
+                       idle_timeout_s=idle_timeout_s, min_idle_timeout_s=1, **kw)
+        effects.bind(c)
+        env = Env(d, sampler, c, Admission(c, d), effects, bus, store)
+        bus.subscribe(DeploymentChanged, lambda e: c.on_deployment(e.dep_id, e.dep, e.old))
+        bus.subscribe(CountersChanged, lambda e: env.published.append(e.dep_id))
         task = asyncio.get_running_loop().create_task(sampler.run())
         try:
             yield env
         finally:
             task.cancel()
-            await c.close()
+            c.close()
+            await effects.close()
             await sampler.close()
 
 
@@ -120,6 +147,11 @@ class Server:
         from ondemand import app as app_mod
         return self.app[app_mod.CONTROLLER]
 
+    @property
+    def admission(self):
+        from ondemand import app as app_mod
+        return self.app[app_mod.ADMISSION]
+
     def gw(self, dep_id, route: str) -> str:
         return f"{self.url}/ondemand/{dep_id}/v1/{route}"
 
@@ -131,11 +163,11 @@ class Server:
 
     async def add(self, name, memory_gib=10, *sim_args, **kw) -> int:
         fields = dep_fields(name, memory_gib, kw.pop("mode", "on_demand"), *sim_args, **kw)
-        return (await self.deployer.create(fields))["id"]
+        return (await self.deployer.create(fields)).id
 
     def state(self, dep_id):
         dep = self.deployer.get(dep_id)
-        return dep and dep["state"]
+        return dep and dep.state.value
 
 
 def free_port() -> int:

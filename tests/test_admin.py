@@ -210,7 +210,7 @@ async def test_events_stream_views_and_folds_counters(server):
     task = asyncio.ensure_future(reader())
     await wait_for(lambda: got, what="initial views")
     got.clear()
-    slots = [await server.controller.acquire(i) for _ in range(10)]
+    slots = [await server.admission.acquire(i) for _ in range(10)]
     for s in slots:
         s.release()
     await asyncio.sleep(1.5)
@@ -252,8 +252,9 @@ async def test_published_views_of_a_cold_start(server):
     _, v = await api(server, "POST", "/deployments", new_dep("a", command=sim_command("A", "--startup-delay", "0.3")))
     i = v["id"]
     seen = []
-    server.app[components.BUS].listen(
-        lambda kind, view: view.get("id") == i and seen.append((view["state"], view["ondemand"]["phase"], view["updated_at"])))
+    from ondemand.events import ViewPublished
+    server.app[components.BUS].subscribe(ViewPublished, lambda e: e.view.get("id") == i and seen.append(
+        (e.view["state"], e.view["ondemand"]["phase"], e.view["updated_at"])))
     async with aiohttp.ClientSession() as s:
         async with s.post(server.gw(i, "chat/completions"), headers=server.auth(),
                           json={"model": "A", "messages": [{"role": "user", "content": "hi"}]}) as r:

@@ -57,7 +57,7 @@ async def pressure(server):
     big = await server.add("big", 15)
     x = await server.add("x", 12)
     await server.deployer.restart(big)
-    slot = await server.controller.acquire(big)
+    slot = await server.admission.acquire(big)
     return big, x, slot
 
 

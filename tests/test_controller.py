@@ -1,590 +1,728 @@
-"""The controller against the real deployer, process backend and engine simulator."""
-import asyncio
-import contextlib
-import random
+"""The controller's decision core, deterministic: a fake clock and a recording
+fake of its effects, no event loop, no sleeps. One test (or a few) per
+paragraph of the controller's behaviour (ondemand/BEHAVIOUR.md, "Controller").
+The same rules against real engine processes, raced: test_controller_races.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
 
 import pytest
 
-from ondemand.errors import OndemandError
+from ondemand.controller import BACKOFF_FIRST_S, BACKOFF_MAX_S, Controller, Phase
+from ondemand.errors import InsufficientMemory, OndemandError
+from ondemand.eviction import Candidate, pick_victims
+from ondemand.model import Deployment, Mode, Role, State
 
-from helpers import controller_env, wait_for
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.timers: list[FakeTimer] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        """Move time on, firing the timers that fall due, in order."""
+        end = self.t + dt
+        while True:
+            due = sorted((t for t in self.timers if not t.cancelled and t.when <= end), key=lambda t: t.when)
+            if not due:
+                break
+            timer = due[0]
+            self.t = max(self.t, timer.when)
+            self.timers.remove(timer)
+            timer.callback()
+        self.t = end
 
 
-async def code_of(coro):
+@dataclasses.dataclass
+class FakeTimer:
+    when: float
+    callback: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Effects:
+    """Records what the core asks for; the test plays the deployer and reports back."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.deps: dict[int, Deployment] = {}
+        self.calls: list[tuple[Any, ...]] = []
+        self.busy_engines: set[int] = set()
+        self.controller: Controller | None = None
+
+    # reads
+    def deployment(self, dep_id: int) -> Deployment | None:
+        return self.deps.get(dep_id)
+
+    def deployments(self) -> list[Deployment]:
+        return list(self.deps.values())
+
+    def engine_idle(self, dep_id: int) -> bool:
+        return dep_id not in self.busy_engines
+
+    # actions
+    def admit(self, dep_id: int, *, held_for_others: float, text: str) -> None:
+        self.calls.append(("admit", dep_id, held_for_others, text))
+
+    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.calls.append(("stop", dep_id, for_dep, text))
+
+    def settle(self, dep_id: int, need: float, within_s: float) -> None:
+        self.calls.append(("settle", dep_id, need))
+
+    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None:
+        self.calls.append(("audit", action, dep_id, text))
+
+    def counters_changed(self, dep_id: int) -> None:
+        self.calls.append(("counters", dep_id, self.clock.t))
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> FakeTimer:
+        timer = FakeTimer(self.clock.t + delay, callback)
+        self.clock.timers.append(timer)
+        return timer
+
+    # the test's side of the deployer
+    def add(self, dep_id: int, memory_gib: float = 10, *, state: State = State.STOPPED,
+            mode: Mode = Mode.ON_DEMAND, **kw: Any) -> int:
+        dep = Deployment(id=dep_id, name=f"d{dep_id}", served_name=f"D{dep_id}", memory_gib=memory_gib,
+                         state=state, mode=mode, **kw)
+        self.deps[dep_id] = dep
+        if self.controller is not None:
+            self.controller.on_deployment(dep_id, dep, None)
+        return dep_id
+
+    def set(self, dep_id: int, **changes: Any) -> None:
+        old = self.deps[dep_id]
+        new = old.replace(**changes)
+        self.deps[dep_id] = new
+        assert self.controller is not None
+        self.controller.on_deployment(dep_id, new, old)
+
+    def remove(self, dep_id: int) -> None:
+        old = self.deps.pop(dep_id)
+        assert self.controller is not None
+        self.controller.on_deployment(dep_id, None, old)
+
+    def taken(self, kind: str) -> list[tuple[Any, ...]]:
+        """The calls of ``kind`` since the last look, and forget them."""
+        out = [c for c in self.calls if c[0] == kind]
+        self.calls = [c for c in self.calls if c[0] != kind]
+        return out
+
+
+class Req:
+    """A request's waiter as the async edge would hold it."""
+
+    def __init__(self, c: Controller, dep_id: int, arrival: float | None = None):
+        self.wakes = 0
+        self.queued = 0
+        self.waiter = c.join(dep_id, arrival=c.clock() if arrival is None else arrival,
+                             notify=self._wake, on_queued=self._queued)
+        self.c = c
+
+    def _wake(self) -> None:
+        self.wakes += 1
+
+    def _queued(self) -> None:
+        self.queued += 1
+
+    def take(self):
+        return self.c.take(self.waiter)
+
+    def code(self) -> str:
+        with pytest.raises(OndemandError) as exc:
+            self.take()
+        self.c.leave(self.waiter)
+        return exc.value.code
+
+    def leave(self) -> None:
+        self.c.leave(self.waiter)
+
+
+@pytest.fixture
+def world():
+    clock = Clock()
+    fx = Effects(clock)
+    return clock, fx
+
+
+def make(world, **kw: Any) -> tuple[Controller, Effects, Clock]:
+    clock, fx = world
+    c = Controller(fx, clock=clock, wall=lambda: 1.7e9 + clock.t, idle_timeout_s=kw.pop("idle_timeout_s", 60),
+                   min_idle_timeout_s=kw.pop("min_idle_timeout_s", 1), **kw)
+    fx.controller = c
+    return c, fx, clock
+
+
+def start(fx: Effects, c: Controller, dep_id: int) -> None:
+    """Play the deployer: the admit effect started it, and it became ready."""
+    assert fx.taken("admit")[-1][1] == dep_id
+    fx.set(dep_id, state=State.STARTING)
+    c.on_admitted(dep_id, True)
+    fx.set(dep_id, state=State.READY)
+
+
+def idle_ready(fx: Effects, c: Controller, clock: Clock, *ids: int) -> None:
+    """Make deployments ready and idle for their full timeout."""
+    for i in ids:
+        fx.set(i, state=State.READY)
+    clock.advance(61)
+
+
+# --- slots -----------------------------------------------------------------------------
+
+def test_ready_gives_a_slot_at_once_and_release_is_idempotent(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    slot = c.try_take(1)
+    assert slot is not None and c.inflight(1) == 1 and c.status(1)["phase"] == "serving"
+    slot.release()
+    slot.release()
+    assert c.inflight(1) == 0 and c.status(1)["phase"] == "idle"
+    assert c.status(1)["last_request_at"] == 1.7e9 + clock.t
+    assert fx.taken("admit") == []
+
+
+def test_a_burst_of_first_requests_asks_for_one_start(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    reqs = [Req(c, 1) for _ in range(50)]
+    assert [r.take() for r in reqs] == [None] * 50
+    assert len(fx.taken("admit")) == 1  # one attempt shared by every waiter
+    assert c.status(1)["queued"] == 50
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    assert c.status(1)["phase"] == "starting_for_request"
+    fx.set(1, state=State.READY)
+    assert all(r.wakes for r in reqs)
+    slots = [r.take() for r in reqs]
+    for r in reqs:
+        r.leave()
+    assert all(slots) and c.inflight(1) == 50 and c.waiting() == 0
+    assert fx.taken("admit") == []
+
+
+def test_a_slot_is_counted_only_when_the_waiter_takes_it(world):
+    """A waiter woken by ready that hangs up before its turn has taken nothing."""
+    c, fx, clock = make(world)
+    fx.add(1)
+    r = Req(c, 1)
+    start(fx, c, 1)
+    assert r.wakes and c.inflight(1) == 0
+    r.leave()  # the hang-up, before take()
+    assert c.inflight(1) == 0 and c.waiting() == 0 and c.status(1)["queued"] == 0
+
+
+def test_queue_full_fails_at_once(world):
+    c, fx, clock = make(world, max_queued=3)
+    fx.add(1)
+    for _ in range(3):
+        Req(c, 1)
     with pytest.raises(OndemandError) as exc:
-        await coro
-    return exc.value.code
+        Req(c, 1)
+    assert exc.value.code == "ondemand_queue_full" and exc.value.headers["Retry-After"] == "60"
+    assert c.waiting() == 3
 
 
-async def test_ready_gives_a_slot_at_once_and_release_is_idempotent(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a")
-        await env.start(a)
-        c = env.controller
-        slot = await c.acquire(a)
-        assert c.inflight(a) == 1 and c.status(a)["phase"] == "serving"
-        slot.release()
-        slot.release()
-        assert c.inflight(a) == 0 and c.status(a)["phase"] == "idle"
-        async with await c.acquire(a):
-            assert c.inflight(a) == 1
-        assert c.inflight(a) == 0
-        assert c.status(a)["last_request_at"] is not None
+def test_the_deadline_counts_from_arrival_and_a_timeout_is_audited(world):
+    c, fx, clock = make(world, queue_timeout_s=1)
+    fx.add(1)
+    r = Req(c, 1, arrival=clock.t - 0.8)
+    assert c.next_wake(r.waiter) == pytest.approx(0.2)
+    clock.advance(0.2)
+    assert r.code() == "ondemand_queue_timeout"
+    assert [a[1] for a in fx.taken("audit")] == ["ondemand_queue_timeout"]
+    assert c.waiting() == 0
 
 
-async def test_burst_of_first_requests_starts_once(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a", 10, "--startup-delay", "0.3")
-        slots = await asyncio.gather(*(env.controller.acquire(a) for _ in range(50)))
-        assert env.controller.inflight(a) == 50
-        for s in slots:
-            s.release()
-        audit = await store.audit(a)
-        assert [r["action"] for r in audit] == ["ondemand_start"]
-        assert audit[0]["actor"] == "ondemand" and audit[0]["user"] is None
-        starts = [e for e in await store.events(a) if e["detail"].get("to") == "starting"]
-        assert len(starts) == 1
-        assert env.controller.waiting() == 0
+def test_asleep_is_woken(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.ASLEEP)
+    Req(c, 1)
+    assert fx.taken("admit")[0][3] == "Woken for a request"
 
 
-async def test_queue_full_fails_at_once(tmp_path, store):
-    async with controller_env(tmp_path, store, max_queued=3) as env:
-        a = await env.add("a", 10, "--startup-delay", "1")
-        waiters = [asyncio.ensure_future(env.controller.acquire(a)) for _ in range(3)]
-        await asyncio.sleep(0.05)
+@pytest.mark.parametrize("state", [State.STARTING, State.STOPPING])
+def test_states_that_wait_without_starting(world, state):
+    c, fx, clock = make(world)
+    fx.add(1, state=state)
+    r = Req(c, 1)
+    assert r.take() is None and fx.taken("admit") == []
+    fx.set(1, state=State.READY)
+    assert r.take() is not None
+
+
+def test_a_pending_switch_to_always_on_is_waited_for(world):
+    c, fx, clock = make(world)
+    fx.add(1, pending_mode=Mode.ALWAYS_ON)
+    r = Req(c, 1)
+    assert fx.taken("admit") == []
+    fx.set(1, state=State.STARTING)
+    fx.set(1, state=State.READY, mode=Mode.ALWAYS_ON, pending_mode=None)
+    assert r.take() is not None
+
+
+def test_planned_is_refused_at_once(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.PLANNED)
+    with pytest.raises(OndemandError) as exc:
+        Req(c, 1)
+    assert exc.value.code == "ondemand_planned" and c.waiting() == 0
+
+
+def test_unknown_is_not_found(world):
+    c, fx, clock = make(world)
+    with pytest.raises(OndemandError) as exc:
+        Req(c, 9)
+    assert exc.value.code == "not_found"
+
+
+# --- does not fit, make room ---------------------------------------------------------------
+
+def test_does_not_fit_at_once(world):
+    c, fx, clock = make(world)
+    fx.add(1, 30)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(30, 0, 24))
+    assert r.code() == "does_not_fit"
+    assert 1 not in c.queue
+
+
+def test_too_big_is_queued_within_20_s_of_an_on_demand_stop(world):
+    """Freed memory may still read as used right after a stop."""
+    c, fx, clock = make(world)
+    fx.add(1, 30)
+    fx.add(2, 10, state=State.READY)
+    c.on_stopped(2, True, None, 10)  # the reaper stopped 2 just now
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(30, 0, 24))
+    assert r.take() is None and 1 in c.queue and r.queued == 1
+    clock.advance(21)
+    c.on_settled(1)  # (an unrelated look again later)
+    fx.taken("admit")
+    c.tick()
+    c.on_refused(1, InsufficientMemory(30, 0, 24))
+    assert r.code() == "does_not_fit"
+
+
+def test_make_room_stops_lru_idle_victims_then_waits_for_memory(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10)
+    fx.add(3, 10)
+    idle_ready(fx, c, clock, 2, 3)
+    c.release(c.try_take(3).dep_id)  # 3 used just now: 2 is least recently used...
+    clock.advance(61)  # ...and both idle for their full timeout
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)]  # 6 GiB short: one victim, the LRU one
+    assert c.attempt_phase(1) is Phase.STOPPING and r.queued == 1
+    c.on_stopped(2, True, 1, 10)
+    assert fx.taken("settle") == [("settle", 1, 10)]
+    assert c.queue.reserved_for_others(99) == 10  # held for the head
+    c.on_settled(1)
+    assert fx.taken("admit")[0][1:3] == (1, 0.0)  # the head itself holds nothing against itself
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    assert 1 not in c.queue and c.queue.reserved_for_others(99) == 0
+    fx.set(1, state=State.READY)
+    assert r.take() is not None
+
+
+@pytest.mark.parametrize("why", ["timeout", "metrics", "inflight", "waiters", "always_on", "pending"])
+def test_who_is_never_a_victim(world, why):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, mode=Mode.ALWAYS_ON if why == "always_on" else Mode.ON_DEMAND)
+    idle_ready(fx, c, clock, 2)
+    if why == "timeout":
+        fx.set(2, idle_timeout_s=600)  # idle 61 s of 600
+    elif why == "metrics":
+        fx.busy_engines.add(2)  # its engine still runs or queues requests
+    elif why == "inflight":
+        c.try_take(2)
+    elif why == "waiters":
+        fx.set(2, state=State.STOPPED)
+        Req(c, 2)
+        fx.taken("admit")
+        fx.set(2, state=State.READY)  # its waiter has not taken its slot yet
+    elif why == "pending":
+        fx.set(2, pending_mode=Mode.ALWAYS_ON)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == [] and 1 in c.queue
+    assert not c.is_idle(fx.deps[2])
+
+
+def test_if_all_victims_are_not_enough_none_is_stopped(world):
+    c, fx, clock = make(world)
+    fx.add(1, 20)
+    fx.add(2, 5)
+    fx.add(3, 5)
+    idle_ready(fx, c, clock, 2, 3)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(20, 4, 24))  # 16 short, 10 stoppable
+    assert fx.taken("stop") == [] and 1 in c.queue
+
+
+def test_victims_that_turned_busy_are_left_and_the_head_waits(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10)
+    idle_ready(fx, c, clock, 2)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.taken("stop")
+    c.on_stopped(2, False, 1, 10)  # the precheck refused: a request got there first
+    assert fx.taken("settle") == [] and c.attempt_phase(1) is Phase.IDLE and r.take() is None
+
+
+def test_only_the_head_makes_room_and_later_entries_see_its_hold(world):
+    c, fx, clock = make(world)
+    for i in (1, 2, 3):
+        fx.add(i, 10)
+    fx.add(4, 10)
+    idle_ready(fx, c, clock, 4)
+    head = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.taken("stop")
+    c.on_stopped(4, True, 1, 10)
+    later = Req(c, 2)  # arrives while memory was freed for the head
+    admit = [a for a in fx.taken("admit") if a[1] == 2][0]
+    assert admit[2] == 10  # its fit check keeps the head's 10 GiB out of reach
+    c.on_refused(2, InsufficientMemory(10, 4, 24))
+    assert c.queue.ids() == [1, 2] and fx.taken("stop") == []  # queued behind, makes no room
+    assert later.queued == 1 and head.queued == 1
+    head.leave()  # the head gives up: its hold goes, and the next one looks again
+    assert c.queue.ids() == [2] and c.queue.reserved_for_others(2) == 0
+    c.on_settled(1)
+    assert [a[1] for a in fx.taken("admit")] == [2]
+
+
+def test_a_later_entry_that_fits_starts_while_the_head_is_blocked(world):
+    c, fx, clock = make(world)
+    fx.add(1, 30)
+    fx.add(2, 4)
+    fx.add(9, 10, state=State.READY)  # busy: the head can make no room
+    c.try_take(9)
+    c.on_stopped(9, True, None, 0)  # a stop just now: 1 is queued, not refused
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(30, 14, 24))
+    later = Req(c, 2)
+    assert fx.taken("admit")[-1][1:3] == (2, 0.0)
+    fx.set(2, state=State.STARTING)
+    c.on_admitted(2, True)
+    fx.set(2, state=State.READY)
+    assert later.take() is not None and c.queue.ids() == [1]
+
+
+def test_queue_order_is_first_arrival(world):
+    c, fx, clock = make(world)
+    for i in (1, 2, 3):
+        fx.add(i, 10)
+    late = Req(c, 3, arrival=clock.t)
+    early = Req(c, 2, arrival=clock.t - 5)
+    c.on_refused(3, InsufficientMemory(10, 0, 24))
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert c.queue.ids() == [2, 3] and c.queue.head() == 2
+    assert c.status(2)["phase"] == "queued" and late.queued == early.queued == 1
+
+
+def test_a_queued_entry_looks_again_when_an_idle_timeout_runs_out(world):
+    """No event announces that a model became idle: a timer does, at the latest after 15 s."""
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, state=State.READY)
+    c.release(c.try_take(2).dep_id)  # used just now: idle in 60 s
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == []
+    clock.advance(45)  # three 15 s looks, each asking again
+    for _ in fx.taken("admit"):
+        c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == []
+    clock.advance(15.1)  # the idle timeout ran out just before this look
+    admits = fx.taken("admit")
+    assert admits
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [2]
+
+
+def test_the_queued_notice_fires_once_per_request(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    a = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    b = Req(c, 1)  # joins a queued deployment: told at once
+    c.tick()
+    for _ in fx.taken("admit"):
+        c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert (a.queued, b.queued) == (1, 1)
+
+
+def test_a_hang_up_while_queued_removes_the_entry(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert c.status(1) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued"}
+    r.leave()
+    assert 1 not in c.queue and c.waiting() == 0 and c.status(1)["phase"] == "sleeping"
+
+
+def test_an_attempt_whose_waiters_left_is_not_wanted(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    r = Req(c, 1)
+    assert c.wanted(1)
+    r.leave()
+    assert not c.wanted(1)  # the deployer asks this in the step that would mark starting
+    c.on_admitted(1, False)
+    assert c.attempt_phase(1) is None
+
+
+# --- stopped, removed, failed --------------------------------------------------------------
+
+def test_stopped_while_starting_for_a_request(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    r = Req(c, 1)
+    fx.taken("admit")
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    fx.set(1, state=State.STOPPING)
+    assert r.code() == "ondemand_stopped"
+    fx.set(1, state=State.STOPPED)
+    assert c.backoff_left(1) == 0  # not a start failure: the next request starts it again
+    Req(c, 1)
+    assert len(fx.taken("admit")) == 1
+
+
+def test_removed_while_waiting(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    fx.add(2, state=State.STARTING)  # started by hand
+    starting = Req(c, 1)
+    fx.taken("admit")
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    other = Req(c, 2)
+    fx.remove(1)
+    fx.remove(2)
+    assert starting.code() == "ondemand_stopped" and other.code() == "not_found"
+
+
+def test_a_failed_start_backs_off_60_s_doubling_to_900(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    delays = []
+    for _ in range(6):
+        r = Req(c, 1)
+        fx.taken("admit")
+        fx.set(1, state=State.STARTING)
+        c.on_admitted(1, True)
+        fx.set(1, state=State.FAILED, state_reason="engine exited with code 1")
+        assert r.code() == "start_failed"
+        delays.append(c.backoff_left(1))
         with pytest.raises(OndemandError) as exc:
-            await env.controller.acquire(a)
-        assert exc.value.code == "ondemand_queue_full" and exc.value.headers["Retry-After"] == "60"
-        for s in await asyncio.gather(*waiters):
-            s.release()
+            Req(c, 1)  # refused at once during the backoff
+        assert exc.value.code == "start_failed" and "engine exited" in exc.value.message
+        clock.advance(c.backoff_left(1))
+    assert delays == [BACKOFF_FIRST_S, 120, 240, 480, BACKOFF_MAX_S, BACKOFF_MAX_S]
 
 
-async def test_deadline_counts_from_arrival(tmp_path, store):
-    async with controller_env(tmp_path, store, queue_timeout_s=1) as env:
-        a = await env.add("a", 10, "--startup-delay", "5")
-        arrival = env.controller.clock() - 0.8  # the request arrived a while ago
-        t0 = env.controller.clock()
-        assert await code_of(env.controller.acquire(a, arrival=arrival)) == "ondemand_queue_timeout"
-        assert env.controller.clock() - t0 < 0.9  # ~0.2 s left of 1 s, not a whole second
-        assert [r["action"] for r in await store.audit(a)][0] == "ondemand_queue_timeout"
-        assert env.controller.waiting() == 0
+@pytest.mark.parametrize("reset", ["ready", "set_mode", "config"])
+def test_what_resets_the_backoff(world, reset):
+    c, fx, clock = make(world)
+    fx.add(1)
+    c.on_start_error(1, "x")  # nobody waits: nothing
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_start_error(1, "the engine cannot start from this state")
+    assert r.code() == "start_failed" and c.backoff_left(1) == BACKOFF_FIRST_S
+    if reset == "ready":
+        fx.set(1, state=State.STARTING)
+        fx.set(1, state=State.READY)
+    elif reset == "set_mode":
+        c.plan_mode(1, "on_demand")
+    else:
+        fx.set(1, memory_gib=12)
+    assert c.backoff_left(1) == 0
 
 
-async def test_asleep_is_woken(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a")
-        await env.start(a)
-        await env.deployer.sleep(a)
-        async with await env.controller.acquire(a):
-            assert env.state(a) == "ready"
-        assert "Woken for a request" in [e["text"] for e in await store.events(a)]
+def test_a_start_by_hand_during_the_backoff_is_waited_for(world):
+    """Backoff refuses new starts, not a start an administrator made."""
+    c, fx, clock = make(world)
+    fx.add(1)
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_start_error(1, "bad")
+    assert r.code() == "start_failed" and c.backoff_left(1) > 0
+    fx.set(1, state=State.STARTING)  # an administrator starts it
+    waiting = Req(c, 1)
+    assert waiting.take() is None and fx.taken("admit") == []
+    fx.set(1, state=State.READY)
+    assert waiting.take() is not None
 
 
-@pytest.mark.parametrize("how", ["starting_by_hand", "stopping", "planned", "pending_mode"])
-async def test_states_that_wait_without_starting(tmp_path, store, how):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a", 10, "--startup-delay", "0.5", state="planned" if how == "planned" else "stopped")
-        c = env.controller
-        if how == "starting_by_hand":
-            await env.deployer.admit_start(a, actor="admin")
-        elif how == "pending_mode":
-            await env.deployer.update(a, pending_mode="always_on")
-        elif how == "stopping":
-            await env.start(a)
-            env.deployer.get(a)["state"] = "stopping"  # as mid-stop
-        waiter = asyncio.ensure_future(c.acquire(a))
-        await asyncio.sleep(0.3)
-        assert not waiter.done()
-        starts = [r for r in await store.audit(a) if r["action"] == "ondemand_start"]
-        assert starts == []  # the controller started nothing itself
-        if how == "starting_by_hand":
-            (await waiter).release()
-        else:
-            waiter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiter
-        assert c.waiting() == 0
+def test_an_unreadable_budget_is_no_start_failure(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_budget_error(1, "nvidia-smi did not answer within 15 s")
+    with pytest.raises(OndemandError) as exc:
+        r.take()
+    assert exc.value.code == "budget_unavailable" and "nvidia-smi" in exc.value.message
+    r.leave()
+    assert c.backoff_left(1) == 0  # nothing started: the next request tries again
+    Req(c, 1)
+    assert len(fx.taken("admit")) == 1
 
 
-async def test_does_not_fit_at_once(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=24) as env:
-        big = await env.add("big", 30)
-        assert await code_of(env.controller.acquire(big)) == "does_not_fit"
-        # always-on models shrink what on-demand ones can ever use
-        ao = await env.add("ao", 16, mode="always_on")
-        await env.start(ao)
-        mid = await env.add("mid", 10)
-        assert await code_of(env.controller.acquire(mid)) == "does_not_fit"
-        assert env.controller.waiting() == 0 and len(env.controller.queue) == 0
+def test_a_background_wake_that_fails_is_start_failed(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.ASLEEP)
+    r = Req(c, 1)
+    fx.taken("admit")
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    fx.set(1, state=State.FAILED, state_reason="wake_up failed")
+    assert r.code() == "start_failed" and c.backoff_left(1) == BACKOFF_FIRST_S
 
 
-async def test_make_room_stops_lru_idle_victims(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=24) as env:
-        c = env.controller
-        a, b, x = await env.add("a", 8), await env.add("b", 8), await env.add("x", 12)
-        await env.start(a)
-        await env.start(b)
-        (await c.acquire(b)).release()  # b used after a: a is least recently used
-        await asyncio.sleep(1.1)  # both idle for their full timeout
-        await env.fresh_metrics()
-        queued = []
-        async with await c.acquire(x, on_queued=lambda: queued.append(1)):
-            assert env.state(x) == "ready"
-        assert env.state(a) == "stopped" and env.state(b) == "ready"
-        sleeps = [r for r in await store.audit() if r["action"] == "ondemand_sleep"]
-        assert len(sleeps) == 1 and sleeps[0]["deployment_id"] == a
-        assert sleeps[0]["text"] == "Put to sleep to make room for X" and sleeps[0]["user"] is None
-        assert queued == [1]  # it waited for memory once
+# --- the reaper, idle timers, modes ----------------------------------------------------------
+
+def test_the_reaper_stops_what_is_idle_for_its_full_timeout(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY, idle_timeout_s=120)
+    fx.add(2, state=State.READY)
+    fx.add(3, state=State.READY, mode=Mode.ALWAYS_ON)
+    fx.add(4, state=State.ASLEEP)
+    fx.add(5, state=State.READY, role=Role.SYSTEM)
+    clock.advance(60)
+    assert c.reap() == [2, 4]
+    assert [s[3] for s in fx.taken("stop")] == ["Put to sleep after 1 min idle"] * 2
+    clock.advance(60)
+    assert c.reap() == [1, 2, 4]  # (2 and 4 again: the deployer refuses a second stop)
 
 
-async def test_victims_must_be_idle_for_their_full_timeout(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=30) as env:
-        c = env.controller
-        a, x = await env.add("a", 10, idle_timeout_s=2), await env.add("x", 12)
-        await env.start(a)
-        await env.fresh_metrics()
-        t0 = c.clock()
-        async with await c.acquire(x):
-            waited = c.clock() - t0
-        assert waited >= 1.5  # woke when a's idle timeout ran out, not after 15 s
-        assert waited < 8
-        assert env.state(a) == "stopped"
+def test_the_idle_timer_restarts_on_grant_release_ready_and_the_switch(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    fx.add(2)
+    clock.advance(59)
+    c.release(c.try_take(1).dep_id)
+    clock.advance(59)
+    assert c.reap() == []
+    clock.advance(1)
+    assert c.reap() == [1]
+    fx.set(2, state=State.STARTING)
+    clock.advance(100)
+    fx.set(2, state=State.READY)  # ready: the timer restarts
+    clock.advance(59)
+    assert 2 not in c.reap()
+    fx.set(2, mode=Mode.ALWAYS_ON)
+    clock.advance(100)
+    fx.set(2, mode=Mode.ON_DEMAND)  # switched to on demand: a full timeout again
+    clock.advance(59)
+    assert 2 not in c.reap()
 
 
-async def test_busy_engine_by_metrics_is_not_a_victim(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=2) as env:
-        c = env.controller
-        a = await env.add("a", 10, "--token-delay", "0.2")
-        x = await env.add("x", 12)
-        await env.start(a)
-        await asyncio.sleep(1.1)
-        import aiohttp
-        async with aiohttp.ClientSession() as s:
-            # a request that reached the engine around the gateway keeps it busy
-            body = {"model": "A", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-            async with s.post(env.deployer.base_url(a) + "/v1/chat/completions", json=body) as resp:
-                await resp.content.readline()
-                await env.fresh_metrics()
-                assert not env.sampler.idle(a)
-                assert await code_of(c.acquire(x)) == "ondemand_queue_timeout"
-        assert env.state(a) == "ready"
+def test_after_a_restart_every_deployment_waits_a_full_idle_timeout(world):
+    clock, fx = world
+    fx.add(1, state=State.READY)
+    c, fx, clock = make(world)  # made after the deployment: first seen now
+    clock.advance(59)
+    assert c.reap() == []
+    clock.advance(1)
+    assert c.reap() == [1]
 
 
-async def test_all_victims_not_enough_stops_none(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=24, queue_timeout_s=1) as env:
-        c = env.controller
-        a, b, x = await env.add("a", 6), await env.add("b", 10), await env.add("x", 20)
-        await env.start(a)
-        await env.start(b)
-        slot = await c.acquire(b)  # b is busy; a alone frees too little
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        queued = []
-        assert await code_of(c.acquire(x, on_queued=lambda: queued.append(1))) == "ondemand_queue_timeout"
-        assert queued == [1]
-        assert env.state(a) == "ready" and env.state(b) == "ready"
-        slot.release()
-
-
-async def test_queue_order_and_reservation(tmp_path, store, fake_nvidia_smi):
-    """Memory freed for the head is reserved for it: a later entry that fits
-    in what is free now, but not beside the reservation, must wait."""
-    from ondemand.budget import Budget
-    from ondemand.queue import WaitQueue
-    q = WaitQueue()
-    assert q.add(2, 5.0) and q.add(1, 3.0) and not q.add(2, 1.0)
-    assert q.ids() == [1, 2] and q.head() == 1
-    q.reserve(1, 8)
-    assert q.reserved_for_others(2) == 8 and q.reserved_for_others(1) == 0
-    q.remove(1)
-    assert q.head() == 2 and q.reserved_for_others(3) == 0
-
-    smi = fake_nvidia_smi("20480, 10240")  # 20 GiB, v's 10 GiB in use
-    budget = Budget("nvidia-smi", nvidia_smi=smi)
-    async with controller_env(tmp_path, store, budget=budget, make_room_wait_s=0.3, queue_timeout_s=20) as env:
-        c = env.controller
-        v = await env.add("v", 10)
-        x = await env.add("x", 15)
-        y = await env.add("y", 12)
-        await env.start(v)
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        wx = asyncio.ensure_future(c.acquire(x))
-        # v is stopped for x, but the GPU still reads as used (as nvidia-smi
-        # does for a while): x stays queued, holding what was freed for it.
-        await wait_for(lambda: env.state(v) == "stopped" and x in c.queue and c.queue.reserved_for_others(y) == 10,
-                       what="x queued with a reservation")
-        fake_nvidia_smi("20480, 0")  # now the memory shows as free
-        wy = asyncio.ensure_future(c.acquire(y))
-        (await wx).release()  # x got its memory ...
-        assert env.state(x) == "ready"
-        await wait_for(lambda: y in c.queue, what="y queued")  # ... and y (12 GiB) did not take it
-        assert not wy.done() and env.state(y) == "stopped"
-        wy.cancel()
-
-
-async def test_later_entry_that_fits_starts_while_head_is_blocked(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=20) as env:
-        c = env.controller
-        busy = await env.add("busy", 10)
-        x = await env.add("x", 18)
-        y = await env.add("y", 8)
-        await env.start(busy)
-        slot = await c.acquire(busy)
-        wx = asyncio.ensure_future(c.acquire(x))
-        await wait_for(lambda: x in c.queue, what="x queued")
-        assert c.status(x)["phase"] == "queued"
-        async with await c.acquire(y):  # fits in the 10 GiB free: nothing was freed for x
-            assert y not in c.queue and x in c.queue
-        slot.release()
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        (await wx).release()  # busy and y were stopped for it, least recently used first
-        assert env.state(x) == "ready" and env.state(busy) == "stopped" and env.state(y) == "stopped"
-
-
-async def test_stopped_while_starting_for_request(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a", 10, "--startup-delay", "5")
-        w = asyncio.ensure_future(env.controller.acquire(a))
-        await wait_for(lambda: env.state(a) == "starting")
-        assert env.controller.status(a)["phase"] == "starting_for_request"
-        await env.deployer.stop(a)
-        assert await code_of(w) == "ondemand_stopped"
-        # no backoff: the next request starts it again
-        b = await env.add("b")
-        async with await env.controller.acquire(b):
-            pass
-
-
-async def test_removed_while_waiting(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a", 10, "--startup-delay", "5")
-        w = asyncio.ensure_future(env.controller.acquire(a))
-        await wait_for(lambda: env.state(a) == "starting")
-        await env.deployer.remove(a)
-        assert await code_of(w) == "ondemand_stopped"
-        b = await env.add("b", 10, state="planned")
-        w = asyncio.ensure_future(env.controller.acquire(b))
-        await asyncio.sleep(0.1)
-        await env.deployer.remove(b)
-        assert await code_of(w) == "not_found"
-        assert env.controller.waiting() == 0
-
-
-async def test_start_failure_backoff(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, "--fail", "exit-at-start")
-        ws = [asyncio.ensure_future(c.acquire(a)) for _ in range(3)]
-        codes = [await code_of(w) for w in ws]
-        assert codes == ["start_failed"] * 3
-        # refused at once, without a start, for 60 s
-        assert await code_of(c.acquire(a)) == "start_failed"
-        assert c._backoff[a].delay == 60
-        starts = [e for e in await store.events(a) if e["detail"].get("to") == "starting"]
-        assert len(starts) == 1
-        # doubling, capped at 900
-        c._backoff[a].until = 0
-        assert await code_of(c.acquire(a)) == "start_failed"
-        assert c._backoff[a].delay == 120
-        for _ in range(5):
-            c._backoff[a].until = 0
-            await code_of(c.acquire(a))
-        assert c._backoff[a].delay == 900
-        # a changed configuration resets it, and a good start works
-        await env.deployer.update(a, command=["ondemand", "sim-engine", "--port", "{port}", "--model", "A"])
-        assert a not in c._backoff
-        async with await c.acquire(a):
-            pass
-
-
-async def test_set_mode_resets_backoff(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, "--fail", "exit-at-start")
-        await code_of(c.acquire(a))
-        assert a in c._backoff
-        await c.set_mode(a, "on_demand", idle_timeout_s=120, set_idle_timeout=True)
-        assert a not in c._backoff
-        assert env.deployer.get(a)["idle_timeout_s"] == 120
-        audit = (await store.audit(a))[0]
-        assert audit["action"] == "ondemand_mode"
-        assert audit["detail"]["old"]["idle_timeout_s"] is None and audit["detail"]["new"]["idle_timeout_s"] == 120
-
-
-async def test_switch_to_always_on_of_a_stopped_one(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, "--startup-delay", "0.5")
-        await c.set_mode(a, "always_on")
-        dep = env.deployer.get(a)
-        assert (dep["mode"], dep["pending_mode"], dep["state"]) == ("on_demand", "always_on", "starting")
-        # acquire waits for set_mode's start instead of starting it itself
-        async with await c.acquire(a):
-            dep = env.deployer.get(a)
-            assert (dep["mode"], dep["pending_mode"], dep["state"]) == ("always_on", None, "ready")
-        assert [r["action"] for r in await store.audit(a)] == ["ondemand_mode"]
-        row = await store.deployment(a)
-        assert (row["mode"], row["pending_mode"]) == ("always_on", None)
-        # the reaper never picks it now
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        assert await c.reap_once() == []
-
-
-async def test_switch_to_always_on_refused_start_leaves_it(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=20) as env:
-        c = env.controller
-        a, b = await env.add("a", 15), await env.add("b", 10)
-        await env.start(a)
+def test_switch_to_always_on_plans(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.STOPPED)
+    fx.add(2, state=State.READY)
+    fx.add(3, state=State.STARTING)
+    fx.add(4, state=State.READY, mode=Mode.ALWAYS_ON, role=Role.SYSTEM)
+    p = c.plan_mode(1, "always_on")
+    assert p.start and p.fields == {"pending_mode": Mode.ALWAYS_ON} and "(pending the start)" in p.text
+    p = c.plan_mode(2, "always_on")
+    assert not p.start and p.fields == {"mode": Mode.ALWAYS_ON, "pending_mode": None}
+    p = c.plan_mode(3, "always_on")
+    assert not p.start and p.fields == {"pending_mode": Mode.ALWAYS_ON}
+    p = c.plan_mode(2, "on_demand", idle_timeout_s=300, set_idle_timeout=True)
+    assert p.detail == {"old": {"mode": "on_demand", "idle_timeout_s": None, "pending_mode": None},
+                        "new": {"mode": "on_demand", "idle_timeout_s": 300, "pending_mode": None}}
+    for bad, code in (({"mode": "sometimes"}, "invalid_mode"),
+                      ({"mode": "on_demand", "idle_timeout_s": 0, "set_idle_timeout": True}, "invalid_idle_timeout")):
         with pytest.raises(OndemandError) as exc:
-            await c.set_mode(b, "always_on")
-        assert exc.value.code == "insufficient_memory"
-        dep = env.deployer.get(b)
-        assert (dep["mode"], dep["pending_mode"], dep["state"]) == ("on_demand", None, "stopped")
+            c.plan_mode(1, **bad)
+        assert exc.value.code == code
+    with pytest.raises(OndemandError) as exc:
+        c.plan_mode(4, "on_demand")
+    assert exc.value.code == "invalid_mode"
 
 
-async def test_switch_of_a_ready_one_just_stores(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        a = await env.add("a")
-        await env.start(a)
-        await env.controller.set_mode(a, "always_on")
-        assert env.deployer.get(a)["mode"] == "always_on" and env.deployer.get(a)["pending_mode"] is None
-        with pytest.raises(OndemandError, match="idle_timeout_s"):
-            await env.controller.set_mode(a, "on_demand", idle_timeout_s=0, set_idle_timeout=True)
+def test_a_deployment_switched_to_always_on_while_waiting_is_not_started(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.set(1, mode=Mode.ALWAYS_ON)
+    assert r.code() == "not_on_demand"
 
 
-async def test_reaper_and_idle_timer(tmp_path, store):
-    from ondemand.reaper import Reaper
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, idle_timeout_s=1)
-        await env.start(a)
-        await env.fresh_metrics()
-        assert await c.reap_once() == []  # ready restarts the idle timer
-        await asyncio.sleep(0.7)
-        (await c.acquire(a)).release()  # a slot restarts it again
-        await asyncio.sleep(0.7)
-        await env.fresh_metrics()
-        assert await c.reap_once() == []
-        slot = await c.acquire(a)
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        assert await c.reap_once() == []  # in flight: never stopped
-        slot.release()
-        reaper = Reaper(c, interval_s=0.1)
-        task = asyncio.ensure_future(reaper.run())
-        await wait_for(lambda: env.state(a) == "stopped", timeout=5, what="reaped")
-        task.cancel()
-        sleeps = [r for r in await store.audit(a) if r["action"] == "ondemand_sleep"]
-        assert sleeps[0]["text"] == "Put to sleep after 0.02 min idle"  # 1 s
-        assert c.status(a)["phase"] == "sleeping"
+# --- counters and phases ----------------------------------------------------------------------
+
+def test_counters_publish_at_most_once_a_second_first_at_once(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    slots = [c.try_take(1) for _ in range(5)]
+    assert len(fx.taken("counters")) == 1  # the first change at once
+    clock.advance(0.5)
+    slots[0].release()
+    assert fx.taken("counters") == []
+    clock.advance(0.6)  # folded into one, a second after the previous one
+    assert fx.taken("counters") == [("counters", 1, 1001.0)]
+    clock.advance(5)
+    assert fx.taken("counters") == []
 
 
-async def test_counters_publish_at_most_once_a_second(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a")
-        await env.start(a)
-        env.published.clear()
-        slots = [await c.acquire(a) for _ in range(5)]
-        assert env.published == [a]  # the first change at once
-        for s in slots:
-            s.release()
-        await asyncio.sleep(0.5)
-        assert env.published == [a]  # later ones folded ...
-        await asyncio.sleep(0.7)
-        assert env.published == [a, a]  # ... into one, a second after the first
-        assert c.status(a)["inflight"] == 0
+def test_status_phases_in_order_of_precedence(world):
+    c, fx, clock = make(world)
+    fx.add(1)
+    assert c.status(1)["phase"] == "sleeping"
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert c.status(1)["phase"] == "queued"
+    c.tick()
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    assert c.status(1)["phase"] == "starting_for_request"
+    fx.add(2, state=State.FAILED)
+    assert c.status(2)["phase"] == "failed" and c.status(99)["phase"] == "failed"
+    fx.add(3, state=State.READY)
+    assert c.status(3)["phase"] == "idle"
+    c.try_take(3)
+    assert c.status(3)["phase"] == "serving"
 
 
-async def test_queued_callback_fires_once_per_request(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=1.5) as env:
-        c = env.controller
-        a, x = await env.add("a", 15), await env.add("x", 10)
-        await env.start(a)
-        slot = await c.acquire(a)
-        calls = []
-        ws = [asyncio.ensure_future(c.acquire(x, on_queued=lambda i=i: calls.append(i))) for i in range(3)]
-        await wait_for(lambda: len(calls) == 3)
-        for w in ws:
-            assert await code_of(w) == "ondemand_queue_timeout"
-        assert sorted(calls) == [0, 1, 2]
-        slot.release()
-        assert len(c.queue) == 0 and c.waiting() == 0
+# --- the eviction rule ------------------------------------------------------------------------
 
-
-async def test_hang_up_while_queued_removes_the_entry(tmp_path, store):
-    async with controller_env(tmp_path, store, capacity=20) as env:
-        c = env.controller
-        a, x = await env.add("a", 15), await env.add("x", 10)
-        await env.start(a)
-        slot = await c.acquire(a)
-        w = asyncio.ensure_future(c.acquire(x))
-        await wait_for(lambda: x in c.queue)
-        assert c.status(x) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued"}
-        w.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await w
-        assert x not in c.queue and c.waiting() == 0 and c.status(x)["queued"] == 0
-        slot.release()
-
-
-async def test_attempt_starts_nothing_when_nobody_waits(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a")
-        async with c._lock:  # hold the decisions while the only waiter hangs up
-            w = asyncio.ensure_future(c.acquire(a))
-            await asyncio.sleep(0.05)
-            w.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await w
-        await asyncio.sleep(0.1)
-        assert env.state(a) == "stopped"
-
-
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 5 else []) for s in range(20)])
-async def test_race_hang_ups_at_random_moments(tmp_path, store, seed):
-    """200 acquires with random hang-ups against two deployments that do not
-    fit together: counts return to 0, no stopped engine had a slot when its
-    precheck ran, and no request hangs."""
-    rng = random.Random(seed)
-    async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=8) as env:
-        c = env.controller
-        a = await env.add("a", 12, "--startup-delay", "0.1", idle_timeout_s=1)
-        b = await env.add("b", 12, "--startup-delay", "0.1", idle_timeout_s=1)
-        violations = []
-        real_is_idle = c.is_idle
-
-        def checked_is_idle(dep, now=None):
-            ok = real_is_idle(dep, now)
-            if ok and c.inflight(dep["id"]):
-                violations.append(dep["id"])
-            return ok
-        c.is_idle = checked_is_idle
-        real_stop = env.deployer.stop
-
-        async def stop(dep_id, precheck=None, **kw):
-            def wrapped(dep):
-                ok = precheck(dep)
-                if ok and c.inflight(dep_id):
-                    violations.append(("stopped busy", dep_id))
-                return ok
-            return await real_stop(dep_id, wrapped if precheck else None, **kw)
-        env.deployer.stop = stop
-
-        async def one(i):
-            target = a if rng.random() < 0.5 else b
-            task = asyncio.ensure_future(c.acquire(target))
-            hang = rng.random()
-            if hang < 0.3:
-                await asyncio.sleep(rng.random() * 0.5)
-                task.cancel()
-            try:
-                slot = await task
-            except (asyncio.CancelledError, OndemandError):
-                return
-            try:
-                # some generations outlast the idle timeout: only the in-flight
-                # count keeps those models from being stopped
-                await asyncio.sleep(1.0 + rng.random() * 0.4 if rng.random() < 0.05 else rng.random() * 0.05)
-            finally:
-                slot.release()
-
-        async def reaper():
-            while True:
-                await asyncio.sleep(0.2)
-                await env.fresh_metrics()
-                await c.reap_once()
-
-        r = asyncio.ensure_future(reaper())
-        try:
-            waves = []
-            for i in range(200):
-                waves.append(asyncio.ensure_future(one(i)))
-                if rng.random() < 0.05:
-                    await asyncio.sleep(rng.random() * 0.3)
-            done, pending = await asyncio.wait(waves, timeout=30)
-            assert not pending, "a request hung"
-        finally:
-            r.cancel()
-        assert violations == []
-        assert c.waiting() == 0 and c.inflight(a) == 0 and c.inflight(b) == 0
-        assert c.status(a)["queued"] == 0 and c.status(b)["queued"] == 0 and len(c.queue) == 0
-        assert not c._waits
-
-
-async def test_too_big_is_not_refused_right_after_an_ondemand_stop(tmp_path, store):
-    """Within ~20 s of an on-demand stop freed memory may still read as used, so a model
-    bigger than the capacity waits instead of failing at once; later it fails at once."""
-    async with controller_env(tmp_path, store, capacity=24, queue_timeout_s=1) as env:
-        c = env.controller
-        a = await env.add("a", 10)
-        big = await env.add("big", 30)
-        await env.start(a)
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        assert await c.reap_once() == [a]
-        assert await code_of(c.acquire(big)) == "ondemand_queue_timeout"  # waited, not refused
-        c._last_ondemand_stop -= 21
-        assert await code_of(c.acquire(big)) == "does_not_fit"
-
-
-async def test_switch_to_on_demand_restarts_the_idle_timer(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, mode="always_on", idle_timeout_s=1)
-        await env.start(a)
-        await asyncio.sleep(1.2)
-        await env.fresh_metrics()
-        await c.set_mode(a, "on_demand")
-        assert await c.reap_once() == []  # a full idle timeout from the switch
-        await asyncio.sleep(1.1)
-        await env.fresh_metrics()
-        assert await c.reap_once() == [a]
-
-
-async def test_background_wake_that_fails_is_start_failed(tmp_path, store):
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, "--fail", "wake-fails")
-        await env.start(a)
-        await env.deployer.sleep(a)
-        ws = [asyncio.ensure_future(c.acquire(a)) for _ in range(2)]
-        assert [await code_of(w) for w in ws] == ["start_failed"] * 2
-        assert env.state(a) == "failed" and c._backoff[a].delay == 60
-        assert await code_of(c.acquire(a)) == "start_failed"  # refused at once for 60 s
-
-
-async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidia_smi):
-    """Asleep, its weights left the GPU; others took the memory: the wake queues."""
-    from ondemand.budget import Budget
-    smi = fake_nvidia_smi("24576, 4096")
-    async with controller_env(tmp_path, store, budget=Budget("nvidia-smi", nvidia_smi=smi),
-                              queue_timeout_s=1) as env:
-        c = env.controller
-        a = await env.add("a", 10)
-        await env.start(a)
-        await env.deployer.sleep(a)
-        fake_nvidia_smi("24576, 20480")  # 4 GiB free now: someone else's memory
-        queued = []
-        assert await code_of(c.acquire(a, on_queued=lambda: queued.append(1))) == "ondemand_queue_timeout"
-        assert queued == [1] and env.state(a) == "asleep"
-        fake_nvidia_smi("24576, 4096")
-        async with await c.acquire(a):
-            assert env.state(a) == "ready"
-
-
-async def test_waiters_of_a_switch_to_always_on_whose_start_failed(tmp_path, store):
-    """While set_mode starts it the waiters wait; when that start fails the deployment
-    is always on and failed, which the gateway never starts: they are told so at once."""
-    async with controller_env(tmp_path, store) as env:
-        c = env.controller
-        a = await env.add("a", 10, "--fail", "exit-at-start")
-        await c.set_mode(a, "always_on")
-        assert await code_of(c.acquire(a)) == "not_on_demand"
-        dep = env.deployer.get(a)
-        assert (dep["mode"], dep["pending_mode"], dep["state"]) == ("always_on", None, "failed")
-        assert c.waiting() == 0
+def test_pick_victims_is_the_shortest_lru_prefix_that_covers_the_shortfall():
+    cands = [Candidate(1, 10, last_used=30), Candidate(2, 5, last_used=10), Candidate(3, 8, last_used=20)]
+    assert [v.id for v in pick_victims(cands, 12)] == [2, 3]
+    assert [v.id for v in pick_victims(cands, 5)] == [2]
+    assert pick_victims(cands, 24) == []  # all of them are not enough: none
+    assert pick_victims(cands, 0) == []
+    assert [v.id for v in pick_victims([Candidate(5, 1, 0), Candidate(4, 1, 0)], 1)] == [4]  # ties: lower id

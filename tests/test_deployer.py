@@ -10,9 +10,11 @@ from helpers import dep_fields, running_deployer, wait_for
 
 
 async def test_start_ready_stop(tmp_path, store):
-    async with running_deployer(tmp_path, store) as d:
-        changes = []
-        d.listeners.append(lambda i, dep, old: changes.append((old, dep and dep["state"])))
+    changes = []
+
+    def publish(e):
+        changes.append((e.old_state, e.new_state))
+    async with running_deployer(tmp_path, store, publish=publish) as d:
         dep = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "0.3"))
         await d.restart(dep["id"], actor="ondemand", audit="ondemand_start", text="started for a request")
         assert d.get(dep["id"])["state"] == "ready"
@@ -194,7 +196,7 @@ async def test_sleep_and_wake(tmp_path, store):
         await d.restart(dep["id"])
         await d.sleep(dep["id"])
         assert d.get(dep["id"])["state"] == "asleep"
-        await d.wake(dep["id"])
+        await d.restart(dep["id"])  # wakes it: it is asleep
         assert d.get(dep["id"])["state"] == "ready"
         llama = await d.create(dep_fields("l", 1, engine="llamacpp"))
         await d.restart(llama["id"])

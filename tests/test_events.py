@@ -1,34 +1,38 @@
+import asyncio
 
-from ondemand.events import EventBus
+from ondemand.events import CountersChanged, EventBus, KeyRotated, ViewPublished
+from ondemand.tasks import TaskGroup
 
 
-async def test_subscribers_and_listeners_get_views():
+async def test_handlers_get_their_type_and_streams_keep_the_newest():
     bus = EventBus(queue_size=2)
-    seen = []
-    stop = bus.listen(lambda kind, view: seen.append(view["id"]))
-    with bus.subscribe() as q:
+    views, keys = [], []
+    stop = bus.subscribe(ViewPublished, lambda e: views.append(e.view["id"]))
+    bus.subscribe(KeyRotated, keys.append)
+    with bus.stream(ViewPublished) as q:
+        assert bus.readers(ViewPublished) == 1
         for i in range(3):
-            bus.publish({"id": i})
-        # a slow subscriber keeps the newest views
-        assert [q.get_nowait()[1]["id"] for _ in range(2)] == [1, 2]
-    assert bus.subscribers == 0
+            bus.publish(ViewPublished({"id": i}))
+        bus.publish(CountersChanged(7))  # nobody listens: dropped
+        # a slow reader keeps the newest views
+        assert [q.get_nowait().view["id"] for _ in range(2)] == [1, 2]
+    assert bus.readers(ViewPublished) == 0
     stop()
-    bus.publish({"id": 9})
-    assert seen == [0, 1, 2]
+    bus.publish(ViewPublished({"id": 9}))
+    assert views == [0, 1, 2] and keys == []
 
 
-async def test_broken_listener_does_not_stop_others(caplog):
+async def test_a_broken_handler_does_not_stop_the_others(caplog):
     bus = EventBus()
     seen = []
-    bus.listen(lambda k, v: 1 / 0)
-    bus.listen(lambda k, v: seen.append(v))
-    bus.publish({"id": 1})
-    assert seen == [{"id": 1}]
+    bus.subscribe(KeyRotated, lambda e: 1 / 0)
+    bus.subscribe(KeyRotated, seen.append)
+    bus.publish(KeyRotated())
+    assert seen == [KeyRotated()]
+    assert "KeyRotated" in caplog.text and "ZeroDivisionError" in caplog.text
 
 
 async def test_task_group_cancels_a_task_that_swallowed_its_cancellation():
-    from ondemand.tasks import TaskGroup
-    import asyncio
     group = TaskGroup("t")
     seen = []
 

@@ -238,7 +238,7 @@ async def test_a_defect_of_ours_is_a_json_500_and_leaves_no_trace(server, http, 
 
     async def broken(*args, **kw):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(server.controller, "acquire", broken)
+    monkeypatch.setattr(server.admission, "acquire", broken)
     async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
         assert await err(r) == (500, "internal_error")
     assert "a bug" in caplog.text  # the traceback is in the log, not in the answer
@@ -334,7 +334,7 @@ def _queued_setup(server):
         big = await server.add("big", 15)
         x = await server.add("x", 12, *second_args)
         await server.deployer.restart(big)
-        slot = await server.controller.acquire(big)  # busy: x must queue
+        slot = await server.admission.acquire(big)  # busy: x must queue
         return big, x, slot
     return go
 
@@ -623,7 +623,8 @@ async def test_slot_granted_at_the_moment_of_the_hang_up_is_released(server, htt
     a done callback must release it."""
     big, x, slot = await _queued_setup(server)()
     c = server.controller
-    real_acquire = c.acquire
+    adm = server.admission
+    real_acquire = adm.acquire
 
     def acquire(dep_id, **kw):
         handler = asyncio.current_task()  # the request's handler creates this coroutine
@@ -635,7 +636,7 @@ async def test_slot_granted_at_the_moment_of_the_hang_up_is_released(server, htt
             asyncio.get_running_loop().call_soon(handler.cancel)
             return s
         return granted_then_hang_up()
-    c.acquire = acquire
+    adm.acquire = acquire
     body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
     await wait_for(lambda: x in c.queue)

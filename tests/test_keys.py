@@ -88,7 +88,7 @@ def test_watcher_picks_up_rotation_without_restart(tmp_path):
     write_key_file(path, "key-a")
     clock = Clock()
     changes = []
-    w = KeyWatcher(path, clock=clock, on_change=[lambda: changes.append(w.current())])
+    w = KeyWatcher(path, clock=clock, publish=lambda e: changes.append(w.current()))
     assert w.current() == "key-a"
     assert w.fingerprint == fingerprint("key-a")
     assert changes == []  # loading at start is not a change
@@ -150,7 +150,7 @@ def test_missing_or_empty_file_fails_closed_and_logs_once(tmp_path, caplog):
     path = tmp_path / "k"
     clock = Clock()
     changes = []
-    w = KeyWatcher(path, clock=clock, on_change=[lambda: changes.append(1)])
+    w = KeyWatcher(path, clock=clock, publish=lambda e: changes.append(1))
     for _ in range(5):
         assert w.current() is None
         assert w.check("anything") == "bad"
@@ -240,31 +240,28 @@ def test_same_key_rewritten_is_no_change(tmp_path):
     write_key_file(path, "key-a")
     clock = Clock()
     changes = []
-    w = KeyWatcher(path, clock=clock, on_change=[lambda: changes.append(1)])
+    w = KeyWatcher(path, clock=clock, publish=lambda e: changes.append(1))
     w.current()
     write_key_file(path, "key-a")  # new inode, same key
     clock.t += 1
     assert w.current() == "key-a" and changes == []
 
 
-def test_on_change_callbacks_all_run_even_if_one_raises(tmp_path, caplog):
+def test_rotation_publishes_key_rotated_on_the_bus(tmp_path):
+    from ondemand.events import EventBus, KeyRotated
     path = tmp_path / "k"
     write_key_file(path, "key-a")
     clock = Clock()
-    w = KeyWatcher(path, clock=clock)
+    bus = EventBus()
+    w = KeyWatcher(path, clock=clock, publish=bus.publish)
+    seen = []
+    bus.subscribe(KeyRotated, seen.append)
     w.current()
-    calls = []
-
-    def bad():
-        raise RuntimeError("boom")
-
-    w.on_change.append(bad)
-    w.on_change.append(lambda: calls.append("sync"))
+    assert seen == []  # loading the key at start is not a rotation
     write_key_file(path, "key-b")
     clock.t += 1
     assert w.current() == "key-b"
-    assert calls == ["sync"]
-    assert any("on_change" in r.getMessage() for r in caplog.records)
+    assert seen == [KeyRotated()]
 
 
 def test_check_handles_non_ascii_header_values(tmp_path):

@@ -8,19 +8,23 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # What each module may import from the package. Only app (the composition) and
 # cli (the edge) may import everything.
 ALLOWED = {
-    "errors": set(), "config": {"errors"}, "events": set(), "tasks": set(),
-    "paths": {"errors"}, "keys": {"errors"}, "ratelimit": set(), "peers": {"errors"},
+    "model": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
+    "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"errors"},
     "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
-    "budget": {"errors"}, "metrics": set(), "eviction": set(), "queue": set(),
-    "backends": {"errors"}, "backends.process": {"backends"}, "backends.docker": {"backends"},
-    "deployer": {"backends", "budget", "errors", "store", "tasks"},
-    "controller": {"budget", "deployer", "errors", "eviction", "metrics", "queue", "tasks"},
+    "budget": {"config", "errors", "model"}, "metrics": set(), "eviction": set(), "queue": set(),
+    "backends": {"errors", "model"}, "backends.process": {"backends"}, "backends.docker": {"backends"},
+    "deployer": {"backends", "budget", "errors", "events", "model", "store", "tasks"},
+    # The decision core sees the world only through its Effects protocol.
+    "controller": {"errors", "eviction", "model", "queue"},
+    "effects": {"budget", "controller", "deployer", "errors", "events", "metrics", "model", "tasks"},
+    "admission": {"controller", "deployer", "errors", "model"},
     "reaper": {"controller"},
-    "gateway": {"notice", "controller", "deployer", "errors", "forward", "keys", "paths", "ratelimit"},
+    "gateway": {"admission", "notice", "controller", "deployer", "errors", "forward", "keys", "model", "paths",
+                "ratelimit"},
     "litellm": {"errors"},
-    "components": {"config", "controller", "deployer", "events", "gateway", "keys", "litellm", "metrics", "peers",
-                   "store", "tasks"},
-    "admin": {"components", "keys", "budget", "config", "deployer", "errors", "metrics"},
+    "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
+                   "litellm", "metrics", "model", "peers", "store", "tasks"},
+    "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
     "simengine": set(),
 }
 

@@ -419,7 +419,7 @@ async def test_library_stream_gets_the_queued_notice_first(tmp_path):
         big = await server.add("big", 15)
         x = await server.add("x", 12)
         await server.deployer.restart(big)
-        slot = await server.controller.acquire(big)  # busy: x (12 GiB of 24) must queue
+        slot = await server.admission.acquire(big)  # busy: x (12 GiB of 24) must queue
         released = False
         try:
             async with litellm_client(job_for(server, x, {"kind": "stream"})) as run:

@@ -1,0 +1,133 @@
+"""The deployment as a value: its states, modes and roles, and each set of
+states that the rest of the code asks about, defined once.
+
+A ``Deployment`` is frozen. The deployer owns the live one and replaces the
+object on every transition or change (``dep.replace(...)``), so a reader that
+holds a deployment holds a consistent snapshot, and nobody can change a
+deployment behind its owner's back. Views (admin API, events, LiteLLM sync)
+are built from it with ``as_dict()``. Imports nothing of ours.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Mapping
+
+
+class State(str, enum.Enum):
+    PLANNED = "planned"
+    STARTING = "starting"
+    READY = "ready"
+    ASLEEP = "asleep"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Mode(str, enum.Enum):
+    ON_DEMAND = "on_demand"
+    ALWAYS_ON = "always_on"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Role(str, enum.Enum):
+    MODEL = "model"
+    DECISION = "decision"  # always on, never through the gateway
+    SYSTEM = "system"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# An engine holds (or is about to hold) its memory.
+HOLDING = frozenset({State.STARTING, State.READY, State.ASLEEP, State.STOPPING})
+# An administrator may start it (the deployer's start); asleep is woken instead.
+ADMIN_STARTABLE = frozenset({State.PLANNED, State.STOPPED, State.FAILED})
+# A request may start or wake it (never a planned one: it answers 503 ondemand_planned).
+REQUEST_STARTABLE = frozenset({State.STOPPED, State.FAILED, State.ASLEEP})
+# The reaper and make-room may stop it when it is idle.
+STOPPABLE_WHEN_IDLE = frozenset({State.READY, State.ASLEEP})
+# Nothing runs (a stop would have nothing to do).
+AT_REST = frozenset({State.PLANNED, State.STOPPED, State.STOPPING})
+# Its phase reads "sleeping" in views.
+SLEEPING = frozenset({State.STOPPED, State.ASLEEP, State.STOPPING, State.PLANNED})
+# Its fields may be edited in place (no engine depends on them).
+EDITABLE = frozenset({State.STOPPED, State.FAILED, State.PLANNED})
+# Entering or leaving one of these changes what LiteLLM should list.
+SYNC_STATES = frozenset({State.READY, State.FAILED, State.PLANNED})
+
+# Fields whose change means "a changed model or configuration" (the start backoff is reset).
+CONFIG_FIELDS = ("served_name", "engine", "image", "args", "command", "port", "memory_gib")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Deployment:
+    id: int
+    name: str
+    served_name: str
+    engine: str = "vllm"
+    image: str | None = None
+    args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    port: int = 8000
+    memory_gib: float = 0.0
+    role: Role = Role.MODEL
+    state: State = State.PLANNED
+    state_reason: str | None = None
+    log_tail: str | None = None
+    mode: Mode = Mode.ALWAYS_ON
+    idle_timeout_s: int | None = None
+    pending_mode: Mode | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Deployment:
+        """From a stored row (NULL mode reads as always on)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in row.items() if k in known}
+        values["args"] = tuple(values.get("args") or ())
+        values["command"] = tuple(values.get("command") or ())
+        values["memory_gib"] = float(values.get("memory_gib") or 0)
+        values["role"] = Role(values.get("role") or Role.MODEL)
+        values["state"] = State(values.get("state") or State.PLANNED)
+        values["mode"] = Mode(values.get("mode") or Mode.ALWAYS_ON)
+        pending = values.get("pending_mode")
+        values["pending_mode"] = Mode(pending) if pending else None
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Deployment:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (enums as their strings, sequences as lists)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, enum.Enum):
+                v = v.value
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def config(self) -> tuple[Any, ...]:
+        """What the engine is made of: a change of it resets the start backoff."""
+        return tuple(getattr(self, k) for k in CONFIG_FIELDS)
+
+    @property
+    def on_demand(self) -> bool:
+        return self.mode is Mode.ON_DEMAND and self.role is Role.MODEL
+
+    # TEMPORARY, while the backends, the LiteLLM sync and the command line move
+    # to attributes: read access by key. Removed once nothing uses it.
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
