@@ -68,6 +68,15 @@ async def test_bad_environment_names_the_key(tmp_path):
     assert rc == 2 and "ondemand_max_queued" in err
 
 
+async def test_serve_refuses_one_file_for_admin_token_and_ondemand_key(tmp_path):
+    state = tmp_path / "s"
+    cfg = write_config(tmp_path / "c.toml", state, admin_token_file=str(state / "ondemand.key"))
+    rc, out, err = await asyncio.wait_for(cli("serve", config=cfg), 30)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "admin_token_file" in err and "ondemand_key_file" in err
+    assert not (state / "ondemand.db").exists()  # stopped before it touched anything
+
+
 async def test_migrate(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
     rc, out, _ = await cli("migrate", "--json", config=cfg)
