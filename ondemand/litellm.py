@@ -366,8 +366,9 @@ class LiteLLMSync:
 
     Rules (design document, "LiteLLM registration"):
 
-    - On-demand deployments are registered in every state except failed, as gateway
-      entries, while a key is readable. Without a key they are not registered, their
+    - On-demand deployments are registered in every state except failed and planned, as
+      gateway entries, while a key is readable. A planned deployment waits for an
+      administrator's start: the gateway refuses its requests, so it is not listed. Without a key they are not registered, their
       existing entries are left alone, and their status is error ondemand_not_configured.
     - Always-on deployments are registered as direct entries only while ready *and*
       their engine has an address: a direct entry of an engine that is not serving would
@@ -380,7 +381,7 @@ class LiteLLMSync:
     - An existing entry of a wanted id is kept when model name, model, api_base and both
       fingerprints match; otherwise the new entry is added and the old ones deleted, all
       adds of a sync before all its deletes, so a name is never missing. Entries of ids no
-      longer wanted (removed, failed, always-on not ready) are deleted; entries without
+      longer wanted (removed, failed, planned, always-on not ready) are deleted; entries without
       dgxmm_id are never touched; an unchanged state writes nothing.
     - LiteLLM unreachable, without a database or refusing the key: the sync reports the
       code, deletes nothing, and the next trigger or period retries.
@@ -496,6 +497,9 @@ class LiteLLMSync:
             dep_id = int(dep["id"])
             if dep.get("state") == "failed":
                 statuses[dep_id] = _status("pending", "deployment_failed")
+                continue
+            if dep.get("state") == "planned":  # waits for an administrator's start
+                statuses[dep_id] = _status("pending", "deployment_planned")
                 continue
             on_demand = (dep.get("mode") or "always_on") == "on_demand" and dep.get("role") != "decision"
             if on_demand:

@@ -246,6 +246,22 @@ async def test_litellm_sync_is_wired(tmp_path):
             assert status == 200 and result["error"] is None and result["added"] == [] and result["deleted"] == []
 
 
+async def test_planned_deployment_is_registered_in_litellm_once_started(tmp_path):
+    async with litellm_double("sk-m") as double:
+        mk = tmp_path / "master.key"
+        mk.write_text("sk-m\n")
+        async with run_app(tmp_path, **{"litellm.url": double.url, "litellm.master_key_file": str(mk)}) as server:
+            from ondemand import components
+            sync = server.app[components.SYNC]
+            _, v = await api(server, "POST", "/deployments", new_dep("p", start=False))
+            assert v["state"] == "planned"
+            await wait_for(lambda: sync.status_of(v["id"])["code"] == "deployment_planned", what="planned seen")
+            await sync.wait_idle()
+            assert double.models == []
+            await api(server, "POST", f"/deployments/{v['id']}/start")
+            await wait_for(lambda: any(m["model_name"] == "p" for m in double.models), what="registered at its start")
+
+
 async def test_published_views_of_a_cold_start(server):
     """The view published with `starting` says starting_for_request; updated_at follows the file."""
     from ondemand import components
