@@ -486,3 +486,29 @@ class Deployer:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise DeployerError(f"engine unreachable: {exc}") from exc
             await self._transition(dep_id, "asleep", actor=actor, user=user, text="put to sleep (sleep mode)")
+
+    async def edit(self, dep_id: int, changes: dict[str, Any], *, actor: str = "admin",
+                   user: str | None = None) -> dict[str, Any]:
+        """Edit a stopped, failed or planned deployment in place (same id): the
+        validated ``changes``, audited ``deployment_update`` with the old and new
+        values of the fields that differ. Under ``_lock``, so no start's fit check
+        runs between the check and the change; no await between the state check
+        and ``update``'s in-memory change. Raises DeploymentBusy in any other state
+        (or while its engine still runs), NameTaken for another deployment's name."""
+        from .errors import DeploymentBusy, NameTaken  # here: this method is the only user
+        async with self._lock:
+            dep = self._get(dep_id)
+            if dep["state"] not in ("stopped", "failed", "planned") or dep_id in self._engines:
+                running = " and its engine still runs" if dep["state"] in ("stopped", "failed", "planned") else ""
+                raise DeploymentBusy(f"{dep['name']} is {dep['state']}{running}: only a stopped, failed or "
+                                     "planned deployment can be edited; stop it first")
+            changed = {k: v for k, v in changes.items() if dep.get(k) != v}
+            if not changed:
+                return dep
+            name = changed.get("name")
+            if name is not None and any(d["name"] == name for i, d in self._deps.items() if i != dep_id):
+                raise NameTaken(f"name: a deployment named {name!r} exists")
+            old = {k: dep.get(k) for k in changed}
+            return await self.update(dep_id, actor=actor, user=user, text="edited " + ", ".join(sorted(changed)),
+                                     audit="deployment_update", detail={"old": old, "new": dict(changed)},
+                                     **changed)
