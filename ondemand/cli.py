@@ -388,6 +388,50 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
     _warn_if_blind(view)
 
 
+@deploy.command("set")
+@click.argument("dep_id", type=int)
+@click.option("--name", help="a new unique name")
+@click.option("--served-name", help="the model name clients send")
+@click.option("--engine", type=click.Choice(["vllm", "llamacpp"]))
+@click.option("--image", help="container image (docker backend)")
+@click.option("--arg", "args", multiple=True, help="an engine argument (docker backend); repeat; replaces them all")
+@click.option("--no-args", is_flag=True, help="no engine arguments")
+@click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
+@click.option("--port", type=int, help="the engine's port in its container")
+@click.option("--memory-gib", type=float, help="GPU memory it needs")
+@click.option("--role", type=click.Choice(["model", "decision", "system"]))
+@click.option("--mode", type=click.Choice(["on_demand", "always_on"]))
+@click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
+@json_option
+@pass_ctx
+def deploy_set(ctx: Ctx, dep_id: int, name, served_name, engine, image, args, no_args, command, port, memory_gib,
+               role, mode, idle_timeout, as_json) -> None:
+    """Edit a stopped, failed or planned deployment in place (same id; audited
+    deployment_update). A start afterwards uses the new values."""
+    import shlex
+    if args and no_args:
+        _fail("--arg and --no-args exclude each other", EXIT_USAGE)
+    body: dict[str, Any] = {k: v for k, v in (("name", name), ("served_name", served_name), ("engine", engine),
+                                              ("image", image), ("port", port), ("memory_gib", memory_gib),
+                                              ("role", role), ("mode", mode)) if v is not None}
+    if args or no_args:
+        body["args"] = list(args)
+    if command is not None:
+        body["command"] = shlex.split(command)
+    if idle_timeout is not None:
+        if idle_timeout == "default":
+            body["idle_timeout_s"] = None
+        elif idle_timeout.isdigit():
+            body["idle_timeout_s"] = int(idle_timeout)
+        else:
+            _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
+    if not body:
+        _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
+    view = _call(ctx, "PATCH", f"/deployments/{dep_id}", body)
+    _echo_json(view) if as_json else click.echo(f"updated {view['name']} (id {view['id']}, {view['state']})")
+    _warn_if_blind(view)
+
+
 @deploy.command("list")
 @json_option
 @pass_ctx
