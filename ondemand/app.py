@@ -31,7 +31,8 @@ from .deployer import Deployer
 from .events import EventBus
 from .forward import Upstreams
 from .gateway import MAX_BODY, Gateway
-from .litellm import LiteLLMClient, LiteLLMSync
+from .litellm import LiteLLMClient
+from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .peers import PeerGuard, PeerPolicySource
 from .ratelimit import FailureLimiter

@@ -13,7 +13,7 @@ from .deployer import Deployer
 from .events import EventBus
 from .gateway import Gateway
 from .keys import KeyWatcher
-from .litellm import LiteLLMSync
+from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .peers import PeerPolicySource
 from .store import Store

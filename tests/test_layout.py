@@ -17,9 +17,9 @@ ALLOWED = {
     "controller": {"budget", "deployer", "errors", "eviction", "metrics", "queue", "tasks"},
     "reaper": {"controller"},
     "gateway": {"notice", "controller", "deployer", "errors", "forward", "keys", "paths", "ratelimit"},
-    "litellm": {"errors"},
-    "components": {"config", "controller", "deployer", "events", "gateway", "keys", "litellm", "metrics", "peers",
-                   "store", "tasks"},
+    "litellm": {"errors"}, "litellm_sync": {"litellm"},
+    "components": {"config", "controller", "deployer", "events", "gateway", "keys", "litellm_sync", "metrics",
+                   "peers", "store", "tasks"},
     "admin": {"components", "keys", "budget", "config", "deployer", "errors", "metrics"},
     "simengine": set(),
     # The command line's parts (cli itself may import everything).

@@ -12,10 +12,10 @@ import pytest
 from ondemand.litellm import (
     LiteLLMClient,
     LiteLLMError,
-    LiteLLMSync,
     always_on_entry,
     ondemand_entry,
 )
+from ondemand.litellm_sync import LiteLLMSync
 from litellm_double import litellm_double
 
 MASTER = "sk-master"
