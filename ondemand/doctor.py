@@ -21,16 +21,16 @@ def _check(check: str, ok: bool | None, detail: str) -> Check:
 async def check_docker(cfg: Config) -> Check:
     if cfg.deployer.backend != "docker":
         return _check("docker", None, "deployer.backend = process: engines run as child processes")
-    import aiodocker
+    from .dockerapi import DockerError, client
     try:
-        docker = aiodocker.Docker(url=cfg.deployer.docker_url)
+        docker = client(cfg.deployer.docker_url)
         try:
             version = await docker.version()
             try:
                 await docker.networks.get(cfg.deployer.network)
                 return _check("docker", True,
                               f"Docker {version.get('Version')} answers; network {cfg.deployer.network} exists")
-            except aiodocker.DockerError:
+            except DockerError:
                 return _check("docker", False, f"network {cfg.deployer.network!r} is missing: create it "
                                                f"(docker network create {cfg.deployer.network}) or set deployer.network")
         finally:

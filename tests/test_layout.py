@@ -9,10 +9,10 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # cli (the edge) may import everything.
 ALLOWED = {
     "errors": set(), "config": {"errors"}, "events": set(), "tasks": set(),
-    "paths": {"errors"}, "keys": {"errors"}, "ratelimit": set(), "peers": {"errors"},
+    "paths": {"errors"}, "keys": {"errors"}, "ratelimit": set(), "peers": {"dockerapi", "errors"}, "dockerapi": set(),
     "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
     "budget": {"errors"}, "metrics": set(), "eviction": set(), "queue": set(),
-    "backends": {"errors"}, "backends.process": {"backends"}, "backends.docker": {"backends"},
+    "backends": {"errors"}, "backends.process": {"backends"}, "backends.docker": {"backends", "dockerapi"},
     "deployer": {"backends", "budget", "errors", "store", "tasks"},
     "controller": {"budget", "deployer", "errors", "eviction", "metrics", "queue", "tasks"},
     "reaper": {"controller"},
@@ -24,7 +24,7 @@ ALLOWED = {
     "simengine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},
-    "doctor": {"adminclient", "budget", "config", "keys", "litellm", "metrics"},
+    "doctor": {"adminclient", "budget", "config", "dockerapi", "keys", "litellm", "metrics"},
 }
 
 
@@ -61,6 +61,16 @@ def test_imports_flow_one_way():
         if extra:
             bad.append(f"{mod} imports {sorted(extra)}")
     assert bad == []
+
+
+def test_aiodocker_is_used_in_dockerapi_only():
+    for path in PKG.rglob("*.py"):
+        if path.name == "dockerapi.py":
+            continue
+        tree = ast.parse(path.read_text())
+        used = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        used |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "aiodocker" not in used, f"{path.relative_to(PKG)} imports aiodocker: use ondemand.dockerapi"
 
 
 def test_only_the_composition_reads_the_environment():
