@@ -562,8 +562,8 @@ def sim_engine(args: tuple[str, ...]) -> None:
 
     Options are the simulator's own; see `ondemand sim-engine --help`.
     """
-    from . import simengine
-    sys.exit(simengine.main(list(args)))
+    from .sim import engine
+    sys.exit(engine.main(list(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

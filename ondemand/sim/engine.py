@@ -4,7 +4,7 @@ It is not a real engine and says so (``owned_by`` is ``ondemand-simulator``, and
 the startup line on stderr). It lets the gateway, its tests, its benchmark and
 the demo (``make run``) run without a GPU::
 
-    python -m ondemand.simengine --port 8001 --model demo [--flavor llamacpp]
+    python -m ondemand.sim.engine --port 8001 --model demo [--flavor llamacpp]
 
 Text is deterministic: ``tok0 tok1 ...``, one token per streamed chunk. The
 answer is ``--tokens`` long (default 16); ``max_tokens`` (or
@@ -630,7 +630,7 @@ async def serve(opts: SimOptions) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> SimOptions:
-    ap = argparse.ArgumentParser(prog="python -m ondemand.simengine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ondemand.sim.engine", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (the startup line names it)")
     ap.add_argument("--model", default="sim-model", help="served model name")
