@@ -1,5 +1,7 @@
 """Imports flow one way: request → gateway → controller → deployer → backends.
-A module that reaches backwards is a sign the design wants a change (README, Layout)."""
+A module that reaches backwards is a sign the design wants a change (README, Layout).
+The leaves (errors, events, tasks, ...) import nothing of ours; config only errors;
+dockerapi holds every aiodocker call and is used by backends.docker, peers and doctor."""
 import ast
 import pathlib
 
@@ -61,6 +63,16 @@ def test_imports_flow_one_way():
         if extra:
             bad.append(f"{mod} imports {sorted(extra)}")
     assert bad == []
+
+
+def test_dockerapi_is_a_leaf_for_docker_backend_peers_and_doctor():
+    assert ALLOWED["dockerapi"] == set()
+    users = set()
+    for path in PKG.rglob("*.py"):
+        mod = ".".join(path.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+        if "dockerapi" in ours(path):
+            users.add(mod)
+    assert users <= {"backends.docker", "peers", "doctor"}, users
 
 
 def test_aiodocker_is_used_in_dockerapi_only():
