@@ -22,9 +22,9 @@ from aiohttp import web
 from . import __version__, components, keys as keys_mod, metrics
 from .config import Config
 from .deployer import StartFailed, StartInterrupted
-from .errors import BudgetError, DeployerError, InsufficientMemory, OndemandError
+from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, OndemandError
 from .events import ViewPublished
-from .model import State
+from .model import Deployment, State
 
 log = logging.getLogger("ondemand.admin")
 
@@ -226,6 +226,49 @@ def validate_new(data: dict[str, Any], cfg: Config,
             "mode": mode, "idle_timeout_s": idle, "state": state}, start and mode == "always_on"
 
 
+# What PATCH /api/deployments/{id} may change: what a creation sets, but the id.
+EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role", "mode",
+            "idle_timeout_s")
+
+
+def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,
+                     existing: list[Deployment]) -> dict[str, Any]:
+    """The fields an edit changes, validated by ``validate_new`` as the creation of
+    the edited deployment (so the same rules, messages and codes apply, including
+    the rules between fields), other deployments' names taken."""
+    unknown = sorted(set(data) - set(EDITABLE))
+    if unknown:
+        raise _field_error(unknown[0], f"not editable; editable: {', '.join(EDITABLE)}")
+    plain = dep.as_dict()
+    current = {k: plain[k] for k in EDITABLE if plain[k] is not None}
+    fields, _ = validate_new({**current, **data, "start": False}, cfg, [d for d in existing if d.id != dep.id])
+    return {k: fields[k] for k in EDITABLE if k in data and fields[k] != plain[k]}
+
+
+async def edit_deployment(request: web.Request) -> web.Response:
+    """Edit a stopped, failed or planned deployment in place; the id stays."""
+    app_mod, app = _app_parts(request)
+    dep_id = _dep_id(request)
+    deployer = app[app_mod.DEPLOYER]
+    data = await _body(request)
+    dep = deployer.get(dep_id)
+    if dep is None:  # removed while the body was read
+        raise OndemandError(404, "not_found", f"no deployment {dep_id}")
+    changes = validate_changes(data, app[app_mod.CONFIG], dep, deployer.all())
+    try:
+        dep = await deployer.edit(dep_id, changes, actor="admin", user=_user(request))
+    except DeploymentBusy as exc:
+        raise OndemandError(409, "deployment_busy", str(exc)) from exc
+    except NameTaken as exc:
+        raise OndemandError(409, "name_taken", str(exc)) from exc
+    except DeployerError as exc:  # removed while the edit waited for the deployer
+        raise OndemandError(404, "not_found", str(exc)) from exc
+    if changes:  # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
+        if metrics.blind(dep):
+            log.warning("%s: %s", dep["name"], metrics.BLIND_WARNING)
+    return _json(app_mod.view(app, dep))
+
+
 async def create_deployment(request: web.Request) -> web.Response:
     app_mod, app = _app_parts(request)
     deployer = app[app_mod.DEPLOYER]
@@ -379,6 +422,7 @@ def add_routes(app: web.Application, base_path: str) -> None:
     r.add_post(api + "/deployments", create_deployment)
     r.add_get(api + "/deployments/{id}", get_deployment)
     r.add_delete(api + "/deployments/{id}", delete_deployment)
+    r.add_patch(api + "/deployments/{id}", edit_deployment)
     r.add_patch(api + "/deployments/{id}/mode", set_mode)
     r.add_get(api + "/deployments/{id}/events", deployment_events)
     r.add_post(api + "/deployments/{id}/{action:start|stop|sleep|wake}", action)

@@ -33,7 +33,8 @@ from .effects import DeployerEffects
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
 from .forward import Upstreams
 from .gateway import MAX_BODY, Gateway
-from .litellm import LiteLLMClient, LiteLLMSync
+from .litellm import LiteLLMClient
+from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .model import SYNC_STATES, State
 from .peers import PeerGuard, PeerPolicySource
@@ -188,11 +189,13 @@ def _litellm_client(cfg: Config) -> LiteLLMClient | None:
 
 
 def _sync_needed(e: DeploymentChanged) -> bool:
-    """A change that changes what LiteLLM should list: created, removed, a mode change,
-    or entering or leaving ready, failed or planned."""
+    """A change that changes what LiteLLM should list: created, removed, an edit of
+    what its entry shows (mode, names, role), or entering or leaving ready, failed or
+    planned."""
     if e.dep is None or e.old is None:
         return True
-    if e.old.mode is not e.dep.mode:
+    if (e.old.mode, e.old.name, e.old.served_name, e.old.role) != (e.dep.mode, e.dep.name, e.dep.served_name,
+                                                                    e.dep.role):
         return True
     return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
 

@@ -1,9 +1,9 @@
 """The command line: ``python3 ondemand.pyz [--config FILE] COMMAND``.
 
-The configuration is read here, once, and passed down. Commands that read or
-change state talk to the running server over its admin socket
-(``{state_dir}/admin.sock``); read-only ones open the state file themselves
-when no server runs. ``--json`` prints machine-readable output; errors go to
+The click commands, and nothing else. The configuration is read here, once,
+and passed down. Commands that read or change state talk to the running
+server over its admin socket (``adminclient``); read-only ones open the state
+file themselves when no server runs. ``doctor``'s checks live in ``doctor``. ``--json`` prints machine-readable output; errors go to
 stderr with a non-zero exit: 1 for a refused or failed action, 2 for bad
 usage or configuration, 3 when the server is needed but not running.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import click
 import orjson
 
-from . import __version__, config as config_mod
+from . import __version__, adminclient, config as config_mod
 from .errors import ConfigError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
@@ -216,33 +216,11 @@ def migrate(ctx: Ctx, as_json: bool) -> None:
 
 # --- talking to the server ----------------------------------------------------
 
-class NoServer(Exception):
-    pass
-
-
-async def _admin(cfg: config_mod.Config, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One admin API call over the Unix socket (no token: the socket is 0600)."""
-    import aiohttp
-    sock = cfg.admin_socket
-    if not sock.exists():
-        raise NoServer(f"no server: {sock} does not exist")
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
-                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as s:
-            async with s.request(method, f"http://ondemand{cfg.base_path}/api{path}",
-                                 data=None if body is None else orjson.dumps(body),
-                                 headers={"Content-Type": "application/json"}) as r:
-                raw = await r.read()
-                return r.status, (orjson.loads(raw) if raw else None)
-    except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise NoServer(f"no server answers on {sock}: {exc}") from None
-
-
 def _call(ctx: Ctx, method: str, path: str, body: Any = None) -> Any:
     """An admin call whose failure ends the command with the API's message."""
     try:
-        status, data = _run(_admin(ctx.cfg, method, path, body))
-    except NoServer as exc:
+        status, data = _run(adminclient.request(ctx.cfg, method, path, body))
+    except adminclient.NoServer as exc:
         _fail(f"{exc}; start it with `ondemand serve`", EXIT_NO_SERVER)
     if status >= 400:
         err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
@@ -250,33 +228,11 @@ def _call(ctx: Ctx, method: str, path: str, body: Any = None) -> Any:
     return data
 
 
-def _offline_views(ctx: Ctx) -> list[dict[str, Any]] | None:
-    """Deployment views read from the state file when no server runs."""
-    from .store import Store
-    if not ctx.cfg.db_path.exists():
-        return None
-
-    async def go():
-        store = await Store.open(ctx.cfg.db_path, migrate=False)
-        try:
-            return await store.deployments()
-        finally:
-            await store.close()
-    rows = _run(go())
-    for row in rows:
-        row["mode"] = row.get("mode") or "always_on"
-        phase = "failed" if row["state"] == "failed" else \
-            "sleeping" if row["state"] in ("stopped", "asleep", "stopping", "planned") else "idle"
-        row["ondemand"] = {"inflight": 0, "queued": 0, "last_request_at": None, "phase": phase}
-        row["offline"] = True
-    return rows
-
-
 def _views(ctx: Ctx, path: str = "/deployments") -> tuple[Any, bool]:
     try:
-        status, data = _run(_admin(ctx.cfg, "GET", path))
-    except NoServer:
-        rows = _offline_views(ctx)
+        status, data = _run(adminclient.request(ctx.cfg, "GET", path))
+    except adminclient.NoServer:
+        rows = _run(adminclient.offline_views(ctx.cfg))
         if rows is None:
             _fail(f"no server runs and there is no state file at {ctx.cfg.db_path}", EXIT_NO_SERVER)
         if path == "/deployments":
@@ -385,6 +341,50 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
         body["idle_timeout_s"] = idle_timeout
     view = _call(ctx, "POST", "/deployments", body)
     _echo_json(view) if as_json else click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
+    _warn_if_blind(view)
+
+
+@deploy.command("set")
+@click.argument("dep_id", type=int)
+@click.option("--name", help="a new unique name")
+@click.option("--served-name", help="the model name clients send")
+@click.option("--engine", type=click.Choice(["vllm", "llamacpp"]))
+@click.option("--image", help="container image (docker backend)")
+@click.option("--arg", "args", multiple=True, help="an engine argument (docker backend); repeat; replaces them all")
+@click.option("--no-args", is_flag=True, help="no engine arguments")
+@click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
+@click.option("--port", type=int, help="the engine's port in its container")
+@click.option("--memory-gib", type=float, help="GPU memory it needs")
+@click.option("--role", type=click.Choice(["model", "decision", "system"]))
+@click.option("--mode", type=click.Choice(["on_demand", "always_on"]))
+@click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
+@json_option
+@pass_ctx
+def deploy_set(ctx: Ctx, dep_id: int, name, served_name, engine, image, args, no_args, command, port, memory_gib,
+               role, mode, idle_timeout, as_json) -> None:
+    """Edit a stopped, failed or planned deployment in place (same id; audited
+    deployment_update). A start afterwards uses the new values."""
+    import shlex
+    if args and no_args:
+        _fail("--arg and --no-args exclude each other", EXIT_USAGE)
+    body: dict[str, Any] = {k: v for k, v in (("name", name), ("served_name", served_name), ("engine", engine),
+                                              ("image", image), ("port", port), ("memory_gib", memory_gib),
+                                              ("role", role), ("mode", mode)) if v is not None}
+    if args or no_args:
+        body["args"] = list(args)
+    if command is not None:
+        body["command"] = shlex.split(command)
+    if idle_timeout is not None:
+        if idle_timeout == "default":
+            body["idle_timeout_s"] = None
+        elif idle_timeout.isdigit():
+            body["idle_timeout_s"] = int(idle_timeout)
+        else:
+            _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
+    if not body:
+        _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
+    view = _call(ctx, "PATCH", f"/deployments/{dep_id}", body)
+    _echo_json(view) if as_json else click.echo(f"updated {view['name']} (id {view['id']}, {view['state']})")
     _warn_if_blind(view)
 
 
@@ -541,7 +541,8 @@ def sync(ctx: Ctx, as_json: bool) -> None:
 @pass_ctx
 def doctor(ctx: Ctx, as_json: bool) -> None:
     """Check the Docker socket, nvidia-smi, the key file, LiteLLM and the listener."""
-    checks = _run(_doctor(ctx.cfg))
+    from . import doctor as doctor_mod
+    checks = _run(doctor_mod.run(ctx.cfg))
     if as_json:
         _echo_json(checks)
     else:
@@ -549,120 +550,6 @@ def doctor(ctx: Ctx, as_json: bool) -> None:
             click.echo(f"{'OK  ' if c['ok'] else 'FAIL' if c['ok'] is False else 'SKIP'}  {c['check']:10} {c['detail']}")
     if any(c["ok"] is False for c in checks):
         sys.exit(EXIT_FAILED)
-
-
-async def _doctor(cfg: config_mod.Config) -> list[dict[str, Any]]:
-    import os
-    import stat as stat_mod
-
-
-    from . import keys
-    from .budget import Budget, BudgetError
-    out: list[dict[str, Any]] = []
-
-    def add(check: str, ok: bool | None, detail: str) -> None:
-        out.append({"check": check, "ok": ok, "detail": detail})
-
-    # Docker
-    if cfg.deployer.backend == "docker":
-        import aiodocker
-        try:
-            docker = aiodocker.Docker(url=cfg.deployer.docker_url)
-            try:
-                version = await docker.version()
-                try:
-                    await docker.networks.get(cfg.deployer.network)
-                    add("docker", True, f"Docker {version.get('Version')} answers; network {cfg.deployer.network} exists")
-                except aiodocker.DockerError:
-                    add("docker", False, f"network {cfg.deployer.network!r} is missing: create it "
-                                         f"(docker network create {cfg.deployer.network}) or set deployer.network")
-            finally:
-                await docker.close()
-        except Exception as exc:
-            add("docker", False, f"the Docker API does not answer ({exc or type(exc).__name__}): start dockerd, "
-                                 "mount /var/run/docker.sock, or set deployer.docker_url")
-    else:
-        add("docker", None, "deployer.backend = process: engines run as child processes")
-    # nvidia-smi / budget
-    budget = Budget.from_config(cfg)
-    try:
-        measured = await budget.measure()
-        if measured is None:
-            add("budget", True, f"static: {cfg.budget.capacity_gib:g} GiB declared")
-        else:
-            add("budget", True, f"{cfg.budget.source}: {measured[1]:.1f} of {measured[0]:.1f} GiB in use")
-    except BudgetError as exc:
-        add("budget", False, str(exc))
-    # key
-    key = keys.read_key_file(cfg.key_file)
-    if key is None:
-        add("key", False, f"no key in {cfg.key_file}: run `ondemand key init` (the gateway answers 503 until then)")
-    else:
-        mode = stat_mod.S_IMODE(os.stat(cfg.key_file).st_mode)
-        if mode & 0o077:
-            add("key", False, f"{cfg.key_file} is readable by others (mode {mode:o}): chmod 600 it")
-        else:
-            add("key", True, f"{cfg.key_file}, fingerprint {keys.fingerprint(key)}")
-    # LiteLLM
-    if not cfg.litellm.url:
-        add("litellm", None, "litellm.url is not set: models are not registered in LiteLLM")
-    else:
-        from .litellm import LiteLLMClient, LiteLLMError
-        master = keys.read_key_file(cfg.litellm.master_key_file) if cfg.litellm.master_key_file else None
-        if master is None:
-            add("litellm", False, "litellm.master_key_file holds no key: set it to a file with LiteLLM's master key")
-        else:
-            client = LiteLLMClient(cfg.litellm.url, master)
-            try:
-                models = await client.list_models()
-                add("litellm", True, f"{cfg.litellm.url} answers; {len(models)} models listed")
-            except LiteLLMError as exc:
-                hint = (" — LiteLLM's model routes need its database: set DATABASE_URL and STORE_MODEL_IN_DB=True"
-                        if exc.code == "litellm_no_db" else "")
-                add("litellm", False, f"{exc.message} ({exc.code}){hint}")
-            finally:
-                await client.close()
-    # engines whose idleness cannot be seen
-    rows = None
-    try:
-        status_code, rows = await _admin(cfg, "GET", "/deployments")
-    except NoServer:
-        if cfg.db_path.exists():
-            from .store import Store
-            store = await Store.open(cfg.db_path, migrate=False)
-            try:
-                rows = await store.deployments()
-            finally:
-                await store.close()
-    from .metrics import BLIND_WARNING, blind as is_blind
-    blind = [d["name"] for d in rows or () if is_blind(d)]
-    if blind:
-        add("engines", False, f"{', '.join(blind)}: {BLIND_WARNING}")
-    elif rows is not None:
-        add("engines", True, f"{len(rows)} deployments; every on-demand engine can report its load")
-    # listener and admin socket
-    host, port = cfg.listen_host_port
-    try:
-        status, data = await _admin(cfg, "GET", "/host")
-        add("server", True, f"answers on {cfg.admin_socket} (version {data.get('version') if data else '?'})")
-        probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        try:
-            _r, w = await asyncio.wait_for(asyncio.open_connection(probe, port), 5)
-            w.close()
-            add("listener", True, f"{cfg.listen} accepts connections")
-        except (OSError, asyncio.TimeoutError) as exc:
-            add("listener", False, f"{cfg.listen} refuses connections: {exc}")
-    except NoServer:
-        add("server", None, "no server runs (ondemand serve)")
-        try:
-            import socket as socket_mod
-            with socket_mod.socket(socket_mod.AF_INET6 if ":" in host else socket_mod.AF_INET) as s:
-                s.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEADDR, 1)
-                s.bind((host, port))
-            add("listener", True, f"{cfg.listen} is free to listen on")
-        except OSError as exc:
-            add("listener", False, f"cannot listen on {cfg.listen}: {exc.strerror} (another process? change listen)")
-    return out
 
 
 # --- the engine simulator --------------------------------------------------
@@ -675,8 +562,8 @@ def sim_engine(args: tuple[str, ...]) -> None:
 
     Options are the simulator's own; see `ondemand sim-engine --help`.
     """
-    from . import simengine
-    sys.exit(simengine.main(list(args)))
+    from .sim import engine
+    sys.exit(engine.main(list(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

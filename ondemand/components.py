@@ -17,7 +17,7 @@ from .effects import DeployerEffects
 from .events import EventBus
 from .gateway import Gateway
 from .keys import KeyWatcher
-from .litellm import LiteLLMSync
+from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .peers import PeerPolicySource
 from .store import Store

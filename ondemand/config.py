@@ -272,7 +272,23 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
             f"whole seconds, {cfg.min_idle_timeout_s} (min_idle_timeout_s) to 86400")
     if cfg.budget.source == "static" and cfg.budget.capacity_gib is None:
         raise ConfigError("configuration key budget.capacity_gib is required with budget.source = static")
+    if _same_file(cfg.token_file, cfg.key_file):
+        raise ConfigError(
+            f"configuration keys admin_token_file ({cfg.token_file}) and ondemand_key_file ({cfg.key_file}) "
+            "name the same file: the admin API must never open with the on-demand key; give them two files")
     return cfg
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same path once resolved (symbolic
+    links, ``..``, relative to the working directory), or, when both exist, the
+    same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
 
 
 # Variables of ours that are not configuration keys (read by the CLI edge).

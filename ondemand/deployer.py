@@ -40,7 +40,7 @@ import aiohttp
 
 from .backends import Backend, BackendError, Engine
 from .budget import Budget
-from .errors import DeployerError
+from .errors import DeployerError, DeploymentBusy, NameTaken
 from .events import DeploymentChanged
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, Role, State
 from .store import Store
@@ -61,10 +61,6 @@ class StartInterrupted(Exception):
     def __init__(self, state: str):
         super().__init__(f"deployment was {state} while it was starting")
         self.state = state
-
-
-class DeploymentBusy(DeployerError):
-    """An edit of a deployment whose engine runs or is about to."""
 
 
 def _no_publish(event: object) -> None:
@@ -277,13 +273,21 @@ class Deployer:
     async def edit(self, dep_id: int, changes: dict[str, Any], *, actor: str = "admin",
                    user: str | None = None) -> Deployment:
         """Edit fields of a deployment with no engine (stopped, failed, planned) in place:
-        same id. The state check and the in-memory change are one step."""
+        same id, audited ``deployment_update`` with the old and new values of the fields
+        that differ. The checks and the in-memory change are one step (no await).
+        Raises DeploymentBusy in another state or while its engine still runs, NameTaken
+        for another deployment's name."""
         dep = self._get(dep_id)
-        if dep.state not in EDITABLE:
-            raise DeploymentBusy(f"{dep.name} is {dep.state}: stop it before editing it")
+        if dep.state not in EDITABLE or dep_id in self._engines:
+            running = " and its engine still runs" if dep.state in EDITABLE else ""
+            raise DeploymentBusy(f"{dep.name} is {dep.state}{running}: only a stopped, failed or planned "
+                                 "deployment can be edited; stop it first")
         changed = {k: v for k, v in _typed(changes).items() if getattr(dep, k) != v}
         if not changed:
             return dep
+        name = changed.get("name")
+        if name is not None and any(d.name == name for d in self._deps.values() if d.id != dep_id):
+            raise NameTaken(f"name: a deployment named {name!r} exists")
         old = {k: _plain(getattr(dep, k)) for k in changed}
         new = {k: _plain(v) for k, v in changed.items()}
         return await self.update(dep_id, actor=actor, user=user, audit="deployment_update",

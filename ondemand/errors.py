@@ -68,5 +68,14 @@ class DeployerError(Exception):
     """A deployer operation that could not be done (bad state, backend error)."""
 
 
+class DeploymentBusy(DeployerError):
+    """An edit of a deployment that is not stopped, failed or planned (or whose
+    engine still runs): stop it first."""
+
+
+class NameTaken(DeployerError):
+    """Another deployment already has this name (names are unique)."""
+
+
 class ConfigError(Exception):
     """A configuration key is unknown or out of range; the message names it."""

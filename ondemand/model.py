@@ -61,8 +61,8 @@ EDITABLE = frozenset({State.STOPPED, State.FAILED, State.PLANNED})
 # Entering or leaving one of these changes what LiteLLM should list.
 SYNC_STATES = frozenset({State.READY, State.FAILED, State.PLANNED})
 
-# Fields whose change means "a changed model or configuration" (the start backoff is reset).
-CONFIG_FIELDS = ("served_name", "engine", "image", "args", "command", "port", "memory_gib")
+# Fields that are not the deployment's configuration: its life, not its make-up.
+_LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "created_at", "updated_at"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,8 +117,9 @@ class Deployment:
         return out
 
     def config(self) -> tuple[Any, ...]:
-        """What the engine is made of: a change of it resets the start backoff."""
-        return tuple(getattr(self, k) for k in CONFIG_FIELDS)
+        """Everything an administrator sets (not its state): a change of it (an edit,
+        a mode switch) resets the start backoff."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIFE_FIELDS)
 
     @property
     def on_demand(self) -> bool:

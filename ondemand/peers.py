@@ -8,11 +8,14 @@ and never a request that carries a forwarding header (it came through a proxy). 
 gets 404 not_found, as if the route did not exist.
 
 - :class:`PeerPolicy`: the policy math, immutable, with a fast cached ``allows(ip)``.
-- :class:`PeerPolicySource`: reads the attached networks from the Docker API (aiodocker) at
-  start and every 30 s and holds the current policy; nobody is allowed before the first refresh.
+- :class:`PeerPolicySource`: reads the attached networks from the Docker API (``dockerapi``)
+  at start and every 30 s and holds the current policy; nobody is allowed before the first
+  refresh.
 - :class:`PeerGuard`: the aiohttp middleware applying it to the gateway's routes.
 
-Imports nothing of ours but the errors; settings come in as arguments.
+Imports nothing of ours but the errors and ``dockerapi`` (which holds every Docker call;
+``AttachedNetwork`` and ``container_ids_from_proc`` are its own, importable from here too);
+settings come in as arguments.
 """
 from __future__ import annotations
 
@@ -20,12 +23,13 @@ import asyncio
 import ipaddress
 import logging
 import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence, Union
 
 from aiohttp import hdrs, web
 from multidict import istr
 
+from ondemand import dockerapi
+from ondemand.dockerapi import AttachedNetwork, container_ids_from_proc
 from ondemand.errors import ConfigError, not_found
 
 __all__ = [
@@ -76,16 +80,6 @@ def parse_allowed(value: Any) -> str | tuple[IPNetwork, ...]:
 
 
 # -- the policy -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class AttachedNetwork:
-    """A Docker network ondemand's container is attached to: its subnets and gateway addresses."""
-
-    name: str
-    subnets: tuple[str, ...] = ()
-    gateways: tuple[str, ...] = ()
-    id: str = ""
-
 
 def _net(s: str) -> IPNetwork | None:
     try:
@@ -193,36 +187,8 @@ class PeerPolicy:
                 "and decider-network exclusions",))
 
         warnings: list[str] = []
-        decider_nets: list[IPNetwork] = []
-        others: list[AttachedNetwork] = []
-        decider_attached = False
-        for an in attached:
-            if decider_network and decider_network in (an.name, an.id):
-                decider_attached = True
-                decider_nets.extend(n for n in map(_net, an.subnets) if n is not None)
-            else:
-                others.append(an)
-        if decider_network and not decider_attached:
-            if decider_subnets is None:
-                warnings.append(f"decider network {decider_network!r} not found: its peers cannot "
-                                "be refused by subnet")
-            else:
-                decider_nets.extend(n for n in map(_net, decider_subnets) if n is not None)
-
-        # Connections to a published host port arrive from the gateway or the first host address
-        # of a network (docker-proxy, hairpin NAT): refused on every attached network.
-        refused: dict[IPAddress, str] = {}
-        for an in attached:
-            for g in an.gateways:
-                a = _addr(g) if g else None
-                if a is not None:
-                    refused.setdefault(a, f"gateway of {an.name}")
-            for s in an.subnets:
-                n = _net(s)
-                h = _first_host(n) if n is not None else None
-                if h is not None:
-                    refused.setdefault(h, f"first host of {an.name}")
-
+        decider_nets, others = _split_decider(attached, decider_network, decider_subnets, warnings)
+        refused = _refused_addresses(attached)
         if setting == "auto":
             allow = [n for an in others for n in map(_net, an.subnets) if n is not None]
             if not allow:
@@ -231,17 +197,7 @@ class PeerPolicy:
             summary = "auto"
         else:
             allow = list(setting)
-            covered = sorted((a for a in refused if any(a in n for n in allow)), key=_sort_key)
-            if covered:
-                warnings.append(f"{_KEY} covers addresses that are refused anyway: " + ", ".join(
-                    f"{a} ({refused[a]})" for a in covered))
-            overlap = [d for d in decider_nets if any(d.overlaps(n) for n in allow
-                                                      if d.version == n.version)]
-            if overlap:
-                warnings.append(f"{_KEY} overlaps the decider network {decider_network!r}, whose "
-                                "peers are refused anyway: " + ", ".join(map(str, overlap)))
-            if not allow:
-                warnings.append(f"{_KEY} is an empty list: the gateway allows nobody")
+            warnings.extend(_explicit_list_warnings(allow, refused, decider_nets, decider_network))
             summary = "explicit list"
         return cls(allow, decider_nets, refused, summary=summary, warnings=warnings)
 
@@ -256,48 +212,70 @@ class PeerPolicy:
         return s
 
 
+def _split_decider(attached: Sequence[AttachedNetwork], decider_network: str | None,
+                   decider_subnets: Sequence[str] | None,
+                   warnings: list[str]) -> tuple[list[IPNetwork], list[AttachedNetwork]]:
+    """The decider network's subnets (from ``attached`` when ondemand is on it, else from
+    ``decider_subnets``), and the other attached networks."""
+    decider_nets: list[IPNetwork] = []
+    others: list[AttachedNetwork] = []
+    decider_attached = False
+    for an in attached:
+        if decider_network and decider_network in (an.name, an.id):
+            decider_attached = True
+            decider_nets.extend(n for n in map(_net, an.subnets) if n is not None)
+        else:
+            others.append(an)
+    if decider_network and not decider_attached:
+        if decider_subnets is None:
+            warnings.append(f"decider network {decider_network!r} not found: its peers cannot "
+                            "be refused by subnet")
+        else:
+            decider_nets.extend(n for n in map(_net, decider_subnets) if n is not None)
+    return decider_nets, others
+
+
+def _refused_addresses(attached: Sequence[AttachedNetwork]) -> dict[IPAddress, str]:
+    """Connections to a published host port arrive from the gateway or the first host address
+    of a network (docker-proxy, hairpin NAT): refused on every attached network (address ->
+    why)."""
+    refused: dict[IPAddress, str] = {}
+    for an in attached:
+        for g in an.gateways:
+            a = _addr(g) if g else None
+            if a is not None:
+                refused.setdefault(a, f"gateway of {an.name}")
+        for s in an.subnets:
+            n = _net(s)
+            h = _first_host(n) if n is not None else None
+            if h is not None:
+                refused.setdefault(h, f"first host of {an.name}")
+    return refused
+
+
+def _explicit_list_warnings(allow: list[IPNetwork], refused: dict[IPAddress, str],
+                            decider_nets: list[IPNetwork], decider_network: str | None) -> list[str]:
+    """What an explicit ``ondemand_allowed_cidrs`` list allows that is refused anyway."""
+    warnings = []
+    covered = sorted((a for a in refused if any(a in n for n in allow)), key=_sort_key)
+    if covered:
+        warnings.append(f"{_KEY} covers addresses that are refused anyway: " + ", ".join(
+            f"{a} ({refused[a]})" for a in covered))
+    overlap = [d for d in decider_nets if any(d.overlaps(n) for n in allow
+                                              if d.version == n.version)]
+    if overlap:
+        warnings.append(f"{_KEY} overlaps the decider network {decider_network!r}, whose "
+                        "peers are refused anyway: " + ", ".join(map(str, overlap)))
+    if not allow:
+        warnings.append(f"{_KEY} is an empty list: the gateway allows nobody")
+    return warnings
+
+
 def _sort_key(x: Any) -> tuple:
     return (x.version, str(x))
 
 
-# -- reading Docker ---------------------------------------------------------------------------
-
-_CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
-_MOUNTINFO_ID = re.compile(r"/containers/([0-9a-f]{64})/")
-
-
-def container_ids_from_proc(cgroup: str | None = None, mountinfo: str | None = None) -> list[str]:
-    """Candidate ids of the container we run in, from the texts of ``/proc/self/mountinfo``
-    (``/var/lib/docker/containers/<id>/hostname`` mounts: works with cgroup v2) and
-    ``/proc/self/cgroup`` (cgroup v1 ``/docker/<id>``, systemd ``docker-<id>.scope``)."""
-    ids: list[str] = []
-    for m in _MOUNTINFO_ID.finditer(mountinfo or ""):
-        if m.group(1) not in ids:
-            ids.append(m.group(1))
-    for line in (cgroup or "").splitlines():
-        if "docker" in line or "containerd" in line or "libpod" in line:
-            for m in _CONTAINER_ID.finditer(line):
-                if m.group() not in ids:
-                    ids.append(m.group())
-    return ids
-
-
-def _read_proc(proc_dir: str | None) -> list[str]:
-    if not proc_dir:
-        return []
-    texts = []
-    for name in ("cgroup", "mountinfo"):
-        try:
-            with open(f"{proc_dir}/{name}", encoding="utf-8", errors="replace") as f:
-                texts.append(f.read())
-        except OSError:
-            texts.append("")
-    return container_ids_from_proc(texts[0], texts[1])
-
-
-class _OutsideDocker(Exception):
-    """Not in a container this Docker knows (a definite answer, unlike an unreachable Docker)."""
-
+# -- the policy from Docker ------------------------------------------------------------------
 
 class PeerPolicySource:
     """Holds the current :class:`PeerPolicy` and refreshes it from the Docker API.
@@ -342,7 +320,7 @@ class PeerPolicySource:
             if self._failing:
                 self._log.info("Docker API reachable again; peer policy refreshed")
             self._failing = False
-        except _OutsideDocker as e:
+        except dockerapi.OutsideDocker as e:
             self._log.debug("peer policy: outside Docker (%s)", e)
             attached, decider_subnets = None, None
         except Exception as e:  # noqa: BLE001 - any failure to read Docker is "unreachable"
@@ -386,69 +364,8 @@ class PeerPolicySource:
             await asyncio.sleep(interval_s)
 
     async def _read(self) -> tuple[list[AttachedNetwork], list[str] | None]:
-        # The full ids from /proc first: exact. The hint last, and only believed when the
-        # container Docker resolves it to (by name or id prefix) has that hostname or id, so a
-        # host whose name happens to name a container, or prefix an id, is not mistaken for it.
-        candidates = _read_proc(self.proc_dir)
-        hint = self.container_id_hint
-        if hint and hint not in candidates:
-            candidates.append(hint)
-        if not candidates:
-            raise _OutsideDocker("no container id (no hint, nothing in /proc)")
-        import aiodocker  # only here: the policy math and the guard need no Docker client
-        from aiodocker.exceptions import DockerError
-        from aiodocker.networks import DockerNetwork
-
-        async with aiodocker.Docker(url=self.docker_url) as docker:
-            container = None
-            for cid in candidates:
-                try:
-                    found = await docker.containers.get(cid)
-                except DockerError as e:
-                    if e.status != 404:
-                        raise
-                    continue
-                config = (found["Config"] if "Config" in found else None) or {}
-                if found.id == cid or (cid == hint and config.get("Hostname") == hint):
-                    container = found
-                    break
-            if container is None:
-                raise _OutsideDocker(f"no container {', '.join(candidates)} in this Docker")
-            settings = (container["NetworkSettings"] if "NetworkSettings" in container else None) or {}
-            endpoints = settings.get("Networks") or {}
-            attached = []
-            for name, ep in endpoints.items():
-                ep = ep or {}
-                gateways = [g for g in (ep.get("Gateway"), ep.get("IPv6Gateway")) if g]
-                subnets: list[str] = []
-                net_id = ep.get("NetworkID") or ""
-                try:
-                    # One call (networks.get() would inspect it twice).
-                    info = await DockerNetwork(docker, net_id or name).show()
-                    for cfg in ((info.get("IPAM") or {}).get("Config") or []):
-                        if cfg.get("Subnet"):
-                            subnets.append(cfg["Subnet"])
-                        if cfg.get("Gateway"):
-                            gateways.append(cfg["Gateway"])
-                except DockerError as e:
-                    if e.status != 404:
-                        raise
-                    # Gone between the two calls: the endpoint's own address and prefix.
-                    for a, p in (("IPAddress", "IPPrefixLen"), ("GlobalIPv6Address", "GlobalIPv6PrefixLen")):
-                        if ep.get(a) and ep.get(p):
-                            subnets.append(str(ipaddress.ip_interface(f"{ep[a]}/{ep[p]}").network))
-                attached.append(AttachedNetwork(name, tuple(subnets), tuple(dict.fromkeys(gateways)), net_id))
-            decider_subnets: list[str] | None = None
-            d = self.decider_network
-            if d and not any(d in (an.name, an.id) for an in attached):
-                try:
-                    info = await DockerNetwork(docker, d).show()
-                    decider_subnets = [c["Subnet"] for c in ((info.get("IPAM") or {}).get("Config") or [])
-                                       if c.get("Subnet")]
-                except DockerError as e:
-                    if e.status != 404:
-                        raise
-            return attached, decider_subnets
+        return await dockerapi.own_networks(self.docker_url, self.proc_dir, self.container_id_hint,
+                                            self.decider_network)
 
 
 # -- the middleware ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Design doc, Gateway, check 4: "a peer with 20 failed key checks in a minute gets
 with Retry-After: 60 for the rest of that minute". Each peer has a fixed window that opens at its
 first failure; once ``limit`` failures fall in the window the peer is refused until the window
 ends. "Key rotation": the counts are cleared when the key changes (``clear`` is hooked into the
-key watcher's ``on_change``). Imports nothing of ours.
+bus's ``KeyRotated``). Imports nothing of ours.
 """
 from __future__ import annotations
 

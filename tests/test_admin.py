@@ -172,6 +172,95 @@ async def test_mode_switch_is_audited_and_bounded(server):
     assert view["mode"] == "on_demand" and view["idle_timeout_s"] == 120
 
 
+async def test_edit_in_place(server):
+    _, a = await api(server, "POST", "/deployments", new_dep("a"))
+    _, b = await api(server, "POST", "/deployments", new_dep("b"))
+    i = a["id"]
+    before = server.deployer.get(i).as_dict()
+    # unknown or bad values: 400 in the creation's form, nothing changed
+    for body, field in [({"id": 7}, "id"), ({"start": True}, "start"), ({"port": 0}, "port"),
+                        ({"memory_gib": -1}, "memory_gib"), ({"engine": "tgi"}, "engine"),
+                        ({"name": "Bad Name"}, "name"), ({"served_name": ""}, "served_name"),
+                        ({"role": "decision"}, "mode"), ({"idle_timeout_s": 0}, "idle_timeout_s"),
+                        ({"command": "sim --port {port}"}, "command"), ({"command": []}, "command"),
+                        ({"served_name": "ok", "port": 70000}, "port")]:
+        status, err = await api(server, "PATCH", f"/deployments/{i}", body)
+        assert status == 400, (body, err)
+        assert err["error"]["code"] == "invalid_field" and err["error"]["type"] == "invalid_request_error"
+        assert err["error"]["message"].startswith(field + ":"), err
+    status, err = await api(server, "PATCH", f"/deployments/{i}", [1])
+    assert status == 400 and err["error"]["code"] == "invalid_json"
+    # another deployment's name: a clear 409
+    status, err = await api(server, "PATCH", f"/deployments/{i}", {"name": "b"})
+    assert status == 409 and err["error"]["code"] == "name_taken"
+    status, err = await api(server, "PATCH", "/deployments/99", {"port": 9000})
+    assert status == 404 and err["error"]["code"] == "not_found"
+    assert server.deployer.get(i).as_dict() == before
+    _, audit = await api(server, "GET", "/audit")
+    assert not [r for r in audit if r["action"] == "deployment_update"]
+    # success: same id, the view shows the new values, one audit row with old and new
+    status, view = await api(server, "PATCH", f"/deployments/{i}",
+                             {"name": "a2", "served_name": "A2", "memory_gib": 12, "idle_timeout_s": 120,
+                              "port": 8000})  # port unchanged: not in the audit
+    assert status == 200 and view["id"] == i
+    assert (view["name"], view["served_name"], view["memory_gib"], view["idle_timeout_s"]) == ("a2", "A2", 12.0, 120)
+    assert (await api(server, "GET", f"/deployments/{i}"))[1]["served_name"] == "A2"
+    stored = await server.deployer.store.deployment(i)
+    assert (stored["name"], stored["served_name"], stored["memory_gib"]) == ("a2", "A2", 12.0)
+    _, audit = await api(server, "GET", "/audit")
+    (row,) = [r for r in audit if r["action"] == "deployment_update"]
+    assert row["deployment_id"] == i and row["user"] == "token"
+    assert row["detail"] == {"old": {"name": "a", "served_name": "a", "memory_gib": 10.0, "idle_timeout_s": None},
+                             "new": {"name": "a2", "served_name": "A2", "memory_gib": 12.0, "idle_timeout_s": 120}}
+    # the old name is free again; the new one is taken
+    assert (await api(server, "PATCH", f"/deployments/{b['id']}", {"name": "a"}))[0] == 200
+    assert (await api(server, "PATCH", f"/deployments/{b['id']}", {"name": "a2"}))[1]["error"]["code"] == "name_taken"
+    # it starts with the edited configuration
+    status, view = await api(server, "POST", f"/deployments/{i}/start?wait=1")
+    assert status == 200 and view["state"] == "ready"
+    # busy (starting, ready, asleep, stopping): 409 and nothing changed
+    before = server.deployer.get(i).as_dict()
+    status, err = await api(server, "PATCH", f"/deployments/{i}", {"served_name": "X"}, unix=True)
+    assert status == 409 and err["error"]["code"] == "deployment_busy" and "stop it first" in err["error"]["message"]
+    assert server.deployer.get(i).as_dict() == before and (await server.deployer.store.deployment(i))["served_name"] == "A2"
+    await api(server, "POST", f"/deployments/{i}/stop")
+    status, view = await api(server, "PATCH", f"/deployments/{i}", {"served_name": "X"}, unix=True)
+    assert status == 200 and view["served_name"] == "X" and view["state"] == "stopped"
+
+
+async def test_edit_resets_the_start_backoff(server):
+    # a command that exits at once: the request's start fails and later ones are refused for a while
+    _, v = await api(server, "POST", "/deployments", new_dep("a", command=["false", "{port}"]))
+    i = v["id"]
+    chat = {"model": "A", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def ask():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.gw(i, "chat/completions"), headers=server.auth(), json=chat) as r:
+                return r.status, await r.json()
+    for _ in range(2):  # the failed start, then the backoff's refusal
+        status, body = await ask()
+        assert status == 503 and body["error"]["code"] == "start_failed", body
+    assert server.state(i) == "failed"
+    status, view = await api(server, "PATCH", f"/deployments/{i}", {"command": sim_command("A")})
+    assert status == 200 and view["state"] == "failed"
+    status, body = await ask()  # no backoff: the edited deployment starts at once
+    assert status == 200, body
+
+
+async def test_edit_of_served_name_is_synced_to_litellm(tmp_path):
+    async with litellm_double("sk-m") as double:
+        mk = tmp_path / "master.key"
+        mk.write_text("sk-m\n")
+        async with run_app(tmp_path, **{"litellm.url": double.url, "litellm.master_key_file": str(mk)}) as server:
+            _, v = await api(server, "POST", "/deployments", new_dep("a"))
+            await wait_for(lambda: [m["model_name"] for m in double.models] == ["a"], what="registered")
+            status, _ = await api(server, "PATCH", f"/deployments/{v['id']}", {"served_name": "renamed"})
+            assert status == 200
+            await wait_for(lambda: [m["model_name"] for m in double.models] == ["renamed"],
+                           what="the entry follows the new served_name")
+
+
 async def test_actions(server):
     _, v = await api(server, "POST", "/deployments", new_dep("a"))
     i = v["id"]
@@ -244,6 +333,22 @@ async def test_litellm_sync_is_wired(tmp_path):
                            timeout=10, what="re-registered with the new key")
             status, result = await api(server, "POST", "/sync")
             assert status == 200 and result["error"] is None and result["added"] == [] and result["deleted"] == []
+
+
+async def test_planned_deployment_is_registered_in_litellm_once_started(tmp_path):
+    async with litellm_double("sk-m") as double:
+        mk = tmp_path / "master.key"
+        mk.write_text("sk-m\n")
+        async with run_app(tmp_path, **{"litellm.url": double.url, "litellm.master_key_file": str(mk)}) as server:
+            from ondemand import components
+            sync = server.app[components.SYNC]
+            _, v = await api(server, "POST", "/deployments", new_dep("p", start=False))
+            assert v["state"] == "planned"
+            await wait_for(lambda: sync.status_of(v["id"])["code"] == "deployment_planned", what="planned seen")
+            await sync.wait_idle()
+            assert double.models == []
+            await api(server, "POST", f"/deployments/{v['id']}/start")
+            await wait_for(lambda: any(m["model_name"] == "p" for m in double.models), what="registered at its start")
 
 
 async def test_published_views_of_a_cold_start(server):

@@ -68,6 +68,15 @@ async def test_bad_environment_names_the_key(tmp_path):
     assert rc == 2 and "ondemand_max_queued" in err
 
 
+async def test_serve_refuses_one_file_for_admin_token_and_ondemand_key(tmp_path):
+    state = tmp_path / "s"
+    cfg = write_config(tmp_path / "c.toml", state, admin_token_file=str(state / "ondemand.key"))
+    rc, out, err = await asyncio.wait_for(cli("serve", config=cfg), 30)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "admin_token_file" in err and "ondemand_key_file" in err
+    assert not (state / "ondemand.db").exists()  # stopped before it touched anything
+
+
 async def test_migrate(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
     rc, out, _ = await cli("migrate", "--json", config=cfg)
@@ -116,6 +125,43 @@ async def test_commands_against_a_running_server(tmp_path):
         assert rc == 1
 
 
+async def test_deploy_set_edits_in_place(tmp_path):
+    async with run_app(tmp_path) as server:
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        a = await server.add("alpha")
+        await server.add("beta")
+        rc, out, err = await cli("deploy", "set", str(a), "--served-name", "Alpha-2", "--memory-gib", "6",
+                                 "--idle-timeout", "90", "--command", " ".join(sim_command("Alpha-2")),
+                                 "--json", config=cfg)
+        assert rc == 0, err
+        view = json.loads(out)
+        assert (view["id"], view["served_name"], view["memory_gib"], view["idle_timeout_s"]) == (a, "Alpha-2", 6.0, 90)
+        assert view["command"] == sim_command("Alpha-2")
+        rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
+        assert "Alpha-2" in out
+        (row,) = [r for r in await server.deployer.store.audit(a) if r["action"] == "deployment_update"]
+        assert row["detail"]["old"]["served_name"] == "ALPHA" and row["detail"]["new"]["served_name"] == "Alpha-2"
+        rc, out, _ = await cli("deploy", "set", str(a), "--idle-timeout", "default", config=cfg)
+        assert rc == 0 and out.strip() == f"updated alpha (id {a}, stopped)"
+        assert server.deployer.get(a)["idle_timeout_s"] is None
+        # refused: a bad value, another's name, nothing to change, no such deployment; nothing changed
+        before = server.deployer.get(a).as_dict()
+        rc, _, err = await cli("deploy", "set", str(a), "--port", "0", config=cfg)
+        assert rc == 1 and "port:" in err and "invalid_field" in err
+        rc, _, err = await cli("deploy", "set", str(a), "--name", "beta", config=cfg)
+        assert rc == 1 and "name_taken" in err
+        rc, _, err = await cli("deploy", "set", str(a), config=cfg)
+        assert rc == 2 and "nothing to change" in err
+        rc, _, err = await cli("deploy", "set", "99", "--port", "9000", config=cfg)
+        assert rc == 1 and "not_found" in err
+        assert server.deployer.get(a).as_dict() == before
+        # busy while it runs
+        await server.deployer.restart(a)
+        rc, _, err = await cli("deploy", "set", str(a), "--served-name", "x", config=cfg)
+        assert rc == 1 and "deployment_busy" in err and len(err.strip().splitlines()) == 1
+        assert server.deployer.get(a)["served_name"] == "Alpha-2"
+
+
 async def test_read_only_commands_without_a_server(tmp_path):
     async with run_app(tmp_path) as server:
         await server.add("alpha")
@@ -126,6 +172,8 @@ async def test_read_only_commands_without_a_server(tmp_path):
     assert json.loads(out)[0]["name"] == "alpha"
     rc, _, err = await cli("deploy", "start", "1", config=cfg)
     assert rc == 3 and "ondemand serve" in err
+    rc, _, err = await cli("deploy", "set", "1", "--memory-gib", "4", config=cfg)
+    assert rc == 3 and "ondemand serve" in err  # a change goes through the server, like start
     rc, out, _ = await cli("doctor", config=cfg)
     assert rc == 0 and "no server runs" in out
 

@@ -98,3 +98,36 @@ def test_shipped_configs_load(name):
     path = Path(__file__).resolve().parent.parent / "packaging" / name
     cfg = config.load(path, env={})
     assert cfg.listen and cfg.state_dir
+
+
+def test_admin_token_and_ondemand_key_must_be_two_files(tmp_path):
+    state = tmp_path / "s"
+    state.mkdir()
+    (tmp_path / "link").symlink_to(state)
+    (state / "key").write_text("odk-x\n")
+    (state / "hard").hardlink_to(state / "key")
+    same = [
+        # the token file names the default key file
+        {"ONDEMAND_STATE_DIR": str(state), "ONDEMAND_ADMIN_TOKEN_FILE": str(state / "ondemand.key")},
+        # the key file names the default token file, through ".."
+        {"ONDEMAND_STATE_DIR": str(state), "ONDEMAND_ONDEMAND_KEY_FILE": str(state / "x" / ".." / "admin.token")},
+        # one through a symbolic link to the directory
+        {"ONDEMAND_ONDEMAND_KEY_FILE": str(state / "k"), "ONDEMAND_ADMIN_TOKEN_FILE": str(tmp_path / "link" / "k")},
+        # a hard link of an existing file
+        {"ONDEMAND_ONDEMAND_KEY_FILE": str(state / "key"), "ONDEMAND_ADMIN_TOKEN_FILE": str(state / "hard")},
+    ]
+    for env in same:
+        with pytest.raises(ConfigError) as exc:
+            config.load(env=env)
+        msg = str(exc.value)
+        assert "admin_token_file" in msg and "ondemand_key_file" in msg and "\n" not in msg, msg
+    cfg = config.load(env={"ONDEMAND_STATE_DIR": str(state)})  # the defaults are two files
+    assert cfg.key_file != cfg.token_file
+
+
+def test_admin_token_and_ondemand_key_same_file_relative_in_toml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "c.toml"
+    f.write_text('state_dir = "st"\nadmin_token_file = "./st/ondemand.key"\n')
+    with pytest.raises(ConfigError, match="admin_token_file .* ondemand_key_file"):
+        config.load(f, env={})

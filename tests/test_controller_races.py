@@ -601,3 +601,51 @@ async def test_waiters_of_a_switch_to_always_on_whose_start_failed(tmp_path, sto
         dep = env.deployer.get(a)
         assert (dep.mode, dep.pending_mode, dep.state) == ("always_on", None, "failed")
         assert c.waiting() == 0
+
+
+async def test_a_slow_make_room_holds_up_nobody(tmp_path):
+    """While make-room waits for a victim that takes 3 s to stop, a mode switch, the
+    status, another deployment's stop and a ready model's request each answer at once."""
+    import time
+
+    import aiohttp
+
+    from helpers import run_app
+
+    async with run_app(tmp_path, **{"deployer.stop_timeout_s": 10}) as server:
+        victim = await server.add("v", 10, "--shutdown-delay", "3", idle_timeout_s=1)
+        ready = await server.add("r", 4, idle_timeout_s=3600)
+        other = await server.add("o", 1, idle_timeout_s=3600)
+        spare = await server.add("s", 1)
+        x = await server.add("x", 14)
+        for dep_id in (victim, ready, other):
+            await server.deployer.restart(dep_id)
+        c = server.controller
+        c._last_activity[victim] = 0  # idle for its full timeout
+        await wait_for(lambda: c.is_idle(server.deployer.get(victim)), what="the victim idle by every rule")
+        chat = {"model": "X", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as http:
+            cold = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=chat,
+                                                   headers=server.auth()))
+            await wait_for(lambda: server.state(victim) == "stopping", what="the victim stopping")
+            admin = server.admin_headers()
+            timings = {}
+
+            async def timed(name, method, url, **kw):
+                t0 = time.monotonic()
+                async with http.request(method, url, **kw) as r:
+                    await r.read()
+                    assert r.status == 200, (name, r.status, await r.text())
+                timings[name] = time.monotonic() - t0
+
+            await timed("mode set", "PATCH", f"{server.url}/api/deployments/{spare}/mode", headers=admin,
+                        json={"mode": "on_demand", "idle_timeout_s": 120})
+            await timed("status", "GET", f"{server.url}/api/deployments", headers=admin)
+            await timed("ready request", "POST", server.gw(ready, "chat/completions"),
+                        json={**chat, "model": "R"}, headers=server.auth())
+            await timed("stop", "POST", f"{server.url}/api/deployments/{other}/stop", headers=admin)
+            assert server.state(victim) == "stopping", "the make-room was over before the checks"
+            assert max(timings.values()) < 0.1, timings
+            async with await cold as r:
+                assert r.status == 200
+        assert server.state(x) == "ready" and server.state(victim) == "stopped"

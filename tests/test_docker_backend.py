@@ -87,8 +87,8 @@ def deployment(docker_env, *sim_opts: str, **fields) -> dict:
     n = next(_seq)
     name = f"t{RUN}-{n}"
     sim = ["--host", "0.0.0.0", "--port", "8000", "--model", f"m{n}", *sim_opts]
-    if not any("ondemand.simengine" in part for part in docker_env["entrypoint"]):
-        sim = ["python3", "-m", "ondemand.simengine", *sim]
+    if not any("ondemand.sim.engine" in part for part in docker_env["entrypoint"]):
+        sim = ["python3", "-m", "ondemand.sim.engine", *sim]
     row = {"id": 1000 + n, "name": name, "served_name": f"m{n}", "engine": "vllm", "image": IMAGE,
            "args": sim, "command": [], "port": 8000, "memory_gib": 1, "role": "model",
            "state": "starting", "mode": "on_demand"}

@@ -1,5 +1,7 @@
 """Imports flow one way: request → gateway → controller → deployer → backends.
-A module that reaches backwards is a sign the design wants a change (README, Layout)."""
+A module that reaches backwards is a sign the design wants a change (README, Layout).
+The leaves (errors, events, tasks, ...) import nothing of ours; config only errors;
+dockerapi holds every aiodocker call and is used by backends.docker, peers and doctor."""
 import ast
 import pathlib
 
@@ -9,10 +11,11 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # cli (the edge) may import everything.
 ALLOWED = {
     "model": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
-    "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"errors"},
-    "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
+    "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
+    "dockerapi": set(), "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
     "budget": {"config", "errors", "model"}, "metrics": set(), "eviction": set(), "queue": set(),
-    "backends": {"errors", "model"}, "backends.process": {"backends"}, "backends.docker": {"backends"},
+    "backends": {"errors", "model"}, "backends.process": {"backends"},
+    "backends.docker": {"backends", "dockerapi"},
     "deployer": {"backends", "budget", "errors", "events", "model", "store", "tasks"},
     # The decision core sees the world only through its Effects protocol.
     "controller": {"errors", "eviction", "model", "queue"},
@@ -21,11 +24,14 @@ ALLOWED = {
     "reaper": {"controller"},
     "gateway": {"admission", "notice", "controller", "deployer", "errors", "forward", "keys", "model", "paths",
                 "ratelimit"},
-    "litellm": {"errors"},
+    "litellm": {"errors"}, "litellm_sync": {"litellm"},
     "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
-                   "litellm", "metrics", "model", "peers", "store", "tasks"},
+                   "litellm_sync", "metrics", "model", "peers", "store", "tasks"},
     "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
-    "simengine": set(),
+    "sim": set(), "sim.engine": set(),
+    # The command line's parts (cli itself may import everything).
+    "adminclient": {"config", "store"},
+    "doctor": {"adminclient", "budget", "config", "dockerapi", "keys", "litellm", "metrics"},
 }
 
 
@@ -64,10 +70,30 @@ def test_imports_flow_one_way():
     assert bad == []
 
 
+def test_dockerapi_is_a_leaf_for_docker_backend_peers_and_doctor():
+    assert ALLOWED["dockerapi"] == set()
+    users = set()
+    for path in PKG.rglob("*.py"):
+        mod = ".".join(path.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+        if "dockerapi" in ours(path):
+            users.add(mod)
+    assert users <= {"backends.docker", "peers", "doctor"}, users
+
+
+def test_aiodocker_is_used_in_dockerapi_only():
+    for path in PKG.rglob("*.py"):
+        if path.name == "dockerapi.py":
+            continue
+        tree = ast.parse(path.read_text())
+        used = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        used |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "aiodocker" not in used, f"{path.relative_to(PKG)} imports aiodocker: use ondemand.dockerapi"
+
+
 def test_only_the_composition_reads_the_environment():
     for path in PKG.rglob("*.py"):
         # config reads it once; the simulator is a program of its own; the process
         # backend hands it on to the engines it starts (their PATH, CUDA_VISIBLE_DEVICES ...).
-        if path.name in ("config.py", "simengine.py", "process.py"):
+        if path.relative_to(PKG).as_posix() in ("config.py", "sim/engine.py", "backends/process.py"):
             continue
         assert "os.environ" not in path.read_text(), path.name

@@ -12,10 +12,10 @@ import pytest
 from ondemand.litellm import (
     LiteLLMClient,
     LiteLLMError,
-    LiteLLMSync,
     always_on_entry,
     ondemand_entry,
 )
+from ondemand.litellm_sync import LiteLLMSync
 from litellm_double import litellm_double
 
 MASTER = "sk-master"
@@ -139,7 +139,7 @@ def test_always_on_entry_every_field():
 
 async def test_registered_entry_is_stored_exactly():
     async with litellm_double(MASTER) as double:
-        world = World(dep(1, "a", state="planned"))
+        world = World(dep(1, "a", state="stopped"))
         sync = make_sync(double, world)
         result = await sync.sync_now()
         assert result["error"] is None
@@ -195,6 +195,31 @@ async def test_failed_deployment_entry_is_removed():
         world.deployments = []
         await sync.sync_now()
         assert double.models == []
+        await sync.close()
+
+
+async def test_planned_deployment_is_not_registered_until_it_leaves_planned():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="planned"), dep(2, "b", mode="always_on", state="planned"))
+        sync = make_sync(double, world)
+        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert double.models == [] and double.writes() == []
+        assert sync.status_of(1) == {"status": "pending", "code": "deployment_planned"}
+        assert sync.status_of(2) == {"status": "pending", "code": "deployment_planned"}
+        # Leaving planned (an administrator's start) registers the on-demand one at once.
+        world.set(1, state="starting")
+        result = await sync.sync_now()
+        assert [a["dgxmm_id"] for a in result["added"]] == [1] and result["deleted"] == []
+        assert list(by_dgxmm_id(double)) == [1]
+        assert sync.status_of(1) == {"status": "registered", "code": None}
+        # Back to planned: its entry is removed, nothing else is touched.
+        other = double.seed("not-ours", {"model": "openai/x", "api_base": "http://elsewhere/v1"})
+        world.set(1, state="planned")
+        result = await sync.sync_now()
+        assert result["added"] == [] and [d["dgxmm_id"] for d in result["deleted"]] == [1]
+        assert by_dgxmm_id(double) == {}
+        assert [m["model_info"]["id"] for m in double.models] == [other]
+        assert sync.status_of(1) == {"status": "pending", "code": "deployment_planned"}
         await sync.close()
 
 

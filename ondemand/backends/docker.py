@@ -1,4 +1,5 @@
-"""The docker backend: each engine is a container, made and driven through aiodocker.
+"""The docker backend: each engine is a container, made and driven through the Docker API
+(``dockerapi``, which holds every aiodocker call of the package).
 
 The container is ``ondemand-{name}``: the deployment's ``image`` with ``Cmd`` = its ``args``
 (the image's entrypoint stays; vLLM images take the engine arguments), on the configured Docker
@@ -27,9 +28,9 @@ import math
 from typing import Any
 
 import aiohttp
-import aiodocker
-from aiodocker.exceptions import DockerError
 
+from .. import dockerapi
+from ..dockerapi import Docker, DockerError
 from . import Backend, BackendError, Engine
 
 log = logging.getLogger("ondemand.backends.docker")
@@ -87,16 +88,16 @@ class DockerBackend(Backend):
         self.shm_size = int(shm_size_gib * 2**30)
         self.own_container_id = own_container_id
         self._in_container = in_container
-        self._docker: aiodocker.Docker | None = None
+        self._docker: Docker | None = None
         self._docker_lock = asyncio.Lock()
 
     # --- the client -------------------------------------------------------------------------
 
-    async def _client(self) -> aiodocker.Docker:
+    async def _client(self) -> Docker:
         async with self._docker_lock:
             if self._docker is None:
                 try:
-                    self._docker = aiodocker.Docker(url=self.docker_url, timeout=API_TIMEOUT)
+                    self._docker = dockerapi.client(self.docker_url, timeout=API_TIMEOUT)
                 except (AssertionError, ValueError) as exc:  # no socket found, bad URL
                     raise BackendError(f"no usable Docker API address ({self.docker_url or 'default'}): "
                                        f"{str(exc) or 'no Docker socket found'}") from exc
@@ -211,49 +212,11 @@ class DockerBackend(Backend):
         if not image:
             raise BackendError(f"deployment {dep['name']} has no image (the docker backend runs `image`)")
         docker = await self._client()
-        info = await self._inspect(name, f"inspecting container {name}")
-        if info is not None:
-            if not self._ours(info):
-                raise BackendError(f"a container named {name} exists and was not made by ondemand "
-                                   f"(no {LABEL_MANAGED} label): remove or rename it")
-            why = self._matches(info, dep)
-            if why is None and self._running(info):
-                url = await self._base_url(info, dep)
-                if url is not None:
-                    log.info("container %s is running already: adopting it (%s)", name, url)
-                    return Engine(dep["id"], dep["name"], url, ref=info["Id"], adopted=True)
-                why = "its engine port is not published on 127.0.0.1"
-            await self._discard(info, why or "it is not running")
+        running = await self._reuse_or_discard(name, dep)
+        if running is not None:
+            return running
         await self._check_network(docker)
-
-        port = _port(dep)
-        host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
-        if self.gpus:
-            host_config["DeviceRequests"] = [GPU_REQUEST]
-        if self.shm_size:
-            host_config["ShmSize"] = self.shm_size
-        if not await self.in_container():
-            host_config["PortBindings"] = {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
-        config: dict[str, Any] = {
-            "Image": image,
-            "Labels": self._labels(dep),
-            "ExposedPorts": {f"{port}/tcp": {}},
-            "HostConfig": host_config,
-        }
-        args = [str(a) for a in dep.get("args") or []]
-        if args:
-            config["Cmd"] = args
-        try:
-            container = await docker.containers.create(config, name=name)
-        except DockerError as exc:
-            if exc.status == 404 and "image" in exc.message.lower():
-                raise BackendError(
-                    f"image {image} is not on this Docker host ({exc.message}); ondemand never pulls "
-                    f"(no registry may be reachable): load it locally first (docker load / docker pull)"
-                ) from exc
-            raise _error(f"creating container {name}", exc) from exc
-        except _TRANSPORT as exc:
-            raise _error(f"creating container {name}", exc) from exc
+        container = await self._create(docker, await self._container_config(dep, image), name, image)
         try:
             await container.start()
             info = await container.show()
@@ -274,7 +237,61 @@ class DockerBackend(Backend):
         log.info("started %s: container %s at %s", dep["name"], container.id[:12], url)
         return Engine(dep["id"], dep["name"], url, ref=container.id)
 
-    async def _check_network(self, docker: aiodocker.Docker) -> None:
+    async def _reuse_or_discard(self, name: str, dep: dict[str, Any]) -> Engine | None:
+        """A container by that name already: adopt it when it is ours, made from the current
+        configuration and serving; otherwise remove it (refuse one that is not ours)."""
+        info = await self._inspect(name, f"inspecting container {name}")
+        if info is None:
+            return None
+        if not self._ours(info):
+            raise BackendError(f"a container named {name} exists and was not made by ondemand "
+                               f"(no {LABEL_MANAGED} label): remove or rename it")
+        why = self._matches(info, dep)
+        if why is None and self._running(info):
+            url = await self._base_url(info, dep)
+            if url is not None:
+                log.info("container %s is running already: adopting it (%s)", name, url)
+                return Engine(dep["id"], dep["name"], url, ref=info["Id"], adopted=True)
+            why = "its engine port is not published on 127.0.0.1"
+        await self._discard(info, why or "it is not running")
+        return None
+
+    async def _container_config(self, dep: dict[str, Any], image: str) -> dict[str, Any]:
+        """The create request: image, labels, port, network, GPUs, /dev/shm, engine arguments."""
+        port = _port(dep)
+        host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
+        if self.gpus:
+            host_config["DeviceRequests"] = [GPU_REQUEST]
+        if self.shm_size:
+            host_config["ShmSize"] = self.shm_size
+        if not await self.in_container():
+            host_config["PortBindings"] = {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
+        config: dict[str, Any] = {
+            "Image": image,
+            "Labels": self._labels(dep),
+            "ExposedPorts": {f"{port}/tcp": {}},
+            "HostConfig": host_config,
+        }
+        args = [str(a) for a in dep.get("args") or []]
+        if args:
+            config["Cmd"] = args
+        return config
+
+    @staticmethod
+    async def _create(docker: Docker, config: dict[str, Any], name: str, image: str):
+        try:
+            return await docker.containers.create(config, name=name)
+        except DockerError as exc:
+            if exc.status == 404 and "image" in exc.message.lower():
+                raise BackendError(
+                    f"image {image} is not on this Docker host ({exc.message}); ondemand never pulls "
+                    f"(no registry may be reachable): load it locally first (docker load / docker pull)"
+                ) from exc
+            raise _error(f"creating container {name}", exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(f"creating container {name}", exc) from exc
+
+    async def _check_network(self, docker: Docker) -> None:
         try:
             await docker.networks.get(self.network)
         except DockerError as exc:

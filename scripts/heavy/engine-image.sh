@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, locally and without any image registry, the Docker image
 # `ondemand-sim-engine:<tag>` that runs the engine simulator:
-#     python3 -m ondemand.simengine --host 0.0.0.0 --port 8000 --model X
+#     python3 -m ondemand.sim.engine --host 0.0.0.0 --port 8000 --model X
 #
 # How (no registry is reachable, so no FROM/pull):
 #   1. rootfs: `debootstrap --variant=minbase --include=python3 bookworm` from
@@ -74,7 +74,7 @@ smoke() {
   # shellcheck disable=SC2064
   trap "docker rm -f '$srv' '$cli' >/dev/null 2>&1 || true; docker network rm '$net' >/dev/null 2>&1 || true" EXIT
   docker run -d --name "$srv" --network "$net" --network-alias engine "$REF" \
-    python3 -m ondemand.simengine --host 0.0.0.0 --port 8000 --model smoke-model >/dev/null
+    python3 -m ondemand.sim.engine --host 0.0.0.0 --port 8000 --model smoke-model >/dev/null
   docker run -d --name "$cli" --network "$net" "$REF" sleep 120 >/dev/null
   local code='import sys,time,urllib.request
 for i in range(100):
@@ -185,15 +185,15 @@ docker import \
   --change 'WORKDIR /' \
   --change 'EXPOSE 8000' \
   --change "LABEL ondemand.sim-engine=1 ondemand.inputs=$TAG" \
-  --change 'CMD ["python3", "-m", "ondemand.simengine", "--host", "0.0.0.0", "--port", "8000", "--model", "sim-model"]' \
+  --change 'CMD ["python3", "-m", "ondemand.sim.engine", "--host", "0.0.0.0", "--port", "8000", "--model", "sim-model"]' \
   --message "ondemand sim engine, inputs $TAG" \
   "$work/image.tar" "$REF" >/dev/null || die "docker import failed"
 rm -rf "$work"
 trap - EXIT
 
 # Sanity: the package imports inside the image.
-docker run --rm "$REF" python3 -c 'import aiohttp, orjson, uvloop, ondemand.simengine' \
-  || die "image $REF: importing aiohttp/orjson/uvloop/ondemand.simengine failed"
+docker run --rm "$REF" python3 -c 'import aiohttp, orjson, uvloop, ondemand.sim.engine' \
+  || die "image $REF: importing aiohttp/orjson/uvloop/ondemand.sim.engine failed"
 
 # Keep the newest 5 input tags (plus whatever :latest points to).
 docker images "$IMAGE" --format '{{.Tag}} {{.CreatedAt}}' | grep -v '^latest ' \

@@ -4,7 +4,7 @@ It is not a real engine and says so (``owned_by`` is ``ondemand-simulator``, and
 the startup line on stderr). It lets the gateway, its tests, its benchmark and
 the demo (``make run``) run without a GPU::
 
-    python -m ondemand.simengine --port 8001 --model demo [--flavor llamacpp]
+    python -m ondemand.sim.engine --port 8001 --model demo [--flavor llamacpp]
 
 Text is deterministic: ``tok0 tok1 ...``, one token per streamed chunk. The
 answer is ``--tokens`` long (default 16); ``max_tokens`` (or
@@ -86,6 +86,7 @@ class SimOptions:
     max_running: int = 0  # 0: unlimited; above it requests wait (vllm:num_requests_waiting)
     embedding_dim: int = 8
     record_limit: int = 1000
+    shutdown_delay: float = 0.0  # seconds between SIGTERM and the exit (a large engine freeing memory)
 
 
 class SimError(Exception):
@@ -625,12 +626,14 @@ async def serve(opts: SimOptions) -> None:
         print(f"ondemand simulator (not a real engine) serving {opts.model} on {opts.host}:{port}",
               file=sys.stderr, flush=True)
         await stop.wait()
+        if opts.shutdown_delay:
+            await asyncio.sleep(opts.shutdown_delay)  # as an engine that takes its time to free the GPU
     finally:
         await runner.cleanup()
 
 
 def parse_args(argv: list[str] | None = None) -> SimOptions:
-    ap = argparse.ArgumentParser(prog="python -m ondemand.simengine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ondemand.sim.engine", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (the startup line names it)")
     ap.add_argument("--model", default="sim-model", help="served model name")
@@ -644,6 +647,7 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--max-running", type=int, default=0, metavar="N", help="concurrent generations (0: no limit)")
     ap.add_argument("--embedding-dim", type=int, default=8)
     ap.add_argument("--record-limit", type=int, default=1000, metavar="N")
+    ap.add_argument("--shutdown-delay", type=float, default=0.0, metavar="S", help="exit S seconds after SIGTERM")
     a = ap.parse_args(argv)
     fail, fail_after = None, 0.0
     if a.fail:
@@ -662,7 +666,7 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     return SimOptions(host=a.host, port=a.port, model=a.model, flavor=a.flavor, startup_delay=a.startup_delay,
                       token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
-                      record_limit=a.record_limit)
+                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from ondemand.simengine import SimOptions, build_app, main, parse_args
+from ondemand.sim.engine import SimOptions, build_app, main, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -326,7 +326,7 @@ def test_exit_at_start_in_process(capsys):
 
 async def spawn(*args: str):
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ondemand.simengine", "--port", "0", "--model", "demo", *args,
+        sys.executable, "-m", "ondemand.sim.engine", "--port", "0", "--model", "demo", *args,
         cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
 
 

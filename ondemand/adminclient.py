@@ -1,0 +1,63 @@
+"""The command line's way to the state: the admin API over the Unix socket
+``{state_dir}/admin.sock`` (no token: the socket is 0600), and, when no server
+runs, the state file itself, read only.
+
+No ``click`` here: failures are exceptions (``NoServer``) or ``None``; the
+commands decide how to tell the user.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from .config import Config
+
+
+class NoServer(Exception):
+    """No server answers on the admin socket."""
+
+
+async def request(cfg: Config, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One admin API call over the Unix socket: (HTTP status, parsed JSON or None)."""
+    import aiohttp
+    sock = cfg.admin_socket
+    if not sock.exists():
+        raise NoServer(f"no server: {sock} does not exist")
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as s:
+            async with s.request(method, f"http://ondemand{cfg.base_path}/api{path}",
+                                 data=None if body is None else orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as r:
+                raw = await r.read()
+                return r.status, (orjson.loads(raw) if raw else None)
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise NoServer(f"no server answers on {sock}: {exc}") from None
+
+
+async def stored_deployments(cfg: Config) -> list[dict[str, Any]] | None:
+    """The deployment rows of the state file (not migrated), or None without a file."""
+    from .store import Store
+    if not cfg.db_path.exists():
+        return None
+    store = await Store.open(cfg.db_path, migrate=False)
+    try:
+        return await store.deployments()
+    finally:
+        await store.close()
+
+
+async def offline_views(cfg: Config) -> list[dict[str, Any]] | None:
+    """Deployment views read from the state file when no server runs (no live
+    counters: ``offline`` is true), or None without a file."""
+    rows = await stored_deployments(cfg)
+    if rows is None:
+        return None
+    for row in rows:
+        row["mode"] = row.get("mode") or "always_on"
+        phase = "failed" if row["state"] == "failed" else \
+            "sleeping" if row["state"] in ("stopped", "asleep", "stopping", "planned") else "idle"
+        row["ondemand"] = {"inflight": 0, "queued": 0, "last_request_at": None, "phase": phase}
+        row["offline"] = True
+    return rows

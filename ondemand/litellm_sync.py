@@ -1,0 +1,316 @@
+"""The LiteLLM sync: keeps LiteLLM's entries equal to what the deployments want.
+
+It reconciles LiteLLM's list with the deployments, adds before deletes, never
+concurrently, on triggers and every ``interval_s``, and keeps each deployment's
+LiteLLM status for the deployment views and ``ondemand.litellm_ready``. What it
+says to LiteLLM, and the entries themselves, are ``litellm``'s.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from typing import Awaitable, Callable
+
+from .litellm import (LiteLLMClient, LiteLLMError, always_on_entry, entry_dgxmm_id, entry_id, entry_matches,
+                      ondemand_entry)
+
+log = logging.getLogger(__name__)
+
+# Codes for which a sync stops at once: every further write would fail the same way.
+_GLOBAL_CODES = frozenset({"litellm_unreachable", "litellm_unauthorized", "litellm_no_db"})
+
+
+def _status(status: str, code: str | None = None) -> dict:
+    return {"status": status, "code": code}
+
+
+class _Stop(Exception):
+    """LiteLLM failed in a way every further write would repeat (``_GLOBAL_CODES``)."""
+
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
+
+
+@dataclasses.dataclass
+class _Round:
+    """One reconciliation's working state."""
+    wanted: dict[int, dict]  # the entry each registered deployment wants
+    left_alone: set[int]  # ids whose existing entries are kept as they are
+    statuses: dict[int, dict]  # the statuses this round ends with
+    previous: dict[int, dict]  # the statuses before it, of deployments that still exist
+    added: list[dict] = dataclasses.field(default_factory=list)
+    deleted: list[dict] = dataclasses.field(default_factory=list)
+    first_error: str | None = None
+
+    def result(self, error: str | None) -> dict:
+        return {"added": self.added, "deleted": self.deleted, "error": error}
+
+
+class LiteLLMSync:
+    """Keeps LiteLLM's entries equal to what the deployments want.
+
+    Rules (design document, "LiteLLM registration"):
+
+    - On-demand deployments are registered in every state except failed and planned, as
+      gateway entries, while a key is readable. A planned deployment waits for an
+      administrator's start: the gateway refuses its requests, so it is not listed. Without a key they are not registered, their
+      existing entries are left alone, and their status is error ondemand_not_configured.
+    - Always-on deployments are registered as direct entries only while ready *and*
+      their engine has an address: a direct entry of an engine that is not serving would
+      only produce errors, and the design syncs whenever a deployment enters or leaves
+      ready. During a switch to always on the deployment stays on_demand (pending_mode)
+      until ready, so the gateway entry covers the whole start.
+    - The decision model (role "decision") never goes through the gateway: it is always
+      treated as always on, i.e. a direct entry while ready, whatever its mode says.
+      System deployments follow their mode like models.
+    - An existing entry of a wanted id is kept when model name, model, api_base and both
+      fingerprints match; otherwise the new entry is added and the old ones deleted, all
+      adds of a sync before all its deletes, so a name is never missing. Entries of ids no
+      longer wanted (removed, failed, planned, always-on not ready) are deleted; entries without
+      dgxmm_id are never touched; an unchanged state writes nothing.
+    - LiteLLM unreachable, without a database or refusing the key: the sync reports the
+      code, deletes nothing, and the next trigger or period retries.
+    """
+
+    def __init__(self, *, client: LiteLLMClient | None, internal_url: str, queue_timeout_s: int,
+                 list_deployments: Callable[[], Awaitable[list[dict]]],
+                 current_key: Callable[[], str | None],
+                 engine_base_url: Callable[[dict], str | None],
+                 interval_s: float = 60.0):
+        self._client = client
+        self.internal_url = internal_url
+        self.queue_timeout_s = queue_timeout_s
+        self._list_deployments = list_deployments
+        self._current_key = current_key
+        self._engine_base_url = engine_base_url
+        self._interval_s = interval_s
+        self._lock = asyncio.Lock()
+        self._pending = False
+        self._drain_task: asyncio.Task | None = None
+        self._closed = False
+        self._last_ok = False
+        self.last_result: dict | None = None
+        self._statuses: dict[int, dict] = {}
+
+    # -- state --------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    @property
+    def last_ok(self) -> bool:
+        """LiteLLM enabled and its last sync succeeded (``ondemand.litellm_ready``)."""
+        return self.enabled and self._last_ok
+
+    def status_of(self, dep_id: int) -> dict:
+        """{"status": "registered"|"pending"|"error", "code"} of a deployment's entry."""
+        if not self.enabled:
+            return _status("error", "litellm_disabled")
+        return dict(self._statuses.get(int(dep_id), _status("pending")))
+
+    # -- scheduling ---------------------------------------------------------
+
+    def trigger(self) -> None:
+        """Ask for a sync soon. Triggers while one runs fold into exactly one more."""
+        if not self.enabled or self._closed:
+            return
+        self._pending = True
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.get_running_loop().create_task(
+                self._drain(), name="litellm-sync")
+
+    async def _drain(self) -> None:
+        # No await between the last check of _pending and the task's end, so a trigger
+        # either lands before the check (one more round) or sees the task done (new task).
+        while self._pending:
+            self._pending = False
+            try:
+                await self.sync_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # sync_now reports errors itself; this is a bug
+                log.exception("LiteLLM sync failed unexpectedly")
+
+    async def run(self) -> None:
+        """Sync at once, then every ``interval_s`` and on each trigger, until cancelled."""
+        if not self.enabled:
+            return
+        try:
+            while True:
+                self.trigger()
+                await asyncio.sleep(self._interval_s)
+        finally:
+            await self._cancel_drain()
+
+    async def wait_idle(self) -> None:
+        """Return once no triggered sync is running or pending."""
+        while self._drain_task is not None and not self._drain_task.done():
+            await asyncio.wait({self._drain_task})
+
+    async def _cancel_drain(self) -> None:
+        task, self._drain_task = self._drain_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def close(self) -> None:
+        """Stop scheduling, cancel a running sync and close the client."""
+        self._closed = True
+        await self._cancel_drain()
+        if self._client is not None:
+            await self._client.close()
+
+    # -- the sync -----------------------------------------------------------
+
+    async def sync_now(self) -> dict:
+        """One reconciliation; {"added": [...], "deleted": [...], "error": None|code}."""
+        if self._client is None:
+            return {"added": [], "deleted": [], "error": "litellm_disabled"}
+        async with self._lock:
+            result = await self._sync_locked(self._client)
+        self.last_result = result
+        return result
+
+    def _plan(self, deployments: list[dict], key: str | None) -> tuple[dict, set, dict]:
+        """What each deployment wants: (wanted entries by id, ids left alone, statuses)."""
+        wanted: dict[int, dict] = {}
+        left_alone: set[int] = set()
+        statuses: dict[int, dict] = {}
+        for dep in deployments:
+            dep_id = int(dep["id"])
+            if dep.get("state") == "failed":
+                statuses[dep_id] = _status("pending", "deployment_failed")
+                continue
+            if dep.get("state") == "planned":  # waits for an administrator's start
+                statuses[dep_id] = _status("pending", "deployment_planned")
+                continue
+            on_demand = (dep.get("mode") or "always_on") == "on_demand" and dep.get("role") != "decision"
+            if on_demand:
+                if key is None:
+                    left_alone.add(dep_id)
+                    statuses[dep_id] = _status("error", "ondemand_not_configured")
+                    continue
+                wanted[dep_id] = ondemand_entry(dep, key, self.internal_url, self.queue_timeout_s)
+                continue
+            base = self._engine_base_url(dep) if dep.get("state") == "ready" else None
+            if not base:
+                statuses[dep_id] = _status("pending", "engine_not_ready")
+                continue
+            wanted[dep_id] = always_on_entry(dep, base)
+        return wanted, left_alone, statuses
+
+    async def _sync_locked(self, client: LiteLLMClient) -> dict:
+        try:
+            deployments = await self._list_deployments()
+            key = self._current_key() or None
+            wanted, left_alone, statuses = self._plan(deployments, key)
+        except Exception:
+            log.exception("LiteLLM sync: could not read the deployments")
+            self._last_ok = False
+            return {"added": [], "deleted": [], "error": "internal_error"}
+        known = {int(d["id"]) for d in deployments}
+        rnd = _Round(wanted, left_alone, statuses, {i: s for i, s in self._statuses.items() if i in known})
+        try:
+            try:
+                entries = await client.list_models()
+            except LiteLLMError as exc:
+                log.warning("LiteLLM sync: %s (%s)", exc.message, exc.detail)
+                raise _Stop(exc.code) from None
+            to_add, replace = self._diff(rnd, entries)
+            await self._add(client, rnd, to_add, replace)
+            await self._delete(client, rnd, replace)
+        except _Stop as stop:
+            return self._fail(rnd, stop.code)
+        self._statuses = rnd.statuses
+        self._last_ok = rnd.first_error is None
+        if rnd.added or rnd.deleted:
+            log.info("LiteLLM sync: added %s, deleted %s",
+                     [a["model_name"] for a in rnd.added], [d["model_name"] for d in rnd.deleted])
+        return rnd.result(rnd.first_error)
+
+    def _fail(self, rnd: _Round, code: str) -> dict:
+        """End a round that LiteLLM stopped. Entries of registered deployments are still
+        in LiteLLM (nothing was deleted); the others wait with the reason."""
+        merged = dict(rnd.statuses)
+        for dep_id in rnd.wanted:
+            done = any(a["dgxmm_id"] == dep_id for a in rnd.added)
+            was = rnd.previous.get(dep_id, {}).get("status")
+            if dep_id in merged:
+                continue
+            merged[dep_id] = _status("registered") if done or was == "registered" else _status("error", code)
+        self._statuses = merged
+        self._last_ok = False
+        return rnd.result(code)
+
+    @staticmethod
+    def _diff(rnd: _Round, entries: list[dict]) -> tuple[list[int], dict[int | str, list[dict]]]:
+        """The ids to add, and the entries to delete by id once their adds succeeded."""
+        ours: dict[int | str, list[dict]] = {}
+        for entry in entries:
+            dep_id = entry_dgxmm_id(entry)
+            if dep_id is not None:
+                ours.setdefault(dep_id, []).append(entry)
+        to_add: list[int] = []
+        # Deletes allowed once the ids' adds succeeded (None key: needs no add).
+        replace: dict[int | str, list[dict]] = {}
+        for dep_id, want in rnd.wanted.items():
+            existing = ours.get(dep_id, [])
+            keep = next((e for e in existing if entry_matches(e, want)), None)
+            if keep is None:
+                to_add.append(dep_id)
+                replace[dep_id] = existing
+            else:
+                rnd.statuses[dep_id] = _status("registered")
+                # Duplicates (e.g. a row stored but loaded late after a failed verify).
+                replace[dep_id] = [e for e in existing if e is not keep]
+        for dep_id, existing in ours.items():
+            if dep_id not in rnd.wanted and dep_id not in rnd.left_alone:
+                replace[dep_id] = existing
+        return to_add, replace
+
+    @staticmethod
+    async def _add(client: LiteLLMClient, rnd: _Round, to_add: list[int],
+                   replace: dict[int | str, list[dict]]) -> None:
+        """Every add of the round; a failed one keeps its old entry (the name must not vanish)."""
+        for dep_id in to_add:
+            want = rnd.wanted[dep_id]
+            try:
+                entry = await client.add_model(want["model_name"], want["litellm_params"],
+                                               want["model_info"])
+            except LiteLLMError as exc:
+                log.warning("LiteLLM sync: adding %s failed: %s (%s)",
+                            want["model_name"], exc.message, exc.detail)
+                if exc.code in _GLOBAL_CODES:
+                    raise _Stop(exc.code) from None
+                rnd.first_error = rnd.first_error or exc.code
+                rnd.statuses[dep_id] = _status("error", exc.code)
+                replace.pop(dep_id, None)  # keep the old entry: the name must not vanish
+                continue
+            rnd.statuses[dep_id] = _status("registered")
+            rnd.added.append({"dgxmm_id": dep_id, "model_name": want["model_name"],
+                              "model_id": entry_id(entry)})
+
+    @staticmethod
+    async def _delete(client: LiteLLMClient, rnd: _Round, replace: dict[int | str, list[dict]]) -> None:
+        """Every delete of the round, after all its adds."""
+        for dep_id, existing in replace.items():
+            for entry in existing:
+                model_id = entry_id(entry)
+                if model_id is None:
+                    continue  # nothing LiteLLM could delete it by
+                try:
+                    await client.delete_model(model_id)
+                except LiteLLMError as exc:
+                    log.warning("LiteLLM sync: deleting %s failed: %s (%s)",
+                                entry.get("model_name"), exc.message, exc.detail)
+                    if exc.code in _GLOBAL_CODES:
+                        raise _Stop(exc.code) from None
+                    rnd.first_error = rnd.first_error or exc.code
+                    continue
+                rnd.deleted.append({"dgxmm_id": dep_id, "model_name": entry.get("model_name"),
+                                    "model_id": model_id})
