@@ -14,12 +14,6 @@ from helpers import run_app, sim_command, wait_for
 from litellm_double import litellm_double
 
 
-@pytest.fixture
-async def server(tmp_path):
-    async with run_app(tmp_path) as srv:
-        yield srv
-
-
 async def api(server, method, path, body=None, headers=None, unix=False):
     if unix:
         conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))

@@ -10,7 +10,7 @@ import pytest
 
 from ondemand import keys
 
-from helpers import run_app, wait_for
+from helpers import wait_for
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -25,18 +25,6 @@ async def recorded(server, dep_id):
     async with aiohttp.ClientSession() as s:
         async with s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
             return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
-
-
-@pytest.fixture
-async def server(tmp_path):
-    async with run_app(tmp_path) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @pytest.mark.uvloop
@@ -193,12 +181,12 @@ async def test_key_rotation_without_restart(server, http):
         assert await err(r) == (503, "ondemand_not_configured")
 
 
-async def test_not_configured_without_a_key(tmp_path, http):
-    async with run_app(tmp_path, write_key=False) as server:
-        a = await server.add("a")
-        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
-            assert await err(r) == (503, "ondemand_not_configured")
-        assert server.state(a) == "stopped"
+@pytest.mark.server(write_key=False)
+async def test_not_configured_without_a_key(server, http):
+    a = await server.add("a")
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_not_configured")
+    assert server.state(a) == "stopped"
 
 
 async def test_body_limit(server, http):
@@ -294,16 +282,16 @@ async def test_start_failure_is_503(server, http):
         assert await err(r) == (503, "start_failed")
 
 
-async def test_queue_full(tmp_path, http):
-    async with run_app(tmp_path, ondemand_max_queued=1) as server:
-        a = await server.add("a", 10, "--startup-delay", "1")
-        first = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
-        await wait_for(lambda: server.controller.waiting() == 1)
-        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
-            assert await err(r) == (503, "ondemand_queue_full") and r.headers["Retry-After"] == "60"
-        r = await first
-        assert r.status == 200
-        r.release()
+@pytest.mark.server(ondemand_max_queued=1)
+async def test_queue_full(server, http):
+    a = await server.add("a", 10, "--startup-delay", "1")
+    first = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
+    await wait_for(lambda: server.controller.waiting() == 1)
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_queue_full") and r.headers["Retry-After"] == "60"
+    r = await first
+    assert r.status == 200
+    r.release()
 
 
 @pytest.mark.uvloop
@@ -359,19 +347,19 @@ async def test_streaming_chat_gets_the_queued_notice_then_the_engine(server, htt
     assert server.state(big) == "stopped" and server.state(x) == "ready"
 
 
-async def test_streaming_completions_notice_and_timeout_error(tmp_path, http):
-    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
-        big, x, slot = await _queued_setup(server)()
-        body = {"model": "X", "prompt": "hi", "stream": True}
-        async with http.post(server.gw(x, "completions"), json=body, headers=server.auth()) as r:
-            assert r.status == 200
-            data = await r.read()
-        parts = [p for p in data.split(b"\n\n") if p]
-        assert orjson.loads(parts[0][6:])["object"] == "text_completion"
-        assert orjson.loads(parts[1][6:])["error"]["code"] == "ondemand_queue_timeout"
-        assert parts[2] == b"data: [DONE]"
-        slot.release()
-        assert server.controller.waiting() == 0
+@pytest.mark.server(ondemand_queue_timeout_s=1)
+async def test_streaming_completions_notice_and_timeout_error(server, http):
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "prompt": "hi", "stream": True}
+    async with http.post(server.gw(x, "completions"), json=body, headers=server.auth()) as r:
+        assert r.status == 200
+        data = await r.read()
+    parts = [p for p in data.split(b"\n\n") if p]
+    assert orjson.loads(parts[0][6:])["object"] == "text_completion"
+    assert orjson.loads(parts[1][6:])["error"]["code"] == "ondemand_queue_timeout"
+    assert parts[2] == b"data: [DONE]"
+    slot.release()
+    assert server.controller.waiting() == 0
 
 
 @pytest.mark.parametrize("route, body", [
@@ -380,12 +368,12 @@ async def test_streaming_completions_notice_and_timeout_error(tmp_path, http):
     ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                           "response_format": {"type": "json_object"}}),
 ])
-async def test_no_notice_for_typed_streams_and_structured_output(tmp_path, http, route, body):
-    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
-        big, x, slot = await _queued_setup(server)()
-        async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r:
-            assert await err(r) == (503, "ondemand_queue_timeout")  # a plain 503
-        slot.release()
+@pytest.mark.server(ondemand_queue_timeout_s=1)
+async def test_no_notice_for_typed_streams_and_structured_output(server, http, route, body):
+    big, x, slot = await _queued_setup(server)()
+    async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_queue_timeout")  # a plain 503
+    slot.release()
 
 
 @pytest.mark.uvloop
@@ -506,31 +494,31 @@ async def test_a_client_per_deployment_closed_after_its_last_stream(server, http
     await wait_for(lambda: old.closed and not old.conns, what="old pool closed after its stream")
 
 
-async def test_peer_guard_on_the_raw_peer(tmp_path):
-    async with run_app(tmp_path, ondemand_allowed_cidrs=["127.0.0.2/32"]) as server:
-        a = await server.add("a")
+@pytest.mark.server(ondemand_allowed_cidrs=["127.0.0.2/32"])
+async def test_peer_guard_on_the_raw_peer(server):
+    a = await server.add("a")
 
-        def client(addr):
-            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(addr, 0)))
-        async with client("127.0.0.2") as ok, client("127.0.0.3") as no:
-            async with ok.get(server.gw(a, "models"), headers=server.auth()) as r:
-                assert r.status == 200
-            async with no.get(server.gw(a, "models"), headers=server.auth()) as r:
+    def client(addr):
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(addr, 0)))
+    async with client("127.0.0.2") as ok, client("127.0.0.3") as no:
+        async with ok.get(server.gw(a, "models"), headers=server.auth()) as r:
+            assert r.status == 200
+        async with no.get(server.gw(a, "models"), headers=server.auth()) as r:
+            assert await err(r) == (404, "not_found")
+        for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+            # a header never makes a peer: even from the allowed address it is refused
+            async with ok.get(server.gw(a, "models"), headers={**server.auth(), h: "127.0.0.2"}) as r:
                 assert await err(r) == (404, "not_found")
-            for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
-                # a header never makes a peer: even from the allowed address it is refused
-                async with ok.get(server.gw(a, "models"), headers={**server.auth(), h: "127.0.0.2"}) as r:
-                    assert await err(r) == (404, "not_found")
-            async with no.get(server.url + "/api/host", headers=server.admin_headers()) as r:
-                assert r.status == 200  # the guard is the gateway's, not the admin API's
+        async with no.get(server.url + "/api/host", headers=server.admin_headers()) as r:
+            assert r.status == 200  # the guard is the gateway's, not the admin API's
 
 
-async def test_auto_outside_docker_allows_nobody(tmp_path):
-    async with run_app(tmp_path, ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"}) as server:
-        a = await server.add("a")
-        async with aiohttp.ClientSession() as s:
-            async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
-                assert await err(r) == (404, "not_found")
+@pytest.mark.server(ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"})
+async def test_auto_outside_docker_allows_nobody(server):
+    a = await server.add("a")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
+            assert await err(r) == (404, "not_found")
 
 
 @pytest.mark.uvloop
