@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from pathlib import Path
 
@@ -27,16 +28,30 @@ def dep_fields(name: str, memory_gib: float = 10, mode: str = "on_demand", *sim_
     return fields
 
 
-async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str | None = None):
+    """Wait until ``predicate()`` (a function, or one returning an awaitable) is truthy and
+    return its value: the way to wait for something to happen, instead of a fixed sleep.
+    On timeout, fail saying what was awaited (``what``, else the predicate's source) and the
+    last value seen."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
-        if asyncio.iscoroutine(value):
+        if inspect.isawaitable(value):
             value = await value
         if value:
             return value
+        if time.monotonic() >= deadline:
+            break
         await asyncio.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what or _source(predicate)} "
+                         f"(last value: {value!r})")
+
+
+def _source(fn) -> str:
+    try:
+        return " ".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return getattr(fn, "__qualname__", repr(fn))
 
 
 @contextlib.asynccontextmanager
@@ -119,6 +134,11 @@ class Server:
     def controller(self):
         from ondemand import app as app_mod
         return self.app[app_mod.CONTROLLER]
+
+    @property
+    def keys(self):
+        from ondemand import app as app_mod
+        return self.app[app_mod.KEYS]
 
     def gw(self, dep_id, route: str) -> str:
         return f"{self.url}/ondemand/{dep_id}/v1/{route}"

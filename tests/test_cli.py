@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, run_app, sim_command
+from helpers import ROOT, run_app, sim_command, wait_for
 
 
 async def cli(*args, config=None, env=None):
@@ -172,18 +172,17 @@ async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
         sys.executable, "-m", "ondemand", "--config", str(cfg), "serve", "--demo", cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
-        body = None
         async with aiohttp.ClientSession() as s:
-            for _ in range(100):
+            async def models():
+                assert proc.returncode is None, (await proc.stderr.read(4000)).decode()
                 try:
                     key = (tmp_path / "s" / "ondemand.key").read_text().strip()
                     async with s.get(f"http://127.0.0.1:{port}/dgxmm/ondemand/1/v1/models",
                                      headers={"Authorization": f"Bearer {key}"}) as r:
-                        body = await r.json()
-                        break
-                except (OSError, aiohttp.ClientError, FileNotFoundError):
-                    await asyncio.sleep(0.1)
-            assert body is not None, (await proc.stderr.read(4000)).decode()
+                        return await r.json()
+                except (OSError, aiohttp.ClientError):
+                    return None  # not listening yet
+            body = await wait_for(models, what="`ondemand serve --demo` answering")
             assert body["data"][0]["id"] == "demo-small"
         proc.send_signal(2)  # Ctrl-C
         await asyncio.wait_for(proc.wait(), 15)

@@ -162,6 +162,7 @@ async def test_queued_answers_that_wait_silently(server):
         tasks = {k: asyncio.ensure_future(c) for k, c in calls.items()}
         await queued(server, x)
         await wait_for(lambda: server.controller.status(x)["queued"] == len(tasks), what="all five waiting")
+        # Stays: a window in which nothing may happen (no answer before the engine is ready).
         await asyncio.sleep(0.2)
         assert not any(t.done() for t in tasks.values())  # nothing is sent before the engine answers
         await relieve(server, big, slot)

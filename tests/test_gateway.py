@@ -165,8 +165,11 @@ async def test_key_rotation_without_restart(server, http):
     a = await server.add("a")
     old = server.key
     new = keys.generate_key()
+    # The file is looked at at most once a second (tests/test_keys.py times that); here more
+    # often, and the test waits until the watcher has the new key.
+    server.keys.STAT_INTERVAL_S = 0.05
     keys.write_key_file(server.cfg.key_file, new)
-    await asyncio.sleep(1.1)  # looked at at most once a second
+    await wait_for(lambda: server.keys.current() == new, what="the rotated key picked up")
     async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
         assert r.status == 200
     # the previous key: 401, but never counted towards the rate limit
@@ -176,7 +179,7 @@ async def test_key_rotation_without_restart(server, http):
     async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
         assert r.status == 200
     os.unlink(server.cfg.key_file)
-    await asyncio.sleep(1.1)
+    await wait_for(lambda: server.keys.current() is None, what="the removed key noticed")
     async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
         assert await err(r) == (503, "ondemand_not_configured")
 
@@ -530,6 +533,7 @@ async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
     big, x, slot = await _queued_setup(server)()
     body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
+    # The sleeps of this race are its random timing: hang-ups before, at and after the grant.
     async def one():
         try:
             async with http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()) as r:
@@ -541,7 +545,7 @@ async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
             pass
     tasks = [asyncio.ensure_future(one()) for _ in range(30)]
     await wait_for(lambda: x in server.controller.queue)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # some hang up while queued, before the grant
     await _relieve(server, big, slot)
     done, pending = await asyncio.wait(tasks, timeout=30)
     assert not pending
