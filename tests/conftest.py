@@ -48,6 +48,15 @@ async def store(tmp_path):
     await s.close()
 
 
+@pytest.fixture(scope="session")
+def docker_env():
+    """A real Docker engine's network for this run and the simulator image's config
+    (tests/docker_real.py); skips, saying why, where there is none."""
+    import docker_real
+    with docker_real.environment() as env:
+        yield env
+
+
 @pytest.fixture
 def fake_nvidia_smi(tmp_path, monkeypatch):
     """Write GPU lines ("total, used" in MiB) and get the fake's path."""

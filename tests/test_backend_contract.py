@@ -5,7 +5,7 @@ remove, adopt, log_tail): the same tests, with the same assertions, against
 - ``docker-double``: the docker backend against the Docker Engine API double
   (tests/docker_double.py), whose containers run as host processes;
 - ``docker``: the docker backend against a real dockerd (marked ``docker``: make test-docker;
-  the image, network and clean-up are test_docker_backend's).
+  the image, network and clean-up are tests/docker_real.py's).
 
 The engine is the engine simulator. Where a backend differs by design the harness says so:
 ``adopts`` is False for the process backend, whose engine is a child of the ondemand that
@@ -27,8 +27,7 @@ from ondemand.backends.process import ProcessBackend
 
 from docker_double import DockerDouble
 from helpers import sim_command, wait_for
-import test_docker_backend as real_docker
-from test_docker_backend import docker_env  # noqa: F401  (the real-docker fixture, by name)
+import docker_real
 
 READY_S = 20.0
 _seq = itertools.count(1)
@@ -130,15 +129,15 @@ class RealDockerHarness(Harness):
         return DockerBackend(docker_url=None, network=self.env["network"], gpus=False, in_container=False)
 
     def dep(self, *sim_opts: str) -> dict:
-        return real_docker.deployment(self.env, *sim_opts)
+        return docker_real.deployment(self.env, *sim_opts)
 
     def noisy(self, lines: int, code: int) -> dict:
         if self.env["entrypoint"]:
             pytest.skip("the engine image has an entrypoint: no other program runs in it")
-        return real_docker.deployment(self.env, args=["python3", "-c", NOISY.format(n=lines, code=code)])
+        return docker_real.deployment(self.env, args=["python3", "-c", NOISY.format(n=lines, code=code)])
 
     async def leftover(self, dep: dict) -> bool:
-        return await asyncio.to_thread(real_docker.inspect, f"ondemand-{dep['name']}") is not None
+        return await asyncio.to_thread(docker_real.inspect, f"ondemand-{dep['name']}") is not None
 
 
 @pytest.fixture(params=["process", "docker-double", pytest.param("docker", marks=pytest.mark.docker)])
