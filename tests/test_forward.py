@@ -310,7 +310,7 @@ async def test_a_malformed_answer_is_an_upstream_error(ups):
     async def answer(req, writer):
         writer.write(b"NOT HTTP\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(1)  # the engine double keeps the connection: the gateway must close it
+        # and keeps the connection (it reads on for a next request): the gateway must close it
     async with Engine(answer) as eng:
         with pytest.raises(UpstreamError):
             await fetch(ups, eng.url)

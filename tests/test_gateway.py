@@ -1,5 +1,9 @@
 """The gateway end to end: a real ondemand on loopback, the engine simulator
-behind it, real sockets and the real state file."""
+behind it, real sockets and the real state file.
+
+Marked ``uvloop`` (run on both loops): the tests whose outcome rests on transports and
+the engine pool (streams, hang-ups, crashes, connection reuse); the others test the
+gateway's own logic, which is the same on either loop, and run once."""
 import asyncio
 import contextlib
 import os
@@ -27,7 +31,6 @@ async def recorded(server, dep_id):
             return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
 
 
-@pytest.mark.uvloop
 async def test_cold_start_then_forward(server, http):
     a = await server.add("a", 10, "--startup-delay", "0.3")
     async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
@@ -39,7 +42,6 @@ async def test_cold_start_then_forward(server, http):
     assert server.controller.status(a)["last_request_at"] is not None
 
 
-@pytest.mark.uvloop
 async def test_nothing_secret_reaches_the_engine(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -73,7 +75,6 @@ async def test_stream_is_byte_for_byte_the_engines(server, http):
     assert via.endswith(b"data: [DONE]\n\n")
 
 
-@pytest.mark.uvloop
 async def test_engine_errors_pass_through_unchanged(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -99,16 +100,19 @@ async def test_models_from_the_record_never_wakes(server, http):
     assert server.controller.inflight(a) == 0
 
 
-@pytest.mark.parametrize("path", [
+NOT_FORWARDED = [
     "sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "metrics", "health", "tokenize",
     "chat/completions/render", "messages/count_tokens", "load_lora_adapter", "responses/abc",
-    "responses/abc/cancel", "models/A/extra", "embeddings/x"])
-async def test_everything_else_is_404_and_never_reaches_the_engine(server, http, path):
+    "responses/abc/cancel", "models/A/extra", "embeddings/x"]
+
+
+async def test_everything_else_is_404_and_never_reaches_the_engine(server, http):
     a = await server.add("a")
-    await server.deployer.restart(a)
-    for method in ("GET", "POST"):
-        async with http.request(method, server.gw(a, path), headers=server.auth(), json={}) as r:
-            assert await err(r) == (404, "not_found")
+    await server.deployer.restart(a)  # one engine for every path: a start is most of the time
+    for path in NOT_FORWARDED:
+        for method in ("GET", "POST"):
+            async with http.request(method, server.gw(a, path), headers=server.auth(), json={}) as r:
+                assert await err(r) == (404, "not_found"), (method, path)
     async with http.get(server.gw(a, "responses"), headers=server.auth()) as r:
         assert await err(r) == (404, "not_found")
     async with http.get(f"{server.url}/ondemand/{a}/v2/models", headers=server.auth()) as r:
@@ -249,23 +253,26 @@ async def test_invalid_json_starts_nothing(server, http, body):
     assert server.controller.inflight(a) == 0 and server.controller.waiting() == 0
 
 
-@pytest.mark.parametrize("route, shape", [
-    ("chat/completions", "chat.completion"), ("completions", "text_completion"), ("responses", "response"),
-    ("messages", "message"), ("embeddings", "list")])
-async def test_health_checks_are_answered_here(server, http, route, shape):
+HEALTH_SHAPES = [("chat/completions", "chat.completion"), ("completions", "text_completion"),
+                 ("responses", "response"), ("messages", "message"), ("embeddings", "list")]
+
+
+async def test_health_checks_are_answered_here(server, http):
     a = await server.add("a")
     h = {**server.auth(), "x-dgxmm-health-check": "1"}
-    async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
-        assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "stopped"
-        body = await r.json()
-        assert body.get("object", body.get("type")) == shape
-    assert server.state(a) == "stopped" and server.controller.status(a)["last_request_at"] is None
-    await server.deployer.restart(a)
-    async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
-        assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "ready"
+    for route, shape in HEALTH_SHAPES:
+        async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
+            assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "stopped", route
+            body = await r.json()
+            assert body.get("object", body.get("type")) == shape, route
+        assert server.state(a) == "stopped" and server.controller.status(a)["last_request_at"] is None, route
+    await server.deployer.restart(a)  # one engine for every route: a start is most of the time
+    for route, _ in HEALTH_SHAPES:
+        async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
+            assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "ready", route
+        async with http.post(server.gw(a, route), json=CHAT, headers={"x-dgxmm-health-check": "1"}) as r:
+            assert r.status == 401, route  # the header needs the key
     assert await recorded(server, a) == []  # never forwarded, even when ready
-    async with http.post(server.gw(a, route), json=CHAT, headers={"x-dgxmm-health-check": "1"}) as r:
-        assert r.status == 401  # the header needs the key
 
 
 async def test_health_check_other_cases(server, http):
@@ -287,7 +294,7 @@ async def test_start_failure_is_503(server, http):
 
 @pytest.mark.server(ondemand_max_queued=1)
 async def test_queue_full(server, http):
-    a = await server.add("a", 10, "--startup-delay", "1")
+    a = await server.add("a", 10, "--startup-delay", "0.5")  # the first waits while it starts
     first = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
     await wait_for(lambda: server.controller.waiting() == 1)
     async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
@@ -379,7 +386,6 @@ async def test_no_notice_for_typed_streams_and_structured_output(server, http, r
     slot.release()
 
 
-@pytest.mark.uvloop
 async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
     big, x, slot = await _queued_setup(server)()
     body = {"model": "X", "input": "hi", "stream": True}
@@ -397,7 +403,6 @@ async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
     ("completions", {"model": "X", "prompt": "hi"}, lambda b: b["choices"][0]["text"]),
     ("responses", {"model": "X", "input": "hi"}, lambda b: b["output"][0]["content"][0]["text"]),
 ])
-@pytest.mark.uvloop
 async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http, route, body, where):
     big, x, slot = await _queued_setup(server)()
     task = asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
@@ -426,7 +431,7 @@ async def test_structured_non_streaming_gets_no_notice(server, http):
 
 @pytest.mark.uvloop
 async def test_hang_up_while_waiting_releases_everything(server, http):
-    a = await server.add("a", 10, "--startup-delay", "1")
+    a = await server.add("a", 10, "--startup-delay", "0.5")  # a start long enough to hang up in
     task = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
     await wait_for(lambda: server.controller.waiting() == 1)
     task.cancel()
@@ -480,7 +485,7 @@ async def test_engine_crash_mid_stream_is_not_a_clean_end(server, http):
 
 @pytest.mark.uvloop
 async def test_a_client_per_deployment_closed_after_its_last_stream(server, http):
-    a = await server.add("a", 10, "--token-delay", "0.05", "--tokens", "20")
+    a = await server.add("a", 10, "--token-delay", "0.02", "--tokens", "20")  # a stream still running below
     await server.deployer.restart(a)
     from ondemand import app as app_mod
     gw = server.app[app_mod.GATEWAY]
