@@ -372,61 +372,68 @@ async def test_streaming_completions_notice_and_timeout_error(server, http):
     assert server.controller.waiting() == 0
 
 
-@pytest.mark.parametrize("route, body", [
+NO_NOTICE = [  # typed streams and structured output: their format has no room for a notice
     ("responses", {"model": "X", "input": "hi", "stream": True}),
     ("messages", {"model": "X", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}),
     ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                           "response_format": {"type": "json_object"}}),
-])
+]
+
+
+async def _queue_all(server, http, x, requests):
+    """Send every (route, body) to the queued deployment ``x``; return when all wait."""
+    tasks = [asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
+             for route, body in requests]
+    await wait_for(lambda: server.controller.status(x)["queued"] == len(tasks), what=f"{len(tasks)} queued")
+    return tasks
+
+
+# The queued tests below send their kinds of request together, to one queued deployment:
+# each kind separately would wait for a start (and a queue timeout) of its own.
+
 @pytest.mark.server(ondemand_queue_timeout_s=1)
-async def test_no_notice_for_typed_streams_and_structured_output(server, http, route, body):
+async def test_no_notice_for_typed_streams_and_structured_output(server, http):
     big, x, slot = await _queued_setup(server)()
-    async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r:
-        assert await err(r) == (503, "ondemand_queue_timeout")  # a plain 503
+    for (route, _), task in zip(NO_NOTICE, await _queue_all(server, http, x, NO_NOTICE)):
+        async with await task as r:
+            assert await err(r) == (503, "ondemand_queue_timeout"), route  # a plain 503
     slot.release()
 
 
-async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
+async def test_typed_stream_and_structured_output_that_waited_are_exactly_the_engines(server, http):
     big, x, slot = await _queued_setup(server)()
-    body = {"model": "X", "input": "hi", "stream": True}
-    task = asyncio.ensure_future(http.post(server.gw(x, "responses"), json=body, headers=server.auth()))
-    await wait_for(lambda: x in server.controller.queue)
+    tools = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
+             "function": {"name": "f", "parameters": {}}}]}
+    typed, structured = await _queue_all(server, http, x, [
+        ("responses", {"model": "X", "input": "hi", "stream": True}), ("chat/completions", tools)])
     await _relieve(server, big, slot)
-    r = await task
-    data = await r.read()
-    assert data.startswith(b"event: response.created\n")
+    async with await typed as r:
+        assert (await r.read()).startswith(b"event: response.created\n")
+    async with await structured as r:
+        assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
 
 
-@pytest.mark.parametrize("route, body, where", [
+NOTICE_IN = [
     ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}]},
      lambda b: b["choices"][0]["message"]["content"]),
     ("completions", {"model": "X", "prompt": "hi"}, lambda b: b["choices"][0]["text"]),
     ("responses", {"model": "X", "input": "hi"}, lambda b: b["output"][0]["content"][0]["text"]),
-])
-async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http, route, body, where):
-    big, x, slot = await _queued_setup(server)()
-    task = asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
-    await wait_for(lambda: x in server.controller.queue)
-    await _relieve(server, big, slot)
-    r = await task
-    raw = await r.read()
-    assert int(r.headers["Content-Length"]) == len(raw)
-    text = where(orjson.loads(raw))
-    assert text.startswith("[ondemand] X is waiting for GPU memory")
-    # a request that did not queue gets the engine's answer untouched
-    async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r2:
-        assert not where(await r2.json()).startswith("[ondemand]")
+]
 
 
-async def test_structured_non_streaming_gets_no_notice(server, http):
+async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http):
     big, x, slot = await _queued_setup(server)()
-    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
-            "function": {"name": "f", "parameters": {}}}]}
-    task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
-    await wait_for(lambda: x in server.controller.queue)
+    tasks = await _queue_all(server, http, x, [(route, body) for route, body, _ in NOTICE_IN])
     await _relieve(server, big, slot)
-    r = await task
-    assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
+    for (route, body, where), task in zip(NOTICE_IN, tasks):
+        async with await task as r:
+            raw = await r.read()
+            assert int(r.headers["Content-Length"]) == len(raw), route
+        text = where(orjson.loads(raw))
+        assert text.startswith("[ondemand] X is waiting for GPU memory"), route
+        # a request that did not queue gets the engine's answer untouched
+        async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r2:
+            assert not where(await r2.json()).startswith("[ondemand]"), route
 
 
 @pytest.mark.uvloop
