@@ -587,9 +587,10 @@ async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on(how)
 @contextlib.asynccontextmanager
 async def gateway_to(tmp_path, engine):
     """A running ondemand whose deployment ``a`` is ready and reached at the engine double."""
-    from helpers import run_app
+    from helpers import FAKES, run_app
     async with run_app(tmp_path) as server:
-        a = await server.add("a")
+        # started as a stand-in that is ready at once (the simulator's start is most of a test)
+        a = await server.add("a", command=["python", str(FAKES / "ready_engine.py"), "{port}"])
         await server.deployer.restart(a)
         server.deployer._engines[a].base_url = engine.url
         async with aiohttp.ClientSession() as http:
