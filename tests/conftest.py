@@ -1,5 +1,12 @@
-"""Shared fixtures: real state files, the whole server on loopback, an HTTP client, and
-the one fake of nvidia-smi (tests/fakes)."""
+"""Shared fixtures: real state files (``store``), the whole server on loopback (``server``,
+configured with ``@pytest.mark.server(...)``), an HTTP client (``http``), a real Docker
+engine for the ``docker`` tests (``docker_env``), and the one fake of nvidia-smi (tests/fakes).
+
+Elsewhere in tests/: helpers.py (``run_app``, the one way to start the server, which
+``server`` wraps; ``wait_for``, the way to wait for something to happen instead of a
+fixed sleep; engine-simulator deployment rows), docker_double.py (a Docker Engine API
+on a Unix socket), docker_real.py (the real one's network and image), litellm_double.py,
+and test_backend_contract.py (what every engine backend must do)."""
 from __future__ import annotations
 
 import pytest
