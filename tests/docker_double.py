@@ -280,7 +280,8 @@ class DockerDouble:
         c = self._found(request)
         if c is None:
             return self._error(404, f"No such container: {request.match_info['id']}")
-        await self._exited.setdefault(c["Id"], asyncio.Event()).wait()
+        if c["State"]["Running"]:  # Docker's default condition, "not-running"
+            await self._exited.setdefault(c["Id"], asyncio.Event()).wait()
         return web.json_response({"StatusCode": c["State"]["ExitCode"], "Error": None})
 
     async def _kill(self, c: dict, grace: float) -> None:
