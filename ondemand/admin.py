@@ -169,7 +169,7 @@ async def get_deployment(request: web.Request) -> web.Response:
 
 
 def validate_new(data: dict[str, Any], cfg: Config,
-                 existing: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+                 existing: list[Deployment]) -> tuple[dict[str, Any], bool]:
     """The row to insert, and whether to start it now (always on, not planned)."""
     allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role",
                "mode", "idle_timeout_s", "start"}
@@ -180,7 +180,7 @@ def validate_new(data: dict[str, Any], cfg: Config,
     if not isinstance(name, str) or not _NAME.match(name) or len(name) > 63:
         raise _field_error("name", "required; lower-case letters, digits, '.', '_' and '-', starting with a "
                                    "letter or digit, at most 63 characters")
-    if any(d["name"] == name for d in existing):
+    if any(d.name == name for d in existing):
         raise OndemandError(409, "name_taken", f"name: a deployment named {name!r} exists")
     served = data.get("served_name", name)
     if not isinstance(served, str) or not served.strip() or len(served) > 256:
@@ -265,7 +265,7 @@ async def edit_deployment(request: web.Request) -> web.Response:
         raise OndemandError(404, "not_found", str(exc)) from exc
     if changes:  # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
         if metrics.blind(dep):
-            log.warning("%s: %s", dep["name"], metrics.BLIND_WARNING)
+            log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
     return _json(app_mod.view(app, dep))
 
 
@@ -275,10 +275,10 @@ async def create_deployment(request: web.Request) -> web.Response:
     fields, start_now = validate_new(await _body(request), app[app_mod.CONFIG], deployer.all())
     dep = await deployer.create(fields, actor="admin", user=_user(request))
     if metrics.blind(dep):
-        log.warning("%s: %s", dep["name"], metrics.BLIND_WARNING)
+        log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
     if start_now:
-        await _admit(deployer, dep["id"], request)
-    return _json(app_mod.view(app, deployer.get(dep["id"])), status=201)
+        await _admit(deployer, dep.id, request)
+    return _json(app_mod.view(app, deployer.get(dep.id) or dep), status=201)
 
 
 async def _admit(deployer, dep_id: int, request: web.Request) -> None:

@@ -12,7 +12,7 @@ Measured sources cannot see an engine that is still loading, so deployments
 in ``starting`` count with their declared size on top of the measurement.
 The on-demand capacity is usable memory minus what always-on and system
 deployments hold: a model bigger than that can never fit by stopping
-on-demand models (design document, ``does_not_fit``).
+on-demand models (BEHAVIOUR.md, "Making room": ``does_not_fit``).
 """
 from __future__ import annotations
 

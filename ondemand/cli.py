@@ -19,6 +19,7 @@ import orjson
 
 from . import __version__, adminclient, config as config_mod
 from .errors import ConfigError
+from .model import Deployment
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
 
@@ -510,7 +511,7 @@ def mode_set(ctx: Ctx, dep_id: int, new_mode: str, idle_timeout: str | None, as_
 
 def _warn_if_blind(view: dict[str, Any]) -> None:
     from .metrics import BLIND_WARNING, blind
-    if blind(view):
+    if blind(Deployment.from_row(view)):
         click.echo(f"warning: {view['name']}: {BLIND_WARNING}", err=True)
 
 

@@ -658,7 +658,7 @@ class Controller:
 
     def plan_mode(self, dep_id: int, mode: str, *, idle_timeout_s: int | None = None,
                   set_idle_timeout: bool = False) -> ModePlan:
-        """Decide a switch (design: "Switch to always on"); resets the start backoff."""
+        """Decide a switch (BEHAVIOUR.md, "Switch to always on"); resets the start backoff."""
         if mode not in (Mode.ON_DEMAND.value, Mode.ALWAYS_ON.value):
             raise OndemandError(400, "invalid_mode", "mode must be on_demand or always_on")
         if set_idle_timeout and idle_timeout_s is not None and \

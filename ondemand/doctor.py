@@ -10,6 +10,7 @@ from typing import Any
 
 from .adminclient import NoServer, request, stored_deployments
 from .config import Config
+from .model import Deployment
 
 Check = dict[str, Any]
 
@@ -92,7 +93,7 @@ async def check_engines(cfg: Config) -> Check | None:
         _status, rows = await request(cfg, "GET", "/deployments")
     except NoServer:
         rows = await stored_deployments(cfg)
-    blind = [d["name"] for d in rows or () if is_blind(d)]
+    blind = [d["name"] for d in rows or () if is_blind(Deployment.from_row(d))]
     if blind:
         return _check("engines", False, f"{', '.join(blind)}: {BLIND_WARNING}")
     if rows is not None:

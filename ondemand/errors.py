@@ -1,7 +1,7 @@
 """Errors that carry data, and the one function that renders them.
 
 Every error a client or an admin sees is an ``OndemandError``: HTTP status, a
-stable ``code`` (the names of the design document: ``invalid_path``,
+stable ``code`` (the names of the README's error table: ``invalid_path``,
 ``ondemand_queue_full`` ...), the OpenAI ``type``, the client's message and
 extra headers. ``detail`` is for the log only. Imports nothing of ours.
 """

@@ -4,7 +4,7 @@ Candidates are already known to be stoppable (the controller's idle rules);
 this only picks, least recently used first, the shortest prefix whose memory
 covers the shortfall. When all of them together are not enough, none is
 picked: stopping models that cannot make room would only lose them
-(design document, "pick victims").
+(BEHAVIOUR.md, "Making room").
 """
 from __future__ import annotations
 

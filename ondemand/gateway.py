@@ -1,7 +1,7 @@
 """The gateway: ``{base_path}/ondemand/{id}/v1/...``, what LiteLLM calls
 instead of the engine.
 
-The checks run in the design document's order: the peer guard (middleware,
+The checks run in the order of BEHAVIOUR.md, "Checks, in order": the peer guard (middleware,
 ``peers.PeerGuard``, before routing), the raw path, a configured key, the
 rate limit on failed keys, the key, the body size, the deployment. Then a
 traffic request takes a slot from the controller (which may start the model,
@@ -164,7 +164,7 @@ class Gateway:
         verdict = self.keys.check(presented)
         if verdict == "ok":
             return
-        if verdict == "bad":  # the previous key, just rotated, does not count (design: Key rotation)
+        if verdict == "bad":  # the previous key, just rotated, does not count (BEHAVIOUR.md, "Key rotation")
             self.limiter.fail(peer)
         raise _err(401, "invalid_api_key", "Invalid API key for the on-demand gateway")
 
@@ -193,7 +193,7 @@ class Gateway:
         if dep is None:
             raise _not_found()
         if dep.role is Role.DECISION:
-            raise _err(503, "not_on_demand", f"{dep['served_name']} is not served through the on-demand gateway")
+            raise _err(503, "not_on_demand", f"{dep.served_name} is not served through the on-demand gateway")
         if kind == "models":
             return web.json_response({"object": "list", "data": [{
                 "id": dep.served_name, "object": "model", "created": int(dep.created_at),
@@ -203,14 +203,14 @@ class Gateway:
                        f"{dep.served_name} is planned: an administrator has to start it first")
         if kind == "model":
             if dep.state is not State.READY:
-                raise _err(503, "ondemand_not_ready", f"{dep['served_name']} is {dep['state']}")
+                raise _err(503, "ondemand_not_ready", f"{dep.served_name} is {dep.state}")
             return await self._forward(request, dep, segs, None, route)
 
         if HEALTH_HEADER in request.headers:
             return self._health(dep, route)
         on_demand = dep.on_demand
         if not on_demand and dep.state is not State.READY:
-            raise _err(503, "not_on_demand", f"{dep['served_name']} is always on and is {dep['state']}")
+            raise _err(503, "not_on_demand", f"{dep.served_name} is always on and is {dep.state}")
 
         body = await self._read_body(request)
         parsed = None

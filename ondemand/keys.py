@@ -1,6 +1,6 @@
 """The on-demand key: generating it, writing it, watching its file.
 
-Owns ``ondemand_key_file`` (design doc, Gateway, checks 3 and 5, and "Key rotation"): the key
+Owns ``ondemand_key_file`` (BEHAVIOUR.md, "Checks, in order", checks 3 and 5, and "Key rotation"): the key
 LiteLLM presents as ``Authorization: Bearer`` on gateway routes. The file is the only source of
 truth: ``key init`` / ``key rotate`` write it atomically with mode 0600, and the running gateway
 picks a new key up without a restart through :class:`KeyWatcher`. Only fingerprints are ever
@@ -92,7 +92,7 @@ Check = Literal["ok", "previous", "bad"]
 class KeyWatcher:
     """The current key, re-read when its file changes.
 
-    Design doc, check 3: the file is checked at most once a second and re-read when its inode,
+    BEHAVIOUR.md, check 3: the file is checked at most once a second and re-read when its inode,
     mtime or size changed; a rotated key replaces the old one without a restart, a file that went
     missing or empty fails closed (``current()`` is ``None``: 503 ondemand_not_configured).
     "Key rotation": for ``previous_grace_s`` after a change the key that was current before it is

@@ -7,7 +7,7 @@ when and what):
   ``POST /model/delete``, with the master key, and LiteLLM's answers turned into
   ``LiteLLMError`` codes (``litellm_unreachable``, ``litellm_unauthorized``,
   ``litellm_no_db``, ``litellm_not_stored``, ``litellm_error``).
-- ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as the design document
+- ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as BEHAVIOUR.md, "LiteLLM registration",
   ("LiteLLM registration") describes them.
 
 Our entries are the ones whose ``model_info`` carries ``dgxmm_id``; nothing else in
@@ -67,7 +67,7 @@ class LiteLLMError(OndemandError):
 
 
 def _fp(text: str | bytes) -> str:
-    """First 12 hex digits of a SHA-256, the design's fingerprint length."""
+    """First 12 hex digits of a SHA-256, the fingerprint length of BEHAVIOUR.md, "Fingerprints"."""
     if isinstance(text, str):
         text = text.encode()
     return hashlib.sha256(text).hexdigest()[:12]
@@ -105,7 +105,7 @@ def ondemand_timeout(queue_timeout_s: int) -> int:
 
 
 def ondemand_entry(dep: dict, key: str, internal_url: str, queue_timeout_s: int) -> dict:
-    """The gateway entry of an on-demand deployment (design: "LiteLLM registration")."""
+    """The gateway entry of an on-demand deployment (BEHAVIOUR.md, "LiteLLM registration")."""
     dep_id = int(dep["id"])
     served = _served_name(dep)
     timeout = ondemand_timeout(queue_timeout_s)

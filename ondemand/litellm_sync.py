@@ -52,7 +52,7 @@ class _Round:
 class LiteLLMSync:
     """Keeps LiteLLM's entries equal to what the deployments want.
 
-    Rules (design document, "LiteLLM registration"):
+    Rules (BEHAVIOUR.md, "LiteLLM registration"):
 
     - On-demand deployments are registered in every state except failed and planned, as
       gateway entries, while a key is readable. A planned deployment waits for an

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import aiohttp
 
+from .model import Deployment, Mode
+
 log = logging.getLogger("ondemand.metrics")
 
 _GAUGES = {
@@ -63,11 +65,11 @@ BLIND_WARNING = ("llama.cpp without --metrics has no request gauges: unless it t
                  "(LLAMA_ARG_ENDPOINT_METRICS), it is never seen idle, so it is never put to sleep; add --metrics")
 
 
-def blind(dep: dict[str, Any]) -> bool:
+def blind(dep: Deployment) -> bool:
     """An on-demand llama.cpp deployment started without ``--metrics``: the sampler
-    cannot read its load, and the idle rule needs it (design document)."""
-    return (dep.get("engine") == "llamacpp" and (dep.get("mode") or "always_on") == "on_demand"
-            and not dep.get("pending_mode") and "--metrics" not in [*(dep.get("command") or []), *(dep.get("args") or [])])
+    cannot read its load, and the idle rule needs it (BEHAVIOUR.md, "The reaper and idle timers")."""
+    return (dep.engine == "llamacpp" and dep.mode is Mode.ON_DEMAND and dep.pending_mode is None
+            and "--metrics" not in (*dep.command, *dep.args))
 
 
 class MetricsSampler:

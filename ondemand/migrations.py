@@ -71,7 +71,7 @@ async def _v1_initial(db: aiosqlite.Connection) -> None:
 
 
 async def _v2_ondemand_mode(db: aiosqlite.Connection) -> None:
-    # The design document's "migration 40": existing deployments keep their
+    # The on-demand mode migration: existing deployments keep their
     # behaviour, so every existing row becomes always_on.
     cols = await _columns(db, "deployments")
     if "mode" not in cols:
@@ -84,7 +84,7 @@ async def _v2_ondemand_mode(db: aiosqlite.Connection) -> None:
 
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
-    Migration(2, "deployments: on-demand mode (design document migration 40)", _v2_ondemand_mode),
+    Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
 ]
 
 LATEST = MIGRATIONS[-1].version

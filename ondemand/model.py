@@ -124,11 +124,3 @@ class Deployment:
     @property
     def on_demand(self) -> bool:
         return self.mode is Mode.ON_DEMAND and self.role is Role.MODEL
-
-    # TEMPORARY, while the backends, the LiteLLM sync and the command line move
-    # to attributes: read access by key. Removed once nothing uses it.
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)

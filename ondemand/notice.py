@@ -1,7 +1,7 @@
 """The queued notice: telling a person why their answer is late, without
 breaking any client that parses the answer.
 
-Who gets what (design document, "Queued notice"):
+Who gets what (BEHAVIOUR.md, "The queued notice"):
 - a streaming chat/completions or completions request that waits for memory
   gets one ``ondemand-queued`` chunk at once, then the engine's bytes;
 - Responses and Anthropic messages streams never get one (their typed events

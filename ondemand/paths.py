@@ -1,6 +1,6 @@
 """The gateway's path check, and the upstream path rebuilt from its segments.
 
-Design doc, Gateway, check 2: "a ., .. or empty segment, \\, ?, #, a control character or an
+BEHAVIOUR.md, "Checks, in order", check 2: "a ., .. or empty segment, \\, ?, #, a control character or an
 encoded /, \\, #, ? or NUL is 400 invalid_path". The check runs on the raw request target, as the
 client sent it (aiohttp's ``request.raw_path``, query included) and before any decoding, so that
 nothing a decoder or a normaliser does (here or in the engine) can turn an accepted path into a

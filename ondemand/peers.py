@@ -1,6 +1,6 @@
 """Who may call the gateway: the peer policy, its refresh from Docker, and the peer guard.
 
-Design doc, Gateway, check 1 and "Peer policy". The gateway answers only raw TCP peers on
+BEHAVIOUR.md, "Checks, in order", check 1, and "Peer policy". The gateway answers only raw TCP peers on
 ondemand's own Docker networks (or an explicit ``ondemand_allowed_cidrs`` list), never the
 networks' gateway and first host addresses (where docker-proxy and hairpin NAT make connections
 to a published port come from: the host and the LAN never pass), never the decider's network,
@@ -107,7 +107,7 @@ def _first_host(net: IPNetwork) -> IPAddress | None:
 class PeerPolicy:
     """Allowed networks minus refused networks and addresses. Immutable; ``allows`` is cached.
 
-    Build it with :meth:`compute` (the design's rules) or :meth:`nobody`.
+    Build it with :meth:`compute` (the rules of BEHAVIOUR.md, "Peer policy") or :meth:`nobody`.
     """
 
     __slots__ = ("allowed", "refused_networks", "refused_addresses", "summary", "warnings",
@@ -302,7 +302,7 @@ class PeerPolicySource:
         self.proc_dir = proc_dir
         self.docker_timeout_s = docker_timeout_s
         self._log = logger or _log
-        # Design doc: "Until the first refresh nobody is allowed."
+        # Until the first refresh nobody is allowed (BEHAVIOUR.md, "Peer policy").
         self.policy: PeerPolicy = PeerPolicy.nobody("not refreshed yet")
         self.refreshed = False
         self._docker_seen = False

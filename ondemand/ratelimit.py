@@ -1,6 +1,6 @@
 """Failed key checks per peer, and the lock-out they earn.
 
-Design doc, Gateway, check 4: "a peer with 20 failed key checks in a minute gets 429 rate_limited
+BEHAVIOUR.md, "Checks, in order", check 4: "a peer with 20 failed key checks in a minute gets 429 rate_limited
 with Retry-After: 60 for the rest of that minute". Each peer has a fixed window that opens at its
 first failure; once ``limit`` failures fall in the window the peer is refused until the window
 ends. "Key rotation": the counts are cleared when the key changes (``clear`` is hooked into the

@@ -1,4 +1,12 @@
-"""Shared fixtures: real state files and the one fake of nvidia-smi (tests/fakes)."""
+"""Shared fixtures: real state files (``store``), the whole server on loopback (``server``,
+configured with ``@pytest.mark.server(...)``), an HTTP client (``http``), a real Docker
+engine for the ``docker`` tests (``docker_env``), and the one fake of nvidia-smi (tests/fakes).
+
+Elsewhere in tests/: helpers.py (``run_app``, the one way to start the server, which
+``server`` wraps; ``wait_for``, the way to wait for something to happen instead of a
+fixed sleep; engine-simulator deployment rows), docker_double.py (a Docker Engine API
+on a Unix socket), docker_real.py (the real one's network and image), litellm_double.py,
+and test_backend_contract.py (what every engine backend must do)."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +17,35 @@ except ModuleNotFoundError:
     pytest.exit("the tests need the project's virtual environment: run `make test` "
                 "(or `make install`, then `.venv/bin/python -m pytest`)", returncode=4)
 
-from helpers import FAKES  # noqa: E402
+from helpers import FAKES, run_app  # noqa: E402
 from ondemand.store import Store
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "server(**overrides): config overrides (and write_key=False) for the `server` "
+                   "fixture, e.g. @pytest.mark.server(ondemand_queue_timeout_s=1)")
+
+
+@pytest.fixture
+async def server(request, tmp_path):
+    """The whole ondemand on loopback (``helpers.run_app``: process backend, static budget,
+    a key and an admin token), as a ``helpers.Server``: ``url``, ``key``, ``token``, ``cfg``
+    (``cfg.admin_socket``), ``app``, ``deployer``, ``controller``. A test's or module's
+    ``@pytest.mark.server(...)`` overrides the configuration."""
+    overrides: dict = {}
+    for marker in reversed(list(request.node.iter_markers("server"))):  # the closest wins
+        overrides.update(marker.kwargs)
+    async with run_app(tmp_path, **overrides) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def http():
+    """A client session for the test's requests."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        yield s
 
 
 @pytest.fixture
@@ -18,6 +53,15 @@ async def store(tmp_path):
     s = await Store.open(tmp_path / "ondemand.db")
     yield s
     await s.close()
+
+
+@pytest.fixture(scope="session")
+def docker_env():
+    """A real Docker engine's network for this run and the simulator image's config
+    (tests/docker_real.py); skips, saying why, where there is none."""
+    import docker_real
+    with docker_real.environment() as env:
+        yield env
 
 
 @pytest.fixture

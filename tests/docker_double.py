@@ -3,7 +3,15 @@
 Answers the calls aiodocker 0.27 makes for the peer policy: ``GET /version`` (unversioned: its
 ``api_version="auto"`` probe), ``GET /v1.xx/containers/{id}/json`` (container inspect) and
 ``GET /v1.xx/networks/{id}`` (network inspect), with the shapes of the real API
-(``NetworkSettings.Networks`` endpoints, ``IPAM.Config``). Containers and networks resolve like
+(``NetworkSettings.Networks`` endpoints, ``IPAM.Config``).
+
+And the container life cycle the docker backend drives (create, start, wait, stop, delete,
+logs): an image registered with ``add_image(name, entrypoint)`` runs as a host process,
+``entrypoint + Cmd`` (``python3`` is the test's interpreter), in a session of its own, its output the container's log (framed as
+Docker's multiplexed stream). A port published on 127.0.0.1 with no host port gets a free one,
+and since a host process cannot listen on the container's port the double rewrites the value
+of ``--port`` in the command from the container port to that host port (so the engine must
+take ``--port``, as the engine simulator does). Stop is SIGTERM, SIGKILL after ``t``. Containers and networks resolve like
 Docker's: full id, name, or unique id prefix (``$HOSTNAME`` is the 12-digit prefix). The model is
 mutable while the server runs; ``fail_status`` makes every inspect fail with that status;
 ``requests`` records the paths asked.
@@ -16,16 +24,29 @@ mutable while the server runs; ``fail_status`` makes every inspect fail with tha
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import ipaddress
 import os
 import shutil
+import signal
+import socket
+import struct
+import sys
 import tempfile
+import uuid
 from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
 API_VERSION = "1.45"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _id(kind: str, name: str) -> str:
@@ -42,6 +63,16 @@ class DockerDouble:
         self.socket_path: str | None = None
         self._dir: str | None = None
         self._runner: web.AppRunner | None = None
+        self.images: dict[str, list[str]] = {}           # name -> entrypoint (host argv)
+        # The image's programs as found on the host: its python3 is the test's interpreter.
+        self.programs: dict[str, str] = {"python3": sys.executable, "python": sys.executable}
+        self._procs: dict[str, asyncio.subprocess.Process] = {}  # container id -> its process
+        self._exited: dict[str, asyncio.Event] = {}
+        self._watchers: set[asyncio.Task] = set()
+
+    def add_image(self, name: str, entrypoint: Sequence[str]) -> None:
+        """An image whose containers run ``entrypoint + Cmd`` on the host."""
+        self.images[name] = list(entrypoint)
 
     # -- the model ----------------------------------------------------------------------------
 
@@ -170,6 +201,139 @@ class DockerDouble:
             return self._error(404, f"network {request.match_info['id']} not found")
         return web.json_response(n)
 
+    # -- the container life cycle ----------------------------------------------------------
+
+    def _log_path(self, cid: str) -> str:
+        assert self._dir
+        return os.path.join(self._dir, cid[:12] + ".log")
+
+    async def _container_create(self, request: web.Request) -> web.Response:
+        self.requests.append(request.path)
+        config = await request.json()
+        name = request.query.get("name") or uuid.uuid4().hex[:12]
+        if config.get("Image") not in self.images:
+            return self._error(404, f"No such image: {config.get('Image')}")
+        if self._container(name) is not None:
+            return self._error(409, f'Conflict. The container name "/{name}" is already in use')
+        host_config = config.get("HostConfig") or {}
+        mode = host_config.get("NetworkMode") or "default"
+        if mode not in ("default", "bridge", "host", "none") and self._network(mode) is None:
+            return self._error(404, f"network {mode} not found")
+        cid = _id("container", name + uuid.uuid4().hex)
+        self.containers[cid] = {
+            "Id": cid, "Name": "/" + name, "Created": "2025-01-01T00:00:00.000000000Z",
+            "Path": (self.images[config["Image"]] or [""])[0], "Args": config.get("Cmd") or [],
+            "State": {"Status": "created", "Running": False, "Pid": 0, "ExitCode": 0},
+            "Image": "sha256:" + _id("image", config["Image"]),
+            "Config": {"Hostname": cid[:12], "Image": config["Image"], "Labels": config.get("Labels") or {},
+                       "Cmd": config.get("Cmd"), "ExposedPorts": config.get("ExposedPorts") or {}, "Tty": False},
+            "HostConfig": host_config,
+            "NetworkSettings": {"SandboxID": "", "Ports": {}, "Networks": {}},
+        }
+        self._exited[cid] = asyncio.Event()
+        open(self._log_path(cid), "wb").close()
+        return web.json_response({"Id": cid, "Warnings": []}, status=201)
+
+    def _found(self, request: web.Request) -> dict | None:
+        self.requests.append(request.path)
+        return self._container(request.match_info["id"])
+
+    async def _container_start(self, request: web.Request) -> web.Response:
+        c = self._found(request)
+        if c is None:
+            return self._error(404, f"No such container: {request.match_info['id']}")
+        if c["State"]["Running"]:
+            return web.Response(status=304)
+        argv = self.images[c["Config"]["Image"]] + [str(a) for a in c["Config"].get("Cmd") or []]
+        if not argv:
+            return self._error(400, "no command specified")
+        argv[0] = self.programs.get(argv[0], argv[0])
+        ports: dict[str, list[dict[str, str]]] = {}
+        for spec, bindings in (c["HostConfig"].get("PortBindings") or {}).items():
+            container_port = spec.split("/")[0]
+            ports[spec] = []
+            for b in bindings:
+                host_port = b.get("HostPort") or str(_free_port())
+                ports[spec].append({"HostIp": b.get("HostIp") or "0.0.0.0", "HostPort": host_port})
+                for i in range(len(argv) - 1):
+                    if argv[i] == "--port" and argv[i + 1] == container_port:
+                        argv[i + 1] = host_port
+        with open(self._log_path(c["Id"]), "ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        self._procs[c["Id"]] = proc
+        self._exited[c["Id"]].clear()
+        c["State"].update(Status="running", Running=True, Pid=proc.pid, ExitCode=0)
+        c["NetworkSettings"]["Ports"] = ports
+        task = asyncio.get_running_loop().create_task(self._watch(c, proc))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        return web.Response(status=204)
+
+    async def _watch(self, c: dict, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        c["State"].update(Status="exited", Running=False, Pid=0, ExitCode=code if code >= 0 else 128 - code)
+        c["NetworkSettings"]["Ports"] = {}
+        self._exited[c["Id"]].set()
+
+    async def _container_wait(self, request: web.Request) -> web.Response:
+        c = self._found(request)
+        if c is None:
+            return self._error(404, f"No such container: {request.match_info['id']}")
+        if c["State"]["Running"]:  # Docker's default condition, "not-running"
+            await self._exited.setdefault(c["Id"], asyncio.Event()).wait()
+        return web.json_response({"StatusCode": c["State"]["ExitCode"], "Error": None})
+
+    async def _kill(self, c: dict, grace: float) -> None:
+        proc = self._procs.get(c["Id"])
+        if proc is None or not c["State"]["Running"]:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+            if grace <= 0 and sig == signal.SIGTERM:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                await asyncio.wait_for(self._exited[c["Id"]].wait(), wait)
+                return
+            except asyncio.TimeoutError:
+                pass
+
+    async def _container_stop(self, request: web.Request) -> web.Response:
+        c = self._found(request)
+        if c is None:
+            return self._error(404, f"No such container: {request.match_info['id']}")
+        if not c["State"]["Running"]:
+            return web.Response(status=304)
+        await self._kill(c, float(request.query.get("t", "10")))
+        return web.Response(status=204)
+
+    async def _container_delete(self, request: web.Request) -> web.Response:
+        c = self._found(request)
+        if c is None:
+            return self._error(404, f"No such container: {request.match_info['id']}")
+        if c["State"]["Running"]:
+            if request.query.get("force") not in ("1", "true", "True"):
+                return self._error(409, "You cannot remove a running container: stop it or force")
+            await self._kill(c, 0)
+        del self.containers[c["Id"]]
+        self._procs.pop(c["Id"], None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._log_path(c["Id"]))
+        return web.Response(status=204)
+
+    async def _container_logs(self, request: web.Request) -> web.Response:
+        c = self._found(request)
+        if c is None:
+            return self._error(404, f"No such container: {request.match_info['id']}")
+        with open(self._log_path(c["Id"]), "rb") as fh:
+            lines = fh.read().splitlines(keepends=True)
+        tail = request.query.get("tail", "all")
+        if tail != "all":
+            lines = lines[-int(tail):] if int(tail) else []
+        body = b"".join(struct.pack(">BxxxL", 2, len(line)) + line for line in lines)
+        return web.Response(body=body, content_type="application/vnd.docker.multiplexed-stream")
+
     async def _unknown(self, request: web.Request) -> web.Response:
         self.requests.append(request.path)
         return self._error(404, "page not found")
@@ -180,6 +344,12 @@ class DockerDouble:
         app.router.add_get("/version", self._version)
         app.router.add_get(v + "/version", self._version)
         app.router.add_get(v + "/containers/{id}/json", self._container_inspect)
+        app.router.add_post(v + "/containers/create", self._container_create)
+        app.router.add_post(v + "/containers/{id}/start", self._container_start)
+        app.router.add_post(v + "/containers/{id}/wait", self._container_wait)
+        app.router.add_post(v + "/containers/{id}/stop", self._container_stop)
+        app.router.add_delete(v + "/containers/{id}", self._container_delete)
+        app.router.add_get(v + "/containers/{id}/logs", self._container_logs)
         app.router.add_get(v + "/networks/{id}", self._network_inspect)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
@@ -199,6 +369,10 @@ class DockerDouble:
         return self.socket_path
 
     async def __aexit__(self, *exc: object) -> None:
+        for c in list(self.containers.values()):  # nothing outlives the double
+            await self._kill(c, 0)
+        for task in list(self._watchers):
+            await task
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

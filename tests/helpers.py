@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from pathlib import Path
 
@@ -27,16 +28,30 @@ def dep_fields(name: str, memory_gib: float = 10, mode: str = "on_demand", *sim_
     return fields
 
 
-async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str | None = None):
+    """Wait until ``predicate()`` (a function, or one returning an awaitable) is truthy and
+    return its value: the way to wait for something to happen, instead of a fixed sleep.
+    On timeout, fail saying what was awaited (``what``, else the predicate's source) and the
+    last value seen."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
-        if asyncio.iscoroutine(value):
+        if inspect.isawaitable(value):
             value = await value
         if value:
             return value
+        if time.monotonic() >= deadline:
+            break
         await asyncio.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what or _source(predicate)} "
+                         f"(last value: {value!r})")
+
+
+def _source(fn) -> str:
+    try:
+        return " ".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return getattr(fn, "__qualname__", repr(fn))
 
 
 @contextlib.asynccontextmanager
@@ -65,6 +80,7 @@ class Env:
         self.bus = bus
         self.store = store
         self.published: list[int] = []
+        self.skipped = [0.0]
 
     async def add(self, name, memory_gib=10, *sim_args, **kw):
         return (await self.deployer.create(dep_fields(name, memory_gib, kw.pop("mode", "on_demand"),
@@ -82,6 +98,10 @@ class Env:
 
     def acquire(self, dep_id, **kw):
         return self.admission.acquire(dep_id, **kw)
+
+    def skip(self, seconds: float) -> None:
+        """Move the controller's clock on (idle timers, backoff, deadlines) without waiting."""
+        self.skipped[0] += seconds
 
     async def reap(self) -> list[int]:
         """The reaper's step, and the stops it asked for, to their end."""
@@ -106,15 +126,17 @@ async def controller_env(tmp_path, store, capacity: float = 24, *, queue_timeout
     from ondemand.model import State
 
     bus = EventBus()
+    skipped = [0.0]  # the controller's clock runs ahead of the loop's by this much (Env.skip)
     deployer_kw = {"publish": bus.publish, **kw.pop("deployer_kw", {})}
     async with running_deployer(tmp_path, store, capacity, kw.pop("budget", None), **deployer_kw) as d:
         sampler = MetricsSampler(lambda: d.engines_in((State.READY, State.ASLEEP)), interval_s=0.1)
         effects = DeployerEffects(d, d.budget, sampler, publish=bus.publish, settle_poll_s=0.05)
-        c = Controller(effects, clock=kw.pop("clock", time.monotonic), wall=time.time,
+        c = Controller(effects, clock=kw.pop("clock", lambda: time.monotonic() + skipped[0]), wall=time.time,
                        queue_timeout_s=queue_timeout_s, max_queued=max_queued,
                        idle_timeout_s=idle_timeout_s, min_idle_timeout_s=1, **kw)
         effects.bind(c)
         env = Env(d, sampler, c, Admission(c, d), effects, bus, store)
+        env.skipped = skipped
         bus.subscribe(DeploymentChanged, lambda e: c.on_deployment(e.dep_id, e.dep, e.old))
         bus.subscribe(CountersChanged, lambda e: env.published.append(e.dep_id))
         task = asyncio.get_running_loop().create_task(sampler.run())
@@ -151,6 +173,11 @@ class Server:
     def admission(self):
         from ondemand import app as app_mod
         return self.app[app_mod.ADMISSION]
+
+    @property
+    def keys(self):
+        from ondemand import app as app_mod
+        return self.app[app_mod.KEYS]
 
     def gw(self, dep_id, route: str) -> str:
         return f"{self.url}/ondemand/{dep_id}/v1/{route}"

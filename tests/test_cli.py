@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, run_app, sim_command
+from helpers import ROOT, run_app, sim_command, wait_for
 
 
 async def cli(*args, config=None, env=None):
@@ -83,46 +83,45 @@ async def test_migrate(tmp_path):
     assert rc == 0 and json.loads(out)["schema_version"] >= 2
 
 
-async def test_commands_against_a_running_server(tmp_path):
-    async with run_app(tmp_path) as server:
-        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-        rc, out, err = await cli("deploy", "add", "alpha", "--command", " ".join(sim_command("alpha")),
-                                 "--memory-gib", "8", "--mode", "on_demand", "--json", config=cfg)
-        assert rc == 0, err
-        dep = json.loads(out)
-        assert (dep["mode"], dep["state"]) == ("on_demand", "stopped")
-        rc, _, err = await cli("deploy", "add", "Bad Name", "--command", "x", config=cfg)
-        assert rc == 1 and "name:" in err
-        rc, out, _ = await cli("deploy", "list", config=cfg)
-        assert "alpha" in out and "on_demand" in out and "sleeping" in out
-        rc, out, _ = await cli("deploy", "start", str(dep["id"]), "--wait", config=cfg)
-        assert rc == 0 and "ready" in out
-        rc, out, _ = await cli("status", config=cfg)
-        assert rc == 0 and "budget: 16 GiB free of 24 GiB" in out
-        header = [l for l in out.splitlines() if l.startswith("ID")][0]
-        for col in ("NAME", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"):
-            assert col in header
-        rc, out, _ = await cli("mode", "get", str(dep["id"]), config=cfg)
-        assert out.strip() == "on_demand"
-        rc, out, _ = await cli("mode", "set", str(dep["id"]), "on_demand", "--idle-timeout", "120", config=cfg)
-        assert rc == 0
-        rc, out, _ = await cli("mode", "get", str(dep["id"]), "--json", config=cfg)
-        assert json.loads(out)["idle_timeout_s"] == 120
-        rc, _, err = await cli("mode", "set", str(dep["id"]), "on_demand", "--idle-timeout", "5000000", config=cfg)
-        assert rc == 1 and "idle_timeout_s" in err
-        rc, out, _ = await cli("deploy", "show", str(dep["id"]), config=cfg)
-        assert "base_url:" in out and "phase idle" in out
-        rc, out, _ = await cli("deploy", "stop", str(dep["id"]), config=cfg)
-        assert rc == 0 and "stopped" in out
-        rc, _, err = await cli("sync", config=cfg)
-        assert rc == 1 and "litellm_disabled" in err
-        rc, out, _ = await cli("doctor", "--json", config=cfg)
-        checks = {c["check"]: c for c in json.loads(out)}
-        assert checks["key"]["ok"] and checks["server"]["ok"] and checks["budget"]["ok"]
-        rc, out, _ = await cli("deploy", "rm", str(dep["id"]), config=cfg)
-        assert rc == 0
-        rc, _, err = await cli("deploy", "show", str(dep["id"]), config=cfg)
-        assert rc == 1
+async def test_commands_against_a_running_server(tmp_path, server):
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    rc, out, err = await cli("deploy", "add", "alpha", "--command", " ".join(sim_command("alpha")),
+                             "--memory-gib", "8", "--mode", "on_demand", "--json", config=cfg)
+    assert rc == 0, err
+    dep = json.loads(out)
+    assert (dep["mode"], dep["state"]) == ("on_demand", "stopped")
+    rc, _, err = await cli("deploy", "add", "Bad Name", "--command", "x", config=cfg)
+    assert rc == 1 and "name:" in err
+    rc, out, _ = await cli("deploy", "list", config=cfg)
+    assert "alpha" in out and "on_demand" in out and "sleeping" in out
+    rc, out, _ = await cli("deploy", "start", str(dep["id"]), "--wait", config=cfg)
+    assert rc == 0 and "ready" in out
+    rc, out, _ = await cli("status", config=cfg)
+    assert rc == 0 and "budget: 16 GiB free of 24 GiB" in out
+    header = [l for l in out.splitlines() if l.startswith("ID")][0]
+    for col in ("NAME", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"):
+        assert col in header
+    rc, out, _ = await cli("mode", "get", str(dep["id"]), config=cfg)
+    assert out.strip() == "on_demand"
+    rc, out, _ = await cli("mode", "set", str(dep["id"]), "on_demand", "--idle-timeout", "120", config=cfg)
+    assert rc == 0
+    rc, out, _ = await cli("mode", "get", str(dep["id"]), "--json", config=cfg)
+    assert json.loads(out)["idle_timeout_s"] == 120
+    rc, _, err = await cli("mode", "set", str(dep["id"]), "on_demand", "--idle-timeout", "5000000", config=cfg)
+    assert rc == 1 and "idle_timeout_s" in err
+    rc, out, _ = await cli("deploy", "show", str(dep["id"]), config=cfg)
+    assert "base_url:" in out and "phase idle" in out
+    rc, out, _ = await cli("deploy", "stop", str(dep["id"]), config=cfg)
+    assert rc == 0 and "stopped" in out
+    rc, _, err = await cli("sync", config=cfg)
+    assert rc == 1 and "litellm_disabled" in err
+    rc, out, _ = await cli("doctor", "--json", config=cfg)
+    checks = {c["check"]: c for c in json.loads(out)}
+    assert checks["key"]["ok"] and checks["server"]["ok"] and checks["budget"]["ok"]
+    rc, out, _ = await cli("deploy", "rm", str(dep["id"]), config=cfg)
+    assert rc == 0
+    rc, _, err = await cli("deploy", "show", str(dep["id"]), config=cfg)
+    assert rc == 1
 
 
 async def test_deploy_set_edits_in_place(tmp_path):
@@ -143,7 +142,7 @@ async def test_deploy_set_edits_in_place(tmp_path):
         assert row["detail"]["old"]["served_name"] == "ALPHA" and row["detail"]["new"]["served_name"] == "Alpha-2"
         rc, out, _ = await cli("deploy", "set", str(a), "--idle-timeout", "default", config=cfg)
         assert rc == 0 and out.strip() == f"updated alpha (id {a}, stopped)"
-        assert server.deployer.get(a)["idle_timeout_s"] is None
+        assert server.deployer.get(a).idle_timeout_s is None
         # refused: a bad value, another's name, nothing to change, no such deployment; nothing changed
         before = server.deployer.get(a).as_dict()
         rc, _, err = await cli("deploy", "set", str(a), "--port", "0", config=cfg)
@@ -159,7 +158,7 @@ async def test_deploy_set_edits_in_place(tmp_path):
         await server.deployer.restart(a)
         rc, _, err = await cli("deploy", "set", str(a), "--served-name", "x", config=cfg)
         assert rc == 1 and "deployment_busy" in err and len(err.strip().splitlines()) == 1
-        assert server.deployer.get(a)["served_name"] == "Alpha-2"
+        assert server.deployer.get(a).served_name == "Alpha-2"
 
 
 async def test_read_only_commands_without_a_server(tmp_path):
@@ -221,18 +220,17 @@ async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
         sys.executable, "-m", "ondemand", "--config", str(cfg), "serve", "--demo", cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
-        body = None
         async with aiohttp.ClientSession() as s:
-            for _ in range(100):
+            async def models():
+                assert proc.returncode is None, (await proc.stderr.read(4000)).decode()
                 try:
                     key = (tmp_path / "s" / "ondemand.key").read_text().strip()
                     async with s.get(f"http://127.0.0.1:{port}/dgxmm/ondemand/1/v1/models",
                                      headers={"Authorization": f"Bearer {key}"}) as r:
-                        body = await r.json()
-                        break
-                except (OSError, aiohttp.ClientError, FileNotFoundError):
-                    await asyncio.sleep(0.1)
-            assert body is not None, (await proc.stderr.read(4000)).decode()
+                        return await r.json()
+                except (OSError, aiohttp.ClientError):
+                    return None  # not listening yet
+            body = await wait_for(models, what="`ondemand serve --demo` answering")
             assert body["data"][0]["id"] == "demo-small"
         proc.send_signal(2)  # Ctrl-C
         await asyncio.wait_for(proc.wait(), 15)
@@ -243,32 +241,30 @@ async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
             await proc.wait()
 
 
-async def test_doctor_flags_llamacpp_without_metrics(tmp_path):
-    async with run_app(tmp_path) as server:
-        await server.deployer.create(dict(name="blind", served_name="b", engine="llamacpp", mode="on_demand",
-                                          state="stopped", role="model", command=["llama-server", "--port", "{port}"]))
-        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-        rc, out, _ = await cli("doctor", "--json", config=cfg)
-        checks = {c["check"]: c for c in json.loads(out)}
-        assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
+async def test_doctor_flags_llamacpp_without_metrics(tmp_path, server):
+    await server.deployer.create(dict(name="blind", served_name="b", engine="llamacpp", mode="on_demand",
+                                      state="stopped", role="model", command=["llama-server", "--port", "{port}"]))
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    rc, out, _ = await cli("doctor", "--json", config=cfg)
+    checks = {c["check"]: c for c in json.loads(out)}
+    assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
 
 
-async def test_adding_or_switching_llamacpp_without_metrics_warns(tmp_path):
-    async with run_app(tmp_path) as server:
-        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-        rc, out, err = await cli("deploy", "add", "blind", "--engine", "llamacpp", "--mode", "on_demand",
-                                 "--command", "llama-server --port {port}", config=cfg)
-        assert rc == 0 and "created blind" in out
-        assert err.startswith("warning: blind: llama.cpp without --metrics") and "never put to sleep" in err
-        rc, out, err = await cli("deploy", "add", "seen", "--engine", "llamacpp", "--mode", "on_demand",
-                                 "--command", "llama-server --metrics --port {port}", config=cfg)
-        assert rc == 0 and err == ""
-        rc, out, err = await cli("deploy", "add", "later", "--engine", "llamacpp", "--no-start",
-                                 "--command", "llama-server --port {port}", config=cfg)
-        assert rc == 0 and err == ""  # always on: nothing to put to sleep
-        later = server.deployer.all()[-1]["id"]
-        rc, out, err = await cli("mode", "set", str(later), "on_demand", config=cfg)
-        assert rc == 0 and "warning: later:" in err
+async def test_adding_or_switching_llamacpp_without_metrics_warns(tmp_path, server):
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    rc, out, err = await cli("deploy", "add", "blind", "--engine", "llamacpp", "--mode", "on_demand",
+                             "--command", "llama-server --port {port}", config=cfg)
+    assert rc == 0 and "created blind" in out
+    assert err.startswith("warning: blind: llama.cpp without --metrics") and "never put to sleep" in err
+    rc, out, err = await cli("deploy", "add", "seen", "--engine", "llamacpp", "--mode", "on_demand",
+                             "--command", "llama-server --metrics --port {port}", config=cfg)
+    assert rc == 0 and err == ""
+    rc, out, err = await cli("deploy", "add", "later", "--engine", "llamacpp", "--no-start",
+                             "--command", "llama-server --port {port}", config=cfg)
+    assert rc == 0 and err == ""  # always on: nothing to put to sleep
+    later = server.deployer.all()[-1].id
+    rc, out, err = await cli("mode", "set", str(later), "on_demand", config=cfg)
+    assert rc == 0 and "warning: later:" in err
 
 
 def test_every_command_says_what_it_does():

@@ -2,7 +2,7 @@
 
 A real ``openai.AsyncOpenAI`` (base_url = the gateway's /ondemand/{id}/v1, the
 on-demand key as api_key, ``max_retries=0`` so an SDK retry never hides an
-error) talks to ondemand on loopback (``run_app``), which starts the engine
+error) talks to ondemand on loopback (the ``server`` fixture), which starts the engine
 simulator as a process. Nothing on the client side is a double: what passes
 here is what the SDK itself parses, validates and raises.
 
@@ -26,7 +26,7 @@ from openai.types.responses import Response, ResponseCreatedEvent
 
 from ondemand import app as app_mod
 
-from helpers import run_app, wait_for
+from helpers import wait_for
 
 pytestmark = pytest.mark.clients
 
@@ -34,12 +34,6 @@ HI = [{"role": "user", "content": "hello there"}]
 TEXT = " ".join(f"tok{i}" for i in range(16))  # the simulator's default answer
 NOTICE = "[ondemand] X is waiting for GPU memory to be freed and will start when it is; your answer follows.\n\n"
 HEALTH = {"x-dgxmm-health-check": "1"}
-
-
-@pytest.fixture
-async def server(tmp_path):
-    async with run_app(tmp_path) as srv:
-        yield srv
 
 
 @contextlib.asynccontextmanager
@@ -168,6 +162,7 @@ async def test_queued_answers_that_wait_silently(server):
         tasks = {k: asyncio.ensure_future(c) for k, c in calls.items()}
         await queued(server, x)
         await wait_for(lambda: server.controller.status(x)["queued"] == len(tasks), what="all five waiting")
+        # Stays: a window in which nothing may happen (no answer before the engine is ready).
         await asyncio.sleep(0.2)
         assert not any(t.done() for t in tasks.values())  # nothing is sent before the engine answers
         await relieve(server, big, slot)
@@ -299,38 +294,38 @@ async def test_start_failure_is_503_start_failed(server):
     assert len(starts) == 1
 
 
-async def test_queue_timeout_is_503(tmp_path):
-    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
-        big, x, slot = await pressure(server)
-        async with sdk(server, x) as client:
+@pytest.mark.server(ondemand_queue_timeout_s=1)
+async def test_queue_timeout_is_503(server):
+    big, x, slot = await pressure(server)
+    async with sdk(server, x) as client:
 
-            async def plain_chat():
-                with pytest.raises(openai.InternalServerError) as exc:
-                    await client.chat.completions.create(model="X", messages=HI)
-                return exc.value
+        async def plain_chat():
+            with pytest.raises(openai.InternalServerError) as exc:
+                await client.chat.completions.create(model="X", messages=HI)
+            return exc.value
 
-            async def responses_stream():
-                with pytest.raises(openai.InternalServerError) as exc:
-                    await client.responses.create(model="X", input="hi", stream=True)
-                return exc.value
+        async def responses_stream():
+            with pytest.raises(openai.InternalServerError) as exc:
+                await client.responses.create(model="X", input="hi", stream=True)
+            return exc.value
 
-            async def chat_stream():
-                # already 200 with the notice: the timeout arrives in the stream
-                stream = await client.chat.completions.create(model="X", messages=HI, stream=True)
-                seen = []
-                with pytest.raises(openai.APIError) as exc:
-                    async for chunk in stream:
-                        seen.append(chunk)
-                assert [c.id for c in seen] == ["ondemand-queued"]
-                return exc.value
+        async def chat_stream():
+            # already 200 with the notice: the timeout arrives in the stream
+            stream = await client.chat.completions.create(model="X", messages=HI, stream=True)
+            seen = []
+            with pytest.raises(openai.APIError) as exc:
+                async for chunk in stream:
+                    seen.append(chunk)
+            assert [c.id for c in seen] == ["ondemand-queued"]
+            return exc.value
 
-            t = time.monotonic()
-            plain, typed, streamed = await asyncio.gather(plain_chat(), responses_stream(), chat_stream())
-            took = time.monotonic() - t
-        for err in (plain, typed):
-            assert err.status_code == 503 and err.code == "ondemand_queue_timeout"
-        assert not isinstance(streamed, openai.APIStatusError)  # in-band: no status to give
-        assert streamed.code == "ondemand_queue_timeout" and streamed.type == "server_error"
-        assert 0.9 < took < 5
-        assert server.controller.waiting() == 0 and server.state(x) == "stopped"
-        slot.release()
+        t = time.monotonic()
+        plain, typed, streamed = await asyncio.gather(plain_chat(), responses_stream(), chat_stream())
+        took = time.monotonic() - t
+    for err in (plain, typed):
+        assert err.status_code == 503 and err.code == "ondemand_queue_timeout"
+    assert not isinstance(streamed, openai.APIStatusError)  # in-band: no status to give
+    assert streamed.code == "ondemand_queue_timeout" and streamed.type == "server_error"
+    assert 0.9 < took < 5
+    assert server.controller.waiting() == 0 and server.state(x) == "stopped"
+    slot.release()

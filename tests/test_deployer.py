@@ -16,21 +16,21 @@ async def test_start_ready_stop(tmp_path, store):
         changes.append((e.old_state, e.new_state))
     async with running_deployer(tmp_path, store, publish=publish) as d:
         dep = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "0.3"))
-        await d.restart(dep["id"], actor="ondemand", audit="ondemand_start", text="started for a request")
-        assert d.get(dep["id"])["state"] == "ready"
-        url = d.base_url(dep["id"])
+        await d.restart(dep.id, actor="ondemand", audit="ondemand_start", text="started for a request")
+        assert d.get(dep.id).state == "ready"
+        url = d.base_url(dep.id)
         assert url.startswith("http://127.0.0.1:")
-        proc = d._engines[dep["id"]].ref
-        assert await d.stop(dep["id"], actor="admin")
-        assert d.get(dep["id"])["state"] == "stopped"
+        proc = d._engines[dep.id].ref
+        assert await d.stop(dep.id, actor="admin")
+        assert d.get(dep.id).state == "stopped"
         assert proc.returncode is not None  # the process is gone
         assert ("stopped", "starting") in changes and ("starting", "ready") in changes
         assert ("ready", "stopping") in changes and ("stopping", "stopped") in changes
-        row = await store.deployment(dep["id"])
+        row = await store.deployment(dep.id)
         assert row["state"] == "stopped"
-        texts = [e["text"] for e in await store.events(dep["id"])]
+        texts = [e["text"] for e in await store.events(dep.id)]
         assert "started for a request" in texts and "ready" in texts
-        audit = await store.audit(dep["id"])
+        audit = await store.audit(dep.id)
         assert [a["action"] for a in audit] == ["ondemand_start"]
         log = (tmp_path / "logs" / "a.log").read_text()
         assert "simulator" in log
@@ -40,96 +40,96 @@ async def test_start_timeout_fails_with_reason(tmp_path, store):
     async with running_deployer(tmp_path, store, start_timeout_s=1.0) as d:
         dep = await d.create(dep_fields("a", 10, "on_demand", "--fail", "never-ready"))
         with pytest.raises(StartFailed, match="within 1 s"):
-            await d.restart(dep["id"])
-        row = d.get(dep["id"])
-        assert row["state"] == "failed" and "within 1 s" in row["state_reason"]
-        assert "simulator" in row["log_tail"]
-        assert (await store.deployment(dep["id"]))["state"] == "failed"
+            await d.restart(dep.id)
+        now = d.get(dep.id)
+        assert now.state == "failed" and "within 1 s" in now.state_reason
+        assert "simulator" in now.log_tail
+        assert (await store.deployment(dep.id))["state"] == "failed"
 
 
 async def test_exit_at_start_fails_with_log_tail(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a", 10, "on_demand", "--fail", "exit-at-start"))
         with pytest.raises(StartFailed, match="exited with code"):
-            await d.restart(dep["id"])
-        assert d.get(dep["id"])["log_tail"]
+            await d.restart(dep.id)
+        assert d.get(dep.id).log_tail
 
 
 async def test_command_not_found_fails(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a", command=["/nonexistent/engine", "{port}"]))
         with pytest.raises(StartFailed, match="cannot run"):
-            await d.restart(dep["id"])
+            await d.restart(dep.id)
 
 
 async def test_watchdog_engine_exit_while_ready_is_failed(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
-        os.killpg(d._engines[dep["id"]].ref.pid, 9)
-        await wait_for(lambda: d.get(dep["id"])["state"] == "failed", what="failed")
-        assert "exited" in d.get(dep["id"])["state_reason"]
-        events = await store.events(dep["id"])
+        await d.restart(dep.id)
+        os.killpg(d._engines[dep.id].ref.pid, 9)
+        await wait_for(lambda: d.get(dep.id).state == "failed", what="failed")
+        assert "exited" in d.get(dep.id).state_reason
+        events = await store.events(dep.id)
         assert events[0]["actor"] == "watchdog"
 
 
 async def test_watchdog_engine_that_stops_answering_is_failed(tmp_path, store):
     async with running_deployer(tmp_path, store, watch_interval_s=0.05, watch_failures=2, probe_timeout_s=0.3) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
-        os.killpg(d._engines[dep["id"]].ref.pid, 19)  # SIGSTOP: alive but silent
+        await d.restart(dep.id)
+        os.killpg(d._engines[dep.id].ref.pid, 19)  # SIGSTOP: alive but silent
         try:
-            await wait_for(lambda: d.get(dep["id"])["state"] == "failed", timeout=30, what="failed")
+            await wait_for(lambda: d.get(dep.id).state == "failed", timeout=30, what="failed")
         finally:
-            os.killpg(d._engines[dep["id"]].ref.pid, 18) if dep["id"] in d._engines else None
-        assert "stopped answering" in d.get(dep["id"])["state_reason"]
+            os.killpg(d._engines[dep.id].ref.pid, 18) if dep.id in d._engines else None
+        assert "stopped answering" in d.get(dep.id).state_reason
 
 
 async def test_second_that_does_not_fit_raises(tmp_path, store):
     async with running_deployer(tmp_path, store, capacity=24) as d:
         a = await d.create(dep_fields("a", 16))
         b = await d.create(dep_fields("b", 16))
-        await d.restart(a["id"])
+        await d.restart(a.id)
         with pytest.raises(InsufficientMemory) as exc:
-            await d.restart(b["id"])
+            await d.restart(b.id)
         assert (exc.value.need, exc.value.free, exc.value.capacity) == (16, 8, 24)
-        assert d.get(b["id"])["state"] == "stopped"
-        await d.stop(a["id"])
-        await d.restart(b["id"])
+        assert d.get(b.id).state == "stopped"
+        await d.stop(a.id)
+        await d.restart(b.id)
 
 
 async def test_refusing_precheck_leaves_it_ready(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
+        await d.restart(dep.id)
         seen = []
 
-        def precheck(row):
-            seen.append(row["state"])
+        def precheck(dep):
+            seen.append(dep.state)
             return False
-        assert await d.stop(dep["id"], precheck, actor="ondemand", audit="ondemand_sleep") is False
-        assert seen == ["ready"] and d.get(dep["id"])["state"] == "ready"
-        assert await store.audit(dep["id"]) == []  # only approved stops are audited
-        assert await d.stop(dep["id"], lambda row: True, actor="ondemand", audit="ondemand_sleep",
+        assert await d.stop(dep.id, precheck, actor="ondemand", audit="ondemand_sleep") is False
+        assert seen == ["ready"] and d.get(dep.id).state == "ready"
+        assert await store.audit(dep.id) == []  # only approved stops are audited
+        assert await d.stop(dep.id, lambda row: True, actor="ondemand", audit="ondemand_sleep",
                             text="Put to sleep after 10 min idle")
-        assert [a["action"] for a in await store.audit(dep["id"])] == ["ondemand_sleep"]
+        assert [a["action"] for a in await store.audit(dep.id)] == ["ondemand_sleep"]
 
 
 async def test_precheck_and_marking_stopping_have_no_await_between(tmp_path, store):
     """A task that runs between the precheck and `stopping` would see the old state."""
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
+        await d.restart(dep.id)
         observed = []
 
         async def observer():
             await asyncio.sleep(0)
-            observed.append(d.get(dep["id"])["state"])
+            observed.append(d.get(dep.id).state)
 
         def precheck(row):
             asyncio.get_running_loop().create_task(observer())
             return True
-        await d.stop(dep["id"], precheck)
+        await d.stop(dep.id, precheck)
         assert observed == ["stopping"]
 
 
@@ -138,18 +138,18 @@ async def test_pending_mode_applied_in_the_transition(tmp_path, store, target):
     async with running_deployer(tmp_path, store, start_timeout_s=1.0) as d:
         args = ("--fail", "never-ready") if target == "failed" else ()
         dep = await d.create(dep_fields("a", 10, "on_demand", *args))
-        await d.update(dep["id"], pending_mode="always_on")
-        await d.admit_start(dep["id"])
+        await d.update(dep.id, pending_mode="always_on")
+        await d.admit_start(dep.id)
         if target == "stopped":
-            await wait_for(lambda: d.get(dep["id"])["state"] == "starting")
-            await d.stop(dep["id"])
+            await wait_for(lambda: d.get(dep.id).state == "starting")
+            await d.stop(dep.id)
         else:
             with pytest.raises(StartFailed) if target == "failed" else contextlib_null():
-                await d.wait_started(dep["id"])
-        row = await store.deployment(dep["id"])
+                await d.wait_started(dep.id)
+        row = await store.deployment(dep.id)
         assert row["state"] == target
         assert (row["mode"], row["pending_mode"]) == ("always_on", None)
-        assert (d.get(dep["id"])["mode"], d.get(dep["id"])["pending_mode"]) == ("always_on", None)
+        assert (d.get(dep.id).mode, d.get(dep.id).pending_mode) == ("always_on", None)
 
 
 def contextlib_null():
@@ -160,68 +160,68 @@ def contextlib_null():
 async def test_stop_while_starting_interrupts_waiters(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "5"))
-        await d.admit_start(dep["id"])
-        waiter = asyncio.ensure_future(d.wait_started(dep["id"]))
-        await wait_for(lambda: dep["id"] in d._engines, what="engine started")
-        await d.stop(dep["id"])
+        await d.admit_start(dep.id)
+        waiter = asyncio.ensure_future(d.wait_started(dep.id))
+        await wait_for(lambda: dep.id in d._engines, what="engine started")
+        await d.stop(dep.id)
         with pytest.raises(StartInterrupted):
             await waiter
-        assert d.get(dep["id"])["state"] == "stopped"
+        assert d.get(dep.id).state == "stopped"
 
 
 async def test_starts_pass_the_gate_one_at_a_time(tmp_path, store):
     async with running_deployer(tmp_path, store, capacity=100) as d:
         a = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "0.5"))
         b = await d.create(dep_fields("b", 10, "on_demand", "--startup-delay", "0.5"))
-        await d.admit_start(a["id"])
-        await d.admit_start(b["id"])
+        await d.admit_start(a.id)
+        await d.admit_start(b.id)
         await asyncio.sleep(0.2)
-        assert a["id"] in d._engines and b["id"] not in d._engines  # b waits at the gate
-        await d.wait_started(a["id"])
-        await d.wait_started(b["id"])
+        assert a.id in d._engines and b.id not in d._engines  # b waits at the gate
+        await d.wait_started(a.id)
+        await d.wait_started(b.id)
         # stop while waiting at the gate cancels nothing half-way
         c = await d.create(dep_fields("c", 10, "on_demand", "--startup-delay", "0.5"))
         e = await d.create(dep_fields("e", 10, "on_demand"))
-        await d.stop(a["id"]); await d.stop(b["id"])
-        await d.admit_start(c["id"])
-        await d.admit_start(e["id"])
-        await d.stop(e["id"])
-        assert d.get(e["id"])["state"] == "stopped" and e["id"] not in d._engines
-        await d.wait_started(c["id"])
+        await d.stop(a.id); await d.stop(b.id)
+        await d.admit_start(c.id)
+        await d.admit_start(e.id)
+        await d.stop(e.id)
+        assert d.get(e.id).state == "stopped" and e.id not in d._engines
+        await d.wait_started(c.id)
 
 
 async def test_sleep_and_wake(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
-        await d.sleep(dep["id"])
-        assert d.get(dep["id"])["state"] == "asleep"
-        await d.restart(dep["id"])  # wakes it: it is asleep
-        assert d.get(dep["id"])["state"] == "ready"
+        await d.restart(dep.id)
+        await d.sleep(dep.id)
+        assert d.get(dep.id).state == "asleep"
+        await d.restart(dep.id)  # wakes it: it is asleep
+        assert d.get(dep.id).state == "ready"
         llama = await d.create(dep_fields("l", 1, engine="llamacpp"))
-        await d.restart(llama["id"])
+        await d.restart(llama.id)
         with pytest.raises(DeployerError, match="no sleep mode"):
-            await d.sleep(llama["id"])
+            await d.sleep(llama.id)
 
 
 async def test_remove_stops_and_forgets(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
-        proc = d._engines[dep["id"]].ref
-        await d.remove(dep["id"])
-        assert d.get(dep["id"]) is None and await store.deployment(dep["id"]) is None
+        await d.restart(dep.id)
+        proc = d._engines[dep.id].ref
+        await d.remove(dep.id)
+        assert d.get(dep.id) is None and await store.deployment(dep.id) is None
         assert proc.returncode is not None
 
 
 async def test_restart_of_ondemand_kills_orphans_and_marks_stopped(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
-        await d.restart(dep["id"])
-        pid = d._engines[dep["id"]].ref.pid
+        await d.restart(dep.id)
+        pid = d._engines[dep.id].ref.pid
         d.tasks._tasks.clear()  # as if ondemand died: nothing stops the engine
         d._engines.clear()
     os.kill(pid, 0)  # still running
     async with running_deployer(tmp_path, store) as d2:
-        assert d2.get(dep["id"])["state"] == "stopped"
+        assert d2.get(dep.id).state == "stopped"
         await wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")

@@ -1,17 +1,17 @@
-"""The docker backend against a real Docker engine (``make test-docker``), no doubles.
+"""The docker backend against a real Docker engine (``make test-docker``), no doubles: what only
+the docker backend does (labels, published ports, networks, GPUs, /dev/shm, replacing a stale or
+exited container, a foreign container of that name). The Backend contract it shares with the
+process backend (start, stop, wait_exit, log_tail, adopt, remove) is test_backend_contract's.
 
 Engines are the engine simulator in the locally built image ``ondemand-sim-engine:latest``
-(``make engine-image``), on a user-defined network made for this run. Everything the tests
-create (containers ``ondemand-t<run>-*``, the network) is removed at the end, also on failure.
+(``make engine-image``), on a user-defined network made for this run (the ``docker_env``
+fixture, tests/docker_real.py). Everything the tests create (containers ``ondemand-t<run>-*``,
+the network) is removed at the end, also on failure.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
-import subprocess
 import time
-import uuid
 
 import aiohttp
 import pytest
@@ -19,38 +19,11 @@ import pytest
 from ondemand.backends import BackendError
 from ondemand.backends.docker import LABEL_HASH, LABEL_ID, LABEL_MANAGED, LABEL_NAME, DockerBackend
 
+from docker_real import IMAGE, RUN, containers_named, deployment, docker as _docker, inspect
+
 pytestmark = pytest.mark.docker
 
-IMAGE = "ondemand-sim-engine:latest"
-RUN = uuid.uuid4().hex[:8]
 READY_S = 20.0
-
-
-def _docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout)
-
-
-@pytest.fixture(scope="session")
-def docker_env():
-    """The run's network and the simulator image; skips when there is no Docker engine."""
-    if shutil.which("docker") is None:
-        pytest.skip("docker unavailable: no docker CLI on PATH")
-    info = _docker("info", "--format", "{{.ServerVersion}}", check=False, timeout=30)
-    if info.returncode != 0:
-        pytest.skip(f"docker unavailable: `docker info` failed: {(info.stderr or info.stdout).strip()[:300]}")
-    image = _docker("image", "inspect", IMAGE, check=False)
-    if image.returncode != 0:
-        pytest.skip(f"image {IMAGE} is missing: build it with `make engine-image` (scripts/heavy/engine-image.sh)")
-    config = json.loads(image.stdout)[0]["Config"]
-    network = f"ondemand-test-{RUN}"
-    _docker("network", "create", network)
-    try:
-        yield {"network": network, "entrypoint": config.get("Entrypoint") or []}
-    finally:
-        ids = _docker("ps", "-aq", "--filter", f"name=ondemand-t{RUN}-", check=False).stdout.split()
-        if ids:
-            _docker("rm", "-f", *ids, check=False)
-        _docker("network", "rm", network, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -79,33 +52,6 @@ async def backends(docker_env):
         await b.close()
 
 
-_seq = iter(range(1, 10_000))
-
-
-def deployment(docker_env, *sim_opts: str, **fields) -> dict:
-    """A deployment row for the simulator image; ``sim_opts`` are the simulator's options."""
-    n = next(_seq)
-    name = f"t{RUN}-{n}"
-    sim = ["--host", "0.0.0.0", "--port", "8000", "--model", f"m{n}", *sim_opts]
-    if not any("ondemand.sim.engine" in part for part in docker_env["entrypoint"]):
-        sim = ["python3", "-m", "ondemand.sim.engine", *sim]
-    row = {"id": 1000 + n, "name": name, "served_name": f"m{n}", "engine": "vllm", "image": IMAGE,
-           "args": sim, "command": [], "port": 8000, "memory_gib": 1, "role": "model",
-           "state": "starting", "mode": "on_demand"}
-    row.update(fields)
-    return row
-
-
-def inspect(ref: str) -> dict | None:
-    out = _docker("container", "inspect", ref, check=False)
-    return json.loads(out.stdout)[0] if out.returncode == 0 else None
-
-
-def containers_named(name: str) -> list[str]:
-    out = _docker("ps", "-aq", "--no-trunc", "--filter", f"name=^/{name}$")
-    return out.stdout.split()
-
-
 async def answers(base_url: str, within: float = READY_S) -> int:
     """Poll GET /v1/models until it is 200; returns the status (or the last one seen)."""
     deadline = time.monotonic() + within
@@ -123,17 +69,19 @@ async def answers(base_url: str, within: float = READY_S) -> int:
     return status
 
 
-async def test_start_answers_on_loopback_then_stop_wait_remove(docker_env, backends):
+async def test_the_container_it_makes_and_removes(docker_env, backends):
+    """Labels, the port published on 127.0.0.1 only, the network, no GPU, the /dev/shm size;
+    after remove the container is gone, and its exit code with it."""
     backend = backends()
     dep = deployment(docker_env)
     engine = await backend.start(dep)
-    assert engine.deployment_id == dep["id"] and engine.name == dep["name"] and not engine.adopted
+    assert engine.deployment_id == dep.id and engine.name == dep.name and not engine.adopted
     assert engine.base_url.startswith("http://127.0.0.1:")
-    info = inspect(f"ondemand-{dep['name']}")
+    info = inspect(f"ondemand-{dep.name}")
     assert info is not None and info["Id"] == engine.ref
     labels = info["Config"]["Labels"]
-    assert labels[LABEL_MANAGED] == "true" and labels[LABEL_ID] == str(dep["id"])
-    assert labels[LABEL_NAME] == dep["name"] and labels[LABEL_HASH] == backend.config_hash(dep)
+    assert labels[LABEL_MANAGED] == "true" and labels[LABEL_ID] == str(dep.id)
+    assert labels[LABEL_NAME] == dep.name and labels[LABEL_HASH] == backend.config_hash(dep)
     bindings = info["HostConfig"]["PortBindings"]["8000/tcp"]
     assert [b["HostIp"] for b in bindings] == ["127.0.0.1"]  # never on another address
     assert info["HostConfig"]["NetworkMode"] == docker_env["network"]
@@ -142,55 +90,40 @@ async def test_start_answers_on_loopback_then_stop_wait_remove(docker_env, backe
     assert info["HostConfig"]["ShmSize"] == 16 * 2**30
     assert _docker("exec", engine.ref, "df", "-k", "/dev/shm").stdout.split()[-5] == str(16 * 2**20)
 
-    assert await answers(engine.base_url) == 200
-    exit_task = asyncio.create_task(backend.wait_exit(engine))
     await backend.stop(engine, 5)
-    assert await asyncio.wait_for(exit_task, 10) == 0  # SIGTERM: the simulator ends cleanly
-    await backend.stop(engine, 5)  # idempotent: stopped already
-    assert "serving" in await backend.log_tail(engine, dep)  # an exited container keeps its log
+    assert inspect(engine.ref) is not None  # an exited container stays, for its log
     await backend.remove(dep)
     assert inspect(engine.ref) is None
-    await backend.remove(dep)  # nothing left: fine
     await backend.stop(engine, 5)  # gone: fine too
     assert await backend.wait_exit(engine) is None  # gone: no exit code left
 
 
-async def test_adoption_after_restart_and_no_duplicate(docker_env, backends):
+async def test_after_a_restart_start_takes_the_running_one_and_an_older_configuration_goes(docker_env, backends):
+    # (adopt after a restart is the contract's: test_backend_contract)
     dep = deployment(docker_env)
     first = await backends().start(dep)
     assert await answers(first.base_url) == 200
 
     restarted = backends()  # a new ondemand: nothing in memory
-    engine = await restarted.adopt(dep)
-    assert engine is not None and engine.adopted
-    assert engine.ref == first.ref and engine.base_url == first.base_url
-    assert await answers(engine.base_url, 5) == 200
-
     again = await restarted.start(dep)  # running already: taken, not duplicated
-    assert again.ref == first.ref
-    assert containers_named(f"ondemand-{dep['name']}") == [first.ref]
-
-    # Another deployment row with no container, and a foreign id, are not adopted.
-    assert await restarted.adopt(deployment(docker_env)) is None
+    assert again.ref == first.ref and again.adopted
+    assert containers_named(f"ondemand-{dep.name}") == [first.ref]
 
     # A container made from an older configuration is not served: stopped and removed.
-    changed = dict(dep, args=dep["args"] + ["--tokens", "4"])
+    changed = dep.replace(args=(*dep.args, "--tokens", "4"))
     assert await restarted.adopt(changed) is None
     assert inspect(first.ref) is None
 
 
-async def test_exit_at_start_code_and_log_tail(docker_env, backends):
+async def test_starting_again_replaces_an_exited_container(docker_env, backends):
+    # (the exit code, the log tail and no adoption of an exited one are the contract's)
     backend = backends()
     dep = deployment(docker_env, "--fail", "exit-at-start")
     engine = await backend.start(dep)
     assert await asyncio.wait_for(backend.wait_exit(engine), READY_S) == 3
-    line = "simulated failure: exit at start"
-    assert line in await backend.log_tail(engine, dep)
-    assert line in await backend.log_tail(None, dep, lines=5)  # by name, after a restart
-    assert await backends().adopt(dep) is None  # exited: nothing to adopt, left for its log
 
     # Starting it again replaces the exited container of ours.
-    fixed = dict(dep, args=[a for a in dep["args"] if a not in ("--fail", "exit-at-start")])
+    fixed = dep.replace(args=tuple(a for a in dep.args if a not in ("--fail", "exit-at-start")))
     engine2 = await backend.start(fixed)
     assert engine2.ref != engine.ref and inspect(engine.ref) is None
     assert await answers(engine2.base_url) == 200
@@ -201,7 +134,7 @@ async def test_base_url_by_name_from_another_container(docker_env, backends, idl
     backend = backends(in_container=True)
     dep = deployment(docker_env)
     engine = await backend.start(dep)
-    assert engine.base_url == f"http://ondemand-{dep['name']}:8000"
+    assert engine.base_url == f"http://ondemand-{dep.name}:8000"
     assert not inspect(engine.ref)["HostConfig"].get("PortBindings")  # nothing published
 
     probe = ("import sys, urllib.request\n"
@@ -235,8 +168,8 @@ async def test_unknown_image_is_a_helpful_error(docker_env, backends):
     dep = deployment(docker_env, image=f"ondemand-no-such-image-{RUN}:latest")
     with pytest.raises(BackendError, match="load it locally") as err:
         await backends().start(dep)
-    assert "no registry" in str(err.value) and dep["image"] in str(err.value)
-    assert containers_named(f"ondemand-{dep['name']}") == []
+    assert "no registry" in str(err.value) and dep.image in str(err.value)
+    assert containers_named(f"ondemand-{dep.name}") == []
 
 
 async def test_gpu_request(docker_env, backends):
@@ -247,7 +180,7 @@ async def test_gpu_request(docker_env, backends):
         engine = await backend.start(dep)
     except BackendError as exc:
         assert "nvidia" in str(exc) or "gpu" in str(exc).lower()
-        assert containers_named(f"ondemand-{dep['name']}") == []
+        assert containers_named(f"ondemand-{dep.name}") == []
     else:  # a machine with GPUs
         requests = inspect(engine.ref)["HostConfig"]["DeviceRequests"]
         assert requests == [{"Driver": "nvidia", "Count": -1, "DeviceIDs": None,
@@ -259,12 +192,12 @@ async def test_missing_network_is_an_error(docker_env, backends):
     dep = deployment(docker_env)
     with pytest.raises(BackendError, match=f"network ondemand-nonet-{RUN} does not exist"):
         await backends(network=f"ondemand-nonet-{RUN}").start(dep)
-    assert containers_named(f"ondemand-{dep['name']}") == []
+    assert containers_named(f"ondemand-{dep.name}") == []
 
 
 async def test_a_foreign_container_of_that_name_is_left_alone(docker_env, backends):
     dep = deployment(docker_env)
-    name = f"ondemand-{dep['name']}"
+    name = f"ondemand-{dep.name}"
     foreign = _docker("create", "--name", name, IMAGE).stdout.strip()
     backend = backends()
     with pytest.raises(BackendError, match="not made by ondemand"):
@@ -298,19 +231,19 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
         d1 = Deployer(store, backends(), Budget("static", 10), start_timeout_s=READY_S)
         await d1.load()
         dep = await d1.create({**fields, "state": "stopped"})
-        await d1.restart(dep["id"])
-        first = d1._engines[dep["id"]].ref
-        assert d1.get(dep["id"])["state"] == "ready"
+        await d1.restart(dep.id)
+        first = d1._engines[dep.id].ref
+        assert d1.get(dep.id).state == "ready"
         await d1.close(stop_engines=False)  # ondemand goes away; the container stays
 
         d2 = Deployer(store, backends(), Budget("static", 10), start_timeout_s=READY_S)
         await d2.load()
         try:
-            assert d2.get(dep["id"])["state"] == "ready"
-            assert d2._engines[dep["id"]].ref == first and d2._engines[dep["id"]].adopted
-            assert await answers(d2.base_url(dep["id"])) == 200
+            assert d2.get(dep.id).state == "ready"
+            assert d2._engines[dep.id].ref == first and d2._engines[dep.id].adopted
+            assert await answers(d2.base_url(dep.id)) == 200
             assert containers_named(f"ondemand-{row['name']}") == [first]
-            await d2.remove(dep["id"])
+            await d2.remove(dep.id)
             assert containers_named(f"ondemand-{row['name']}") == []
         finally:
             await d2.close(stop_engines=True)

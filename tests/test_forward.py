@@ -145,7 +145,7 @@ async def _chunked(req, writer):
         data = b"data: %d\n\n" % i
         writer.write(b"%x\r\n%s\r\n" % (len(data), data))
         await writer.drain()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the engine's pace: chunks arrive apart
     writer.write(b"0\r\n\r\n")
     await writer.drain()
 
@@ -194,7 +194,7 @@ async def test_connection_close_from_the_engine_is_not_reused(ups):
     async def answer(req, writer):
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
-        await asyncio.sleep(0.2)  # the engine lingers: the gateway must not send on it anyway
+        await asyncio.sleep(0.2)  # the engine double lingers: the gateway must not send on it anyway
     async with Engine(answer) as eng:
         for _ in range(2):
             assert (await fetch(ups, eng.url))[2] == b"ok"
@@ -224,7 +224,7 @@ async def test_204_and_304_have_no_body(ups):
 async def test_an_idle_connection_the_engine_closes_leaves_the_pool_at_once(ups):
     async def answer(req, writer):
         await ok_answer(req, writer)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the engine double's behaviour: it closes an idle connection
         return False  # uvicorn's keep-alive timeout, shortened
     async with Engine(answer) as eng:
         await fetch(ups, eng.url)
@@ -298,7 +298,7 @@ async def test_engine_breaking_off_mid_body_is_an_error(ups, answer_bytes):
     async def answer(req, writer):
         writer.write(answer_bytes)
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the engine double's behaviour: a moment, then it breaks off
         return False
     async with Engine(answer) as eng:
         with pytest.raises(aiohttp.ClientPayloadError):
@@ -310,7 +310,7 @@ async def test_a_malformed_answer_is_an_upstream_error(ups):
     async def answer(req, writer):
         writer.write(b"NOT HTTP\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(1)
+        # and keeps the connection (it reads on for a next request): the gateway must close it
     async with Engine(answer) as eng:
         with pytest.raises(UpstreamError):
             await fetch(ups, eng.url)
@@ -376,8 +376,8 @@ async def test_limit_and_waiting_for_a_free_connection():
         async with Engine(answer) as eng:
             tasks = [asyncio.ensure_future(fetch(ups, eng.url)) for _ in range(3)]
             await wait_for(lambda: len(eng.requests) == 2, what="two requests at the engine")
-            await asyncio.sleep(0.1)
             p = pool(ups)
+            await wait_for(lambda: len(p.waiters) == 1, what="the third waiting for a connection")
             assert eng.accepted == 2 and len(p.waiters) == 1 and not any(t.done() for t in tasks)
             hold.set()
             assert [s for s, _, _ in await asyncio.gather(*tasks)] == [200, 200, 200]
@@ -467,7 +467,7 @@ async def test_race_cancelled_requests_leak_nothing(seed):
     rng = random.Random(seed)
 
     async def answer(req, writer):
-        await asyncio.sleep(rng.random() * 0.01)
+        await asyncio.sleep(rng.random() * 0.01)  # the sleeps of this race are its random timing
         kind = rng.random()
         if kind < 0.3:
             await ok_answer(req, writer)
@@ -587,9 +587,10 @@ async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on(how)
 @contextlib.asynccontextmanager
 async def gateway_to(tmp_path, engine):
     """A running ondemand whose deployment ``a`` is ready and reached at the engine double."""
-    from helpers import run_app
+    from helpers import FAKES, run_app
     async with run_app(tmp_path) as server:
-        a = await server.add("a")
+        # started as a stand-in that is ready at once (the simulator's start is most of a test)
+        a = await server.add("a", command=["python", str(FAKES / "ready_engine.py"), "{port}"])
         await server.deployer.restart(a)
         server.deployer._engines[a].base_url = engine.url
         async with aiohttp.ClientSession() as http:
@@ -635,7 +636,7 @@ async def test_gateway_cuts_the_client_when_the_engine_breaks_off_a_sized_answer
         if len(gateway_requests(eng)) == 1:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"par")
             await writer.drain()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the engine double's behaviour: a moment, then it breaks off
             return False
         await ok_answer(req, writer)
     async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
@@ -673,7 +674,7 @@ async def test_an_answer_before_the_whole_request_was_sent_closes_the_connection
     async def answer(req, writer):
         writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.5)  # reads nothing more for a while
+        await asyncio.sleep(0.5)  # the engine double's behaviour: it reads nothing more for a while
         return False
 
     async def serve(reader, writer):
@@ -702,7 +703,7 @@ async def test_a_request_the_engine_worked_on_is_never_sent_again(ups, monkeypat
 
     async def answer(req, writer):
         if len(eng.requests) == 2:
-            await asyncio.sleep(0.3)  # working on it
+            await asyncio.sleep(0.3)  # the engine double's behaviour: working on it (> STALE_WINDOW)
             return False              # then gone, no byte of an answer
         await ok_answer(req, writer)
     async with Engine(answer) as eng:
@@ -721,7 +722,7 @@ async def test_a_connection_idle_too_long_is_closed_not_reused(ups, monkeypatch)
         await fetch(ups, eng.url)
         assert (await fetch(ups, eng.url))[0] == 200
         assert eng.accepted == 1  # reused while fresh
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # the behaviour under test: the connection idles past IDLE_MAX
         assert (await fetch(ups, eng.url))[0] == 200
         assert eng.accepted == 2
         await wait_for(lambda: eng.closed_by_peer == 1 and eng.open == 1, what="the old one closed")
@@ -733,12 +734,13 @@ async def test_hang_up_during_a_big_upload_resets_the_engine_connection(ups):
     # The engine does not read the body (busy); the client hangs up. A plain close would wait
     # for the 32 MiB to flush first: the slot stays taken, the engine never sees a close.
     got_head = asyncio.Event()
+    checked = asyncio.Event()
     closed = asyncio.Event()
 
     async def serve(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
         got_head.set()
-        await asyncio.sleep(3)  # busy: reads nothing for a while
+        await checked.wait()  # busy: reads nothing until the test has seen the slot come back
         try:
             while await reader.read(2**20):
                 pass
@@ -756,8 +758,10 @@ async def test_hang_up_during_a_big_upload_resets_the_engine_connection(ups):
             await t
         p = pool(ups)
         await wait_for(lambda: p.size == 0 and not p.conns, timeout=1, what="slot back at once")
+        checked.set()
         await asyncio.wait_for(closed.wait(), 5)
     finally:
+        checked.set()
         server.close()
 
 
@@ -817,7 +821,7 @@ async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
         writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                      % (len(err), err[:20]))
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the engine double's behaviour: the error in two pieces
         writer.write(err[20:])
         await writer.drain()
     async with Engine(answer) as eng:

@@ -1,5 +1,9 @@
 """The gateway end to end: a real ondemand on loopback, the engine simulator
-behind it, real sockets and the real state file."""
+behind it, real sockets and the real state file.
+
+Marked ``uvloop`` (run on both loops): the tests whose outcome rests on transports and
+the engine pool (streams, hang-ups, crashes, connection reuse); the others test the
+gateway's own logic, which is the same on either loop, and run once."""
 import asyncio
 import contextlib
 import os
@@ -10,7 +14,7 @@ import pytest
 
 from ondemand import keys
 
-from helpers import run_app, wait_for
+from helpers import wait_for
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -27,19 +31,6 @@ async def recorded(server, dep_id):
             return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
 
 
-@pytest.fixture
-async def server(tmp_path):
-    async with run_app(tmp_path) as srv:
-        yield srv
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.mark.uvloop
 async def test_cold_start_then_forward(server, http):
     a = await server.add("a", 10, "--startup-delay", "0.3")
     async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
@@ -51,7 +42,6 @@ async def test_cold_start_then_forward(server, http):
     assert server.controller.status(a)["last_request_at"] is not None
 
 
-@pytest.mark.uvloop
 async def test_nothing_secret_reaches_the_engine(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -85,7 +75,6 @@ async def test_stream_is_byte_for_byte_the_engines(server, http):
     assert via.endswith(b"data: [DONE]\n\n")
 
 
-@pytest.mark.uvloop
 async def test_engine_errors_pass_through_unchanged(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
@@ -111,16 +100,19 @@ async def test_models_from_the_record_never_wakes(server, http):
     assert server.controller.inflight(a) == 0
 
 
-@pytest.mark.parametrize("path", [
+NOT_FORWARDED = [
     "sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "metrics", "health", "tokenize",
     "chat/completions/render", "messages/count_tokens", "load_lora_adapter", "responses/abc",
-    "responses/abc/cancel", "models/A/extra", "embeddings/x"])
-async def test_everything_else_is_404_and_never_reaches_the_engine(server, http, path):
+    "responses/abc/cancel", "models/A/extra", "embeddings/x"]
+
+
+async def test_everything_else_is_404_and_never_reaches_the_engine(server, http):
     a = await server.add("a")
-    await server.deployer.restart(a)
-    for method in ("GET", "POST"):
-        async with http.request(method, server.gw(a, path), headers=server.auth(), json={}) as r:
-            assert await err(r) == (404, "not_found")
+    await server.deployer.restart(a)  # one engine for every path: a start is most of the time
+    for path in NOT_FORWARDED:
+        for method in ("GET", "POST"):
+            async with http.request(method, server.gw(a, path), headers=server.auth(), json={}) as r:
+                assert await err(r) == (404, "not_found"), (method, path)
     async with http.get(server.gw(a, "responses"), headers=server.auth()) as r:
         assert await err(r) == (404, "not_found")
     async with http.get(f"{server.url}/ondemand/{a}/v2/models", headers=server.auth()) as r:
@@ -177,8 +169,11 @@ async def test_key_rotation_without_restart(server, http):
     a = await server.add("a")
     old = server.key
     new = keys.generate_key()
+    # The file is looked at at most once a second (tests/test_keys.py times that); here more
+    # often, and the test waits until the watcher has the new key.
+    server.keys.STAT_INTERVAL_S = 0.05
     keys.write_key_file(server.cfg.key_file, new)
-    await asyncio.sleep(1.1)  # looked at at most once a second
+    await wait_for(lambda: server.keys.current() == new, what="the rotated key picked up")
     async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
         assert r.status == 200
     # the previous key: 401, but never counted towards the rate limit
@@ -188,17 +183,17 @@ async def test_key_rotation_without_restart(server, http):
     async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
         assert r.status == 200
     os.unlink(server.cfg.key_file)
-    await asyncio.sleep(1.1)
+    await wait_for(lambda: server.keys.current() is None, what="the removed key noticed")
     async with http.get(server.gw(a, "models"), headers=server.auth(new)) as r:
         assert await err(r) == (503, "ondemand_not_configured")
 
 
-async def test_not_configured_without_a_key(tmp_path, http):
-    async with run_app(tmp_path, write_key=False) as server:
-        a = await server.add("a")
-        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
-            assert await err(r) == (503, "ondemand_not_configured")
-        assert server.state(a) == "stopped"
+@pytest.mark.server(write_key=False)
+async def test_not_configured_without_a_key(server, http):
+    a = await server.add("a")
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_not_configured")
+    assert server.state(a) == "stopped"
 
 
 async def test_body_limit(server, http):
@@ -258,23 +253,26 @@ async def test_invalid_json_starts_nothing(server, http, body):
     assert server.controller.inflight(a) == 0 and server.controller.waiting() == 0
 
 
-@pytest.mark.parametrize("route, shape", [
-    ("chat/completions", "chat.completion"), ("completions", "text_completion"), ("responses", "response"),
-    ("messages", "message"), ("embeddings", "list")])
-async def test_health_checks_are_answered_here(server, http, route, shape):
+HEALTH_SHAPES = [("chat/completions", "chat.completion"), ("completions", "text_completion"),
+                 ("responses", "response"), ("messages", "message"), ("embeddings", "list")]
+
+
+async def test_health_checks_are_answered_here(server, http):
     a = await server.add("a")
     h = {**server.auth(), "x-dgxmm-health-check": "1"}
-    async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
-        assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "stopped"
-        body = await r.json()
-        assert body.get("object", body.get("type")) == shape
-    assert server.state(a) == "stopped" and server.controller.status(a)["last_request_at"] is None
-    await server.deployer.restart(a)
-    async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
-        assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "ready"
+    for route, shape in HEALTH_SHAPES:
+        async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
+            assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "stopped", route
+            body = await r.json()
+            assert body.get("object", body.get("type")) == shape, route
+        assert server.state(a) == "stopped" and server.controller.status(a)["last_request_at"] is None, route
+    await server.deployer.restart(a)  # one engine for every route: a start is most of the time
+    for route, _ in HEALTH_SHAPES:
+        async with http.post(server.gw(a, route), json=CHAT, headers=h) as r:
+            assert r.status == 200 and r.headers["x-dgxmm-ondemand-state"] == "ready", route
+        async with http.post(server.gw(a, route), json=CHAT, headers={"x-dgxmm-health-check": "1"}) as r:
+            assert r.status == 401, route  # the header needs the key
     assert await recorded(server, a) == []  # never forwarded, even when ready
-    async with http.post(server.gw(a, route), json=CHAT, headers={"x-dgxmm-health-check": "1"}) as r:
-        assert r.status == 401  # the header needs the key
 
 
 async def test_health_check_other_cases(server, http):
@@ -294,16 +292,16 @@ async def test_start_failure_is_503(server, http):
         assert await err(r) == (503, "start_failed")
 
 
-async def test_queue_full(tmp_path, http):
-    async with run_app(tmp_path, ondemand_max_queued=1) as server:
-        a = await server.add("a", 10, "--startup-delay", "1")
-        first = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
-        await wait_for(lambda: server.controller.waiting() == 1)
-        async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
-            assert await err(r) == (503, "ondemand_queue_full") and r.headers["Retry-After"] == "60"
-        r = await first
-        assert r.status == 200
-        r.release()
+@pytest.mark.server(ondemand_max_queued=1)
+async def test_queue_full(server, http):
+    a = await server.add("a", 10, "--startup-delay", "0.5")  # the first waits while it starts
+    first = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
+    await wait_for(lambda: server.controller.waiting() == 1)
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_queue_full") and r.headers["Retry-After"] == "60"
+    r = await first
+    assert r.status == 200
+    r.release()
 
 
 @pytest.mark.uvloop
@@ -359,83 +357,88 @@ async def test_streaming_chat_gets_the_queued_notice_then_the_engine(server, htt
     assert server.state(big) == "stopped" and server.state(x) == "ready"
 
 
-async def test_streaming_completions_notice_and_timeout_error(tmp_path, http):
-    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
-        big, x, slot = await _queued_setup(server)()
-        body = {"model": "X", "prompt": "hi", "stream": True}
-        async with http.post(server.gw(x, "completions"), json=body, headers=server.auth()) as r:
-            assert r.status == 200
-            data = await r.read()
-        parts = [p for p in data.split(b"\n\n") if p]
-        assert orjson.loads(parts[0][6:])["object"] == "text_completion"
-        assert orjson.loads(parts[1][6:])["error"]["code"] == "ondemand_queue_timeout"
-        assert parts[2] == b"data: [DONE]"
-        slot.release()
-        assert server.controller.waiting() == 0
+@pytest.mark.server(ondemand_queue_timeout_s=1)
+async def test_streaming_completions_notice_and_timeout_error(server, http):
+    big, x, slot = await _queued_setup(server)()
+    body = {"model": "X", "prompt": "hi", "stream": True}
+    async with http.post(server.gw(x, "completions"), json=body, headers=server.auth()) as r:
+        assert r.status == 200
+        data = await r.read()
+    parts = [p for p in data.split(b"\n\n") if p]
+    assert orjson.loads(parts[0][6:])["object"] == "text_completion"
+    assert orjson.loads(parts[1][6:])["error"]["code"] == "ondemand_queue_timeout"
+    assert parts[2] == b"data: [DONE]"
+    slot.release()
+    assert server.controller.waiting() == 0
 
 
-@pytest.mark.parametrize("route, body", [
+NO_NOTICE = [  # typed streams and structured output: their format has no room for a notice
     ("responses", {"model": "X", "input": "hi", "stream": True}),
     ("messages", {"model": "X", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}),
     ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True,
                           "response_format": {"type": "json_object"}}),
-])
-async def test_no_notice_for_typed_streams_and_structured_output(tmp_path, http, route, body):
-    async with run_app(tmp_path, ondemand_queue_timeout_s=1) as server:
-        big, x, slot = await _queued_setup(server)()
-        async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r:
-            assert await err(r) == (503, "ondemand_queue_timeout")  # a plain 503
-        slot.release()
+]
 
 
-@pytest.mark.uvloop
-async def test_typed_stream_that_waited_is_exactly_the_engines(server, http):
+async def _queue_all(server, http, x, requests):
+    """Send every (route, body) to the queued deployment ``x``; return when all wait."""
+    tasks = [asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
+             for route, body in requests]
+    await wait_for(lambda: server.controller.status(x)["queued"] == len(tasks), what=f"{len(tasks)} queued")
+    return tasks
+
+
+# The queued tests below send their kinds of request together, to one queued deployment:
+# each kind separately would wait for a start (and a queue timeout) of its own.
+
+@pytest.mark.server(ondemand_queue_timeout_s=1)
+async def test_no_notice_for_typed_streams_and_structured_output(server, http):
     big, x, slot = await _queued_setup(server)()
-    body = {"model": "X", "input": "hi", "stream": True}
-    task = asyncio.ensure_future(http.post(server.gw(x, "responses"), json=body, headers=server.auth()))
-    await wait_for(lambda: x in server.controller.queue)
+    for (route, _), task in zip(NO_NOTICE, await _queue_all(server, http, x, NO_NOTICE)):
+        async with await task as r:
+            assert await err(r) == (503, "ondemand_queue_timeout"), route  # a plain 503
+    slot.release()
+
+
+async def test_typed_stream_and_structured_output_that_waited_are_exactly_the_engines(server, http):
+    big, x, slot = await _queued_setup(server)()
+    tools = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
+             "function": {"name": "f", "parameters": {}}}]}
+    typed, structured = await _queue_all(server, http, x, [
+        ("responses", {"model": "X", "input": "hi", "stream": True}), ("chat/completions", tools)])
     await _relieve(server, big, slot)
-    r = await task
-    data = await r.read()
-    assert data.startswith(b"event: response.created\n")
+    async with await typed as r:
+        assert (await r.read()).startswith(b"event: response.created\n")
+    async with await structured as r:
+        assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
 
 
-@pytest.mark.parametrize("route, body, where", [
+NOTICE_IN = [
     ("chat/completions", {"model": "X", "messages": [{"role": "user", "content": "hi"}]},
      lambda b: b["choices"][0]["message"]["content"]),
     ("completions", {"model": "X", "prompt": "hi"}, lambda b: b["choices"][0]["text"]),
     ("responses", {"model": "X", "input": "hi"}, lambda b: b["output"][0]["content"][0]["text"]),
-])
-@pytest.mark.uvloop
-async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http, route, body, where):
-    big, x, slot = await _queued_setup(server)()
-    task = asyncio.ensure_future(http.post(server.gw(x, route), json=body, headers=server.auth()))
-    await wait_for(lambda: x in server.controller.queue)
-    await _relieve(server, big, slot)
-    r = await task
-    raw = await r.read()
-    assert int(r.headers["Content-Length"]) == len(raw)
-    text = where(orjson.loads(raw))
-    assert text.startswith("[ondemand] X is waiting for GPU memory")
-    # a request that did not queue gets the engine's answer untouched
-    async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r2:
-        assert not where(await r2.json()).startswith("[ondemand]")
+]
 
 
-async def test_structured_non_streaming_gets_no_notice(server, http):
+async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, http):
     big, x, slot = await _queued_setup(server)()
-    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
-            "function": {"name": "f", "parameters": {}}}]}
-    task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
-    await wait_for(lambda: x in server.controller.queue)
+    tasks = await _queue_all(server, http, x, [(route, body) for route, body, _ in NOTICE_IN])
     await _relieve(server, big, slot)
-    r = await task
-    assert not (await r.json())["choices"][0]["message"]["content"].startswith("[ondemand]")
+    for (route, body, where), task in zip(NOTICE_IN, tasks):
+        async with await task as r:
+            raw = await r.read()
+            assert int(r.headers["Content-Length"]) == len(raw), route
+        text = where(orjson.loads(raw))
+        assert text.startswith("[ondemand] X is waiting for GPU memory"), route
+        # a request that did not queue gets the engine's answer untouched
+        async with http.post(server.gw(x, route), json=body, headers=server.auth()) as r2:
+            assert not where(await r2.json()).startswith("[ondemand]"), route
 
 
 @pytest.mark.uvloop
 async def test_hang_up_while_waiting_releases_everything(server, http):
-    a = await server.add("a", 10, "--startup-delay", "1")
+    a = await server.add("a", 10, "--startup-delay", "0.5")  # a start long enough to hang up in
     task = asyncio.ensure_future(http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()))
     await wait_for(lambda: server.controller.waiting() == 1)
     task.cancel()
@@ -489,7 +492,7 @@ async def test_engine_crash_mid_stream_is_not_a_clean_end(server, http):
 
 @pytest.mark.uvloop
 async def test_a_client_per_deployment_closed_after_its_last_stream(server, http):
-    a = await server.add("a", 10, "--token-delay", "0.05", "--tokens", "20")
+    a = await server.add("a", 10, "--token-delay", "0.02", "--tokens", "20")  # a stream still running below
     await server.deployer.restart(a)
     from ondemand import app as app_mod
     gw = server.app[app_mod.GATEWAY]
@@ -506,31 +509,31 @@ async def test_a_client_per_deployment_closed_after_its_last_stream(server, http
     await wait_for(lambda: old.closed and not old.conns, what="old pool closed after its stream")
 
 
-async def test_peer_guard_on_the_raw_peer(tmp_path):
-    async with run_app(tmp_path, ondemand_allowed_cidrs=["127.0.0.2/32"]) as server:
-        a = await server.add("a")
+@pytest.mark.server(ondemand_allowed_cidrs=["127.0.0.2/32"])
+async def test_peer_guard_on_the_raw_peer(server):
+    a = await server.add("a")
 
-        def client(addr):
-            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(addr, 0)))
-        async with client("127.0.0.2") as ok, client("127.0.0.3") as no:
-            async with ok.get(server.gw(a, "models"), headers=server.auth()) as r:
-                assert r.status == 200
-            async with no.get(server.gw(a, "models"), headers=server.auth()) as r:
+    def client(addr):
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(addr, 0)))
+    async with client("127.0.0.2") as ok, client("127.0.0.3") as no:
+        async with ok.get(server.gw(a, "models"), headers=server.auth()) as r:
+            assert r.status == 200
+        async with no.get(server.gw(a, "models"), headers=server.auth()) as r:
+            assert await err(r) == (404, "not_found")
+        for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+            # a header never makes a peer: even from the allowed address it is refused
+            async with ok.get(server.gw(a, "models"), headers={**server.auth(), h: "127.0.0.2"}) as r:
                 assert await err(r) == (404, "not_found")
-            for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
-                # a header never makes a peer: even from the allowed address it is refused
-                async with ok.get(server.gw(a, "models"), headers={**server.auth(), h: "127.0.0.2"}) as r:
-                    assert await err(r) == (404, "not_found")
-            async with no.get(server.url + "/api/host", headers=server.admin_headers()) as r:
-                assert r.status == 200  # the guard is the gateway's, not the admin API's
+        async with no.get(server.url + "/api/host", headers=server.admin_headers()) as r:
+            assert r.status == 200  # the guard is the gateway's, not the admin API's
 
 
-async def test_auto_outside_docker_allows_nobody(tmp_path):
-    async with run_app(tmp_path, ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"}) as server:
-        a = await server.add("a")
-        async with aiohttp.ClientSession() as s:
-            async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
-                assert await err(r) == (404, "not_found")
+@pytest.mark.server(ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"})
+async def test_auto_outside_docker_allows_nobody(server):
+    a = await server.add("a")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
+            assert await err(r) == (404, "not_found")
 
 
 @pytest.mark.uvloop
@@ -542,6 +545,7 @@ async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
     big, x, slot = await _queued_setup(server)()
     body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
+    # The sleeps of this race are its random timing: hang-ups before, at and after the grant.
     async def one():
         try:
             async with http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()) as r:
@@ -553,7 +557,7 @@ async def test_race_hang_ups_around_the_grant_release_every_slot(server, http):
             pass
     tasks = [asyncio.ensure_future(one()) for _ in range(30)]
     await wait_for(lambda: x in server.controller.queue)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # some hang up while queued, before the grant
     await _relieve(server, big, slot)
     done, pending = await asyncio.wait(tasks, timeout=30)
     assert not pending
@@ -566,7 +570,7 @@ async def test_engine_cookies_never_reach_another_request(server, http):
     from helpers import FAKES
     c = (await server.deployer.create(dict(
         name="c", served_name="C", engine="vllm", memory_gib=1, mode="on_demand", state="stopped", role="model",
-        command=["python3", str(FAKES / "cookie_engine.py"), "{port}"])))["id"]
+        command=["python3", str(FAKES / "cookie_engine.py"), "{port}"]))).id
     for _ in range(2):
         async with http.post(server.gw(c, "chat/completions"), json={"model": "C"}, headers=server.auth()) as r:
             assert r.status == 200
@@ -646,3 +650,57 @@ async def test_slot_granted_at_the_moment_of_the_hang_up_is_released(server, htt
         await r.read()
     await wait_for(lambda: server.state(x) == "ready")
     await wait_for(lambda: c.inflight(x) == 0 and c.waiting() == 0, what="the granted slot released")
+
+
+# --- what the controller decides, as a client and an admin see it ----------------------------
+
+async def test_a_start_by_hand_during_the_backoff_is_waited_for(server, http, tmp_path):
+    """A failed start refuses new starts for a while; a start an administrator makes in
+    that time is waited for by the requests that arrive, not refused."""
+    import sys
+    flag = tmp_path / "engine-fixed"
+    engine = (f"test -e {flag} || exit 3; exec {sys.executable} -m ondemand sim-engine --port {{port}} "
+              "--model A --startup-delay 1")
+    a = await server.add("a", 10, command=["sh", "-c", engine])
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "start_failed")
+    assert server.controller.backoff_left(a) > 50
+    flag.touch()  # the administrator fixed the engine, and starts it by hand
+    async with http.post(f"{server.url}/api/deployments/{a}/start", headers=server.admin_headers()) as r:
+        assert r.status == 200, await r.text()
+    assert server.state(a) == "starting"
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert r.status == 200, await r.text()
+    assert server.state(a) == "ready" and server.controller.backoff_left(a) == 0
+
+
+@pytest.mark.server(**{"budget.source": "nvidia-smi"})
+async def test_an_unreadable_budget_is_503_and_sets_no_backoff(server, http, fake_nvidia_smi, monkeypatch):
+    server.deployer.budget.nvidia_smi = fake_nvidia_smi("24576, 0")
+    a = await server.add("a", 10)
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_FAIL", "1")
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert await err(r) == (503, "budget_unavailable")
+        assert r.headers["Retry-After"] == "10"
+    assert server.state(a) == "stopped" and server.controller.backoff_left(a) == 0
+    async with http.post(f"{server.url}/api/deployments/{a}/start", headers=server.admin_headers()) as r:
+        assert await err(r) == (503, "budget_unavailable")  # the admin API says the same
+    monkeypatch.delenv("FAKE_NVIDIA_SMI_FAIL")
+    async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
+        assert r.status == 200  # nothing started before: the next request starts it at once
+    actions = [r["action"] for r in await server.deployer.store.audit(a)]
+    assert actions == ["ondemand_start"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_planned_deployment_answers_503_at_once(server, http, stream):
+    async with http.post(f"{server.url}/api/deployments", headers=server.admin_headers(),
+                         json={"name": "p", "served_name": "P", "engine": "vllm", "mode": "on_demand",
+                               "start": False, "command": ["ondemand", "sim-engine", "--port", "{port}"]}) as r:
+        view = await r.json()
+        assert r.status == 201 and view["state"] == "planned", view
+    async with http.post(server.gw(view["id"], "chat/completions"), json={**CHAT, "stream": stream},
+                         headers=server.auth()) as r:
+        assert await err(r) == (503, "ondemand_planned")
+        assert r.headers["x-should-retry"] == "false"
+    assert server.state(view["id"]) == "planned" and server.controller.waiting() == 0

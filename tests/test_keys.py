@@ -1,4 +1,4 @@
-"""The on-demand key file and its watcher (design doc, checks 3 and 5, "Key rotation")."""
+"""The on-demand key file and its watcher (BEHAVIOUR.md, checks 3 and 5, "Key rotation")."""
 from __future__ import annotations
 
 import logging

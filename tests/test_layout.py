@@ -13,9 +13,9 @@ ALLOWED = {
     "model": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
     "dockerapi": set(), "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
-    "budget": {"config", "errors", "model"}, "metrics": set(), "eviction": set(), "queue": set(),
-    "backends": {"errors", "model"}, "backends.process": {"backends"},
-    "backends.docker": {"backends", "dockerapi"},
+    "budget": {"config", "errors", "model"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
+    "backends": {"errors", "model"}, "backends.process": {"backends", "model"},
+    "backends.docker": {"backends", "dockerapi", "model"},
     "deployer": {"backends", "budget", "errors", "events", "model", "store", "tasks"},
     # The decision core sees the world only through its Effects protocol.
     "controller": {"errors", "eviction", "model", "queue"},
@@ -31,7 +31,7 @@ ALLOWED = {
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},
-    "doctor": {"adminclient", "budget", "config", "dockerapi", "keys", "litellm", "metrics"},
+    "doctor": {"adminclient", "budget", "config", "dockerapi", "keys", "litellm", "metrics", "model"},
 }
 
 

@@ -16,6 +16,7 @@ from ondemand.litellm import (
     ondemand_entry,
 )
 from ondemand.litellm_sync import LiteLLMSync
+from helpers import wait_for
 from litellm_double import litellm_double
 
 MASTER = "sk-master"
@@ -58,7 +59,7 @@ class World:
         self.started.set()
         try:
             if self.delay:
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(self.delay)  # a slow deployment listing: the behaviour under test
             return copy.deepcopy(self.deployments)
         finally:
             self.running -= 1
@@ -588,14 +589,13 @@ async def test_run_syncs_periodically_and_cancels_cleanly():
         world = World(dep(1, "a"))
         sync = make_sync(double, world, interval_s=0.05)
         task = asyncio.create_task(sync.run(), name="litellm-sync-run")
-        await asyncio.sleep(0.3)
-        assert world.syncs >= 3
+        await wait_for(lambda: world.syncs >= 3, timeout=5, what="three periodic syncs")
         assert sync.last_ok
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         count = world.syncs
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # stays: a window of two intervals in which no sync may run
         assert world.syncs == count
         await sync.close()
         sync.trigger()  # closed: no-op

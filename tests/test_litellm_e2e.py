@@ -389,7 +389,7 @@ async def run_client(job: dict, timeout: float = 90) -> list[dict]:
 
 def job_for(server, dep_id: int, *calls: dict, **extra) -> dict:
     return {"api_base": f"{server.url}/ondemand/{dep_id}/v1", "api_key": server.key,
-            "model": f"openai/{server.deployer.get(dep_id)['served_name']}",
+            "model": f"openai/{server.deployer.get(dep_id).served_name}",
             "entry": entry_for(server, dep_id), "calls": list(calls), **extra}
 
 

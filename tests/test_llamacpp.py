@@ -134,11 +134,14 @@ class Timeline:
         self.server = server
         self.dep_id = dep_id
         self.events: list[tuple[float, str, str]] = []
-        server.deployer.listeners.append(self._on_change)
+        from ondemand import components
+        from ondemand.events import DeploymentChanged
+        server.app[components.BUS].subscribe(DeploymentChanged, self._on_change)
 
-    def _on_change(self, dep_id, dep, old) -> None:
-        if dep_id == self.dep_id and dep is not None and dep["state"] != old:
-            self.events.append((time.monotonic(), dep["state"], self.server.controller.status(dep_id)["phase"]))
+    def _on_change(self, e) -> None:
+        if e.dep_id == self.dep_id and e.dep is not None and e.new_state != e.old_state:
+            self.events.append((time.monotonic(), e.dep.state.value,
+                                self.server.controller.status(e.dep_id)["phase"]))
 
     def states(self, since: int = 0) -> list[str]:
         return [s for _, s, _ in self.events[since:]]
@@ -173,7 +176,7 @@ async def test_llamacpp_on_demand_end_to_end(tmp_path, engine_files):
         dep = await server.deployer.create(dict(
             name=NAME, served_name=SERVED, engine="llamacpp", command=llama_command(llama_server, gguf),
             memory_gib=1, mode="on_demand", state="stopped", role="model", idle_timeout_s=IDLE_S))
-        d = dep["id"]
+        d = dep.id
         tl = Timeline(server, d)
 
         # /v1/models is answered from the record: it never wakes the model.

@@ -1,4 +1,4 @@
-"""The gateway's path check (design doc, check 2) and the rebuilt upstream path ("Forwarding")."""
+"""The gateway's path check (BEHAVIOUR.md, check 2) and the rebuilt upstream path ("Forwarding")."""
 from __future__ import annotations
 
 import re

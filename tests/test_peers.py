@@ -1,4 +1,4 @@
-"""The peer policy, its refresh from the Docker API, and the peer guard (design doc, check 1 and
+"""The peer policy, its refresh from the Docker API, and the peer guard (BEHAVIOUR.md, check 1 and
 "Peer policy")."""
 from __future__ import annotations
 

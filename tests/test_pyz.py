@@ -187,7 +187,7 @@ def serve_demo_and_chat(sandbox: Sandbox, pyz: Path) -> dict:
             except (FileNotFoundError, ConnectionError, urllib.error.URLError) as exc:
                 if isinstance(exc, urllib.error.HTTPError) or time.monotonic() > deadline:
                     raise
-                time.sleep(0.2)  # not listening yet
+                time.sleep(0.2)  # not listening yet: the poll interval of this (synchronous) wait
     finally:
         proc.send_signal(signal.SIGINT)
         try:

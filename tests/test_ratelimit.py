@@ -1,4 +1,4 @@
-"""Failed key checks per peer (design doc, check 4, and "Key rotation": cleared on a change)."""
+"""Failed key checks per peer (BEHAVIOUR.md, check 4, and "Key rotation": cleared on a change)."""
 from __future__ import annotations
 
 import pytest

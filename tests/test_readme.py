@@ -8,7 +8,7 @@ import socket
 import orjson
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +38,10 @@ async def test_readme_demo_as_printed(tmp_path):
         *[str(ROOT / RUN[0])] + RUN[1:], cwd=tmp_path, env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
-        for _ in range(200):
-            if (tmp_path / "state/demo/admin.sock").exists():
-                break
+        async def listening():
             assert server.returncode is None, (await server.stderr.read()).decode()
-            await asyncio.sleep(0.1)
+            return (tmp_path / "state/demo/admin.sock").exists()
+        await wait_for(listening, timeout=20, what="the demo's admin socket")
         shell = await asyncio.create_subprocess_exec(
             "bash", "-c", readme_demo_block(), cwd=tmp_path, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

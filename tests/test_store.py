@@ -147,7 +147,7 @@ async def test_reads_see_only_committed_transactions(tmp_path):
             async with store.transaction():
                 await store.update_deployment(dep["id"], state=state)
                 midway.set()
-                await asyncio.sleep(0.05)  # a reader runs here
+                await asyncio.sleep(0.05)  # stays: the transaction is held open while a reader runs
                 if fail:
                     raise RuntimeError("rolled back")
                 await store.write_event(actor="deployer", deployment_id=dep["id"], text=state)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from helpers import ROOT, run_app, sim_command
+from helpers import ROOT, sim_command
 
 pytestmark = pytest.mark.browser
 NODE_PATH = os.environ.get("BROWSER_NODE_PATH") or os.path.expanduser("~/.cache/ondemand/browser/node_modules")
@@ -22,19 +22,18 @@ def browser_ready():
         pytest.skip("no browser: run `make test-browser` (scripts/heavy/browser.sh installs chromium and playwright-core)")
 
 
-async def test_page_shows_live_deployments_and_starts_one(tmp_path, browser_ready):
-    async with run_app(tmp_path) as server:
-        await server.deployer.create(dict(name="alpha", served_name="alpha", engine="vllm", memory_gib=8,
-                                          mode="on_demand", state="stopped", role="model",
-                                          command=sim_command("alpha", "--startup-delay", "0.5")))
-        shot = tmp_path / "ui.png"
-        proc = await asyncio.create_subprocess_exec(
-            "node", str(ROOT / "tests" / "clients" / "ui_check.js"), f"{server.url}/ui/", server.token, "alpha",
-            str(shot), env={**os.environ, "NODE_PATH": NODE_PATH},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 90)
-        assert proc.returncode == 0, err.decode()[-3000:]
-        result = json.loads(out.decode().strip().splitlines()[-1])
+async def test_page_shows_live_deployments_and_starts_one(tmp_path, browser_ready, server):
+    await server.deployer.create(dict(name="alpha", served_name="alpha", engine="vllm", memory_gib=8,
+                                      mode="on_demand", state="stopped", role="model",
+                                      command=sim_command("alpha", "--startup-delay", "0.5")))
+    shot = tmp_path / "ui.png"
+    proc = await asyncio.create_subprocess_exec(
+        "node", str(ROOT / "tests" / "clients" / "ui_check.js"), f"{server.url}/ui/", server.token, "alpha",
+        str(shot), env={**os.environ, "NODE_PATH": NODE_PATH},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    result = json.loads(out.decode().strip().splitlines()[-1])
     assert result["asked_for_token"] and result["errors"] == []
     before = [r for r in result["before"] if r[0] == "alpha"][0]
     assert before[2] == "on_demand" and before[3] == "stopped" and before[4] == "sleeping"

@@ -11,6 +11,8 @@ import abc
 import dataclasses
 from typing import Any
 
+from ..model import Deployment
+
 
 @dataclasses.dataclass
 class Engine:
@@ -30,7 +32,7 @@ class Backend(abc.ABC):
     kind: str
 
     @abc.abstractmethod
-    async def start(self, dep: dict[str, Any]) -> Engine:
+    async def start(self, dep: Deployment) -> Engine:
         """Create and start the engine; returns at once, before it is ready."""
 
     @abc.abstractmethod
@@ -42,15 +44,15 @@ class Backend(abc.ABC):
         """Ask it to end (SIGTERM / docker stop), kill it after ``timeout``; idempotent."""
 
     @abc.abstractmethod
-    async def remove(self, dep: dict[str, Any]) -> None:
+    async def remove(self, dep: Deployment) -> None:
         """Remove what is left of the deployment's engine (stopped container)."""
 
     @abc.abstractmethod
-    async def adopt(self, dep: dict[str, Any]) -> Engine | None:
+    async def adopt(self, dep: Deployment) -> Engine | None:
         """An engine of ours for ``dep`` still running from before our restart."""
 
     @abc.abstractmethod
-    async def log_tail(self, engine: Engine | None, dep: dict[str, Any], lines: int = 40) -> str:
+    async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:
         """The last lines the engine wrote, for the failure reason."""
 
     async def close(self) -> None:

@@ -31,6 +31,7 @@ import aiohttp
 
 from .. import dockerapi
 from ..dockerapi import Docker, DockerError
+from ..model import Deployment
 from . import Backend, BackendError, Engine
 
 log = logging.getLogger("ondemand.backends.docker")
@@ -47,12 +48,12 @@ API_TIMEOUT = aiohttp.ClientTimeout(total=120, connect=10)
 GPU_REQUEST = {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
 
 
-def container_name(dep: dict[str, Any]) -> str:
-    return PREFIX + dep["name"]
+def container_name(dep: Deployment) -> str:
+    return PREFIX + dep.name
 
 
-def _port(dep: dict[str, Any]) -> int:
-    return int(dep.get("port") or 8000)
+def _port(dep: Deployment) -> int:
+    return int(dep.port or 8000)
 
 
 def _error(what: str, exc: Exception) -> BackendError:
@@ -135,15 +136,15 @@ class DockerBackend(Backend):
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def config_hash(self, dep: dict[str, Any]) -> str:
+    def config_hash(self, dep: Deployment) -> str:
         """Fingerprint of what the container is made from; a change means "replace it"."""
-        spec = {"image": dep.get("image"), "args": [str(a) for a in dep.get("args") or []],
-                "port": _port(dep), "engine": dep.get("engine"), "network": self.network,
+        spec = {"image": dep.image, "args": [str(a) for a in dep.args],
+                "port": _port(dep), "engine": dep.engine, "network": self.network,
                 "gpus": self.gpus}
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
-    def _labels(self, dep: dict[str, Any]) -> dict[str, str]:
-        return {LABEL_MANAGED: "true", LABEL_ID: str(dep["id"]), LABEL_NAME: dep["name"],
+    def _labels(self, dep: Deployment) -> dict[str, str]:
+        return {LABEL_MANAGED: "true", LABEL_ID: str(dep.id), LABEL_NAME: dep.name,
                 LABEL_HASH: self.config_hash(dep)}
 
     async def _inspect(self, ref: str, what: str) -> dict[str, Any] | None:
@@ -164,10 +165,10 @@ class DockerBackend(Backend):
         labels = (info.get("Config") or {}).get("Labels") or {}
         return labels.get(LABEL_MANAGED) == "true"
 
-    def _matches(self, info: dict[str, Any], dep: dict[str, Any]) -> str | None:
+    def _matches(self, info: dict[str, Any], dep: Deployment) -> str | None:
         """None when ``info`` is a container made for ``dep`` as configured now, else why not."""
         labels = (info.get("Config") or {}).get("Labels") or {}
-        if labels.get(LABEL_ID) != str(dep["id"]):
+        if labels.get(LABEL_ID) != str(dep.id):
             return f"it belongs to deployment id {labels.get(LABEL_ID)}"
         if labels.get(LABEL_HASH) != self.config_hash(dep):
             return "it was made from an older configuration"
@@ -177,7 +178,7 @@ class DockerBackend(Backend):
     def _running(info: dict[str, Any]) -> bool:
         return bool((info.get("State") or {}).get("Running"))
 
-    async def _base_url(self, info: dict[str, Any], dep: dict[str, Any]) -> str | None:
+    async def _base_url(self, info: dict[str, Any], dep: Deployment) -> str | None:
         """The engine's address, or None when it has none we can reach (no published port)."""
         port = _port(dep)
         if await self.in_container():
@@ -206,11 +207,11 @@ class DockerBackend(Backend):
 
     # --- the Backend API ----------------------------------------------------------------------
 
-    async def start(self, dep: dict[str, Any]) -> Engine:
+    async def start(self, dep: Deployment) -> Engine:
         name = container_name(dep)
-        image = dep.get("image")
+        image = dep.image
         if not image:
-            raise BackendError(f"deployment {dep['name']} has no image (the docker backend runs `image`)")
+            raise BackendError(f"deployment {dep.name} has no image (the docker backend runs `image`)")
         docker = await self._client()
         running = await self._reuse_or_discard(name, dep)
         if running is not None:
@@ -234,10 +235,10 @@ class DockerBackend(Backend):
             log.warning("container %s has no published port (state %s)", name,
                         (info.get("State") or {}).get("Status"))
             url = "http://127.0.0.1:0"
-        log.info("started %s: container %s at %s", dep["name"], container.id[:12], url)
-        return Engine(dep["id"], dep["name"], url, ref=container.id)
+        log.info("started %s: container %s at %s", dep.name, container.id[:12], url)
+        return Engine(dep.id, dep.name, url, ref=container.id)
 
-    async def _reuse_or_discard(self, name: str, dep: dict[str, Any]) -> Engine | None:
+    async def _reuse_or_discard(self, name: str, dep: Deployment) -> Engine | None:
         """A container by that name already: adopt it when it is ours, made from the current
         configuration and serving; otherwise remove it (refuse one that is not ours)."""
         info = await self._inspect(name, f"inspecting container {name}")
@@ -251,12 +252,12 @@ class DockerBackend(Backend):
             url = await self._base_url(info, dep)
             if url is not None:
                 log.info("container %s is running already: adopting it (%s)", name, url)
-                return Engine(dep["id"], dep["name"], url, ref=info["Id"], adopted=True)
+                return Engine(dep.id, dep.name, url, ref=info["Id"], adopted=True)
             why = "its engine port is not published on 127.0.0.1"
         await self._discard(info, why or "it is not running")
         return None
 
-    async def _container_config(self, dep: dict[str, Any], image: str) -> dict[str, Any]:
+    async def _container_config(self, dep: Deployment, image: str) -> dict[str, Any]:
         """The create request: image, labels, port, network, GPUs, /dev/shm, engine arguments."""
         port = _port(dep)
         host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
@@ -272,7 +273,7 @@ class DockerBackend(Backend):
             "ExposedPorts": {f"{port}/tcp": {}},
             "HostConfig": host_config,
         }
-        args = [str(a) for a in dep.get("args") or []]
+        args = [str(a) for a in dep.args]
         if args:
             config["Cmd"] = args
         return config
@@ -330,7 +331,7 @@ class DockerBackend(Backend):
         except _TRANSPORT as exc:
             raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
 
-    async def remove(self, dep: dict[str, Any]) -> None:
+    async def remove(self, dep: Deployment) -> None:
         name = container_name(dep)
         info = await self._inspect(name, f"inspecting container {name}")
         if info is None:
@@ -347,7 +348,7 @@ class DockerBackend(Backend):
         except _TRANSPORT as exc:
             raise _error(f"removing container {name}", exc) from exc
 
-    async def adopt(self, dep: dict[str, Any]) -> Engine | None:
+    async def adopt(self, dep: Deployment) -> Engine | None:
         name = container_name(dep)
         info = await self._inspect(name, f"inspecting container {name}")
         if info is None or not self._ours(info) or not self._running(info):
@@ -360,9 +361,9 @@ class DockerBackend(Backend):
             # Not served, and not left running either: it would hold GPU memory nobody counts.
             await self._discard(info, why)
             return None
-        return Engine(dep["id"], dep["name"], url, ref=info["Id"], adopted=True)
+        return Engine(dep.id, dep.name, url, ref=info["Id"], adopted=True)
 
-    async def log_tail(self, engine: Engine | None, dep: dict[str, Any], lines: int = 40) -> str:
+    async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:
         ref = engine.ref if engine is not None else container_name(dep)
         docker = await self._client()
         try:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..model import Deployment
 from . import Backend, BackendError, Engine
 
 log = logging.getLogger("ondemand.backends.process")
@@ -67,10 +68,10 @@ class ProcessBackend(Backend):
     def _paths(self, name: str) -> tuple[Path, Path]:
         return self.log_dir / f"{name}.log", self.log_dir / f"{name}.pid"
 
-    async def start(self, dep: dict[str, Any]) -> Engine:
-        command = dep.get("command") or []
+    async def start(self, dep: Deployment) -> Engine:
+        command = list(dep.command)
         if not command:
-            raise BackendError(f"deployment {dep['name']} has no command (the process backend runs `command`)")
+            raise BackendError(f"deployment {dep.name} has no command (the process backend runs `command`)")
         port = free_port()
         argv = [str(a).replace("{port}", str(port)) for a in command]
         if argv[0] in ("python", "python3"):
@@ -78,8 +79,8 @@ class ProcessBackend(Backend):
         elif argv[0] == "ondemand":
             argv[:1] = self_command()  # e.g. the engine simulator of the embedded default
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path, pid_path = self._paths(dep["name"])
-        await self._kill_leftover(dep["name"])
+        log_path, pid_path = self._paths(dep.name)
+        await self._kill_leftover(dep.name)
         with open(log_path, "ab") as out:
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -88,8 +89,8 @@ class ProcessBackend(Backend):
             except OSError as exc:
                 raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
         pid_path.write_text(f"{proc.pid} {_start_time(proc.pid)}")
-        log.info("started %s: pid %d on port %d", dep["name"], proc.pid, port)
-        return Engine(dep["id"], dep["name"], f"http://127.0.0.1:{port}", ref=proc)
+        log.info("started %s: pid %d on port %d", dep.name, proc.pid, port)
+        return Engine(dep.id, dep.name, f"http://127.0.0.1:{port}", ref=proc)
 
     async def wait_exit(self, engine: Engine) -> int | None:
         code = await engine.ref.wait()
@@ -111,11 +112,11 @@ class ProcessBackend(Backend):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
 
-    async def remove(self, dep: dict[str, Any]) -> None:
-        await self._kill_leftover(dep["name"])
+    async def remove(self, dep: Deployment) -> None:
+        await self._kill_leftover(dep.name)
 
-    async def adopt(self, dep: dict[str, Any]) -> Engine | None:
-        await self._kill_leftover(dep["name"])
+    async def adopt(self, dep: Deployment) -> Engine | None:
+        await self._kill_leftover(dep.name)
         return None
 
     async def _kill_leftover(self, name: str) -> None:
@@ -134,8 +135,8 @@ class ProcessBackend(Backend):
         except (ProcessLookupError, PermissionError):
             pass
 
-    async def log_tail(self, engine: Engine | None, dep: dict[str, Any], lines: int = 40) -> str:
-        path = self._paths(dep["name"])[0]
+    async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:
+        path = self._paths(dep.name)[0]
         try:
             with open(path, "rb") as fh:
                 fh.seek(0, os.SEEK_END)

@@ -1,0 +1,32 @@
+"""A stand-in engine that only has to become ready: ``GET /v1/models`` answers 200, anything
+else 404. Standard library only, so it starts in milliseconds (the engine simulator imports
+aiohttp first): for tests that point the deployment at an engine double once it is ready.
+
+    python ready_engine.py PORT
+"""
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        ok = self.command == "GET" and self.path == "/v1/models"
+        body = b'{"object": "list", "data": [{"id": "A", "object": "model"}]}' if ok else b""
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_HEAD = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()

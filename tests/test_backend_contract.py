@@ -1,0 +1,265 @@
+"""One contract for every engine backend (``ondemand/backends``: start, wait_exit, stop,
+remove, adopt, log_tail): the same tests, with the same assertions, against
+
+- ``process``: the process backend, each engine a child process;
+- ``docker-double``: the docker backend against the Docker Engine API double
+  (tests/docker_double.py), whose containers run as host processes;
+- ``docker``: the docker backend against a real dockerd (marked ``docker``: make test-docker;
+  the image, network and clean-up are tests/docker_real.py's).
+
+The engine is the engine simulator. Where a backend differs by design the harness says so:
+``adopts`` is False for the process backend, whose engine is a child of the ondemand that
+went away and cannot be taken back (its adopt kills it instead of leaving it to hold memory
+nobody counts). What only one backend does (labels, port bindings, networks, GPUs) stays in
+that backend's own tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import aiohttp
+import pytest
+
+from ondemand.model import Deployment
+from ondemand.backends import Backend, Engine
+from ondemand.backends.docker import DockerBackend
+from ondemand.backends.process import ProcessBackend
+
+from docker_double import DockerDouble
+from helpers import sim_command, wait_for
+import docker_real
+
+READY_S = 20.0
+_seq = itertools.count(1)
+# An engine that writes numbered lines and exits with a code of its own: for log_tail.
+NOISY = "import sys\nfor i in range({n}): print('line', i, file=sys.stderr, flush=True)\nsys.exit({code})"
+
+
+class Harness:
+    """A backend kind: new backend objects (a new one is ondemand after a restart),
+    deployment rows for the simulator, and what is left of a deployment's engine."""
+    kind: str
+    adopts = True
+
+    def __init__(self) -> None:
+        self.made: list[Backend] = []
+
+    def backend(self) -> Backend:
+        self.made.append(self._make())
+        return self.made[-1]
+
+    def _make(self) -> Backend:
+        raise NotImplementedError
+
+    def dep(self, *sim_opts: str) -> Deployment:
+        raise NotImplementedError
+
+    def noisy(self, lines: int, code: int) -> Deployment:
+        raise NotImplementedError
+
+    async def leftover(self, dep: Deployment) -> bool:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        for b in self.made:
+            await b.close()
+
+
+class ProcessHarness(Harness):
+    kind = "process"
+    adopts = False
+
+    def __init__(self, state_dir) -> None:
+        super().__init__()
+        self.state_dir = state_dir
+
+    def _make(self) -> Backend:
+        return ProcessBackend(self.state_dir)
+
+    def _row(self, command: list[str]) -> Deployment:
+        n = next(_seq)
+        return Deployment(id=n, name=f"c{n}", served_name=f"m{n}", engine="vllm", command=tuple(command))
+
+    def dep(self, *sim_opts: str) -> Deployment:
+        return self._row(sim_command("M", *sim_opts))
+
+    def noisy(self, lines: int, code: int) -> Deployment:
+        return self._row(["python", "-c", NOISY.format(n=lines, code=code)])
+
+    async def leftover(self, dep: Deployment) -> bool:
+        return (self.state_dir / "logs" / f"{dep.name}.pid").exists()  # an engine not waited for
+
+
+class DockerDoubleHarness(Harness):
+    kind = "docker-double"
+    IMAGE = "ondemand-sim-engine:latest"
+    NETWORK = "ondemand-test"
+
+    def __init__(self, double: DockerDouble) -> None:
+        super().__init__()
+        self.double = double
+
+    def _make(self) -> Backend:
+        return DockerBackend(docker_url=self.double.url, network=self.NETWORK, gpus=False, in_container=False)
+
+    def _row(self, args: list[str]) -> Deployment:
+        n = next(_seq)
+        return Deployment(id=n, name=f"c{n}", served_name=f"m{n}", engine="vllm", image=self.IMAGE,
+                          args=tuple(args), port=8000)
+
+    def dep(self, *sim_opts: str) -> Deployment:
+        return self._row(["python3", "-m", "ondemand", "sim-engine", "--host", "127.0.0.1", "--port", "8000",
+                          "--model", "M", *sim_opts])
+
+    def noisy(self, lines: int, code: int) -> Deployment:
+        return self._row(["python3", "-c", NOISY.format(n=lines, code=code)])
+
+    async def leftover(self, dep: Deployment) -> bool:
+        return self.double._container(f"ondemand-{dep.name}") is not None
+
+
+class RealDockerHarness(Harness):
+    kind = "docker"
+
+    def __init__(self, env: dict) -> None:
+        super().__init__()
+        self.env = env
+
+    def _make(self) -> Backend:
+        return DockerBackend(docker_url=None, network=self.env["network"], gpus=False, in_container=False)
+
+    def dep(self, *sim_opts: str) -> Deployment:
+        return docker_real.deployment(self.env, *sim_opts)
+
+    def noisy(self, lines: int, code: int) -> Deployment:
+        if self.env["entrypoint"]:
+            pytest.skip("the engine image has an entrypoint: no other program runs in it")
+        return docker_real.deployment(self.env, args=["python3", "-c", NOISY.format(n=lines, code=code)])
+
+    async def leftover(self, dep: Deployment) -> bool:
+        return await asyncio.to_thread(docker_real.inspect, f"ondemand-{dep.name}") is not None
+
+
+@pytest.fixture(params=["process", "docker-double", pytest.param("docker", marks=pytest.mark.docker)])
+async def h(request, tmp_path):
+    if request.param == "process":
+        harness: Harness = ProcessHarness(tmp_path / "state")
+    elif request.param == "docker-double":
+        double = DockerDouble()
+        double.add_network(DockerDoubleHarness.NETWORK, [("172.30.0.0/16", "172.30.0.1")])
+        double.add_image(DockerDoubleHarness.IMAGE, [])
+        await double.__aenter__()
+        harness = DockerDoubleHarness(double)
+    else:
+        harness = RealDockerHarness(request.getfixturevalue("docker_env"))
+    try:
+        yield harness
+    finally:
+        await harness.close()
+        if request.param == "docker-double":
+            await harness.double.__aexit__(None, None, None)  # stops every container left
+
+
+async def answers(base_url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+            async with http.get(base_url + "/v1/models") as r:
+                return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+async def _not(awaitable) -> bool:
+    return not await awaitable
+
+
+async def until_answers(engine: Engine) -> None:
+    await wait_for(lambda: answers(engine.base_url), timeout=READY_S, interval=0.05,
+                   what=f"{engine.name} answering at {engine.base_url}")
+
+
+async def test_start_answers_then_stop_ends_it_idempotently(h):
+    b = h.backend()
+    dep = h.dep()
+    engine = await b.start(dep)
+    assert isinstance(engine, Engine) and not engine.adopted
+    assert (engine.deployment_id, engine.name) == (dep.id, dep.name)
+    assert engine.base_url.startswith("http://127.0.0.1:")  # never on another address
+    await until_answers(engine)
+    exit_code = asyncio.ensure_future(b.wait_exit(engine))
+    await b.stop(engine, 5)
+    assert await asyncio.wait_for(exit_code, 10) == 0  # SIGTERM: the simulator ends cleanly
+    assert not await answers(engine.base_url)
+    await b.stop(engine, 5)  # stopped already: fine
+    assert await asyncio.wait_for(b.wait_exit(engine), 10) == 0  # asked again, the same code
+    assert "serving" in await b.log_tail(engine, dep)  # an ended engine keeps its log
+
+
+async def test_an_engine_that_exits_by_itself_is_seen_by_wait_exit(h):
+    b = h.backend()
+    dep = h.dep("--fail", "exit-at-start")
+    engine = await b.start(dep)
+    assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 3
+    line = "simulated failure: exit at start"
+    assert line in await b.log_tail(engine, dep)
+    assert line in await h.backend().log_tail(None, dep)  # by name, after a restart
+    await b.stop(engine, 5)  # exited already: fine
+
+
+async def test_log_tail_is_the_last_lines(h):
+    b = h.backend()
+    dep = h.noisy(lines=100, code=7)
+    engine = await b.start(dep)
+    assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 7
+    assert (await b.log_tail(engine, dep, lines=5)).splitlines() == [f"line {i}" for i in range(95, 100)]
+    assert (await b.log_tail(engine, dep)).splitlines() == [f"line {i}" for i in range(60, 100)]  # 40 by default
+
+
+async def test_adopt_after_a_restart(h):
+    first_life = h.backend()
+    dep = h.dep()
+    first = await first_life.start(dep)
+    await until_answers(first)
+
+    restarted = h.backend()  # a new ondemand: nothing in memory
+    assert await restarted.adopt(h.dep()) is None  # a deployment with no engine: nothing
+    engine = await restarted.adopt(dep)
+    if h.adopts:
+        assert engine is not None and engine.adopted
+        assert (engine.deployment_id, engine.name, engine.base_url) == (dep.id, dep.name, first.base_url)
+        await until_answers(engine)
+        exit_code = asyncio.ensure_future(restarted.wait_exit(engine))
+        await restarted.stop(engine, 5)  # the new ondemand drives what it took back
+        assert await asyncio.wait_for(exit_code, 10) == 0
+    else:
+        assert engine is None
+        # Not left behind either: killed, so it holds no memory the budget no longer counts.
+        assert await asyncio.wait_for(first_life.wait_exit(first), 10) != 0
+        assert not await answers(first.base_url)
+    assert await h.backend().adopt(dep) is None  # it no longer runs: nothing to adopt
+
+
+async def test_an_exited_engine_is_not_adopted(h):
+    b = h.backend()
+    dep = h.dep("--fail", "exit-at-start")
+    engine = await b.start(dep)
+    assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 3
+    assert await h.backend().adopt(dep) is None
+
+
+@pytest.mark.parametrize("running", [True, False], ids=["running", "exited"])
+async def test_remove_cleans_up(h, running):
+    b = h.backend()
+    dep = h.dep() if running else h.dep("--fail", "exit-at-start")
+    engine = await b.start(dep)
+    if running:
+        await until_answers(engine)
+    else:
+        assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 3
+    assert running or h.kind == "process" or await h.leftover(dep)  # a container stays for its log
+    await h.backend().remove(dep)  # after a restart: whatever is left of it goes
+    assert not await h.leftover(dep)
+    await wait_for(lambda: _not(answers(engine.base_url)), what="the removed engine gone")
+    await h.backend().remove(dep)  # nothing left: fine
+    assert await h.backend().adopt(dep) is None
