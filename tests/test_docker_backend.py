@@ -227,7 +227,7 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
     store = await Store.open(tmp_path / "ondemand.db")
     try:
         row = deployment(docker_env)
-        fields = {k: v for k, v in row.items() if k not in ("id", "state")}
+        fields = {k: v for k, v in row.as_dict().items() if k not in ("id", "state", "created_at", "updated_at")}
         d1 = Deployer(store, backends(), Budget("static", 10), start_timeout_s=READY_S)
         await d1.load()
         dep = await d1.create({**fields, "state": "stopped"})
@@ -242,9 +242,9 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
             assert d2.get(dep.id).state == "ready"
             assert d2._engines[dep.id].ref == first and d2._engines[dep.id].adopted
             assert await answers(d2.base_url(dep.id)) == 200
-            assert containers_named(f"ondemand-{row['name']}") == [first]
+            assert containers_named(f"ondemand-{row.name}") == [first]
             await d2.remove(dep.id)
-            assert containers_named(f"ondemand-{row['name']}") == []
+            assert containers_named(f"ondemand-{row.name}") == []
         finally:
             await d2.close(stop_engines=True)
     finally:

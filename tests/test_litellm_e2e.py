@@ -121,7 +121,7 @@ async def starts(server, dep_id: int) -> int:
 
 def entry_for(server, dep_id: int) -> dict:
     """The entry LiteLLMSync would register for this deployment, reachable on loopback."""
-    return ondemand_entry(server.deployer.get(dep_id), server.key, server.url, server.cfg.ondemand_queue_timeout_s)
+    return ondemand_entry(server.deployer.get(dep_id).as_dict(), server.key, server.url, server.cfg.ondemand_queue_timeout_s)
 
 
 def sse_events(raw: bytes) -> list:
