@@ -175,8 +175,8 @@ async def test_starts_pass_the_gate_one_at_a_time(tmp_path, store):
         b = await d.create(dep_fields("b", 10, "on_demand", "--startup-delay", "0.5"))
         await d.admit_start(a.id)
         await d.admit_start(b.id)
-        await asyncio.sleep(0.2)
-        assert a.id in d._engines and b.id not in d._engines  # b waits at the gate
+        await wait_for(lambda: a.id in d._engines, what="a's engine started")
+        assert b.id not in d._engines and b.id not in d._gated  # b waits at the gate
         await d.wait_started(a.id)
         await d.wait_started(b.id)
         # stop while waiting at the gate cancels nothing half-way
