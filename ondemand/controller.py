@@ -191,6 +191,7 @@ class Controller:
         self._published_at: dict[int, float] = {}
         self._publish_timers: dict[int, Timer] = {}
         self._tick_timer: Timer | None = None
+        self._tick_due = math.inf
         now = clock()
         for dep in effects.deployments():  # first seen after a restart: a full idle timeout
             self._last_activity[dep.id] = now
@@ -270,6 +271,8 @@ class Controller:
         if dep_id in self._last_activity:
             self._last_activity[dep_id] = self.clock()
         self._counters_changed(dep_id)
+        if n <= 0:
+            self._schedule_tick()  # its idle timeout now runs: a queued request may look sooner
 
     # --- waiters ------------------------------------------------------------------
 
@@ -565,14 +568,22 @@ class Controller:
 
     def _schedule_tick(self) -> None:
         """While something is queued, look again at most every ``max_tick_s``, and just
-        after the next idle timeout runs out (a victim may appear then)."""
-        if self._tick_timer is not None or not len(self.queue):
+        after the next idle timeout runs out (a victim may appear then); a timer already
+        set for later is brought forward."""
+        if not len(self.queue):
             return
-        delay = min(self.max_tick_s, self._next_idle_expiry(self.clock()))
-        self._tick_timer = self.effects.call_later(max(delay, 0.01), self.tick)
+        now = self.clock()
+        due = now + max(min(self.max_tick_s, self._next_idle_expiry(now)), 0.01)
+        if self._tick_timer is not None:
+            if due >= self._tick_due - 1e-3:
+                return
+            self._tick_timer.cancel()
+        self._tick_due = due
+        self._tick_timer = self.effects.call_later(due - now, self.tick)
 
     def tick(self) -> None:
         self._tick_timer = None
+        self._tick_due = math.inf
         self._advance_all()
         self._schedule_tick()
 

@@ -726,3 +726,21 @@ def test_pick_victims_is_the_shortest_lru_prefix_that_covers_the_shortfall():
     assert pick_victims(cands, 24) == []  # all of them are not enough: none
     assert pick_victims(cands, 0) == []
     assert [v.id for v in pick_victims([Candidate(5, 1, 0), Candidate(4, 1, 0)], 1)] == [4]  # ties: lower id
+
+
+def test_a_release_while_something_is_queued_brings_the_next_look_forward(world):
+    """The last slot of a model ends: its idle timeout starts, and the queue looks again as
+    soon as it runs out, not at the next 15 s look."""
+    c, fx, clock = make(world, idle_timeout_s=5)
+    fx.add(1, 10)
+    fx.add(2, 10, state=State.READY)
+    slot = c.try_take(2)
+    Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == []
+    slot.release()
+    clock.advance(5.1)  # well before the 15 s look
+    assert [a[1] for a in fx.taken("admit")] == [1]
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [2]
