@@ -68,7 +68,8 @@ class Admission:
             return dep
         try:
             await self.deployer.admit_start(dep_id, actor="admin", user=user,
-                                            text="starting for the switch to always on")
+                                            text="starting for the switch to always on",
+                                            held_for_others=lambda: self.controller.held_for_others(dep_id))
         except (InsufficientMemory, BudgetError, DeployerError) as exc:
             await self.deployer.update(dep_id, actor="admin", user=user, pending_mode=None,
                                        text=f"switch to always on refused: {exc}")

@@ -99,6 +99,8 @@ class Budget:
         except FileNotFoundError:
             raise BudgetError(f"{self.nvidia_smi} not found: install the NVIDIA driver tools, "
                               "or set budget.source to meminfo (unified memory) or static") from None
+        except OSError as exc:  # not executable, and the like: unreadable, not a failed start
+            raise BudgetError(f"cannot run {self.nvidia_smi}: {exc.strerror or exc}") from None
         except asyncio.TimeoutError:
             proc.kill()
             raise BudgetError(f"{self.nvidia_smi} did not answer within 15 s") from None

@@ -72,9 +72,10 @@ class Effects(Protocol):
     def engine_idle(self, dep_id: int) -> bool:
         """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
 
-    def admit(self, dep_id: int, *, held_for_others: float, text: str) -> None:
-        """Fit check and start; reports ``on_admitted``, ``on_refused``, ``on_budget_error``
-        or ``on_start_error``."""
+    def admit(self, dep_id: int, *, text: str) -> None:
+        """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
+        step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or
+        ``on_start_error``."""
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
@@ -419,13 +420,17 @@ class Controller:
         if b is not None and self.clock() < b.until:
             self._give_verdict(dep_id, self._start_failed(dep, b))
             return
-        held = 0.0 if self.queue.is_head_or_empty(dep_id) else self.queue.reserved_for_others(dep_id)
         dw.phase = Phase.ADMITTING
         # Set before the move to starting, whose view is published as the start is admitted.
         dw.starting_for_request = True
         waking = dep.state is State.ASLEEP
-        self.effects.admit(dep_id, held_for_others=held,
-                           text=("Woken" if waking else "Started") + " for a request")
+        self.effects.admit(dep_id, text=("Woken" if waking else "Started") + " for a request")
+
+    def held_for_others(self, dep_id: int) -> float:
+        """Memory the queue holds for entries other than ``dep_id`` (for the head, what was
+        freed for it): not free for ``dep_id``. The deployer asks it in the step of its fit
+        check, so a hold made while the check's reading was out still counts."""
+        return self.queue.reserved_for_others(dep_id)
 
     def wanted(self, dep_id: int) -> bool:
         """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)"""
@@ -516,6 +521,7 @@ class Controller:
         dw.victims.discard(dep_id)
         if approved:
             dw.freed += freed_gib
+            self.queue.reserve(for_dep, freed_gib)  # held at once: nobody else may take it meanwhile
         if dw.victims:
             return  # the others are still stopping
         if not dw.waiters:
@@ -529,7 +535,6 @@ class Controller:
         names = self.effects.deployment(for_dep)
         log.info("stopped idle models to make room for %s (%.1f GiB)", names.name if names else for_dep, dw.freed)
         dw.stopped_victim = True
-        self.queue.reserve(for_dep, dw.freed)
         dw.phase = Phase.SETTLING
         self.effects.settle(for_dep, dw.need, self.make_room_wait_s)
 

@@ -314,13 +314,14 @@ class Deployer:
 
     async def admit_start(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
                           text: str | None = None, audit: str | None = None,
-                          held_for_others: float = 0.0, wanted: Callable[[], bool] | None = None) -> bool:
+                          held_for_others: Callable[[], float] | None = None,
+                          wanted: Callable[[], bool] | None = None) -> bool:
         """The fit check and the move to ``starting``; the engine then starts in the
         background behind the start-up gate. Returns False when it is starting or
         ready already (nothing to do: wait for it). Raises InsufficientMemory,
         BudgetError (the budget could not be read: nothing was tried), or
         DeployerError for a state that cannot start. ``held_for_others``: memory
-        the wait queue keeps for its head. ``wanted``: asked in the same step as the
+        the wait queue keeps for its head, asked in the same step as the fit check. ``wanted``: asked in the same step as the
         fit check; False means nobody needs the start any more, and nothing starts."""
         if self._check_startable(dep_id) is None:
             return False
@@ -329,7 +330,8 @@ class Deployer:
         dep = self._check_startable(dep_id)
         if dep is None or (wanted is not None and not wanted()):
             return False
-        self.budget.check_fit(dep, self.all(), reading, held_for_others)
+        held = held_for_others() if held_for_others is not None else 0.0
+        self.budget.check_fit(dep, self.all(), reading, held)
         waking = dep.state is State.ASLEEP
         old, new = self._mark(dep_id, State.STARTING)
         coro = self._wake(dep_id) if waking else self._start(dep_id)

@@ -61,15 +61,15 @@ class DeployerEffects:
 
     # --- actions ------------------------------------------------------------------
 
-    def admit(self, dep_id: int, *, held_for_others: float, text: str) -> None:
-        self.tasks.spawn(self._admit(dep_id, held_for_others, text), f"admit {dep_id}")
+    def admit(self, dep_id: int, *, text: str) -> None:
+        self.tasks.spawn(self._admit(dep_id, text), f"admit {dep_id}")
 
-    async def _admit(self, dep_id: int, held_for_others: float, text: str) -> None:
+    async def _admit(self, dep_id: int, text: str) -> None:
         ctl = self.controller
         try:
             started = await self.deployer.admit_start(
-                dep_id, actor=ACTOR, audit="ondemand_start", text=text, held_for_others=held_for_others,
-                wanted=lambda: ctl.wanted(dep_id))
+                dep_id, actor=ACTOR, audit="ondemand_start", text=text,
+                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.wanted(dep_id))
         except InsufficientMemory as exc:
             ctl.on_refused(dep_id, exc)
         except BudgetError as exc:

@@ -36,6 +36,15 @@ async def test_nvidia_smi_sums_the_gpus_and_says_why_it_fails(fake_nvidia_smi, m
         await Budget("nvidia-smi", nvidia_smi="/nonexistent/nvidia-smi").measure()
 
 
+async def test_an_nvidia_smi_that_cannot_run_is_a_budget_error(tmp_path):
+    """Not executable (and the like): the budget is unreadable, which is no failed start."""
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o644)
+    with pytest.raises(BudgetError, match="cannot run"):
+        await Budget("nvidia-smi", nvidia_smi=str(tool)).measure()
+
+
 async def test_meminfo_reads_available_memory(tmp_path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       131072000 kB\nMemFree:  1 kB\nMemAvailable:   65536000 kB\n")

@@ -69,8 +69,9 @@ class Effects:
         return dep_id not in self.busy_engines
 
     # actions
-    def admit(self, dep_id: int, *, held_for_others: float, text: str) -> None:
-        self.calls.append(("admit", dep_id, held_for_others, text))
+    def admit(self, dep_id: int, *, text: str) -> None:
+        assert self.controller is not None  # what the deployer would hold back, as of now
+        self.calls.append(("admit", dep_id, self.controller.held_for_others(dep_id), text))
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         self.calls.append(("stop", dep_id, for_dep, text))
@@ -744,3 +745,144 @@ def test_a_release_while_something_is_queued_brings_the_next_look_forward(world)
     assert [a[1] for a in fx.taken("admit")] == [1]
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     assert [s[1] for s in fx.taken("stop")] == [2]
+
+
+# --- rules a reviewer found untested --------------------------------------------------------
+
+def test_memory_is_held_for_the_head_as_each_victim_stops(world):
+    """Not only once the last victim has stopped: a later entry that looks in between must
+    not see the first victim's memory as free."""
+    c, fx, clock = make(world)
+    for i in (1, 2):
+        fx.add(i, 10)
+    for i in (3, 4):
+        fx.add(i, 5)
+    idle_ready(fx, c, clock, 3, 4)
+    Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert sorted(s[1] for s in fx.taken("stop")) == [3, 4]
+    c.on_stopped(3, True, 1, 5)
+    Req(c, 2)  # looks while 4 is still stopping
+    assert fx.taken("admit")[-1][1:3] == (2, 5)  # 3's memory is already held for the head
+
+
+def test_a_new_head_respects_the_hold_of_the_old_one(world):
+    """A request that arrived earlier but was refused later goes in front; the memory freed
+    for the old head stays out of its reach."""
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, state=State.STOPPING)
+    fx.add(3, 10)
+    idle_ready(fx, c, clock, 3)
+    early = Req(c, 2, arrival=clock.t - 30)  # waits for a stop, not yet queued
+    Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.taken("stop")
+    c.on_stopped(3, True, 1, 10)
+    fx.set(3, state=State.STOPPED)
+    fx.set(2, state=State.STOPPED)  # the stop ends: 2 asks, and is the earlier arrival
+    assert fx.taken("admit")[-1][1:3] == (2, 10)
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert c.queue.head() == 2 and early.queued == 1
+    c.tick()  # the new head asks again: the old head's hold is still out of its reach
+    assert fx.taken("admit")[-1][1:3] == (2, 10)
+
+
+def test_victims_out_for_one_attempt_are_not_picked_again(world):
+    c, fx, clock = make(world)
+    for i in (1, 2):
+        fx.add(i, 10)
+    for i in (3, 4):
+        fx.add(i, 10)
+    idle_ready(fx, c, clock, 3, 4)
+    first = Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [3]
+    assert c.reap() == [4]  # the reaper leaves 3 to the attempt that stops it
+    fx.taken("stop")
+    first.leave()  # the head gives up while 3 is still stopping
+    Req(c, 2)
+    fx.taken("admit")
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [4]
+
+
+def test_no_does_not_fit_after_this_attempt_stopped_a_victim(world):
+    """Long after any stop, a too-big answer right after our own make-room is queued:
+    the freed memory may not show yet."""
+    c, fx, clock = make(world)
+    fx.add(1, 20)
+    fx.add(2, 10)
+    idle_ready(fx, c, clock, 2)
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(20, 12, 24))
+    fx.taken("stop")
+    c.on_stopped(2, True, 1, 10)
+    clock.advance(25)  # past the 20 s after any on-demand stop
+    c.on_settled(1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(20, 12, 16))
+    assert r.take() is None and 1 in c.queue
+
+
+def test_joining_a_queued_deployment_is_told_at_once(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    late = Req(c, 1)
+    assert late.queued == 1
+
+
+def test_removal_drops_the_queue_entry_and_its_hold(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10)
+    fx.add(3, 10)
+    idle_ready(fx, c, clock, 3)
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    c.on_stopped(3, True, 1, 10)
+    assert c.held_for_others(2) == 10
+    fx.remove(1)
+    assert 1 not in c.queue and c.held_for_others(2) == 0
+    assert r.code() == "not_found"
+
+
+def test_a_model_with_waiters_is_no_victim_even_asleep_and_long_idle(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, state=State.ASLEEP)
+    clock.advance(100)  # 2 idle for far longer than its timeout
+    Req(c, 1)
+    Req(c, 2)  # a request wants 2 woken; it waits for memory too
+    fx.taken("admit")
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == [] and not c.is_idle(fx.deps[2])
+
+
+def test_a_start_by_hand_that_fails_fails_its_waiters_and_backs_off(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.STARTING)  # an administrator's start
+    r = Req(c, 1)
+    fx.set(1, state=State.FAILED, state_reason="exit 1")
+    assert r.code() == "start_failed" and c.backoff_left(1) == BACKOFF_FIRST_S
+
+
+def test_a_queued_entry_looks_again_at_least_every_15_s(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, state=State.READY, mode=Mode.ALWAYS_ON)  # no idle timeout will ever run out
+    Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    clock.advance(14.9)
+    assert fx.taken("admit") == []
+    clock.advance(0.2)
+    assert [a[1] for a in fx.taken("admit")] == [1]

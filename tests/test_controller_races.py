@@ -575,7 +575,7 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
             await server.deployer.restart(dep_id)
         c = server.controller
         c._last_activity[victim] = 0  # idle for its full timeout
-        await wait_for(lambda: c.is_idle(server.deployer.get(victim)), what="the victim idle by every rule")
+        await wait_for(lambda: c.is_idle(server.deployer.get(victim)), timeout=30, what="the victim idle by every rule")
         chat = {"model": "X", "messages": [{"role": "user", "content": "hi"}]}
         async with aiohttp.ClientSession() as http:
             cold = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=chat,
