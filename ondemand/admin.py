@@ -19,7 +19,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import __version__, components, keys as keys_mod, metrics
+from . import __version__, components, metrics
+from . import keys as keys_mod
 from .config import Config
 from .deployer import StartFailed, StartInterrupted
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, OndemandError
@@ -263,9 +264,9 @@ async def edit_deployment(request: web.Request) -> web.Response:
         raise OndemandError(409, "name_taken", str(exc)) from exc
     except DeployerError as exc:  # removed while the edit waited for the deployer
         raise OndemandError(404, "not_found", str(exc)) from exc
-    if changes:  # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
-        if metrics.blind(dep):
-            log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
+    # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
+    if changes and metrics.blind(dep):
+        log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
     return _json(app_mod.view(app, dep))
 
 

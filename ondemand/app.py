@@ -16,17 +16,37 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
-from . import __version__, keys as keys_mod
+from . import __version__
+from . import keys as keys_mod
+from .admission import Admission
 from .backends import Backend
 from .backends.process import ProcessBackend
 from .budget import Budget
+from .components import (
+    ADMISSION,
+    BUS,
+    CONFIG,
+    CONTROLLER,
+    DEPLOYER,
+    EFFECTS,
+    GATEWAY,
+    KEYS,
+    PEERS,
+    POLICY,
+    SAMPLER,
+    STARTED_AT,
+    STORE,
+    SYNC,
+    TASKS,
+    view,
+)
 from .config import Config
-from .admission import Admission
 from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
@@ -42,8 +62,6 @@ from .ratelimit import FailureLimiter
 from .reaper import Reaper
 from .store import Store
 from .tasks import TaskGroup
-from .components import (ADMISSION, BUS, CONFIG, CONTROLLER, DEPLOYER, EFFECTS, GATEWAY, KEYS, PEERS, POLICY,
-                         SAMPLER, STARTED_AT, STORE, SYNC, TASKS, view)
 
 log = logging.getLogger("ondemand.app")
 

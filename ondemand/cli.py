@@ -3,9 +3,10 @@
 The click commands, and nothing else. The configuration is read here, once,
 and passed down. Commands that read or change state talk to the running
 server over its admin socket (``adminclient``); read-only ones open the state
-file themselves when no server runs. ``doctor``'s checks live in ``doctor``. ``--json`` prints machine-readable output; errors go to
-stderr with a non-zero exit: 1 for a refused or failed action, 2 for bad
-usage or configuration, 3 when the server is needed but not running.
+file themselves when no server runs. ``doctor``'s checks live in ``doctor``.
+``--json`` prints machine-readable output; errors go to stderr with a non-zero
+exit: 1 for a refused or failed action, 2 for bad usage or configuration, 3 when
+the server is needed but not running.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from typing import Any
 import click
 import orjson
 
-from . import __version__, adminclient, config as config_mod
+from . import __version__, adminclient
+from . import config as config_mod
 from .errors import ConfigError
 from .model import Deployment
 
@@ -251,7 +253,7 @@ def _views(ctx: Ctx, path: str = "/deployments") -> tuple[Any, bool]:
 def _table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [header] + [["-" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells)
 
 
 def _ago(ts: float | None) -> str:
@@ -266,7 +268,8 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for v in views:
         od = v.get("ondemand") or {}
-        rows.append([v["id"], v["name"], v["served_name"], v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else ""),
+        mode = v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else "")
+        rows.append([v["id"], v["name"], v["served_name"], mode,
                      v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
                      _ago(od.get("last_request_at")), f"{v.get('memory_gib') or 0:g} GiB"])
     return rows
@@ -292,13 +295,15 @@ def status(ctx: Ctx, as_json: bool) -> None:
     else:
         b = host["budget"]
         budget = (f"{b['free']:g} GiB free of {b['capacity']:g} GiB ({b['source']}), "
-                  f"{b['ondemand_capacity']:g} GiB for on-demand models") if "free" in b else f"unreadable: {b['error']}"
+                  f"{b['ondemand_capacity']:g} GiB for on-demand models"
+                  ) if "free" in b else f"unreadable: {b['error']}"
         od = host["ondemand"]
         click.echo(f"ondemand {host['version']} on {host['listen']} ({host['backend']} backend)")
         click.echo(f"budget: {budget}")
-        click.echo(f"key: {'fingerprint ' + od['key_fingerprint'] if od['configured'] else 'NOT CONFIGURED (ondemand key init)'}"
-                   f"; LiteLLM: {'ready' if od['litellm_ready'] else ('not ready: ' + str(od['litellm_error'])) if od['litellm_enabled'] else 'disabled'}"
-                   f"; waiting requests: {od['queued']}")
+        key = "fingerprint " + od["key_fingerprint"] if od["configured"] else "NOT CONFIGURED (ondemand key init)"
+        litellm = ("ready" if od["litellm_ready"] else ("not ready: " + str(od["litellm_error"]))
+                   ) if od["litellm_enabled"] else "disabled"
+        click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
 
@@ -341,7 +346,10 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
     if idle_timeout is not None:
         body["idle_timeout_s"] = idle_timeout
     view = _call(ctx, "POST", "/deployments", body)
-    _echo_json(view) if as_json else click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
+    if as_json:
+        _echo_json(view)
+    else:
+        click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
     _warn_if_blind(view)
 
 
@@ -548,7 +556,8 @@ def doctor(ctx: Ctx, as_json: bool) -> None:
         _echo_json(checks)
     else:
         for c in checks:
-            click.echo(f"{'OK  ' if c['ok'] else 'FAIL' if c['ok'] is False else 'SKIP'}  {c['check']:10} {c['detail']}")
+            mark = "OK  " if c["ok"] else "FAIL" if c["ok"] is False else "SKIP"
+            click.echo(f"{mark}  {c['check']:10} {c['detail']}")
     if any(c["ok"] is False for c in checks):
         sys.exit(EXIT_FAILED)
 

@@ -100,7 +100,8 @@ async def own_networks(docker_url: str | None, proc_dir: str | None, hint: str |
         raise OutsideDocker("no container id (no hint, nothing in /proc)")
     async with client(docker_url) as docker:
         container = await _own_container(docker, candidates, hint)
-        settings = (container["NetworkSettings"] if "NetworkSettings" in container else None) or {}
+        # A DockerContainer has __contains__ and __getitem__ but no get().
+        settings = (container["NetworkSettings"] if "NetworkSettings" in container else None) or {}  # noqa: SIM401
         endpoints = settings.get("Networks") or {}
         attached = [await _attached(docker, name, ep or {}) for name, ep in endpoints.items()]
         decider_subnets: list[str] | None = None
@@ -124,7 +125,7 @@ async def _own_container(docker: Docker, candidates: list[str], hint: str | None
             if e.status != 404:
                 raise
             continue
-        config = (found["Config"] if "Config" in found else None) or {}
+        config = (found["Config"] if "Config" in found else None) or {}  # noqa: SIM401 (no DockerContainer.get)
         if found.id == cid or (cid == hint and config.get("Hostname") == hint):
             return found
     raise OutsideDocker(f"no container {', '.join(candidates)} in this Docker")

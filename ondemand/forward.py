@@ -124,7 +124,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = ("pool", "transport", "parser", "head", "payload", "got_bytes", "keep", "paused",
                  "sent_at", "idle_since")
 
-    def __init__(self, pool: "_Pool"):
+    def __init__(self, pool: _Pool):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser: Any = None       # an HttpResponseParser while an exchange runs, else None
@@ -246,7 +246,7 @@ class _Conn(asyncio.Protocol):
             else:
                 self.transport.close()
 
-    async def exchange(self, data: bytes | list[bytes], head_only: bool) -> "Response":
+    async def exchange(self, data: bytes | list[bytes], head_only: bool) -> Response:
         """Send one request and wait for the answer's head; on any exception the connection is closed."""
         loop = self.pool.loop
         self.parser = HttpResponseParser(self, loop, READ_LIMIT, payload_exception=ClientPayloadError,
@@ -494,7 +494,7 @@ class Upstreams:
         self._current: dict[int, _Pool] = {}
         self._retired: set[_Pool] = set()
 
-    def open(self, dep_id: int, base_url: str) -> "_Lease":
+    def open(self, dep_id: int, base_url: str) -> _Lease:
         up = self._current.get(dep_id)
         if up is None or up.base_url != base_url:
             if up is not None:

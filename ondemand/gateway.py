@@ -32,9 +32,10 @@ from .admission import Admission
 from .controller import Slot
 from .deployer import Deployer
 from .errors import OndemandError
-from .model import Deployment, Role, State
-from .forward import Response as UpstreamResponse, UpstreamError, Upstreams, request_headers, response_headers
+from .forward import Response as UpstreamResponse
+from .forward import UpstreamError, Upstreams, request_headers, response_headers
 from .keys import KeyWatcher
+from .model import Deployment, Role, State
 from .paths import rebuild, split_checked
 from .ratelimit import FailureLimiter
 
@@ -271,7 +272,8 @@ class Gateway:
         slot: Slot | None = None
         try:
             if not acq.done():
-                q = asyncio.ensure_future(queued.wait())
+                # A child too: asyncio.wait takes futures, and this one is cancelled just below.
+                q = asyncio.ensure_future(queued.wait())  # noqa: TID251
                 try:
                     await asyncio.wait((acq, q), return_when=asyncio.FIRST_COMPLETED)
                 finally:

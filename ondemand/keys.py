@@ -14,7 +14,8 @@ import logging
 import os
 import secrets
 import time
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from .events import KeyRotated
 

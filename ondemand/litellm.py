@@ -14,16 +14,17 @@ Our entries are the ones whose ``model_info`` carries ``dgxmm_id``; nothing else
 LiteLLM is ever touched. Entries are replaced (add, then delete), never edited: the old
 ``POST /model/update`` (update_model) merges litellm_params only and keeps the stored
 model_info, so a fingerprint would never change, and ``PATCH /model/{id}/update`` is
-recent; add-then-delete works on every release and keeps the name served throughout. Facts about LiteLLM relied on here are cited by file and
-function of BerriAI/litellm (``proxy_server.py``, ``management_endpoints/
-model_management_endpoints.py``, ``health_check.py``, ``types/router.py``).
+recent; add-then-delete works on every release and keeps the name served throughout.
+Facts about LiteLLM relied on here are cited by file and function of BerriAI/litellm
+(``proxy_server.py``, ``management_endpoints/model_management_endpoints.py``, ``health_check.py``, ``types/router.py``).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson

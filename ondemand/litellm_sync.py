@@ -11,10 +11,17 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-from .litellm import (LiteLLMClient, LiteLLMError, always_on_entry, entry_dgxmm_id, entry_id, entry_matches,
-                      ondemand_entry)
+from .litellm import (
+    LiteLLMClient,
+    LiteLLMError,
+    always_on_entry,
+    entry_dgxmm_id,
+    entry_id,
+    entry_matches,
+    ondemand_entry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +63,9 @@ class LiteLLMSync:
 
     - On-demand deployments are registered in every state except failed and planned, as
       gateway entries, while a key is readable. A planned deployment waits for an
-      administrator's start: the gateway refuses its requests, so it is not listed. Without a key they are not registered, their
-      existing entries are left alone, and their status is error ondemand_not_configured.
+      administrator's start: the gateway refuses its requests, so it is not listed.
+      Without a key they are not registered, their existing entries are left alone,
+      and their status is error ondemand_not_configured.
     - Always-on deployments are registered as direct entries only while ready *and*
       their engine has an address: a direct entry of an engine that is not serving would
       only produce errors, and the design syncs whenever a deployment enters or leaves

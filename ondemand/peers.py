@@ -23,7 +23,8 @@ import asyncio
 import ipaddress
 import logging
 import re
-from typing import Any, Iterable, Protocol, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from aiohttp import hdrs, web
 from multidict import istr
@@ -39,8 +40,8 @@ __all__ = [
 
 _log = logging.getLogger("ondemand.peers")
 
-IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 _KEY = "ondemand_allowed_cidrs"
 # Per-policy cache of allows() answers; peers are few (LiteLLM, a handful of containers), the

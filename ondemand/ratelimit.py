@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 __all__ = ["FailureLimiter"]
 

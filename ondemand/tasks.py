@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Coroutine
+from collections.abc import Coroutine
 
 log = logging.getLogger("ondemand.tasks")
 

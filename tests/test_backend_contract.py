@@ -19,16 +19,15 @@ import asyncio
 import itertools
 
 import aiohttp
+import docker_real
 import pytest
+from docker_double import DockerDouble
+from helpers import sim_command, wait_for
 
-from ondemand.model import Deployment
 from ondemand.backends import Backend, Engine
 from ondemand.backends.docker import DockerBackend
 from ondemand.backends.process import ProcessBackend
-
-from docker_double import DockerDouble
-from helpers import sim_command, wait_for
-import docker_real
+from ondemand.model import Deployment
 
 READY_S = 20.0
 _seq = itertools.count(1)

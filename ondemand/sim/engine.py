@@ -160,7 +160,9 @@ class Sim:
     async def on_startup(self, app: web.Application) -> None:
         self.ready_at = time.monotonic() + self.opts.startup_delay
         if self.opts.fail == "exit-after":
-            self.tasks.append(asyncio.ensure_future(self._exit_later()))
+            # The simulator is a program of its own and imports nothing of ondemand
+            # (tests/test_layout.py); the task is kept in self.tasks and cancelled at cleanup.
+            self.tasks.append(asyncio.ensure_future(self._exit_later()))  # noqa: TID251
 
     async def on_cleanup(self, app: web.Application) -> None:
         for t in self.tasks:
@@ -287,7 +289,8 @@ class Sim:
 
     async def metrics(self, request):
         if self.vllm:
-            label = '{model_name="%s"}' % self.model.replace("\\", "\\\\").replace('"', '\\"')
+            name = self.model.replace("\\", "\\\\").replace('"', '\\"')
+            label = f'{{model_name="{name}"}}'
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -352,16 +355,17 @@ class Sim:
             return await self._generate(n, lambda: {
                 "id": rid, "object": "chat.completion", "created": created, "model": self.model,
                 "choices": [self._chat_choice(0, n, finish)], "usage": self._usage(p, n)})
-        head = b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,"delta":{' % (
-            rid.encode(), created, self.model_j)
+        head = (b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
+                b'"choices":[{"index":0,"delta":{') % (rid.encode(), created, self.model_j)
         mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
 
         def after():
             if usage:
-                yield b"data: " + orjson.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                                "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+                yield b"data: " + orjson.dumps({
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
             yield _DONE
         return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
                                   lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
@@ -410,14 +414,16 @@ class Sim:
 
         def after():
             if usage:
-                yield b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": created,
-                                                "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+                yield b"data: " + orjson.dumps({
+                    "id": rid, "object": "text_completion", "created": created,
+                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
             yield _DONE
         return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after)
 
     def _response(self, rid: str, created: int, body: dict, status: str, output: list, usage) -> dict:
         return {"id": rid, "object": "response", "created_at": created, "status": status, "background": False,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "metadata": body.get("metadata"), "model": self.model, "output": output,
                 "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
@@ -460,7 +466,8 @@ class Sim:
                     "item": {"id": mid, "type": "message", "status": "in_progress", "role": "assistant",
                              "content": []}}),
             _event({"type": "response.content_part.added", "sequence_number": 3, "item_id": mid, "output_index": 0,
-                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})]
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})]
         head = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":'
         mid_b = b',"item_id":"%s","output_index":0,"content_index":0,"delta":' % mid.encode()
         tj = _TOKJ
@@ -487,7 +494,8 @@ class Sim:
                 "id": mid, "type": "message", "role": "assistant", "content": [], "model": self.model,
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": p, "output_tokens": 0}}}),
             _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})]
-        head = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+        head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                b'"delta":{"type":"text_delta","text":')
         tj = _TOKJ
         # vLLM ends its Anthropic stream with a bare "data: [DONE]" too; clients ignore it.
         return await self._stream(request, n, before, lambda i: head + tj[i] + b"}}\n\n", lambda: [
@@ -555,7 +563,8 @@ class Sim:
         p = _words(a) + _words(b)
         return await self._generate(1, lambda: {
             "id": "score-" + _uid(), "object": "list", "created": int(time.time()), "model": self.model,
-            "data": [{"index": i, "object": "score", "score": self._score(x, y)} for i, (x, y) in enumerate(zip(a, b))],
+            "data": [{"index": i, "object": "score", "score": self._score(x, y)}
+                     for i, (x, y) in enumerate(zip(a, b, strict=False))],
             "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0, "prompt_tokens_details": None}})
 
     async def transcriptions(self, request):
@@ -672,7 +681,8 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.fail == "exit-at-start":
-        print("ondemand simulator: simulated failure: exit at start (--fail exit-at-start)", file=sys.stderr, flush=True)
+        print("ondemand simulator: simulated failure: exit at start (--fail exit-at-start)",
+              file=sys.stderr, flush=True)
         return 3
     try:
         import uvloop
