@@ -313,9 +313,9 @@ class DockerBackend(Backend):
         except DockerError as exc:
             if exc.status == 404:
                 return None  # removed: its exit code went with it
-            raise _error(f"waiting for container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"waiting for container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
-            raise _error(f"waiting for container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"waiting for container {PREFIX}{engine.name}", exc) from exc
         code = result.get("StatusCode")
         return int(code) if code is not None else None
 
@@ -327,9 +327,9 @@ class DockerBackend(Backend):
         except DockerError as exc:
             if exc.status in (304, 404):
                 return  # stopped already, or gone
-            raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
-            raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
 
     async def remove(self, dep: Deployment) -> None:
         name = container_name(dep)
