@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, NoReturn, TypeVar
 
 import click
 import orjson
@@ -24,9 +25,10 @@ from .errors import ConfigError
 from .model import Deployment
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
+T = TypeVar("T")
 
 
-def _run(coro):
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
         return uvloop.run(coro)
@@ -38,7 +40,7 @@ def _echo_json(data: Any) -> None:
     click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
 
 
-def _fail(message: str, code: int = EXIT_FAILED) -> None:
+def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     click.echo(f"ondemand: {message}", err=True)
     sys.exit(code)
 
@@ -46,7 +48,7 @@ def _fail(message: str, code: int = EXIT_FAILED) -> None:
 class Ctx:
     def __init__(self, config_path: str | None):
         self.config_path = config_path
-        self._cfg = None
+        self._cfg: config_mod.Config | None = None
 
     @property
     def cfg(self) -> config_mod.Config:
@@ -203,7 +205,7 @@ def migrate(ctx: Ctx, as_json: bool) -> None:
     from .migrations import SchemaTooNew
     from .store import Store
 
-    async def go():
+    async def go() -> int:
         store = await Store.open(ctx.cfg.db_path)
         try:
             return await store.version()
@@ -286,7 +288,7 @@ _DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "Q
 def status(ctx: Ctx, as_json: bool) -> None:
     """Host, budget, and each deployment's phase, in-flight and queued counts."""
     views, offline = _views(ctx)
-    host = None if offline else _call(ctx, "GET", "/host")
+    host: Any = None if offline else _call(ctx, "GET", "/host")  # JSON
     if as_json:
         _echo_json({"host": host, "deployments": views, "offline": offline})
         return
@@ -330,8 +332,9 @@ def deploy() -> None:
 @click.option("--no-start", is_flag=True, help="leave it planned")
 @json_option
 @pass_ctx
-def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, memory_gib, role, mode,
-               idle_timeout, no_start, as_json) -> None:
+def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image: str | None, args: tuple[str, ...],
+               command: str | None, port: int, memory_gib: float, role: str, mode: str,
+               idle_timeout: int | None, no_start: bool, as_json: bool) -> None:
     """Create a deployment. On demand it rests stopped until its first request;
     always on it starts at once."""
     import shlex
@@ -369,8 +372,10 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
 @json_option
 @pass_ctx
-def deploy_set(ctx: Ctx, dep_id: int, name, served_name, engine, image, args, no_args, command, port, memory_gib,
-               role, mode, idle_timeout, as_json) -> None:
+def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None, engine: str | None,
+               image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
+               memory_gib: float | None, role: str | None, mode: str | None, idle_timeout: str | None,
+               as_json: bool) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
     deployment_update). A start afterwards uses the new values."""
     import shlex

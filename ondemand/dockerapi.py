@@ -15,13 +15,15 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import aiodocker
 import aiohttp
+from aiodocker.containers import DockerContainer
 from aiodocker.exceptions import DockerError
 from aiodocker.networks import DockerNetwork
 
-__all__ = ["Docker", "DockerError", "client", "AttachedNetwork", "OutsideDocker", "own_networks",
+__all__ = ["Docker", "DockerContainer", "DockerError", "client", "AttachedNetwork", "OutsideDocker", "own_networks",
            "container_ids_from_proc", "read_proc_ids"]
 
 Docker = aiodocker.Docker
@@ -117,7 +119,7 @@ async def own_networks(docker_url: str | None, proc_dir: str | None, hint: str |
         return attached, decider_subnets
 
 
-async def _own_container(docker: Docker, candidates: list[str], hint: str | None):
+async def _own_container(docker: Docker, candidates: list[str], hint: str | None) -> DockerContainer:
     for cid in candidates:
         try:
             found = await docker.containers.get(cid)
@@ -131,7 +133,7 @@ async def _own_container(docker: Docker, candidates: list[str], hint: str | None
     raise OutsideDocker(f"no container {', '.join(candidates)} in this Docker")
 
 
-async def _attached(docker: Docker, name: str, ep: dict) -> AttachedNetwork:
+async def _attached(docker: Docker, name: str, ep: dict[str, Any]) -> AttachedNetwork:
     gateways = [g for g in (ep.get("Gateway"), ep.get("IPv6Gateway")) if g]
     subnets: list[str] = []
     net_id = ep.get("NetworkID") or ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -74,9 +75,9 @@ def _not_found() -> OndemandError:
     return OndemandError(404, "not_found", "Not found")
 
 
-def _release_when_granted(task: asyncio.Future) -> None:
+def _release_when_granted(task: asyncio.Future[Slot]) -> None:
     """A slot granted to a request that is gone is released at once."""
-    def done(t: asyncio.Future) -> None:
+    def done(t: asyncio.Future[Slot]) -> None:
         if not t.cancelled() and t.exception() is None:
             t.result().release()
     task.add_done_callback(done)
@@ -124,7 +125,7 @@ def health_answer(route: str, served: str) -> dict[str, Any] | None:
 class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
-                 clock=time.monotonic):
+                 clock: Callable[[], float] = time.monotonic):
         self.controller = controller
         self.deployer = deployer
         self.keys = keys

@@ -52,7 +52,7 @@ class Store:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def open(cls, path: str | os.PathLike, *, migrate: bool = True) -> Store:
+    async def open(cls, path: str | os.PathLike[str], *, migrate: bool = True) -> Store:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         db = await aiosqlite.connect(path, isolation_level=None)
@@ -126,6 +126,7 @@ class Store:
         async with self.transaction() as db:
             cur = await db.execute(f"INSERT INTO deployments ({cols}) VALUES ({marks})", tuple(values.values()))
             dep_id = cur.lastrowid
+        assert dep_id is not None  # an INSERT sets it
         dep = await self.deployment(dep_id)
         assert dep is not None
         return dep
@@ -148,14 +149,14 @@ class Store:
     # --- events and audit ----------------------------------------------------
 
     async def write_event(self, *, actor: str, text: str, deployment_id: int | None = None,
-                          user: str | None = None, detail: dict | None = None) -> None:
+                          user: str | None = None, detail: dict[str, Any] | None = None) -> None:
         async with self.transaction() as db:
             await db.execute(
                 "INSERT INTO events (at, actor, user, deployment_id, text, detail) VALUES (?, ?, ?, ?, ?, ?)",
                 (time.time(), actor, user, deployment_id, text, orjson.dumps(detail or {}).decode()))
 
     async def write_audit(self, *, action: str, actor: str, text: str, deployment_id: int | None = None,
-                          user: str | None = None, detail: dict | None = None) -> None:
+                          user: str | None = None, detail: dict[str, Any] | None = None) -> None:
         async with self.transaction() as db:
             await db.execute(
                 "INSERT INTO audit (at, action, actor, user, deployment_id, text, detail) "

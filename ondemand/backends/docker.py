@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from .. import dockerapi
-from ..dockerapi import Docker, DockerError
+from ..dockerapi import Docker, DockerContainer, DockerError
 from ..model import Deployment
 from . import Backend, BackendError, Engine
 
@@ -279,7 +279,7 @@ class DockerBackend(Backend):
         return config
 
     @staticmethod
-    async def _create(docker: Docker, config: dict[str, Any], name: str, image: str):
+    async def _create(docker: Docker, config: dict[str, Any], name: str, image: str) -> DockerContainer:
         try:
             return await docker.containers.create(config, name=name)
         except DockerError as exc:
@@ -361,6 +361,7 @@ class DockerBackend(Backend):
             # Not served, and not left running either: it would hold GPU memory nobody counts.
             await self._discard(info, why)
             return None
+        assert url is not None  # why is None only with a url
         return Engine(dep.id, dep.name, url, ref=info["Id"], adopted=True)
 
     async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:

@@ -29,7 +29,8 @@ log = logging.getLogger("ondemand.backends.process")
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def self_command() -> list[str]:
@@ -93,7 +94,7 @@ class ProcessBackend(Backend):
         return Engine(dep.id, dep.name, f"http://127.0.0.1:{port}", ref=proc)
 
     async def wait_exit(self, engine: Engine) -> int | None:
-        code = await engine.ref.wait()
+        code: int | None = await engine.ref.wait()
         with contextlib.suppress(FileNotFoundError):
             self._paths(engine.name)[1].unlink()
         return code

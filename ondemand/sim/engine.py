@@ -41,12 +41,17 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 FLAVORS = ("vllm", "llamacpp")
+# One recorded request: (time, method, path, query, raw headers, body).
+_Recorded = tuple[float, str, str, str, tuple[tuple[bytes, bytes], ...], bytes]
 FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails")
 GENERATION = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -100,15 +105,16 @@ def _error(status: int, message: str, type: str, param: str | None = None) -> we
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _json(obj, status: int = 200) -> web.Response:
+def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
 
-def _event(d: dict) -> bytes:
-    return b"event: " + d["type"].encode() + b"\ndata: " + orjson.dumps(d) + b"\n\n"
+def _event(d: dict[str, Any]) -> bytes:
+    kind: str = d["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(d) + b"\n\n"
 
 
-def _words(x) -> int:
+def _words(x: Any) -> int:
     if isinstance(x, str):
         return len(x.split())
     if isinstance(x, list):
@@ -147,8 +153,8 @@ class Sim:
         self.running = 0
         self.waiting = 0
         self.sem = asyncio.Semaphore(opts.max_running) if opts.max_running > 0 else None
-        self.record: collections.deque = collections.deque(maxlen=opts.record_limit)
-        self.tasks: list[asyncio.Task] = []
+        self.record: collections.deque[_Recorded] = collections.deque(maxlen=opts.record_limit)
+        self.tasks: list[asyncio.Task[Any]] = []
         self.card = {"id": opts.model, "object": "model", "created": int(time.time()),
                      "owned_by": "ondemand-simulator", "root": opts.model, "parent": None,
                      "max_model_len": opts.max_model_len}
@@ -173,7 +179,7 @@ class Sim:
         _die(f"exit {self.opts.fail_after:g}s after ready (--fail exit-after)")
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler):
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         if path.startswith("/_sim/"):
             return await handler(request)
@@ -195,7 +201,7 @@ class Sim:
             # FastAPI's shape, which is what vLLM answers for unknown routes
             return _json({"detail": e.reason}, e.status)
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request) -> dict[str, Any]:
         if self.vllm and request.content_type != "application/json":
             raise SimError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
@@ -209,7 +215,7 @@ class Sim:
             raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return body
 
-    def _length(self, body: dict, *keys: str) -> tuple[int, bool]:
+    def _length(self, body: dict[str, Any], *keys: str) -> tuple[int, bool]:
         """Tokens to generate, and whether the request's limit cut them short."""
         for k in keys:
             lim = body.get(k)
@@ -238,7 +244,7 @@ class Sim:
         if self.sem is not None:
             self.sem.release()
 
-    async def _generate(self, n: int, make) -> web.Response:
+    async def _generate(self, n: int, make: Callable[[], object]) -> web.StreamResponse:
         await self._enter()
         try:
             if self.opts.token_delay:
@@ -248,7 +254,8 @@ class Sim:
         finally:
             self._leave()
 
-    async def _stream(self, request, n: int, before: list[bytes], frame, after) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, n: int, before: list[bytes], frame: Callable[[int], bytes],
+                      after: Callable[[], Iterable[bytes]]) -> web.StreamResponse:
         await self._enter()
         resp = web.StreamResponse(headers=_SSE)
         try:
@@ -275,19 +282,19 @@ class Sim:
 
     # -- control routes -------------------------------------------------------------
 
-    async def health(self, request):
+    async def health(self, request: web.Request) -> web.StreamResponse:
         return _json({"status": "ok"}) if not self.vllm else web.Response()
 
-    async def models(self, request):
+    async def models(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=self.models_body, content_type="application/json")
 
-    async def model_card(self, request):
+    async def model_card(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["model"]
         if name != self.model:
             raise SimError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return _json(self.card)
 
-    async def metrics(self, request):
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
         if self.vllm:
             name = self.model.replace("\\", "\\\\").replace('"', '\\"')
             label = f'{{model_name="{name}"}}'
@@ -308,42 +315,42 @@ class Sim:
                 f"llamacpp:requests_deferred {self.waiting}\n")
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
-    async def sleep(self, request):
+    async def sleep(self, request: web.Request) -> web.StreamResponse:
         level = request.query.get("level", "1")
         if not level.isdigit():
             raise SimError(400, f"level must be an integer, got {level!r}", param="level")
         self.sleeping, self.sleep_level = True, int(level)
         return web.Response()
 
-    async def wake_up(self, request):
+    async def wake_up(self, request: web.Request) -> web.StreamResponse:
         if self.opts.fail == "wake-fails":  # as vLLM does when it cannot re-allocate its weights
             raise SimError(500, "simulated failure: wake_up failed (--fail wake-fails)")
         self.sleeping, self.sleep_level = False, 0
         return web.Response()
 
-    async def is_sleeping(self, request):
+    async def is_sleeping(self, request: web.Request) -> web.StreamResponse:
         return _json({"is_sleeping": self.sleeping})
 
-    async def sim_requests(self, request):
+    async def sim_requests(self, request: web.Request) -> web.StreamResponse:
         return _json([{"time": t, "method": m, "path": p, "query": q,
                        "headers": [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in h],
                        "body": b.decode("utf-8", "replace"), "body_b64": base64.b64encode(b).decode()}
                       for t, m, p, q, h, b in self.record])
 
-    async def sim_clear(self, request):
+    async def sim_clear(self, request: web.Request) -> web.StreamResponse:
         self.record.clear()
         return web.Response(status=204)
 
     # -- generation -----------------------------------------------------------------
 
-    def _usage(self, p: int, n: int) -> dict:
+    def _usage(self, p: int, n: int) -> dict[str, Any]:
         return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n, "prompt_tokens_details": None}
 
-    def _include_usage(self, body: dict) -> bool:
+    def _include_usage(self, body: dict[str, Any]) -> bool:
         so = body.get("stream_options")
         return isinstance(so, dict) and bool(so.get("include_usage", True))
 
-    async def chat(self, request):
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -361,7 +368,7 @@ class Sim:
         end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
 
-        def after():
+        def after() -> Iterator[bytes]:
             if usage:
                 yield b"data: " + orjson.dumps({
                     "id": rid, "object": "chat.completion.chunk", "created": created,
@@ -370,12 +377,12 @@ class Sim:
         return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
                                   lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
 
-    def _chat_choice(self, index: int, n: int, finish: str) -> dict:
+    def _chat_choice(self, index: int, n: int, finish: str) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": "".join(_TOK[:n]), "refusal": None,
                                             "tool_calls": [], "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
-    async def chat_batch(self, request):
+    async def chat_batch(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         convs = body.get("messages")
         if not isinstance(convs, list) or not convs:
@@ -392,7 +399,7 @@ class Sim:
             "choices": [self._chat_choice(i, n, finish) for i in range(len(convs))],
             "usage": self._usage(p, n * len(convs))})
 
-    async def completions(self, request):
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         prompt = body.get("prompt")
         if prompt is None:
@@ -412,7 +419,7 @@ class Sim:
         end = b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
 
-        def after():
+        def after() -> Iterator[bytes]:
             if usage:
                 yield b"data: " + orjson.dumps({
                     "id": rid, "object": "text_completion", "created": created,
@@ -420,7 +427,8 @@ class Sim:
             yield _DONE
         return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after)
 
-    def _response(self, rid: str, created: int, body: dict, status: str, output: list, usage) -> dict:
+    def _response(self, rid: str, created: int, body: dict[str, Any], status: str, output: list[Any],
+                  usage: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": rid, "object": "response", "created_at": created, "status": status, "background": False,
                 "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -431,7 +439,7 @@ class Sim:
                 "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
                 "usage": usage}
 
-    async def responses(self, request):
+    async def responses(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         if body.get("input") is None:
             raise SimError(400, "input: Field required", param="input")
@@ -440,7 +448,7 @@ class Sim:
         uid, created = _uid(), int(time.time())
         rid, mid, status = "resp_" + uid, "msg_" + uid, "incomplete" if cut else "completed"
 
-        def final(seq: int | None = None):
+        def final(seq: int | None = None) -> Any:  # the response (seq None), else its closing events
             text = "".join(_TOK[:n])
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item = {"id": mid, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
@@ -475,7 +483,7 @@ class Sim:
                                   lambda i: head + b"%d" % (4 + i) + mid_b + tj[i] + b',"logprobs":[]}\n\n',
                                   lambda: final(4 + n))
 
-    async def messages(self, request):
+    async def messages(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         if not isinstance(body.get("messages"), list):
             raise SimError(400, "messages: Field required", param="messages")
@@ -510,7 +518,7 @@ class Sim:
         norm = sum(x * x for x in v) ** 0.5 or 1.0
         return [x / norm for x in v]
 
-    async def embeddings(self, request):
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         inp = body.get("input")
         if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
@@ -532,17 +540,18 @@ class Sim:
             "data": data, "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0,
                                     "prompt_tokens_details": None}})
 
-    def _score(self, a, b) -> float:
+    def _score(self, a: str, b: str) -> float:
         return random.Random(f"{a}\x00{b}").random()
 
-    async def rerank(self, request):
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str) or not isinstance(docs, list):
             raise SimError(400, "query and documents are required", param="documents")
         texts = [d.get("text", "") if isinstance(d, dict) else str(d) for d in docs]
-        results = sorted(({"index": i, "document": {"text": t}, "relevance_score": self._score(query, t)}
-                          for i, t in enumerate(texts)), key=lambda r: -r["relevance_score"])
+        scored: list[dict[str, Any]] = [{"index": i, "document": {"text": t}, "relevance_score": self._score(query, t)}
+                                        for i, t in enumerate(texts)]
+        results = sorted(scored, key=lambda r: -r["relevance_score"])
         top = body.get("top_n") or len(results)
         if not isinstance(top, int) or top < 0:
             raise SimError(400, f"top_n must be a non-negative integer, got {top!r}", param="top_n")
@@ -550,7 +559,7 @@ class Sim:
         return await self._generate(1, lambda: {"id": "rerank-" + _uid(), "model": self.model,
                                                 "usage": {"total_tokens": tokens}, "results": results[:top]})
 
-    async def score(self, request):
+    async def score(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         a, b = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
         if a is None or b is None:
@@ -567,7 +576,7 @@ class Sim:
                      for i, (x, y) in enumerate(zip(a, b, strict=False))],
             "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0, "prompt_tokens_details": None}})
 
-    async def transcriptions(self, request):
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         if request.content_type != "multipart/form-data":
             raise SimError(400, "Expected multipart/form-data with a file field", param="file")
         from email.parser import BytesParser  # here: it costs startup time, and this route is rare
@@ -578,12 +587,14 @@ class Sim:
                   if not isinstance(part, str)}
         if "file" not in fields:
             raise SimError(400, "file: Field required", param="file")
-        model = fields["model"].get_payload(decode=True).decode() if "model" in fields else None
+        # decode=True gives a leaf part's bytes (typeshed allows a Message too).
+        model = cast(bytes, fields["model"].get_payload(decode=True)).decode() if "model" in fields else None
         if model and model != self.model and self.vllm:
             raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         size = len(fields["file"].get_payload(decode=True) or b"")
         text = f"simulated transcription of {size} bytes"
-        fmt = fields["response_format"].get_payload(decode=True).decode() if "response_format" in fields else "json"
+        fmt = (cast(bytes, fields["response_format"].get_payload(decode=True)).decode()
+               if "response_format" in fields else "json")
         return await self._generate(1, lambda: web.Response(text=text) if fmt == "text" else {"text": text})
 
 
@@ -686,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     try:
         import uvloop
-        run = uvloop.run
+        run: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
     except ImportError:
         run = asyncio.run
     try:
