@@ -1,6 +1,7 @@
 # ondemand: every set-up step lives here, so a clean clone needs only
 #   make run        the gateway on the embedded default (no Docker, GPU or LiteLLM)
-#   make test       the fast suite (under 5 minutes on 2 cores)
+#   make test       ruff and mypy, then the fast suite (about 3 1/2 minutes on 2 cores;
+#                   make lint runs the first two alone, in seconds)
 #   make test-all   the fast suite, the long race loops, and the suites with real
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
@@ -16,7 +17,7 @@ PYZ_TARGETS := native py310-x86_64 py311-x86_64 py312-x86_64 py312-aarch64
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 export ONDEMAND_CACHE := $(CACHE)
 
-.PHONY: install run run-real test test-all test-slow test-docker test-litellm test-llamacpp test-browser \
+.PHONY: install run run-real lint test test-all test-slow test-docker test-litellm test-llamacpp test-browser \
         pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
 
 install: $(STAMP)
@@ -39,7 +40,12 @@ run: install
 run-real: install
 	bash scripts/run-real.sh
 
-test: install
+# Lint and types first (.ruff.toml; setup.cfg's [mypy]): a few seconds, and a failure stops the target.
+lint: install
+	$(VENV)/bin/ruff check --quiet ondemand tests
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PYTEST) -q -m "not slow and not docker and not litellm and not llamacpp and not browser"
 
 test-slow: install
@@ -88,7 +94,7 @@ bench: install
 	$(PY) scripts/bench.py
 
 clean:
-	rm -rf dist build .pytest_cache .hypothesis
+	rm -rf dist build .pytest_cache .hypothesis .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -14,14 +14,17 @@ import logging
 import pathlib
 import re
 import socket
+from types import ModuleType
 from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
-from . import __version__, components, keys as keys_mod, metrics
+from . import __version__, components, metrics
+from . import keys as keys_mod
 from .config import Config
-from .deployer import StartFailed, StartInterrupted
+from .deployer import Deployer, StartFailed, StartInterrupted
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, OndemandError
 from .events import ViewPublished
 from .model import Deployment, State
@@ -60,12 +63,12 @@ def _http_error(exc: web.HTTPException) -> web.Response:
                         headers={"Allow": allow} if allow else None)
 
 
-def auth_middleware(cfg: Config):
+def auth_middleware(cfg: Config) -> Middleware:
     api = cfg.base_path + "/api"
     gateway = cfg.base_path + "/ondemand"
 
     @web.middleware
-    async def admin_auth(request: web.Request, handler):
+    async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(gateway):
             return await handler(request)  # the gateway answers its own errors
         # The UI page itself is static and holds no data: it asks for the token.
@@ -89,12 +92,12 @@ def auth_middleware(cfg: Config):
             log.exception("%s %s failed", request.method, request.path)
             if request.writer is None or request.writer.output_size:
                 raise  # an answer (an event stream) is under way: aiohttp cuts the connection
-            err = OndemandError(500, "internal_error", "ondemand failed on this request; see its log")
-            return web.Response(status=500, body=err.body(), content_type=_JSON)
+            internal = OndemandError(500, "internal_error", "ondemand failed on this request; see its log")
+            return web.Response(status=500, body=internal.body(), content_type=_JSON)
     return admin_auth
 
 
-def _app_parts(request: web.Request):
+def _app_parts(request: web.Request) -> tuple[ModuleType, web.Application]:
     return components, request.app
 
 
@@ -263,9 +266,9 @@ async def edit_deployment(request: web.Request) -> web.Response:
         raise OndemandError(409, "name_taken", str(exc)) from exc
     except DeployerError as exc:  # removed while the edit waited for the deployer
         raise OndemandError(404, "not_found", str(exc)) from exc
-    if changes:  # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
-        if metrics.blind(dep):
-            log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
+    # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
+    if changes and metrics.blind(dep):
+        log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
     return _json(app_mod.view(app, dep))
 
 
@@ -281,7 +284,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     return _json(app_mod.view(app, deployer.get(dep.id) or dep), status=201)
 
 
-async def _admit(deployer, dep_id: int, request: web.Request) -> None:
+async def _admit(deployer: Deployer, dep_id: int, request: web.Request) -> None:
     try:
         await deployer.admit_start(dep_id, actor="admin", user=_user(request), text="started by an administrator")
     except InsufficientMemory as exc:

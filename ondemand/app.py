@@ -16,17 +16,37 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
-from . import __version__, keys as keys_mod
+from . import __version__
+from . import keys as keys_mod
+from .admission import Admission
 from .backends import Backend
 from .backends.process import ProcessBackend
 from .budget import Budget
+from .components import (
+    ADMISSION,
+    BUS,
+    CONFIG,
+    CONTROLLER,
+    DEPLOYER,
+    EFFECTS,
+    GATEWAY,
+    KEYS,
+    PEERS,
+    POLICY,
+    SAMPLER,
+    STARTED_AT,
+    STORE,
+    SYNC,
+    TASKS,
+    view,
+)
 from .config import Config
-from .admission import Admission
 from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
@@ -42,8 +62,6 @@ from .ratelimit import FailureLimiter
 from .reaper import Reaper
 from .store import Store
 from .tasks import TaskGroup
-from .components import (ADMISSION, BUS, CONFIG, CONTROLLER, DEPLOYER, EFFECTS, GATEWAY, KEYS, PEERS, POLICY,
-                         SAMPLER, STARTED_AT, STORE, SYNC, TASKS, view)
 
 log = logging.getLogger("ondemand.app")
 
@@ -171,7 +189,11 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     bus.subscribe(KeyRotated, lambda e: limiter.clear())  # failed-attempt counts cleared at rotation
     watcher.current()
     upstreams = Upstreams()
-    bus.subscribe(DeploymentChanged, lambda e: e.removed and upstreams.forget(e.dep_id))
+
+    def forget_removed(e: DeploymentChanged) -> None:
+        if e.removed:
+            upstreams.forget(e.dep_id)
+    bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
                            limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
     yield
@@ -210,7 +232,11 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
         client=_litellm_client(cfg), internal_url=cfg.internal_url.rstrip("/"),
         queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
         current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
-    bus.subscribe(DeploymentChanged, lambda e: _sync_needed(e) and sync.trigger())
+
+    def sync_if_needed(e: DeploymentChanged) -> None:
+        if _sync_needed(e):
+            sync.trigger()
+    bus.subscribe(DeploymentChanged, sync_if_needed)
     bus.subscribe(KeyRotated, lambda e: sync.trigger())
     yield
     await sync.close()

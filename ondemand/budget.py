@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from .errors import BudgetError, InsufficientMemory
 from .model import HOLDING, Deployment, Mode, Role, State

@@ -3,28 +3,32 @@
 The click commands, and nothing else. The configuration is read here, once,
 and passed down. Commands that read or change state talk to the running
 server over its admin socket (``adminclient``); read-only ones open the state
-file themselves when no server runs. ``doctor``'s checks live in ``doctor``. ``--json`` prints machine-readable output; errors go to
-stderr with a non-zero exit: 1 for a refused or failed action, 2 for bad
-usage or configuration, 3 when the server is needed but not running.
+file themselves when no server runs. ``doctor``'s checks live in ``doctor``.
+``--json`` prints machine-readable output; errors go to stderr with a non-zero
+exit: 1 for a refused or failed action, 2 for bad usage or configuration, 3 when
+the server is needed but not running.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, NoReturn, TypeVar
 
 import click
 import orjson
 
-from . import __version__, adminclient, config as config_mod
+from . import __version__, adminclient
+from . import config as config_mod
 from .errors import ConfigError
 from .model import Deployment
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
+T = TypeVar("T")
 
 
-def _run(coro):
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
         return uvloop.run(coro)
@@ -36,7 +40,7 @@ def _echo_json(data: Any) -> None:
     click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
 
 
-def _fail(message: str, code: int = EXIT_FAILED) -> None:
+def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     click.echo(f"ondemand: {message}", err=True)
     sys.exit(code)
 
@@ -44,7 +48,7 @@ def _fail(message: str, code: int = EXIT_FAILED) -> None:
 class Ctx:
     def __init__(self, config_path: str | None):
         self.config_path = config_path
-        self._cfg = None
+        self._cfg: config_mod.Config | None = None
 
     @property
     def cfg(self) -> config_mod.Config:
@@ -201,7 +205,7 @@ def migrate(ctx: Ctx, as_json: bool) -> None:
     from .migrations import SchemaTooNew
     from .store import Store
 
-    async def go():
+    async def go() -> int:
         store = await Store.open(ctx.cfg.db_path)
         try:
             return await store.version()
@@ -251,7 +255,7 @@ def _views(ctx: Ctx, path: str = "/deployments") -> tuple[Any, bool]:
 def _table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [header] + [["-" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells)
 
 
 def _ago(ts: float | None) -> str:
@@ -266,7 +270,8 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for v in views:
         od = v.get("ondemand") or {}
-        rows.append([v["id"], v["name"], v["served_name"], v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else ""),
+        mode = v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else "")
+        rows.append([v["id"], v["name"], v["served_name"], mode,
                      v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
                      _ago(od.get("last_request_at")), f"{v.get('memory_gib') or 0:g} GiB"])
     return rows
@@ -283,7 +288,7 @@ _DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "Q
 def status(ctx: Ctx, as_json: bool) -> None:
     """Host, budget, and each deployment's phase, in-flight and queued counts."""
     views, offline = _views(ctx)
-    host = None if offline else _call(ctx, "GET", "/host")
+    host: Any = None if offline else _call(ctx, "GET", "/host")  # JSON
     if as_json:
         _echo_json({"host": host, "deployments": views, "offline": offline})
         return
@@ -292,13 +297,15 @@ def status(ctx: Ctx, as_json: bool) -> None:
     else:
         b = host["budget"]
         budget = (f"{b['free']:g} GiB free of {b['capacity']:g} GiB ({b['source']}), "
-                  f"{b['ondemand_capacity']:g} GiB for on-demand models") if "free" in b else f"unreadable: {b['error']}"
+                  f"{b['ondemand_capacity']:g} GiB for on-demand models"
+                  ) if "free" in b else f"unreadable: {b['error']}"
         od = host["ondemand"]
         click.echo(f"ondemand {host['version']} on {host['listen']} ({host['backend']} backend)")
         click.echo(f"budget: {budget}")
-        click.echo(f"key: {'fingerprint ' + od['key_fingerprint'] if od['configured'] else 'NOT CONFIGURED (ondemand key init)'}"
-                   f"; LiteLLM: {'ready' if od['litellm_ready'] else ('not ready: ' + str(od['litellm_error'])) if od['litellm_enabled'] else 'disabled'}"
-                   f"; waiting requests: {od['queued']}")
+        key = "fingerprint " + od["key_fingerprint"] if od["configured"] else "NOT CONFIGURED (ondemand key init)"
+        litellm = ("ready" if od["litellm_ready"] else ("not ready: " + str(od["litellm_error"]))
+                   ) if od["litellm_enabled"] else "disabled"
+        click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
 
@@ -325,8 +332,9 @@ def deploy() -> None:
 @click.option("--no-start", is_flag=True, help="leave it planned")
 @json_option
 @pass_ctx
-def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, memory_gib, role, mode,
-               idle_timeout, no_start, as_json) -> None:
+def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image: str | None, args: tuple[str, ...],
+               command: str | None, port: int, memory_gib: float, role: str, mode: str,
+               idle_timeout: int | None, no_start: bool, as_json: bool) -> None:
     """Create a deployment. On demand it rests stopped until its first request;
     always on it starts at once."""
     import shlex
@@ -341,7 +349,10 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
     if idle_timeout is not None:
         body["idle_timeout_s"] = idle_timeout
     view = _call(ctx, "POST", "/deployments", body)
-    _echo_json(view) if as_json else click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
+    if as_json:
+        _echo_json(view)
+    else:
+        click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
     _warn_if_blind(view)
 
 
@@ -361,8 +372,10 @@ def deploy_add(ctx: Ctx, name, served_name, engine, image, args, command, port, 
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
 @json_option
 @pass_ctx
-def deploy_set(ctx: Ctx, dep_id: int, name, served_name, engine, image, args, no_args, command, port, memory_gib,
-               role, mode, idle_timeout, as_json) -> None:
+def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None, engine: str | None,
+               image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
+               memory_gib: float | None, role: str | None, mode: str | None, idle_timeout: str | None,
+               as_json: bool) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
     deployment_update). A start afterwards uses the new values."""
     import shlex
@@ -548,7 +561,8 @@ def doctor(ctx: Ctx, as_json: bool) -> None:
         _echo_json(checks)
     else:
         for c in checks:
-            click.echo(f"{'OK  ' if c['ok'] else 'FAIL' if c['ok'] is False else 'SKIP'}  {c['check']:10} {c['detail']}")
+            mark = "OK  " if c["ok"] else "FAIL" if c["ok"] is False else "SKIP"
+            click.echo(f"{mark}  {c['check']:10} {c['detail']}")
     if any(c["ok"] is False for c in checks):
         sys.exit(EXIT_FAILED)
 

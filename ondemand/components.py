@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .model import Deployment
-
 from aiohttp import web
 
-from .config import Config
 from .admission import Admission
+from .config import Config
 from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
@@ -19,6 +17,7 @@ from .gateway import Gateway
 from .keys import KeyWatcher
 from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
+from .model import Deployment
 from .peers import PeerPolicySource
 from .store import Store
 from .tasks import TaskGroup

@@ -13,13 +13,15 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10 (DGX OS 22.04)
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10 (DGX OS 22.04)
+    import tomli as tomllib
 
 from .errors import ConfigError
 
@@ -166,7 +168,7 @@ def _one_of(*names: str) -> Callable[[Any], bool]:
     return lambda x: x in names
 
 
-_KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
+_KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "state_dir": (lambda v: Path(_str(v)), bool, "a directory path"),
     "listen": (_listen, bool, "HOST:PORT"),
     "base_path": (_base_path, lambda s: True, "a path prefix like /dgxmm, or empty"),
@@ -208,7 +210,7 @@ _KEYS: dict[str, tuple[Callable, Callable[[Any], bool], str]] = {
 _TABLES = {"budget": BudgetConfig, "deployer": DeployerConfig, "litellm": LiteLLMConfig}
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
@@ -223,7 +225,7 @@ def _env_name(key: str) -> str:
     return "ONDEMAND_" + key.replace(".", "_").upper()
 
 
-def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
          overrides: dict[str, Any] | None = None) -> Config:
     """Build the one Config: defaults < file < environment < overrides."""
     env = dict(os.environ) if env is None else env

@@ -43,7 +43,8 @@ import dataclasses
 import enum
 import logging
 import math
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .errors import InsufficientMemory, OndemandError
 from .eviction import Candidate, pick_victims

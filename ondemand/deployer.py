@@ -34,7 +34,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 
@@ -412,7 +413,8 @@ class Deployer:
                 if dep_now is not None and dep_now.state is State.STARTING:
                     await self._transition(dep_id, State.READY, text="ready")
                 return
-            await asyncio.wait([exited, self.changed(dep_id)], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            waits: list[asyncio.Future[Any]] = [exited, self.changed(dep_id)]
+            await asyncio.wait(waits, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
 
     async def _wake(self, dep_id: int) -> None:
         async with self._gate, self._through_gate(dep_id):

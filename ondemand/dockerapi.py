@@ -15,13 +15,15 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import aiodocker
 import aiohttp
+from aiodocker.containers import DockerContainer
 from aiodocker.exceptions import DockerError
 from aiodocker.networks import DockerNetwork
 
-__all__ = ["Docker", "DockerError", "client", "AttachedNetwork", "OutsideDocker", "own_networks",
+__all__ = ["Docker", "DockerContainer", "DockerError", "client", "AttachedNetwork", "OutsideDocker", "own_networks",
            "container_ids_from_proc", "read_proc_ids"]
 
 Docker = aiodocker.Docker
@@ -100,7 +102,8 @@ async def own_networks(docker_url: str | None, proc_dir: str | None, hint: str |
         raise OutsideDocker("no container id (no hint, nothing in /proc)")
     async with client(docker_url) as docker:
         container = await _own_container(docker, candidates, hint)
-        settings = (container["NetworkSettings"] if "NetworkSettings" in container else None) or {}
+        # A DockerContainer has __contains__ and __getitem__ but no get().
+        settings = (container["NetworkSettings"] if "NetworkSettings" in container else None) or {}  # noqa: SIM401
         endpoints = settings.get("Networks") or {}
         attached = [await _attached(docker, name, ep or {}) for name, ep in endpoints.items()]
         decider_subnets: list[str] | None = None
@@ -116,7 +119,7 @@ async def own_networks(docker_url: str | None, proc_dir: str | None, hint: str |
         return attached, decider_subnets
 
 
-async def _own_container(docker: Docker, candidates: list[str], hint: str | None):
+async def _own_container(docker: Docker, candidates: list[str], hint: str | None) -> DockerContainer:
     for cid in candidates:
         try:
             found = await docker.containers.get(cid)
@@ -124,13 +127,13 @@ async def _own_container(docker: Docker, candidates: list[str], hint: str | None
             if e.status != 404:
                 raise
             continue
-        config = (found["Config"] if "Config" in found else None) or {}
+        config = (found["Config"] if "Config" in found else None) or {}  # noqa: SIM401 (no DockerContainer.get)
         if found.id == cid or (cid == hint and config.get("Hostname") == hint):
             return found
     raise OutsideDocker(f"no container {', '.join(candidates)} in this Docker")
 
 
-async def _attached(docker: Docker, name: str, ep: dict) -> AttachedNetwork:
+async def _attached(docker: Docker, name: str, ep: dict[str, Any]) -> AttachedNetwork:
     gateways = [g for g in (ep.get("Gateway"), ep.get("IPv6Gateway")) if g]
     subnets: list[str] = []
     net_id = ep.get("NetworkID") or ""

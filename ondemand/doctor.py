@@ -32,8 +32,9 @@ async def check_docker(cfg: Config) -> Check:
                 return _check("docker", True,
                               f"Docker {version.get('Version')} answers; network {cfg.deployer.network} exists")
             except DockerError:
-                return _check("docker", False, f"network {cfg.deployer.network!r} is missing: create it "
-                                               f"(docker network create {cfg.deployer.network}) or set deployer.network")
+                return _check("docker", False,
+                              f"network {cfg.deployer.network!r} is missing: create it "
+                              f"(docker network create {cfg.deployer.network}) or set deployer.network")
         finally:
             await docker.close()
     except Exception as exc:
@@ -58,7 +59,8 @@ def check_key(cfg: Config) -> Check:
     from . import keys
     key = keys.read_key_file(cfg.key_file)
     if key is None:
-        return _check("key", False, f"no key in {cfg.key_file}: run `ondemand key init` (the gateway answers 503 until then)")
+        return _check("key", False,
+                      f"no key in {cfg.key_file}: run `ondemand key init` (the gateway answers 503 until then)")
     mode = stat_mod.S_IMODE(os.stat(cfg.key_file).st_mode)
     if mode & 0o077:
         return _check("key", False, f"{cfg.key_file} is readable by others (mode {mode:o}): chmod 600 it")
@@ -72,7 +74,8 @@ async def check_litellm(cfg: Config) -> Check:
     from .litellm import LiteLLMClient, LiteLLMError
     master = keys.read_key_file(cfg.litellm.master_key_file) if cfg.litellm.master_key_file else None
     if master is None:
-        return _check("litellm", False, "litellm.master_key_file holds no key: set it to a file with LiteLLM's master key")
+        return _check("litellm", False,
+                      "litellm.master_key_file holds no key: set it to a file with LiteLLM's master key")
     client = LiteLLMClient(cfg.litellm.url, master)
     try:
         models = await client.list_models()
@@ -87,7 +90,8 @@ async def check_litellm(cfg: Config) -> Check:
 
 async def check_engines(cfg: Config) -> Check | None:
     """Engines whose idleness cannot be seen; None when no deployment can be read."""
-    from .metrics import BLIND_WARNING, blind as is_blind
+    from .metrics import BLIND_WARNING
+    from .metrics import blind as is_blind
     rows = None
     try:
         _status, rows = await request(cfg, "GET", "/deployments")
@@ -128,7 +132,8 @@ async def check_listener(cfg: Config, server_runs: bool) -> Check:
             s.bind((host, port))
         return _check("listener", True, f"{cfg.listen} is free to listen on")
     except OSError as exc:
-        return _check("listener", False, f"cannot listen on {cfg.listen}: {exc.strerror} (another process? change listen)")
+        return _check("listener", False,
+                      f"cannot listen on {cfg.listen}: {exc.strerror} (another process? change listen)")
 
 
 async def run(cfg: Config) -> list[Check]:

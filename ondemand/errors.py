@@ -7,6 +7,8 @@ extra headers. ``detail`` is for the log only. Imports nothing of ours.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 # OpenAI's error types by status, as its SDKs map them.
@@ -36,7 +38,7 @@ class OndemandError(Exception):
         self.detail = detail
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
-    def envelope(self) -> dict:
+    def envelope(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
 
     def body(self) -> bytes:

@@ -19,7 +19,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from .model import Deployment, State
 

@@ -51,6 +51,7 @@ import collections
 import logging
 import socket
 import sys
+from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -124,11 +125,11 @@ class _Conn(asyncio.Protocol):
     __slots__ = ("pool", "transport", "parser", "head", "payload", "got_bytes", "keep", "paused",
                  "sent_at", "idle_since")
 
-    def __init__(self, pool: "_Pool"):
+    def __init__(self, pool: _Pool):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser: Any = None       # an HttpResponseParser while an exchange runs, else None
-        self.head: asyncio.Future | None = None
+        self.head: asyncio.Future[Any] | None = None
         self.payload: Any = None      # the body's StreamReader once the head arrived
         self.got_bytes = False
         self.keep = True              # False once anything rules out another exchange
@@ -246,10 +247,13 @@ class _Conn(asyncio.Protocol):
             else:
                 self.transport.close()
 
-    async def exchange(self, data: bytes | list[bytes], head_only: bool) -> "Response":
+    async def exchange(self, data: bytes | list[bytes], head_only: bool) -> Response:
         """Send one request and wait for the answer's head; on any exception the connection is closed."""
         loop = self.pool.loop
-        self.parser = HttpResponseParser(self, loop, READ_LIMIT, payload_exception=ClientPayloadError,
+        # _Conn is an asyncio.Protocol, not aiohttp's BaseProtocol: it has the
+        # pause_reading, resume_reading and connected the parser's payload reader uses.
+        self.parser = HttpResponseParser(self, loop, READ_LIMIT,  # type: ignore[arg-type]
+                                         payload_exception=ClientPayloadError,
                                          response_with_body=not head_only, read_until_eof=True,
                                          auto_decompress=False)
         self.head = head = loop.create_future()
@@ -308,7 +312,8 @@ class Response:
         return self.headers.get("Content-Type", "application/octet-stream").partition(";")[0].strip().lower()
 
     async def read(self) -> bytes:
-        return await self.content.read()
+        data: bytes = await self.content.read()
+        return data
 
     def release(self) -> None:
         """Exactly once per answer, however it ended (idempotent)."""
@@ -337,7 +342,7 @@ class _Pool:
         self.size = 0                  # connections open or being opened (each holds a slot)
         self.conns: set[_Conn] = set()   # every open connection, idle or busy
         self.idle: list[_Conn] = []    # LIFO: the most recently used connection is the likeliest alive
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.streams = 0               # leases not yet ended
         self.retired = False
         self.closed = False
@@ -494,7 +499,7 @@ class Upstreams:
         self._current: dict[int, _Pool] = {}
         self._retired: set[_Pool] = set()
 
-    def open(self, dep_id: int, base_url: str) -> "_Lease":
+    def open(self, dep_id: int, base_url: str) -> _Lease:
         up = self._current.get(dep_id)
         if up is None or up.base_url != base_url:
             if up is not None:
@@ -544,7 +549,8 @@ class _Lease:
     def base_url(self) -> str:
         return self._up.base_url
 
-    def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None):
+    def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None
+                ) -> Coroutine[Any, Any, Response]:
         """``await`` it for the answer's head (a :class:`Response`); raises :class:`UpstreamError`."""
         return self._up.request(method, target, headers, body)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -32,9 +33,10 @@ from .admission import Admission
 from .controller import Slot
 from .deployer import Deployer
 from .errors import OndemandError
-from .model import Deployment, Role, State
-from .forward import Response as UpstreamResponse, UpstreamError, Upstreams, request_headers, response_headers
+from .forward import Response as UpstreamResponse
+from .forward import UpstreamError, Upstreams, request_headers, response_headers
 from .keys import KeyWatcher
+from .model import Deployment, Role, State
 from .paths import rebuild, split_checked
 from .ratelimit import FailureLimiter
 
@@ -73,9 +75,9 @@ def _not_found() -> OndemandError:
     return OndemandError(404, "not_found", "Not found")
 
 
-def _release_when_granted(task: asyncio.Future) -> None:
+def _release_when_granted(task: asyncio.Future[Slot]) -> None:
     """A slot granted to a request that is gone is released at once."""
-    def done(t: asyncio.Future) -> None:
+    def done(t: asyncio.Future[Slot]) -> None:
         if not t.cancelled() and t.exception() is None:
             t.result().release()
     task.add_done_callback(done)
@@ -120,10 +122,40 @@ def health_answer(route: str, served: str) -> dict[str, Any] | None:
     return None
 
 
+def _route(segs: list[str], method: str) -> tuple[int, str, str]:
+    """{id}/v1/<route>: the deployment id, the route, and its kind (traffic, models, model)."""
+    if len(segs) < 3 or segs[1] != "v1" or not segs[0].isdigit() or not segs[0].isascii():
+        raise _not_found()
+    dep_id = int(segs[0])
+    route = "/".join(segs[2:])
+    if method == "POST" and route in TRAFFIC:
+        kind = "traffic"
+    elif route == "models" and method == "GET":
+        kind = "models"
+    elif len(segs) == 4 and segs[2] == "models" and method in ("GET", "HEAD"):
+        kind = "model"
+    else:
+        raise _not_found()
+    return dep_id, route, kind
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A JSON route's body, parsed: every JSON route takes an object."""
+    if not body:  # the engine would refuse it too: no reason to start one for it
+        raise _err(400, "invalid_json", "The request body is empty: a JSON object is expected")
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _err(400, "invalid_json", "The request body is not valid JSON") from None
+    if not isinstance(parsed, dict):  # null too
+        raise _err(400, "invalid_json", "The request body must be a JSON object")
+    return parsed
+
+
 class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
-                 clock=time.monotonic):
+                 clock: Callable[[], float] = time.monotonic):
         self.controller = controller
         self.deployer = deployer
         self.keys = keys
@@ -172,20 +204,7 @@ class Gateway:
         arrival = self.clock()
         segs = split_checked(request.raw_path, self.prefix)
         self._check_key(request)
-        # Route: {id}/v1/<route>
-        if len(segs) < 3 or segs[1] != "v1" or not segs[0].isdigit() or not segs[0].isascii():
-            raise _not_found()
-        dep_id = int(segs[0])
-        route = "/".join(segs[2:])
-        method = request.method
-        if method == "POST" and route in TRAFFIC:
-            kind = "traffic"
-        elif route == "models" and method == "GET":
-            kind = "models"
-        elif len(segs) == 4 and segs[2] == "models" and method in ("GET", "HEAD"):
-            kind = "model"
-        else:
-            raise _not_found()
+        dep_id, route, kind = _route(segs, request.method)
         length = request.content_length
         if length is not None and length > self.max_body:
             raise self._too_large()
@@ -213,16 +232,7 @@ class Gateway:
             raise _err(503, "not_on_demand", f"{dep.served_name} is always on and is {dep.state}")
 
         body = await self._read_body(request)
-        parsed = None
-        if route not in MULTIPART:
-            if not body:  # the engine would refuse it too: no reason to start one for it
-                raise _err(400, "invalid_json", "The request body is empty: a JSON object is expected")
-            try:
-                parsed = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                raise _err(400, "invalid_json", "The request body is not valid JSON") from None
-            if not isinstance(parsed, dict):  # null too: every JSON route takes an object
-                raise _err(400, "invalid_json", "The request body must be a JSON object")
+        parsed = None if route in MULTIPART else _json_object(body)
         if not on_demand:
             return await self._forward(request, dep, segs, body, route)
         how = notice.mode(route, parsed)
@@ -271,7 +281,8 @@ class Gateway:
         slot: Slot | None = None
         try:
             if not acq.done():
-                q = asyncio.ensure_future(queued.wait())
+                # A child too: asyncio.wait takes futures, and this one is cancelled just below.
+                q = asyncio.ensure_future(queued.wait())  # noqa: TID251
                 try:
                     await asyncio.wait((acq, q), return_when=asyncio.FIRST_COMPLETED)
                 finally:

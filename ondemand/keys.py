@@ -14,7 +14,8 @@ import logging
 import os
 import secrets
 import time
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from .events import KeyRotated
 
@@ -36,7 +37,7 @@ def fingerprint(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
 
 
-def write_key_file(path: str | os.PathLike, key: str) -> None:
+def write_key_file(path: str | os.PathLike[str], key: str) -> None:
     """Write ``key`` to ``path`` atomically, readable by the owner only.
 
     A temporary file in the same directory is created with mode 0600 (never wider, not even for
@@ -70,7 +71,7 @@ def write_key_file(path: str | os.PathLike, key: str) -> None:
         os.close(dfd)
 
 
-def read_key_file(path: str | os.PathLike) -> str | None:
+def read_key_file(path: str | os.PathLike[str]) -> str | None:
     """The key in ``path``, stripped; ``None`` when the file is missing, empty or unreadable."""
     try:
         with open(path, "rb") as f:
@@ -105,7 +106,7 @@ class KeyWatcher:
 
     STAT_INTERVAL_S = 1.0
 
-    def __init__(self, path: str | os.PathLike, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.monotonic,
                  previous_grace_s: float = 300.0, logger: logging.Logger | None = None,
                  publish: Callable[[object], None] | None = None):
         self.path = os.fspath(path)
@@ -180,7 +181,7 @@ class KeyWatcher:
         old = self._key
         configured = key is not None
         if configured != self._configured:
-            if configured:
+            if key is not None:
                 self._log.info("ondemand key configured (fingerprint %s) from %s", fingerprint(key), self.path)
             else:
                 self._log.warning("ondemand key not configured: %s is missing, empty or unreadable; "

@@ -14,16 +14,17 @@ Our entries are the ones whose ``model_info`` carries ``dgxmm_id``; nothing else
 LiteLLM is ever touched. Entries are replaced (add, then delete), never edited: the old
 ``POST /model/update`` (update_model) merges litellm_params only and keeps the stored
 model_info, so a fingerprint would never change, and ``PATCH /model/{id}/update`` is
-recent; add-then-delete works on every release and keeps the name served throughout. Facts about LiteLLM relied on here are cited by file and
-function of BerriAI/litellm (``proxy_server.py``, ``management_endpoints/
-model_management_endpoints.py``, ``health_check.py``, ``types/router.py``).
+recent; add-then-delete works on every release and keeps the name served throughout.
+Facts about LiteLLM relied on here are cited by file and function of BerriAI/litellm
+(``proxy_server.py``, ``management_endpoints/model_management_endpoints.py``, ``health_check.py``, ``types/router.py``).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -77,7 +78,7 @@ def key_fingerprint(key: str) -> str:
     return _fp(key)
 
 
-def params_fingerprint(litellm_params: dict, model_info: dict) -> str:
+def params_fingerprint(litellm_params: dict[str, Any], model_info: dict[str, Any]) -> str:
     """Fingerprint of what an on-demand entry adds to an always-on one.
 
     LiteLLM normalises what it returns (GenericLiteLLMParams in types/router.py types
@@ -95,8 +96,9 @@ def params_fingerprint(litellm_params: dict, model_info: dict) -> str:
     return _fp(orjson.dumps(covered, option=orjson.OPT_SORT_KEYS))
 
 
-def _served_name(dep: dict) -> str:
-    return dep.get("served_name") or dep["name"]
+def _served_name(dep: dict[str, Any]) -> str:
+    name: str = dep.get("served_name") or dep["name"]
+    return name
 
 
 def ondemand_timeout(queue_timeout_s: int) -> int:
@@ -104,7 +106,7 @@ def ondemand_timeout(queue_timeout_s: int) -> int:
     return max(1200, int(queue_timeout_s) + 600)
 
 
-def ondemand_entry(dep: dict, key: str, internal_url: str, queue_timeout_s: int) -> dict:
+def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeout_s: int) -> dict[str, Any]:
     """The gateway entry of an on-demand deployment (BEHAVIOUR.md, "LiteLLM registration")."""
     dep_id = int(dep["id"])
     served = _served_name(dep)
@@ -132,7 +134,7 @@ def ondemand_entry(dep: dict, key: str, internal_url: str, queue_timeout_s: int)
     return {"model_name": served, "litellm_params": litellm_params, "model_info": model_info}
 
 
-def always_on_entry(dep: dict, engine_base_url: str) -> dict:
+def always_on_entry(dep: dict[str, Any], engine_base_url: str) -> dict[str, Any]:
     """The direct entry of an always-on deployment: LiteLLM calls the engine itself."""
     served = _served_name(dep)
     return {
@@ -146,7 +148,7 @@ def always_on_entry(dep: dict, engine_base_url: str) -> dict:
     }
 
 
-def entry_dgxmm_id(entry: dict) -> int | str | None:
+def entry_dgxmm_id(entry: dict[str, Any]) -> int | str | None:
     """Our id of a LiteLLM entry, or None when the entry is not ours.
 
     We write an int; LiteLLM keeps extra model_info keys as given (types/router.py
@@ -171,7 +173,7 @@ def entry_dgxmm_id(entry: dict) -> int | str | None:
         return text
 
 
-def entry_id(entry: dict) -> str | None:
+def entry_id(entry: dict[str, Any]) -> str | None:
     """LiteLLM's own id of an entry: model_info.id (the DB row's model_id for DB models)."""
     info = entry.get("model_info")
     if isinstance(info, dict) and info.get("id") is not None:
@@ -183,7 +185,7 @@ def _norm_base(url: Any) -> str | None:
     return url.rstrip("/") if isinstance(url, str) else None
 
 
-def entry_matches(existing: dict, wanted: dict) -> bool:
+def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """Whether an entry LiteLLM lists is the one we want (then nothing is written)."""
     have_p = existing.get("litellm_params") or {}
     want_p = wanted["litellm_params"]
@@ -279,7 +281,7 @@ class LiteLLMClient:
         return LiteLLMError("litellm_error", f"LiteLLM answered {status} on {what}: {message[:300]}",
                             detail=message)
 
-    async def list_models(self, *, ours_only: bool = False) -> list[dict]:
+    async def list_models(self, *, ours_only: bool = False) -> list[dict[str, Any]]:
         """Every entry LiteLLM serves (``GET /model/info``), or only ours (with dgxmm_id).
 
         model_info_v1 (proxy_server.py) answers {"data": [deployment, ...]} for the master
@@ -303,7 +305,8 @@ class LiteLLMClient:
             entries = [e for e in entries if entry_dgxmm_id(e) is not None]
         return entries
 
-    async def add_model(self, model_name: str, litellm_params: dict, model_info: dict) -> dict:
+    async def add_model(self, model_name: str, litellm_params: dict[str, Any],
+                        model_info: dict[str, Any]) -> dict[str, Any]:
         """Add an entry and prove it is served; returns LiteLLM's entry as /model/info lists it.
 
         add_new_model answers the created DB row (LiteLLM_ProxyModelTable: model_id, and

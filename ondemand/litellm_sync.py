@@ -11,10 +11,18 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from .litellm import (LiteLLMClient, LiteLLMError, always_on_entry, entry_dgxmm_id, entry_id, entry_matches,
-                      ondemand_entry)
+from .litellm import (
+    LiteLLMClient,
+    LiteLLMError,
+    always_on_entry,
+    entry_dgxmm_id,
+    entry_id,
+    entry_matches,
+    ondemand_entry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +30,7 @@ log = logging.getLogger(__name__)
 _GLOBAL_CODES = frozenset({"litellm_unreachable", "litellm_unauthorized", "litellm_no_db"})
 
 
-def _status(status: str, code: str | None = None) -> dict:
+def _status(status: str, code: str | None = None) -> dict[str, Any]:
     return {"status": status, "code": code}
 
 
@@ -37,15 +45,15 @@ class _Stop(Exception):
 @dataclasses.dataclass
 class _Round:
     """One reconciliation's working state."""
-    wanted: dict[int, dict]  # the entry each registered deployment wants
+    wanted: dict[int, dict[str, Any]]  # the entry each registered deployment wants
     left_alone: set[int]  # ids whose existing entries are kept as they are
-    statuses: dict[int, dict]  # the statuses this round ends with
-    previous: dict[int, dict]  # the statuses before it, of deployments that still exist
-    added: list[dict] = dataclasses.field(default_factory=list)
-    deleted: list[dict] = dataclasses.field(default_factory=list)
+    statuses: dict[int, dict[str, Any]]  # the statuses this round ends with
+    previous: dict[int, dict[str, Any]]  # the statuses before it, of deployments that still exist
+    added: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    deleted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     first_error: str | None = None
 
-    def result(self, error: str | None) -> dict:
+    def result(self, error: str | None) -> dict[str, Any]:
         return {"added": self.added, "deleted": self.deleted, "error": error}
 
 
@@ -56,8 +64,9 @@ class LiteLLMSync:
 
     - On-demand deployments are registered in every state except failed and planned, as
       gateway entries, while a key is readable. A planned deployment waits for an
-      administrator's start: the gateway refuses its requests, so it is not listed. Without a key they are not registered, their
-      existing entries are left alone, and their status is error ondemand_not_configured.
+      administrator's start: the gateway refuses its requests, so it is not listed.
+      Without a key they are not registered, their existing entries are left alone,
+      and their status is error ondemand_not_configured.
     - Always-on deployments are registered as direct entries only while ready *and*
       their engine has an address: a direct entry of an engine that is not serving would
       only produce errors, and the design syncs whenever a deployment enters or leaves
@@ -76,9 +85,9 @@ class LiteLLMSync:
     """
 
     def __init__(self, *, client: LiteLLMClient | None, internal_url: str, queue_timeout_s: int,
-                 list_deployments: Callable[[], Awaitable[list[dict]]],
+                 list_deployments: Callable[[], Awaitable[list[dict[str, Any]]]],
                  current_key: Callable[[], str | None],
-                 engine_base_url: Callable[[dict], str | None],
+                 engine_base_url: Callable[[dict[str, Any]], str | None],
                  interval_s: float = 60.0):
         self._client = client
         self.internal_url = internal_url
@@ -89,11 +98,11 @@ class LiteLLMSync:
         self._interval_s = interval_s
         self._lock = asyncio.Lock()
         self._pending = False
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[Any] | None = None
         self._closed = False
         self._last_ok = False
-        self.last_result: dict | None = None
-        self._statuses: dict[int, dict] = {}
+        self.last_result: dict[str, Any] | None = None
+        self._statuses: dict[int, dict[str, Any]] = {}
 
     # -- state --------------------------------------------------------------
 
@@ -106,7 +115,7 @@ class LiteLLMSync:
         """LiteLLM enabled and its last sync succeeded (``ondemand.litellm_ready``)."""
         return self.enabled and self._last_ok
 
-    def status_of(self, dep_id: int) -> dict:
+    def status_of(self, dep_id: int) -> dict[str, Any]:
         """{"status": "registered"|"pending"|"error", "code"} of a deployment's entry."""
         if not self.enabled:
             return _status("error", "litellm_disabled")
@@ -167,7 +176,7 @@ class LiteLLMSync:
 
     # -- the sync -----------------------------------------------------------
 
-    async def sync_now(self) -> dict:
+    async def sync_now(self) -> dict[str, Any]:
         """One reconciliation; {"added": [...], "deleted": [...], "error": None|code}."""
         if self._client is None:
             return {"added": [], "deleted": [], "error": "litellm_disabled"}
@@ -176,11 +185,12 @@ class LiteLLMSync:
         self.last_result = result
         return result
 
-    def _plan(self, deployments: list[dict], key: str | None) -> tuple[dict, set, dict]:
+    def _plan(self, deployments: list[dict[str, Any]], key: str | None
+              ) -> tuple[dict[int, dict[str, Any]], set[int], dict[int, dict[str, Any]]]:
         """What each deployment wants: (wanted entries by id, ids left alone, statuses)."""
-        wanted: dict[int, dict] = {}
+        wanted: dict[int, dict[str, Any]] = {}
         left_alone: set[int] = set()
-        statuses: dict[int, dict] = {}
+        statuses: dict[int, dict[str, Any]] = {}
         for dep in deployments:
             dep_id = int(dep["id"])
             if dep.get("state") == "failed":
@@ -204,7 +214,7 @@ class LiteLLMSync:
             wanted[dep_id] = always_on_entry(dep, base)
         return wanted, left_alone, statuses
 
-    async def _sync_locked(self, client: LiteLLMClient) -> dict:
+    async def _sync_locked(self, client: LiteLLMClient) -> dict[str, Any]:
         try:
             deployments = await self._list_deployments()
             key = self._current_key() or None
@@ -233,7 +243,7 @@ class LiteLLMSync:
                      [a["model_name"] for a in rnd.added], [d["model_name"] for d in rnd.deleted])
         return rnd.result(rnd.first_error)
 
-    def _fail(self, rnd: _Round, code: str) -> dict:
+    def _fail(self, rnd: _Round, code: str) -> dict[str, Any]:
         """End a round that LiteLLM stopped. Entries of registered deployments are still
         in LiteLLM (nothing was deleted); the others wait with the reason."""
         merged = dict(rnd.statuses)
@@ -248,16 +258,16 @@ class LiteLLMSync:
         return rnd.result(code)
 
     @staticmethod
-    def _diff(rnd: _Round, entries: list[dict]) -> tuple[list[int], dict[int | str, list[dict]]]:
+    def _diff(rnd: _Round, entries: list[dict[str, Any]]) -> tuple[list[int], dict[int | str, list[dict[str, Any]]]]:
         """The ids to add, and the entries to delete by id once their adds succeeded."""
-        ours: dict[int | str, list[dict]] = {}
+        ours: dict[int | str, list[dict[str, Any]]] = {}
         for entry in entries:
             dep_id = entry_dgxmm_id(entry)
             if dep_id is not None:
                 ours.setdefault(dep_id, []).append(entry)
         to_add: list[int] = []
         # Deletes allowed once the ids' adds succeeded (None key: needs no add).
-        replace: dict[int | str, list[dict]] = {}
+        replace: dict[int | str, list[dict[str, Any]]] = {}
         for dep_id, want in rnd.wanted.items():
             existing = ours.get(dep_id, [])
             keep = next((e for e in existing if entry_matches(e, want)), None)
@@ -275,7 +285,7 @@ class LiteLLMSync:
 
     @staticmethod
     async def _add(client: LiteLLMClient, rnd: _Round, to_add: list[int],
-                   replace: dict[int | str, list[dict]]) -> None:
+                   replace: dict[int | str, list[dict[str, Any]]]) -> None:
         """Every add of the round; a failed one keeps its old entry (the name must not vanish)."""
         for dep_id in to_add:
             want = rnd.wanted[dep_id]
@@ -296,7 +306,7 @@ class LiteLLMSync:
                               "model_id": entry_id(entry)})
 
     @staticmethod
-    async def _delete(client: LiteLLMClient, rnd: _Round, replace: dict[int | str, list[dict]]) -> None:
+    async def _delete(client: LiteLLMClient, rnd: _Round, replace: dict[int | str, list[dict[str, Any]]]) -> None:
         """Every delete of the round, after all its adds."""
         for dep_id, existing in replace.items():
             for entry in existing:

@@ -14,7 +14,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 

@@ -10,7 +10,7 @@ code is refused with an explanation. After the numbered migrations,
 from __future__ import annotations
 
 import dataclasses
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import aiosqlite
 

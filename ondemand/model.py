@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class State(str, enum.Enum):

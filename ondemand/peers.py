@@ -23,7 +23,8 @@ import asyncio
 import ipaddress
 import logging
 import re
-from typing import Any, Iterable, Protocol, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol
 
 from aiohttp import hdrs, web
 from multidict import istr
@@ -39,8 +40,8 @@ __all__ = [
 
 _log = logging.getLogger("ondemand.peers")
 
-IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 _KEY = "ondemand_allowed_cidrs"
 # Per-policy cache of allows() answers; peers are few (LiteLLM, a handful of containers), the
@@ -50,7 +51,7 @@ _CACHE_MAX = 4096
 
 # -- settings ---------------------------------------------------------------------------------
 
-def parse_allowed(value: Any) -> str | tuple[IPNetwork, ...]:
+def parse_allowed(value: Any) -> Literal["auto"] | tuple[IPNetwork, ...]:
     """``"auto"`` or the CIDRs of an explicit list; else ``ConfigError`` naming the key.
 
     Accepts ``"auto"``, a list of strings, or one string of CIDRs separated by commas or white
@@ -271,7 +272,7 @@ def _explicit_list_warnings(allow: list[IPNetwork], refused: dict[IPAddress, str
     return warnings
 
 
-def _sort_key(x: Any) -> tuple:
+def _sort_key(x: Any) -> tuple[Any, ...]:
     return (x.version, str(x))
 
 
@@ -307,7 +308,7 @@ class PeerPolicySource:
         self.refreshed = False
         self._docker_seen = False
         self._failing = False
-        self._warned: dict[tuple, None] = {}  # signatures already warned about (bounded, ordered)
+        self._warned: dict[tuple[Any, ...], None] = {}  # signatures already warned about (bounded, ordered)
 
     def allows(self, ip: str) -> bool:
         return self.policy.allows(ip)
@@ -426,7 +427,8 @@ class PeerGuard:
     async def __call__(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.applies(request) and self.refused(request):
             return web.Response(status=404, body=self._body, content_type="application/json")
-        return await handler(request)
+        response: web.StreamResponse = await handler(request)
+        return response
 
 
 def peer_guard_middleware(policy: _Policy, path_prefix: str) -> PeerGuard:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 __all__ = ["FailureLimiter"]
 
@@ -36,7 +36,7 @@ class FailureLimiter:
         self._retry_after = max(1, math.ceil(window_s))
         # peer -> [window start, failures]; insertion order is window-start order because a
         # window that restarts is deleted and re-inserted, so the oldest are at the front.
-        self._windows: dict[Hashable, list] = {}
+        self._windows: dict[Hashable, list[float]] = {}
         self._prune_at = min(1024, max_peers + 1)
 
     def retry_after(self, peer: Hashable) -> int | None:

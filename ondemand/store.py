@@ -17,8 +17,9 @@ import contextlib
 import contextvars
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiosqlite
 import orjson
@@ -37,7 +38,8 @@ _in_tx: contextvars.ContextVar[bool] = contextvars.ContextVar("ondemand_in_tx", 
 
 
 def _row_to_deployment(row: aiosqlite.Row) -> dict[str, Any]:
-    dep = {k: row[k] for k in row.keys() if k in DEPLOYMENT_FIELDS}
+    # Row.keys(), not the Row: iterating a sqlite3.Row gives its values.
+    dep = {k: row[k] for k in row.keys() if k in DEPLOYMENT_FIELDS}  # noqa: SIM118
     for k in _JSON_FIELDS:
         dep[k] = orjson.loads(dep[k]) if dep.get(k) else []
     return dep
@@ -50,7 +52,7 @@ class Store:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def open(cls, path: str | os.PathLike, *, migrate: bool = True) -> "Store":
+    async def open(cls, path: str | os.PathLike[str], *, migrate: bool = True) -> Store:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         db = await aiosqlite.connect(path, isolation_level=None)
@@ -124,6 +126,7 @@ class Store:
         async with self.transaction() as db:
             cur = await db.execute(f"INSERT INTO deployments ({cols}) VALUES ({marks})", tuple(values.values()))
             dep_id = cur.lastrowid
+        assert dep_id is not None  # an INSERT sets it
         dep = await self.deployment(dep_id)
         assert dep is not None
         return dep
@@ -146,14 +149,14 @@ class Store:
     # --- events and audit ----------------------------------------------------
 
     async def write_event(self, *, actor: str, text: str, deployment_id: int | None = None,
-                          user: str | None = None, detail: dict | None = None) -> None:
+                          user: str | None = None, detail: dict[str, Any] | None = None) -> None:
         async with self.transaction() as db:
             await db.execute(
                 "INSERT INTO events (at, actor, user, deployment_id, text, detail) VALUES (?, ?, ?, ?, ?, ?)",
                 (time.time(), actor, user, deployment_id, text, orjson.dumps(detail or {}).decode()))
 
     async def write_audit(self, *, action: str, actor: str, text: str, deployment_id: int | None = None,
-                          user: str | None = None, detail: dict | None = None) -> None:
+                          user: str | None = None, detail: dict[str, Any] | None = None) -> None:
         async with self.transaction() as db:
             await db.execute(
                 "INSERT INTO audit (at, action, actor, user, deployment_id, text, detail) "

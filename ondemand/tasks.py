@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Coroutine
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 log = logging.getLogger("ondemand.tasks")
+
+T = TypeVar("T")
 
 
 class TaskGroup:
@@ -15,15 +18,15 @@ class TaskGroup:
 
     def __init__(self, owner: str):
         self.owner = owner
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.owner}:{name}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("task %s failed", task.get_name(), exc_info=task.exception())

@@ -18,6 +18,7 @@ except ModuleNotFoundError:
                 "(or `make install`, then `.venv/bin/python -m pytest`)", returncode=4)
 
 from helpers import FAKES, run_app  # noqa: E402
+
 from ondemand.store import Store
 
 

@@ -36,7 +36,8 @@ import struct
 import sys
 import tempfile
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 

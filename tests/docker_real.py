@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-
-from ondemand.model import Deployment
 import shutil
 import subprocess
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
+
+from ondemand.model import Deployment
 
 IMAGE = "ondemand-sim-engine:latest"
 RUN = uuid.uuid4().hex[:8]

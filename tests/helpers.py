@@ -7,7 +7,6 @@ import inspect
 import time
 from pathlib import Path
 
-
 from ondemand.backends.process import ProcessBackend
 from ondemand.budget import Budget
 from ondemand.deployer import Deployer
@@ -209,7 +208,8 @@ async def run_app(tmp_path, *, write_key: bool = True, **overrides):
     """Start ondemand (process backend, static budget) on 127.0.0.1 with a key and a token."""
     from aiohttp import web
 
-    from ondemand import app as app_mod, config, keys
+    from ondemand import app as app_mod
+    from ondemand import config, keys
 
     port = free_port()
     settings = {"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{port}",

@@ -30,7 +30,8 @@ import contextlib
 import copy
 import datetime
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 

@@ -7,11 +7,10 @@ import stat
 import aiohttp
 import orjson
 import pytest
-
-from ondemand import keys
-
 from helpers import run_app, sim_command, wait_for
 from litellm_double import litellm_double
+
+from ondemand import keys
 
 
 async def api(server, method, path, body=None, headers=None, unix=False):
@@ -22,9 +21,8 @@ async def api(server, method, path, body=None, headers=None, unix=False):
         conn = None
         url = f"{server.url}/api{path}"
         headers = server.admin_headers() if headers is None else headers
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async with s.request(method, url, json=body, headers=headers) as r:
-            return r.status, await r.json()
+    async with aiohttp.ClientSession(connector=conn) as s, s.request(method, url, json=body, headers=headers) as r:
+        return r.status, await r.json()
 
 
 def new_dep(name="a", **kw):
@@ -45,6 +43,7 @@ async def test_token_on_tcp_never_the_ondemand_key(server):
 
 async def test_socket_is_open_and_0600(tmp_path):
     import os as _os
+
     from ondemand import config
     # served as `serve` does: the socket is born 0600
     cfg = config.load(env={}, overrides={"state_dir": str(tmp_path / "s"), "listen": "127.0.0.1:0",
@@ -356,10 +355,9 @@ async def test_published_views_of_a_cold_start(server):
     from ondemand.events import ViewPublished
     server.app[components.BUS].subscribe(ViewPublished, lambda e: e.view.get("id") == i and seen.append(
         (e.view["state"], e.view["ondemand"]["phase"], e.view["updated_at"])))
-    async with aiohttp.ClientSession() as s:
-        async with s.post(server.gw(i, "chat/completions"), headers=server.auth(),
-                          json={"model": "A", "messages": [{"role": "user", "content": "hi"}]}) as r:
-            assert r.status == 200
+    async with aiohttp.ClientSession() as s, s.post(server.gw(i, "chat/completions"), headers=server.auth(),
+                      json={"model": "A", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 200
     phases = [(state, phase) for state, phase, _ in seen]
     assert ("starting", "starting_for_request") in phases, phases
     stored = await server.deployer.store.deployment(i)
@@ -369,9 +367,8 @@ async def test_published_views_of_a_cold_start(server):
 
 
 async def test_ui_page_is_served_without_data(server):
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"{server.url}/ui/") as r:
-            assert r.status == 200 and r.content_type == "text/html"
-            page = await r.text()
+    async with aiohttp.ClientSession() as s, s.get(f"{server.url}/ui/") as r:
+        assert r.status == 200 and r.content_type == "text/html"
+        page = await r.text()
     assert "../api/" in page and "events" in page
     assert server.token not in page and server.key not in page

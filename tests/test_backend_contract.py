@@ -19,16 +19,15 @@ import asyncio
 import itertools
 
 import aiohttp
+import docker_real
 import pytest
-
-from ondemand.model import Deployment
-from ondemand.backends import Backend, Engine
-from ondemand.backends.docker import DockerBackend
-from ondemand.backends.process import ProcessBackend
-
 from docker_double import DockerDouble
 from helpers import sim_command, wait_for
-import docker_real
+
+from ondemand.backends import Backend, BackendError, Engine
+from ondemand.backends.docker import DockerBackend
+from ondemand.backends.process import ProcessBackend
+from ondemand.model import Deployment
 
 READY_S = 20.0
 _seq = itertools.count(1)
@@ -263,3 +262,18 @@ async def test_remove_cleans_up(h, running):
     await wait_for(lambda: _not(answers(engine.base_url)), what="the removed engine gone")
     await h.backend().remove(dep)  # nothing left: fine
     assert await h.backend().adopt(dep) is None
+
+
+async def test_docker_backend_names_the_container_when_waiting_or_stopping_fails(tmp_path):
+    """wait_exit and stop report an unreachable Docker as a BackendError naming the container
+    (they once built the name from a dict, which a Deployment-typed helper cannot read)."""
+    backend = DockerBackend(docker_url=f"unix://{tmp_path}/no-docker.sock", network="n",
+                            in_container=False, gpus=False)
+    engine = Engine(1, "gone", "http://127.0.0.1:9", ref="0123456789ab")
+    try:
+        with pytest.raises(BackendError, match="ondemand-gone"):
+            await backend.wait_exit(engine)
+        with pytest.raises(BackendError, match="ondemand-gone"):
+            await backend.stop(engine, 1.0)
+    finally:
+        await backend.close()

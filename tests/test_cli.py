@@ -7,7 +7,6 @@ import stat
 import sys
 
 import pytest
-
 from helpers import ROOT, run_app, sim_command, wait_for
 
 
@@ -206,7 +205,7 @@ async def test_second_serve_on_the_same_state_dir_refuses_and_touches_nothing(tm
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir, listen="127.0.0.1:%d" % taken.getsockname()[1])
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir, listen=f"127.0.0.1:{taken.getsockname()[1]}")
         rc, out, err = await asyncio.wait_for(cli("serve", "--demo", config=cfg), 30)
     assert rc == 1 and "another ondemand" not in err and "cannot listen" in err, err
 

@@ -20,13 +20,12 @@ import time
 
 import openai
 import pytest
+from helpers import wait_for
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseCreatedEvent
 
 from ondemand import app as app_mod
-
-from helpers import wait_for
 
 pytestmark = pytest.mark.clients
 
@@ -127,15 +126,14 @@ async def test_queued_streaming_chat_first_chunk_is_the_notice(server):
 
 async def test_queued_stream_through_the_sdk_stream_helper_accumulates_a_valid_message(server):
     big, x, slot = await pressure(server)
-    async with sdk(server, x) as client:
-        async with client.chat.completions.stream(model="X", messages=HI) as stream:
-            events = aiter(stream)
-            first = await anext(events)
-            assert first.type == "chunk" and first.chunk.id == "ondemand-queued"
-            await relieve(server, big, slot)
-            async for _ in events:
-                pass
-            final = await stream.get_final_completion()
+    async with sdk(server, x) as client, client.chat.completions.stream(model="X", messages=HI) as stream:
+        events = aiter(stream)
+        first = await anext(events)
+        assert first.type == "chunk" and first.chunk.id == "ondemand-queued"
+        await relieve(server, big, slot)
+        async for _ in events:
+            pass
+        final = await stream.get_final_completion()
     message = final.choices[0].message
     assert message.content == NOTICE + TEXT  # this part holds
     # Appending this message to the history is what a chat client does next; the

@@ -6,7 +6,8 @@ The same rules against real engine processes, raced: test_controller_races.py.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

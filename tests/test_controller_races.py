@@ -4,11 +4,10 @@ import contextlib
 import random
 
 import pytest
+from helpers import controller_env, wait_for
 
 from ondemand.errors import OndemandError
 from ondemand.model import State
-
-from helpers import controller_env, wait_for
 
 
 async def code_of(coro):
@@ -122,7 +121,6 @@ async def test_does_not_fit_at_once(tmp_path, store):
 
 async def test_make_room_stops_lru_idle_victims(tmp_path, store):
     async with controller_env(tmp_path, store, capacity=24) as env:
-        c = env.controller
         a, b, x = await env.add("a", 8), await env.add("b", 8), await env.add("x", 12)
         await env.start(a)
         await env.start(b)
@@ -155,7 +153,6 @@ async def test_victims_must_be_idle_for_their_full_timeout(tmp_path, store):
 
 async def test_busy_engine_by_metrics_is_not_a_victim(tmp_path, store):
     async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=2) as env:
-        c = env.controller
         a = await env.add("a", 10, "--token-delay", "0.2")
         x = await env.add("x", 12)
         await env.start(a)
@@ -174,7 +171,6 @@ async def test_busy_engine_by_metrics_is_not_a_victim(tmp_path, store):
 
 async def test_all_victims_not_enough_stops_none(tmp_path, store):
     async with controller_env(tmp_path, store, capacity=24, queue_timeout_s=1) as env:
-        c = env.controller
         a, b, x = await env.add("a", 6), await env.add("b", 10), await env.add("x", 20)
         await env.start(a)
         await env.start(b)
@@ -318,7 +314,6 @@ async def test_set_mode_resets_backoff(tmp_path, store):
 
 async def test_switch_to_always_on_of_a_stopped_one(tmp_path, store):
     async with controller_env(tmp_path, store) as env:
-        c = env.controller
         a = await env.add("a", 10, "--startup-delay", "0.5")
         await env.admission.set_mode(a, "always_on")
         dep = env.deployer.get(a)
@@ -338,7 +333,6 @@ async def test_switch_to_always_on_of_a_stopped_one(tmp_path, store):
 
 async def test_switch_to_always_on_refused_start_leaves_it(tmp_path, store):
     async with controller_env(tmp_path, store, capacity=20) as env:
-        c = env.controller
         a, b = await env.add("a", 15), await env.add("b", 10)
         await env.start(a)
         with pytest.raises(OndemandError) as exc:
@@ -530,7 +524,6 @@ async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidi
     smi = fake_nvidia_smi("24576, 4096")
     async with controller_env(tmp_path, store, budget=Budget("nvidia-smi", nvidia_smi=smi),
                               queue_timeout_s=1) as env:
-        c = env.controller
         a = await env.add("a", 10)
         await env.start(a)
         await env.deployer.sleep(a)
@@ -562,7 +555,6 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
     import time
 
     import aiohttp
-
     from helpers import run_app
 
     async with run_app(tmp_path, **{"deployer.stop_timeout_s": 10}) as server:

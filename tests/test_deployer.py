@@ -2,11 +2,10 @@ import asyncio
 import os
 
 import pytest
+from helpers import dep_fields, running_deployer, wait_for
 
 from ondemand.deployer import StartFailed, StartInterrupted
 from ondemand.errors import DeployerError, InsufficientMemory
-
-from helpers import dep_fields, running_deployer, wait_for
 
 
 async def test_start_ready_stop(tmp_path, store):

@@ -15,11 +15,11 @@ import time
 
 import aiohttp
 import pytest
+from docker_real import IMAGE, RUN, containers_named, deployment, inspect
+from docker_real import docker as _docker
 
 from ondemand.backends import BackendError
 from ondemand.backends.docker import LABEL_HASH, LABEL_ID, LABEL_MANAGED, LABEL_NAME, DockerBackend
-
-from docker_real import IMAGE, RUN, containers_named, deployment, docker as _docker, inspect
 
 pytestmark = pytest.mark.docker
 

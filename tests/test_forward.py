@@ -6,12 +6,11 @@ import random
 
 import aiohttp
 import pytest
+from helpers import wait_for
 from multidict import CIMultiDict
 
 from ondemand import forward
 from ondemand.forward import UpstreamError, Upstreams
-
-from helpers import wait_for
 
 JSON = CIMultiDict({"Content-Type": "application/json"})
 
@@ -132,7 +131,7 @@ async def test_a_line_break_in_a_header_is_refused(ups):
 
 async def test_one_connection_serves_sequential_requests(ups):
     async with Engine() as eng:
-        for i in range(5):
+        for _ in range(5):
             status, headers, body = await fetch(ups, eng.url)
             assert (status, body) == (200, b'{"ok": true}')
         assert eng.accepted == 1 and len(eng.requests) == 5

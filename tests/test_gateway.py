@@ -11,10 +11,9 @@ import os
 import aiohttp
 import orjson
 import pytest
+from helpers import wait_for
 
 from ondemand import keys
-
-from helpers import wait_for
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -26,9 +25,8 @@ async def err(resp):
 
 
 async def recorded(server, dep_id):
-    async with aiohttp.ClientSession() as s:
-        async with s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
-            return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
+    async with aiohttp.ClientSession() as s, s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
+        return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
 
 
 async def test_cold_start_then_forward(server, http):
@@ -531,9 +529,8 @@ async def test_peer_guard_on_the_raw_peer(server):
 @pytest.mark.server(ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"})
 async def test_auto_outside_docker_allows_nobody(server):
     a = await server.add("a")
-    async with aiohttp.ClientSession() as s:
-        async with s.get(server.gw(a, "models"), headers=server.auth()) as r:
-            assert await err(r) == (404, "not_found")
+    async with aiohttp.ClientSession() as s, s.get(server.gw(a, "models"), headers=server.auth()) as r:
+        assert await err(r) == (404, "not_found")
 
 
 @pytest.mark.uvloop
@@ -586,8 +583,10 @@ async def test_upstream_sessions_keep_no_cookies(tmp_path):
     """By name (as engines are reached in Docker) a cookie jar would keep the engine's
     cookie and send it with the next user's request."""
     import sys as _sys
+
     from helpers import FAKES, free_port
     from multidict import CIMultiDict
+
     from ondemand.forward import Upstreams
     _JSON = "application/json"
     port = free_port()

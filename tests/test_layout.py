@@ -97,3 +97,24 @@ def test_only_the_composition_reads_the_environment():
         if path.relative_to(PKG).as_posix() in ("config.py", "sim/engine.py", "backends/process.py"):
             continue
         assert "os.environ" not in path.read_text(), path.name
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_long_function_without_a_reason():
+    """A function over 60 lines (from its first decorator to its last line) is split into
+    named steps, or says why it stays whole: a comment starting with ``# Long:`` on the
+    line right above it (above its decorators, if any)."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            length = node.end_lineno - start + 1
+            above = lines[start - 2].strip() if start >= 2 else ""
+            if length > MAX_FUNCTION_LINES and not above.startswith("# Long:"):
+                long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({length} lines)")
+    assert long == [], "split these, or say why above them with '# Long: ...'"

@@ -8,6 +8,8 @@ import json
 
 import aiohttp
 import pytest
+from helpers import wait_for
+from litellm_double import litellm_double
 
 from ondemand.litellm import (
     LiteLLMClient,
@@ -16,8 +18,6 @@ from ondemand.litellm import (
     ondemand_entry,
 )
 from ondemand.litellm_sync import LiteLLMSync
-from helpers import wait_for
-from litellm_double import litellm_double
 
 MASTER = "sk-master"
 INTERNAL = "http://dgxmm:8090/dgxmm"
@@ -511,10 +511,9 @@ async def test_wrong_master_key_is_unauthorized():
             await client.list_models()
         assert info.value.code == "litellm_unauthorized"
         await client.close()
-        async with aiohttp.ClientSession() as session:
-            async with session.get(double.url + "/model/info") as resp:
-                assert resp.status == 401
-                body = await resp.json()
+        async with aiohttp.ClientSession() as session, session.get(double.url + "/model/info") as resp:
+            assert resp.status == 401
+            body = await resp.json()
         assert body == {"error": {"message": "Authentication Error, No api key passed in.",
                                   "type": "auth_error", "param": "None", "code": "401"}}
 

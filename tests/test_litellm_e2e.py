@@ -30,11 +30,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from helpers import free_port, run_app
 
 from ondemand import app as app_mod
 from ondemand.litellm import HEALTH_CHECK_HEADER, ondemand_entry
-
-from helpers import free_port, run_app
 
 CLIENT = Path(__file__).resolve().parent / "clients" / "litellm_client.py"
 MASTER = "sk-ondemand-e2e-master"
@@ -454,7 +453,7 @@ async def test_library_health_check_as_the_proxy_makes_it_leaves_the_model_stopp
     async with run_app(tmp_path) as server:
         x = await server.add("x", 4)
         f = await server.add("f", 4, "--fail", "exit-at-start")
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (any failure: the test is about what follows)
             await server.deployer.restart(f)
         assert server.state(f) == "failed"
         spy = GatewaySpy(server)

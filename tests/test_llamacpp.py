@@ -26,7 +26,6 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-
 from helpers import ROOT, run_app, wait_for
 
 pytestmark = pytest.mark.llamacpp

@@ -11,8 +11,15 @@ import pytest
 from aiohttp import web
 
 from ondemand.errors import ConfigError
-from ondemand.peers import (AttachedNetwork, PeerGuard, PeerPolicy, PeerPolicySource,
-                            container_ids_from_proc, parse_allowed, peer_guard_middleware)
+from ondemand.peers import (
+    AttachedNetwork,
+    PeerGuard,
+    PeerPolicy,
+    PeerPolicySource,
+    container_ids_from_proc,
+    parse_allowed,
+    peer_guard_middleware,
+)
 
 try:
     from docker_double import DockerDouble
@@ -400,9 +407,8 @@ async def guarded_server():
 
 async def _get(base: str, path: str, local: str, headers: dict | None = None) -> tuple[int, bytes]:
     conn = aiohttp.TCPConnector(local_addr=(local, 0), force_close=True)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async with s.get(base + path, headers=headers or {}) as r:
-            return r.status, await r.read()
+    async with aiohttp.ClientSession(connector=conn) as s, s.get(base + path, headers=headers or {}) as r:
+        return r.status, await r.read()
 
 
 NOT_FOUND = {"error": {"message": "Not found", "type": "not_found_error", "code": "not_found"}}

@@ -17,7 +17,7 @@ class Clock:
 def test_twenty_failures_block_with_retry_after_60():
     clock = Clock()
     lim = FailureLimiter(clock=clock)
-    for i in range(19):
+    for _ in range(19):
         assert lim.retry_after("10.0.0.2") is None
         lim.fail("10.0.0.2")
         clock.t += 1

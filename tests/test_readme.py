@@ -7,7 +7,6 @@ import socket
 
 import orjson
 import pytest
-
 from helpers import ROOT, wait_for
 
 pytestmark = pytest.mark.slow

@@ -97,10 +97,9 @@ async def test_health_is_503_during_startup_delay():
 
 
 async def test_never_ready():
-    async with simulator(fail="never-ready") as s:
-        async with s.get("/health") as r:
-            assert r.status == 503
-            assert (await r.json())["error"]["message"] == "Loading model"
+    async with simulator(fail="never-ready") as s, s.get("/health") as r:
+        assert r.status == 503
+        assert (await r.json())["error"]["message"] == "Loading model"
 
 
 async def test_chat_non_stream(sim):

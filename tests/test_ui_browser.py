@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-
 from helpers import ROOT, sim_command
 
 pytestmark = pytest.mark.browser

@@ -55,5 +55,5 @@ class Backend(abc.ABC):
     async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:
         """The last lines the engine wrote, for the failure reason."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook: a backend that holds nothing keeps it)
         pass

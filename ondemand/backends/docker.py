@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from .. import dockerapi
-from ..dockerapi import Docker, DockerError
+from ..dockerapi import Docker, DockerContainer, DockerError
 from ..model import Deployment
 from . import Backend, BackendError, Engine
 
@@ -279,7 +279,7 @@ class DockerBackend(Backend):
         return config
 
     @staticmethod
-    async def _create(docker: Docker, config: dict[str, Any], name: str, image: str):
+    async def _create(docker: Docker, config: dict[str, Any], name: str, image: str) -> DockerContainer:
         try:
             return await docker.containers.create(config, name=name)
         except DockerError as exc:
@@ -313,9 +313,9 @@ class DockerBackend(Backend):
         except DockerError as exc:
             if exc.status == 404:
                 return None  # removed: its exit code went with it
-            raise _error(f"waiting for container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"waiting for container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
-            raise _error(f"waiting for container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"waiting for container {PREFIX}{engine.name}", exc) from exc
         code = result.get("StatusCode")
         return int(code) if code is not None else None
 
@@ -327,9 +327,9 @@ class DockerBackend(Backend):
         except DockerError as exc:
             if exc.status in (304, 404):
                 return  # stopped already, or gone
-            raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
-            raise _error(f"stopping container {container_name({'name': engine.name})}", exc) from exc
+            raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
 
     async def remove(self, dep: Deployment) -> None:
         name = container_name(dep)
@@ -361,6 +361,7 @@ class DockerBackend(Backend):
             # Not served, and not left running either: it would hold GPU memory nobody counts.
             await self._discard(info, why)
             return None
+        assert url is not None  # why is None only with a url
         return Engine(dep.id, dep.name, url, ref=info["Id"], adopted=True)
 
     async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:

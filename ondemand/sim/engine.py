@@ -41,12 +41,17 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 FLAVORS = ("vllm", "llamacpp")
+# One recorded request: (time, method, path, query, raw headers, body).
+_Recorded = tuple[float, str, str, str, tuple[tuple[bytes, bytes], ...], bytes]
 FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails")
 GENERATION = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -100,15 +105,16 @@ def _error(status: int, message: str, type: str, param: str | None = None) -> we
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _json(obj, status: int = 200) -> web.Response:
+def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
 
-def _event(d: dict) -> bytes:
-    return b"event: " + d["type"].encode() + b"\ndata: " + orjson.dumps(d) + b"\n\n"
+def _event(d: dict[str, Any]) -> bytes:
+    kind: str = d["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(d) + b"\n\n"
 
 
-def _words(x) -> int:
+def _words(x: Any) -> int:
     if isinstance(x, str):
         return len(x.split())
     if isinstance(x, list):
@@ -147,8 +153,8 @@ class Sim:
         self.running = 0
         self.waiting = 0
         self.sem = asyncio.Semaphore(opts.max_running) if opts.max_running > 0 else None
-        self.record: collections.deque = collections.deque(maxlen=opts.record_limit)
-        self.tasks: list[asyncio.Task] = []
+        self.record: collections.deque[_Recorded] = collections.deque(maxlen=opts.record_limit)
+        self.tasks: list[asyncio.Task[Any]] = []
         self.card = {"id": opts.model, "object": "model", "created": int(time.time()),
                      "owned_by": "ondemand-simulator", "root": opts.model, "parent": None,
                      "max_model_len": opts.max_model_len}
@@ -160,7 +166,9 @@ class Sim:
     async def on_startup(self, app: web.Application) -> None:
         self.ready_at = time.monotonic() + self.opts.startup_delay
         if self.opts.fail == "exit-after":
-            self.tasks.append(asyncio.ensure_future(self._exit_later()))
+            # The simulator is a program of its own and imports nothing of ondemand
+            # (tests/test_layout.py); the task is kept in self.tasks and cancelled at cleanup.
+            self.tasks.append(asyncio.ensure_future(self._exit_later()))  # noqa: TID251
 
     async def on_cleanup(self, app: web.Application) -> None:
         for t in self.tasks:
@@ -171,7 +179,7 @@ class Sim:
         _die(f"exit {self.opts.fail_after:g}s after ready (--fail exit-after)")
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler):
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         if path.startswith("/_sim/"):
             return await handler(request)
@@ -193,7 +201,7 @@ class Sim:
             # FastAPI's shape, which is what vLLM answers for unknown routes
             return _json({"detail": e.reason}, e.status)
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request) -> dict[str, Any]:
         if self.vllm and request.content_type != "application/json":
             raise SimError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
@@ -207,7 +215,7 @@ class Sim:
             raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return body
 
-    def _length(self, body: dict, *keys: str) -> tuple[int, bool]:
+    def _length(self, body: dict[str, Any], *keys: str) -> tuple[int, bool]:
         """Tokens to generate, and whether the request's limit cut them short."""
         for k in keys:
             lim = body.get(k)
@@ -236,7 +244,7 @@ class Sim:
         if self.sem is not None:
             self.sem.release()
 
-    async def _generate(self, n: int, make) -> web.Response:
+    async def _generate(self, n: int, make: Callable[[], object]) -> web.StreamResponse:
         await self._enter()
         try:
             if self.opts.token_delay:
@@ -246,7 +254,8 @@ class Sim:
         finally:
             self._leave()
 
-    async def _stream(self, request, n: int, before: list[bytes], frame, after) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, n: int, before: list[bytes], frame: Callable[[int], bytes],
+                      after: Callable[[], Iterable[bytes]]) -> web.StreamResponse:
         await self._enter()
         resp = web.StreamResponse(headers=_SSE)
         try:
@@ -273,21 +282,22 @@ class Sim:
 
     # -- control routes -------------------------------------------------------------
 
-    async def health(self, request):
+    async def health(self, request: web.Request) -> web.StreamResponse:
         return _json({"status": "ok"}) if not self.vllm else web.Response()
 
-    async def models(self, request):
+    async def models(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=self.models_body, content_type="application/json")
 
-    async def model_card(self, request):
+    async def model_card(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["model"]
         if name != self.model:
             raise SimError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return _json(self.card)
 
-    async def metrics(self, request):
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
         if self.vllm:
-            label = '{model_name="%s"}' % self.model.replace("\\", "\\\\").replace('"', '\\"')
+            name = self.model.replace("\\", "\\\\").replace('"', '\\"')
+            label = f'{{model_name="{name}"}}'
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -305,42 +315,42 @@ class Sim:
                 f"llamacpp:requests_deferred {self.waiting}\n")
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
-    async def sleep(self, request):
+    async def sleep(self, request: web.Request) -> web.StreamResponse:
         level = request.query.get("level", "1")
         if not level.isdigit():
             raise SimError(400, f"level must be an integer, got {level!r}", param="level")
         self.sleeping, self.sleep_level = True, int(level)
         return web.Response()
 
-    async def wake_up(self, request):
+    async def wake_up(self, request: web.Request) -> web.StreamResponse:
         if self.opts.fail == "wake-fails":  # as vLLM does when it cannot re-allocate its weights
             raise SimError(500, "simulated failure: wake_up failed (--fail wake-fails)")
         self.sleeping, self.sleep_level = False, 0
         return web.Response()
 
-    async def is_sleeping(self, request):
+    async def is_sleeping(self, request: web.Request) -> web.StreamResponse:
         return _json({"is_sleeping": self.sleeping})
 
-    async def sim_requests(self, request):
+    async def sim_requests(self, request: web.Request) -> web.StreamResponse:
         return _json([{"time": t, "method": m, "path": p, "query": q,
                        "headers": [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in h],
                        "body": b.decode("utf-8", "replace"), "body_b64": base64.b64encode(b).decode()}
                       for t, m, p, q, h, b in self.record])
 
-    async def sim_clear(self, request):
+    async def sim_clear(self, request: web.Request) -> web.StreamResponse:
         self.record.clear()
         return web.Response(status=204)
 
     # -- generation -----------------------------------------------------------------
 
-    def _usage(self, p: int, n: int) -> dict:
+    def _usage(self, p: int, n: int) -> dict[str, Any]:
         return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n, "prompt_tokens_details": None}
 
-    def _include_usage(self, body: dict) -> bool:
+    def _include_usage(self, body: dict[str, Any]) -> bool:
         so = body.get("stream_options")
         return isinstance(so, dict) and bool(so.get("include_usage", True))
 
-    async def chat(self, request):
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -352,26 +362,27 @@ class Sim:
             return await self._generate(n, lambda: {
                 "id": rid, "object": "chat.completion", "created": created, "model": self.model,
                 "choices": [self._chat_choice(0, n, finish)], "usage": self._usage(p, n)})
-        head = b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,"delta":{' % (
-            rid.encode(), created, self.model_j)
+        head = (b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
+                b'"choices":[{"index":0,"delta":{') % (rid.encode(), created, self.model_j)
         mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
 
-        def after():
+        def after() -> Iterator[bytes]:
             if usage:
-                yield b"data: " + orjson.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                                "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+                yield b"data: " + orjson.dumps({
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
             yield _DONE
         return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
                                   lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
 
-    def _chat_choice(self, index: int, n: int, finish: str) -> dict:
+    def _chat_choice(self, index: int, n: int, finish: str) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": "".join(_TOK[:n]), "refusal": None,
                                             "tool_calls": [], "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
-    async def chat_batch(self, request):
+    async def chat_batch(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         convs = body.get("messages")
         if not isinstance(convs, list) or not convs:
@@ -388,7 +399,7 @@ class Sim:
             "choices": [self._chat_choice(i, n, finish) for i in range(len(convs))],
             "usage": self._usage(p, n * len(convs))})
 
-    async def completions(self, request):
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         prompt = body.get("prompt")
         if prompt is None:
@@ -408,16 +419,19 @@ class Sim:
         end = b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
 
-        def after():
+        def after() -> Iterator[bytes]:
             if usage:
-                yield b"data: " + orjson.dumps({"id": rid, "object": "text_completion", "created": created,
-                                                "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+                yield b"data: " + orjson.dumps({
+                    "id": rid, "object": "text_completion", "created": created,
+                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
             yield _DONE
         return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after)
 
-    def _response(self, rid: str, created: int, body: dict, status: str, output: list, usage) -> dict:
+    def _response(self, rid: str, created: int, body: dict[str, Any], status: str, output: list[Any],
+                  usage: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": rid, "object": "response", "created_at": created, "status": status, "background": False,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "metadata": body.get("metadata"), "model": self.model, "output": output,
                 "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
@@ -425,7 +439,7 @@ class Sim:
                 "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
                 "usage": usage}
 
-    async def responses(self, request):
+    async def responses(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         if body.get("input") is None:
             raise SimError(400, "input: Field required", param="input")
@@ -434,7 +448,7 @@ class Sim:
         uid, created = _uid(), int(time.time())
         rid, mid, status = "resp_" + uid, "msg_" + uid, "incomplete" if cut else "completed"
 
-        def final(seq: int | None = None):
+        def final(seq: int | None = None) -> Any:  # the response (seq None), else its closing events
             text = "".join(_TOK[:n])
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item = {"id": mid, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
@@ -460,7 +474,8 @@ class Sim:
                     "item": {"id": mid, "type": "message", "status": "in_progress", "role": "assistant",
                              "content": []}}),
             _event({"type": "response.content_part.added", "sequence_number": 3, "item_id": mid, "output_index": 0,
-                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})]
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})]
         head = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":'
         mid_b = b',"item_id":"%s","output_index":0,"content_index":0,"delta":' % mid.encode()
         tj = _TOKJ
@@ -468,7 +483,7 @@ class Sim:
                                   lambda i: head + b"%d" % (4 + i) + mid_b + tj[i] + b',"logprobs":[]}\n\n',
                                   lambda: final(4 + n))
 
-    async def messages(self, request):
+    async def messages(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         if not isinstance(body.get("messages"), list):
             raise SimError(400, "messages: Field required", param="messages")
@@ -487,7 +502,8 @@ class Sim:
                 "id": mid, "type": "message", "role": "assistant", "content": [], "model": self.model,
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": p, "output_tokens": 0}}}),
             _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})]
-        head = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+        head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                b'"delta":{"type":"text_delta","text":')
         tj = _TOKJ
         # vLLM ends its Anthropic stream with a bare "data: [DONE]" too; clients ignore it.
         return await self._stream(request, n, before, lambda i: head + tj[i] + b"}}\n\n", lambda: [
@@ -502,7 +518,7 @@ class Sim:
         norm = sum(x * x for x in v) ** 0.5 or 1.0
         return [x / norm for x in v]
 
-    async def embeddings(self, request):
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         inp = body.get("input")
         if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
@@ -524,17 +540,18 @@ class Sim:
             "data": data, "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0,
                                     "prompt_tokens_details": None}})
 
-    def _score(self, a, b) -> float:
+    def _score(self, a: str, b: str) -> float:
         return random.Random(f"{a}\x00{b}").random()
 
-    async def rerank(self, request):
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str) or not isinstance(docs, list):
             raise SimError(400, "query and documents are required", param="documents")
         texts = [d.get("text", "") if isinstance(d, dict) else str(d) for d in docs]
-        results = sorted(({"index": i, "document": {"text": t}, "relevance_score": self._score(query, t)}
-                          for i, t in enumerate(texts)), key=lambda r: -r["relevance_score"])
+        scored: list[dict[str, Any]] = [{"index": i, "document": {"text": t}, "relevance_score": self._score(query, t)}
+                                        for i, t in enumerate(texts)]
+        results = sorted(scored, key=lambda r: -r["relevance_score"])
         top = body.get("top_n") or len(results)
         if not isinstance(top, int) or top < 0:
             raise SimError(400, f"top_n must be a non-negative integer, got {top!r}", param="top_n")
@@ -542,7 +559,7 @@ class Sim:
         return await self._generate(1, lambda: {"id": "rerank-" + _uid(), "model": self.model,
                                                 "usage": {"total_tokens": tokens}, "results": results[:top]})
 
-    async def score(self, request):
+    async def score(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         a, b = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
         if a is None or b is None:
@@ -555,10 +572,11 @@ class Sim:
         p = _words(a) + _words(b)
         return await self._generate(1, lambda: {
             "id": "score-" + _uid(), "object": "list", "created": int(time.time()), "model": self.model,
-            "data": [{"index": i, "object": "score", "score": self._score(x, y)} for i, (x, y) in enumerate(zip(a, b))],
+            "data": [{"index": i, "object": "score", "score": self._score(x, y)}
+                     for i, (x, y) in enumerate(zip(a, b, strict=False))],
             "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0, "prompt_tokens_details": None}})
 
-    async def transcriptions(self, request):
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         if request.content_type != "multipart/form-data":
             raise SimError(400, "Expected multipart/form-data with a file field", param="file")
         from email.parser import BytesParser  # here: it costs startup time, and this route is rare
@@ -569,12 +587,14 @@ class Sim:
                   if not isinstance(part, str)}
         if "file" not in fields:
             raise SimError(400, "file: Field required", param="file")
-        model = fields["model"].get_payload(decode=True).decode() if "model" in fields else None
+        # decode=True gives a leaf part's bytes (typeshed allows a Message too).
+        model = cast(bytes, fields["model"].get_payload(decode=True)).decode() if "model" in fields else None
         if model and model != self.model and self.vllm:
             raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         size = len(fields["file"].get_payload(decode=True) or b"")
         text = f"simulated transcription of {size} bytes"
-        fmt = fields["response_format"].get_payload(decode=True).decode() if "response_format" in fields else "json"
+        fmt = (cast(bytes, fields["response_format"].get_payload(decode=True)).decode()
+               if "response_format" in fields else "json")
         return await self._generate(1, lambda: web.Response(text=text) if fmt == "text" else {"text": text})
 
 
@@ -672,11 +692,12 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.fail == "exit-at-start":
-        print("ondemand simulator: simulated failure: exit at start (--fail exit-at-start)", file=sys.stderr, flush=True)
+        print("ondemand simulator: simulated failure: exit at start (--fail exit-at-start)",
+              file=sys.stderr, flush=True)
         return 3
     try:
         import uvloop
-        run = uvloop.run
+        run: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
     except ImportError:
         run = asyncio.run
     try:

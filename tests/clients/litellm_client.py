@@ -112,10 +112,8 @@ async def health(i: int, job: dict, call: dict) -> None:
     entry = copy.deepcopy(call.get("entry") or job["entry"])  # the proxy probes a deep copy too
     model_info = entry.get("model_info") or {}
     litellm_params = entry["litellm_params"]
-    if resolve is not None:
-        mode = resolve(model_info, litellm_params)
-    else:  # older releases: model_info.mode only
-        mode = model_info.get("mode")
+    # older releases have no resolver: model_info.mode only
+    mode = resolve(model_info, litellm_params) if resolve is not None else model_info.get("mode")
     params = update(model_info, litellm_params)
     probe = {k: v for k, v in params.items() if k not in ("api_key",)}  # what went out, minus the secret
     timeout = model_info.get("health_check_timeout") or HEALTH_CHECK_TIMEOUT_SECONDS
