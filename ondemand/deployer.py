@@ -322,8 +322,9 @@ class Deployer:
         ready already (nothing to do: wait for it). Raises InsufficientMemory,
         BudgetError (the budget could not be read: nothing was tried), or
         DeployerError for a state that cannot start. ``held_for_others``: memory
-        the wait queue keeps for its head, asked in the same step as the fit check. ``wanted``: asked in the same step as the
-        fit check; False means nobody needs the start any more, and nothing starts."""
+        the wait queue keeps for its head, asked in the same step as the fit check.
+        ``wanted``: asked in that step too; False means nobody needs the start any more,
+        and nothing starts."""
         if self._check_startable(dep_id) is None:
             return False
         reading = await self.budget.read(self.all())
