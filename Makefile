@@ -1,6 +1,6 @@
 # ondemand: every set-up step lives here, so a clean clone needs only
 #   make run        the gateway on the embedded default (no Docker, GPU or LiteLLM)
-#   make test       ruff and mypy, then the fast suite (about 3 1/2 minutes on 2 cores;
+#   make test       ruff and mypy, then the fast suite (under 3 minutes on 2 cores;
 #                   make lint runs the first two alone, in seconds)
 #   make test-all   the fast suite, the long race loops, and the suites with real
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp
