@@ -23,6 +23,7 @@ from .litellm import (
     entry_matches,
     ondemand_entry,
 )
+from .tasks import TaskGroup
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class LiteLLMSync:
         self._interval_s = interval_s
         self._lock = asyncio.Lock()
         self._pending = False
-        self._drain_task: asyncio.Task[Any] | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._tasks = TaskGroup("litellm")
         self._closed = False
         self._last_ok = False
         self.last_result: dict[str, Any] | None = None
@@ -129,8 +131,7 @@ class LiteLLMSync:
             return
         self._pending = True
         if self._drain_task is None or self._drain_task.done():
-            self._drain_task = asyncio.get_running_loop().create_task(
-                self._drain(), name="litellm-sync")
+            self._drain_task = self._tasks.spawn(self._drain(), "sync")
 
     async def _drain(self) -> None:
         # No await between the last check of _pending and the task's end, so a trigger
@@ -171,6 +172,7 @@ class LiteLLMSync:
         """Stop scheduling, cancel a running sync and close the client."""
         self._closed = True
         await self._cancel_drain()
+        await self._tasks.close()
         if self._client is not None:
             await self._client.close()
 

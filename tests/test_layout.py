@@ -24,7 +24,7 @@ ALLOWED = {
     "reaper": {"controller"},
     "gateway": {"admission", "notice", "controller", "deployer", "errors", "forward", "keys", "model", "paths",
                 "ratelimit"},
-    "litellm": {"errors"}, "litellm_sync": {"litellm"},
+    "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
                    "litellm_sync", "metrics", "model", "peers", "store", "tasks"},
     "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
