@@ -45,6 +45,15 @@ def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     sys.exit(code)
 
 
+def _idle_timeout(value: str) -> int | None:
+    """--idle-timeout: whole seconds, or 'default' (null: ondemand_idle_timeout_s)."""
+    if value == "default":
+        return None
+    if not value.isdigit():
+        _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
+    return int(value)
+
+
 class Ctx:
     def __init__(self, config_path: str | None):
         self.config_path = config_path
@@ -389,12 +398,7 @@ def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None,
     if command is not None:
         body["command"] = shlex.split(command)
     if idle_timeout is not None:
-        if idle_timeout == "default":
-            body["idle_timeout_s"] = None
-        elif idle_timeout.isdigit():
-            body["idle_timeout_s"] = int(idle_timeout)
-        else:
-            _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
+        body["idle_timeout_s"] = _idle_timeout(idle_timeout)
     if not body:
         _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
     view = _call(ctx, "PATCH", f"/deployments/{dep_id}", body)
@@ -507,12 +511,7 @@ def mode_set(ctx: Ctx, dep_id: int, new_mode: str, idle_timeout: str | None, as_
     """Switch a deployment's mode (audited as ondemand_mode)."""
     body: dict[str, Any] = {"mode": new_mode}
     if idle_timeout is not None:
-        if idle_timeout == "default":
-            body["idle_timeout_s"] = None
-        elif idle_timeout.isdigit():
-            body["idle_timeout_s"] = int(idle_timeout)
-        else:
-            _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
+        body["idle_timeout_s"] = _idle_timeout(idle_timeout)
     view = _call(ctx, "PATCH", f"/deployments/{dep_id}/mode", body)
     if as_json:
         _echo_json(view)

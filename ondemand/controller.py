@@ -453,13 +453,19 @@ class Controller:
         if self.queue.remove(dep_id):
             self._advance_all()
 
+    def _admit_ended(self, dep_id: int) -> _DepWait | None:
+        """An admit that started nothing reported: the attempt is idle again."""
+        dw = self._waits.get(dep_id)
+        if dw is not None:
+            dw.phase = Phase.IDLE
+            dw.starting_for_request = False
+        return dw
+
     def on_refused(self, dep_id: int, exc: InsufficientMemory) -> None:
         """The fit check said no: does_not_fit, or queue, and the head makes room."""
-        dw = self._waits.get(dep_id)
+        dw = self._admit_ended(dep_id)
         if dw is None:
             return
-        dw.phase = Phase.IDLE
-        dw.starting_for_request = False
         dep = self.effects.deployment(dep_id)
         if not dw.waiters or dep is None:
             self._forget_if_unused(dep_id)
@@ -486,11 +492,9 @@ class Controller:
 
     def on_budget_error(self, dep_id: int, reason: str) -> None:
         """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""
-        dw = self._waits.get(dep_id)
+        dw = self._admit_ended(dep_id)
         if dw is None:
             return
-        dw.phase = Phase.IDLE
-        dw.starting_for_request = False
         dep = self.effects.deployment(dep_id)
         name = dep.served_name if dep else f"deployment {dep_id}"
         self._give_verdict(dep_id, OndemandError(
@@ -500,11 +504,9 @@ class Controller:
 
     def on_start_error(self, dep_id: int, reason: str) -> None:
         """The deployer refused the start (a state it cannot start from): a start failure."""
-        dw = self._waits.get(dep_id)
+        dw = self._admit_ended(dep_id)
         if dw is None:
             return
-        dw.phase = Phase.IDLE
-        dw.starting_for_request = False
         dep = self.effects.deployment(dep_id)
         if dep is not None and dep.state in REQUEST_STARTABLE:
             self._give_verdict(dep_id, self._start_failed(dep, self._record_failure(dep_id, reason)))
