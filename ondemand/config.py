@@ -5,7 +5,7 @@ defaults); every key can be overridden by ``ONDEMAND_<KEY>`` in upper case,
 with the dot of a table key written as ``_`` (``budget.source`` is
 ``ONDEMAND_BUDGET_SOURCE``). An unknown key or a value out of range raises
 ``ConfigError`` whose one-line message names the key and what it allows.
-No other module reads ``os.environ`` (STYLE.md, habit 9). Imports nothing of
+No other module reads ``os.environ``: configuration is read and validated once. Imports nothing of
 ours but ``errors``.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every background task goes through here: named, referenced, and cancelled
-with a reason at shutdown (STYLE.md: mitmproxy's rule; asyncio keeps only a
+with a reason at shutdown (mitmproxy's rule, enforced by ruff's TID251; asyncio keeps only a
 weak reference to tasks, so an unreferenced one can vanish mid-flight)."""
 from __future__ import annotations
 
