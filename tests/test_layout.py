@@ -10,7 +10,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # What each module may import from the package. Only app (the composition) and
 # cli (the edge) may import everything.
 ALLOWED = {
-    "model": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
+    "model": set(), "placement": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
     "dockerapi": set(), "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
     "budget": {"config", "errors", "model"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
