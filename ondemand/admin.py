@@ -229,8 +229,10 @@ def validate_new(data: dict[str, Any], cfg: Config,
             "mode": mode, "idle_timeout_s": idle, "state": state}, start and mode == "always_on"
 
 
-# What PATCH /api/deployments/{id} may change: what a creation sets, but the id.
-EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role", "mode",
+# What PATCH /api/deployments/{id} may change: what a creation sets, but the id and the
+# mode. A mode switch has its own route (PATCH .../mode, `mode set`): it may start the
+# deployment and is audited ondemand_mode, which an edit of the record must not bypass.
+EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role",
             "idle_timeout_s")
 
 
@@ -239,11 +241,13 @@ def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,
     """The fields an edit changes, validated by ``validate_new`` as the creation of
     the edited deployment (so the same rules, messages and codes apply, including
     the rules between fields), other deployments' names taken."""
+    if "mode" in data:
+        raise _field_error("mode", "switched with PATCH /api/deployments/{id}/mode (ondemand mode set)")
     unknown = sorted(set(data) - set(EDITABLE))
     if unknown:
         raise _field_error(unknown[0], f"not editable; editable: {', '.join(EDITABLE)}")
     plain = dep.as_dict()
-    current = {k: plain[k] for k in EDITABLE if plain[k] is not None}
+    current = {k: plain[k] for k in (*EDITABLE, "mode") if plain[k] is not None}
     fields, _ = validate_new({**current, **data, "start": False}, cfg, [d for d in existing if d.id != dep.id])
     return {k: fields[k] for k in EDITABLE if k in data and fields[k] != plain[k]}
 

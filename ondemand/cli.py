@@ -377,22 +377,22 @@ def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image:
 @click.option("--port", type=int, help="the engine's port in its container")
 @click.option("--memory-gib", type=float, help="GPU memory it needs")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]))
-@click.option("--mode", type=click.Choice(["on_demand", "always_on"]))
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
 @json_option
 @pass_ctx
 def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None, engine: str | None,
                image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
-               memory_gib: float | None, role: str | None, mode: str | None, idle_timeout: str | None,
+               memory_gib: float | None, role: str | None, idle_timeout: str | None,
                as_json: bool) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
-    deployment_update). A start afterwards uses the new values."""
+    deployment_update). A start afterwards uses the new values. The mode is switched
+    with `mode set`."""
     import shlex
     if args and no_args:
         _fail("--arg and --no-args exclude each other", EXIT_USAGE)
     body: dict[str, Any] = {k: v for k, v in (("name", name), ("served_name", served_name), ("engine", engine),
                                               ("image", image), ("port", port), ("memory_gib", memory_gib),
-                                              ("role", role), ("mode", mode)) if v is not None}
+                                              ("role", role)) if v is not None}
     if args or no_args:
         body["args"] = list(args)
     if command is not None:

@@ -176,7 +176,7 @@ async def test_edit_in_place(server):
                         ({"name": "Bad Name"}, "name"), ({"served_name": ""}, "served_name"),
                         ({"role": "decision"}, "mode"), ({"idle_timeout_s": 0}, "idle_timeout_s"),
                         ({"command": "sim --port {port}"}, "command"), ({"command": []}, "command"),
-                        ({"served_name": "ok", "port": 70000}, "port")]:
+                        ({"served_name": "ok", "port": 70000}, "port"), ({"mode": "always_on"}, "mode")]:
         status, err = await api(server, "PATCH", f"/deployments/{i}", body)
         assert status == 400, (body, err)
         assert err["error"]["code"] == "invalid_field" and err["error"]["type"] == "invalid_request_error"
