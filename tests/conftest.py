@@ -67,16 +67,33 @@ def docker_env():
 
 @pytest.fixture
 def fake_nvidia_smi(tmp_path, monkeypatch):
-    """Write GPU lines ("total, used" in MiB) and get the fake's path."""
+    """Write GPU lines ("total, used" in MiB, GPU i on line i+1) and get the fake's path.
+
+    The processes' directory the fake reads (``$FAKE_NVIDIA_SMI_APPS``, inherited by
+    every child, so a simulator started with ``--gpu-mib N`` shows up) is
+    ``fake_nvidia_smi.apps``, also the ``fake_gpu_apps`` fixture: a file there named
+    by a live pid, with lines ``<gpu index> <MiB>``, adds to those GPUs' used memory
+    and to ``--query-compute-apps``."""
     f = tmp_path / "gpus.csv"
+    apps = tmp_path / "gpu-apps"
+    apps.mkdir()
     monkeypatch.setenv("FAKE_NVIDIA_SMI_FILE", str(f))
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_APPS", str(apps))
 
     def set_gpus(*lines: str) -> str:
         tmp = f.with_suffix(".tmp")  # atomic: a read in between never sees an empty file
         tmp.write_text("".join(line + "\n" for line in lines))
         tmp.replace(f)
         return str(FAKES / "nvidia-smi")
+    set_gpus.apps = apps
+    set_gpus.path = str(FAKES / "nvidia-smi")
     return set_gpus
+
+
+@pytest.fixture
+def fake_gpu_apps(fake_nvidia_smi):
+    """The fake nvidia-smi's processes directory (see ``fake_nvidia_smi``)."""
+    return fake_nvidia_smi.apps
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -27,6 +27,13 @@ Failures: ``exit-at-start`` exits with code 3 before listening;
 
 Every request but ``/_sim/*`` is recorded (the last ``--record-limit``):
 ``GET /_sim/requests`` lists them, ``DELETE /_sim/requests`` clears them.
+
+GPU memory, for the fake nvidia-smi of the tests (tests/fakes/nvidia-smi): with
+``--gpu-mib N`` and ``$FAKE_NVIDIA_SMI_APPS`` set, the simulator "uses" N MiB on
+each GPU of ``$CUDA_VISIBLE_DEVICES`` (integer indices; GPU 0 when unset, none when
+empty) by writing ``$FAKE_NVIDIA_SMI_APPS/<pid>`` (lines ``<gpu index> <MiB>``)
+before its startup line, and removes the file when it exits (a SIGKILL leaves it,
+but the fake ignores a dead pid's file).
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import array
 import asyncio
 import base64
 import collections
+import contextlib
 import os
 import random
 import signal
@@ -92,6 +100,7 @@ class SimOptions:
     embedding_dim: int = 8
     record_limit: int = 1000
     shutdown_delay: float = 0.0  # seconds between SIGTERM and the exit (a large engine freeing memory)
+    gpu_mib: int = 0  # MiB per visible GPU reported to the fake nvidia-smi (0: none)
 
 
 class SimError(Exception):
@@ -632,6 +641,36 @@ def build_app(opts: SimOptions) -> web.Application:
     return app
 
 
+def visible_gpus(env: str | None) -> list[int]:
+    """The GPU indices in ``$CUDA_VISIBLE_DEVICES``: GPU 0 when unset, none when empty;
+    like CUDA, the list ends at the first entry that is not an index."""
+    if env is None:
+        return [0]
+    gpus: list[int] = []
+    for item in env.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            break
+        gpus.append(int(item))
+    return gpus
+
+
+def claim_gpu_memory(opts: SimOptions) -> str | None:
+    """Write this process's file for the fake nvidia-smi (see the module's doc) and
+    return its path, or None when there is nothing to claim."""
+    apps = os.environ.get("FAKE_NVIDIA_SMI_APPS")
+    gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not opts.gpu_mib or not apps or not gpus:
+        return None
+    os.makedirs(apps, exist_ok=True)
+    path = os.path.join(apps, str(os.getpid()))
+    tmp = os.path.join(apps, f".{os.getpid()}.tmp")  # atomic: the fake never reads half a file
+    with open(tmp, "w") as f:
+        f.writelines(f"{gpu} {opts.gpu_mib}\n" for gpu in gpus)
+    os.replace(tmp, path)
+    return path
+
+
 async def serve(opts: SimOptions) -> None:
     """Serve until SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -640,6 +679,7 @@ async def serve(opts: SimOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(build_app(opts), access_log=None, shutdown_timeout=0.5)
     await runner.setup()
+    claimed = claim_gpu_memory(opts)
     try:
         await web.TCPSite(runner, opts.host, opts.port, backlog=1024).start()
         port = runner.addresses[0][1]
@@ -649,6 +689,9 @@ async def serve(opts: SimOptions) -> None:
         if opts.shutdown_delay:
             await asyncio.sleep(opts.shutdown_delay)  # as an engine that takes its time to free the GPU
     finally:
+        if claimed is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(claimed)
         await runner.cleanup()
 
 
@@ -668,6 +711,9 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--embedding-dim", type=int, default=8)
     ap.add_argument("--record-limit", type=int, default=1000, metavar="N")
     ap.add_argument("--shutdown-delay", type=float, default=0.0, metavar="S", help="exit S seconds after SIGTERM")
+    ap.add_argument("--gpu-mib", type=int, default=0, metavar="N",
+                    help="use N MiB on each GPU of $CUDA_VISIBLE_DEVICES, as the fake nvidia-smi "
+                         "in $FAKE_NVIDIA_SMI_APPS sees it")
     a = ap.parse_args(argv)
     fail, fail_after = None, 0.0
     if a.fail:
@@ -683,10 +729,12 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                 ap.error(f"--fail exit-after: {a.fail[1]!r} is not a number of seconds")
     if a.tokens < 1:
         ap.error("--tokens must be at least 1")
+    if a.gpu_mib < 0:
+        ap.error("--gpu-mib must not be negative")
     return SimOptions(host=a.host, port=a.port, model=a.model, flavor=a.flavor, startup_delay=a.startup_delay,
                       token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
-                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay)
+                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib)
 
 
 def main(argv: list[str] | None = None) -> int:
