@@ -48,7 +48,6 @@ class PolicyHolder(Protocol):
 POLICY = web.AppKey("policy", PolicyHolder)
 
 
-
 def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
     out = dep.as_dict()
