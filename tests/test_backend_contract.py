@@ -277,3 +277,19 @@ async def test_docker_backend_names_the_container_when_waiting_or_stopping_fails
             await backend.stop(engine, 1.0)
     finally:
         await backend.close()
+
+
+async def test_log_tail_is_of_the_last_run_only(h):
+    """A failure reason must not quote an earlier run: the tail of a second run of the
+    same deployment holds only that run's lines."""
+    b = h.backend()
+    first = h.noisy(lines=30, code=1)
+    engine = await b.start(first)
+    assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 1
+    await b.stop(engine, 5)
+    again = first.replace(command=tuple(a.replace("'line'", "'again'") for a in first.command),
+                          args=tuple(a.replace("'line'", "'again'") for a in first.args))
+    engine = await b.start(again)
+    assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 1
+    tail = await b.log_tail(engine, again)
+    assert "again 29" in tail and "line " not in tail, tail

@@ -18,12 +18,16 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ..model import Deployment
 from . import Backend, BackendError, Engine
 
 log = logging.getLogger("ondemand.backends.process")
+
+# The first line of each run in an engine's log file.
+RUN_MARKER = "--- ondemand started this engine at"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -83,6 +87,9 @@ class ProcessBackend(Backend):
         await self._kill_leftover(dep.name)
         # A local log file, opened once per start: no need to move it off the loop.
         with open(log_path, "ab") as out:  # noqa: ASYNC230
+            # Every run appends to the one file; the marker lets log_tail quote this run only.
+            out.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
+            out.flush()
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
@@ -147,4 +154,8 @@ class ProcessBackend(Backend):
                 data = fh.read()
         except FileNotFoundError:
             return ""
-        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+        text = data.decode("utf-8", "replace").splitlines()
+        starts = [i for i, line in enumerate(text) if line.startswith(RUN_MARKER)]
+        if starts:
+            text = text[starts[-1] + 1:]  # this run's lines, never an earlier run's
+        return "\n".join(text[-lines:])
