@@ -406,6 +406,24 @@ async def sync_now(request: web.Request) -> web.Response:
     return _json(await sync.sync_now())
 
 
+# How long the state file may take to answer a liveness check (a transaction in
+# progress is waited for, as any read waits).
+HEALTH_TIMEOUT_S = 2.0
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness for Docker's HEALTHCHECK, systemd and load balancers: no credentials
+    (it says nothing but "up"), 200 while this loop and the state file answer."""
+    try:
+        await asyncio.wait_for(request.app[components.STORE].ping(), HEALTH_TIMEOUT_S)
+    except Exception as exc:  # a closed, locked or broken state file: not healthy, whatever the cause
+        reason = "the state file did not answer in time" if isinstance(exc, asyncio.TimeoutError) \
+            else f"the state file does not answer: {exc}"
+        log.warning("health check: %s", reason)
+        return _json({"status": "unavailable", "reason": reason}, status=503)
+    return _json({"status": "ok"})
+
+
 _UI = (pathlib.Path(__file__).parent / "ui" / "index.html")
 
 
@@ -420,6 +438,7 @@ def add_routes(app: web.Application, base_path: str) -> None:
     api = base_path + "/api"
     r = app.router
     r.add_get(base_path + "/ui/", ui)
+    r.add_get(base_path + "/healthz", healthz)
 
     async def to_ui(request: web.Request) -> web.Response:
         raise web.HTTPFound(base_path + "/ui/")

@@ -75,6 +75,11 @@ class Store:
     async def version(self) -> int:
         return await migrations.schema_version(self.db)
 
+    async def ping(self) -> None:
+        """One trivial read, as any read waits: behind a running transaction."""
+        async with self._reading() as db, db.execute("SELECT 1") as cur:
+            await cur.fetchone()
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         if _in_tx.get():

@@ -372,3 +372,17 @@ async def test_ui_page_is_served_without_data(server):
         page = await r.text()
     assert "../api/" in page and "events" in page
     assert server.token not in page and server.key not in page
+
+
+async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_not_answer(server, monkeypatch):
+    from ondemand import admin
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{server.url}/healthz") as r:  # no token, no key
+            assert r.status == 200 and await r.json() == {"status": "ok"}
+        monkeypatch.setattr(admin, "HEALTH_TIMEOUT_S", 0.2)
+        async with server.deployer.store.transaction():  # a transaction that does not end: reads wait
+            async with s.get(f"{server.url}/healthz") as r:
+                body = await r.json()
+                assert r.status == 503 and body["status"] == "unavailable" and "in time" in body["reason"]
+        async with s.get(f"{server.url}/healthz") as r:
+            assert r.status == 200
