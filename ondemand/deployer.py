@@ -43,7 +43,7 @@ from .backends import Backend, BackendError, Engine
 from .budget import Budget
 from .errors import DeployerError, DeploymentBusy, NameTaken
 from .events import DeploymentChanged
-from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, Role, State
+from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, State, plain
 from .store import Store
 from .tasks import TaskGroup
 
@@ -258,7 +258,7 @@ class Deployer:
         if bad:
             raise DeployerError(f"not changeable through update: {', '.join(sorted(bad))}")
         self._get(dep_id)
-        old, new = self._replace(dep_id, **_typed(fields))
+        old, new = self._replace(dep_id, **fields)
         async with self.store.transaction():
             await self.store.update_deployment(dep_id, **{k: getattr(new, k) for k in fields},
                                                updated_at=new.updated_at)
@@ -283,14 +283,15 @@ class Deployer:
             running = " and its engine still runs" if dep.state in EDITABLE else ""
             raise DeploymentBusy(f"{dep.name} is {dep.state}{running}: only a stopped, failed or planned "
                                  "deployment can be edited; stop it first")
-        changed = {k: v for k, v in _typed(changes).items() if getattr(dep, k) != v}
+        edited = dep.replace(**changes)
+        changed = {k: getattr(edited, k) for k in changes if getattr(edited, k) != getattr(dep, k)}
         if not changed:
             return dep
         name = changed.get("name")
         if name is not None and any(d.name == name for d in self._deps.values() if d.id != dep_id):
             raise NameTaken(f"name: a deployment named {name!r} exists")
-        old = {k: _plain(getattr(dep, k)) for k in changed}
-        new = {k: _plain(v) for k, v in changed.items()}
+        old = {k: plain(getattr(dep, k)) for k in changed}
+        new = {k: plain(v) for k, v in changed.items()}
         return await self.update(dep_id, actor=actor, user=user, audit="deployment_update",
                                  text=f"edited {', '.join(sorted(changed))}",
                                  detail={"old": old, "new": new}, **changed)
@@ -568,26 +569,3 @@ class Deployer:
         now = self._deps.get(dep_id)
         if now is not None and now.state is State.READY:
             await self._transition(dep_id, State.ASLEEP, actor=actor, user=user, text="put to sleep (sleep mode)")
-
-
-def _typed(fields: dict[str, Any]) -> dict[str, Any]:
-    """Field values as the Deployment holds them (enums, tuples)."""
-    out = dict(fields)
-    for k in ("args", "command"):
-        if k in out:
-            out[k] = tuple(out[k] or ())
-    if "mode" in out:
-        out["mode"] = Mode(out["mode"] or Mode.ALWAYS_ON)
-    if "pending_mode" in out:
-        out["pending_mode"] = Mode(out["pending_mode"]) if out["pending_mode"] else None
-    if "memory_gib" in out:
-        out["memory_gib"] = float(out["memory_gib"] or 0)
-    if "role" in out:
-        out["role"] = Role(out["role"])
-    return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return list(value)
-    return getattr(value, "value", value)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -66,6 +66,31 @@ SYNC_STATES = frozenset({State.READY, State.FAILED, State.PLANNED})
 _LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "created_at", "updated_at"})
 
 
+# How a plain value (a stored row, a JSON body) becomes the field's type.
+_COERCE: dict[str, Callable[[Any], Any]] = {
+    "args": lambda v: tuple(v or ()),
+    "command": lambda v: tuple(v or ()),
+    "memory_gib": lambda v: float(v or 0),
+    "role": lambda v: Role(v or Role.MODEL),
+    "state": lambda v: State(v or State.PLANNED),
+    "mode": lambda v: Mode(v or Mode.ALWAYS_ON),
+    "pending_mode": lambda v: Mode(v) if v else None,
+}
+
+
+def _coerced(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _COERCE[k](v) if k in _COERCE else v for k, v in values.items()}
+
+
+def plain(value: Any) -> Any:
+    """A field's value as JSON has it: an enum's string, a list for a tuple."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Deployment:
     id: int
@@ -89,33 +114,17 @@ class Deployment:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Deployment:
-        """From a stored row (NULL mode reads as always on)."""
+        """From a stored row or a view (NULL mode reads as always on; unknown keys are ignored)."""
         known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in row.items() if k in known}
-        values["args"] = tuple(values.get("args") or ())
-        values["command"] = tuple(values.get("command") or ())
-        values["memory_gib"] = float(values.get("memory_gib") or 0)
-        values["role"] = Role(values.get("role") or Role.MODEL)
-        values["state"] = State(values.get("state") or State.PLANNED)
-        values["mode"] = Mode(values.get("mode") or Mode.ALWAYS_ON)
-        pending = values.get("pending_mode")
-        values["pending_mode"] = Mode(pending) if pending else None
-        return cls(**values)
+        return cls(**_coerced({k: v for k, v in row.items() if k in known}))
 
     def replace(self, **changes: Any) -> Deployment:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, given as plain values (strings, lists) or typed ones."""
+        return dataclasses.replace(self, **_coerced(changes))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (enums as their strings, sequences as lists)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, enum.Enum):
-                v = v.value
-            elif isinstance(v, tuple):
-                v = list(v)
-            out[f.name] = v
-        return out
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def config(self) -> tuple[Any, ...]:
         """Everything an administrator sets (not its state): a change of it (an edit,
