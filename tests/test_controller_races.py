@@ -594,3 +594,27 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
             async with await cold as r:
                 assert r.status == 200
         assert server.state(x) == "ready" and server.state(victim) == "stopped"
+
+
+async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path, store):
+    """Cancelling the effects (shutdown) while an admit reads the budget reports back: the
+    attempt is idle again, nothing was marked starting, and the waiter can still leave."""
+    from ondemand.budget import Budget
+    from ondemand.controller import Phase
+    release = asyncio.Event()
+
+    class SlowBudget(Budget):
+        async def measure(self):
+            await release.wait()
+            return None
+
+    async with controller_env(tmp_path, store, budget=SlowBudget("static", 24)) as env:
+        a = await env.add("a")
+        w = asyncio.ensure_future(env.acquire(a))
+        await wait_for(lambda: env.controller.attempt_phase(a) is Phase.ADMITTING)
+        await env.effects.close()
+        assert env.controller.attempt_phase(a) is Phase.IDLE and env.state(a) == "stopped"
+        w.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await w
+        assert env.controller.waiting() == 0 and env.controller.attempt_phase(a) is None
