@@ -174,8 +174,8 @@ async def get_deployment(request: web.Request) -> web.Response:
 def validate_new(data: dict[str, Any], cfg: Config,
                  existing: list[Deployment]) -> tuple[dict[str, Any], bool]:
     """The row to insert, and whether to start it now (always on, not planned)."""
-    allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role",
-               "mode", "idle_timeout_s", "start"}
+    allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "gpu_count",
+               "gpu_ids", "role", "mode", "idle_timeout_s", "start"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise _field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
@@ -216,6 +216,7 @@ def validate_new(data: dict[str, Any], cfg: Config,
     memory = data.get("memory_gib", 0)
     if not isinstance(memory, (int, float)) or isinstance(memory, bool) or not 0 <= memory <= 1e6:
         raise _field_error("memory_gib", "GiB, 0 or more")
+    gpu_count, gpu_ids = _validate_gpus(data.get("gpu_count"), data.get("gpu_ids"))
     idle = data.get("idle_timeout_s")
     if idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)
                              or not cfg.min_idle_timeout_s <= idle <= 86400):
@@ -225,15 +226,35 @@ def validate_new(data: dict[str, Any], cfg: Config,
         raise _field_error("start", "true or false")
     state = "planned" if not start else ("stopped" if mode == "on_demand" else "planned")
     return {"name": name, "served_name": served, "engine": engine, "image": image, "args": data.get("args", []),
-            "command": data.get("command", []), "port": port, "memory_gib": float(memory), "role": role,
-            "mode": mode, "idle_timeout_s": idle, "state": state}, start and mode == "always_on"
+            "command": data.get("command", []), "port": port, "memory_gib": float(memory), "gpu_count": gpu_count,
+            "gpu_ids": gpu_ids, "role": role, "mode": mode, "idle_timeout_s": idle,
+            "state": state}, start and mode == "always_on"
+
+
+MAX_GPUS = 64
+
+
+def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
+    """``gpu_count`` (null: every GPU; 0: none) and ``gpu_ids`` (null, or the GPU indices it
+    must run on). A pin alone sets the count to its length."""
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_GPUS):
+        raise _field_error("gpu_count", f"null (every GPU), 0 (no GPU) or 1 to {MAX_GPUS}")
+    if ids is None:
+        return count, None
+    if not isinstance(ids, list) or not ids or \
+            not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_GPUS for i in ids) or \
+            len(set(ids)) != len(ids):
+        raise _field_error("gpu_ids", "null, or a list of distinct GPU indices (0, 1, ...)")
+    if count is not None and count != len(ids):
+        raise _field_error("gpu_ids", f"lists {len(ids)} GPUs but gpu_count is {count}")
+    return len(ids), sorted(ids)
 
 
 # What PATCH /api/deployments/{id} may change: what a creation sets, but the id and the
 # mode. A mode switch has its own route (PATCH .../mode, `mode set`): it may start the
 # deployment and is audited ondemand_mode, which an edit of the record must not bypass.
-EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "role",
-            "idle_timeout_s")
+EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "gpu_count",
+            "gpu_ids", "role", "idle_timeout_s")
 
 
 def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,
@@ -248,6 +269,9 @@ def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,
         raise _field_error(unknown[0], f"not editable; editable: {', '.join(EDITABLE)}")
     plain = dep.as_dict()
     current = {k: plain[k] for k in (*EDITABLE, "mode") if plain[k] is not None}
+    data = dict(data)
+    if data.get("gpu_ids") is not None and "gpu_count" not in data:
+        data["gpu_count"] = len(data["gpu_ids"])  # a new pin sets the count with it
     fields, _ = validate_new({**current, **data, "start": False}, cfg, [d for d in existing if d.id != dep.id])
     return {k: fields[k] for k in EDITABLE if k in data and fields[k] != plain[k]}
 

@@ -334,7 +334,9 @@ def deploy() -> None:
 @click.option("--arg", "args", multiple=True, help="an engine argument (docker backend); repeat")
 @click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
 @click.option("--port", type=int, default=8000, show_default=True, help="the engine's port in its container")
-@click.option("--memory-gib", type=float, default=0, show_default=True, help="GPU memory it needs")
+@click.option("--memory-gib", type=float, default=0, show_default=True, help="GPU memory it needs in all")
+@click.option("--gpu-count", type=int, help="how many GPUs (0: none; default: every GPU)")
+@click.option("--gpu-ids", help="the GPUs it must run on, as indices: 0,3")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]), default="model", show_default=True)
 @click.option("--mode", type=click.Choice(["on_demand", "always_on"]), default="always_on", show_default=True)
 @click.option("--idle-timeout", type=int, help="seconds idle before it is put to sleep (on demand)")
@@ -342,8 +344,8 @@ def deploy() -> None:
 @json_option
 @pass_ctx
 def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image: str | None, args: tuple[str, ...],
-               command: str | None, port: int, memory_gib: float, role: str, mode: str,
-               idle_timeout: int | None, no_start: bool, as_json: bool) -> None:
+               command: str | None, port: int, memory_gib: float, gpu_count: int | None, gpu_ids: str | None,
+               role: str, mode: str, idle_timeout: int | None, no_start: bool, as_json: bool) -> None:
     """Create a deployment. On demand it rests stopped until its first request;
     always on it starts at once."""
     import shlex
@@ -357,12 +359,33 @@ def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image:
         body["command"] = shlex.split(command)
     if idle_timeout is not None:
         body["idle_timeout_s"] = idle_timeout
+    body.update(_gpu_fields(gpu_count, gpu_ids))
     view = _call(ctx, "POST", "/deployments", body)
     if as_json:
         _echo_json(view)
     else:
         click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
     _warn_if_blind(view)
+
+
+def _int_option(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        _fail(f"{flag}: a whole number, not {value!r}", EXIT_USAGE)
+
+
+def _gpu_list(value: str) -> list[int]:
+    return [_int_option("--gpu-ids", v.strip()) for v in value.split(",") if v.strip()]
+
+
+def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if gpu_count is not None:
+        out["gpu_count"] = gpu_count
+    if gpu_ids is not None:
+        out["gpu_ids"] = _gpu_list(gpu_ids)
+    return out
 
 
 @deploy.command("set")
@@ -375,15 +398,17 @@ def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image:
 @click.option("--no-args", is_flag=True, help="no engine arguments")
 @click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
 @click.option("--port", type=int, help="the engine's port in its container")
-@click.option("--memory-gib", type=float, help="GPU memory it needs")
+@click.option("--memory-gib", type=float, help="GPU memory it needs in all")
+@click.option("--gpu-count", help="how many GPUs (0: none), or 'all' for every GPU")
+@click.option("--gpu-ids", help="the GPUs it must run on, as indices (0,3), or 'any' to drop the pin")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]))
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
 @json_option
 @pass_ctx
 def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None, engine: str | None,
                image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
-               memory_gib: float | None, role: str | None, idle_timeout: str | None,
-               as_json: bool) -> None:
+               memory_gib: float | None, gpu_count: str | None, gpu_ids: str | None, role: str | None,
+               idle_timeout: str | None, as_json: bool) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
     deployment_update). A start afterwards uses the new values. The mode is switched
     with `mode set`."""
@@ -399,6 +424,10 @@ def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None,
         body["command"] = shlex.split(command)
     if idle_timeout is not None:
         body["idle_timeout_s"] = _idle_timeout(idle_timeout)
+    if gpu_count is not None:
+        body["gpu_count"] = None if gpu_count == "all" else _int_option("--gpu-count", gpu_count)
+    if gpu_ids is not None:
+        body["gpu_ids"] = None if gpu_ids == "any" else _gpu_list(gpu_ids)
     if not body:
         _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
     view = _call(ctx, "PATCH", f"/deployments/{dep_id}", body)
@@ -426,7 +455,8 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
         _echo_json(view)
         return
     for key in ("id", "name", "served_name", "engine", "role", "mode", "pending_mode", "state", "state_reason",
-                "memory_gib", "idle_timeout_s", "base_url", "image", "args", "command"):
+                "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s", "base_url",
+                "image", "args", "command"):
         if key in view:
             click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
     od = view.get("ondemand") or {}

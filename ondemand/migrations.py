@@ -82,9 +82,21 @@ async def _v2_ondemand_mode(db: aiosqlite.Connection) -> None:
     await db.execute("UPDATE deployments SET mode = 'always_on'")
 
 
+async def _v3_gpu_placement(db: aiosqlite.Connection) -> None:
+    # GPU placement: existing rows keep running on every GPU (gpu_count NULL).
+    cols = await _columns(db, "deployments")
+    for column, sqltype in (("gpu_count", "INTEGER CHECK (gpu_count IS NULL OR gpu_count >= 0)"),
+                            ("gpu_ids", "TEXT"),  # JSON list of GPU indices, or NULL
+                            ("gpus", "TEXT NOT NULL DEFAULT '[]'"),  # the GPUs its engine holds
+                            ("measured_gib", "REAL")):
+        if column not in cols:
+            await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
+    Migration(3, "deployments: GPU placement (gpu_count, gpu_ids, gpus, measured_gib)", _v3_gpu_placement),
 ]
 
 LATEST = MIGRATIONS[-1].version

@@ -63,7 +63,8 @@ EDITABLE = frozenset({State.STOPPED, State.FAILED, State.PLANNED})
 SYNC_STATES = frozenset({State.READY, State.FAILED, State.PLANNED})
 
 # Fields that are not the deployment's configuration: its life, not its make-up.
-_LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "created_at", "updated_at"})
+_LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "gpus", "measured_gib",
+                          "created_at", "updated_at"})
 
 
 # How a plain value (a stored row, a JSON body) becomes the field's type.
@@ -71,6 +72,10 @@ _COERCE: dict[str, Callable[[Any], Any]] = {
     "args": lambda v: tuple(v or ()),
     "command": lambda v: tuple(v or ()),
     "memory_gib": lambda v: float(v or 0),
+    "gpu_count": lambda v: None if v is None else int(v),
+    "gpu_ids": lambda v: None if v is None else tuple(int(i) for i in v),
+    "gpus": lambda v: tuple(int(i) for i in v or ()),
+    "measured_gib": lambda v: None if v is None else float(v),
     "role": lambda v: Role(v or Role.MODEL),
     "state": lambda v: State(v or State.PLANNED),
     "mode": lambda v: Mode(v or Mode.ALWAYS_ON),
@@ -101,7 +106,9 @@ class Deployment:
     args: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
     port: int = 8000
-    memory_gib: float = 0.0
+    memory_gib: float = 0.0  # in all; split evenly over its GPUs
+    gpu_count: int | None = None  # None: every GPU (as before GPU placement); 0: no GPU
+    gpu_ids: tuple[int, ...] | None = None  # the GPUs it must run on (gpu_count of them)
     role: Role = Role.MODEL
     state: State = State.PLANNED
     state_reason: str | None = None
@@ -109,6 +116,8 @@ class Deployment:
     mode: Mode = Mode.ALWAYS_ON
     idle_timeout_s: int | None = None
     pending_mode: Mode | None = None
+    gpus: tuple[int, ...] = ()  # the GPUs its engine holds (set at the start, cleared when it stops)
+    measured_gib: float | None = None  # what its engine was last measured to use
     created_at: float = 0.0
     updated_at: float = 0.0
 
@@ -130,6 +139,11 @@ class Deployment:
         """Everything an administrator sets (not its state): a change of it (an edit,
         a mode switch) resets the start backoff."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIFE_FIELDS)
+
+    @property
+    def footprint_gib(self) -> float:
+        """What a fit check counts for it: the larger of declared and measured."""
+        return max(self.memory_gib, self.measured_gib or 0.0)
 
     @property
     def on_demand(self) -> bool:

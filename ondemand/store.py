@@ -28,10 +28,11 @@ from . import migrations
 
 DEPLOYMENT_FIELDS = (
     "id", "name", "served_name", "engine", "image", "args", "command", "port", "memory_gib",
-    "role", "state", "state_reason", "log_tail", "mode", "idle_timeout_s", "pending_mode",
-    "created_at", "updated_at",
+    "gpu_count", "gpu_ids", "role", "state", "state_reason", "log_tail", "mode", "idle_timeout_s",
+    "pending_mode", "gpus", "measured_gib", "created_at", "updated_at",
 )
-_JSON_FIELDS = ("args", "command")
+_JSON_FIELDS = ("args", "command", "gpus")  # lists, stored as JSON ([] when empty)
+_NULLABLE_JSON = ("gpu_ids",)  # lists or NULL
 
 # Set while this task is inside a transaction, so nested blocks join it.
 _in_tx: contextvars.ContextVar[bool] = contextvars.ContextVar("ondemand_in_tx", default=False)
@@ -42,7 +43,20 @@ def _row_to_deployment(row: aiosqlite.Row) -> dict[str, Any]:
     dep = {k: row[k] for k in row.keys() if k in DEPLOYMENT_FIELDS}  # noqa: SIM118
     for k in _JSON_FIELDS:
         dep[k] = orjson.loads(dep[k]) if dep.get(k) else []
+    for k in _NULLABLE_JSON:
+        dep[k] = orjson.loads(dep[k]) if dep.get(k) is not None else None
     return dep
+
+
+def _to_columns(values: dict[str, Any]) -> dict[str, Any]:
+    """Lists as the JSON text their columns hold."""
+    for k in _JSON_FIELDS:
+        if k in values:
+            values[k] = orjson.dumps(list(values[k] or [])).decode()
+    for k in _NULLABLE_JSON:
+        if values.get(k) is not None:
+            values[k] = orjson.dumps(list(values[k])).decode()
+    return values
 
 
 class Store:
@@ -123,9 +137,7 @@ class Store:
         values = {k: v for k, v in fields.items() if k in DEPLOYMENT_FIELDS and k != "id"}
         values.setdefault("created_at", now)
         values["updated_at"] = now
-        for k in _JSON_FIELDS:
-            if k in values:
-                values[k] = orjson.dumps(values[k] or []).decode()
+        values = _to_columns(values)
         cols = ", ".join(values)
         marks = ", ".join("?" for _ in values)
         async with self.transaction() as db:
@@ -140,9 +152,7 @@ class Store:
         """Update some fields; call inside ``transaction()`` to join other writes."""
         fields = {k: v for k, v in fields.items() if k in DEPLOYMENT_FIELDS and k != "id"}
         fields.setdefault("updated_at", time.time())
-        for k in _JSON_FIELDS:
-            if k in fields:
-                fields[k] = orjson.dumps(fields[k] or []).decode()
+        fields = _to_columns(fields)
         sets = ", ".join(f"{k} = ?" for k in fields)
         async with self.transaction() as db:
             await db.execute(f"UPDATE deployments SET {sets} WHERE id = ?", (*fields.values(), dep_id))
