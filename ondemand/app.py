@@ -35,6 +35,7 @@ from .components import (
     CONTROLLER,
     DEPLOYER,
     EFFECTS,
+    FOOTPRINTS,
     GATEWAY,
     KEYS,
     PEERS,
@@ -51,6 +52,7 @@ from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
+from .footprint import FootprintSampler
 from .forward import Upstreams
 from .gateway import MAX_BODY, Gateway
 from .litellm import LiteLLMClient
@@ -161,6 +163,12 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
     app[DEPLOYER] = deployer
     app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in((State.READY, State.ASLEEP)),
                                   interval_s=cfg.metrics_interval_s)
+    footprints = app[FOOTPRINTS] = FootprintSampler(deployer, deployer.budget, interval_s=cfg.metrics_interval_s)
+
+    def measure_when_ready(e: DeploymentChanged) -> None:
+        if e.dep is not None and e.dep.state is State.READY and (e.old is None or e.old.state is not State.READY):
+            footprints.engine_ready()
+    app[BUS].subscribe(DeploymentChanged, measure_when_ready)
     await deployer.load()
     yield
     await deployer.close(stop_engines=deployer.backend.kind == "process")
@@ -266,6 +274,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     await peers.refresh()
     tasks.spawn(peers.run(30.0, refresh_first=False), "peer policy")  # refreshed just above
     tasks.spawn(app[SAMPLER].run(), "metrics sampler")
+    tasks.spawn(app[FOOTPRINTS].run(), "footprint sampler")
     tasks.spawn(Reaper(app[CONTROLLER], cfg.reap_interval_s).run(), "reaper")
     tasks.spawn(app[SYNC].run(), "litellm sync")
     tasks.spawn(_watch_key(app[KEYS]), "key watcher")

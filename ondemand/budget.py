@@ -1,128 +1,195 @@
-"""The memory budget: how much GPU memory there is, and whether a model fits.
+"""The memory budget: how much GPU memory each GPU has, and where a model fits.
 
-Three sources (``budget.source``):
+Each GPU is a pool of its own: a 60 GiB model does not fit in "640 GiB free"
+when no single GPU has 60 GiB free. Sources (``budget.source``):
 
-- ``nvidia-smi``: total and used memory of all GPUs, measured;
+- ``nvidia-smi``: each GPU measured (index, uuid, total and used memory);
+  memory used by processes that are not ours counts as used;
 - ``meminfo``: unified-memory boxes (DGX Spark, where nvidia-smi says
-  "Not Supported" for memory): ``MemTotal`` and ``MemAvailable``;
-- ``static``: ``budget.capacity_gib`` minus what deployments holding memory
-  declared (``memory_gib``).
+  "Not Supported" for memory): one pool, ``MemTotal`` and ``MemAvailable``;
+- ``static``: declared sizes, one pool (``budget.capacity_gib``) or one per
+  GPU (``budget.gpu_capacity_gib``), minus what deployments holding memory
+  declared.
 
-Measured sources cannot see an engine that is still loading, so deployments
-in ``starting`` count with their declared size on top of the measurement.
-The on-demand capacity is usable memory minus what always-on and system
-deployments hold: a model bigger than that can never fit by stopping
-on-demand models (BEHAVIOUR.md, "Making room": ``does_not_fit``).
+``budget.reserve_gib`` is kept free on every pool. A deployment counts with
+its footprint (the larger of declared and measured), split evenly over its
+GPUs. Measured sources cannot see an engine that is still loading, so
+deployments in ``starting`` count with their footprint on top of the
+measurement. The on-demand capacity of a pool is its usable memory minus
+what always-on and system deployments hold there: a model that cannot fit
+in that on any allowed set of GPUs never will by stopping on-demand models
+(``does_not_fit``). Where on the GPUs a model goes is ``placement``'s rule.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from . import placement
 from .errors import BudgetError, InsufficientMemory
 from .model import HOLDING, Deployment, Mode, Role, State
+from .placement import Fit
 
 log = logging.getLogger("ondemand.budget")
 
 GIB = 1024 ** 3
 MIB_PER_GIB = 1024
+NVIDIA_SMI_TIMEOUT_S = 15
 
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["Budget", "BudgetError", "Reading", "Snapshot"]
+__all__ = ["Budget", "BudgetError", "Gpu", "Pool", "Reading", "Snapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Snapshot:
-    capacity: float  # usable memory, GiB
-    used: float  # GiB in use, measured or declared
-    free: float  # GiB free for a new engine
-    ondemand_capacity: float  # capacity minus always-on and system holdings
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in dataclasses.asdict(self).items()}
-
-
-def _declared(deps: Iterable[Deployment], counted: Callable[[Deployment], bool], exclude: int | None) -> float:
-    return sum(d.memory_gib for d in deps if d.id != exclude and counted(d))
-
-
-def _always_on_held(deps: Iterable[Deployment]) -> float:
-    return sum(d.memory_gib for d in deps
-               if d.state in HOLDING and (d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL))
+class Gpu:
+    """One GPU (or the one pool) as measured."""
+    index: int
+    uuid: str | None
+    total: float  # GiB
+    used: float  # GiB, every process's
 
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
     """One measurement, and which deployments were starting when it was taken.
 
-    A loading engine has not allocated yet, so what it declared counts on top
-    of the measurement: both for the ones starting at the reading and for the
+    A loading engine has not allocated yet, so its footprint counts on top of
+    the measurement: both for the ones starting at the reading and for the
     ones starting at the decision. One that went from starting to ready in
-    between is counted by what it declared (the measurement missed it), so a
+    between is counted by its footprint (the measurement missed it), so a
     check made with an older reading is never optimistic, and needs no lock."""
-    total: float | None  # GiB; None: the static source (nothing measured)
-    used: float | None
+    gpus: tuple[Gpu, ...] | None  # None: the static source (nothing measured)
     starting: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """One pool (a GPU) as the budget counts it now, in GiB."""
+    index: int
+    uuid: str | None
+    capacity: float  # usable: measured or declared, less the reserve
+    used: float
+    free: float  # for a new engine: less the starts in progress and others' holds
+    ondemand_capacity: float  # capacity less what always-on and system deployments hold here
+    holders: tuple[str, ...]  # deployments whose engines hold memory here
+
+    def as_dict(self) -> dict[str, object]:
+        return {"index": self.index, "uuid": self.uuid, "capacity": round(self.capacity, 3),
+                "used": round(self.used, 3), "free": round(self.free, 3),
+                "ondemand_capacity": round(self.ondemand_capacity, 3), "deployments": list(self.holders)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    pools: tuple[Pool, ...]
+    per_gpu: bool  # each pool is a GPU (else one pool: unified memory or static capacity_gib)
+
+    @property
+    def capacity(self) -> float:
+        return sum(p.capacity for p in self.pools)
+
+    @property
+    def used(self) -> float:
+        return sum(p.used for p in self.pools)
+
+    @property
+    def free(self) -> float:
+        return sum(p.free for p in self.pools)
+
+    @property
+    def ondemand_capacity(self) -> float:
+        return sum(p.ondemand_capacity for p in self.pools)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"capacity": round(self.capacity, 3), "used": round(self.used, 3), "free": round(self.free, 3),
+                "ondemand_capacity": round(self.ondemand_capacity, 3), "per_gpu": self.per_gpu,
+                "gpus": [p.as_dict() for p in self.pools]}
 
 
 class Budget:
     def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
+                 gpu_capacity_gib: Sequence[float] | None = None, reserve_gib: float = 0.0,
                  nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo"):
         self.source = source
         self.capacity_gib = capacity_gib
+        self.gpu_capacity_gib = tuple(gpu_capacity_gib) if gpu_capacity_gib else None
+        self.reserve_gib = reserve_gib
         self.nvidia_smi = nvidia_smi
         self.meminfo_path = meminfo_path
 
     @classmethod
     def from_config(cls, cfg: Config) -> Budget:
         b = cfg.budget
-        return cls(b.source, b.capacity_gib, nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path)
+        return cls(b.source, b.capacity_gib, gpu_capacity_gib=b.gpu_capacity_gib, reserve_gib=b.reserve_gib,
+                   nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path)
 
-    async def measure(self) -> tuple[float, float] | None:
-        """(total GiB, used GiB) as measured, or None for the static source."""
+    @property
+    def per_gpu(self) -> bool:
+        return self.source == "nvidia-smi" or (self.source == "static" and self.gpu_capacity_gib is not None)
+
+    # --- measuring (the only awaits) -----------------------------------------------------
+
+    async def measure(self) -> tuple[Gpu, ...] | None:
+        """Each GPU (or the one pool) as measured, or None for the static source."""
         if self.source == "nvidia-smi":
             return await self._nvidia_smi()
         if self.source == "meminfo":
-            return self._meminfo()
+            return (self._meminfo(),)
         return None
 
-    async def _nvidia_smi(self) -> tuple[float, float]:
+    async def _run_nvidia_smi(self, *args: str) -> list[list[str]]:
+        """The tool's CSV lines, split ("noheader,nounits"); raises BudgetError."""
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.nvidia_smi, "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits",
+                self.nvidia_smi, *args, "--format=csv,noheader,nounits",
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            out, err = await asyncio.wait_for(proc.communicate(), 15)
         except FileNotFoundError:
             raise BudgetError(f"{self.nvidia_smi} not found: install the NVIDIA driver tools, "
                               "or set budget.source to meminfo (unified memory) or static") from None
         except OSError as exc:  # not executable, and the like: unreadable, not a failed start
             raise BudgetError(f"cannot run {self.nvidia_smi}: {exc.strerror or exc}") from None
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), NVIDIA_SMI_TIMEOUT_S)
         except asyncio.TimeoutError:
             proc.kill()
-            raise BudgetError(f"{self.nvidia_smi} did not answer within 15 s") from None
+            await proc.wait()
+            raise BudgetError(f"{self.nvidia_smi} did not answer within {NVIDIA_SMI_TIMEOUT_S} s") from None
         if proc.returncode != 0:
             raise BudgetError(f"{self.nvidia_smi} failed ({proc.returncode}): {err.decode(errors='replace').strip()}")
-        total = used = 0.0
-        lines = [ln for ln in out.decode().splitlines() if ln.strip()]
-        if not lines:
-            raise BudgetError(f"{self.nvidia_smi} listed no GPU")
-        for line in lines:
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                t, u = float(parts[0]), float(parts[1])
-            except (ValueError, IndexError):
-                raise BudgetError(f"{self.nvidia_smi} reports memory as {line.strip()!r}: on a unified-memory "
-                                  "box (DGX Spark) set budget.source = meminfo") from None
-            total += t
-            used += u
-        return total / MIB_PER_GIB, used / MIB_PER_GIB
+        return [[p.strip() for p in ln.split(",")] for ln in out.decode(errors="replace").splitlines() if ln.strip()]
 
-    def _meminfo(self) -> tuple[float, float]:
+    async def _nvidia_smi(self) -> tuple[Gpu, ...]:
+        rows = await self._run_nvidia_smi("--query-gpu=index,uuid,memory.total,memory.used")
+        if not rows:
+            raise BudgetError(f"{self.nvidia_smi} listed no GPU")
+        gpus = []
+        for row in rows:
+            try:
+                gpus.append(Gpu(int(row[0]), row[1], float(row[2]) / MIB_PER_GIB, float(row[3]) / MIB_PER_GIB))
+            except (ValueError, IndexError):
+                raise BudgetError(f"{self.nvidia_smi} reports memory as {', '.join(row)!r}: on a unified-memory "
+                                  "box (DGX Spark) set budget.source = meminfo") from None
+        return tuple(sorted(gpus, key=lambda g: g.index))
+
+    async def compute_apps(self) -> list[tuple[int, str, float]]:
+        """(pid, GPU uuid, GiB) of every process using GPU memory (nvidia-smi
+        ``--query-compute-apps``); [] for other sources. Raises BudgetError."""
+        if self.source != "nvidia-smi":
+            return []
+        apps = []
+        for row in await self._run_nvidia_smi("--query-compute-apps=pid,gpu_uuid,used_memory"):
+            try:
+                apps.append((int(row[0]), row[1], float(row[2]) / MIB_PER_GIB))
+            except (ValueError, IndexError):
+                continue  # "[N/A]" (no permission to see that process): not ours to count
+        return apps
+
+    def _meminfo(self) -> Gpu:
         fields = {}
         try:
             with open(self.meminfo_path) as fh:
@@ -133,41 +200,80 @@ class Budget:
             raise BudgetError(f"cannot read {self.meminfo_path}: {exc}") from None
         if "MemTotal" not in fields or "MemAvailable" not in fields:
             raise BudgetError(f"{self.meminfo_path} has no MemTotal/MemAvailable")
-        return fields["MemTotal"] / GIB, (fields["MemTotal"] - fields["MemAvailable"]) / GIB
+        return Gpu(0, None, fields["MemTotal"] / GIB, (fields["MemTotal"] - fields["MemAvailable"]) / GIB)
 
     async def read(self, deps: Iterable[Deployment]) -> Reading:
-        """Measure (the only await of the budget); raises BudgetError."""
+        """Measure (the only await of a decision); raises BudgetError."""
         starting = frozenset(d.id for d in deps if d.state is State.STARTING)
-        measured = await self.measure()
-        if measured is None:
-            return Reading(None, None, starting)
-        return Reading(measured[0], measured[1], starting)
+        return Reading(await self.measure(), starting)
+
+    # --- counting (no await) -------------------------------------------------------------
+
+    def _capacities(self, reading: Reading) -> list[tuple[int, str | None, float]]:
+        """(index, uuid, usable GiB) of each pool."""
+        if reading.gpus is None:
+            sizes = self.gpu_capacity_gib or (float(self.capacity_gib or 0),)
+            return [(i, None, max(0.0, size - self.reserve_gib)) for i, size in enumerate(sizes)]
+        cap = self.capacity_gib / len(reading.gpus) if self.capacity_gib else None  # a cap on the box, split
+        return [(g.index, g.uuid, max(0.0, (min(g.total, cap) if cap else g.total) - self.reserve_gib))
+                for g in reading.gpus]
+
+    def holdings(self, dep: Deployment, pools: int) -> dict[int, float]:
+        """GiB per pool that ``dep``'s engine holds (or will, once started)."""
+        return placement.holdings(dep.footprint_gib, dep.gpu_count, dep.gpus, pools, self.per_gpu)
 
     def snapshot_of(self, reading: Reading, deps: list[Deployment], exclude: int | None = None,
-                    held_for_others: float = 0.0) -> Snapshot:
+                    held_for_others: Mapping[int, float] | None = None) -> Snapshot:
         """The budget from ``reading`` and the deployments as they are now (no await).
         ``exclude``: a deployment whose own holding does not count against itself
-        (waking an asleep one); ``held_for_others``: memory the queue reserves for
+        (waking an asleep one); ``held_for_others``: GiB per pool the queue reserves for
         its head, not free for anyone else."""
-        if reading.total is None or reading.used is None:
-            capacity = float(self.capacity_gib or 0)
-            used = _declared(deps, lambda d: d.state in HOLDING, exclude)
-        else:
-            capacity = min(reading.total, self.capacity_gib) if self.capacity_gib else reading.total
-            used = reading.used + _declared(
-                deps, lambda d: d.state is State.STARTING or d.id in reading.starting, exclude)
-        free = max(0.0, capacity - used - held_for_others)
-        return Snapshot(capacity, used, free, max(0.0, capacity - _always_on_held(deps)))
+        caps = self._capacities(reading)
+        n = len(caps)
+        used = [0.0] * n if reading.gpus is None else [g.used for g in reading.gpus]
+        always_on = [0.0] * n
+        holders: list[list[str]] = [[] for _ in range(n)]
+        for d in deps:
+            if d.state not in HOLDING:
+                continue
+            held = self.holdings(d, n)
+            counted = reading.gpus is None or d.state is State.STARTING or d.id in reading.starting
+            for i, gib in held.items():
+                holders[i].append(d.name)
+                if counted and d.id != exclude:
+                    used[i] += gib
+                if d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL:
+                    always_on[i] += gib
+        held_out = held_for_others or {}
+        return Snapshot(tuple(
+            Pool(idx, uuid, cap, used[i], max(0.0, cap - used[i] - held_out.get(i, 0.0)),
+                 max(0.0, cap - always_on[i]), tuple(holders[i]))
+            for i, (idx, uuid, cap) in enumerate(caps)), self.per_gpu)
 
     async def snapshot(self, deps: list[Deployment], exclude: int | None = None) -> Snapshot:
-        """The budget now (reads it; for views and the wait for freed memory)."""
+        """The budget now (reads it; for views)."""
         return self.snapshot_of(await self.read(deps), deps, exclude)
 
     def check_fit(self, dep: Deployment, deps: list[Deployment], reading: Reading,
-                  held_for_others: float = 0.0) -> Snapshot:
-        """Raise InsufficientMemory unless ``dep`` fits (no await: the deployer
-        marks it starting in the same step)."""
+                  held_for_others: Mapping[int, float] | None = None) -> tuple[int, ...]:
+        """The GPUs ``dep`` starts on (its view's ``gpus``); raises InsufficientMemory
+        unless it fits (no await: the deployer marks it starting in the same step).
+        Waking an asleep engine keeps the GPUs it holds."""
         snap = self.snapshot_of(reading, deps, exclude=dep.id, held_for_others=held_for_others)
-        if dep.memory_gib > snap.free + 1e-9:
-            raise InsufficientMemory(dep.memory_gib, snap.free, snap.ondemand_capacity)
-        return snap
+        n = len(snap.pools)
+        count, allowed = placement.demand(dep.gpu_count, dep.gpu_ids, n, self.per_gpu)
+        if self.per_gpu and dep.state is State.ASLEEP and dep.gpus:
+            allowed = dep.gpus
+        free = [p.free for p in snap.pools]
+        chosen = placement.choose(free, dep.footprint_gib, count, allowed)
+        if chosen is None:
+            fit = Fit(dep.footprint_gib, tuple(free), tuple(p.ondemand_capacity for p in snap.pools), count,
+                      allowed, self.per_gpu)
+            message = None
+            if self.per_gpu:
+                where = f"GPUs {', '.join(map(str, allowed))}" if allowed is not None else f"{n} GPUs"
+                message = (f"needs {fit.describe()}; free on the {where}: "
+                           + ", ".join(f"{free[i]:.1f}" for i in (allowed or range(n)) if 0 <= i < n) + " GiB")
+            raise InsufficientMemory(dep.footprint_gib, snap.free, snap.ondemand_capacity, fit=fit, message=message)
+        return placement.devices(dep.gpu_count, dep.gpu_ids, chosen, self.per_gpu)
+

@@ -282,11 +282,22 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         mode = v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else "")
         rows.append([v["id"], v["name"], v["served_name"], mode,
                      v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
-                     _ago(od.get("last_request_at")), f"{v.get('memory_gib') or 0:g} GiB"])
+                     _ago(od.get("last_request_at")), _memory(v), ",".join(map(str, v.get("gpus") or ())) or "-"])
     return rows
 
 
-_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"]
+def _memory(v: dict[str, Any]) -> str:
+    """Declared, and measured when known; "!" marks more than 10 % over what was declared."""
+    declared = v.get("memory_gib") or 0
+    measured = v.get("measured_gib")
+    if measured is None:
+        return f"{declared:g} GiB"
+    flag = " !" if Deployment.from_row(v).over_declared else ""
+    return f"{declared:g} GiB (measured {measured:.1f}{flag})"
+
+
+_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY",
+               "GPUS"]
 
 
 # --- status ------------------------------------------------------------------
@@ -311,12 +322,20 @@ def status(ctx: Ctx, as_json: bool) -> None:
         od = host["ondemand"]
         click.echo(f"ondemand {host['version']} on {host['listen']} ({host['backend']} backend)")
         click.echo(f"budget: {budget}")
+        for g in b.get("gpus") or () if b.get("per_gpu") else ():
+            holders = ", ".join(g["deployments"]) or "-"
+            click.echo(f"  GPU {g['index']}: {g['used']:.1f} of {g['capacity']:g} GiB used, {g['free']:.1f} free; "
+                       f"held by {holders}")
         key = "fingerprint " + od["key_fingerprint"] if od["configured"] else "NOT CONFIGURED (ondemand key init)"
         litellm = ("ready" if od["litellm_ready"] else ("not ready: " + str(od["litellm_error"]))
                    ) if od["litellm_enabled"] else "disabled"
         click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
+    over = [v["name"] for v in views if Deployment.from_row(v).over_declared]
+    if over:
+        click.echo(f"! {', '.join(over)}: measured more than 10 % over the declared memory_gib; "
+                   "fit checks count the measured size (raise memory_gib)")
 
 
 # --- deployments ---------------------------------------------------------------

@@ -13,6 +13,7 @@ from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
 from .events import EventBus
+from .footprint import FootprintSampler
 from .gateway import Gateway
 from .keys import KeyWatcher
 from .litellm_sync import LiteLLMSync
@@ -29,6 +30,7 @@ CONTROLLER = web.AppKey("controller", Controller)
 ADMISSION = web.AppKey("admission", Admission)
 EFFECTS = web.AppKey("effects", DeployerEffects)
 SAMPLER = web.AppKey("sampler", MetricsSampler)
+FOOTPRINTS = web.AppKey("footprints", FootprintSampler)
 KEYS = web.AppKey("keys", KeyWatcher)
 SYNC = web.AppKey("sync", LiteLLMSync)
 PEERS = web.AppKey("peers", PeerPolicySource)

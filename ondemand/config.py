@@ -30,6 +30,8 @@ from .errors import ConfigError
 class BudgetConfig:
     source: str = "nvidia-smi"
     capacity_gib: float | None = None
+    gpu_capacity_gib: tuple[float, ...] | None = None  # static: one usable size per GPU
+    reserve_gib: float = 0.0  # kept free on every GPU
     nvidia_smi: str = "nvidia-smi"
     meminfo_path: str = "/proc/meminfo"
 
@@ -145,6 +147,16 @@ def _cidrs(v: Any) -> str | tuple[str, ...]:
     return tuple(out)
 
 
+def _gib_list(v: Any) -> tuple[float, ...] | None:
+    if v is None or v == "":
+        return None
+    if isinstance(v, str):  # from the environment: "80, 80, 40"
+        v = [part for part in v.replace(",", " ").split() if part]
+    if not isinstance(v, (list, tuple)) or not v:
+        raise ValueError
+    return tuple(_float(x) for x in v)
+
+
 def _listen(v: Any) -> str:
     s = _str(v)
     host, sep, port = s.rpartition(":")
@@ -191,6 +203,9 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
     "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),
                             lambda x: x is None or 0 < x <= 1e6, "GiB, more than 0"),
+    "budget.gpu_capacity_gib": (_gib_list, lambda x: x is None or (len(x) <= 64 and all(0 < g <= 1e6 for g in x)),
+                                "a list of GiB, one per GPU (GPU i is entry i), each more than 0"),
+    "budget.reserve_gib": (_float, _between(0, 1e6), "GiB kept free on every GPU, 0 or more"),
     "budget.nvidia_smi": (_str, bool, "the nvidia-smi command (a path or a name on PATH)"),
     "budget.meminfo_path": (_str, bool, "the meminfo file (/proc/meminfo)"),
     "deployer.backend": (_str, _one_of("docker", "process"), "docker or process"),
@@ -272,13 +287,25 @@ def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None 
         raise ConfigError(
             f"configuration key ondemand_idle_timeout_s = {cfg.ondemand_idle_timeout_s} is not allowed: "
             f"whole seconds, {cfg.min_idle_timeout_s} (min_idle_timeout_s) to 86400")
-    if cfg.budget.source == "static" and cfg.budget.capacity_gib is None:
-        raise ConfigError("configuration key budget.capacity_gib is required with budget.source = static")
+    _check_budget(cfg)
     if _same_file(cfg.token_file, cfg.key_file):
         raise ConfigError(
             f"configuration keys admin_token_file ({cfg.token_file}) and ondemand_key_file ({cfg.key_file}) "
             "name the same file: the admin API must never open with the on-demand key; give them two files")
     return cfg
+
+
+def _check_budget(cfg: Config) -> None:
+    b = cfg.budget
+    if b.gpu_capacity_gib is not None and b.source != "static":
+        raise ConfigError(f"configuration key budget.gpu_capacity_gib is for budget.source = static; with "
+                          f"{b.source} each GPU is measured")
+    if b.gpu_capacity_gib is not None and b.capacity_gib is not None:
+        raise ConfigError("configuration keys budget.capacity_gib (one pool) and budget.gpu_capacity_gib "
+                          "(one per GPU) exclude each other: give one")
+    if b.source == "static" and b.capacity_gib is None and b.gpu_capacity_gib is None:
+        raise ConfigError("configuration key budget.capacity_gib (one pool) or budget.gpu_capacity_gib "
+                          "(one per GPU) is required with budget.source = static")
 
 
 def _same_file(a: Path, b: Path) -> bool:

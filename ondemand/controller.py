@@ -49,6 +49,7 @@ from typing import Any, Protocol
 from .errors import InsufficientMemory, OndemandError
 from .eviction import Candidate, pick_victims
 from .model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, Mode, Role, State
+from .placement import Fit, holdings
 from .queue import WaitQueue
 
 log = logging.getLogger("ondemand.controller")
@@ -81,8 +82,9 @@ class Effects(Protocol):
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
 
-    def settle(self, dep_id: int, need: float, within_s: float) -> None:
-        """Wait until ``need`` GiB reads as free, or ``within_s``; reports ``on_settled``."""
+    def settle(self, dep_id: int, within_s: float) -> None:
+        """Wait until ``dep_id`` fits (the freed memory reads as free on its GPUs), or
+        ``within_s``; reports ``on_settled``."""
 
     def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None: ...
 
@@ -141,8 +143,9 @@ class _DepWait:
     starting_for_request: bool = False
     stopped_victim: bool = False  # this attempt stopped a victim: no does_not_fit now
     victims: set[int] = dataclasses.field(default_factory=set)  # stops out for this attempt
+    # What each victim frees on the GPU set chosen for this attempt: held for it once stopped.
+    frees: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     freed: float = 0.0
-    need: float = 0.0
 
 
 @dataclasses.dataclass
@@ -159,6 +162,16 @@ class ModePlan:
     start: bool
     text: str
     detail: dict[str, Any]
+
+
+def _does_not_fit(dep: Deployment, fit: Fit, capacity: float) -> OndemandError:
+    if not fit.per_gpu:
+        where = f"the {capacity:g} GiB that on-demand models can ever use here"
+    else:
+        best = max(fit.ondemand, default=0.0)
+        where = (f"what on-demand models can ever use on this box's {len(fit.ondemand)} GPUs "
+                 f"(at most {best:g} GiB on one GPU)")
+    return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.describe()}, more than {where}")
 
 
 def _stopped_error(name: str) -> OndemandError:
@@ -427,9 +440,9 @@ class Controller:
         waking = dep.state is State.ASLEEP
         self.effects.admit(dep_id, text=("Woken" if waking else "Started") + " for a request")
 
-    def held_for_others(self, dep_id: int) -> float:
-        """Memory the queue holds for entries other than ``dep_id`` (for the head, what was
-        freed for it): not free for ``dep_id``. The deployer asks it in the step of its fit
+    def held_for_others(self, dep_id: int) -> dict[int, float]:
+        """GiB per GPU the queue holds for entries other than ``dep_id`` (for the head, what
+        was freed for it): not free for ``dep_id``. The deployer asks it in the step of its fit
         check, so a hold made while the check's reading was out still counts."""
         return self.queue.reserved_for_others(dep_id)
 
@@ -470,23 +483,22 @@ class Controller:
         if not dw.waiters or dep is None:
             self._forget_if_unused(dep_id)
             return
+        fit: Fit = exc.fit or Fit(exc.need, (exc.free,), (exc.capacity,), 1, None, False)
         recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
-        if exc.need > exc.capacity + 1e-9 and not dw.stopped_victim and not recent_stop:
-            self._give_verdict(dep_id, OndemandError(
-                503, "does_not_fit", f"{dep.served_name} needs {exc.need:g} GiB, more than the "
-                                     f"{exc.capacity:g} GiB that on-demand models can ever use here"))
+        if fit.never_fits() and not dw.stopped_victim and not recent_stop:
+            self._give_verdict(dep_id, _does_not_fit(dep, fit, exc.capacity))
             return
         self._enqueue(dep_id, dw)
         if not self.queue.is_head_or_empty(dep_id):
             return  # only the head makes room
-        victims = self._pick_victims(dep_id, exc.need - exc.free)
+        victims, chosen = self._pick_victims(dep_id, fit)
         if not victims:
             self._schedule_tick()
             return  # queued until something changes
         dw.phase = Phase.STOPPING
         dw.victims = {v.id for v in victims}
+        dw.frees = {v.id: {g: gib for g, gib in v.holds.items() if g in chosen} for v in victims}
         dw.freed = 0.0
-        dw.need = exc.need
         for v in victims:
             self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
 
@@ -512,7 +524,7 @@ class Controller:
             self._give_verdict(dep_id, self._start_failed(dep, self._record_failure(dep_id, reason)))
         self._forget_if_unused(dep_id)
 
-    def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None, freed_gib: float) -> None:
+    def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None) -> None:
         """A stop effect's report (reaper or make-room)."""
         if approved:
             self._last_ondemand_stop = self.clock()
@@ -522,9 +534,10 @@ class Controller:
         if dw is None or dw.phase is not Phase.STOPPING or dep_id not in dw.victims:
             return
         dw.victims.discard(dep_id)
+        frees = dw.frees.pop(dep_id, {})
         if approved:
-            dw.freed += freed_gib
-            self.queue.reserve(for_dep, freed_gib)  # held at once: nobody else may take it meanwhile
+            dw.freed += sum(frees.values())
+            self.queue.reserve(for_dep, frees)  # held at once, per GPU: nobody else may take it meanwhile
         if dw.victims:
             return  # the others are still stopping
         if not dw.waiters:
@@ -539,7 +552,7 @@ class Controller:
         log.info("stopped idle models to make room for %s (%.1f GiB)", names.name if names else for_dep, dw.freed)
         dw.stopped_victim = True
         dw.phase = Phase.SETTLING
-        self.effects.settle(for_dep, dw.need, self.make_room_wait_s)
+        self.effects.settle(for_dep, self.make_room_wait_s)
 
     def on_settled(self, dep_id: int) -> None:
         """Freed memory shows (or the wait ran out): try again."""
@@ -564,13 +577,15 @@ class Controller:
         self._counters_changed(dep_id)
         self._schedule_tick()
 
-    def _pick_victims(self, requester: int, shortfall: float) -> list[Candidate]:
+    def _pick_victims(self, requester: int, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         now = self.clock()
         claimed = {v for dw in self._waits.values() for v in dw.victims}
-        candidates = [Candidate(d.id, d.memory_gib, self._last_activity.get(d.id, now))
+        pools = len(fit.free)
+        candidates = [Candidate(d.id, holdings(d.footprint_gib, d.gpu_count, d.gpus, pools, fit.per_gpu),
+                                self._last_activity.get(d.id, now))
                       for d in self.effects.deployments()
                       if d.id != requester and d.id not in claimed and self.is_idle(d, now)]
-        return pick_victims(candidates, shortfall)
+        return pick_victims(candidates, fit.free, fit.choose)
 
     # --- time -------------------------------------------------------------------------
 

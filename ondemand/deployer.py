@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -50,6 +50,9 @@ from .tasks import TaskGroup
 log = logging.getLogger("ondemand.deployer")
 
 Precheck = Callable[[Deployment], bool]
+
+# An edit of these makes another engine: what the old one was measured to use no longer holds.
+_REMEASURE = frozenset({"engine", "image", "args", "command", "memory_gib", "gpu_count", "gpu_ids"})
 
 
 class StartFailed(Exception):
@@ -102,6 +105,9 @@ class Deployer:
 
     def all(self) -> list[Deployment]:
         return list(self._deps.values())
+
+    def engine(self, dep_id: int) -> Engine | None:
+        return self._engines.get(dep_id)
 
     def base_url(self, dep_id: int) -> str | None:
         engine = self._engines.get(dep_id)
@@ -194,10 +200,15 @@ class Deployer:
         return old, new
 
     def _mark(self, dep_id: int, state: State, reason: str | None = None,
-              log_tail: str | None = None) -> tuple[Deployment, Deployment]:
-        """The in-memory half of a transition (no await)."""
+              log_tail: str | None = None, gpus: tuple[int, ...] | None = None) -> tuple[Deployment, Deployment]:
+        """The in-memory half of a transition (no await). ``gpus``: the GPUs a start
+        was given; an engine that holds nothing any more holds no GPU either."""
         dep = self._deps[dep_id]
         changes: dict[str, Any] = {"state": state, "state_reason": reason}
+        if gpus is not None:
+            changes["gpus"] = gpus
+        elif state not in HOLDING:
+            changes["gpus"] = ()
         if log_tail is not None or state in (State.STARTING, State.READY):
             changes["log_tail"] = log_tail
         if state in (State.READY, State.FAILED, State.STOPPED) and dep.pending_mode is not None:
@@ -223,7 +234,7 @@ class Deployer:
             async with self.store.transaction():
                 await self.store.update_deployment(
                     new.id, state=new.state, state_reason=new.state_reason, log_tail=new.log_tail,
-                    mode=new.mode, pending_mode=new.pending_mode, updated_at=new.updated_at)
+                    mode=new.mode, pending_mode=new.pending_mode, gpus=new.gpus, updated_at=new.updated_at)
                 await self.store.write_event(actor=actor, user=user, deployment_id=new.id, text=text, detail=detail)
                 if audit:
                     await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=new.id,
@@ -271,6 +282,24 @@ class Deployer:
         self._notify(dep_id, self._deps.get(dep_id), old)
         return new
 
+    async def record_footprint(self, dep_id: int, gib: float) -> None:
+        """What a ready engine was measured to use (``footprint``): kept when it moved by
+        more than 1 % (or 50 MiB); one beyond 10 % over its declared size is logged and
+        recorded as an event the first time."""
+        dep = self._deps.get(dep_id)
+        if dep is None or dep.state is not State.READY:
+            return
+        old = dep.measured_gib
+        if old is not None and abs(old - gib) < max(0.05, 0.01 * gib):
+            return
+        new = dep.replace(measured_gib=round(gib, 3))
+        text = None
+        if new.over_declared and not dep.over_declared:
+            text = (f"uses {gib:.1f} GiB of GPU memory, more than the {dep.memory_gib:g} GiB it declared: "
+                    "fit checks count the measured size; raise memory_gib")
+            log.warning("%s %s", dep.name, text)
+        await self.update(dep_id, actor="ondemand", text=text, measured_gib=new.measured_gib)
+
     async def edit(self, dep_id: int, changes: dict[str, Any], *, actor: str = "admin",
                    user: str | None = None) -> Deployment:
         """Edit fields of a deployment with no engine (stopped, failed, planned) in place:
@@ -292,9 +321,10 @@ class Deployer:
             raise NameTaken(f"name: a deployment named {name!r} exists")
         old = {k: plain(getattr(dep, k)) for k in changed}
         new = {k: plain(v) for k, v in changed.items()}
+        extra = {"measured_gib": None} if set(changed) & _REMEASURE and dep.measured_gib is not None else {}
         return await self.update(dep_id, actor=actor, user=user, audit="deployment_update",
                                  text=f"edited {', '.join(sorted(changed))}",
-                                 detail={"old": old, "new": new}, **changed)
+                                 detail={"old": old, "new": new}, **changed, **extra)
 
     async def remove(self, dep_id: int, *, actor: str = "admin", user: str | None = None) -> None:
         dep = self._get(dep_id)
@@ -316,13 +346,14 @@ class Deployer:
 
     async def admit_start(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
                           text: str | None = None, audit: str | None = None,
-                          held_for_others: Callable[[], float] | None = None,
+                          held_for_others: Callable[[], Mapping[int, float]] | None = None,
                           wanted: Callable[[], bool] | None = None) -> bool:
         """The fit check and the move to ``starting``; the engine then starts in the
         background behind the start-up gate. Returns False when it is starting or
         ready already (nothing to do: wait for it). Raises InsufficientMemory,
         BudgetError (the budget could not be read: nothing was tried), or
-        DeployerError for a state that cannot start. ``held_for_others``: memory
+        DeployerError for a state that cannot start. The fit check picks the GPUs,
+        kept in ``gpus`` while the engine holds them. ``held_for_others``: GiB per GPU
         the wait queue keeps for its head, asked in the same step as the fit check.
         ``wanted``: asked in that step too; False means nobody needs the start any more,
         and nothing starts."""
@@ -333,10 +364,10 @@ class Deployer:
         dep = self._check_startable(dep_id)
         if dep is None or (wanted is not None and not wanted()):
             return False
-        held = held_for_others() if held_for_others is not None else 0.0
-        self.budget.check_fit(dep, self.all(), reading, held)
+        held = held_for_others() if held_for_others is not None else None
+        gpus = self.budget.check_fit(dep, self.all(), reading, held)
         waking = dep.state is State.ASLEEP
-        old, new = self._mark(dep_id, State.STARTING)
+        old, new = self._mark(dep_id, State.STARTING, gpus=gpus)
         coro = self._wake(dep_id) if waking else self._start(dep_id)
         self._starts[dep_id] = self.tasks.spawn(coro, f"start {dep.name}")
         await self._persist(old, new, actor=actor, user=user, audit=audit,

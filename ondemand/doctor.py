@@ -51,8 +51,12 @@ async def check_budget(cfg: Config) -> Check:
     except BudgetError as exc:
         return _check("budget", False, str(exc))
     if measured is None:
-        return _check("budget", True, f"static: {cfg.budget.capacity_gib:g} GiB declared")
-    return _check("budget", True, f"{cfg.budget.source}: {measured[1]:.1f} of {measured[0]:.1f} GiB in use")
+        sizes = cfg.budget.gpu_capacity_gib or (cfg.budget.capacity_gib or 0,)
+        per = f" ({len(sizes)} GPUs)" if cfg.budget.gpu_capacity_gib else ""
+        return _check("budget", True, f"static: {sum(sizes):g} GiB declared{per}")
+    used, total = sum(g.used for g in measured), sum(g.total for g in measured)
+    gpus = f" on {len(measured)} GPUs" if cfg.budget.source == "nvidia-smi" else ""
+    return _check("budget", True, f"{cfg.budget.source}: {used:.1f} of {total:.1f} GiB in use{gpus}")
 
 
 def check_key(cfg: Config) -> Check:
@@ -88,20 +92,37 @@ async def check_litellm(cfg: Config) -> Check:
         await client.close()
 
 
-async def check_engines(cfg: Config) -> Check | None:
-    """Engines whose idleness cannot be seen; None when no deployment can be read."""
-    from .metrics import BLIND_WARNING
-    from .metrics import blind as is_blind
-    rows = None
+async def _deployments(cfg: Config) -> list[dict[str, Any]] | None:
     try:
         _status, rows = await request(cfg, "GET", "/deployments")
     except NoServer:
-        rows = await stored_deployments(cfg)
+        return await stored_deployments(cfg)
+    return rows if isinstance(rows, list) else None
+
+
+def check_engines(rows: list[dict[str, Any]] | None) -> Check | None:
+    """Engines whose idleness cannot be seen; None when no deployment can be read."""
+    from .metrics import BLIND_WARNING
+    from .metrics import blind as is_blind
     blind = [d["name"] for d in rows or () if is_blind(Deployment.from_row(d))]
     if blind:
         return _check("engines", False, f"{', '.join(blind)}: {BLIND_WARNING}")
     if rows is not None:
         return _check("engines", True, f"{len(rows)} deployments; every on-demand engine can report its load")
+    return None
+
+
+def check_footprints(rows: list[dict[str, Any]] | None) -> Check | None:
+    """Deployments whose engines were measured more than 10 % over what they declared."""
+    deps = [Deployment.from_row(d) for d in rows or ()]
+    over = [f"{d.name} (declared {d.memory_gib:g} GiB, measured {d.measured_gib:.1f})"
+            for d in deps if d.over_declared]
+    if over:
+        return _check("footprints", False, f"{'; '.join(over)}: raise memory_gib (deploy set ID --memory-gib N); "
+                                           "until then fit checks count the measured size")
+    measured = [d for d in deps if d.measured_gib is not None]
+    if measured:
+        return _check("footprints", True, f"{len(measured)} engines measured, none over its declared memory_gib")
     return None
 
 
@@ -139,9 +160,8 @@ async def check_listener(cfg: Config, server_runs: bool) -> Check:
 async def run(cfg: Config) -> list[Check]:
     """Every check, in the order they are printed."""
     out = [await check_docker(cfg), await check_budget(cfg), check_key(cfg), await check_litellm(cfg)]
-    engines = await check_engines(cfg)
-    if engines is not None:
-        out.append(engines)
+    rows = await _deployments(cfg)
+    out.extend(c for c in (check_engines(rows), check_footprints(rows)) if c is not None)
     server = await check_server(cfg)
     out.append(server)
     out.append(await check_listener(cfg, server["ok"] is True))

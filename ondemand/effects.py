@@ -92,31 +92,36 @@ class DeployerEffects:
 
     async def _stop(self, dep_id: int, text: str, for_dep: int | None) -> None:
         ctl = self.controller
-        dep = self.deployer.get(dep_id)
-        freed = dep.memory_gib if dep is not None else 0.0
         stopped = False
         try:
             stopped = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text)
         except Exception:
             log.exception("stopping deployment %d failed", dep_id)
         finally:
-            ctl.on_stopped(dep_id, stopped, for_dep, freed)
+            ctl.on_stopped(dep_id, stopped, for_dep)
 
-    def settle(self, dep_id: int, need: float, within_s: float) -> None:
-        self.tasks.spawn(self._settle(dep_id, need, within_s), f"settle {dep_id}")
+    def settle(self, dep_id: int, within_s: float) -> None:
+        self.tasks.spawn(self._settle(dep_id, within_s), f"settle {dep_id}")
 
-    async def _settle(self, dep_id: int, need: float, within_s: float) -> None:
-        """Freed memory may read as used for a while (nvidia-smi): look until it shows."""
+    async def _settle(self, dep_id: int, within_s: float) -> None:
+        """Freed memory may read as used for a while (nvidia-smi): look until the
+        deployment fits on some allowed GPU set, the fit check's own rule."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
         try:
             while loop.time() < deadline:
+                dep = self.deployer.get(dep_id)
+                if dep is None:
+                    return
                 try:
-                    snap = await self.budget.snapshot(self.deployer.all(), exclude=dep_id)
+                    reading = await self.budget.read(self.deployer.all())
+                    self.budget.check_fit(dep, self.deployer.all(), reading,
+                                          self.controller.held_for_others(dep_id))
+                    return
                 except BudgetError:
                     return  # the next admit reads it again and says why
-                if snap.free + 1e-9 >= need:
-                    return
+                except InsufficientMemory:
+                    pass
                 await asyncio.sleep(self.settle_poll_s)
         finally:
             self.controller.on_settled(dep_id)

@@ -53,13 +53,15 @@ def not_found(message: str = "Not found") -> OndemandError:
 
 
 class InsufficientMemory(Exception):
-    """The deployer's fit check said no: ``need`` GiB does not fit in ``free``."""
+    """The deployer's fit check said no: ``need`` GiB does not fit in ``free`` (summed
+    over the GPUs). ``fit`` (a ``placement.Fit``) says per GPU what make-room needs."""
 
-    def __init__(self, need: float, free: float, capacity: float):
-        super().__init__(f"needs {need:g} GiB, {free:g} GiB free of {capacity:g} GiB on-demand capacity")
+    def __init__(self, need: float, free: float, capacity: float, fit: Any = None, message: str | None = None):
+        super().__init__(message or f"needs {need:g} GiB, {free:g} GiB free of {capacity:g} GiB on-demand capacity")
         self.need = need
         self.free = free
         self.capacity = capacity
+        self.fit = fit
 
 
 class BudgetError(Exception):

@@ -1,31 +1,37 @@
 """Which idle models to stop to make room: a pure rule, no side effects, no logging.
 
 Candidates are already known to be stoppable (the controller's idle rules);
-this only picks, least recently used first, the shortest prefix whose memory
-covers the shortfall. When all of them together are not enough, none is
-picked: stopping models that cannot make room would only lose them
-(BEHAVIOUR.md, "Making room").
+this only picks, least recently used first, the shortest prefix after whose
+stop some allowed set of GPUs fits the model (``choose``), and of that prefix
+only the ones that hold memory on the chosen set: stopping a model on
+another GPU frees nothing the new one can use. When all of them together are
+not enough, none is picked: stopping models that cannot make room would only
+lose them (BEHAVIOUR.md, "Making room").
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     id: int
-    memory_gib: float
+    holds: Mapping[int, float]  # GiB per pool (GPU) its engine holds
     last_used: float  # monotonic time of the last slot granted or released
 
 
-def pick_victims(candidates: list[Candidate], shortfall: float) -> list[Candidate]:
-    if shortfall <= 0:
-        return []
-    chosen: list[Candidate] = []
-    freed = 0.0
+def pick_victims(candidates: list[Candidate], free: Sequence[float],
+                 choose: Callable[[list[float]], tuple[int, ...] | None]) -> tuple[list[Candidate], tuple[int, ...]]:
+    """(the victims, the GPU set the model gets once they are stopped), or ([], ())."""
+    sim = list(free)
+    prefix: list[Candidate] = []
     for cand in sorted(candidates, key=lambda c: (c.last_used, c.id)):
-        chosen.append(cand)
-        freed += cand.memory_gib
-        if freed + 1e-9 >= shortfall:
-            return chosen
-    return []
+        prefix.append(cand)
+        for pool, gib in cand.holds.items():
+            if 0 <= pool < len(sim):
+                sim[pool] += gib
+        chosen = choose(sim)
+        if chosen is not None:
+            return [c for c in prefix if any(c.holds.get(g, 0.0) > 0 for g in chosen)], chosen
+    return [], ()

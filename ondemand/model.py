@@ -62,6 +62,9 @@ EDITABLE = frozenset({State.STOPPED, State.FAILED, State.PLANNED})
 # Entering or leaving one of these changes what LiteLLM should list.
 SYNC_STATES = frozenset({State.READY, State.FAILED, State.PLANNED})
 
+# A measured footprint this much over what was declared is flagged (log, status, doctor).
+OVER_DECLARED = 1.10
+
 # Fields that are not the deployment's configuration: its life, not its make-up.
 _LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "gpus", "measured_gib",
                           "created_at", "updated_at"})
@@ -144,6 +147,11 @@ class Deployment:
     def footprint_gib(self) -> float:
         """What a fit check counts for it: the larger of declared and measured."""
         return max(self.memory_gib, self.measured_gib or 0.0)
+
+    @property
+    def over_declared(self) -> bool:
+        """Its engine was measured to use more than 10 % beyond what it declared."""
+        return self.measured_gib is not None and self.measured_gib > self.memory_gib * OVER_DECLARED + 1e-9
 
     @property
     def on_demand(self) -> bool:

@@ -12,15 +12,49 @@ ties to lower indices.
 The free memory given here is what the caller already reduced by the
 reserve, the starts in progress and the queue head's hold on each GPU.
 
-Not wired in yet: the budget and the deployer will call it when GPU
-placement lands (it is built and tested first, on its own).
+A budget of one pool (unified memory, or a static ``capacity_gib``) does
+not know the GPUs apart: there a deployment with any GPU at all needs its
+whole footprint in pool 0, and one with ``gpu_count`` 0 needs nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 EPS = 1e-9
+
+
+def demand(gpu_count: int | None, gpu_ids: Sequence[int] | None, pools: int,
+           per_gpu: bool) -> tuple[int, tuple[int, ...] | None]:
+    """(how many pools, which pools are allowed) a deployment asks for."""
+    if not per_gpu:
+        return (0 if gpu_count == 0 else 1), None
+    count = pools if gpu_count is None else gpu_count
+    return count, (tuple(gpu_ids) if gpu_ids is not None else None)
+
+
+def holdings(footprint: float, gpu_count: int | None, gpus: Sequence[int], pools: int,
+             per_gpu: bool) -> dict[int, float]:
+    """GiB per pool that an engine holding ``gpus`` uses (``footprint`` split evenly)."""
+    if gpu_count == 0 or pools == 0:
+        return {}
+    if not per_gpu:
+        return {0: footprint}
+    held = [g for g in gpus if 0 <= g < pools] or list(range(pools))  # none recorded: every GPU
+    return {g: footprint / len(held) for g in held}
+
+
+def devices(gpu_count: int | None, gpu_ids: Sequence[int] | None, chosen: Sequence[int],
+            per_gpu: bool) -> tuple[int, ...]:
+    """The GPU indices the engine is given (and its view's ``gpus``): the chosen set on a
+    budget per GPU; on one pool, the pin, else the first ``gpu_count``, else none named
+    (every GPU, as before placement)."""
+    if per_gpu:
+        return tuple(chosen)
+    if not gpu_count:
+        return ()
+    return tuple(gpu_ids) if gpu_ids is not None else tuple(range(gpu_count))
 
 
 def share(memory_gib: float, count: int) -> float:
@@ -57,3 +91,29 @@ def can_ever_fit(capacity: Sequence[float], memory_gib: float, gpu_count: int | 
     """Would it fit with every GPU as free as it can be (``capacity``: usable memory per
     GPU less what nothing on demand can free)? If not, it is ``does_not_fit`` at once."""
     return choose(capacity, memory_gib, gpu_count, gpu_ids) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Why a fit check said no, in what make-room needs: each pool's free memory (less
+    others' holds) and on-demand capacity, and what the deployment asks for."""
+    need: float  # GiB in all (its footprint)
+    free: tuple[float, ...]
+    ondemand: tuple[float, ...]
+    count: int  # pools it needs
+    allowed: tuple[int, ...] | None  # the pools it may use (None: any)
+    per_gpu: bool
+
+    def choose(self, free: Sequence[float]) -> tuple[int, ...] | None:
+        """The set it would get with ``free`` per pool, or None."""
+        return choose(free, self.need, self.count, self.allowed)
+
+    def never_fits(self) -> bool:
+        """Not even with every on-demand model stopped (``does_not_fit``)."""
+        return self.choose(self.ondemand) is None
+
+    def describe(self) -> str:
+        """What it asks for, in words: "40 GiB" or "2 GPUs with 20 GiB each"."""
+        if not self.per_gpu or self.count <= 1:
+            return f"{self.need:g} GiB" + (" on one GPU" if self.per_gpu and self.count == 1 else "")
+        return f"{self.count} GPUs with {share(self.need, self.count):g} GiB each"

@@ -3,18 +3,20 @@
 The head is the deployment whose earliest waiting request arrived first; it
 alone may make room by stopping idle models. Memory freed for the head is
 reserved for it until it starts or gives up, so a later entry that fits
-"right now" cannot take what was freed for someone else.
+"right now" cannot take what was freed for someone else. A reservation is
+per pool (GPU): GiB held on each GPU where memory was freed for the head.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 
 @dataclasses.dataclass
 class Entry:
     dep_id: int
     first_arrival: float
-    reserved_gib: float = 0.0
+    reserved: dict[int, float] = dataclasses.field(default_factory=dict)  # GiB per pool
 
 
 class WaitQueue:
@@ -51,12 +53,20 @@ class WaitQueue:
     def is_head_or_empty(self, dep_id: int) -> bool:
         return not self._order or self._order[0].dep_id == dep_id
 
-    def reserve(self, dep_id: int, gib: float) -> None:
-        if dep_id in self._entries:
-            self._entries[dep_id].reserved_gib += gib
+    def reserve(self, dep_id: int, gib: Mapping[int, float]) -> None:
+        entry = self._entries.get(dep_id)
+        if entry is not None:
+            for pool, amount in gib.items():
+                entry.reserved[pool] = entry.reserved.get(pool, 0.0) + amount
 
-    def reserved_for_others(self, dep_id: int) -> float:
-        return sum(e.reserved_gib for e in self._order if e.dep_id != dep_id)
+    def reserved_for_others(self, dep_id: int) -> dict[int, float]:
+        """GiB per pool held for entries other than ``dep_id``."""
+        out: dict[int, float] = {}
+        for e in self._order:
+            if e.dep_id != dep_id:
+                for pool, amount in e.reserved.items():
+                    out[pool] = out.get(pool, 0.0) + amount
+        return out
 
     def ids(self) -> list[int]:
         return [e.dep_id for e in self._order]

@@ -227,7 +227,8 @@ class DockerDouble:
             "State": {"Status": "created", "Running": False, "Pid": 0, "ExitCode": 0},
             "Image": "sha256:" + _id("image", config["Image"]),
             "Config": {"Hostname": cid[:12], "Image": config["Image"], "Labels": config.get("Labels") or {},
-                       "Cmd": config.get("Cmd"), "ExposedPorts": config.get("ExposedPorts") or {}, "Tty": False},
+                       "Cmd": config.get("Cmd"), "Env": config.get("Env"),
+                       "ExposedPorts": config.get("ExposedPorts") or {}, "Tty": False},
             "HostConfig": host_config,
             "NetworkSettings": {"SandboxID": "", "Ports": {}, "Networks": {}},
         }
@@ -259,9 +260,22 @@ class DockerDouble:
                 for i in range(len(argv) - 1):
                     if argv[i] == "--port" and argv[i + 1] == container_port:
                         argv[i + 1] = host_port
+        env = dict(os.environ)
+        for item in c["Config"].get("Env") or []:
+            key, _, value = item.partition("=")
+            env[key] = value
+        # The container sees only the GPUs of its device request; as a host process, the
+        # engine is told their host indices (so the engine simulator claims memory there).
+        requests = c["HostConfig"].get("DeviceRequests") or []
+        ids = [i for r in requests for i in (r.get("DeviceIDs") or [])]
+        if ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        elif not requests:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # no device request: no GPU
         with open(self._log_path(c["Id"]), "ab") as out:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                env=env)
         self._procs[c["Id"]] = proc
         self._exited[c["Id"]].clear()
         c["State"].update(Status="running", Running=True, Pid=proc.pid, ExitCode=0)
@@ -323,6 +337,16 @@ class DockerDouble:
             os.unlink(self._log_path(c["Id"]))
         return web.Response(status=204)
 
+    async def _container_top(self, request: web.Request) -> web.Response:
+        c = self._found(request)
+        if c is None:
+            return self._error(404, f"No such container: {request.match_info['id']}")
+        if not c["State"]["Running"]:
+            return self._error(409, f"Container {c['Id']} is not running")
+        pid = c["State"]["Pid"]
+        return web.json_response({"Titles": ["UID", "PID", "PPID", "C", "STIME", "TTY", "TIME", "CMD"],
+                                  "Processes": [["root", str(pid), "1", "0", "00:00", "?", "00:00:00", "engine"]]})
+
     async def _container_logs(self, request: web.Request) -> web.Response:
         c = self._found(request)
         if c is None:
@@ -351,6 +375,7 @@ class DockerDouble:
         app.router.add_post(v + "/containers/{id}/stop", self._container_stop)
         app.router.add_delete(v + "/containers/{id}", self._container_delete)
         app.router.add_get(v + "/containers/{id}/logs", self._container_logs)
+        app.router.add_get(v + "/containers/{id}/top", self._container_top)
         app.router.add_get(v + "/networks/{id}", self._network_inspect)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app

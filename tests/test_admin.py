@@ -68,7 +68,9 @@ async def test_socket_is_open_and_0600(tmp_path):
 
 async def test_host_view(server):
     status, host = await api(server, "GET", "/host")
-    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "free": 24.0, "ondemand_capacity": 24.0}
+    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "free": 24.0, "ondemand_capacity": 24.0,
+                              "per_gpu": False, "gpus": [{"index": 0, "uuid": None, "capacity": 24.0, "used": 0.0,
+                                                          "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
     assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
     assert host["ondemand"]["litellm_ready"] is False
 
@@ -79,6 +81,9 @@ async def test_host_view(server):
     ({"name": "a", "idle_timeout_s": 0}, "idle_timeout_s"), ({"name": "a", "idle_timeout_s": 90000}, "idle_timeout_s"),
     ({"name": "a", "role": "decision", "mode": "on_demand"}, "mode"), ({"name": "a", "port": 0}, "port"),
     ({"name": "a", "colour": "red"}, "colour"), ({"name": "a", "command": "not a list"}, "command"),
+    ({"name": "a", "gpu_count": -1}, "gpu_count"), ({"name": "a", "gpu_count": True}, "gpu_count"),
+    ({"name": "a", "gpu_ids": [0, 0]}, "gpu_ids"), ({"name": "a", "gpu_ids": []}, "gpu_ids"),
+    ({"name": "a", "gpu_count": 2, "gpu_ids": [1]}, "gpu_ids"), ({"name": "a", "gpu_ids": "0,1"}, "gpu_ids"),
 ])
 async def test_validation_names_the_field(server, body, field):
     full = {"command": sim_command("A"), **body}

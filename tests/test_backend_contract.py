@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import pathlib
 
 import aiohttp
 import docker_real
@@ -193,6 +194,25 @@ async def test_start_answers_then_stop_ends_it_idempotently(h):
     await b.stop(engine, 5)  # stopped already: fine
     assert await asyncio.wait_for(b.wait_exit(engine), 10) == 0  # asked again, the same code
     assert "serving" in await b.log_tail(engine, dep)  # an ended engine keeps its log
+
+
+def _cmdlines(pids: list[int]) -> list[bytes]:
+    return [p.read_bytes() for p in (pathlib.Path(f"/proc/{pid}/cmdline") for pid in pids) if p.exists()]
+
+
+async def test_pids_are_the_engines_processes_while_it_runs(h):
+    """What the measured footprint matches nvidia-smi's processes against: the host pids
+    of the engine's process tree (child process, or the container's processes)."""
+    b = h.backend()
+    engine = await b.start(h.dep())
+    await until_answers(engine)
+    pids = await b.pids(engine)
+    cmdlines = _cmdlines(pids)
+    assert pids and len(cmdlines) == len(pids)  # every one of them a live process
+    assert any(b"sim" in c for c in cmdlines), cmdlines  # the engine simulator is among them
+    await b.stop(engine, 5)
+    await asyncio.wait_for(b.wait_exit(engine), 10)
+    assert await b.pids(engine) == []
 
 
 async def test_an_engine_that_exits_by_itself_is_seen_by_wait_exit(h):

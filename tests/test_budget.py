@@ -1,14 +1,21 @@
-"""The memory budget: its three sources, and the fit check made from a reading
-(BEHAVIOUR.md, "Deployer and memory budget")."""
+"""The memory budget: its three sources, one pool per GPU, and the fit check made
+from a reading (BEHAVIOUR.md, "Deployer and memory budget", "GPU placement")."""
 import pytest
 
-from ondemand.budget import Budget, Reading
+from ondemand.budget import Budget, Gpu, Reading
 from ondemand.errors import BudgetError, InsufficientMemory
 from ondemand.model import Deployment, Mode, Role, State
 
 
-def dep(i: int, gib: float, state: State, mode: Mode = Mode.ON_DEMAND, role: Role = Role.MODEL) -> Deployment:
-    return Deployment(id=i, name=f"d{i}", served_name=f"D{i}", memory_gib=gib, state=state, mode=mode, role=role)
+def dep(i: int, gib: float, state: State, mode: Mode = Mode.ON_DEMAND, role: Role = Role.MODEL,
+        **kw) -> Deployment:
+    return Deployment(id=i, name=f"d{i}", served_name=f"D{i}", memory_gib=gib, state=state, mode=mode, role=role,
+                      **kw)
+
+
+def gpus(*used: float, total: float = 80.0) -> Reading:
+    """A reading of len(used) GPUs of ``total`` GiB each."""
+    return Reading(tuple(Gpu(i, f"GPU-{i}", total, u) for i, u in enumerate(used)))
 
 
 async def test_static_counts_what_holders_declared():
@@ -21,10 +28,14 @@ async def test_static_counts_what_holders_declared():
     assert (await b.snapshot(deps, exclude=1)).free == 16  # waking 1: its own holding does not count
 
 
-async def test_nvidia_smi_sums_the_gpus_and_says_why_it_fails(fake_nvidia_smi, monkeypatch):
+async def test_nvidia_smi_measures_each_gpu_and_says_why_it_fails(fake_nvidia_smi, monkeypatch):
     b = Budget("nvidia-smi", nvidia_smi=fake_nvidia_smi("81920, 1024", "81920, 0"))
-    assert await b.measure() == (160.0, 1.0)
-    b.capacity_gib = 100  # caps the measured capacity
+    measured = await b.measure()
+    assert [(g.index, g.total, g.used) for g in measured] == [(0, 80.0, 1.0), (1, 80.0, 0.0)]
+    assert measured[0].uuid.startswith("GPU-") and measured[0].uuid != measured[1].uuid
+    snap = await b.snapshot([])
+    assert [p.free for p in snap.pools] == [79.0, 80.0] and snap.per_gpu
+    b.capacity_gib = 100  # caps the measured capacity of the box, split over its GPUs
     assert (await b.snapshot([])).capacity == 100
     fake_nvidia_smi("[N/A], [N/A]")  # DGX Spark: unified memory
     with pytest.raises(BudgetError, match="budget.source = meminfo"):
@@ -48,7 +59,8 @@ async def test_an_nvidia_smi_that_cannot_run_is_a_budget_error(tmp_path):
 async def test_meminfo_reads_available_memory(tmp_path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       131072000 kB\nMemFree:  1 kB\nMemAvailable:   65536000 kB\n")
-    total, used = await Budget("meminfo", meminfo_path=str(f)).measure()
+    (pool,) = await Budget("meminfo", meminfo_path=str(f)).measure()
+    total, used = pool.total, pool.used
     assert total == pytest.approx(125, abs=0.01) and used == pytest.approx(62.5, abs=0.01)
     f.write_text("MemTotal: 1 kB\n")
     with pytest.raises(BudgetError, match="MemAvailable"):
@@ -60,21 +72,143 @@ def test_a_reading_that_aged_is_never_optimistic():
     that is ready by the check still counts by what it declared; so does one that started
     after the reading."""
     b = Budget("nvidia-smi")
-    reading = Reading(total=24, used=2, starting=frozenset({1}))
+    reading = Reading((Gpu(0, "GPU-0", 24, 2),), starting=frozenset({1}))
     now = [dep(1, 10, State.READY), dep(2, 4, State.STARTING), dep(3, 6, State.STOPPED)]
     snap = b.snapshot_of(reading, now)
     assert snap.used == 16 and snap.free == 8
     with pytest.raises(InsufficientMemory) as exc:
         b.check_fit(dep(3, 9, State.STOPPED), now, reading)
     assert (exc.value.need, exc.value.free) == (9, 8)
-    assert b.check_fit(dep(3, 8, State.STOPPED), now, reading).free == 8
+    assert b.check_fit(dep(3, 8, State.STOPPED), now, reading) == (0,)
 
 
 def test_memory_held_for_the_queue_head_is_not_free_for_others():
     b = Budget("static", 24)
     deps = [dep(1, 10, State.READY), dep(2, 6, State.STOPPED)]
-    reading = Reading(None, None)
-    assert b.check_fit(deps[1], deps, reading).free == 14
+    reading = Reading(None)
+    assert b.check_fit(deps[1], deps, reading) == ()  # one pool, every GPU: none named
     with pytest.raises(InsufficientMemory) as exc:
-        b.check_fit(deps[1], deps, reading, held_for_others=10)
+        b.check_fit(deps[1], deps, reading, held_for_others={0: 10})
     assert exc.value.free == 4 and exc.value.capacity == 24
+
+
+# --- one pool per GPU: an 8 x 80 GiB box -------------------------------------------------
+
+
+def test_two_60_gib_single_gpu_models_land_on_different_gpus():
+    b = Budget("nvidia-smi")
+    a = dep(1, 60, State.STOPPED, gpu_count=1)
+    first = b.check_fit(a, [a], gpus(*[0] * 8))
+    assert first == (0,)
+    started = a.replace(state=State.STARTING, gpus=first)
+    other = dep(2, 60, State.STOPPED, gpu_count=1)
+    assert b.check_fit(other, [started, other], gpus(*[0] * 8)) == (1,)  # GPU 0 has only 20 GiB left
+
+
+def test_a_two_gpu_model_gets_two_gpus_that_each_have_half_free():
+    b = Budget("nvidia-smi")
+    d = dep(1, 100, State.STOPPED, gpu_count=2)
+    # 70, 40, 55 and 60 free: 50 each is needed; GPUs 2 and 3 leave the least over.
+    assert b.check_fit(d, [d], gpus(10, 40, 25, 20)) == (2, 3)
+    with pytest.raises(InsufficientMemory):
+        b.check_fit(d, [d], gpus(10, 40, 35, 35))  # only GPU 0 has 50 free
+
+
+def test_best_fit_beside_a_foreign_process():
+    """Memory used by a process that is not ours counts as used; of the GPUs that fit,
+    the one left with the least free memory wins, so whole GPUs stay whole."""
+    b = Budget("nvidia-smi")
+    d = dep(1, 30, State.STOPPED, gpu_count=1)
+    assert b.check_fit(d, [d], gpus(0, 45, 0, 0)) == (1,)  # 35 free beside the foreign 45 GiB
+    assert b.check_fit(d, [d], gpus(0, 55, 0, 0)) == (0,)  # 25 free: too little; ties go low
+
+
+def test_a_gpu_ids_pin_is_kept_even_when_another_gpu_fits_better():
+    b = Budget("nvidia-smi")
+    d = dep(1, 20, State.STOPPED, gpu_count=1, gpu_ids=(5,))
+    assert b.check_fit(d, [d], gpus(*[0] * 8)) == (5,)
+    with pytest.raises(InsufficientMemory) as exc:
+        b.check_fit(d, [d], gpus(0, 0, 0, 0, 0, 70, 0, 0))
+    assert exc.value.fit.allowed == (5,) and not exc.value.fit.never_fits()
+
+
+def test_does_not_fit_on_any_allowed_set():
+    b = Budget("nvidia-smi")
+    reading = gpus(*[0] * 8)
+    for d in (dep(1, 90, State.STOPPED, gpu_count=1),  # no single GPU has 90
+              dep(2, 200, State.STOPPED, gpu_count=2),  # 100 each
+              dep(3, 10, State.STOPPED, gpu_count=9),  # more GPUs than the box has
+              dep(4, 10, State.STOPPED, gpu_count=1, gpu_ids=(8,))):  # no GPU 8
+        with pytest.raises(InsufficientMemory) as exc:
+            b.check_fit(d, [d], reading)
+        assert exc.value.fit.never_fits(), d
+    # Always-on holdings are out of reach; on-demand ones could be freed.
+    always = dep(5, 60, State.READY, Mode.ALWAYS_ON, gpu_count=1, gpus=(0,))
+    on_demand = dep(6, 60, State.READY, gpu_count=1, gpus=(1,))
+    want = dep(7, 40, State.STOPPED, gpu_count=2, gpu_ids=(0, 1))
+    with pytest.raises(InsufficientMemory) as exc:
+        b.check_fit(want, [always, on_demand, want], gpus(60, 70))  # 20 and 10 free
+    assert exc.value.fit.ondemand == (20.0, 80.0) and not exc.value.fit.never_fits()
+    want = want.replace(memory_gib=50)
+    with pytest.raises(InsufficientMemory) as exc:
+        b.check_fit(want, [always, on_demand, want], gpus(60, 70))
+    assert exc.value.fit.never_fits()  # 25 on GPU 0 can never be had
+
+
+def test_gpu_count_zero_needs_no_gpu_memory_and_every_gpu_is_the_default():
+    b = Budget("nvidia-smi")
+    full = gpus(80, 80)
+    cpu = dep(1, 10, State.STOPPED, gpu_count=0)
+    assert b.check_fit(cpu, [cpu], full) == ()
+    every = dep(2, 100, State.STOPPED)  # gpu_count NULL: every GPU, memory split evenly
+    assert b.check_fit(every, [every], gpus(20, 20)) == (0, 1)
+    with pytest.raises(InsufficientMemory):
+        b.check_fit(every, [every], gpus(20, 31))
+    held = every.replace(state=State.READY, gpus=(0, 1))
+    one_pool = Budget("static", 200)
+    assert [p.used for p in one_pool.snapshot_of(Reading(None), [held]).pools] == [100]
+    static = Budget("static", gpu_capacity_gib=(80, 80))
+    assert [p.used for p in static.snapshot_of(Reading(None), [held]).pools] == [50, 50]
+
+
+def test_the_reserve_is_kept_free_on_every_gpu():
+    b = Budget("static", gpu_capacity_gib=(80, 40), reserve_gib=5)
+    assert [p.capacity for p in b.snapshot_of(Reading(None), []).pools] == [75, 35]
+    d = dep(1, 76, State.STOPPED, gpu_count=1)
+    with pytest.raises(InsufficientMemory):
+        b.check_fit(d, [d], Reading(None))
+    measured = Budget("nvidia-smi", reserve_gib=5)
+    assert [p.free for p in measured.snapshot_of(gpus(10, 0), []).pools] == [65, 75]
+
+
+def test_a_measured_footprint_larger_than_declared_is_what_the_next_fit_check_counts():
+    b = Budget("static", gpu_capacity_gib=(80,))
+    d = dep(1, 20, State.STOPPED, gpu_count=1, measured_gib=50)
+    other = dep(2, 40, State.READY, gpu_count=1, gpus=(0,))
+    with pytest.raises(InsufficientMemory) as exc:
+        b.check_fit(d, [d, other], Reading(None))
+    assert exc.value.need == 50
+    running = d.replace(state=State.READY, gpus=(0,))
+    assert b.snapshot_of(Reading(None), [running]).pools[0].used == 50
+
+
+def test_holds_for_the_head_are_per_gpu():
+    b = Budget("nvidia-smi")
+    d = dep(1, 60, State.STOPPED, gpu_count=1)
+    assert b.check_fit(d, [d], gpus(0, 0), held_for_others={0: 30}) == (1,)
+    with pytest.raises(InsufficientMemory):
+        b.check_fit(d, [d], gpus(0, 0), held_for_others={0: 30, 1: 30})
+
+
+def test_waking_keeps_the_gpus_it_holds():
+    b = Budget("nvidia-smi")
+    asleep = dep(1, 30, State.ASLEEP, gpu_count=1, gpus=(3,))
+    assert b.check_fit(asleep, [asleep], gpus(0, 0, 0, 20)) == (3,)
+
+
+def test_each_gpu_shows_who_holds_it():
+    b = Budget("static", gpu_capacity_gib=(80, 80))
+    deps = [dep(1, 60, State.READY, gpu_count=1, gpus=(1,)), dep(2, 40, State.STARTING, gpu_count=2, gpus=(0, 1))]
+    pools = b.snapshot_of(Reading(None), deps).pools
+    assert [p.holders for p in pools] == [("d2",), ("d1", "d2")]
+    assert [p.free for p in pools] == [60, 0]

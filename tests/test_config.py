@@ -50,6 +50,11 @@ def test_config_file_from_environment(tmp_path):
     ('ondemand_allowed_cidrs = ["10.0.0.1/8"]\n', "ondemand_allowed_cidrs"),
     ('[budget]\nsource = "gpu"\n', "budget.source"),
     ('[budget]\nsource = "static"\n', "budget.capacity_gib"),
+    ('[budget]\nsource = "static"\ngpu_capacity_gib = [80, 0]\n', "budget.gpu_capacity_gib"),
+    ('[budget]\nsource = "static"\ngpu_capacity_gib = []\n', "budget.gpu_capacity_gib"),
+    ('[budget]\nsource = "static"\ncapacity_gib = 80\ngpu_capacity_gib = [80]\n', "budget.gpu_capacity_gib"),
+    ('[budget]\ngpu_capacity_gib = [80, 80]\n', "budget.gpu_capacity_gib"),
+    ('[budget]\nreserve_gib = -1\n', "budget.reserve_gib"),
     ('[deployer]\nbackend = "k8s"\n', "deployer.backend"),
     ('[deployer]\nwhat = 1\n', "deployer.what"),
     ('[deployer]\nshm_size_gib = -1\n', "deployer.shm_size_gib"),
@@ -63,6 +68,15 @@ def test_bad_values_name_the_key(tmp_path, text, key):
         config.load(f, env={})
     msg = str(exc.value)
     assert key in msg and "\n" not in msg
+
+
+def test_gpu_capacities_from_the_file_and_the_environment(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[budget]\nsource = "static"\ngpu_capacity_gib = [80, 80, 40.5]\nreserve_gib = 2\n')
+    cfg = config.load(f, env={})
+    assert cfg.budget.gpu_capacity_gib == (80.0, 80.0, 40.5) and cfg.budget.reserve_gib == 2.0
+    cfg = config.load(env={"ONDEMAND_BUDGET_SOURCE": "static", "ONDEMAND_BUDGET_GPU_CAPACITY_GIB": "80, 80"})
+    assert cfg.budget.gpu_capacity_gib == (80.0, 80.0) and cfg.budget.capacity_gib is None
 
 
 def test_bad_environment_value_names_the_key():

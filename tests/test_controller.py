@@ -15,6 +15,7 @@ from ondemand.controller import BACKOFF_FIRST_S, BACKOFF_MAX_S, Controller, Phas
 from ondemand.errors import InsufficientMemory, OndemandError
 from ondemand.eviction import Candidate, pick_victims
 from ondemand.model import Deployment, Mode, Role, State
+from ondemand.placement import Fit
 
 
 class Clock:
@@ -72,13 +73,14 @@ class Effects:
     # actions
     def admit(self, dep_id: int, *, text: str) -> None:
         assert self.controller is not None  # what the deployer would hold back, as of now
-        self.calls.append(("admit", dep_id, self.controller.held_for_others(dep_id), text))
+        # What the queue holds for others, summed over the GPUs (these tests use one pool).
+        self.calls.append(("admit", dep_id, sum(self.controller.held_for_others(dep_id).values()), text))
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         self.calls.append(("stop", dep_id, for_dep, text))
 
-    def settle(self, dep_id: int, need: float, within_s: float) -> None:
-        self.calls.append(("settle", dep_id, need))
+    def settle(self, dep_id: int, within_s: float) -> None:
+        self.calls.append(("settle", dep_id))
 
     def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None:
         self.calls.append(("audit", action, dep_id, text))
@@ -303,7 +305,7 @@ def test_too_big_is_queued_within_20_s_of_an_on_demand_stop(world):
     c, fx, clock = make(world)
     fx.add(1, 30)
     fx.add(2, 10, state=State.READY)
-    c.on_stopped(2, True, None, 10)  # the reaper stopped 2 just now
+    c.on_stopped(2, True, None)  # the reaper stopped 2 just now
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(30, 0, 24))
     assert r.take() is None and 1 in c.queue and r.queued == 1
@@ -327,14 +329,14 @@ def test_make_room_stops_lru_idle_victims_then_waits_for_memory(world):
     c.on_refused(1, InsufficientMemory(10, 4, 24))
     assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)]  # 6 GiB short: one victim, the LRU one
     assert c.attempt_phase(1) is Phase.STOPPING and r.queued == 1
-    c.on_stopped(2, True, 1, 10)
-    assert fx.taken("settle") == [("settle", 1, 10)]
-    assert c.queue.reserved_for_others(99) == 10  # held for the head
+    c.on_stopped(2, True, 1)
+    assert fx.taken("settle") == [("settle", 1)]
+    assert c.queue.reserved_for_others(99) == {0: 10}  # held for the head
     c.on_settled(1)
     assert fx.taken("admit")[0][1:3] == (1, 0.0)  # the head itself holds nothing against itself
     fx.set(1, state=State.STARTING)
     c.on_admitted(1, True)
-    assert 1 not in c.queue and c.queue.reserved_for_others(99) == 0
+    assert 1 not in c.queue and c.queue.reserved_for_others(99) == {}
     fx.set(1, state=State.READY)
     assert r.take() is not None
 
@@ -383,7 +385,7 @@ def test_victims_that_turned_busy_are_left_and_the_head_waits(world):
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     fx.taken("stop")
-    c.on_stopped(2, False, 1, 10)  # the precheck refused: a request got there first
+    c.on_stopped(2, False, 1)  # the precheck refused: a request got there first
     assert fx.taken("settle") == [] and c.attempt_phase(1) is Phase.IDLE and r.take() is None
 
 
@@ -396,7 +398,7 @@ def test_only_the_head_makes_room_and_later_entries_see_its_hold(world):
     head = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     fx.taken("stop")
-    c.on_stopped(4, True, 1, 10)
+    c.on_stopped(4, True, 1)
     later = Req(c, 2)  # arrives while memory was freed for the head
     admit = [a for a in fx.taken("admit") if a[1] == 2][0]
     assert admit[2] == 10  # its fit check keeps the head's 10 GiB out of reach
@@ -404,7 +406,7 @@ def test_only_the_head_makes_room_and_later_entries_see_its_hold(world):
     assert c.queue.ids() == [1, 2] and fx.taken("stop") == []  # queued behind, makes no room
     assert later.queued == 1 and head.queued == 1
     head.leave()  # the head gives up: its hold goes, and the next one looks again
-    assert c.queue.ids() == [2] and c.queue.reserved_for_others(2) == 0
+    assert c.queue.ids() == [2] and c.queue.reserved_for_others(2) == {}
     c.on_settled(1)
     assert [a[1] for a in fx.taken("admit")] == [2]
 
@@ -415,7 +417,7 @@ def test_a_later_entry_that_fits_starts_while_the_head_is_blocked(world):
     fx.add(2, 4)
     fx.add(9, 10, state=State.READY)  # busy: the head can make no room
     c.try_take(9)
-    c.on_stopped(9, True, None, 0)  # a stop just now: 1 is queued, not refused
+    c.on_stopped(9, True, None)  # a stop just now: 1 is queued, not refused
     Req(c, 1)
     c.on_refused(1, InsufficientMemory(30, 14, 24))
     later = Req(c, 2)
@@ -722,12 +724,65 @@ def test_status_phases_in_order_of_precedence(world):
 # --- the eviction rule ------------------------------------------------------------------------
 
 def test_pick_victims_is_the_shortest_lru_prefix_that_covers_the_shortfall():
-    cands = [Candidate(1, 10, last_used=30), Candidate(2, 5, last_used=10), Candidate(3, 8, last_used=20)]
-    assert [v.id for v in pick_victims(cands, 12)] == [2, 3]
-    assert [v.id for v in pick_victims(cands, 5)] == [2]
-    assert pick_victims(cands, 24) == []  # all of them are not enough: none
-    assert pick_victims(cands, 0) == []
-    assert [v.id for v in pick_victims([Candidate(5, 1, 0), Candidate(4, 1, 0)], 1)] == [4]  # ties: lower id
+    def one_pool(need):  # one pool with nothing free: the victims must free ``need``
+        return lambda free: (0,) if free[0] + 1e-9 >= need else None
+
+    cands = [Candidate(1, {0: 10}, last_used=30), Candidate(2, {0: 5}, last_used=10),
+             Candidate(3, {0: 8}, last_used=20)]
+    assert [v.id for v in pick_victims(cands, [0], one_pool(12))[0]] == [2, 3]
+    assert [v.id for v in pick_victims(cands, [0], one_pool(5))[0]] == [2]
+    assert pick_victims(cands, [0], one_pool(24)) == ([], ())  # all of them are not enough: none
+    ties = [Candidate(5, {0: 1}, 0), Candidate(4, {0: 1}, 0)]
+    assert [v.id for v in pick_victims(ties, [0], one_pool(1))[0]] == [4]  # ties: lower id
+
+
+def test_pick_victims_per_gpu_stops_only_those_on_the_chosen_set():
+    """2 GPUs of 80 GiB, both full: the LRU victim is on GPU 1, but the model
+    (60 GiB on one GPU) fits on GPU 0 once the two smaller models there are gone
+    too; only the victims on the chosen GPU are stopped."""
+    def one_gpu(need):
+        return lambda free: next(((i,) for i in sorted(range(len(free)), key=lambda i: free[i])
+                                  if free[i] + 1e-9 >= need), None)
+
+    cands = [Candidate(1, {1: 40}, last_used=1), Candidate(2, {0: 30}, last_used=2),
+             Candidate(3, {0: 30}, last_used=3), Candidate(4, {1: 40}, last_used=4)]
+    victims, chosen = pick_victims(cands, [20, 0], one_gpu(60))
+    assert chosen == (0,) and [v.id for v in victims] == [2, 3]  # 1 is older, but on GPU 1
+    # A two-GPU victim frees memory on both: it counts on each.
+    wide = [Candidate(7, {0: 30, 1: 30}, last_used=1)]
+    assert pick_victims(wide, [10, 0], one_gpu(35)) == (wide, (0,))
+
+
+def test_make_room_on_a_two_gpu_box_stops_only_the_victim_on_the_chosen_gpu(world):
+    """GPU 0 holds the least recently used model (40 GiB), GPU 1 a 70 GiB one used
+    later. A 60 GiB single-GPU model fits on GPU 0 once its victim is gone, so only
+    that one is stopped, and the memory freed there is held for the head on GPU 0."""
+    c, fx, clock = make(world)
+    fx.add(1, 60, gpu_count=1)
+    fx.add(2, 40, gpu_count=1, gpus=(0,))
+    fx.add(3, 70, gpu_count=1, gpus=(1,))
+    idle_ready(fx, c, clock, 2, 3)
+    c.release(c.try_take(3).dep_id)
+    clock.advance(61)
+    r = Req(c, 1)
+    fit = Fit(60, free=(40, 10), ondemand=(80, 80), count=1, allowed=None, per_gpu=True)
+    c.on_refused(1, InsufficientMemory(60, 50, 160, fit=fit))
+    assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)] and r.queued == 1
+    c.on_stopped(2, True, 1)
+    assert c.queue.reserved_for_others(99) == {0: 40}  # on GPU 0 only
+    assert fx.taken("settle") == [("settle", 1)]
+
+
+def test_a_model_that_fits_on_no_allowed_gpu_set_is_does_not_fit_at_once(world):
+    c, fx, clock = make(world)
+    fx.add(1, 100, gpu_count=1)
+    r = Req(c, 1)
+    fit = Fit(100, free=(80, 80), ondemand=(80, 80), count=1, allowed=None, per_gpu=True)
+    c.on_refused(1, InsufficientMemory(100, 160, 160, fit=fit))
+    with pytest.raises(OndemandError) as exc:
+        r.take()
+    assert exc.value.code == "does_not_fit" and "100 GiB on one GPU" in exc.value.message
+    assert "at most 80 GiB on one GPU" in exc.value.message and 1 not in c.queue
 
 
 def test_a_release_while_something_is_queued_brings_the_next_look_forward(world):
@@ -763,7 +818,7 @@ def test_memory_is_held_for_the_head_as_each_victim_stops(world):
     fx.taken("admit")
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     assert sorted(s[1] for s in fx.taken("stop")) == [3, 4]
-    c.on_stopped(3, True, 1, 5)
+    c.on_stopped(3, True, 1)
     Req(c, 2)  # looks while 4 is still stopping
     assert fx.taken("admit")[-1][1:3] == (2, 5)  # 3's memory is already held for the head
 
@@ -781,7 +836,7 @@ def test_a_new_head_respects_the_hold_of_the_old_one(world):
     fx.taken("admit")
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     fx.taken("stop")
-    c.on_stopped(3, True, 1, 10)
+    c.on_stopped(3, True, 1)
     fx.set(3, state=State.STOPPED)
     fx.set(2, state=State.STOPPED)  # the stop ends: 2 asks, and is the earlier arrival
     assert fx.taken("admit")[-1][1:3] == (2, 10)
@@ -822,7 +877,7 @@ def test_no_does_not_fit_after_this_attempt_stopped_a_victim(world):
     fx.taken("admit")
     c.on_refused(1, InsufficientMemory(20, 12, 24))
     fx.taken("stop")
-    c.on_stopped(2, True, 1, 10)
+    c.on_stopped(2, True, 1)
     clock.advance(25)  # past the 20 s after any on-demand stop
     c.on_settled(1)
     fx.taken("admit")
@@ -848,10 +903,10 @@ def test_removal_drops_the_queue_entry_and_its_hold(world):
     r = Req(c, 1)
     fx.taken("admit")
     c.on_refused(1, InsufficientMemory(10, 0, 24))
-    c.on_stopped(3, True, 1, 10)
-    assert c.held_for_others(2) == 10
+    c.on_stopped(3, True, 1)
+    assert c.held_for_others(2) == {0: 10}
     fx.remove(1)
-    assert 1 not in c.queue and c.held_for_others(2) == 0
+    assert 1 not in c.queue and c.held_for_others(2) == {}
     assert r.code() == "not_found"
 
 

@@ -192,10 +192,11 @@ async def test_queue_order_and_reservation(tmp_path, store, fake_nvidia_smi):
     q = WaitQueue()
     assert q.add(2, 5.0) and q.add(1, 3.0) and not q.add(2, 1.0)
     assert q.ids() == [1, 2] and q.head() == 1
-    q.reserve(1, 8)
-    assert q.reserved_for_others(2) == 8 and q.reserved_for_others(1) == 0
+    q.reserve(1, {0: 8})
+    q.reserve(1, {0: 1, 3: 2})  # per GPU, adding up
+    assert q.reserved_for_others(2) == {0: 9, 3: 2} and q.reserved_for_others(1) == {}
     q.remove(1)
-    assert q.head() == 2 and q.reserved_for_others(3) == 0
+    assert q.head() == 2 and q.reserved_for_others(3) == {}
 
     smi = fake_nvidia_smi("20480, 10240")  # 20 GiB, v's 10 GiB in use
     budget = Budget("nvidia-smi", nvidia_smi=smi)
@@ -210,7 +211,7 @@ async def test_queue_order_and_reservation(tmp_path, store, fake_nvidia_smi):
         wx = asyncio.ensure_future(env.acquire(x))
         # v is stopped for x, but the GPU still reads as used (as nvidia-smi
         # does for a while): x stays queued, holding what was freed for it.
-        await wait_for(lambda: env.state(v) == "stopped" and x in c.queue and c.queue.reserved_for_others(y) == 10,
+        await wait_for(lambda: env.state(v) == "stopped" and x in c.queue and c.queue.reserved_for_others(y) == {0: 10},
                        what="x queued with a reservation")
         fake_nvidia_smi("20480, 0")  # now the memory shows as free
         wy = asyncio.ensure_future(env.acquire(y))

@@ -188,6 +188,46 @@ async def test_gpu_request(docker_env, backends):
         await backend.stop(engine, 5)
 
 
+async def test_device_ids_reach_docker(docker_env, backends):
+    """A deployment placed on GPUs 2 and 5: real dockerd accepts the create request and keeps
+    the device request with exactly those IDs (starting it needs the NVIDIA runtime: where
+    there is none, start says so and leaves nothing). With gpu_count 0 it asks for no GPU
+    and starts anywhere."""
+    from ondemand import dockerapi
+    from ondemand.backends.docker import container_name
+    backend = backends(gpus=True)
+    dep = deployment(docker_env, gpu_count=2, gpus=[2, 5])
+    config = await backend._container_config(dep, IMAGE)
+    docker = dockerapi.client(None)
+    try:
+        container = await docker.containers.create(config, name=container_name(dep))
+        try:
+            info = inspect(container.id)
+            assert info["HostConfig"]["DeviceRequests"] == [
+                {"Driver": "nvidia", "Count": 0, "DeviceIDs": ["2", "5"], "Capabilities": [["gpu"]], "Options": None}]
+            assert "NVIDIA_VISIBLE_DEVICES=2,5" in info["Config"]["Env"]
+        finally:
+            await container.delete(force=True)
+    finally:
+        await docker.close()
+    try:
+        engine = await backend.start(dep)
+    except BackendError as exc:
+        assert "nvidia" in str(exc) or "gpu" in str(exc).lower()
+        assert containers_named(f"ondemand-{dep.name}") == []
+    else:  # a machine with GPUs
+        await backend.stop(engine, 5)
+    none = deployment(docker_env, gpu_count=0)
+    engine = await backend.start(none)
+    try:
+        info = inspect(engine.ref)
+        assert not info["HostConfig"].get("DeviceRequests")
+        assert "NVIDIA_VISIBLE_DEVICES=void" in info["Config"]["Env"]
+        assert await answers(engine.base_url) == 200
+    finally:
+        await backend.stop(engine, 5)
+
+
 async def test_missing_network_is_an_error(docker_env, backends):
     dep = deployment(docker_env)
     with pytest.raises(BackendError, match=f"network ondemand-nonet-{RUN} does not exist"):

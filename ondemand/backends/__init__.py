@@ -24,6 +24,16 @@ class Engine:
     adopted: bool = False
 
 
+def visible_gpus(dep: Deployment) -> tuple[int, ...] | None:
+    """The GPU indices the engine may see: None for every GPU (``gpu_count`` NULL, as
+    before GPU placement), () for none, else the GPUs its start was given."""
+    if dep.gpu_count is None:
+        return None
+    if dep.gpu_count == 0:
+        return ()
+    return dep.gpus or dep.gpu_ids or tuple(range(dep.gpu_count))
+
+
 class BackendError(Exception):
     """The backend could not do it (docker error, command not found ...)."""
 
@@ -50,6 +60,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def adopt(self, dep: Deployment) -> Engine | None:
         """An engine of ours for ``dep`` still running from before our restart."""
+
+    async def pids(self, engine: Engine) -> list[int]:
+        """The host pids of the engine's processes (for its measured GPU footprint);
+        [] when they cannot be known."""
+        return []
 
     @abc.abstractmethod
     async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:

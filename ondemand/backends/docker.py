@@ -3,7 +3,10 @@
 
 The container is ``ondemand-{name}``: the deployment's ``image`` with ``Cmd`` = its ``args``
 (the image's entrypoint stays; vLLM images take the engine arguments), on the configured Docker
-network (the admin's: it must exist, it is never created here), with every GPU when ``gpus``.
+network (the admin's: it must exist, it is never created here). With ``gpus``, it gets the GPUs
+its start was given (an nvidia device request with those device IDs; every GPU for a deployment
+with ``gpu_count`` NULL; none for 0, with ``NVIDIA_VISIBLE_DEVICES=void`` so that a host whose
+default runtime is nvidia does not hand it every GPU anyway).
 Labels mark it ours (``ondemand.managed``), name its deployment (id and name) and fingerprint
 what it was made from (``ondemand.config_hash``), so that after an ondemand restart ``adopt``
 takes back only a running container made for this deployment from its current configuration;
@@ -32,7 +35,7 @@ import aiohttp
 from .. import dockerapi
 from ..dockerapi import Docker, DockerContainer, DockerError
 from ..model import Deployment
-from . import Backend, BackendError, Engine
+from . import Backend, BackendError, Engine, visible_gpus
 
 log = logging.getLogger("ondemand.backends.docker")
 
@@ -46,6 +49,11 @@ STALE_STOP_S = 30
 # Ordinary API calls (inspect, create, start, delete); waits, stops and logs have no total.
 API_TIMEOUT = aiohttp.ClientTimeout(total=120, connect=10)
 GPU_REQUEST = {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
+
+
+def gpu_request(gpus: tuple[int, ...]) -> dict[str, Any]:
+    """An nvidia device request for exactly these GPUs (nvidia-smi's indices)."""
+    return {"Driver": "nvidia", "DeviceIDs": [str(g) for g in gpus], "Capabilities": [["gpu"]]}
 
 
 def container_name(dep: Deployment) -> str:
@@ -138,9 +146,12 @@ class DockerBackend(Backend):
 
     def config_hash(self, dep: Deployment) -> str:
         """Fingerprint of what the container is made from; a change means "replace it"."""
-        spec = {"image": dep.image, "args": [str(a) for a in dep.args],
+        spec: dict[str, Any] = {"image": dep.image, "args": [str(a) for a in dep.args],
                 "port": _port(dep), "engine": dep.engine, "network": self.network,
                 "gpus": self.gpus}
+        devices = visible_gpus(dep)
+        if devices is not None:  # absent for every GPU: containers made before placement still match
+            spec["devices"] = list(devices)
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
     def _labels(self, dep: Deployment) -> dict[str, str]:
@@ -261,8 +272,15 @@ class DockerBackend(Backend):
         """The create request: image, labels, port, network, GPUs, /dev/shm, engine arguments."""
         port = _port(dep)
         host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
-        if self.gpus:
+        env: list[str] = []
+        devices = visible_gpus(dep)
+        if self.gpus and devices is None:
             host_config["DeviceRequests"] = [GPU_REQUEST]
+        elif self.gpus and devices:
+            host_config["DeviceRequests"] = [gpu_request(devices)]
+            env.append("NVIDIA_VISIBLE_DEVICES=" + ",".join(str(g) for g in devices))
+        elif self.gpus:
+            env.append("NVIDIA_VISIBLE_DEVICES=void")  # gpu_count 0: no GPU, whatever the image says
         if self.shm_size:
             host_config["ShmSize"] = self.shm_size
         if not await self.in_container():
@@ -273,6 +291,8 @@ class DockerBackend(Backend):
             "ExposedPorts": {f"{port}/tcp": {}},
             "HostConfig": host_config,
         }
+        if env:
+            config["Env"] = env
         args = [str(a) for a in dep.args]
         if args:
             config["Cmd"] = args
@@ -330,6 +350,24 @@ class DockerBackend(Backend):
             raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
             raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
+
+    async def pids(self, engine: Engine) -> list[int]:
+        """The container's processes as the host numbers them (Docker's ``top``)."""
+        docker = await self._client()
+        try:
+            top = await docker.containers.container(engine.ref).top()
+        except _TRANSPORT as exc:
+            log.debug("cannot list the processes of %s%s: %s", PREFIX, engine.name, exc)
+            return []
+        titles = top.get("Titles") or []
+        if "PID" not in titles:
+            return []
+        col = titles.index("PID")
+        out = []
+        for row in top.get("Processes") or []:
+            with contextlib.suppress(ValueError, IndexError, TypeError):
+                out.append(int(row[col]))
+        return out
 
     async def remove(self, dep: Deployment) -> None:
         name = container_name(dep)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..model import Deployment
-from . import Backend, BackendError, Engine
+from . import Backend, BackendError, Engine, visible_gpus
 
 log = logging.getLogger("ondemand.backends.process")
 
@@ -46,12 +46,38 @@ def self_command() -> list[str]:
     return [sys.executable, "-m", "ondemand"]
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(dep: Deployment) -> dict[str, str]:
     # `python -m ondemand` must find the package the same way we did.
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    gpus = visible_gpus(dep)
+    if gpus is not None:
+        # The engine sees only its GPUs, numbered as nvidia-smi numbers them (PCI bus
+        # order; CUDA's default order is fastest first). Empty: no GPU at all.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     return env
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc (an engine's workers are its children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
 
 
 def _start_time(pid: int) -> str:
@@ -93,7 +119,7 @@ class ProcessBackend(Backend):
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                    env=_child_env(), start_new_session=True)  # our Ctrl-C is not the engine's
+                    env=_child_env(dep), start_new_session=True)  # our Ctrl-C is not the engine's
             except OSError as exc:
                 raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
         pid_path.write_text(f"{proc.pid} {_start_time(proc.pid)}")
@@ -105,6 +131,12 @@ class ProcessBackend(Backend):
         with contextlib.suppress(FileNotFoundError):
             self._paths(engine.name)[1].unlink()
         return code
+
+    async def pids(self, engine: Engine) -> list[int]:
+        proc = engine.ref
+        if not isinstance(proc, asyncio.subprocess.Process) or proc.returncode is not None:
+            return []
+        return await asyncio.to_thread(_tree, proc.pid)  # a walk of /proc: off the loop
 
     async def stop(self, engine: Engine, timeout: float) -> None:
         proc: asyncio.subprocess.Process = engine.ref

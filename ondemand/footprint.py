@@ -1,0 +1,77 @@
+"""Measured footprints: how much GPU memory each engine really uses.
+
+Once an engine is ready, and then every ``metrics_interval_s``, nvidia-smi's
+``--query-compute-apps`` lists every process that holds GPU memory. An
+engine's share is what the processes of its tree hold: the child process and
+its workers (process backend) or the container's processes as the host
+numbers them (docker backend, Docker's ``top``). The deployer keeps the
+result in ``measured_gib``, and fit checks count the larger of declared and
+measured. Only the ``nvidia-smi`` budget measures; with the others there is
+nothing to ask.
+
+When ondemand itself runs in a container without the host's pid namespace,
+nvidia-smi there lists no processes (or pids it cannot match), so nothing is
+measured and declared sizes stand: run it with ``--pid=host`` to measure.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from .budget import Budget, BudgetError
+from .deployer import Deployer
+from .model import State
+
+log = logging.getLogger("ondemand.footprint")
+
+
+def match(apps: list[tuple[int, str, float]], pids: list[int]) -> float | None:
+    """GiB the processes ``pids`` hold on every GPU together; None when none of them
+    is listed (nothing measured: not 0, which would claim the engine uses nothing)."""
+    mine = set(pids)
+    used = [gib for pid, _uuid, gib in apps if pid in mine]
+    return sum(used) if used else None
+
+
+class FootprintSampler:
+    def __init__(self, deployer: Deployer, budget: Budget, *, interval_s: float = 10.0):
+        self.deployer = deployer
+        self.budget = budget
+        self.interval_s = interval_s
+        self._poke = asyncio.Event()
+
+    def engine_ready(self) -> None:
+        """An engine just became ready: measure now, not at the next period."""
+        self._poke.set()
+
+    async def sample(self) -> dict[int, float]:
+        """Measure every ready engine once and record what was found."""
+        ready = [dep_id for dep_id, _url in self.deployer.engines_in((State.READY,))]
+        if not ready or self.budget.source != "nvidia-smi":
+            return {}
+        try:
+            apps = await self.budget.compute_apps()
+        except BudgetError as exc:
+            log.debug("cannot measure footprints: %s", exc)
+            return {}
+        found = {}
+        for dep_id in ready:
+            engine = self.deployer.engine(dep_id)
+            if engine is None:
+                continue
+            gib = match(apps, await self.deployer.backend.pids(engine))
+            if gib is not None:
+                found[dep_id] = gib
+                await self.deployer.record_footprint(dep_id, gib)
+        return found
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), self.interval_s)
+            self._poke.clear()
+            try:
+                await self.sample()
+            except Exception:  # a measurement is a courtesy: never end the loop over one
+                log.exception("measuring engine footprints failed")
