@@ -45,8 +45,9 @@ lint: install
 	$(VENV)/bin/ruff check --quiet ondemand tests
 	$(VENV)/bin/mypy
 
+# Two workers (pytest-xdist), each test file on one of them: its module fixtures stay its own.
 test: lint
-	$(PYTEST) -q -m "not slow and not docker and not litellm and not llamacpp and not browser"
+	$(PYTEST) -q -n 2 --dist loadfile -m "not slow and not docker and not litellm and not llamacpp and not browser"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"

@@ -558,7 +558,9 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
     import aiohttp
     from helpers import run_app
 
-    async with run_app(tmp_path, **{"deployer.stop_timeout_s": 10}) as server:
+    # No reaper: it would stop the idle victim itself, before make-room could (a race the
+    # test would lose under load).
+    async with run_app(tmp_path, **{"deployer.stop_timeout_s": 10, "reap_interval_s": 3600}) as server:
         victim = await server.add("v", 10, "--shutdown-delay", "3", idle_timeout_s=1)
         ready = await server.add("r", 4, idle_timeout_s=3600)
         other = await server.add("o", 1, idle_timeout_s=3600)
