@@ -412,9 +412,11 @@ async def audit(request: web.Request) -> web.Response:
         limit = min(1000, max(1, int(request.query.get("limit", "100"))))
         dep = request.query.get("deployment_id")
         dep_id = int(dep) if dep else None
+        before_text = request.query.get("before")
+        before = int(before_text) if before_text else None
     except ValueError:
-        raise _field_error("limit", "a whole number") from None
-    return _json(await app[app_mod.STORE].audit(dep_id, limit=limit))
+        raise _field_error("limit", "limit, deployment_id and before are whole numbers") from None
+    return _json(await app[app_mod.STORE].audit(dep_id, limit=limit, before=before))
 
 
 async def deployment_events(request: web.Request) -> web.Response:

@@ -255,7 +255,21 @@ class Controller:
         else:
             phase = "idle"
         return {"inflight": inflight, "queued": len(dw.waiters) if dw else 0,
-                "last_request_at": self._last_request_at.get(dep_id), "phase": phase}
+                "last_request_at": self._last_request_at.get(dep_id), "phase": phase,
+                "idle_until": self._idle_until(dep, inflight), "backoff_until": self._backoff_until(dep_id)}
+
+    def _idle_until(self, dep: Deployment | None, inflight: int) -> float | None:
+        """Wall time at which the reaper may take it (its idle timeout runs), or None."""
+        if dep is None or not dep.on_demand or dep.state not in STOPPABLE_WHEN_IDLE or inflight \
+                or self.waiting(dep.id) or dep.id not in self._last_activity:
+            return None
+        left = self._last_activity[dep.id] + self.idle_timeout(dep) - self.clock()
+        return round(self.wall() + left, 3)
+
+    def _backoff_until(self, dep_id: int) -> float | None:
+        """Wall time at which the start backoff ends, or None."""
+        left = self.backoff_left(dep_id)
+        return round(self.wall() + left, 3) if left > 0 else None
 
     def attempt_phase(self, dep_id: int) -> Phase | None:
         dw = self._waits.get(dep_id)

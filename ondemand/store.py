@@ -181,11 +181,21 @@ class Store:
     async def events(self, deployment_id: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
         return await self._rows("events", deployment_id, limit)
 
-    async def audit(self, deployment_id: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        return await self._rows("audit", deployment_id, limit)
+    async def audit(self, deployment_id: int | None = None, limit: int = 100,
+                    before: int | None = None) -> list[dict[str, Any]]:
+        """Newest first; ``before``: only rows older than that id (the next page)."""
+        return await self._rows("audit", deployment_id, limit, before)
 
-    async def _rows(self, table: str, deployment_id: int | None, limit: int) -> list[dict[str, Any]]:
-        where, args = ("WHERE deployment_id = ?", (deployment_id,)) if deployment_id is not None else ("", ())
+    async def _rows(self, table: str, deployment_id: int | None, limit: int,
+                    before: int | None = None) -> list[dict[str, Any]]:
+        conds, args = [], []
+        if deployment_id is not None:
+            conds.append("deployment_id = ?")
+            args.append(deployment_id)
+        if before is not None:
+            conds.append("id < ?")
+            args.append(before)
+        where = ("WHERE " + " AND ".join(conds)) if conds else ""
         async with self._reading() as db, db.execute(
                 f"SELECT * FROM {table} {where} ORDER BY id DESC LIMIT ?", (*args, limit)) as cur:
             rows = await cur.fetchall()

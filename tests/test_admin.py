@@ -145,7 +145,7 @@ async def test_create_defaults_and_states(server):
     await wait_for(lambda: server.state(view["id"]) == "ready", what="always on starts at once")
     status, od = await api(server, "POST", "/deployments", new_dep("od"))
     assert od["mode"] == "on_demand" and od["state"] == "stopped"
-    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping"}
+    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping", "idle_until": None, "backoff_until": None}
     status, planned = await api(server, "POST", "/deployments", new_dep("pl", mode="always_on", start=False))
     assert planned["state"] == "planned"
     status, err = await api(server, "POST", "/deployments", new_dep("od"))
@@ -168,6 +168,19 @@ async def test_mode_switch_is_audited_and_bounded(server):
     assert row["detail"]["old"]["mode"] == "on_demand" and row["detail"]["new"]["pending_mode"] == "always_on"
     status, view = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "on_demand", "idle_timeout_s": 120})
     assert view["mode"] == "on_demand" and view["idle_timeout_s"] == 120
+
+
+async def test_audit_pages_newest_first(server):
+    for i in range(5):
+        await server.deployer.store.write_audit(action="ondemand_mode", actor="admin", text=f"row {i}")
+    _, first = await api(server, "GET", "/audit?limit=2")
+    assert [r["text"] for r in first] == ["row 4", "row 3"]
+    _, second = await api(server, "GET", f"/audit?limit=2&before={first[-1]['id']}")
+    assert [r["text"] for r in second] == ["row 2", "row 1"]
+    _, last = await api(server, "GET", f"/audit?limit=2&before={second[-1]['id']}")
+    assert [r["text"] for r in last] == ["row 0"]
+    status, err = await api(server, "GET", "/audit?before=soon")
+    assert status == 400 and err["error"]["code"] == "invalid_field"
 
 
 async def test_edit_in_place(server):

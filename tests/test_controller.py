@@ -477,7 +477,7 @@ def test_a_hang_up_while_queued_removes_the_entry(world):
     fx.add(1, 10)
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 0, 24))
-    assert c.status(1) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued"}
+    assert c.status(1) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "idle_until": None, "backoff_until": None}
     r.leave()
     assert 1 not in c.queue and c.waiting() == 0 and c.status(1)["phase"] == "sleeping"
 
@@ -719,6 +719,29 @@ def test_status_phases_in_order_of_precedence(world):
     assert c.status(3)["phase"] == "idle"
     c.try_take(3)
     assert c.status(3)["phase"] == "serving"
+
+
+def test_status_says_when_the_reaper_may_take_it_and_when_the_backoff_ends(world):
+    """Wall times the web page counts down to: the idle deadline of a ready on-demand model
+    nobody uses (none while it serves or is waited for), and the end of a start backoff."""
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY, idle_timeout_s=120)
+    wall = 1.7e9 + clock.t
+    assert c.status(1)["idle_until"] == pytest.approx(wall + 120)
+    clock.advance(30)
+    assert c.status(1)["idle_until"] == pytest.approx(wall + 120)  # counted from the last activity
+    slot = c.try_take(1)
+    assert c.status(1)["idle_until"] is None  # serving: no deadline
+    slot.release()
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + clock.t + 120)
+    fx.add(2, state=State.STOPPED)
+    assert c.status(2)["idle_until"] is None and c.status(2)["backoff_until"] is None
+    r = Req(c, 2)
+    fx.taken("admit")
+    c.on_start_error(2, "no such command")
+    with pytest.raises(OndemandError):
+        r.take()
+    assert c.status(2)["backoff_until"] == pytest.approx(1.7e9 + clock.t + 60)
 
 
 # --- the eviction rule ------------------------------------------------------------------------
