@@ -450,20 +450,30 @@ async def healthz(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
-_UI = (pathlib.Path(__file__).parent / "ui" / "index.html")
+_UI_DIR = pathlib.Path(__file__).parent / "ui"
+# The page's files: a fixed list, so nothing else under the package can be fetched.
+_UI_FILES = {"": ("index.html", "text/html"), "app.js": ("app.js", "text/javascript"),
+             "app.css": ("app.css", "text/css")}
+_UI_HEADERS = {"Cache-Control": "no-cache", "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+               "Referrer-Policy": "no-referrer",
+               "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                          "connect-src 'self'; img-src 'self'; frame-ancestors 'none'; "
+                                          "base-uri 'none'; form-action 'none'"}
 
 
 async def ui(request: web.Request) -> web.Response:
-    return web.Response(body=_UI.read_bytes(), content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-cache", "X-Frame-Options": "DENY",
-                                 "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
-                                                            "style-src 'unsafe-inline'"})
+    """The admin page (no credentials needed to load it: it asks for the token, and
+    everything it shows comes from the admin API, which checks it)."""
+    name, content_type = _UI_FILES[request.match_info.get("file", "")]
+    return web.Response(body=(_UI_DIR / name).read_bytes(), content_type=content_type, charset="utf-8",
+                        headers=_UI_HEADERS)
 
 
 def add_routes(app: web.Application, base_path: str) -> None:
     api = base_path + "/api"
     r = app.router
     r.add_get(base_path + "/ui/", ui)
+    r.add_get(base_path + "/ui/{file:app\\.(?:js|css)}", ui)
     r.add_get(base_path + "/healthz", healthz)
 
     async def to_ui(request: web.Request) -> web.Response:

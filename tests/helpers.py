@@ -211,7 +211,7 @@ async def run_app(tmp_path, *, write_key: bool = True, **overrides):
     from ondemand import app as app_mod
     from ondemand import config, keys
 
-    port = free_port()
+    port = int(overrides["listen"].rpartition(":")[2]) if "listen" in overrides else free_port()
     settings = {"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{port}",
                 "ondemand_allowed_cidrs": ["127.0.0.0/8"], "deployer.backend": "process",
                 "budget.source": "static", "budget.capacity_gib": 24, "min_idle_timeout_s": 1,

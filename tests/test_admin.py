@@ -385,11 +385,23 @@ async def test_published_views_of_a_cold_start(server):
 
 
 async def test_ui_page_is_served_without_data(server):
-    async with aiohttp.ClientSession() as s, s.get(f"{server.url}/ui/") as r:
-        assert r.status == 200 and r.content_type == "text/html"
-        page = await r.text()
-    assert "../api/" in page and "events" in page
-    assert server.token not in page and server.key not in page
+    """Three static files, no credentials to load them, a strict CSP (scripts and styles from
+    the page's own files), and nothing else under the package reachable."""
+    page = {}
+    async with aiohttp.ClientSession() as s:
+        for name, kind in (("", "text/html"), ("app.js", "text/javascript"), ("app.css", "text/css")):
+            async with s.get(f"{server.url}/ui/{name}") as r:
+                assert r.status == 200 and r.content_type == kind, name
+                assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+                assert "unsafe-inline" not in r.headers["Content-Security-Policy"]
+                page[name] = await r.text()
+        for name in ("../admin.py", "app.py", "index.html%00.js", "BEHAVIOUR.md"):
+            async with s.get(f"{server.url}/ui/{name}") as r:
+                assert r.status == 404, name
+    assert 'src="app.js"' in page[""] and "../api/" in page["app.js"] and "events" in page["app.js"]
+    assert "<script>" not in page[""] and " style=" not in page[""]  # nothing inline: the CSP forbids it
+    for text in page.values():
+        assert server.token not in text and server.key not in text
 
 
 async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_not_answer(server, monkeypatch):

@@ -1,15 +1,23 @@
-"""The web page in a real browser (Debian's chromium driven by playwright-core):
-the token prompt, live rows from the event stream, and a start from the page."""
+"""The web page in a real browser (Debian's chromium driven by playwright-core), against a
+real ``ondemand`` (process backend, engine simulators) on an 8-GPU box (the fake
+nvidia-smi): the token prompt, a cold start followed live, a mode switch, adding and
+removing a deployment, an API error in words, following a start's log, a failed start's
+reason, and a server restart under the page. It ends with the screenshot the README
+shows (docs/ui.png), kept current by this test."""
 import asyncio
 import json
 import os
+import pathlib
 import shutil
 
 import pytest
-from helpers import ROOT, sim_command
+from helpers import ROOT, free_port, run_app, sim_command, wait_for
 
 pytestmark = pytest.mark.browser
 NODE_PATH = os.environ.get("BROWSER_NODE_PATH") or os.path.expanduser("~/.cache/ondemand/browser/node_modules")
+FAKE = str(ROOT / "tests" / "fakes" / "nvidia-smi")
+SCREENSHOT = ROOT / "docs" / "ui.png"
+GIB_MIB = 1024
 
 
 @pytest.fixture
@@ -21,22 +29,83 @@ def browser_ready():
         pytest.skip("no browser: run `make test-browser` (scripts/heavy/browser.sh installs chromium and playwright-core)")
 
 
-async def test_page_shows_live_deployments_and_starts_one(tmp_path, browser_ready, server):
-    await server.deployer.create(dict(name="alpha", served_name="alpha", engine="vllm", memory_gib=8,
-                                      mode="on_demand", state="stopped", role="model",
-                                      command=sim_command("alpha", "--startup-delay", "0.5")))
+def sim(model: str, gib: float, gpus: int = 1, *extra: str) -> list[str]:
+    return sim_command(model, "--gpu-mib", str(int(gib * GIB_MIB / max(gpus, 1))), *extra)
+
+
+def dep(name: str, gib: float, *extra: str, mode: str = "on_demand", state: str = "stopped", gpus: int = 1,
+        **kw) -> dict:
+    return dict(name=name, served_name=name.upper(), engine="vllm", memory_gib=gib, mode=mode, state=state,
+                role="model", gpu_count=gpus, command=sim(name.upper(), gib, gpus, *extra), **kw)
+
+
+async def test_the_page_does_what_an_admin_does(tmp_path, browser_ready, fake_nvidia_smi):
+    fake_nvidia_smi(*(f"{80 * GIB_MIB}, {12 * GIB_MIB if i == 7 else 0}" for i in range(8)))  # GPU 7: another process
+    settings = {"listen": f"127.0.0.1:{free_port()}", "budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE,
+                "budget.capacity_gib": "", "metrics_interval_s": 0.5, "ondemand_idle_timeout_s": 600,
+                "reap_interval_s": 5}
     shot = tmp_path / "ui.png"
-    proc = await asyncio.create_subprocess_exec(
-        "node", str(ROOT / "tests" / "clients" / "ui_check.js"), f"{server.url}/ui/", server.token, "alpha",
-        str(shot), env={**os.environ, "NODE_PATH": NODE_PATH},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    async with run_app(tmp_path, **settings) as server:
+        create = server.deployer.create
+        alpha = (await create(dep("alpha", 20, "--startup-delay", "1.5"))).id
+        await create(dep("slow", 10, "--startup-delay", "3"))
+        await create(dep("broken", 4, "--fail", "exit-at-start"))
+        # A start history, so the page can say when alpha is expected to be ready.
+        await server.deployer.restart(alpha)
+        await server.deployer.stop(alpha)
+        proc = await asyncio.create_subprocess_exec(
+            "node", str(ROOT / "tests" / "clients" / "ui_check.js"), f"{server.url}/ui/", server.token, str(shot),
+            env={**os.environ, "NODE_PATH": NODE_PATH}, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        if line.strip() != b"RESTART":
+            proc.kill()
+            _, err = await proc.communicate()
+            pytest.fail(f"the page script stopped early: {line!r}\n{err.decode()[-3000:]}")
+    # The server is down (its engines stopped); the same state and port come back.
+    async with run_app(tmp_path, **settings) as server:
+        create = server.deployer.create
+        await create(dep("late", 8))
+        big = (await create(dep("big", 120, gpus=2, mode="always_on"))).id
+        pinned = (await create(dep("pinned", 30, gpu_ids=[3], mode="always_on"))).id
+        for d in (big, pinned):
+            await server.deployer.restart(d)
+        await create(dep("planned", 40, state="planned"))
+        warming = (await create(dep("warming", 60, "--startup-delay", "60"))).id
+        await server.deployer.admit_start(warming)
+        broken = [d.id for d in server.deployer.all() if d.name == "broken"][0]
+        await server.deployer.admit_start(broken)
+        await wait_for(lambda: server.state(broken) == "failed", what="broken to fail again")
+        proc.stdin.write(b"GO\n")
+        await proc.stdin.drain()
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()[-3000:]
     result = json.loads(out.decode().strip().splitlines()[-1])
-    assert result["asked_for_token"] and result["errors"] == []
-    before = [r for r in result["before"] if r[0] == "alpha"][0]
-    assert before[2] == "on_demand" and before[3] == "stopped" and before[4] == "sleeping"
-    after = [r for r in result["after"] if r[0] == "alpha"][0]
-    assert after[3] == "ready" and after[4] == "idle"
-    assert "16 of 24 GiB free (static)" in result["host"] and "process backend" in result["host"]
-    assert shot.stat().st_size > 1000
+    assert result["errors"] == [] and result["console"] == [], result
+    # The token: a wrong one is refused and shows nothing; the right one never goes in the URL.
+    assert result["wrong_token"]["main_hidden"] and "not the admin token" in result["wrong_token"]["error"]
+    assert result["token_in_url"] is False
+    cold = result["cold"]
+    assert cold["before"]["state"] == "stopped" and cold["starting"]["state"] == "starting"
+    assert "expected in about" in cold["starting"]["detail"], cold
+    assert cold["after"]["state"] == "ready"
+    assert result["mode"]["mode"].startswith("always on")
+    assert result["add_default_mode"] == "always_on"  # no LiteLLM here: the wizard's default
+    assert result["added"]["state"] == "stopped" and result["removed"]
+    assert "name_taken" in result["api_error"] and "alpha" in result["api_error"]
+    assert "loaded: application startup complete" in result["log"]["text"]
+    assert "exited with code 3" in result["failed"]["detail"] and "refused for" in result["failed"]["detail"]
+    after = result["after_restart"]
+    assert after["alpha"]["state"] == "stopped" and "gamma" not in after["names"] and after["late"]
+    gpus = result["gpus"]
+    assert len(gpus) == 8 and "held by big" in gpus[0] + gpus[1] and "held by pinned" in gpus[3]
+    assert "ondemand_start" in result["audit"] or "deployment_update" in result["audit"] or result["audit"]
+    assert shot.stat().st_size > 10000
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    shutil.copyfile(shot, SCREENSHOT)  # the README's picture, kept current
+
+
+def test_the_readme_shows_the_pages_picture():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/ui.png" in readme and (ROOT / "docs" / "ui.png").exists()
+    assert pathlib.Path(SCREENSHOT).stat().st_size > 10000

@@ -178,6 +178,14 @@ class Sim:
             # The simulator is a program of its own and imports nothing of ondemand
             # (tests/test_layout.py); the task is kept in self.tasks and cancelled at cleanup.
             self.tasks.append(asyncio.ensure_future(self._exit_later()))  # noqa: TID251
+        if self.opts.startup_delay > 0 and self.opts.fail != "never-ready":
+            # As an engine's log says it is loading, then that it is ready (a log to follow live).
+            print(f"loading {self.opts.model} ({self.opts.startup_delay:g} s)", file=sys.stderr, flush=True)
+            self.tasks.append(asyncio.ensure_future(self._say_ready()))  # noqa: TID251
+
+    async def _say_ready(self) -> None:
+        await asyncio.sleep(self.opts.startup_delay)
+        print(f"{self.opts.model} loaded: application startup complete", file=sys.stderr, flush=True)
 
     async def on_cleanup(self, app: web.Application) -> None:
         for t in self.tasks:

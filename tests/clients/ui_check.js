@@ -1,41 +1,135 @@
-// Drives Debian's chromium with playwright-core against ondemand's web page:
-// enters the admin token, waits for the deployments to appear from the event
-// stream, clicks a deployment's start button, waits for its phase to change,
-// and prints what the page shows as JSON (and a screenshot to argv[4]).
-// Usage: node ui_check.js URL TOKEN DEPLOYMENT_NAME SCREENSHOT
+// Drives Debian's chromium with playwright-core through ondemand's web page, as an
+// admin would, and prints what it saw as one JSON line (the test asserts on it).
+// Usage: node ui_check.js URL TOKEN SCREENSHOT
+// Steps: a wrong token, the right one; a cold start followed live to ready (and its
+// ETA while starting); a mode switch; adding and removing a deployment; following the
+// log of a start; a failed start's reason; then "RESTART" on stdout, and after the test
+// answers "GO" on stdin (the server restarted meanwhile), the page must reconnect and
+// show the rows as they are now; last, a screenshot of the page.
 const { chromium } = require("playwright-core");
+const readline = require("readline");
+
+const row = (name) => `#rows tr[data-name="${name}"]`;
+
+async function stateOf(page, name) {
+  return page.$eval(row(name), (tr) => ({
+    state: tr.dataset.state, detail: tr.querySelector(".state .detail").textContent,
+    mode: tr.querySelector(".mode").textContent,
+  }));
+}
+
+async function waitState(page, name, state, timeout = 20000) {
+  await page.waitForFunction(([sel, st]) => {
+    const tr = document.querySelector(sel);
+    return tr && tr.dataset.state === st;
+  }, [row(name), state], { timeout });
+}
+
+async function click(page, name, label) {
+  await page.click(`${row(name)} button[aria-label="${label} ${name}"]`);
+}
+
+function waitForLine(expected) {
+  const rl = readline.createInterface({ input: process.stdin });
+  return new Promise((resolve) => rl.on("line", (line) => { if (line.trim() === expected) { rl.close(); resolve(); } }));
+}
 
 (async () => {
-  const [url, token, name, shot] = process.argv.slice(2);
+  const [url, token, shot] = process.argv.slice(2);
   const browser = await chromium.launch({
     executablePath: "/usr/bin/chromium",
     args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync"],
   });
-  const result = {};
+  const out = { errors: [], console: [] };
   try {
-    const page = await browser.newPage();
-    const errors = [];
-    page.on("pageerror", (e) => errors.push(String(e)));
+    const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+    page.on("pageerror", (e) => out.errors.push(String(e)));
+    page.on("console", (m) => { if (m.type() === "error") out.console.push(m.text()); });
     await page.goto(url);
+
+    // The token prompt: nothing shows before a good token.
     await page.waitForSelector("#login:not([hidden])", { timeout: 10000 });
-    result.asked_for_token = true;
+    await page.fill("#token", "oda-not-the-token");
+    await page.click("#login button[type=submit]");
+    await page.waitForFunction(() => document.getElementById("login-error").textContent !== "", null, { timeout: 5000 });
+    out.wrong_token = { error: await page.textContent("#login-error"), main_hidden: await page.$eval("#main", (m) => m.hidden) };
     await page.fill("#token", token);
-    await page.click("#login button");
-    const row = `tr:has(td:text-is("${name}"))`;
-    await page.waitForSelector(row, { timeout: 10000 });
-    result.before = await page.$$eval("#rows tr", (trs) => trs.map((tr) => [...tr.cells].map((c) => c.textContent)));
-    await page.click(`${row} button`);
-    await page.waitForFunction((n) => [...document.querySelectorAll("#rows tr")]
-      .some((tr) => tr.cells[0].textContent === n && tr.cells[3].textContent === "ready"), name, { timeout: 20000 });
-    result.after = await page.$$eval("#rows tr", (trs) => trs.map((tr) => [...tr.cells].map((c) => c.textContent)));
-    await page.waitForFunction(() => !document.getElementById("host").textContent.includes("24 of 24"),
-                               null, { timeout: 10000 });  // the budget follows the start
-    result.host = await page.textContent("#host");
-    result.errors = errors;
+    await page.click("#login button[type=submit]");
+    await page.waitForSelector(row("alpha"), { timeout: 10000 });
+    out.token_in_url = page.url().includes(token);
+
+    // A cold start, followed live: stopped, starting (with its ETA), ready.
+    out.cold = { before: await stateOf(page, "alpha") };
+    await click(page, "alpha", "Start");
+    await waitState(page, "alpha", "starting", 5000);
+    await page.waitForFunction((sel) => document.querySelector(sel + " .state .detail").textContent.includes("expected in"),
+                               row("alpha"), { timeout: 5000 }).catch(() => {});
+    out.cold.starting = await stateOf(page, "alpha");
+    await waitState(page, "alpha", "ready");
+    out.cold.after = await stateOf(page, "alpha");
+
+    // A mode switch.
+    await click(page, "alpha", "Mode");
+    await page.selectOption("#m-mode", "always_on");
+    await page.click("#mode-save");
+    await page.waitForFunction((sel) => document.querySelector(sel + " .mode").textContent.startsWith("always on"),
+                               row("alpha"), { timeout: 5000 });
+    out.mode = await stateOf(page, "alpha");
+
+    // Add a deployment, then remove it (with the confirmation).
+    await page.click("#add");
+    out.add_default_mode = await page.$eval("#f-mode", (s) => s.value);
+    await page.fill("#f-name", "gamma");
+    await page.fill("#f-command", "ondemand sim-engine --port {port} --model GAMMA");
+    await page.fill("#f-memory", "2");
+    await page.selectOption("#f-mode", "on_demand");
+    await page.click("#edit-save");
+    await page.waitForSelector(row("gamma"), { timeout: 5000 });
+    out.added = await stateOf(page, "gamma");
+    await click(page, "gamma", "Remove");
+    await page.click("#confirm-yes");
+    await page.waitForSelector(row("gamma"), { state: "detached", timeout: 10000 });
+    out.removed = true;
+
+    // An API error is shown in words: a second deployment named alpha.
+    await page.click("#add");
+    await page.fill("#f-name", "alpha");
+    await page.fill("#f-command", "ondemand sim-engine --port {port}");
+    await page.click("#edit-save");
+    await page.waitForFunction(() => document.getElementById("edit-error").textContent !== "", null, { timeout: 5000 });
+    out.api_error = await page.textContent("#edit-error");
+    await page.click("#edit-cancel");
+
+    // Follow the log of a start in progress.
+    await click(page, "slow", "Start");
+    await waitState(page, "slow", "starting", 5000);
+    await click(page, "slow", "Log");
+    await page.waitForFunction(() => document.getElementById("log").textContent.includes("serving"), null,
+                               { timeout: 20000 });
+    out.log = { text: await page.textContent("#log"), state_when_seen: (await stateOf(page, "slow")).state };
+    await page.click("#logs-close");
+
+    // A failed start's reason.
+    await click(page, "broken", "Start");
+    await waitState(page, "broken", "failed");
+    out.failed = await stateOf(page, "broken");
+
+    // The server restarts under the page.
+    console.log("RESTART");
+    await waitForLine("GO");
+    await page.waitForFunction(() => document.getElementById("conn").textContent === "live" &&
+                               document.querySelector('#rows tr[data-name="alpha"]')?.dataset.state !== "ready",
+                               null, { timeout: 30000 });
+    out.after_restart = { alpha: await stateOf(page, "alpha"), names: await page.$$eval("#rows tr", (trs) => trs.map((t) => t.dataset.name)) };
+    await page.waitForSelector(row("late"), { timeout: 10000 });  // made after the restart: it shows
+    out.after_restart.late = true;
+
+    out.gpus = await page.$$eval("#gpus .gpu", (gs) => gs.map((g) => g.querySelector(".track").getAttribute("aria-label")));
+    out.audit = await page.$$eval("#audit-rows tr", (trs) => trs.map((t) => t.cells[1].textContent));
     await page.screenshot({ path: shot, fullPage: true });
   } finally {
     await browser.close();
   }
-  console.log(JSON.stringify(result));
+  console.log(JSON.stringify(out));
 })().catch((e) => { console.error(e); process.exit(1); });

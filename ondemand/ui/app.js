@@ -1,0 +1,518 @@
+"use strict";
+// ondemand's admin page: everything comes from the admin API with the admin token,
+// which stays in this tab's sessionStorage (never in a URL). Live updates come from
+// GET /api/events (Server-Sent Events, read with fetch so the token goes in a header):
+// no polling. After a disconnect the page reconnects, reloads every view and drops the
+// ones that are gone, so a row is never stale. Times that run (a start's elapsed time,
+// the idle countdown, the end of a backoff) are redrawn every second from the views.
+
+const api = new URL("../api/", location.href);
+const $ = (id) => document.getElementById(id);
+const views = new Map();
+let host = null;
+let token = sessionStorage.getItem("ondemand-token") || "";
+let stream = null;        // the AbortController of the event stream
+let logStream = null;     // the AbortController of a followed log
+let auditPages = [];      // the "before" id of each page shown so far (paging back)
+
+// --- the API ---------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, message, code) { super(message); this.status = status; this.code = code; }
+}
+
+async function call(method, path, body) {
+  const init = {method, headers: {"Authorization": "Bearer " + token}};
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let r;
+  try {
+    r = await fetch(new URL(path, api), init);
+  } catch (e) {
+    throw new ApiError(0, "ondemand does not answer (" + e.message + ")", "unreachable");
+  }
+  if (r.status === 401) { signOut("The admin token was refused."); throw new ApiError(401, "signed out", "invalid_admin_token"); }
+  const data = (r.headers.get("Content-Type") || "").includes("json") ? await r.json() : await r.text();
+  if (!r.ok) {
+    const e = (data && data.error) || {};
+    throw new ApiError(r.status, e.message || ("HTTP " + r.status), e.code || "");
+  }
+  return data;
+}
+
+function showError(e, where = "error") {
+  $(where).textContent = e ? (e.code ? `${e.message} (${e.code})` : e.message || String(e)) : "";
+}
+
+// --- signing in ------------------------------------------------------------------------
+
+function signOut(why) {
+  token = "";
+  sessionStorage.removeItem("ondemand-token");
+  if (stream) stream.abort();
+  stopLog();
+  $("main").hidden = true;
+  $("signout").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = why || "";
+  $("token").value = "";
+  $("token").focus();
+}
+
+$("login").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const tried = $("token").value.trim();
+  // The token is checked before anything is shown: the prompt cannot be skipped.
+  const r = await fetch(new URL("host", api), {headers: {"Authorization": "Bearer " + tried}}).catch(() => null);
+  if (!r || r.status !== 200) {
+    $("login-error").textContent = r ? "That is not the admin token." : "ondemand does not answer.";
+    return;
+  }
+  token = tried;
+  sessionStorage.setItem("ondemand-token", token);
+  begin();
+});
+
+$("signout").addEventListener("click", () => signOut(""));
+
+async function begin() {
+  try {
+    await loadHost();
+  } catch (e) {
+    if (e.status !== 401) { signOut(e.message); }
+    return;
+  }
+  $("login").hidden = true;
+  $("main").hidden = false;
+  $("signout").hidden = false;
+  follow();
+  loadAudit();
+}
+
+// --- the host and its GPUs ---------------------------------------------------------------
+
+let hostTimer = null;
+function refreshHost() {  // at most once a second, however many events arrive
+  if (hostTimer === null) hostTimer = setTimeout(() => { hostTimer = null; loadHost().catch(() => {}); }, 1000);
+}
+
+async function loadHost() {
+  host = await call("GET", "host");
+  const b = host.budget, od = host.ondemand;
+  const budget = b.error ? `budget unreadable: ${b.error}` :
+    `${fmt(b.free)} of ${fmt(b.capacity)} GiB free (${b.source})`;
+  $("host").textContent = `version ${host.version} · ${host.backend} backend · ${budget} · key ` +
+    (od.configured ? od.key_fingerprint : "NOT CONFIGURED (ondemand key init)") + " · LiteLLM " +
+    (od.litellm_enabled ? (od.litellm_ready ? "ready" : "not ready") : "disabled") +
+    (od.queued ? ` · ${od.queued} waiting` : "");
+  renderGpus(b);
+}
+
+function renderGpus(b) {
+  const box = $("gpus");
+  box.replaceChildren();
+  if (b.error) { box.textContent = b.error; return; }
+  const byName = new Map([...views.values()].map((v) => [v.name, v]));
+  for (const g of b.gpus || []) {
+    const div = el("div", {className: "gpu"});
+    const title = b.per_gpu ? `GPU ${g.index}` : (b.source === "meminfo" ? "Unified memory" : "Memory");
+    const label = el("div", {className: "label"}, el("strong", {}, title),
+                     el("span", {}, `${fmt(g.used)} of ${fmt(g.capacity)} GiB used`));
+    const track = el("div", {className: "track", role: "img"});
+    let ours = 0;
+    for (const name of g.deployments) {
+      const v = byName.get(name);
+      const share = v ? shareOn(v, b) : 0;
+      ours += share;
+      track.append(el("div", {className: "seg", title: `${name}: ${fmt(share)} GiB`,
+                              style: `width:${pct(share, g.capacity)}%`}));
+    }
+    const foreign = Math.max(0, g.used - ours);
+    if (foreign > 0.05) {
+      track.append(el("div", {className: "seg foreign", title: `other processes and starts: ${fmt(foreign)} GiB`,
+                              style: `width:${pct(foreign, g.capacity)}%`}));
+    }
+    track.setAttribute("aria-label", `${title}: ${fmt(g.used)} of ${fmt(g.capacity)} GiB used, ` +
+                                     `${fmt(g.free)} free` + (g.deployments.length ? `, held by ${g.deployments.join(", ")}` : ""));
+    div.append(label, track, el("div", {className: "who"},
+      `${fmt(g.free)} GiB free` + (g.deployments.length ? " · " + g.deployments.join(", ") : "")));
+    box.append(div);
+  }
+}
+
+function shareOn(v, b) {
+  const size = Math.max(v.memory_gib || 0, v.measured_gib || 0);
+  if (!b.per_gpu) return size;
+  const n = (v.gpus || []).length || (b.gpus || []).length || 1;
+  return size / n;
+}
+
+// --- deployments, live -------------------------------------------------------------------
+
+async function follow() {
+  if (stream) stream.abort();
+  const ctl = stream = new AbortController();
+  let delay = 1000;
+  while (!ctl.signal.aborted && token) {
+    try {
+      const r = await fetch(new URL("events", api), {headers: {"Authorization": "Bearer " + token},
+                                                     signal: ctl.signal});
+      if (r.status === 401) { signOut("The admin token was refused."); return; }
+      if (!r.ok) throw new Error("HTTP " + r.status);
+      // Catch up: the whole list, so deployments removed meanwhile go from the page.
+      const all = await call("GET", "deployments");
+      views.clear();
+      for (const v of all) views.set(v.id, v);
+      render();
+      loadHost().catch(() => {});
+      $("conn").textContent = "live";
+      delay = 1000;
+      await readEvents(r.body.getReader());
+    } catch (e) {
+      if (ctl.signal.aborted) return;
+    }
+    $("conn").textContent = "reconnecting…";
+    await new Promise((done) => setTimeout(done, delay));
+    delay = Math.min(delay * 2, 5000);
+  }
+}
+
+async function readEvents(reader) {
+  const dec = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buf += dec.decode(value, {stream: true});
+    let i;
+    while ((i = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, i);
+      buf = buf.slice(i + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+      if (!data) continue;
+      const v = JSON.parse(data);
+      if (v.removed) views.delete(v.id); else views.set(v.id, v);
+      render();
+      refreshHost();  // the budget follows the states
+    }
+  }
+}
+
+function render() {
+  const body = $("rows");
+  const focused = document.activeElement && document.activeElement.dataset.key;
+  body.replaceChildren();
+  const all = [...views.values()].sort((a, b) => a.id - b.id);
+  $("empty").hidden = all.length > 0;
+  for (const v of all) body.append(row(v));
+  if (focused) {  // keep the keyboard where it was across a redraw
+    const again = body.querySelector(`[data-key="${CSS.escape(focused)}"]`);
+    if (again) again.focus();
+  }
+  if (host) renderGpus(host.budget);
+}
+
+function row(v) {
+  const od = v.ondemand || {};
+  const tr = el("tr", {});
+  tr.dataset.id = v.id;
+  tr.dataset.name = v.name;
+  tr.dataset.state = v.state;
+  const name = el("td", {"data-label": "Deployment"}, el("strong", {className: "name"}, v.name),
+                  el("span", {className: "sub"}, `${v.served_name} · ${v.engine}` + (v.role !== "model" ? ` · ${v.role}` : "")));
+  const state = el("td", {"data-label": "State", className: "state"}, badge(v), el("span", {className: "sub detail"}, stateDetail(v)));
+  const mode = el("td", {"data-label": "Mode", className: "mode"},
+                  v.mode === "on_demand" ? "on demand" : "always on",
+                  el("span", {className: "sub"}, modeDetail(v)));
+  const load = el("td", {"data-label": "Load"}, `${od.inflight || 0} in flight · ${od.queued || 0} queued`,
+                  el("span", {className: "sub"}, "last request " + ago(od.last_request_at)));
+  const gpus = el("td", {"data-label": "GPUs"}, (v.gpus || []).length ? v.gpus.join(", ") :
+                  (v.gpu_count === 0 ? "none" : "–"),
+                  el("span", {className: "sub"}, v.gpu_count === null || v.gpu_count === undefined ? "every GPU" :
+                     `${v.gpu_count} wanted` + (v.gpu_ids ? ` (pinned ${v.gpu_ids.join(",")})` : "")));
+  const over = v.measured_gib !== null && v.measured_gib !== undefined && v.measured_gib > v.memory_gib * 1.1;
+  const mem = el("td", {"data-label": "Memory"}, `${fmt(v.memory_gib)} GiB`,
+                 el("span", {className: "sub"}, v.measured_gib != null ?
+                    `measured ${fmt(v.measured_gib)} GiB` + (over ? " — over what it declares" : "") : "not measured"));
+  const ll = v.litellm ? v.litellm.status + (v.litellm.code ? ` (${v.litellm.code})` : "") : "–";
+  const litellm = el("td", {"data-label": "LiteLLM"}, ll);
+  const actions = el("td", {"data-label": "Actions", className: "actions"}, ...buttons(v));
+  tr.append(name, state, mode, load, gpus, mem, litellm, actions);
+  return tr;
+}
+
+function badge(v) {
+  const b = el("span", {className: "badge " + v.state}, v.state);
+  return b;
+}
+
+function stateDetail(v) {
+  const od = v.ondemand || {};
+  const now = Date.now() / 1000;
+  if (v.state === "starting") {
+    const elapsed = Math.max(0, now - v.updated_at);
+    let s = `for ${dur(elapsed)}`;
+    if (v.start_eta_s) s += ` · expected in about ${dur(Math.max(0, v.start_eta_s - elapsed))}`;
+    if (od.phase === "starting_for_request") s += " · for a request";
+    return s;
+  }
+  if (v.state === "failed") {
+    let s = v.state_reason || "failed";
+    if (od.backoff_until && od.backoff_until > now) s += ` · new starts refused for ${dur(od.backoff_until - now)}`;
+    return s;
+  }
+  if (v.state === "ready" && v.last_start_s) return `started in ${dur(v.last_start_s)}`;
+  if (od.phase === "queued") return "queued for memory";
+  if (v.state === "planned") return "an administrator starts it";
+  return "";
+}
+
+function modeDetail(v) {
+  const od = v.ondemand || {};
+  const idle = v.idle_timeout_s ? `idle timeout ${dur(v.idle_timeout_s)}` : "default idle timeout";
+  let s = v.mode === "on_demand" ? idle : "";
+  if (v.pending_mode) s = `switching to ${v.pending_mode.replace("_", " ")} at the start`;
+  if (od.idle_until) {
+    const left = od.idle_until - Date.now() / 1000;
+    s += left > 0 ? ` · sleeps in ${dur(left)}` : " · sleeps at the next look";
+  }
+  return s;
+}
+
+function buttons(v) {
+  const out = [];
+  const add = (label, fn, cls) => {
+    const b = el("button", {type: "button", className: cls || ""}, label);
+    b.dataset.key = `${v.id}:${label}`;
+    b.setAttribute("aria-label", `${label} ${v.name}`);
+    b.addEventListener("click", fn);
+    out.push(b);
+  };
+  const st = v.state;
+  if (["stopped", "failed", "planned"].includes(st)) add("Start", () => act(v, "start"));
+  if (["ready", "starting", "asleep"].includes(st) || (st === "failed" && v.base_url)) add("Stop", () => act(v, "stop"));
+  if (st === "ready" && v.engine === "vllm") add("Sleep", () => act(v, "sleep"));
+  if (st === "asleep") add("Wake", () => act(v, "wake"));
+  if (v.role === "model") add("Mode", () => openMode(v));
+  if (["stopped", "failed", "planned"].includes(st)) add("Edit", () => openEdit(v));
+  add("Log", () => openLog(v));
+  add("Remove", () => remove(v), "danger");
+  return out;
+}
+
+async function act(v, verb) {
+  showError(null);
+  try {
+    await call("POST", `deployments/${v.id}/${verb}`);
+  } catch (e) { if (e.status !== 401) showError(e); }
+}
+
+// --- forms ---------------------------------------------------------------------------------
+
+let editing = null;  // the deployment being edited, or null for a new one
+
+$("add").addEventListener("click", () => openEdit(null));
+$("edit-cancel").addEventListener("click", () => $("edit").close());
+$("mode-cancel").addEventListener("click", () => $("mode").close());
+
+function openEdit(v) {
+  editing = v;
+  const f = $("edit-form");
+  f.reset();
+  $("edit-error").textContent = "";
+  $("edit-title").textContent = v ? `Edit ${v.name}` : "Add a deployment";
+  const docker = !host || host.backend === "docker";
+  for (const e of document.querySelectorAll(".docker")) e.classList.toggle("hidden-field", !docker);
+  for (const e of document.querySelectorAll(".process")) e.classList.toggle("hidden-field", docker);
+  for (const e of document.querySelectorAll(".new-only")) e.classList.toggle("hidden-field", !!v);
+  if (v) {
+    f.name.value = v.name; f.served_name.value = v.served_name; f.engine.value = v.engine;
+    f.image.value = v.image || ""; f.args.value = (v.args || []).join("\n");
+    f.command.value = (v.command || []).map(quote).join(" "); f.port.value = v.port;
+    f.memory_gib.value = v.memory_gib; f.gpu_count.value = v.gpu_count ?? "";
+    f.gpu_ids.value = (v.gpu_ids || []).join(","); f.role.value = v.role;
+    f.idle_timeout_s.value = v.idle_timeout_s ?? "";
+  } else {
+    // As the design's wizard: on demand when LiteLLM is there to route to it.
+    f.mode.value = host && host.ondemand.litellm_ready ? "on_demand" : "always_on";
+  }
+  $("edit").showModal();
+  f.name.focus();
+}
+
+function editBody(f) {
+  const num = (x) => x === "" ? null : Number(x);
+  const body = {
+    name: f.name.value.trim(), served_name: f.served_name.value.trim() || f.name.value.trim(),
+    engine: f.engine.value, port: Number(f.port.value || 8000), memory_gib: Number(f.memory_gib.value || 0),
+    gpu_count: num(f.gpu_count.value), role: f.role.value, idle_timeout_s: num(f.idle_timeout_s.value),
+    gpu_ids: f.gpu_ids.value.trim() ? f.gpu_ids.value.split(",").map((x) => Number(x.trim())) : null,
+  };
+  if (body.gpu_ids && body.gpu_count === null) delete body.gpu_count;  // a pin sets the count
+  if (!host || host.backend === "docker") {
+    body.image = f.image.value.trim() || null;
+    body.args = f.args.value.split("\n").map((x) => x.trim()).filter(Boolean);
+  } else {
+    body.command = splitCommand(f.command.value);
+  }
+  if (!editing) { body.mode = f.mode.value; body.start = f.start.checked; }
+  return body;
+}
+
+$("edit-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const f = $("edit-form");
+  const body = editBody(f);
+  try {
+    if (editing) {
+      const changed = {};
+      for (const [k, val] of Object.entries(body)) {
+        if (JSON.stringify(val) !== JSON.stringify(editing[k] ?? null)) changed[k] = val;
+      }
+      if (Object.keys(changed).length) await call("PATCH", `deployments/${editing.id}`, changed);
+    } else {
+      await call("POST", "deployments", body);
+    }
+    $("edit").close();
+  } catch (e) { if (e.status !== 401) showError(e, "edit-error"); }
+});
+
+let moding = null;
+function openMode(v) {
+  moding = v;
+  $("mode-error").textContent = "";
+  $("mode-title").textContent = `Mode of ${v.name}`;
+  $("m-mode").value = v.pending_mode || v.mode;
+  $("m-idle").value = v.idle_timeout_s ?? "";
+  $("mode").showModal();
+  $("m-mode").focus();
+}
+
+$("mode-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const idle = $("m-idle").value;
+  try {
+    await call("PATCH", `deployments/${moding.id}/mode`,
+               {mode: $("m-mode").value, idle_timeout_s: idle === "" ? null : Number(idle)});
+    $("mode").close();
+  } catch (e) { if (e.status !== 401) showError(e, "mode-error"); }
+});
+
+async function remove(v) {
+  $("confirm-text").textContent = `Remove ${v.name}? Its engine is stopped and the deployment is deleted.`;
+  const dlg = $("confirm");
+  dlg.returnValue = "";
+  dlg.showModal();
+  await new Promise((done) => dlg.addEventListener("close", done, {once: true}));
+  if (dlg.returnValue !== "yes") return;
+  try { await call("DELETE", `deployments/${v.id}`); } catch (e) { if (e.status !== 401) showError(e); }
+}
+
+// --- the engine log --------------------------------------------------------------------------
+
+function stopLog() {
+  if (logStream) logStream.abort();
+  logStream = null;
+}
+
+$("logs-close").addEventListener("click", () => { stopLog(); $("logs").hidden = true; });
+
+async function openLog(v) {
+  stopLog();
+  const ctl = logStream = new AbortController();
+  $("logs").hidden = false;
+  $("logs-title").textContent = `Engine log of ${v.name}`;
+  const pre = $("log");
+  pre.textContent = "";
+  pre.focus();
+  try {
+    const r = await fetch(new URL(`deployments/${v.id}/logs?tail=200&follow=1`, api),
+                          {headers: {"Authorization": "Bearer " + token}, signal: ctl.signal});
+    if (!r.ok) {
+      const e = await r.json().catch(() => ({}));
+      pre.textContent = (e.error && e.error.message) || `HTTP ${r.status}`;
+      return;
+    }
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+      pre.textContent += dec.decode(value, {stream: true});
+      if (atEnd) pre.scrollTop = pre.scrollHeight;
+    }
+  } catch (e) {
+    if (!ctl.signal.aborted) pre.textContent += `\n(the log ended: ${e.message})`;
+  }
+}
+
+// --- the audit log ------------------------------------------------------------------------------
+
+const AUDIT_PAGE = 20;
+
+async function loadAudit(before) {
+  try {
+    const rows = await call("GET", `audit?limit=${AUDIT_PAGE}` + (before ? `&before=${before}` : ""));
+    const body = $("audit-rows");
+    body.replaceChildren();
+    for (const r of rows) {
+      const dep = r.deployment_id !== null ? (views.get(r.deployment_id)?.name || `#${r.deployment_id}`) : "–";
+      body.append(el("tr", {},
+        el("td", {"data-label": "When"}, new Date(r.at * 1000).toLocaleString()),
+        el("td", {"data-label": "Action"}, r.action),
+        el("td", {"data-label": "By"}, r.actor + (r.user ? ` (${r.user})` : "")),
+        el("td", {"data-label": "Deployment"}, dep),
+        el("td", {"data-label": "What"}, r.text)));
+    }
+    $("audit-older").disabled = rows.length < AUDIT_PAGE;
+    $("audit-older").dataset.before = rows.length ? rows[rows.length - 1].id : "";
+    $("audit-newer").disabled = !before;
+  } catch (e) { if (e.status !== 401) showError(e); }
+}
+
+$("audit-older").addEventListener("click", () => {
+  auditPages.push($("audit-older").dataset.before);
+  loadAudit(auditPages[auditPages.length - 1]);
+});
+$("audit-newer").addEventListener("click", () => {
+  auditPages.pop();
+  loadAudit(auditPages[auditPages.length - 1]);
+});
+
+// --- small things ----------------------------------------------------------------------------------
+
+function el(tag, props, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(props || {})) {
+    if (k === "className") e.className = v;
+    else if (k === "style") e.style.cssText = v;  // CSSOM: allowed by the page's CSP, a style attribute is not
+    else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(c ?? "–"));
+  return e;
+}
+
+function fmt(x) { return x === null || x === undefined ? "–" : String(Math.round(x * 10) / 10); }
+function pct(part, whole) { return whole > 0 ? Math.min(100, (100 * part) / whole).toFixed(2) : 0; }
+function dur(s) {
+  s = Math.round(s);
+  if (s < 90) return `${s} s`;
+  if (s < 5400) return `${Math.floor(s / 60)} min ${s % 60 ? (s % 60) + " s" : ""}`.trim();
+  return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
+}
+function ago(ts) { return ts ? dur(Math.max(0, Date.now() / 1000 - ts)) + " ago" : "never"; }
+function quote(a) { return /^[\w@%+=:,./{}-]+$/.test(a) ? a : "'" + a.replace(/'/g, "'\\''") + "'"; }
+function splitCommand(s) {  // a shell-like split: quotes group, no expansion
+  const out = [];
+  const re = /'([^']*)'|"((?:\\.|[^"])*)"|(\S+)/g;
+  let m;
+  while ((m = re.exec(s)) !== null) out.push(m[1] ?? (m[2] !== undefined ? m[2].replace(/\\(.)/g, "$1") : m[3]));
+  return out;
+}
+
+setInterval(() => { if (!$("main").hidden) render(); }, 1000);  // running times, not data
+
+if (token) begin(); else signOut("");
