@@ -88,7 +88,8 @@ def lock_state_dir(state_dir: Path) -> int:
     adopts the engines it finds and kills the process backend's leftovers, so a
     second ``serve`` (a second terminal, an overlapping restart) would kill the
     engines of the one already running, busy or not. Returns the open file."""
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _private_dir(state_dir)
     path = state_dir / "ondemand.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -103,6 +104,15 @@ def lock_state_dir(state_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _private_dir(state_dir: Path) -> None:
+    """The state directory holds the key, the admin token, the socket and the state file:
+    only its owner may look inside (0700). One of ours that others can read is tightened."""
+    st = state_dir.stat()
+    if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.getuid():
+        os.chmod(state_dir, 0o700)
+        log.warning("state_dir %s was open to others (mode %o): now 0700", state_dir, stat.S_IMODE(st.st_mode))
 
 
 def _ensure_token(path: Path) -> str:

@@ -71,6 +71,24 @@ def check_key(cfg: Config) -> Check:
     return _check("key", True, f"{cfg.key_file}, fingerprint {keys.fingerprint(key)}")
 
 
+def check_modes(cfg: Config) -> Check:
+    """The files with secrets: the state directory 0700; the key, the admin token and the
+    admin socket 0600 (none of them readable or writable by others)."""
+    wanted = [(cfg.state_dir, "chmod 700"), (cfg.key_file, "chmod 600"), (cfg.token_file, "chmod 600"),
+              (cfg.admin_socket, "chmod 600")]
+    wrong = []
+    for path, fix in wanted:
+        try:
+            have = stat_mod.S_IMODE(os.stat(path).st_mode)
+        except OSError:
+            continue  # not made yet: serve makes it with the right mode
+        if have & 0o077:
+            wrong.append(f"{path} is mode {have:o}, open to others: {fix} it")
+    if wrong:
+        return _check("files", False, "; ".join(wrong))
+    return _check("files", True, "the state directory, the key, the admin token and the socket are private")
+
+
 async def check_litellm(cfg: Config) -> Check:
     if not cfg.litellm.url:
         return _check("litellm", None, "litellm.url is not set: models are not registered in LiteLLM")
@@ -159,7 +177,8 @@ async def check_listener(cfg: Config, server_runs: bool) -> Check:
 
 async def run(cfg: Config) -> list[Check]:
     """Every check, in the order they are printed."""
-    out = [await check_docker(cfg), await check_budget(cfg), check_key(cfg), await check_litellm(cfg)]
+    out = [await check_docker(cfg), await check_budget(cfg), check_key(cfg), check_modes(cfg),
+           await check_litellm(cfg)]
     rows = await _deployments(cfg)
     out.extend(c for c in (check_engines(rows), check_footprints(rows)) if c is not None)
     server = await check_server(cfg)

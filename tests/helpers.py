@@ -229,6 +229,7 @@ async def run_app(tmp_path, *, write_key: bool = True, **overrides):
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     await web.UnixSite(runner, str(cfg.admin_socket)).start()
+    cfg.admin_socket.chmod(0o600)  # as serve makes it
     try:
         yield Server(app, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)
     finally:

@@ -249,6 +249,26 @@ async def test_doctor_flags_llamacpp_without_metrics(tmp_path, server):
     assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
 
 
+async def test_doctor_flags_open_files_and_a_footprint_over_its_declared_size(tmp_path, server):
+    import stat
+    assert stat.S_IMODE(server.cfg.state_dir.stat().st_mode) == 0o700  # serve made it private
+    dep = await server.deployer.create(dict(name="liar", served_name="l", engine="vllm", mode="on_demand",
+                                            state="stopped", role="model", memory_gib=20,
+                                            command=sim_command("l")))
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    rc, out, _ = await cli("doctor", "--json", config=cfg)
+    checks = {c["check"]: c for c in json.loads(out)}
+    assert checks["files"]["ok"] and "footprints" not in checks
+    await server.deployer.update(dep.id, measured_gib=30.0)
+    server.cfg.token_file.chmod(0o644)
+    rc, out, _ = await cli("doctor", "--json", config=cfg)
+    checks = {c["check"]: c for c in json.loads(out)}
+    assert rc == 1 and checks["files"]["ok"] is False and "admin.token is mode 644" in checks["files"]["detail"]
+    assert checks["footprints"]["ok"] is False and "liar (declared 20 GiB, measured 30.0)" in checks["footprints"]["detail"]
+    rc, out, _ = await cli("status", config=cfg)
+    assert "20 GiB (measured 30.0 !)" in out and "liar: measured more than 10 % over" in out
+
+
 async def test_adding_or_switching_llamacpp_without_metrics_warns(tmp_path, server):
     cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
     rc, out, err = await cli("deploy", "add", "blind", "--engine", "llamacpp", "--mode", "on_demand",
