@@ -52,7 +52,7 @@ from .deployer import Deployer
 from .effects import DeployerEffects
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
 from .forward import Upstreams
-from .gateway import MAX_BODY, Gateway
+from .gateway import MAX_BODY, Gateway, stamp_request_id
 from .litellm import LiteLLMClient
 from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
@@ -133,6 +133,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     prefix = cfg.base_path + "/ondemand"
     app.router.add_route("*", prefix, gateway_route)
     app.router.add_route("*", prefix + "/{tail:.*}", gateway_route)
+    app.on_response_prepare.append(stamp_request_id)  # x-request-id on every gateway answer
     admin.add_routes(app, cfg.base_path)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:

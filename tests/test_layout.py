@@ -22,8 +22,10 @@ ALLOWED = {
     "effects": {"budget", "controller", "deployer", "errors", "events", "metrics", "model", "tasks"},
     "admission": {"controller", "deployer", "errors", "model"},
     "reaper": {"controller"},
-    "gateway": {"admission", "notice", "controller", "deployer", "errors", "forward", "keys", "model", "paths",
-                "ratelimit"},
+    "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "keys", "model",
+                "paths", "ratelimit"},
+    # A finished gateway request and its id (a leaf), for what hears of it.
+    "exchange": set(),
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
                    "litellm_sync", "metrics", "model", "peers", "store", "tasks"},
