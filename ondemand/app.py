@@ -16,7 +16,7 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +44,16 @@ from .components import (
     STORE,
     SYNC,
     TASKS,
+    TELEMETRY,
     view,
 )
 from .config import Config
 from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
+from .errors import BudgetError
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
+from .exchange import Exchange
 from .forward import Upstreams
 from .gateway import MAX_BODY, Gateway, stamp_request_id
 from .litellm import LiteLLMClient
@@ -62,6 +65,7 @@ from .ratelimit import FailureLimiter
 from .reaper import Reaper
 from .store import Store
 from .tasks import TaskGroup
+from .telemetry import Telemetry
 
 log = logging.getLogger("ondemand.app")
 
@@ -140,7 +144,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
         async for _ in _engines(app, backend):
             yield
 
-    app.cleanup_ctx.extend([_state, engines, _control, _gateway, _litellm, _views, _background])
+    app.cleanup_ctx.extend([_state, engines, _control, _observe, _gateway, _litellm, _views, _background])
     return app
 
 
@@ -183,6 +187,60 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     await effects.close()
 
 
+class _GpuMemory:
+    """``gpu_memory()`` for the metrics: (GPU, capacity GiB, free GiB) from the budget's
+    last snapshot, as GPU 0 while the budget is one sum over the GPUs. A scrape never
+    waits for nvidia-smi: it reads the last snapshot and, when that is older than
+    ``max_age_s``, has a new one read in the background. No samples while the budget
+    cannot be read."""
+
+    def __init__(self, deployer: Deployer, max_age_s: float = 5.0):
+        self._deployer = deployer
+        self._max_age_s = max_age_s
+        self._tasks = TaskGroup("gpu memory")
+        self._last: list[tuple[int, float, float]] = []
+        self._read_at = -float("inf")
+        self._reading: asyncio.Task[None] | None = None
+
+    def __call__(self) -> list[tuple[int, float, float]]:
+        if time.monotonic() - self._read_at >= self._max_age_s and (self._reading is None or self._reading.done()):
+            self._reading = self._tasks.spawn(self._read(), "read")
+        return self._last
+
+    async def _read(self) -> None:
+        deployer = self._deployer
+        try:
+            snap = await deployer.budget.snapshot(deployer.all())
+            self._last = [(0, snap.capacity, snap.free)]
+        except BudgetError as exc:
+            log.debug("GPU memory for the metrics: %s", exc)
+            self._last = []
+        finally:
+            self._read_at = time.monotonic()
+
+    async def close(self) -> None:
+        await self._tasks.close()
+
+
+async def _observe(app: web.Application) -> AsyncIterator[None]:
+    """The metrics (``/metrics``)."""
+    deployer, controller = app[DEPLOYER], app[CONTROLLER]
+    gpu = _GpuMemory(deployer)
+    gpu()  # the first reading, so that the first scrape has one
+    telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
+                                           queued=controller.waiting, gpu_memory=gpu)
+    app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
+    try:
+        yield
+    finally:
+        await gpu.close()
+
+
+def _finished(app: web.Application) -> Callable[[Exchange], None]:
+    """What the gateway does with a finished request: count it."""
+    return app[TELEMETRY].exchange
+
+
 async def _gateway(app: web.Application) -> AsyncIterator[None]:
     cfg, bus = app[CONFIG], app[BUS]
     watcher = app[KEYS] = keys_mod.KeyWatcher(cfg.key_file, publish=bus.publish)
@@ -196,7 +254,7 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
             upstreams.forget(e.dep_id)
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
-                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
+                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app))
     yield
     await upstreams.close()
 
@@ -232,7 +290,8 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
     sync = app[SYNC] = LiteLLMSync(
         client=_litellm_client(cfg), internal_url=cfg.internal_url.rstrip("/"),
         queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
-        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
+        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]),
+        on_result=app[TELEMETRY].litellm_synced)
 
     def sync_if_needed(e: DeploymentChanged) -> None:
         if _sync_needed(e):

@@ -21,6 +21,7 @@ from .model import Deployment
 from .peers import PeerPolicySource
 from .store import Store
 from .tasks import TaskGroup
+from .telemetry import Telemetry
 
 STORE = web.AppKey("store", Store)
 BUS = web.AppKey("bus", EventBus)
@@ -36,6 +37,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG = web.AppKey("config", Config)
 STARTED_AT = web.AppKey("started_at", float)
 TASKS = web.AppKey("tasks", TaskGroup)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
 
 
 class PolicyHolder(Protocol):

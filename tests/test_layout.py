@@ -24,12 +24,12 @@ ALLOWED = {
     "reaper": {"controller"},
     "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "keys", "model",
                 "paths", "ratelimit"},
-    # A finished gateway request and its id (a leaf), for what hears of it.
-    "exchange": set(),
+    # A finished gateway request (leaf), and what hears of it: the metrics.
+    "exchange": set(), "telemetry": {"events", "exchange", "model"},
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
-    "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
-                   "litellm_sync", "metrics", "model", "peers", "store", "tasks"},
-    "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
+    "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway",
+                   "keys", "litellm_sync", "metrics", "model", "peers", "store", "tasks", "telemetry"},
+    "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model", "telemetry"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},
