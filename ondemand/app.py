@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import stat
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,11 +25,13 @@ from aiohttp import web
 
 from . import __version__
 from . import keys as keys_mod
+from .accesslog import AccessLog
 from .admission import Admission
 from .backends import Backend
 from .backends.process import ProcessBackend
 from .budget import Budget
 from .components import (
+    ACCESS_LOG,
     ADMISSION,
     BUS,
     CONFIG,
@@ -223,22 +226,34 @@ class _GpuMemory:
 
 
 async def _observe(app: web.Application) -> AsyncIterator[None]:
-    """The metrics (``/metrics``)."""
-    deployer, controller = app[DEPLOYER], app[CONTROLLER]
+    """The metrics (``/metrics``) and the access log."""
+    cfg, deployer, controller = app[CONFIG], app[DEPLOYER], app[CONTROLLER]
     gpu = _GpuMemory(deployer)
     gpu()  # the first reading, so that the first scrape has one
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
                                            queued=controller.waiting, gpu_memory=gpu)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
+    access = None
+    if cfg.access_log != "off":
+        access = app[ACCESS_LOG] = AccessLog(cfg.access_log, sys.stderr)
     try:
         yield
     finally:
+        if access is not None:
+            access.close()
         await gpu.close()
 
 
 def _finished(app: web.Application) -> Callable[[Exchange], None]:
-    """What the gateway does with a finished request: count it."""
-    return app[TELEMETRY].exchange
+    """What the gateway does with a finished request: count it, and log it when asked."""
+    count, access = app[TELEMETRY].exchange, app.get(ACCESS_LOG)
+    if access is None:
+        return count
+
+    def count_and_log(ex: Exchange) -> None:
+        count(ex)
+        access.write(ex, time.time())
+    return count_and_log
 
 
 async def _gateway(app: web.Application) -> AsyncIterator[None]:

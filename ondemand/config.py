@@ -69,6 +69,7 @@ class Config:
     metrics_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
+    access_log: str = "off"
     metrics_public: bool = False
     budget: BudgetConfig = BudgetConfig()
     deployer: DeployerConfig = DeployerConfig()
@@ -195,6 +196,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),
                   "debug, info, warning or error"),
+    "access_log": (lambda v: _str(v).lower(), _one_of("off", "text", "json"), "off, text or json"),
     "metrics_public": (_bool, lambda x: True, "true or false (GET {base_path}/metrics without the admin token)"),
     "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
     "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),

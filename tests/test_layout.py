@@ -24,10 +24,10 @@ ALLOWED = {
     "reaper": {"controller"},
     "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "keys", "model",
                 "paths", "ratelimit"},
-    # A finished gateway request (leaf), and what hears of it: the metrics.
-    "exchange": set(), "telemetry": {"events", "exchange", "model"},
+    # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
+    "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
-    "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway",
+    "components": {"accesslog", "admission", "config", "controller", "deployer", "effects", "events", "gateway",
                    "keys", "litellm_sync", "metrics", "model", "peers", "store", "tasks", "telemetry"},
     "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model", "telemetry"},
     "sim": set(), "sim.engine": set(),
