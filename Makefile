@@ -3,7 +3,7 @@
 #   make test       ruff and mypy, then the fast suite (under 3 minutes on 2 cores;
 #                   make lint runs the first two alone, in seconds)
 #   make test-all   the fast suite, the long race loops, and the suites with real
-#                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp
+#                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
 
 PYTHON ?= python3
@@ -18,6 +18,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow test-docker test-litellm test-llamacpp test-browser \
+        test-prometheus \
         pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
 
 install: $(STAMP)
@@ -47,7 +48,7 @@ lint: install
 
 # Two workers (pytest-xdist), each test file on one of them: its module fixtures stay its own.
 test: lint
-	$(PYTEST) -q -n 2 --dist loadfile -m "not slow and not docker and not litellm and not llamacpp and not browser"
+	$(PYTEST) -q -n 2 --dist loadfile -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
@@ -83,7 +84,10 @@ test-llamacpp: install
 test-browser: install
 	BROWSER_NODE_PATH=$$(bash $(HEAVY)/browser.sh | tail -1) $(PYTEST) -q -m browser
 
-test-all: test test-slow test-docker test-litellm test-browser test-llamacpp
+test-prometheus: install
+	PROMETHEUS_BIN=$$(bash $(HEAVY)/prometheus.sh | tail -1) $(PYTEST) -q -m prometheus
+
+test-all: test test-slow test-docker test-litellm test-browser test-llamacpp test-prometheus
 
 pyz: install
 	$(PY) scripts/build_pyz.py --target $(TARGET)

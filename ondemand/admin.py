@@ -28,6 +28,7 @@ from .deployer import Deployer, StartFailed, StartInterrupted
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, OndemandError
 from .events import ViewPublished
 from .model import Deployment, State
+from .telemetry import CONTENT_TYPE
 
 log = logging.getLogger("ondemand.admin")
 
@@ -66,17 +67,24 @@ def _http_error(exc: web.HTTPException) -> web.Response:
 def auth_middleware(cfg: Config) -> Middleware:
     api = cfg.base_path + "/api"
     gateway = cfg.base_path + "/ondemand"
+    metrics_path = cfg.base_path + "/metrics"
+
+    def guarded(path: str) -> bool:
+        # The UI page itself is static and holds no data: it asks for the token.
+        return path.startswith(api) or (path == metrics_path and not cfg.metrics_public)
 
     @web.middleware
     async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(gateway):
             return await handler(request)  # the gateway answers its own errors
-        # The UI page itself is static and holds no data: it asks for the token.
-        if request.path.startswith(api) and not _is_unix(request):
+        if guarded(request.path) and not _is_unix(request):
             token = keys_mod.read_key_file(cfg.token_file)
             auth = request.headers.get("Authorization", "")
             presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if token is None or not hmac.compare_digest(presented.encode(), token.encode()):
+                telemetry = request.app.get(components.TELEMETRY)
+                if telemetry is not None:
+                    telemetry.auth_failed()
                 err = OndemandError(401, "invalid_admin_token",
                                     "The admin API needs the admin token (admin_token_file), or the admin socket")
                 return web.Response(status=401, body=err.body(), content_type=_JSON)
@@ -450,6 +458,13 @@ async def healthz(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
+async def metrics_route(request: web.Request) -> web.Response:
+    """The Prometheus text format: the admin token over TCP (unless ``metrics_public``),
+    nothing on the admin socket."""
+    telemetry = request.app[components.TELEMETRY]
+    return web.Response(body=telemetry.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+
 _UI_DIR = pathlib.Path(__file__).parent / "ui"
 # The page's files: a fixed list, so nothing else under the package can be fetched.
 _UI_FILES = {"": ("index.html", "text/html"), "app.js": ("app.js", "text/javascript"),
@@ -475,6 +490,7 @@ def add_routes(app: web.Application, base_path: str) -> None:
     r.add_get(base_path + "/ui/", ui)
     r.add_get(base_path + "/ui/{file:app\\.(?:js|css)}", ui)
     r.add_get(base_path + "/healthz", healthz)
+    r.add_get(base_path + "/metrics", metrics_route)
 
     async def to_ui(request: web.Request) -> web.Response:
         raise web.HTTPFound(base_path + "/ui/")

@@ -15,8 +15,9 @@ import os
 import signal
 import socket
 import stat
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,13 @@ from aiohttp import web
 
 from . import __version__
 from . import keys as keys_mod
+from .accesslog import AccessLog
 from .admission import Admission
 from .backends import Backend
 from .backends.process import ProcessBackend
 from .budget import Budget
 from .components import (
+    ACCESS_LOG,
     ADMISSION,
     BUS,
     CONFIG,
@@ -45,16 +48,19 @@ from .components import (
     STORE,
     SYNC,
     TASKS,
+    TELEMETRY,
     view,
 )
 from .config import Config
 from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
+from .errors import BudgetError
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
+from .exchange import Exchange
 from .footprint import FootprintSampler
 from .forward import Upstreams
-from .gateway import MAX_BODY, Gateway
+from .gateway import MAX_BODY, Gateway, stamp_request_id
 from .litellm import LiteLLMClient
 from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
@@ -64,6 +70,7 @@ from .ratelimit import FailureLimiter
 from .reaper import Reaper
 from .store import Store
 from .tasks import TaskGroup
+from .telemetry import Telemetry
 
 log = logging.getLogger("ondemand.app")
 
@@ -145,13 +152,14 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     prefix = cfg.base_path + "/ondemand"
     app.router.add_route("*", prefix, gateway_route)
     app.router.add_route("*", prefix + "/{tail:.*}", gateway_route)
+    app.on_response_prepare.append(stamp_request_id)  # x-request-id on every gateway answer
     admin.add_routes(app, cfg.base_path)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         async for _ in _engines(app, backend):
             yield
 
-    app.cleanup_ctx.extend([_state, engines, _control, _gateway, _litellm, _views, _background])
+    app.cleanup_ctx.extend([_state, engines, _control, _observe, _gateway, _litellm, _views, _background])
     return app
 
 
@@ -200,6 +208,73 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     await effects.close()
 
 
+class _GpuMemory:
+    """``gpu_memory()`` for the metrics: (GPU, capacity GiB, free GiB) of each GPU (one
+    pool, GPU 0, for unified memory or a one-pool budget) from the budget's last
+    snapshot. A scrape never
+    waits for nvidia-smi: it reads the last snapshot and, when that is older than
+    ``max_age_s``, has a new one read in the background. No samples while the budget
+    cannot be read."""
+
+    def __init__(self, deployer: Deployer, max_age_s: float = 5.0):
+        self._deployer = deployer
+        self._max_age_s = max_age_s
+        self._tasks = TaskGroup("gpu memory")
+        self._last: list[tuple[int, float, float]] = []
+        self._read_at = -float("inf")
+        self._reading: asyncio.Task[None] | None = None
+
+    def __call__(self) -> list[tuple[int, float, float]]:
+        if time.monotonic() - self._read_at >= self._max_age_s and (self._reading is None or self._reading.done()):
+            self._reading = self._tasks.spawn(self._read(), "read")
+        return self._last
+
+    async def _read(self) -> None:
+        deployer = self._deployer
+        try:
+            snap = await deployer.budget.snapshot(deployer.all())
+            self._last = [(p.index, p.capacity, p.free) for p in snap.pools]
+        except BudgetError as exc:
+            log.debug("GPU memory for the metrics: %s", exc)
+            self._last = []
+        finally:
+            self._read_at = time.monotonic()
+
+    async def close(self) -> None:
+        await self._tasks.close()
+
+
+async def _observe(app: web.Application) -> AsyncIterator[None]:
+    """The metrics (``/metrics``) and the access log."""
+    cfg, deployer, controller = app[CONFIG], app[DEPLOYER], app[CONTROLLER]
+    gpu = _GpuMemory(deployer)
+    gpu()  # the first reading, so that the first scrape has one
+    telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
+                                           queued=controller.waiting, gpu_memory=gpu)
+    app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
+    access = None
+    if cfg.access_log != "off":
+        access = app[ACCESS_LOG] = AccessLog(cfg.access_log, sys.stderr)
+    try:
+        yield
+    finally:
+        if access is not None:
+            access.close()
+        await gpu.close()
+
+
+def _finished(app: web.Application) -> Callable[[Exchange], None]:
+    """What the gateway does with a finished request: count it, and log it when asked."""
+    count, access = app[TELEMETRY].exchange, app.get(ACCESS_LOG)
+    if access is None:
+        return count
+
+    def count_and_log(ex: Exchange) -> None:
+        count(ex)
+        access.write(ex, time.time())
+    return count_and_log
+
+
 async def _gateway(app: web.Application) -> AsyncIterator[None]:
     cfg, bus = app[CONFIG], app[BUS]
     watcher = app[KEYS] = keys_mod.KeyWatcher(cfg.key_file, publish=bus.publish)
@@ -213,7 +288,7 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
             upstreams.forget(e.dep_id)
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
-                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
+                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app))
     yield
     await upstreams.close()
 
@@ -249,7 +324,8 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
     sync = app[SYNC] = LiteLLMSync(
         client=_litellm_client(cfg), internal_url=cfg.internal_url.rstrip("/"),
         queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
-        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
+        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]),
+        on_result=app[TELEMETRY].litellm_synced)
 
     def sync_if_needed(e: DeploymentChanged) -> None:
         if _sync_needed(e):

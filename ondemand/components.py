@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from .accesslog import AccessLog
 from .admission import Admission
 from .config import Config
 from .controller import Controller
@@ -22,6 +23,7 @@ from .model import Deployment
 from .peers import PeerPolicySource
 from .store import Store
 from .tasks import TaskGroup
+from .telemetry import Telemetry
 
 STORE = web.AppKey("store", Store)
 BUS = web.AppKey("bus", EventBus)
@@ -38,6 +40,8 @@ GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG = web.AppKey("config", Config)
 STARTED_AT = web.AppKey("started_at", float)
 TASKS = web.AppKey("tasks", TaskGroup)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
+ACCESS_LOG = web.AppKey("access_log", AccessLog)  # only when access_log is text or json
 
 
 class PolicyHolder(Protocol):

@@ -71,6 +71,8 @@ class Config:
     metrics_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
+    access_log: str = "off"
+    metrics_public: bool = False
     budget: BudgetConfig = BudgetConfig()
     deployer: DeployerConfig = DeployerConfig()
     litellm: LiteLLMConfig = LiteLLMConfig()
@@ -120,6 +122,12 @@ def _str(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError
     return v
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    return {"true": True, "false": False, "1": True, "0": False}[str(v).lower()]
 
 
 def _opt_str(v: Any) -> str | None:
@@ -200,6 +208,8 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),
                   "debug, info, warning or error"),
+    "access_log": (lambda v: _str(v).lower(), _one_of("off", "text", "json"), "off, text or json"),
+    "metrics_public": (_bool, lambda x: True, "true or false (GET {base_path}/metrics without the admin token)"),
     "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
     "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),
                             lambda x: x is None or 0 < x <= 1e6, "GiB, more than 0"),
@@ -212,9 +222,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "deployer.docker_url": (_opt_str, lambda s: True, "a Docker API URL (unix:///var/run/docker.sock)"),
     "deployer.network": (_str, bool, "a Docker network name"),
     "deployer.start_timeout_s": (_float, _between(1, 86400), "seconds, 1 to 86400"),
-    "deployer.gpus": (lambda v: v if isinstance(v, bool) else {"true": True, "false": False, "1": True,
-                                                               "0": False}[str(v).lower()],
-                      lambda x: True, "true or false (request every GPU for engine containers)"),
+    "deployer.gpus": (_bool, lambda x: True, "true or false (request every GPU for engine containers)"),
     "deployer.stop_timeout_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "deployer.shm_size_gib": (_float, _between(0, 1024),
                               "GiB, 0 to 1024 (size of /dev/shm in engine containers; 0: Docker's 64 MiB)"),

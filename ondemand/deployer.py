@@ -42,7 +42,7 @@ import aiohttp
 from .backends import Backend, BackendError, Engine
 from .budget import Budget
 from .errors import DeployerError, DeploymentBusy, NameTaken
-from .events import DeploymentChanged
+from .events import DeploymentChanged, StopCause
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, State, plain
 from .store import Store
 from .tasks import TaskGroup
@@ -185,7 +185,8 @@ class Deployer:
                 dep = self._deps.get(e.deployment_id)
                 if dep is not None and dep.state in HOLDING:
                     with contextlib.suppress(Exception):
-                        await self._transition(dep.id, State.STOPPED, text="stopped at shutdown")
+                        await self._transition(dep.id, State.STOPPED, text="stopped at shutdown",
+                                               cause=StopCause.SHUTDOWN)
         if self._http is not None:
             await self._http.close()
         await self.backend.close()
@@ -219,15 +220,16 @@ class Deployer:
     async def _transition(self, dep_id: int, state: State, *, reason: str | None = None,
                           log_tail: str | None = None, text: str | None = None, actor: str = "deployer",
                           user: str | None = None, audit: str | None = None,
-                          detail: dict[str, Any] | None = None) -> None:
+                          detail: dict[str, Any] | None = None, cause: StopCause | None = None) -> None:
         old, new = self._mark(dep_id, state, reason, log_tail)
-        await self._persist(old, new, text=text, actor=actor, user=user, audit=audit, detail=detail)
+        await self._persist(old, new, text=text, actor=actor, user=user, audit=audit, detail=detail, cause=cause)
 
     async def _persist(self, old: Deployment, new: Deployment, *, text: str | None = None, actor: str = "deployer",
                        user: str | None = None, audit: str | None = None,
-                       detail: dict[str, Any] | None = None) -> None:
+                       detail: dict[str, Any] | None = None, cause: StopCause | None = None) -> None:
         """The stored half of a transition marked with ``_mark``: the row, its event and
-        its audit row in one transaction; then the change is published."""
+        its audit row in one transaction; then the change is published (with ``cause``
+        when it records a stop)."""
         text = text or f"{old.state} → {new.state}" + (f": {new.state_reason}" if new.state_reason else "")
         detail = {"from": old.state.value, "to": new.state.value, **(detail or {})}
         try:
@@ -241,13 +243,14 @@ class Deployer:
                                                  text=text, detail=detail)
         finally:
             log.info("%s: %s", new.name, text)
-            self._notify(new.id, self._deps.get(new.id), old)
+            self._notify(new.id, self._deps.get(new.id), old, cause)
 
-    def _notify(self, dep_id: int, dep: Deployment | None, old: Deployment | None) -> None:
+    def _notify(self, dep_id: int, dep: Deployment | None, old: Deployment | None,
+                cause: StopCause | None = None) -> None:
         for fut in self._changes.pop(dep_id, ()):
             if not fut.done():
                 fut.set_result(None)
-        self.publish(DeploymentChanged(dep_id, dep, old))
+        self.publish(DeploymentChanged(dep_id, dep, old, cause))
 
     # --- create, change, remove ----------------------------------------------
 
@@ -506,7 +509,7 @@ class Deployer:
         if dep is not None and dep.state in (State.READY, State.ASLEEP):
             # Watchdog: an engine that exits while serving is failed, not stopped.
             await self._transition(dep_id, State.FAILED, reason=f"engine exited with code {code}",
-                                   log_tail=await self._tail(engine, dep), actor="watchdog")
+                                   log_tail=await self._tail(engine, dep), actor="watchdog", cause=StopCause.FAILED)
 
     async def _watchdog(self) -> None:
         """An engine that stops answering while ready becomes failed."""
@@ -526,7 +529,7 @@ class Deployer:
                     misses.pop(dep_id, None)
                     await self._transition(dep_id, State.FAILED, actor="watchdog",
                                            reason=f"engine stopped answering /health ({self.watch_failures} checks)",
-                                           log_tail=await self._tail(engine, dep))
+                                           log_tail=await self._tail(engine, dep), cause=StopCause.FAILED)
                     await self.backend.stop(engine, self.stop_timeout_s)
 
     async def _tail(self, engine: Engine | None, dep: Deployment) -> str:
@@ -549,14 +552,14 @@ class Deployer:
 
     async def stop(self, dep_id: int, precheck: Precheck | None = None, *,
                    actor: str = "admin", user: str | None = None, text: str | None = None,
-                   audit: str | None = None) -> bool:
+                   audit: str | None = None, cause: StopCause = StopCause.ADMIN) -> bool:
         """Stop the engine. With ``precheck``, only if it approves. Returns whether
         this call stopped it (False: refused, or nothing to stop). The approved stop
-        is the one recorded (and audited when asked)."""
+        is the one recorded (and audited when asked), with its ``cause``."""
         marked = self._approve_stop(dep_id, precheck)
         if marked is None:
             return False
-        await self._persist(*marked, actor=actor, user=user, text=text, audit=audit)
+        await self._persist(*marked, actor=actor, user=user, text=text, audit=audit, cause=cause)
         dep = marked[1]
         start = self._starts.get(dep_id)
         if start is not None and not start.done():

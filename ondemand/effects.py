@@ -20,7 +20,7 @@ from .budget import Budget
 from .controller import ACTOR, Controller, Timer
 from .deployer import Deployer
 from .errors import BudgetError, DeployerError, InsufficientMemory
-from .events import CountersChanged
+from .events import CountersChanged, StopCause
 from .metrics import MetricsSampler
 from .model import Deployment
 from .tasks import TaskGroup
@@ -94,7 +94,9 @@ class DeployerEffects:
         ctl = self.controller
         stopped = False
         try:
-            stopped = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text)
+            cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
+            stopped = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text,
+                                               cause=cause)
         except Exception:
             log.exception("stopping deployment %d failed", dep_id)
         finally:

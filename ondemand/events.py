@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -27,12 +28,26 @@ from .model import Deployment, State
 log = logging.getLogger("ondemand.events")
 
 
+class StopCause(str, enum.Enum):
+    """Why an engine was stopped: carried by the change that starts the stop (to
+    ``stopping``; to ``stopped`` at shutdown; to ``failed`` from ready or asleep)."""
+    IDLE = "idle"  # the reaper: idle for its timeout
+    MAKE_ROOM = "make_room"  # a victim for a queued deployment's memory
+    ADMIN = "admin"  # an administrator's stop or removal
+    FAILED = "failed"  # the engine exited or stopped answering while it served
+    SHUTDOWN = "shutdown"  # ondemand stopped its engines on the way out
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeploymentChanged:
     """A deployment was created, changed, moved to another state, or removed (``dep`` None)."""
     dep_id: int
     dep: Deployment | None
     old: Deployment | None  # None when it was just created
+    cause: StopCause | None = None  # set on the one change that records a stop
 
     @property
     def created(self) -> bool:

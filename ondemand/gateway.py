@@ -33,6 +33,7 @@ from .admission import Admission
 from .controller import Slot
 from .deployer import Deployer
 from .errors import OndemandError
+from .exchange import Exchange, request_id
 from .forward import Response as UpstreamResponse
 from .forward import UpstreamError, Upstreams, request_headers, response_headers
 from .keys import KeyWatcher
@@ -52,6 +53,22 @@ STATE_HEADER = "x-dgxmm-ondemand-state"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _JSON = "application/json"
 _EMPTY_BODY = frozenset({204, 304})
+ID_HEADER = "X-Request-Id"
+EXCHANGE = web.RequestKey("exchange", Exchange)
+# A request whose client went away before its answer was written (nginx's code).
+CLIENT_GONE = 499
+
+
+async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: every answer of the gateway, the engine's and its own
+    errors alike, carries the request's id (set once here, so no answer path can miss it)."""
+    ex = request.get(EXCHANGE)
+    if ex is not None:
+        response.headers[ID_HEADER] = ex.rid
+
+
+def _no_observer(ex: Exchange) -> None:
+    pass
 
 
 # A request held for these must not be sent again at once: the OpenAI SDKs retry
@@ -155,7 +172,9 @@ def _json_object(body: bytes) -> dict[str, Any]:
 class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer):
+        """``finished(exchange)`` hears of every request once its answer's last byte is
+        written (or its client went away): the metrics and the access log."""
         self.controller = controller
         self.deployer = deployer
         self.keys = keys
@@ -164,29 +183,45 @@ class Gateway:
         self.prefix = base_path + "/ondemand"
         self.max_body = max_body
         self.clock = clock
+        self.finished = finished
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        ex = Exchange(request_id(request.headers), request.method, request.remote or "", self.clock())
+        request[EXCHANGE] = ex
+        ex.status = CLIENT_GONE  # unless an answer is written to its end below
         try:
-            return await self._handle(request)
+            resp = await self._answer(request, ex)
+            if not resp.prepared:  # written here rather than by aiohttp, so that its end is timed
+                await resp.prepare(request)
+                await resp.write_eof()
+            ex.status = resp.status
+            return resp
+        finally:
+            ex.duration_s = self.clock() - ex.arrival
+            ex.bytes_out = request.writer.output_size if request.writer is not None else 0
+            self.finished(ex)
+
+    async def _answer(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+        try:
+            return await self._handle(request, ex)
         except OndemandError as err:
             if err.status >= 500:
-                log.info("%s %s: %d %s", request.method, request.raw_path, err.status, err.code)
+                log.info("%s %s: %d %s (request %s)", request.method, request.raw_path, err.status, err.code, ex.rid)
             return error_response(err)
         except Exception:
             # A defect of ours: logged with its traceback, answered in the documented form
             # when nothing of an answer went out yet (else aiohttp cuts the connection).
-            log.exception("%s %s failed", request.method, request.raw_path)
+            log.exception("%s %s failed (request %s)", request.method, request.raw_path, ex.rid)
             if request.writer is None or request.writer.output_size:
                 raise
             return error_response(_err(500, "internal_error", "ondemand failed on this request; see its log"))
 
     # --- the checks -------------------------------------------------------------
 
-    def _check_key(self, request: web.Request) -> None:
+    def _check_key(self, request: web.Request, peer: str) -> None:
         if self.keys.current() is None:
             raise _err(503, "ondemand_not_configured",
                        "The on-demand gateway has no key configured (ondemand_key_file)")
-        peer = request.transport.get_extra_info("peername")[0] if request.transport else "?"
         retry = self.limiter.retry_after(peer)
         if retry is not None:
             raise _err(429, "rate_limited", "Too many failed key checks; try again later",
@@ -200,17 +235,18 @@ class Gateway:
             self.limiter.fail(peer)
         raise _err(401, "invalid_api_key", "Invalid API key for the on-demand gateway")
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        arrival = self.clock()
+    async def _handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         segs = split_checked(request.raw_path, self.prefix)
-        self._check_key(request)
+        self._check_key(request, ex.peer or "?")
         dep_id, route, kind = _route(segs, request.method)
+        ex.route = route
         length = request.content_length
         if length is not None and length > self.max_body:
             raise self._too_large()
         dep = self.deployer.get(dep_id)
         if dep is None:
             raise _not_found()
+        ex.deployment = dep.name
         if dep.role is Role.DECISION:
             raise _err(503, "not_on_demand", f"{dep.served_name} is not served through the on-demand gateway")
         if kind == "models":
@@ -226,25 +262,37 @@ class Gateway:
             return await self._forward(request, dep, segs, None, route)
 
         if HEALTH_HEADER in request.headers:
+            ex.health = True
             return self._health(dep, route)
         on_demand = dep.on_demand
         if not on_demand and dep.state is not State.READY:
             raise _err(503, "not_on_demand", f"{dep.served_name} is always on and is {dep.state}")
 
         body = await self._read_body(request)
+        ex.bytes_in = len(body)
         parsed = None if route in MULTIPART else _json_object(body)
         if not on_demand:
             return await self._forward(request, dep, segs, body, route)
         how = notice.mode(route, parsed)
         if how == notice.STREAM_NOTICE:
-            return await self._stream_with_notice(request, dep, segs, body, route, arrival)
-        queued: list[bool] = []
-        slot = await self.controller.acquire(dep_id, arrival=arrival, on_queued=lambda: queued.append(True))
+            return await self._stream_with_notice(request, ex, dep, segs, body, route)
+        slot = await self._acquire(ex, dep_id, ex.memory_wait)
         try:
             return await self._forward(request, dep, segs, body, route,
-                                       prepend=how == notice.PREPEND and bool(queued))
+                                       prepend=how == notice.PREPEND and ex.waited_memory)
         finally:
             slot.release()
+
+    async def _acquire(self, ex: Exchange, dep_id: int, on_queued: Callable[[], None]) -> Slot:
+        """The controller's slot, noting whether (and how long) the request waited for it."""
+        dep = self.deployer.get(dep_id)
+        # Read in the same step as the controller's try_take (no await between): not ready
+        # now means this request waits for a start.
+        ex.waited_start = dep is None or dep.state is not State.READY
+        slot = await self.controller.acquire(dep_id, arrival=ex.arrival, on_queued=on_queued)
+        if ex.waited_start or ex.waited_memory:
+            ex.queued_s = self.clock() - ex.arrival
+        return slot
 
     def _too_large(self) -> OndemandError:
         return _err(413, "request_too_large", f"The request body is larger than {self.max_body // 2**20} MiB")
@@ -271,13 +319,16 @@ class Gateway:
 
     # --- streaming with the queued notice -----------------------------------------
 
-    async def _stream_with_notice(self, request: web.Request, dep: Deployment, segs: list[str],
-                                  body: bytes, route: str, arrival: float) -> web.StreamResponse:
+    async def _stream_with_notice(self, request: web.Request, ex: Exchange, dep: Deployment, segs: list[str],
+                                  body: bytes, route: str) -> web.StreamResponse:
         queued = asyncio.Event()
+
+        def on_queued() -> None:
+            ex.memory_wait()
+            queued.set()
         # A child task, awaited or cancelled below (not a background task): the notice
         # must go out while the acquire still waits.
-        acq = asyncio.ensure_future(  # noqa: TID251
-            self.controller.acquire(dep.id, arrival=arrival, on_queued=queued.set))
+        acq = asyncio.ensure_future(self._acquire(ex, dep.id, on_queued))  # noqa: TID251
         slot: Slot | None = None
         try:
             if not acq.done():
@@ -322,7 +373,11 @@ class Gateway:
         lease = self.upstreams.open(dep.id, base)
         try:
             try:
-                up = await lease.request(request.method, target, request_headers(request.headers), body)
+                headers = request_headers(request.headers)
+                ex = request.get(EXCHANGE)
+                if ex is not None:  # the engine logs it too (vLLM takes it as its request id)
+                    headers[ID_HEADER] = ex.rid
+                up = await lease.request(request.method, target, headers, body)
             except (UpstreamError, ValueError) as exc:
                 return await self._upstream_failed(started, f"the engine did not answer: {exc}")
             try:

@@ -89,7 +89,8 @@ class LiteLLMSync:
                  list_deployments: Callable[[], Awaitable[list[dict[str, Any]]]],
                  current_key: Callable[[], str | None],
                  engine_base_url: Callable[[dict[str, Any]], str | None],
-                 interval_s: float = 60.0):
+                 interval_s: float = 60.0, on_result: Callable[[bool], None] | None = None):
+        """``on_result(ok)`` hears of every sync that ran (the metrics)."""
         self._client = client
         self.internal_url = internal_url
         self.queue_timeout_s = queue_timeout_s
@@ -97,6 +98,7 @@ class LiteLLMSync:
         self._current_key = current_key
         self._engine_base_url = engine_base_url
         self._interval_s = interval_s
+        self._on_result = on_result
         self._lock = asyncio.Lock()
         self._pending = False
         self._drain_task: asyncio.Task[None] | None = None
@@ -185,6 +187,8 @@ class LiteLLMSync:
         async with self._lock:
             result = await self._sync_locked(self._client)
         self.last_result = result
+        if self._on_result is not None:
+            self._on_result(result["error"] is None)
         return result
 
     def _plan(self, deployments: list[dict[str, Any]], key: str | None

@@ -346,8 +346,11 @@ async def ttfb_loop(session: aiohttp.ClientSession, t: Target, body: bytes, seco
 # --- the harness --------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, plan: Plan, procs: Procs, tmp: Path, log: Callable[[str], None]):
+    def __init__(self, plan: Plan, procs: Procs, tmp: Path, log: Callable[[str], None],
+                 access_log: str = "off", scrape_s: float = 0.0):
         self.plan = plan
+        self.access_log = access_log  # the gateway's access_log setting
+        self.scrape_s = scrape_s      # scrape /metrics this often during the rounds (0: never)
         self.procs = procs
         self.tmp = tmp
         self.state_dir = procs.state_dir
@@ -368,6 +371,7 @@ class Bench:
             f'listen = "127.0.0.1:{self.port}"\n'
             'ondemand_allowed_cidrs = ["127.0.0.0/8"]\n'
             'log_level = "warning"\n'
+            f'access_log = "{self.access_log}"\n'
             "shutdown_grace_s = 2\n"
             '[deployer]\nbackend = "process"\n'
             '[budget]\nsource = "static"\ncapacity_gib = 100\n')
@@ -477,6 +481,7 @@ class Bench:
         res["backlog"] = listen_backlog(self.port)
 
         store: dict[str, dict[str, list[Run]]] = {p: {"gateway": [], "direct": []} for p, _ in phases}
+        scraper = asyncio.get_running_loop().create_task(self.scrape_metrics()) if self.scrape_s else None
         t_rounds, busy0 = time.perf_counter(), machine_busy_s()
         ours0 = cpu_s(self.gw_pid) + cpu_s(engine_pid) + self_cpu()
         for rnd in range(plan.rounds):
@@ -494,6 +499,10 @@ class Bench:
                 f"/{store[p]['direct'][-1].rate if p[0] != 's' else store[p]['direct'][-1].event_rate:,.0f}"
                 for p, _ in phases if p != "ttfb"))
         res["phases"] = store
+        if scraper is not None:
+            scraper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scraper
         span = time.perf_counter() - t_rounds
         ours = cpu_s(self.gw_pid) + cpu_s(engine_pid) + self_cpu() - ours0
         res["others_cores"] = max(0.0, (machine_busy_s() - busy0 - ours) / span)
@@ -505,6 +514,21 @@ class Bench:
         res["rss_idle_after_mib"] = rss_mib(self.gw_pid)
         res["hwm_mib"] = proc_status(self.gw_pid, "VmHWM")
         return res
+
+    async def scrape_metrics(self) -> None:
+        """GET /metrics over TCP with the admin token every ``scrape_s``, as Prometheus would."""
+        assert self.http is not None
+        token = (self.state_dir / "admin.token").read_text().strip()
+        url = f"http://127.0.0.1:{self.port}{BASE}/metrics"
+        n, size = 0, 0
+        while True:
+            async with self.http.get(url, headers={"Authorization": f"Bearer {token}"}) as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"GET /metrics: {r.status} {body[:200]!r}")
+            n, size = n + 1, len(body)
+            self.results["scrapes"] = (n, size)
+            await asyncio.sleep(self.scrape_s)
 
     async def prewarm(self, targets: list[Target], n: int, batch: int = 100) -> float:
         """Open ``n`` keep-alive connections to the gateway before the streams start.
@@ -659,6 +683,8 @@ def scan_log(path: Path) -> tuple[int, list[tuple[int, str]]]:
 def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
            log_scan: tuple[int, list[tuple[int, str]]]) -> tuple[str, bool]:
     ph = res["phases"]
+    obs_args = (f" --access-log {res['access_log']}" if res["access_log"] != "off" else "") + \
+        (f" --scrape {res['scrape_s']:g}" if res["scrape_s"] else "")
 
     def med_rate(p: str, who: str, events: bool = False) -> float:
         return median([r.event_rate if events else r.rate for r in ph[p][who]])
@@ -763,7 +789,8 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
         f"(bench processes {res['ours_cores']:.2f})",
         f"- Python {platform.python_version()}, aiohttp {aiohttp.__version__}, uvloop "
         f"{_version('uvloop')}, orjson {orjson.__version__}",
-        f"- Command: `.venv/bin/python scripts/bench.py{' --quick' if quick else ''}` "
+        f"- Command: `.venv/bin/python scripts/bench.py{' --quick' if quick else ''}"
+        f"{obs_args}` "
         f"({wall_s:.0f} s wall clock)",
         f"- Plan: {plan.rounds} interleaved rounds, gateway and direct in alternating order (ABBA), "
         f"{plan.rps_s:g} s per non-streaming run, {plan.stream_s:g} s per streaming run, {plan.ttfb_s:g} s "
@@ -828,6 +855,11 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
         "first request; **direct** is that same engine process at the `base_url` the admin API reports, so "
         "both paths do the same engine work and the difference is the gateway. With zero token delay the "
         "simulator answers at once: the ratios compare the gateway with an engine that does (almost) no work.",
+        f"- Observability: `access_log = \"{res['access_log']}\"`"
+        + (" (one line per gateway request to the gateway's stderr, a file)" if res["access_log"] != "off" else "")
+        + (f"; `GET /metrics` with the admin token every {res['scrape_s']:g} s during the rounds "
+           f"({res.get('scrapes', (0, 0))[0]} scrapes, the last {res.get('scrapes', (0, 0))[1]:,} bytes)"
+           if res["scrape_s"] else "; `/metrics` not scraped") + ".",
         f"- Requests: non-streaming chat with `max_tokens: {CHAT_SMALL}`; streams with `stream: true, "
         f"max_tokens: {STREAM_TOKENS}, ignore_eos: true` ({STREAM_TOKENS + 2} SSE events each: role, "
         f"{STREAM_TOKENS} tokens, [DONE]); chunks/s counts SSE events received. Time to first byte: streams "
@@ -860,6 +892,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the Markdown report (default {DEFAULT_OUT})")
     ap.add_argument("--no-write", action="store_true", help="print the report only")
     ap.add_argument("--keep", action="store_true", help="keep the temporary state directory (logs)")
+    ap.add_argument("--access-log", choices=("off", "text", "json"), default="off",
+                    help="the gateway's access_log setting (default off)")
+    ap.add_argument("--scrape", type=float, default=0.0, metavar="S",
+                    help="GET /metrics every S seconds during the rounds, as Prometheus would (default: never)")
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else FULL
 
@@ -881,7 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    bench = Bench(plan, procs, tmp, log)
+    bench = Bench(plan, procs, tmp, log, access_log=args.access_log, scrape_s=args.scrape)
+    bench.results.update(access_log=args.access_log, scrape_s=args.scrape)
     log_scan: tuple[int, list[tuple[int, str]]] = (0, [])
     try:
         try:

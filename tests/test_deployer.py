@@ -224,3 +224,23 @@ async def test_restart_of_ondemand_kills_orphans_and_marks_stopped(tmp_path, sto
     async with running_deployer(tmp_path, store) as d2:
         assert d2.get(dep.id).state == "stopped"
         await wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
+
+
+async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
+    """The change that starts a stop carries why (the metrics count stops by it); no other does."""
+    from ondemand.events import StopCause
+    seen = []
+    d_cm = running_deployer(tmp_path, store, publish=lambda e: seen.append((e.old_state, e.new_state, e.cause)),
+                            watch_interval_s=0.1)
+    async with d_cm as d:
+        a = (await d.create(dep_fields("a"))).id
+        b = (await d.create(dep_fields("b"))).id
+        await d.restart(a)
+        await d.restart(b)
+        assert await d.stop(a, actor="admin")
+        os.killpg(d._engines[b].ref.pid, 9)  # b's engine dies while it serves
+        await wait_for(lambda: d.get(b).state == "failed")
+        await d.restart(b)
+    assert [c for c in seen if c[2] is not None] == [
+        ("ready", "stopping", StopCause.ADMIN), ("ready", "failed", StopCause.FAILED),
+        ("ready", "stopped", StopCause.SHUTDOWN)]

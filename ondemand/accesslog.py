@@ -1,0 +1,101 @@
+"""The access log (``access_log = text | json``): one line per gateway request, on stderr.
+
+The event loop formats the line (a few microseconds) and puts it on a queue; a
+thread of its own wakes every ``interval_s`` and writes all that wait in one
+write, so a slow terminal or pipe never holds up the loop (the idea of
+logging's QueueHandler and QueueListener, without a LogRecord per request).
+The thread does not wake per line: a thread waiting for the GIL makes the busy
+event loop hand it over only at the 5 ms switch interval, which a wake-up per
+request turned into milliseconds of added latency. A line holds
+the request id, the peer, the deployment, the method and route, the status,
+the bytes in (the body) and out (head included), the duration, the time
+queued, and whether it waited for a start or for memory; never a header, so
+never a key or a token. Values come from the request only after checks: the
+request id is printable ASCII (``exchange``), the route one of the gateway's,
+and the text format quotes any value with a space, a quote or an ``=``.
+Imports the exchange only.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from typing import TextIO
+
+import orjson
+
+from .exchange import Exchange
+
+FORMATS = ("off", "text", "json")
+
+
+def _when(wall: float) -> str:
+    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z")
+
+
+def fields(ex: Exchange, wall: float) -> dict[str, object]:
+    return {"time": _when(wall), "request_id": ex.rid, "peer": ex.peer, "deployment": ex.deployment,
+            "method": ex.method, "route": ex.route, "status": ex.status, "bytes_in": ex.bytes_in,
+            "bytes_out": ex.bytes_out, "duration_s": round(ex.duration_s, 6),
+            "queued_s": None if ex.queued_s is None else round(ex.queued_s, 6),
+            "waited_start": ex.waited_start, "waited_memory": ex.waited_memory}
+
+
+def json_line(ex: Exchange, wall: float) -> str:
+    return orjson.dumps(fields(ex, wall)).decode() + "\n"
+
+
+def _quoted(value: object) -> str:
+    if value is None or value == "":
+        return "-"
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if any(c in text for c in ' "=\\') or not text.isprintable():
+        return orjson.dumps(text).decode()
+    return text
+
+
+def text_line(ex: Exchange, wall: float) -> str:
+    """``key=value`` pairs (logfmt), the time first."""
+    f = fields(ex, wall)
+    return " ".join(f"{k}={_quoted(v)}" for k, v in f.items()) + "\n"
+
+
+class AccessLog:
+    def __init__(self, fmt: str, stream: TextIO, interval_s: float = 0.1):
+        if fmt not in ("text", "json"):
+            raise ValueError(f"access log format {fmt!r}: text or json")
+        self._line = json_line if fmt == "json" else text_line
+        self._stream = stream
+        self._interval_s = interval_s
+        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ondemand access log", daemon=True)
+        self._thread.start()
+
+    def write(self, ex: Exchange, wall: float) -> None:
+        """From the event loop: never blocks (nobody waits on the queue, so a put wakes no one)."""
+        self._queue.put(self._line(ex, wall))
+
+    def _run(self) -> None:
+        while True:
+            closing = self._closing.wait(self._interval_s)
+            lines = []
+            try:
+                while True:
+                    lines.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            if lines:
+                try:
+                    self._stream.write("".join(lines))
+                    self._stream.flush()
+                except (OSError, ValueError):  # stderr closed or gone: the lines are lost, the server is not
+                    pass
+            if closing:
+                return
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop the thread."""
+        self._closing.set()
+        self._thread.join(timeout)

@@ -1,0 +1,173 @@
+"""GET {base_path}/metrics against a real ondemand on loopback with the engine simulator
+behind it: what a scripted scenario leaves in it, who may read it, and GPU memory."""
+import asyncio
+
+import aiohttp
+import pytest
+from helpers import wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from ondemand import app as app_mod
+
+CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def chat(model: str) -> dict:
+    return {**CHAT, "model": model}
+
+
+GIB = 1024 ** 3
+
+
+def parse(text: str) -> dict:
+    """{(sample name, sorted labels): value}; raises unless the text is valid exposition."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def v(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def scrape(server, http, **kw) -> dict:
+    async with http.get(f"{server.url}/metrics", headers=server.admin_headers(), **kw) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return parse(await r.text())
+
+
+# The reaper only when the test calls it: an idle stop and a make-room stop must not race.
+@pytest.mark.server(reap_interval_s=3600)
+async def test_the_metrics_are_what_happened(server, http):
+    big = await server.add("big", 15, "--startup-delay", "0.3")
+    x = await server.add("x", 12)  # does not fit beside big (24 GiB)
+    n = 3
+    # A cold start, and n requests in all to big.
+    for _ in range(n):
+        async with http.post(server.gw(big, "chat/completions"), json=chat("BIG"), headers=server.auth()) as r:
+            assert r.status == 200
+    # A 401, and a health check answered here.
+    async with http.post(server.gw(big, "chat/completions"), json=CHAT) as r:
+        assert r.status == 401
+    async with http.post(server.gw(x, "chat/completions"), json=CHAT,
+                         headers={**server.auth(), "x-dgxmm-health-check": "1"}) as r:
+        assert r.status == 200
+    # A request for x queues for memory while big is busy, then big is stopped to make room.
+    slot = await server.admission.acquire(big)
+    queued = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=chat("X"),
+                                             headers=server.auth()))
+    await wait_for(lambda: server.controller.status(x)["queued"] == 1)
+    during = await scrape(server, http)
+    assert v(during, "ondemand_queued", deployment="x") == 1 and v(during, "ondemand_inflight", deployment="big") == 1
+    slot.release()
+    server.controller._last_activity[big] = 0  # idle for its full timeout
+    await server.app[app_mod.SAMPLER].sample_once()
+    server.controller.tick()
+    async with await queued as r:
+        assert r.status == 200
+    assert server.state(big) == "stopped" and server.state(x) == "ready"
+    # x idles out: the reaper's step, by hand.
+    server.controller._last_activity[x] = 0
+    await server.app[app_mod.SAMPLER].sample_once()
+    assert server.controller.reap() == [x]
+    await wait_for(lambda: server.state(x) == "stopped")
+
+    m = await scrape(server, http)
+    assert v(m, "ondemand_requests_total", deployment="big", code="200") == n
+    assert v(m, "ondemand_requests_total", deployment="", code="401") == 1  # no deployment named before the key
+    assert v(m, "ondemand_requests_total", deployment="x", code="200") == 2  # the health check and the queued one
+    assert sum(val for (name, _), val in m.items() if name == "ondemand_requests_total") == n + 3
+    assert v(m, "ondemand_request_duration_seconds_count", deployment="big") == n
+    assert v(m, "ondemand_request_duration_seconds_bucket", deployment="big", le="+Inf") == n
+    # Two waited: the cold start's first request, and the queued one.
+    assert v(m, "ondemand_queue_wait_seconds_count", deployment="big") == 1
+    assert v(m, "ondemand_queue_wait_seconds_count", deployment="x") == 1
+    assert v(m, "ondemand_queue_wait_seconds_sum", deployment="big") >= 0.3  # the simulator's start-up delay
+    assert v(m, "ondemand_auth_failures_total") == 1 and v(m, "ondemand_rate_limited_total") == 0
+    assert v(m, "ondemand_health_checks_total", deployment="x") == 1
+    assert v(m, "ondemand_starts_total", deployment="big", result="ready") == 1
+    assert v(m, "ondemand_starts_total", deployment="x", result="ready") == 1
+    assert v(m, "ondemand_start_duration_seconds_count", deployment="big") == 1
+    assert 0.3 <= v(m, "ondemand_start_duration_seconds_sum", deployment="big") < 20
+    assert v(m, "ondemand_start_duration_seconds_bucket", deployment="big", le="1.0") == 1
+    stops = {dict(labels)["deployment"] + "/" + dict(labels)["reason"]: val
+             for (name, labels), val in m.items() if name == "ondemand_stops_total"}
+    assert stops == {"big/make_room": 1, "x/idle": 1}
+    for dep in ("big", "x"):
+        assert v(m, "ondemand_inflight", deployment=dep) == 0 and v(m, "ondemand_queued", deployment=dep) == 0
+        states = {dict(labels)["state"]: val for (name, labels), val in m.items()
+                  if name == "ondemand_deployment_state" and dict(labels)["deployment"] == dep}
+        assert len(states) == 7 and states["stopped"] == 1 and sum(states.values()) == 1
+    assert v(m, "ondemand_gpu_memory_capacity_bytes", gpu="0") == 24 * GIB
+    assert v(m, "ondemand_gpu_memory_free_bytes", gpu="0") <= 24 * GIB
+    assert not any(name.endswith("_created") for name, _ in m)
+    assert v(m, "ondemand_litellm_syncs_total", result="ok") == 0  # LiteLLM is not configured here
+
+
+async def test_metrics_need_the_admin_token_over_tcp_and_nothing_on_the_socket(server, http):
+    async with http.get(f"{server.url}/metrics") as r:
+        assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_admin_token"
+    async with http.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.key}"}) as r:
+        assert r.status == 401  # the on-demand key never opens it
+    m = await scrape(server, http)
+    assert v(m, "ondemand_auth_failures_total") == 2
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(server.cfg.admin_socket))) as s:
+        async with s.get(f"http://localhost{server.cfg.base_path}/metrics") as r:
+            assert r.status == 200
+            parse(await r.text())
+
+
+@pytest.mark.server(metrics_public=True)
+async def test_metrics_public_needs_no_token_and_the_api_still_does(server, http):
+    async with http.get(f"{server.url}/metrics") as r:
+        assert r.status == 200
+        assert ("ondemand_auth_failures_total", ()) in parse(await r.text())
+    async with http.get(f"{server.url}/api/host") as r:
+        assert r.status == 401
+
+
+@pytest.mark.server(**{"budget.source": "nvidia-smi", "budget.nvidia_smi": "/nonexistent/nvidia-smi"})
+async def test_an_unreadable_budget_leaves_out_the_gpu_samples_only(server, http):
+    await asyncio.sleep(0.1)  # the start-up's reading has failed by now
+    m = await scrape(server, http)
+    assert not any(name.startswith("ondemand_gpu_") for name, _ in m)
+    assert ("ondemand_auth_failures_total", ()) in m  # the rest is there
+
+
+@pytest.mark.server(**{"budget.source": "nvidia-smi"})
+async def test_gpu_memory_is_read_in_the_background_and_a_failure_forgets_it(server, fake_nvidia_smi, monkeypatch):
+    server.deployer.budget.nvidia_smi = fake_nvidia_smi("24576, 1024")
+    gpu = app_mod._GpuMemory(server.deployer, max_age_s=0)
+    try:
+        assert gpu() == []  # nothing read yet, and the caller does not wait for it
+        assert await wait_for(gpu) == [(0, 24.0, 23.0)]
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_FAIL", "1")
+        await wait_for(lambda: gpu() == [])
+    finally:
+        await gpu.close()
+
+
+def test_a_failing_gpu_memory_leaves_the_scrape_whole():
+    from ondemand.telemetry import Telemetry
+
+    def broken():
+        raise RuntimeError("no budget")
+    t = Telemetry(deployments=list, inflight=lambda i: 0, queued=lambda i: 0, gpu_memory=broken)
+    m = parse(t.exposition().decode())
+    assert not any(name.startswith("ondemand_gpu_") for name, _ in m) and ("ondemand_rate_limited_total", ()) in m
+
+
+async def test_a_scrape_reads_a_cached_gpu_snapshot(server, http, monkeypatch):
+    budget = server.deployer.budget
+    reads = []
+    real = budget.snapshot
+
+    async def counted(*a, **kw):
+        reads.append(1)
+        return await real(*a, **kw)
+    monkeypatch.setattr(budget, "snapshot", counted)
+    for _ in range(5):
+        await scrape(server, http)
+    assert len(reads) <= 1  # the start-up's reading is under 5 s old: at most one more
