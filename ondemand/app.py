@@ -239,7 +239,8 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
     sync = app[SYNC] = LiteLLMSync(
         client=_litellm_client(cfg), internal_url=cfg.internal_url.rstrip("/"),
         queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
-        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]))
+        current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]),
+        instance=cfg.instance)
 
     def sync_if_needed(e: DeploymentChanged) -> None:
         if _sync_needed(e):

@@ -10,7 +10,8 @@ when and what):
 - ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as BEHAVIOUR.md, "LiteLLM registration",
   ("LiteLLM registration") describes them.
 
-Our entries are the ones whose ``model_info`` carries ``dgxmm_id``; nothing else in
+Our entries are the ones whose ``model_info`` carries ``dgxmm_id`` and our instance's
+``dgxmm_instance`` (several boxes may share one LiteLLM: ``entry_owned``); nothing else in
 LiteLLM is ever touched. Entries are replaced (add, then delete), never edited: the old
 ``POST /model/update`` (update_model) merges litellm_params only and keeps the stored
 model_info, so a fingerprint would never change, and ``PATCH /model/{id}/update`` is
@@ -106,7 +107,8 @@ def ondemand_timeout(queue_timeout_s: int) -> int:
     return max(1200, int(queue_timeout_s) + 600)
 
 
-def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeout_s: int) -> dict[str, Any]:
+def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeout_s: int, *,
+                   instance: str) -> dict[str, Any]:
     """The gateway entry of an on-demand deployment (BEHAVIOUR.md, "LiteLLM registration")."""
     dep_id = int(dep["id"])
     served = _served_name(dep)
@@ -126,6 +128,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     health_check_params = {"extra_headers": {HEALTH_CHECK_HEADER: "1"}}
     model_info: dict[str, Any] = {
         "dgxmm_id": dep_id,
+        "dgxmm_instance": instance,
         "dgxmm_key_fp": key_fingerprint(key),
         "dgxmm_params_fp": "",
         "health_check_params": health_check_params,
@@ -134,7 +137,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     return {"model_name": served, "litellm_params": litellm_params, "model_info": model_info}
 
 
-def always_on_entry(dep: dict[str, Any], engine_base_url: str) -> dict[str, Any]:
+def always_on_entry(dep: dict[str, Any], engine_base_url: str, *, instance: str) -> dict[str, Any]:
     """The direct entry of an always-on deployment: LiteLLM calls the engine itself."""
     served = _served_name(dep)
     return {
@@ -144,7 +147,7 @@ def always_on_entry(dep: dict[str, Any], engine_base_url: str) -> dict[str, Any]
             "api_base": f"{engine_base_url.rstrip('/')}/v1",
             "api_key": ALWAYS_ON_API_KEY,
         },
-        "model_info": {"dgxmm_id": int(dep["id"])},
+        "model_info": {"dgxmm_id": int(dep["id"]), "dgxmm_instance": instance},
     }
 
 
@@ -173,6 +176,30 @@ def entry_dgxmm_id(entry: dict[str, Any]) -> int | str | None:
         return text
 
 
+def entry_instance(entry: dict[str, Any]) -> str | None:
+    """The instance (box) that wrote an entry, or None (not ours, or written before instances)."""
+    info = entry.get("model_info")
+    raw = info.get("dgxmm_instance") if isinstance(info, dict) else None
+    return raw if isinstance(raw, str) and raw else None
+
+
+def entry_owned(entry: dict[str, Any], instance: str, internal_url: str) -> bool:
+    """Whether a sync of ``instance`` may touch this entry (BEHAVIOUR.md, "Several boxes").
+
+    Its own entries carry its instance. An entry written before instances existed
+    (``dgxmm_id`` but no ``dgxmm_instance``) is its own when its api_base is under this
+    instance's internal_url: the gateway entries it wrote then. Every other entry, another
+    box's old ones included, belongs to someone else.
+    """
+    if entry_dgxmm_id(entry) is None:
+        return False
+    owner = entry_instance(entry)
+    if owner is not None:
+        return owner == instance
+    base = _norm_base((entry.get("litellm_params") or {}).get("api_base"))
+    return base is not None and base.startswith(internal_url.rstrip("/") + "/")
+
+
 def entry_id(entry: dict[str, Any]) -> str | None:
     """LiteLLM's own id of an entry: model_info.id (the DB row's model_id for DB models)."""
     info = entry.get("model_info")
@@ -195,6 +222,7 @@ def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
         existing.get("model_name") == wanted["model_name"]
         and have_p.get("model") == want_p["model"]
         and _norm_base(have_p.get("api_base")) == _norm_base(want_p["api_base"])
+        and have_i.get("dgxmm_instance") == want_i.get("dgxmm_instance")
         # Always-on entries carry neither fingerprint: both sides None.
         and have_i.get("dgxmm_key_fp") == want_i.get("dgxmm_key_fp")
         and have_i.get("dgxmm_params_fp") == want_i.get("dgxmm_params_fp")

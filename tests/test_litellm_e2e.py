@@ -120,7 +120,8 @@ async def starts(server, dep_id: int) -> int:
 
 def entry_for(server, dep_id: int) -> dict:
     """The entry LiteLLMSync would register for this deployment, reachable on loopback."""
-    return ondemand_entry(server.deployer.get(dep_id).as_dict(), server.key, server.url, server.cfg.ondemand_queue_timeout_s)
+    return ondemand_entry(server.deployer.get(dep_id).as_dict(), server.key, server.url, server.cfg.ondemand_queue_timeout_s,
+                          instance=server.cfg.instance)
 
 
 def sse_events(raw: bytes) -> list:
