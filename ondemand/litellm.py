@@ -35,6 +35,13 @@ from .errors import OndemandError
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
+# Warm-first routing (BEHAVIOUR.md, "Several boxes"): LiteLLM's router keeps, of the
+# deployments of a name that passed its health and cooldown filters, only those of the
+# lowest litellm_params.order (router.py "ORDER FILTERING", after the cooldown filter;
+# utils.py get_order_filtered_deployments). So a ready engine's entry gets 1, an entry
+# that would need a start 2: a cold box is chosen only while no ready one is available.
+ORDER_READY = 1
+ORDER_COLD = 2
 # LiteLLM needs *some* key for an openai/ entry; the engines behind always-on entries
 # take none, so a harmless placeholder is sent (it never reaches a secret check).
 ALWAYS_ON_API_KEY = "none"
@@ -113,7 +120,8 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     dep_id = int(dep["id"])
     served = _served_name(dep)
     timeout = ondemand_timeout(queue_timeout_s)
-    litellm_params = {
+    ready = dep.get("state") == "ready"
+    litellm_params: dict[str, Any] = {
         "model": f"openai/{served}",
         "api_base": f"{internal_url.rstrip('/')}/ondemand/{dep_id}/v1",
         "api_key": key,
@@ -121,6 +129,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
         "stream_timeout": timeout,
         # LiteLLM must not retry or fail over a request the gateway is holding.
         "num_retries": 0,
+        "order": ORDER_READY if ready else ORDER_COLD,
     }
     # health_check.py _update_litellm_params_for_health_check merges
     # model_info.health_check_params into the probe's litellm_params only, so the marker
@@ -129,6 +138,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     model_info: dict[str, Any] = {
         "dgxmm_id": dep_id,
         "dgxmm_instance": instance,
+        "dgxmm_state": "ready" if ready else "cold",
         "dgxmm_key_fp": key_fingerprint(key),
         "dgxmm_params_fp": "",
         "health_check_params": health_check_params,
@@ -146,8 +156,9 @@ def always_on_entry(dep: dict[str, Any], engine_base_url: str, *, instance: str)
             "model": f"openai/{served}",
             "api_base": f"{engine_base_url.rstrip('/')}/v1",
             "api_key": ALWAYS_ON_API_KEY,
+            "order": ORDER_READY,  # written only while its engine is ready
         },
-        "model_info": {"dgxmm_id": int(dep["id"]), "dgxmm_instance": instance},
+        "model_info": {"dgxmm_id": int(dep["id"]), "dgxmm_instance": instance, "dgxmm_state": "ready"},
     }
 
 
@@ -212,6 +223,26 @@ def _norm_base(url: Any) -> str | None:
     return url.rstrip("/") if isinstance(url, str) else None
 
 
+def entry_order(entry: dict[str, Any]) -> int | None:
+    """An entry's routing order as LiteLLM reads it (get_deployment_order: litellm_params,
+    then model_info), as an int; None when it has none."""
+    for where in ("litellm_params", "model_info"):
+        part = entry.get(where)
+        raw = part.get("order") if isinstance(part, dict) else None
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return int(raw)
+    return None
+
+
+def entry_state(entry: dict[str, Any]) -> str:
+    """"ready" or "cold" as the entry says (dgxmm_state, else its order), else "unknown"."""
+    info = entry.get("model_info")
+    state = info.get("dgxmm_state") if isinstance(info, dict) else None
+    if state in ("ready", "cold"):
+        return str(state)
+    return {ORDER_READY: "ready", ORDER_COLD: "cold"}.get(entry_order(entry) or 0, "unknown")
+
+
 def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """Whether an entry LiteLLM lists is the one we want (then nothing is written)."""
     have_p = existing.get("litellm_params") or {}
@@ -223,6 +254,8 @@ def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
         and have_p.get("model") == want_p["model"]
         and _norm_base(have_p.get("api_base")) == _norm_base(want_p["api_base"])
         and have_i.get("dgxmm_instance") == want_i.get("dgxmm_instance")
+        and have_i.get("dgxmm_state") == want_i.get("dgxmm_state")
+        and entry_order(existing) == entry_order(wanted)
         # Always-on entries carry neither fingerprint: both sides None.
         and have_i.get("dgxmm_key_fp") == want_i.get("dgxmm_key_fp")
         and have_i.get("dgxmm_params_fp") == want_i.get("dgxmm_params_fp")

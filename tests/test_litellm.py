@@ -114,10 +114,12 @@ def test_ondemand_entry_every_field():
             "timeout": 1500,
             "stream_timeout": 1500,
             "num_retries": 0,
+            "order": 2,  # stopped: cold
         },
         "model_info": {
             "dgxmm_id": 7,
             "dgxmm_instance": BOX,
+            "dgxmm_state": "cold",
             "dgxmm_key_fp": hashlib.sha256(b"secret-key").hexdigest()[:12],
             "dgxmm_params_fp": params_fp(api_base, 1500),
             "health_check_params": {"extra_headers": {"x-dgxmm-health-check": "1"}},
@@ -136,8 +138,8 @@ def test_always_on_entry_every_field():
     assert entry == {
         "model_name": "llama-3",
         "litellm_params": {"model": "openai/llama-3", "api_base": "http://dgxmm-llama:8000/v1",
-                           "api_key": "none"},
-        "model_info": {"dgxmm_id": 3, "dgxmm_instance": BOX},
+                           "api_key": "none", "order": 1},
+        "model_info": {"dgxmm_id": 3, "dgxmm_instance": BOX, "dgxmm_state": "ready"},
     }
 
 
@@ -325,9 +327,9 @@ async def test_mode_switch_changes_api_base_add_then_delete():
         assert_adds_before_deletes(double.calls)
         (direct,) = double.models
         assert direct["litellm_params"] == {"model": "openai/a-served", "api_base": "http://engine-a:8000/v1",
-                                            "api_key": "none"}
-        assert {k: v for k, v in direct["model_info"].items() if k not in ("id", "db_model")} == {"dgxmm_id": 1,
-                                                                                           "dgxmm_instance": BOX}
+                                            "api_key": "none", "order": 1}
+        assert {k: v for k, v in direct["model_info"].items() if k not in ("id", "db_model")} == {
+            "dgxmm_id": 1, "dgxmm_instance": BOX, "dgxmm_state": "ready"}
         # And back to on demand.
         world.set(1, mode="on_demand")
         double.calls.clear()
@@ -680,3 +682,37 @@ async def test_entries_from_before_instances_are_adopted_by_their_owner_only():
         for sync in (sync_a, sync_b):  # adopted once: stable from now on
             assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
             await sync.close()
+
+
+async def test_warm_first_order_is_rewritten_once_per_change_of_ready():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+
+        def entry() -> tuple:
+            (m,) = double.models
+            return m["litellm_params"]["order"], m["model_info"]["dgxmm_state"]
+        assert entry() == (2, "cold")
+        writes = []
+        for state in ("starting", "ready", "ready", "stopping", "stopped", "asleep", "ready", "failed"):
+            world.set(1, state=state)
+            double.calls.clear()
+            result = await sync.sync_now()
+            writes.append((state, len(result["added"]), len(result["deleted"])))
+            if result["added"]:
+                assert_adds_before_deletes(double.calls)
+            if state != "failed":
+                assert entry() == ((1, "ready") if state == "ready" else (2, "cold")), state
+        assert writes == [("starting", 0, 0), ("ready", 1, 1), ("ready", 0, 0), ("stopping", 1, 1),
+                          ("stopped", 0, 0), ("asleep", 0, 0), ("ready", 1, 1), ("failed", 0, 1)]
+        await sync.close()
+
+
+def test_entry_state_reads_dgxmm_state_else_the_order():
+    from ondemand.litellm import entry_order, entry_state
+    assert entry_state({"model_info": {"dgxmm_state": "ready"}, "litellm_params": {"order": 2}}) == "ready"
+    assert entry_state({"model_info": {}, "litellm_params": {"order": 2.0}}) == "cold"
+    assert entry_state({"model_info": {"order": 1}, "litellm_params": {}}) == "ready"
+    assert entry_state({"litellm_params": {"model": "x"}}) == "unknown"
+    assert entry_order({"litellm_params": {"order": True}}) is None
