@@ -211,6 +211,36 @@ def entry_owned(entry: dict[str, Any], instance: str, internal_url: str) -> bool
     return base is not None and base.startswith(internal_url.rstrip("/") + "/")
 
 
+def names_view(entries: list[dict[str, Any]], instance: str) -> list[dict[str, Any]]:
+    """Each name with an ondemand entry in LiteLLM: which instances serve it, in what state.
+
+    ``[{"name", "ready": [instances], "entries": [{"instance", "dgxmm_id", "state",
+    "order", "this"}]}]`` sorted by name, ready entries first. An entry not written by
+    ondemand under the same name is listed with instance null and state "external".
+    """
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        name = entry.get("model_name")
+        if not isinstance(name, str):
+            continue
+        dep_id = entry_dgxmm_id(entry)
+        owner = entry_instance(entry)
+        by_name.setdefault(name, []).append({
+            "instance": owner, "dgxmm_id": dep_id, "order": entry_order(entry),
+            "state": entry_state(entry) if dep_id is not None else "external",
+            "this": owner == instance,
+        })
+    rank = {"ready": 0, "cold": 1, "unknown": 2, "external": 3}
+    out = []
+    for name, rows in sorted(by_name.items()):
+        if all(r["dgxmm_id"] is None for r in rows):
+            continue
+        rows.sort(key=lambda r: (rank[r["state"]], r["instance"] or "", str(r["dgxmm_id"])))
+        ready = sorted({r["instance"] or "?" for r in rows if r["state"] == "ready" and r["dgxmm_id"] is not None})
+        out.append({"name": name, "ready": ready, "entries": rows})
+    return out
+
+
 def entry_id(entry: dict[str, Any]) -> str | None:
     """LiteLLM's own id of an entry: model_info.id (the DB row's model_id for DB models)."""
     info = entry.get("model_info")

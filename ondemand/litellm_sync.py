@@ -23,6 +23,7 @@ from .litellm import (
     entry_instance,
     entry_matches,
     entry_owned,
+    names_view,
     ondemand_entry,
 )
 from .tasks import TaskGroup
@@ -126,6 +127,13 @@ class LiteLLMSync:
         if not self.enabled:
             return _status("error", "litellm_disabled")
         return dict(self._statuses.get(int(dep_id), _status("pending")))
+
+    async def names(self) -> list[dict[str, Any]]:
+        """Which instances serve each name in LiteLLM, and in what state, read from its
+        ``/model/info`` now (``litellm.names_view``); raises ``LiteLLMError``."""
+        if self._client is None:
+            raise LiteLLMError("litellm_disabled", "LiteLLM is not configured (litellm.url, litellm.master_key_file)")
+        return names_view(await self._client.list_models(), self.instance)
 
     # -- scheduling ---------------------------------------------------------
 

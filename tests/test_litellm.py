@@ -716,3 +716,27 @@ def test_entry_state_reads_dgxmm_state_else_the_order():
     assert entry_state({"model_info": {"order": 1}, "litellm_params": {}}) == "ready"
     assert entry_state({"litellm_params": {"model": "x"}}) == "unknown"
     assert entry_order({"litellm_params": {"order": True}}) is None
+
+
+async def test_names_show_which_instances_serve_each_name():
+    async with litellm_double(MASTER) as double:
+        world_a = World(dep(1, "a", state="ready"), dep(2, "b"))
+        world_b = World(dep(1, "a"))
+        double.seed("a-served", {"model": "openai/x", "api_base": "http://cloud/v1", "order": 3})
+        double.seed("other", {"model": "openai/other"})
+        sync_a = make_sync(double, world_a)
+        sync_b = make_sync(double, world_b, instance="box-b", internal_url=INTERNAL_B)
+        await sync_a.sync_now()
+        await sync_b.sync_now()
+        names = await sync_b.names()
+        assert [n["name"] for n in names] == ["a-served", "b-served"]  # "other" has no ondemand entry
+        a = names[0]
+        assert a["ready"] == ["box-a"]
+        assert [(e["instance"], e["dgxmm_id"], e["state"], e["order"], e["this"]) for e in a["entries"]] == [
+            ("box-a", 1, "ready", 1, False), ("box-b", 1, "cold", 2, True), (None, None, "external", 3, False)]
+        assert names[1]["ready"] == [] and names[1]["entries"][0]["state"] == "cold"
+        double.down = True
+        with pytest.raises(LiteLLMError):
+            await sync_a.names()
+        await sync_a.close()
+        await sync_b.close()
