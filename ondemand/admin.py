@@ -151,6 +151,7 @@ async def host(request: web.Request) -> web.Response:
     return _json({
         "version": __version__,
         "hostname": socket.gethostname(),
+        "instance": cfg.instance,
         "listen": cfg.listen,
         "backend": deployer.backend.kind,
         "budget": budget,
@@ -440,6 +441,15 @@ async def sync_now(request: web.Request) -> web.Response:
     return _json(await sync.sync_now())
 
 
+async def litellm_names(request: web.Request) -> web.Response:
+    """Each name ondemand registers in LiteLLM: which instances serve it, ready or cold."""
+    app_mod, app = _app_parts(request)
+    sync = app[app_mod.SYNC]
+    if not sync.enabled:
+        raise OndemandError(409, "litellm_disabled", "LiteLLM is not configured (litellm.url, litellm.master_key_file)")
+    return _json({"instance": app[app_mod.CONFIG].instance, "names": await sync.names()})
+
+
 # How long the state file may take to answer a liveness check (a transaction in
 # progress is waited for, as any read waits).
 HEALTH_TIMEOUT_S = 2.0
@@ -507,3 +517,4 @@ def add_routes(app: web.Application, base_path: str) -> None:
     r.add_get(api + "/events", events)
     r.add_get(api + "/audit", audit)
     r.add_post(api + "/sync", sync_now)
+    r.add_get(api + "/litellm/names", litellm_names)

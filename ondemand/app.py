@@ -325,7 +325,7 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
         client=_litellm_client(cfg), internal_url=cfg.internal_url.rstrip("/"),
         queue_timeout_s=cfg.ondemand_queue_timeout_s, list_deployments=deployments,
         current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]),
-        on_result=app[TELEMETRY].litellm_synced)
+        instance=cfg.instance, on_result=app[TELEMETRY].litellm_synced)
 
     def sync_if_needed(e: DeploymentChanged) -> None:
         if _sync_needed(e):

@@ -309,8 +309,9 @@ def status(ctx: Ctx, as_json: bool) -> None:
     """Host, budget, and each deployment's phase, in-flight and queued counts."""
     views, offline = _views(ctx)
     host: Any = None if offline else _call(ctx, "GET", "/host")  # JSON
+    names = _litellm_names(ctx, host)
     if as_json:
-        _echo_json({"host": host, "deployments": views, "offline": offline})
+        _echo_json({"host": host, "deployments": views, "offline": offline, "litellm_names": names})
         return
     if offline:
         click.echo(f"no server runs: read from {ctx.cfg.db_path} (no live counters)")
@@ -332,10 +333,37 @@ def status(ctx: Ctx, as_json: bool) -> None:
         click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
+    _echo_names(names)
     over = [v["name"] for v in views if Deployment.from_row(v).over_declared]
     if over:
         click.echo(f"! {', '.join(over)}: measured more than 10 % over the declared memory_gib; "
                    "fit checks count the measured size (raise memory_gib)")
+
+
+def _litellm_names(ctx: Ctx, host: Any) -> Any:
+    """GET /api/litellm/names when LiteLLM is on: the names, or {"error": message}; else None."""
+    if not host or not host["ondemand"]["litellm_enabled"]:
+        return None
+    status, data = _run(adminclient.request(ctx.cfg, "GET", "/litellm/names"))
+    if status >= 400:
+        err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        return {"error": f"{err.get('message', status)} ({err.get('code', status)})"}
+    return data
+
+
+def _echo_names(names: Any) -> None:
+    """Which instances serve each name in LiteLLM (several boxes), ready ones first."""
+    if names is None:
+        return
+    click.echo("")
+    if "error" in names:
+        click.echo(f"LiteLLM names: unreadable: {names['error']}")
+        return
+    rows = [[n["name"], ",".join(n["ready"]) or "none",
+             ", ".join(f"{e['instance'] or '(not ondemand)'}{'*' if e['this'] else ''} {e['state']}"
+                       for e in n["entries"])] for n in names["names"]]
+    click.echo(f"LiteLLM names (* this instance, {names['instance']}):")
+    click.echo(_table(rows, ["NAME", "READY ON", "ENTRIES"]) if rows else "none")
 
 
 # --- deployments ---------------------------------------------------------------

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -53,9 +55,21 @@ class LiteLLMConfig:
     master_key_file: str | None = None
 
 
+_INSTANCE = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+def default_instance(hostname: str | None = None) -> str:
+    """The host name made a valid ``instance``: lower case, every other character ``-``."""
+    name = re.sub(r"[^a-z0-9._-]", "-", (hostname if hostname is not None else socket.gethostname()).lower())
+    name = name.lstrip("._-")[:63]
+    return name or "ondemand"
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     state_dir: Path = Path("./state")
+    # Names this box in LiteLLM's entries (model_info.dgxmm_instance): several boxes, one LiteLLM.
+    instance: str = dataclasses.field(default_factory=default_instance)
     listen: str = "0.0.0.0:8090"
     base_path: str = "/dgxmm"
     internal_url: str = "http://dgxmm:8090/dgxmm"
@@ -190,6 +204,8 @@ def _one_of(*names: str) -> Callable[[Any], bool]:
 
 _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "state_dir": (lambda v: Path(_str(v)), bool, "a directory path"),
+    "instance": (_str, lambda s: bool(_INSTANCE.fullmatch(s)) and len(s) <= 63,
+                 "lower-case letters, digits, '.', '_', '-' (first a letter or digit), at most 63"),
     "listen": (_listen, bool, "HOST:PORT"),
     "base_path": (_base_path, lambda s: True, "a path prefix like /dgxmm, or empty"),
     "internal_url": (_str, lambda s: s.startswith(("http://", "https://")), "an http(s) URL"),
@@ -340,5 +356,6 @@ def describe() -> list[tuple[str, str, str]]:
         obj: Any = defaults
         for part in key.split("."):
             obj = getattr(obj, part)
-        rows.append((key, "" if obj is None else str(obj), allowed))
+        default = "the host name" if key == "instance" else "" if obj is None else str(obj)
+        rows.append((key, default, allowed))
     return rows

@@ -10,7 +10,8 @@ when and what):
 - ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as BEHAVIOUR.md, "LiteLLM registration",
   ("LiteLLM registration") describes them.
 
-Our entries are the ones whose ``model_info`` carries ``dgxmm_id``; nothing else in
+Our entries are the ones whose ``model_info`` carries ``dgxmm_id`` and our instance's
+``dgxmm_instance`` (several boxes may share one LiteLLM: ``entry_owned``); nothing else in
 LiteLLM is ever touched. Entries are replaced (add, then delete), never edited: the old
 ``POST /model/update`` (update_model) merges litellm_params only and keeps the stored
 model_info, so a fingerprint would never change, and ``PATCH /model/{id}/update`` is
@@ -34,6 +35,13 @@ from .errors import OndemandError
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
+# Warm-first routing (BEHAVIOUR.md, "Several boxes"): LiteLLM's router keeps, of the
+# deployments of a name that passed its health and cooldown filters, only those of the
+# lowest litellm_params.order (router.py "ORDER FILTERING", after the cooldown filter;
+# utils.py get_order_filtered_deployments). So a ready engine's entry gets 1, an entry
+# that would need a start 2: a cold box is chosen only while no ready one is available.
+ORDER_READY = 1
+ORDER_COLD = 2
 # LiteLLM needs *some* key for an openai/ entry; the engines behind always-on entries
 # take none, so a harmless placeholder is sent (it never reaches a secret check).
 ALWAYS_ON_API_KEY = "none"
@@ -106,12 +114,14 @@ def ondemand_timeout(queue_timeout_s: int) -> int:
     return max(1200, int(queue_timeout_s) + 600)
 
 
-def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeout_s: int) -> dict[str, Any]:
+def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeout_s: int, *,
+                   instance: str) -> dict[str, Any]:
     """The gateway entry of an on-demand deployment (BEHAVIOUR.md, "LiteLLM registration")."""
     dep_id = int(dep["id"])
     served = _served_name(dep)
     timeout = ondemand_timeout(queue_timeout_s)
-    litellm_params = {
+    ready = dep.get("state") == "ready"
+    litellm_params: dict[str, Any] = {
         "model": f"openai/{served}",
         "api_base": f"{internal_url.rstrip('/')}/ondemand/{dep_id}/v1",
         "api_key": key,
@@ -119,6 +129,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
         "stream_timeout": timeout,
         # LiteLLM must not retry or fail over a request the gateway is holding.
         "num_retries": 0,
+        "order": ORDER_READY if ready else ORDER_COLD,
     }
     # health_check.py _update_litellm_params_for_health_check merges
     # model_info.health_check_params into the probe's litellm_params only, so the marker
@@ -126,6 +137,8 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     health_check_params = {"extra_headers": {HEALTH_CHECK_HEADER: "1"}}
     model_info: dict[str, Any] = {
         "dgxmm_id": dep_id,
+        "dgxmm_instance": instance,
+        "dgxmm_state": "ready" if ready else "cold",
         "dgxmm_key_fp": key_fingerprint(key),
         "dgxmm_params_fp": "",
         "health_check_params": health_check_params,
@@ -134,7 +147,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     return {"model_name": served, "litellm_params": litellm_params, "model_info": model_info}
 
 
-def always_on_entry(dep: dict[str, Any], engine_base_url: str) -> dict[str, Any]:
+def always_on_entry(dep: dict[str, Any], engine_base_url: str, *, instance: str) -> dict[str, Any]:
     """The direct entry of an always-on deployment: LiteLLM calls the engine itself."""
     served = _served_name(dep)
     return {
@@ -143,8 +156,9 @@ def always_on_entry(dep: dict[str, Any], engine_base_url: str) -> dict[str, Any]
             "model": f"openai/{served}",
             "api_base": f"{engine_base_url.rstrip('/')}/v1",
             "api_key": ALWAYS_ON_API_KEY,
+            "order": ORDER_READY,  # written only while its engine is ready
         },
-        "model_info": {"dgxmm_id": int(dep["id"])},
+        "model_info": {"dgxmm_id": int(dep["id"]), "dgxmm_instance": instance, "dgxmm_state": "ready"},
     }
 
 
@@ -173,6 +187,60 @@ def entry_dgxmm_id(entry: dict[str, Any]) -> int | str | None:
         return text
 
 
+def entry_instance(entry: dict[str, Any]) -> str | None:
+    """The instance (box) that wrote an entry, or None (not ours, or written before instances)."""
+    info = entry.get("model_info")
+    raw = info.get("dgxmm_instance") if isinstance(info, dict) else None
+    return raw if isinstance(raw, str) and raw else None
+
+
+def entry_owned(entry: dict[str, Any], instance: str, internal_url: str) -> bool:
+    """Whether a sync of ``instance`` may touch this entry (BEHAVIOUR.md, "Several boxes").
+
+    Its own entries carry its instance. An entry written before instances existed
+    (``dgxmm_id`` but no ``dgxmm_instance``) is its own when its api_base is under this
+    instance's internal_url: the gateway entries it wrote then. Every other entry, another
+    box's old ones included, belongs to someone else.
+    """
+    if entry_dgxmm_id(entry) is None:
+        return False
+    owner = entry_instance(entry)
+    if owner is not None:
+        return owner == instance
+    base = _norm_base((entry.get("litellm_params") or {}).get("api_base"))
+    return base is not None and base.startswith(internal_url.rstrip("/") + "/")
+
+
+def names_view(entries: list[dict[str, Any]], instance: str) -> list[dict[str, Any]]:
+    """Each name with an ondemand entry in LiteLLM: which instances serve it, in what state.
+
+    ``[{"name", "ready": [instances], "entries": [{"instance", "dgxmm_id", "state",
+    "order", "this"}]}]`` sorted by name, ready entries first. An entry not written by
+    ondemand under the same name is listed with instance null and state "external".
+    """
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        name = entry.get("model_name")
+        if not isinstance(name, str):
+            continue
+        dep_id = entry_dgxmm_id(entry)
+        owner = entry_instance(entry)
+        by_name.setdefault(name, []).append({
+            "instance": owner, "dgxmm_id": dep_id, "order": entry_order(entry),
+            "state": entry_state(entry) if dep_id is not None else "external",
+            "this": owner == instance,
+        })
+    rank = {"ready": 0, "cold": 1, "unknown": 2, "external": 3}
+    out = []
+    for name, rows in sorted(by_name.items()):
+        if all(r["dgxmm_id"] is None for r in rows):
+            continue
+        rows.sort(key=lambda r: (rank[r["state"]], r["instance"] or "", str(r["dgxmm_id"])))
+        ready = sorted({r["instance"] or "?" for r in rows if r["state"] == "ready" and r["dgxmm_id"] is not None})
+        out.append({"name": name, "ready": ready, "entries": rows})
+    return out
+
+
 def entry_id(entry: dict[str, Any]) -> str | None:
     """LiteLLM's own id of an entry: model_info.id (the DB row's model_id for DB models)."""
     info = entry.get("model_info")
@@ -185,6 +253,26 @@ def _norm_base(url: Any) -> str | None:
     return url.rstrip("/") if isinstance(url, str) else None
 
 
+def entry_order(entry: dict[str, Any]) -> int | None:
+    """An entry's routing order as LiteLLM reads it (get_deployment_order: litellm_params,
+    then model_info), as an int; None when it has none."""
+    for where in ("litellm_params", "model_info"):
+        part = entry.get(where)
+        raw = part.get("order") if isinstance(part, dict) else None
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return int(raw)
+    return None
+
+
+def entry_state(entry: dict[str, Any]) -> str:
+    """"ready" or "cold" as the entry says (dgxmm_state, else its order), else "unknown"."""
+    info = entry.get("model_info")
+    state = info.get("dgxmm_state") if isinstance(info, dict) else None
+    if state in ("ready", "cold"):
+        return str(state)
+    return {ORDER_READY: "ready", ORDER_COLD: "cold"}.get(entry_order(entry) or 0, "unknown")
+
+
 def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """Whether an entry LiteLLM lists is the one we want (then nothing is written)."""
     have_p = existing.get("litellm_params") or {}
@@ -195,6 +283,9 @@ def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
         existing.get("model_name") == wanted["model_name"]
         and have_p.get("model") == want_p["model"]
         and _norm_base(have_p.get("api_base")) == _norm_base(want_p["api_base"])
+        and have_i.get("dgxmm_instance") == want_i.get("dgxmm_instance")
+        and have_i.get("dgxmm_state") == want_i.get("dgxmm_state")
+        and entry_order(existing) == entry_order(wanted)
         # Always-on entries carry neither fingerprint: both sides None.
         and have_i.get("dgxmm_key_fp") == want_i.get("dgxmm_key_fp")
         and have_i.get("dgxmm_params_fp") == want_i.get("dgxmm_params_fp")

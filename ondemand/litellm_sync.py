@@ -20,7 +20,10 @@ from .litellm import (
     always_on_entry,
     entry_dgxmm_id,
     entry_id,
+    entry_instance,
     entry_matches,
+    entry_owned,
+    names_view,
     ondemand_entry,
 )
 from .tasks import TaskGroup
@@ -80,7 +83,8 @@ class LiteLLMSync:
       fingerprints match; otherwise the new entry is added and the old ones deleted, all
       adds of a sync before all its deletes, so a name is never missing. Entries of ids no
       longer wanted (removed, failed, planned, always-on not ready) are deleted; entries without
-      dgxmm_id are never touched; an unchanged state writes nothing.
+      dgxmm_id, and those of other instances, are never touched; an unchanged state
+      writes nothing.
     - LiteLLM unreachable, without a database or refusing the key: the sync reports the
       code, deletes nothing, and the next trigger or period retries.
     """
@@ -89,9 +93,10 @@ class LiteLLMSync:
                  list_deployments: Callable[[], Awaitable[list[dict[str, Any]]]],
                  current_key: Callable[[], str | None],
                  engine_base_url: Callable[[dict[str, Any]], str | None],
-                 interval_s: float = 60.0, on_result: Callable[[bool], None] | None = None):
+                 instance: str, interval_s: float = 60.0, on_result: Callable[[bool], None] | None = None):
         """``on_result(ok)`` hears of every sync that ran (the metrics)."""
         self._client = client
+        self.instance = instance
         self.internal_url = internal_url
         self.queue_timeout_s = queue_timeout_s
         self._list_deployments = list_deployments
@@ -124,6 +129,13 @@ class LiteLLMSync:
         if not self.enabled:
             return _status("error", "litellm_disabled")
         return dict(self._statuses.get(int(dep_id), _status("pending")))
+
+    async def names(self) -> list[dict[str, Any]]:
+        """Which instances serve each name in LiteLLM, and in what state, read from its
+        ``/model/info`` now (``litellm.names_view``); raises ``LiteLLMError``."""
+        if self._client is None:
+            raise LiteLLMError("litellm_disabled", "LiteLLM is not configured (litellm.url, litellm.master_key_file)")
+        return names_view(await self._client.list_models(), self.instance)
 
     # -- scheduling ---------------------------------------------------------
 
@@ -211,13 +223,14 @@ class LiteLLMSync:
                     left_alone.add(dep_id)
                     statuses[dep_id] = _status("error", "ondemand_not_configured")
                     continue
-                wanted[dep_id] = ondemand_entry(dep, key, self.internal_url, self.queue_timeout_s)
+                wanted[dep_id] = ondemand_entry(dep, key, self.internal_url, self.queue_timeout_s,
+                                                instance=self.instance)
                 continue
             base = self._engine_base_url(dep) if dep.get("state") == "ready" else None
             if not base:
                 statuses[dep_id] = _status("pending", "engine_not_ready")
                 continue
-            wanted[dep_id] = always_on_entry(dep, base)
+            wanted[dep_id] = always_on_entry(dep, base, instance=self.instance)
         return wanted, left_alone, statuses
 
     async def _sync_locked(self, client: LiteLLMClient) -> dict[str, Any]:
@@ -263,13 +276,25 @@ class LiteLLMSync:
         self._last_ok = False
         return rnd.result(code)
 
-    @staticmethod
-    def _diff(rnd: _Round, entries: list[dict[str, Any]]) -> tuple[list[int], dict[int | str, list[dict[str, Any]]]]:
+    def _ours(self, entry: dict[str, Any], wanted: dict[int, dict[str, Any]]) -> bool:
+        """This instance's entry: its own, or one it wrote before instances existed (a
+        gateway entry under internal_url, or a direct entry at the address it would
+        write now). Such an old entry matches nothing wanted, so it is replaced once."""
+        if entry_owned(entry, self.instance, self.internal_url):
+            return True
+        dep_id = entry_dgxmm_id(entry)
+        want = wanted.get(dep_id) if isinstance(dep_id, int) else None
+        base = (entry.get("litellm_params") or {}).get("api_base")
+        return (entry_instance(entry) is None and want is not None and isinstance(base, str)
+                and base.rstrip("/") == want["litellm_params"]["api_base"].rstrip("/"))
+
+    def _diff(self, rnd: _Round, entries: list[dict[str, Any]]
+              ) -> tuple[list[int], dict[int | str, list[dict[str, Any]]]]:
         """The ids to add, and the entries to delete by id once their adds succeeded."""
         ours: dict[int | str, list[dict[str, Any]]] = {}
         for entry in entries:
             dep_id = entry_dgxmm_id(entry)
-            if dep_id is not None:
+            if dep_id is not None and self._ours(entry, rnd.wanted):
                 ours.setdefault(dep_id, []).append(entry)
         to_add: list[int] = []
         # Deletes allowed once the ids' adds succeeded (None key: needs no add).

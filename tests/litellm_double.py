@@ -48,6 +48,7 @@ SENSITIVE_PARAMS = ("api_key", "client_secret", "vertex_credentials", "aws_acces
 FLOAT_PARAMS = ("timeout", "stream_timeout")
 # The request body, parsed once by the middleware that logs every call.
 BODY = web.RequestKey("body", object)
+TOKEN = web.RequestKey("token", str)
 
 
 def proxy_error(status: int, message: Any, type_: str = "auth_error", param: str | None = "None") -> web.Response:
@@ -75,6 +76,10 @@ class LiteLLMDouble:
         self.no_router = False
         self.store_silently_fails: bool | str = False
         self._models: list[dict] = []  # the router's deployments, api_key included
+        # Several callers (boxes), each with a key of its own: who added and deleted what.
+        self.other_keys: set[str] = set()
+        self.adds: list[tuple[str, dict]] = []  # (caller's key, entry as stored)
+        self.deletes: list[tuple[str, dict]] = []  # (caller's key, entry as it was)
 
     # -- test helpers ---------------------------------------------------------
 
@@ -126,12 +131,13 @@ class LiteLLMDouble:
         token = auth[7:] if auth[:7].lower() == "bearer " else ""
         if not token:
             return proxy_error(401, "Authentication Error, No api key passed in.")
-        if token != self.master_key:
+        if token != self.master_key and token not in self.other_keys:
             return proxy_error(
                 401, "Authentication Error, Invalid proxy server token passed. Received API Key = "
                      f"{token[:3]}...{token[-4:]}, Unable to find token in cache or "
                      "`LiteLLM_VerificationTokenTable`")
         request[BODY] = body
+        request[TOKEN] = token
         return await handler(request)
 
     def _write_refusal(self) -> web.Response | None:
@@ -182,6 +188,7 @@ class LiteLLMDouble:
         # id = model_id and db_model = True (get_model_info_with_id).
         self._models.append({"model_name": body["model_name"], "litellm_params": stored_params,
                              "model_info": {"id": model_id, "db_model": True, **info}})
+        self.adds.append((request[TOKEN], copy.deepcopy(self._models[-1])))
         return web.json_response(row)
 
     async def _model_delete(self, request: web.Request) -> web.Response:
@@ -195,6 +202,7 @@ class LiteLLMDouble:
                                                   "msg": "Field required"}]}, status=422)
         for i, model in enumerate(self._models):
             if model["model_info"]["id"] == model_id and model["model_info"].get("db_model"):
+                self.deletes.append((request[TOKEN], copy.deepcopy(model)))
                 del self._models[i]
                 return web.json_response({"message": f"Model: {model_id} deleted successfully"})
         return proxy_error(400, {"error": f"Model with id={model_id} not found in db"})

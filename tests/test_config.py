@@ -145,3 +145,15 @@ def test_admin_token_and_ondemand_key_same_file_relative_in_toml(tmp_path, monke
     f.write_text('state_dir = "st"\nadmin_token_file = "./st/ondemand.key"\n')
     with pytest.raises(ConfigError, match="admin_token_file .* ondemand_key_file"):
         config.load(f, env={})
+
+
+def test_instance_defaults_to_a_valid_host_name_and_is_validated():
+    assert config.default_instance("DGX-Box_1.lab") == "dgx-box_1.lab"
+    assert config.default_instance("Ünïcode box") == "n-code-box"
+    assert config.default_instance("---") == "ondemand"
+    assert config.load(env={}).instance == config.default_instance()
+    assert config.load(env={"ONDEMAND_INSTANCE": "box-b"}).instance == "box-b"
+    for bad in ("Box", "-box", "box b", "", "a" * 64):
+        with pytest.raises(ConfigError) as exc:
+            config.load(env={"ONDEMAND_INSTANCE": bad})
+        assert "instance" in str(exc.value)

@@ -21,6 +21,7 @@ from ondemand.litellm_sync import LiteLLMSync
 
 MASTER = "sk-master"
 INTERNAL = "http://dgxmm:8090/dgxmm"
+BOX = "box-a"
 
 
 def fp(text: str) -> str:
@@ -74,11 +75,12 @@ class World:
         next(d for d in self.deployments if d["id"] == dep_id).update(fields)
 
 
-def make_sync(double, world: World, *, queue_timeout_s: int = 900, interval_s: float = 60.0) -> LiteLLMSync:
+def make_sync(double, world: World, *, queue_timeout_s: int = 900, interval_s: float = 60.0,
+              instance: str = BOX, internal_url: str = INTERNAL) -> LiteLLMSync:
     client = LiteLLMClient(double.url, MASTER, timeout_s=2.0, verify_attempts=2, verify_delay_s=0.01)
-    return LiteLLMSync(client=client, internal_url=INTERNAL, queue_timeout_s=queue_timeout_s,
+    return LiteLLMSync(client=client, internal_url=internal_url, queue_timeout_s=queue_timeout_s,
                        list_deployments=world.list_deployments, current_key=world.current_key,
-                       engine_base_url=world.engine_base_url, interval_s=interval_s)
+                       engine_base_url=world.engine_base_url, interval_s=interval_s, instance=instance)
 
 
 def by_dgxmm_id(double) -> dict:
@@ -101,7 +103,7 @@ def assert_adds_before_deletes(calls) -> None:
 
 
 def test_ondemand_entry_every_field():
-    entry = ondemand_entry(dep(7, "qwen", served_name="Qwen/Qwen3-8B"), "secret-key", INTERNAL, 900)
+    entry = ondemand_entry(dep(7, "qwen", served_name="Qwen/Qwen3-8B"), "secret-key", INTERNAL, 900, instance=BOX)
     api_base = "http://dgxmm:8090/dgxmm/ondemand/7/v1"
     assert entry == {
         "model_name": "Qwen/Qwen3-8B",
@@ -112,29 +114,32 @@ def test_ondemand_entry_every_field():
             "timeout": 1500,
             "stream_timeout": 1500,
             "num_retries": 0,
+            "order": 2,  # stopped: cold
         },
         "model_info": {
             "dgxmm_id": 7,
+            "dgxmm_instance": BOX,
+            "dgxmm_state": "cold",
             "dgxmm_key_fp": hashlib.sha256(b"secret-key").hexdigest()[:12],
             "dgxmm_params_fp": params_fp(api_base, 1500),
             "health_check_params": {"extra_headers": {"x-dgxmm-health-check": "1"}},
         },
     }
     # The floor is 1200 s; above it, the queue limit plus 600 s.
-    assert ondemand_entry(dep(7, "q"), "k", INTERNAL, 60)["litellm_params"]["timeout"] == 1200
-    long = ondemand_entry(dep(7, "q"), "k", INTERNAL + "/", 1000)
+    assert ondemand_entry(dep(7, "q"), "k", INTERNAL, 60, instance=BOX)["litellm_params"]["timeout"] == 1200
+    long = ondemand_entry(dep(7, "q"), "k", INTERNAL + "/", 1000, instance=BOX)
     assert long["litellm_params"]["stream_timeout"] == 1600
     assert long["litellm_params"]["api_base"] == api_base
     assert long["model_info"]["dgxmm_params_fp"] == params_fp(api_base, 1600)
 
 
 def test_always_on_entry_every_field():
-    entry = always_on_entry(dep(3, "llama", mode="always_on", served_name="llama-3"), "http://dgxmm-llama:8000")
+    entry = always_on_entry(dep(3, "llama", mode="always_on", served_name="llama-3"), "http://dgxmm-llama:8000", instance=BOX)
     assert entry == {
         "model_name": "llama-3",
         "litellm_params": {"model": "openai/llama-3", "api_base": "http://dgxmm-llama:8000/v1",
-                           "api_key": "none"},
-        "model_info": {"dgxmm_id": 3},
+                           "api_key": "none", "order": 1},
+        "model_info": {"dgxmm_id": 3, "dgxmm_instance": BOX, "dgxmm_state": "ready"},
     }
 
 
@@ -146,7 +151,7 @@ async def test_registered_entry_is_stored_exactly():
         assert result["error"] is None
         assert [a["dgxmm_id"] for a in result["added"]] == [1]
         (stored,) = double.models
-        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900)
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900, instance=BOX)
         model_id = stored["model_info"].pop("id")
         assert result["added"][0]["model_id"] == model_id
         assert stored["model_info"] == {"db_model": True, **want["model_info"]}
@@ -286,7 +291,7 @@ async def test_changed_queue_timeout_replaces_once_then_stable():
 async def test_entries_of_an_older_version_are_replaced_once():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a"))
-        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900)
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900, instance=BOX)
         # Same api_base and key fingerprint, but from before the health-check marker.
         old_id = double.seed(want["model_name"], want["litellm_params"],
                              {"dgxmm_id": 1, "dgxmm_key_fp": fp("key-one")})
@@ -322,8 +327,9 @@ async def test_mode_switch_changes_api_base_add_then_delete():
         assert_adds_before_deletes(double.calls)
         (direct,) = double.models
         assert direct["litellm_params"] == {"model": "openai/a-served", "api_base": "http://engine-a:8000/v1",
-                                            "api_key": "none"}
-        assert {k: v for k, v in direct["model_info"].items() if k not in ("id", "db_model")} == {"dgxmm_id": 1}
+                                            "api_key": "none", "order": 1}
+        assert {k: v for k, v in direct["model_info"].items() if k not in ("id", "db_model")} == {
+            "dgxmm_id": 1, "dgxmm_instance": BOX, "dgxmm_state": "ready"}
         # And back to on demand.
         world.set(1, mode="on_demand")
         double.calls.clear()
@@ -384,7 +390,7 @@ async def test_entries_not_ours_are_never_touched():
 async def test_dgxmm_id_is_compared_robustly():
     async with litellm_double(MASTER) as double:
         world = World(dep(5, "a"))
-        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900)
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900, instance=BOX)
         info = dict(want["model_info"], dgxmm_id="5")  # came back as a string
         double.seed(want["model_name"], want["litellm_params"], info)
         sync = make_sync(double, world)
@@ -531,7 +537,7 @@ async def test_empty_litellm_without_router_lists_nothing():
 async def test_double_answers_like_litellm():
     async with litellm_double(MASTER) as double:
         headers = {"Authorization": f"Bearer {MASTER}"}
-        entry = ondemand_entry(dep(1, "a"), "key-one", INTERNAL, 900)
+        entry = ondemand_entry(dep(1, "a"), "key-one", INTERNAL, 900, instance=BOX)
         async with aiohttp.ClientSession(headers=headers) as session:
             async with session.post(double.url + "/model/new", json=entry) as resp:
                 assert resp.status == 200
@@ -605,7 +611,7 @@ async def test_disabled_sync():
     world = World(dep(1, "a"))
     sync = LiteLLMSync(client=None, internal_url=INTERNAL, queue_timeout_s=900,
                        list_deployments=world.list_deployments, current_key=world.current_key,
-                       engine_base_url=world.engine_base_url)
+                       engine_base_url=world.engine_base_url, instance=BOX)
     assert not sync.enabled and not sync.last_ok
     assert await sync.sync_now() == {"added": [], "deleted": [], "error": "litellm_disabled"}
     sync.trigger()
@@ -613,3 +619,124 @@ async def test_disabled_sync():
     assert world.syncs == 0
     assert sync.status_of(1) == {"status": "error", "code": "litellm_disabled"}
     await sync.close()
+
+
+# ---------------------------------------------------------------------------
+# Several boxes behind one LiteLLM
+
+INTERNAL_B = "http://box-b:8090/dgxmm"
+
+
+async def test_two_instances_with_the_same_ids_never_touch_each_other():
+    async with litellm_double(MASTER) as double:
+        world_a = World(dep(1, "a"), dep(2, "b", mode="always_on", state="ready"))
+        world_a.addresses[2] = "http://engine-a:8000"
+        world_b = World(dep(1, "a"), dep(2, "b", mode="always_on", state="ready"))
+        world_b.addresses[2] = "http://engine-b:8000"
+        sync_a = make_sync(double, world_a)
+        sync_b = make_sync(double, world_b, instance="box-b", internal_url=INTERNAL_B)
+        for sync in (sync_a, sync_b, sync_a, sync_b):
+            assert (await sync.sync_now())["deleted"] == []
+        owners = sorted((m["model_info"]["dgxmm_instance"], m["model_info"]["dgxmm_id"]) for m in double.models)
+        assert owners == [("box-a", 1), ("box-a", 2), ("box-b", 1), ("box-b", 2)]
+        # A key rotation and a removal on A: only A's entries change.
+        b_entries = [m for m in double.models if m["model_info"]["dgxmm_instance"] == "box-b"]
+        world_a.key = "key-two"
+        await sync_a.sync_now()
+        world_a.deployments = []
+        result = await sync_a.sync_now()
+        assert sorted(d["dgxmm_id"] for d in result["deleted"]) == [1, 2]
+        assert double.models == b_entries
+        assert await sync_b.sync_now() == {"added": [], "deleted": [], "error": None}
+        await sync_a.close()
+        await sync_b.close()
+
+
+async def test_entries_from_before_instances_are_adopted_by_their_owner_only():
+    async with litellm_double(MASTER) as double:
+        world_a = World(dep(1, "a"), dep(2, "b", mode="always_on", state="ready"))
+        world_a.addresses[2] = "http://engine-a:8000"
+        world_b = World(dep(1, "a"))
+        for internal in (INTERNAL, INTERNAL_B):
+            want = ondemand_entry(dep(1, "a"), "key-one", internal, 900, instance="x")
+            del want["model_info"]["dgxmm_instance"]
+            double.seed(want["model_name"], want["litellm_params"], want["model_info"])
+        old_direct = double.seed("b-served", {"model": "openai/b-served", "api_base": "http://engine-a:8000/v1"},
+                                 {"dgxmm_id": 2})
+        stranger = double.seed("a-served", {"model": "openai/a-served", "api_base": "http://elsewhere/v1"},
+                               {"dgxmm_id": 1})
+        old = {m["litellm_params"]["api_base"]: m["model_info"]["id"] for m in double.models}
+        sync_a = make_sync(double, world_a)
+        double.calls.clear()
+        result = await sync_a.sync_now()
+        assert_adds_before_deletes(double.calls)
+        assert sorted(d["model_id"] for d in result["deleted"]) == sorted(
+            [old[f"{INTERNAL}/ondemand/1/v1"], old_direct])
+        sync_b = make_sync(double, world_b, instance="box-b", internal_url=INTERNAL_B)
+        result = await sync_b.sync_now()
+        assert [d["model_id"] for d in result["deleted"]] == [old[f"{INTERNAL_B}/ondemand/1/v1"]]
+        ids = {m["model_info"]["id"] for m in double.models}
+        assert stranger in ids  # another api_base, no instance: nobody's to touch
+        assert sorted((m["model_info"].get("dgxmm_instance", ""), m["model_info"]["dgxmm_id"])
+                      for m in double.models) == [("", 1), ("box-a", 1), ("box-a", 2), ("box-b", 1)]
+        for sync in (sync_a, sync_b):  # adopted once: stable from now on
+            assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+            await sync.close()
+
+
+async def test_warm_first_order_is_rewritten_once_per_change_of_ready():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+
+        def entry() -> tuple:
+            (m,) = double.models
+            return m["litellm_params"]["order"], m["model_info"]["dgxmm_state"]
+        assert entry() == (2, "cold")
+        writes = []
+        for state in ("starting", "ready", "ready", "stopping", "stopped", "asleep", "ready", "failed"):
+            world.set(1, state=state)
+            double.calls.clear()
+            result = await sync.sync_now()
+            writes.append((state, len(result["added"]), len(result["deleted"])))
+            if result["added"]:
+                assert_adds_before_deletes(double.calls)
+            if state != "failed":
+                assert entry() == ((1, "ready") if state == "ready" else (2, "cold")), state
+        assert writes == [("starting", 0, 0), ("ready", 1, 1), ("ready", 0, 0), ("stopping", 1, 1),
+                          ("stopped", 0, 0), ("asleep", 0, 0), ("ready", 1, 1), ("failed", 0, 1)]
+        await sync.close()
+
+
+def test_entry_state_reads_dgxmm_state_else_the_order():
+    from ondemand.litellm import entry_order, entry_state
+    assert entry_state({"model_info": {"dgxmm_state": "ready"}, "litellm_params": {"order": 2}}) == "ready"
+    assert entry_state({"model_info": {}, "litellm_params": {"order": 2.0}}) == "cold"
+    assert entry_state({"model_info": {"order": 1}, "litellm_params": {}}) == "ready"
+    assert entry_state({"litellm_params": {"model": "x"}}) == "unknown"
+    assert entry_order({"litellm_params": {"order": True}}) is None
+
+
+async def test_names_show_which_instances_serve_each_name():
+    async with litellm_double(MASTER) as double:
+        world_a = World(dep(1, "a", state="ready"), dep(2, "b"))
+        world_b = World(dep(1, "a"))
+        double.seed("a-served", {"model": "openai/x", "api_base": "http://cloud/v1", "order": 3})
+        double.seed("other", {"model": "openai/other"})
+        sync_a = make_sync(double, world_a)
+        sync_b = make_sync(double, world_b, instance="box-b", internal_url=INTERNAL_B)
+        await sync_a.sync_now()
+        await sync_b.sync_now()
+        names = await sync_b.names()
+        assert [n["name"] for n in names] == ["a-served", "b-served"]  # "other" has no ondemand entry
+        a = names[0]
+        assert a["ready"] == ["box-a"]
+        assert [(e["instance"], e["dgxmm_id"], e["state"], e["order"], e["this"]) for e in a["entries"]] == [
+            ("box-a", 1, "ready", 1, False), ("box-b", 1, "cold", 2, True), (None, None, "external", 3, False)]
+        assert names[1]["ready"] == [] and names[1]["entries"][0]["state"] == "cold"
+        double.down = True
+        with pytest.raises(LiteLLMError):
+            await sync_a.names()
+        await sync_a.close()
+        await sync_b.close()

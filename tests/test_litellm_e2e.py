@@ -120,7 +120,8 @@ async def starts(server, dep_id: int) -> int:
 
 def entry_for(server, dep_id: int) -> dict:
     """The entry LiteLLMSync would register for this deployment, reachable on loopback."""
-    return ondemand_entry(server.deployer.get(dep_id).as_dict(), server.key, server.url, server.cfg.ondemand_queue_timeout_s)
+    return ondemand_entry(server.deployer.get(dep_id).as_dict(), server.key, server.url, server.cfg.ondemand_queue_timeout_s,
+                          instance=server.cfg.instance)
 
 
 def sse_events(raw: bytes) -> list:
@@ -155,14 +156,16 @@ class Proxy:
 
 
 @contextlib.asynccontextmanager
-async def litellm_proxy(tmp: Path, model_list: list[dict], *, ready_timeout: float = 120):
+async def litellm_proxy(tmp: Path, model_list: list[dict], *, ready_timeout: float = 120,
+                        general_settings: dict | None = None):
     """``litellm --config`` on a free loopback port, without a database; stopped on exit."""
     cfg = {
         "model_list": model_list,
         # Live checks: GET /health probes the entries itself (background checks run the
         # same _run_model_health_check per entry, on a timer, and /health then answers
         # from their cache).
-        "general_settings": {"master_key": MASTER, "background_health_checks": False},
+        "general_settings": {"master_key": MASTER, "background_health_checks": False,
+                             **(general_settings or {})},
         "litellm_settings": {"drop_params": False},
     }
     path = tmp / "litellm-config.yaml"
@@ -474,3 +477,62 @@ async def test_library_health_check_as_the_proxy_makes_it_leaves_the_model_stopp
         assert failed["error"].startswith("litellm.ServiceUnavailableError") and "F failed" in failed["error"], failed
         assert len(spy.to(server, f, health=True)) == 1 and not spy.to(server, f, health=False)
         assert server.state(f) == "failed" and await starts(server, f) == 1
+
+
+# --- several boxes: warm first ----------------------------------------------------------------
+
+
+async def test_warm_first_sends_everything_to_the_ready_box_and_the_cold_one_serves_once_it_is_gone(tmp_path, http):
+    """Two boxes serve M (the same deployment id on both): ready on A, stopped on B, with
+    the entries the syncs of the two write (A's order 1, B's order 2) in one proxy's
+    config. Every request goes to A and B never starts. Once A is gone, LiteLLM's health
+    checks (health-check routing, as docs/several-boxes.md configures it) drop A's entry,
+    and B starts M and serves."""
+    a_cm = run_app(tmp_path / "a", instance="box-a", ondemand_idle_timeout_s=3600)
+    a = await a_cm.__aenter__()
+    a_open = True
+    try:
+        async with run_app(tmp_path / "b", instance="box-b", ondemand_idle_timeout_s=3600) as b:
+            ma, mb = await a.add("m", 4), await b.add("m", 4, "--startup-delay", "0.3")
+            assert ma == mb  # the same id on both boxes
+            await a.deployer.restart(ma)
+            entries = [entry_for(a, ma), entry_for(b, mb)]
+            assert [(e["model_name"], e["litellm_params"]["order"], e["model_info"]["dgxmm_instance"],
+                     e["model_info"]["dgxmm_state"]) for e in entries] == [
+                ("M", 1, "box-a", "ready"), ("M", 2, "box-b", "cold")]
+            spy_b = GatewaySpy(b)
+            settings = {"background_health_checks": True, "health_check_interval": 1,
+                        "enable_health_check_routing": True}
+            async with litellm_proxy(tmp_path, entries, general_settings=settings) as proxy:
+                for _ in range(12):
+                    async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
+                                         headers=proxy.headers()) as r:
+                        assert r.status == 200, (await r.text(), proxy.tail())
+                reqs = await engine_requests(a, ma)
+                assert len(reqs) == 12
+                assert all("order" not in json.loads(r["body"]) for r in reqs)  # LiteLLM's, not sent on
+                assert spy_b.to(b, mb, health=False) == [] and b.state(mb) == "stopped"
+                assert await starts(b, mb) == 0
+
+                await a_cm.__aexit__(None, None, None)  # box A is gone
+                a_open = False
+                failed, t0 = 0, time.monotonic()
+                while True:
+                    async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
+                                         headers=proxy.headers()) as r:
+                        if r.status == 200:
+                            break
+                        failed += 1
+                    assert time.monotonic() - t0 < 30, proxy.tail()
+                    await asyncio.sleep(0.2)
+                print(f"A gone: {failed} requests failed before LiteLLM's health check dropped A's entry "
+                      f"({time.monotonic() - t0:.1f} s)")
+                for _ in range(5):
+                    async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
+                                         headers=proxy.headers()) as r:
+                        assert r.status == 200, (await r.text(), proxy.tail())
+                assert b.state(mb) == "ready" and await starts(b, mb) == 1
+                assert len(await engine_requests(b, mb)) == 6
+    finally:
+        if a_open:
+            await a_cm.__aexit__(None, None, None)
