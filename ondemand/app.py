@@ -159,8 +159,17 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
         async for _ in _engines(app, backend):
             yield
 
+    app.on_shutdown.append(_shutting_down)
     app.cleanup_ctx.extend([_state, engines, _control, _observe, _gateway, _litellm, _views, _background])
     return app
+
+
+async def _shutting_down(app: web.Application) -> None:
+    """aiohttp's shutdown signal: it comes after the listeners close and before aiohttp
+    waits for open requests, so waiters end at once and nothing starts or stops for them."""
+    controller = app.get(CONTROLLER)
+    if controller is not None:
+        controller.shutdown()
 
 
 async def _state(app: web.Application) -> AsyncIterator[None]:

@@ -174,6 +174,11 @@ def _does_not_fit(dep: Deployment, fit: Fit, capacity: float) -> OndemandError:
     return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.describe()}, more than {where}")
 
 
+def _shutting_down() -> OndemandError:
+    return OndemandError(503, "ondemand_shutting_down", "ondemand is shutting down; send the request again",
+                         headers={"Retry-After": "10"})
+
+
 def _stopped_error(name: str) -> OndemandError:
     return OndemandError(503, "ondemand_stopped",
                          f"{name} was stopped while it was starting for this request; send it again to start it")
@@ -207,6 +212,7 @@ class Controller:
         self._publish_timers: dict[int, Timer] = {}
         self._tick_timer: Timer | None = None
         self._tick_due = math.inf
+        self._closing = False  # shutdown began: nothing starts or stops for waiters any more
         now = clock()
         for dep in effects.deployments():  # first seen after a restart: a full idle timeout
             self._last_activity[dep.id] = now
@@ -312,6 +318,8 @@ class Controller:
         dep = self.effects.deployment(dep_id)
         if dep is None:
             raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
+        if self._closing:
+            raise _shutting_down()
         if dep.state is State.PLANNED:
             raise OndemandError(503, "ondemand_planned",
                                 f"{dep.served_name} is planned: an administrator has to start it first")
@@ -430,7 +438,7 @@ class Controller:
         if dw is None or not dw.waiters:
             return
         dep = self.effects.deployment(dep_id)
-        if dep is None:
+        if dep is None or self._closing:
             return
         if dep.state is State.READY:
             self._wake_waiters(dep_id)
@@ -461,8 +469,9 @@ class Controller:
         return self.queue.reserved_for_others(dep_id)
 
     def wanted(self, dep_id: int) -> bool:
-        """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)"""
-        return self.waiting(dep_id) > 0
+        """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)
+        Not once shutdown began: an admit already out starts nothing."""
+        return not self._closing and self.waiting(dep_id) > 0
 
     def on_admitted(self, dep_id: int, started: bool) -> None:
         """The admit effect's report: ``started`` False when it was starting or ready
@@ -502,6 +511,8 @@ class Controller:
         if fit.never_fits() and not dw.stopped_victim and not recent_stop:
             self._give_verdict(dep_id, _does_not_fit(dep, fit, exc.capacity))
             return
+        if self._closing:
+            return  # its waiters heard it already
         self._enqueue(dep_id, dw)
         if not self.queue.is_head_or_empty(dep_id):
             return  # only the head makes room
@@ -691,6 +702,8 @@ class Controller:
 
     def reap(self) -> list[int]:
         """Ask to stop every on-demand deployment idle by the rules; returns their ids."""
+        if self._closing:
+            return []
         now = self.clock()
         asked = []
         claimed = {v for dw in self._waits.values() for v in dw.victims}
@@ -762,6 +775,20 @@ class Controller:
         self._published_at[dep_id] = self.clock()
         if self.effects.deployment(dep_id) is not None:
             self.effects.counters_changed(dep_id)
+
+    def shutdown(self) -> None:
+        """Shutdown began: from now on nothing is started or stopped for a waiter (no
+        make-room, no reaper), and every waiter, queued or waiting for a start, gets
+        ``ondemand_shutting_down`` at once instead of holding the shutdown up."""
+        self._closing = True
+        err = _shutting_down()
+        for dep_id in list(self._waits):
+            self._give_verdict(dep_id, err)
+        for dep_id in self.queue.ids():
+            self.queue.remove(dep_id)
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None
 
     def close(self) -> None:
         for timer in self._publish_timers.values():

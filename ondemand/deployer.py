@@ -512,25 +512,32 @@ class Deployer:
                                    log_tail=await self._tail(engine, dep), actor="watchdog", cause=StopCause.FAILED)
 
     async def _watchdog(self) -> None:
-        """An engine that stops answering while ready becomes failed."""
+        """An engine that stops answering while ready becomes failed, and is killed at once:
+        it no longer answers, so a SIGTERM would go unheard (a hung or SIGSTOPped engine) and
+        its in-flight requests would hang through the whole stop timeout. Engines are
+        probed together, so one that hangs does not delay the others' checks."""
         misses: dict[int, int] = {}
         while True:
             await asyncio.sleep(self.watch_interval_s)
-            for dep_id, _ in self.ready_engines():
-                engine = self._engines.get(dep_id)
-                if engine is None:
-                    continue
-                if await self._answers(engine, "/health"):
+            engines = [(i, e) for i, _ in self.ready_engines() if (e := self._engines.get(i)) is not None]
+            answers = await asyncio.gather(*(self._answers(e, "/health") for _, e in engines))
+            for (dep_id, engine), ok in zip(engines, answers, strict=True):
+                if ok:
                     misses.pop(dep_id, None)
                     continue
                 misses[dep_id] = misses.get(dep_id, 0) + 1
                 dep = self._deps.get(dep_id)
                 if misses[dep_id] >= self.watch_failures and dep is not None and dep.state is State.READY:
                     misses.pop(dep_id, None)
-                    await self._transition(dep_id, State.FAILED, actor="watchdog",
-                                           reason=f"engine stopped answering /health ({self.watch_failures} checks)",
-                                           log_tail=await self._tail(engine, dep), cause=StopCause.FAILED)
-                    await self.backend.stop(engine, self.stop_timeout_s)
+                    await self._give_up_on(dep, engine)
+
+    async def _give_up_on(self, dep: Deployment, engine: Engine) -> None:
+        reason = f"engine stopped answering /health ({self.watch_failures} checks): killed"
+        log.error("%s: its engine stopped answering /health (%d checks in a row): killing it now; "
+                  "its in-flight requests end with it", dep.name, self.watch_failures)
+        await self._transition(dep.id, State.FAILED, actor="watchdog", reason=reason,
+                               log_tail=await self._tail(engine, dep), cause=StopCause.FAILED)
+        await self.backend.stop(engine, 0)  # no grace: it cannot act on a SIGTERM
 
     async def _tail(self, engine: Engine | None, dep: Deployment) -> str:
         try:

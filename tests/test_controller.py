@@ -744,6 +744,31 @@ def test_status_says_when_the_reaper_may_take_it_and_when_the_backoff_ends(world
     assert c.status(2)["backoff_until"] == pytest.approx(1.7e9 + clock.t + 60)
 
 
+def test_at_shutdown_waiters_hear_it_at_once_and_nothing_starts_or_stops_for_them(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)  # queued for memory
+    fx.add(2, 10)  # its start is out
+    fx.add(3, 10)
+    idle_ready(fx, c, clock, 3)  # a victim the reaper or make-room could take
+    queued = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.taken("stop")
+    starting = Req(c, 2)
+    fx.taken("admit")
+    c.shutdown()
+    for r in (queued, starting):
+        with pytest.raises(OndemandError) as exc:
+            r.take()
+        assert exc.value.code == "ondemand_shutting_down" and exc.value.status == 503
+    assert not c.wanted(2)  # the admit still out starts nothing
+    assert len(c.queue) == 0 and c.reap() == []
+    c.on_refused(2, InsufficientMemory(10, 0, 24))  # the admit's report: no make-room now
+    assert fx.taken("stop") == [] and fx.taken("admit") == []
+    with pytest.raises(OndemandError) as exc:
+        Req(c, 1)
+    assert exc.value.code == "ondemand_shutting_down"
+
+
 # --- the eviction rule ------------------------------------------------------------------------
 
 def test_pick_victims_is_the_shortest_lru_prefix_that_covers_the_shortfall():

@@ -72,16 +72,37 @@ async def test_watchdog_engine_exit_while_ready_is_failed(tmp_path, store):
         assert events[0]["actor"] == "watchdog"
 
 
-async def test_watchdog_engine_that_stops_answering_is_failed(tmp_path, store):
-    async with running_deployer(tmp_path, store, watch_interval_s=0.05, watch_failures=2, probe_timeout_s=0.3) as d:
-        dep = await d.create(dep_fields("a"))
+async def test_watchdog_kills_an_engine_that_stops_answering_and_its_streams_end(tmp_path, store, caplog):
+    """A hung engine (SIGSTOP mid-stream) is failed after the checks, then killed at once,
+    not after a SIGTERM it cannot hear and the whole stop timeout; the stream in flight
+    ends within a few seconds of that; the next start does not call it a leftover."""
+    import time
+
+    import aiohttp
+    async with running_deployer(tmp_path, store, watch_interval_s=0.1, watch_failures=2, probe_timeout_s=0.3,
+                                stop_timeout_s=30) as d:
+        dep = await d.create(dep_fields("a", 4, "on_demand", "--token-delay", "0.05", "--tokens", "400"))
         await d.restart(dep.id)
-        os.killpg(d._engines[dep.id].ref.pid, 19)  # SIGSTOP: alive but silent
-        try:
-            await wait_for(lambda: d.get(dep.id).state == "failed", timeout=30, what="failed")
-        finally:
-            os.killpg(d._engines[dep.id].ref.pid, 18) if dep.id in d._engines else None
-        assert "stopped answering" in d.get(dep.id).state_reason
+        engine = d._engines[dep.id]
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "A", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(engine.base_url + "/v1/chat/completions", json=body) as r:
+                await r.content.readline()  # streaming
+                os.killpg(engine.ref.pid, 19)  # SIGSTOP: alive but silent
+                await wait_for(lambda: d.get(dep.id).state == "failed", timeout=10, what="failed")
+                failed_at = time.monotonic()
+                with pytest.raises((aiohttp.ClientError, asyncio.TimeoutError)):
+                    async with asyncio.timeout(10):
+                        while await r.content.readline():
+                            pass
+                        raise aiohttp.ClientPayloadError("ended")  # a cut stream ends like this too
+                assert time.monotonic() - failed_at < 5  # not the 30 s stop timeout
+        await wait_for(lambda: engine.ref.returncode is not None, timeout=5, what="the engine dead")
+        assert "stopped answering" in d.get(dep.id).state_reason and "killed" in d.get(dep.id).state_reason
+        caplog.clear()
+        await d.restart(dep.id)  # the next start: no leftover of an earlier ondemand
+        assert not [r for r in caplog.records if "left behind" in r.getMessage()]
+        assert d.get(dep.id).state == "ready"
 
 
 async def test_second_that_does_not_fit_raises(tmp_path, store):
