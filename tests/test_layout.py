@@ -14,7 +14,7 @@ ALLOWED = {
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
     "dockerapi": set(), "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
     "budget": {"config", "errors", "model"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
-    "backends": {"errors", "model"}, "backends.process": {"backends", "model"},
+    "backends": {"errors", "model"}, "backends.process": {"backends", "model", "tasks"},
     "backends.docker": {"backends", "dockerapi", "model"},
     "deployer": {"backends", "budget", "errors", "events", "model", "store", "tasks"},
     # The decision core sees the world only through its Effects protocol.
