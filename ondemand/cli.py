@@ -507,6 +507,34 @@ def deploy_stop(ctx: Ctx, dep_id: int, as_json: bool) -> None:
     _action(ctx, dep_id, "stop", as_json)
 
 
+@deploy.command("logs")
+@click.argument("dep_id", type=int)
+@click.option("-n", "--tail", default=100, show_default=True, type=click.IntRange(0, 10000),
+              help="how many of the last lines")
+@click.option("-f", "--follow", is_flag=True, help="then print new lines as the engine writes them, until it "
+                                                   "stops or Ctrl-C")
+@pass_ctx
+def deploy_logs(ctx: Ctx, dep_id: int, tail: int, follow: bool) -> None:
+    """Print a deployment's engine log (stdout and stderr)."""
+    out = sys.stdout.buffer
+
+    def write(chunk: bytes) -> None:
+        out.write(chunk)
+        out.flush()
+    path = f"/deployments/{dep_id}/logs?tail={tail}" + ("&follow=1" if follow else "")
+    try:
+        _run(adminclient.stream(ctx.cfg, path, write))
+    except KeyboardInterrupt:  # Ctrl-C ends a follow: that is how it is meant to end
+        pass
+    except BrokenPipeError:  # | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit
+    except adminclient.NoServer as exc:
+        _fail(f"{exc}; start it with `ondemand serve`", EXIT_NO_SERVER)
+    except adminclient.Refused as exc:
+        err = (exc.body or {}).get("error", {}) if isinstance(exc.body, dict) else {}
+        _fail(f"{err.get('message', exc.status)} ({err.get('code', exc.status)})")
+
+
 # --- mode ----------------------------------------------------------------------
 
 @cli.group()

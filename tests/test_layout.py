@@ -27,7 +27,7 @@ ALLOWED = {
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
                    "litellm_sync", "metrics", "model", "peers", "store", "tasks"},
-    "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
+    "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},
