@@ -41,6 +41,7 @@ from .components import (
     POLICY,
     SAMPLER,
     STARTED_AT,
+    STARTS,
     STORE,
     SYNC,
     TASKS,
@@ -60,6 +61,7 @@ from .model import SYNC_STATES, State
 from .peers import PeerGuard, PeerPolicySource
 from .ratelimit import FailureLimiter
 from .reaper import Reaper
+from .starts import StartHistory
 from .store import Store
 from .tasks import TaskGroup
 
@@ -139,7 +141,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
         async for _ in _engines(app, backend):
             yield
 
-    app.cleanup_ctx.extend([_state, engines, _control, _gateway, _litellm, _views, _background])
+    app.cleanup_ctx.extend([_state, _starts, engines, _control, _gateway, _litellm, _views, _background])
     return app
 
 
@@ -152,6 +154,16 @@ async def _state(app: web.Application) -> AsyncIterator[None]:
         await app[STORE].close()
     finally:
         os.close(lock)
+
+
+async def _starts(app: web.Application) -> AsyncIterator[None]:
+    """The start history, listening before the deployer loads: a start it takes back
+    after a restart is timed too."""
+    history = app[STARTS] = StartHistory(app[STORE])
+    await history.load()
+    app[BUS].subscribe(DeploymentChanged, lambda e: history.on_change(e.dep_id, e.dep, e.old))
+    yield
+    await history.close()
 
 
 async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterator[None]:
@@ -195,7 +207,8 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
             upstreams.forget(e.dep_id)
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
-                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path)
+                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path,
+                           start_eta=app[STARTS].eta_s)
     yield
     await upstreams.close()
 

@@ -282,11 +282,28 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         mode = v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else "")
         rows.append([v["id"], v["name"], v["served_name"], mode,
                      v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
-                     _ago(od.get("last_request_at")), f"{v.get('memory_gib') or 0:g} GiB"])
+                     _ago(od.get("last_request_at")), f"{v.get('memory_gib') or 0:g} GiB",
+                     f"~{v['start_eta_s']:g}s" if v.get("start_eta_s") is not None else None])
     return rows
 
 
-_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"]
+_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY",
+               "START"]
+
+
+def _expected(views: list[dict[str, Any]], now: float) -> list[str]:
+    """For each deployment starting or queued with a start history: when it is expected."""
+    lines = []
+    for v in views:
+        eta = v.get("start_eta_s")
+        if eta is None:
+            continue
+        if v["state"] == "starting":
+            left = max(1, round(eta - (now - v["updated_at"])))
+            lines.append(f"{v['name']}: starting, expected in about {left} s")
+        elif (v.get("ondemand") or {}).get("phase") == "queued":
+            lines.append(f"{v['name']}: queued for GPU memory; once it starts, expected in about {round(eta)} s")
+    return lines
 
 
 # --- status ------------------------------------------------------------------
@@ -317,6 +334,9 @@ def status(ctx: Ctx, as_json: bool) -> None:
         click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
+    import time
+    for line in _expected(views, time.time()):
+        click.echo(line)
 
 
 # --- deployments ---------------------------------------------------------------
@@ -455,8 +475,8 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
         _echo_json(view)
         return
     for key in ("id", "name", "served_name", "engine", "role", "mode", "pending_mode", "state", "state_reason",
-                "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s", "base_url",
-                "image", "args", "command"):
+                "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s", "last_start_s",
+                "start_eta_s", "base_url", "image", "args", "command"):
         if key in view:
             click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
     od = view.get("ondemand") or {}

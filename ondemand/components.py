@@ -19,6 +19,7 @@ from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .model import Deployment
 from .peers import PeerPolicySource
+from .starts import StartHistory
 from .store import Store
 from .tasks import TaskGroup
 
@@ -36,6 +37,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG = web.AppKey("config", Config)
 STARTED_AT = web.AppKey("started_at", float)
 TASKS = web.AppKey("tasks", TaskGroup)
+STARTS = web.AppKey("starts", StartHistory)
 
 
 class PolicyHolder(Protocol):
@@ -49,7 +51,8 @@ POLICY = web.AppKey("policy", PolicyHolder)
 
 
 def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
-    """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
+    """A deployment view: the row plus its on-demand status, its LiteLLM entry's status,
+    its engine's load and how long its starts take."""
     out = dep.as_dict()
     dep_id = dep.id
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
@@ -58,4 +61,6 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     out["litellm"] = sync.status_of(dep_id) if sync is not None else None
     sample = app[SAMPLER].as_dict(dep_id)
     out["engine_metrics"] = sample
+    starts = app.get(STARTS)
+    out.update(starts.fields(dep_id) if starts is not None else {"last_start_s": None, "start_eta_s": None})
     return out

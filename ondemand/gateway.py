@@ -155,7 +155,8 @@ def _json_object(body: bytes) -> dict[str, Any]:
 class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 start_eta: Callable[[int], float | None] = lambda dep_id: None):
         self.controller = controller
         self.deployer = deployer
         self.keys = keys
@@ -164,6 +165,7 @@ class Gateway:
         self.prefix = base_path + "/ondemand"
         self.max_body = max_body
         self.clock = clock
+        self.start_eta = start_eta  # how long a deployment's start takes (its history), for the notice
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -238,11 +240,14 @@ class Gateway:
         how = notice.mode(route, parsed)
         if how == notice.STREAM_NOTICE:
             return await self._stream_with_notice(request, dep, segs, body, route, arrival)
-        queued: list[bool] = []
-        slot = await self.controller.acquire(dep_id, arrival=arrival, on_queued=lambda: queued.append(True))
+        # The ETA as it stood when the request queued, as the streaming notice tells it.
+        queued: list[float | None] = []
+        slot = await self.controller.acquire(dep_id, arrival=arrival,
+                                             on_queued=lambda: queued.append(self.start_eta(dep_id)))
         try:
             return await self._forward(request, dep, segs, body, route,
-                                       prepend=how == notice.PREPEND and bool(queued))
+                                       prepend=how == notice.PREPEND and bool(queued),
+                                       eta_s=queued[0] if queued else None)
         finally:
             slot.release()
 
@@ -293,7 +298,7 @@ class Gateway:
             # Queued for memory: tell the person now, then wait.
             out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             await out.prepare(request)
-            await out.write(notice.queued_chunk(route, dep.served_name))
+            await out.write(notice.queued_chunk(route, dep.served_name, self.start_eta(dep.id)))
             try:
                 slot = await acq
             except OndemandError as err:
@@ -313,7 +318,7 @@ class Gateway:
     # --- forwarding -----------------------------------------------------------------
 
     async def _forward(self, request: web.Request, dep: Deployment, segs: list[str], body: bytes | None,
-                       route: str, *, prepend: bool = False,
+                       route: str, *, prepend: bool = False, eta_s: float | None = None,
                        started: web.StreamResponse | None = None) -> web.StreamResponse:
         base = self.deployer.base_url(dep.id)
         if base is None:
@@ -333,7 +338,7 @@ class Gateway:
                         raw = await up.read()
                     except aiohttp.ClientPayloadError as exc:
                         return await self._upstream_failed(None, f"the engine broke off its answer: {exc}")
-                    data = notice.prepend(route, raw, dep.served_name)
+                    data = notice.prepend(route, raw, dep.served_name, eta_s)
                     headers = response_headers(up.headers)
                     return web.Response(status=200, body=data, headers=headers)
                 content = up.content

@@ -26,7 +26,8 @@ ALLOWED = {
                 "ratelimit"},
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"admission", "config", "controller", "deployer", "effects", "events", "gateway", "keys",
-                   "litellm_sync", "metrics", "model", "peers", "store", "tasks"},
+                   "litellm_sync", "metrics", "model", "peers", "starts", "store", "tasks"},
+    "starts": {"model", "store", "tasks"},
     "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "metrics", "model"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
