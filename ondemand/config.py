@@ -69,6 +69,7 @@ class Config:
     metrics_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
+    retention_days: int = 30
     budget: BudgetConfig = BudgetConfig()
     deployer: DeployerConfig = DeployerConfig()
     litellm: LiteLLMConfig = LiteLLMConfig()
@@ -188,6 +189,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),
                   "debug, info, warning or error"),
+    "retention_days": (_int, _between(1, 3650), "whole days, 1 to 3650"),
     "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
     "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),
                             lambda x: x is None or 0 < x <= 1e6, "GiB, more than 0"),
