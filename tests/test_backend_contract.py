@@ -322,7 +322,7 @@ async def _read(stream, limit: float = READY_S) -> list[str]:
 async def test_logs_tail_then_follow_until_the_engine_ends(h):
     """follow: the last lines so far, then every new line, and the end when the engine exits."""
     b = h.backend()
-    dep = _two_batches(h, pause=2.0)
+    dep = _two_batches(h, pause=1.0)
     engine = await b.start(dep)
     await wait_for(lambda: _has(b.log_tail(engine, dep), "line 4"), timeout=READY_S, what="the first batch")
     lines = await _read(b.logs(dep, tail=3, follow=True))
