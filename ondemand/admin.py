@@ -9,6 +9,7 @@ validation errors name the field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import pathlib
@@ -23,6 +24,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from . import __version__, components, metrics
 from . import keys as keys_mod
+from .backends import BackendError
 from .config import Config
 from .deployer import Deployer, StartFailed, StartInterrupted
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, OndemandError
@@ -433,6 +435,67 @@ async def deployment_events(request: web.Request) -> web.Response:
     return _json(await app[app_mod.STORE].events(_dep_id(request), limit=100))
 
 
+# GET /api/deployments/{id}/logs: the default and the largest tail.
+LOGS_TAIL = 100
+LOGS_MAX_TAIL = 10000
+# How often a follow looks whether a start waiting at the start-up gate has its engine yet.
+LOGS_ENGINE_POLL_S = 0.1
+
+
+def _logs_query(request: web.Request) -> tuple[int, bool]:
+    raw_tail = request.query.get("tail", str(LOGS_TAIL))
+    if not raw_tail.isdigit() or int(raw_tail) > LOGS_MAX_TAIL:
+        raise _field_error("tail", f"whole lines, 0 to {LOGS_MAX_TAIL}")
+    follow = request.query.get("follow", "0")
+    if follow not in ("0", "1", "true", "false"):
+        raise _field_error("follow", "1 or 0")
+    return int(raw_tail), follow in ("1", "true")
+
+
+async def _engine_or_not_starting(deployer: Deployer, dep_id: int) -> None:
+    """Wait while the deployment is starting but its engine is not made yet (its start waits
+    at the start-up gate): a follow then begins with that run instead of ending at once."""
+    while True:
+        dep = deployer.get(dep_id)
+        if dep is None or dep.state is not State.STARTING or deployer.base_url(dep_id) is not None:
+            return
+        await asyncio.sleep(LOGS_ENGINE_POLL_S)
+
+
+async def deployment_logs(request: web.Request) -> web.StreamResponse:
+    """The engine's log as text/plain: the last ``tail`` lines, and with ``follow=1`` what
+    the running engine writes until its log ends or the client hangs up."""
+    app_mod, app = _app_parts(request)
+    dep_id = _dep_id(request)
+    tail, follow = _logs_query(request)
+    deployer = app[app_mod.DEPLOYER]
+    if follow:
+        await _engine_or_not_starting(deployer, dep_id)
+    dep = deployer.get(dep_id)
+    if dep is None:
+        raise OndemandError(404, "not_found", f"no deployment {dep_id}")
+    resp = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8", "Cache-Control": "no-cache",
+                                       "X-Content-Type-Options": "nosniff"})
+    # Closed in every case, a hang-up (the handler's cancellation) included: the
+    # backend's follower or Docker's stream goes with it, and no task is left.
+    async with contextlib.aclosing(deployer.backend.logs(dep, tail=tail, follow=follow)) as stream:
+        try:
+            first = await anext(stream, b"")
+        except BackendError as exc:
+            raise OndemandError(503, "logs_unavailable", f"cannot read the log of {dep.name}: {exc}") from exc
+        await resp.prepare(request)
+        try:
+            await resp.write(first)
+            async for chunk in stream:
+                await resp.write(chunk)
+        except BackendError as exc:  # the answer has begun: say so in the text, then end it
+            await resp.write(f"\n[ondemand: the log broke off: {exc}]\n".encode())
+        except ConnectionResetError:
+            return resp
+    await resp.write_eof()
+    return resp
+
+
 async def sync_now(request: web.Request) -> web.Response:
     app_mod, app = _app_parts(request)
     sync = app[app_mod.SYNC]
@@ -513,6 +576,7 @@ def add_routes(app: web.Application, base_path: str) -> None:
     r.add_patch(api + "/deployments/{id}", edit_deployment)
     r.add_patch(api + "/deployments/{id}/mode", set_mode)
     r.add_get(api + "/deployments/{id}/events", deployment_events)
+    r.add_get(api + "/deployments/{id}/logs", deployment_logs)
     r.add_post(api + "/deployments/{id}/{action:start|stop|sleep|wake}", action)
     r.add_get(api + "/events", events)
     r.add_get(api + "/audit", audit)

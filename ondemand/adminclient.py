@@ -7,6 +7,7 @@ commands decide how to tell the user.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -36,6 +37,39 @@ async def request(cfg: Config, method: str, path: str, body: Any = None) -> tupl
         raise NoServer(f"no server answers on {sock}: {exc}") from None
 
 
+class Refused(Exception):
+    """The server answered with an error: its status and parsed error body."""
+
+    def __init__(self, status: int, body: Any):
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+async def stream(cfg: Config, path: str, write: Callable[[bytes], None]) -> None:
+    """A GET whose text answer is handed to ``write`` chunk by chunk as it arrives (a log
+    that is followed), until the server ends it. Raises NoServer, or Refused for an error."""
+    import aiohttp
+    sock = cfg.admin_socket
+    if not sock.exists():
+        raise NoServer(f"no server: {sock} does not exist")
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as s:
+            async with s.get(f"http://ondemand{cfg.base_path}/api{path}") as r:
+                if r.status >= 400:
+                    raw = await r.read()
+                    try:
+                        body = orjson.loads(raw) if raw else None
+                    except orjson.JSONDecodeError:
+                        body = None
+                    raise Refused(r.status, body)
+                async for chunk in r.content.iter_any():
+                    write(chunk)
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise NoServer(f"no server answers on {sock}: {exc}") from None
+
+
 async def stored_deployments(cfg: Config) -> list[dict[str, Any]] | None:
     """The deployment rows of the state file (not migrated), or None without a file."""
     from .store import Store
@@ -59,5 +93,6 @@ async def offline_views(cfg: Config) -> list[dict[str, Any]] | None:
         phase = "failed" if row["state"] == "failed" else \
             "sleeping" if row["state"] in ("stopped", "asleep", "stopping", "planned") else "idle"
         row["ondemand"] = {"inflight": 0, "queued": 0, "last_request_at": None, "phase": phase}
+        row["last_start_s"] = row["start_eta_s"] = None  # the history is the server's to read
         row["offline"] = True
     return rows

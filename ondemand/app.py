@@ -45,6 +45,7 @@ from .components import (
     POLICY,
     SAMPLER,
     STARTED_AT,
+    STARTS,
     STORE,
     SYNC,
     TASKS,
@@ -68,6 +69,7 @@ from .model import SYNC_STATES, State
 from .peers import PeerGuard, PeerPolicySource
 from .ratelimit import FailureLimiter
 from .reaper import Reaper
+from .starts import StartHistory
 from .store import Store
 from .tasks import TaskGroup
 from .telemetry import Telemetry
@@ -160,7 +162,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
             yield
 
     app.on_shutdown.append(_shutting_down)
-    app.cleanup_ctx.extend([_state, engines, _control, _observe, _gateway, _litellm, _views, _background])
+    app.cleanup_ctx.extend([_state, _starts, engines, _control, _observe, _gateway, _litellm, _views, _background])
     return app
 
 
@@ -181,6 +183,16 @@ async def _state(app: web.Application) -> AsyncIterator[None]:
         await app[STORE].close()
     finally:
         os.close(lock)
+
+
+async def _starts(app: web.Application) -> AsyncIterator[None]:
+    """The start history, listening before the deployer loads: a start it takes back
+    after a restart is timed too."""
+    history = app[STARTS] = StartHistory(app[STORE])
+    await history.load()
+    app[BUS].subscribe(DeploymentChanged, lambda e: history.on_change(e.dep_id, e.dep, e.old))
+    yield
+    await history.close()
 
 
 async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterator[None]:
@@ -297,7 +309,8 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
             upstreams.forget(e.dep_id)
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
-                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app))
+                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
+                           start_eta=app[STARTS].eta_s)
     yield
     await upstreams.close()
 
@@ -373,6 +386,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     tasks.spawn(Reaper(app[CONTROLLER], cfg.reap_interval_s).run(), "reaper")
     tasks.spawn(app[SYNC].run(), "litellm sync")
     tasks.spawn(_watch_key(app[KEYS]), "key watcher")
+    tasks.spawn(prune_old_rows(app[STORE], cfg.retention_days), "retention")
     yield
     await tasks.close()
 
@@ -391,6 +405,34 @@ async def _watch_key(watcher: keys_mod.KeyWatcher) -> None:
     while True:
         watcher.current()
         await asyncio.sleep(1.0)
+
+
+# Retention: the first pass shortly after the start, then one an hour. A pass deletes at most
+# RETENTION_BATCH rows of each table in one transaction, so the state file's lock is never held
+# for long; when it had more to delete, the next pass follows after RETENTION_AGAIN_S.
+RETENTION_FIRST_S = 60.0
+RETENTION_INTERVAL_S = 3600.0
+RETENTION_BATCH = 10_000
+RETENTION_AGAIN_S = 1.0
+
+
+async def prune_old_rows(store: Store, retention_days: int, *, clock: Callable[[], float] = time.time,
+                         first_s: float | None = None, interval_s: float | None = None) -> None:
+    """Delete events and audit rows older than ``retention_days``, forever (a background task).
+    The audit rows of queue timeouts, written on every one, are among them."""
+    await asyncio.sleep(RETENTION_FIRST_S if first_s is None else first_s)
+    while True:
+        counts = {"events": 0, "audit": 0}
+        try:
+            counts = await store.prune(clock() - retention_days * 86400.0, RETENTION_BATCH)
+        except Exception:
+            log.exception("retention: cannot delete old rows")
+        if any(counts.values()):
+            log.info("retention: deleted %d events, %d audit rows older than %d days", counts["events"],
+                     counts["audit"], retention_days)
+        more = max(counts["events"], counts["audit"]) >= RETENTION_BATCH
+        await asyncio.sleep(RETENTION_AGAIN_S if more else
+                            RETENTION_INTERVAL_S if interval_s is None else interval_s)
 
 
 # --- running -------------------------------------------------------------------

@@ -282,7 +282,8 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         mode = v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else "")
         rows.append([v["id"], v["name"], v["served_name"], mode,
                      v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
-                     _ago(od.get("last_request_at")), _memory(v), ",".join(map(str, v.get("gpus") or ())) or "-"])
+                     _ago(od.get("last_request_at")), _memory(v), ",".join(map(str, v.get("gpus") or ())) or "-",
+                     f"~{v['start_eta_s']:g}s" if v.get("start_eta_s") is not None else None])
     return rows
 
 
@@ -297,7 +298,22 @@ def _memory(v: dict[str, Any]) -> str:
 
 
 _DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY",
-               "GPUS"]
+               "GPUS", "START"]
+
+
+def _expected(views: list[dict[str, Any]], now: float) -> list[str]:
+    """For each deployment starting or queued with a start history: when it is expected."""
+    lines = []
+    for v in views:
+        eta = v.get("start_eta_s")
+        if eta is None:
+            continue
+        if v["state"] == "starting":
+            left = max(1, round(eta - (now - v["updated_at"])))
+            lines.append(f"{v['name']}: starting, expected in about {left} s")
+        elif (v.get("ondemand") or {}).get("phase") == "queued":
+            lines.append(f"{v['name']}: queued for GPU memory; once it starts, expected in about {round(eta)} s")
+    return lines
 
 
 # --- status ------------------------------------------------------------------
@@ -333,6 +349,9 @@ def status(ctx: Ctx, as_json: bool) -> None:
         click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
+    import time
+    for line in _expected(views, time.time()):
+        click.echo(line)
     _echo_names(names)
     over = [v["name"] for v in views if Deployment.from_row(v).over_declared]
     if over:
@@ -502,8 +521,8 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
         _echo_json(view)
         return
     for key in ("id", "name", "served_name", "engine", "role", "mode", "pending_mode", "state", "state_reason",
-                "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s", "base_url",
-                "image", "args", "command"):
+                "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s", "last_start_s",
+                "start_eta_s", "base_url", "image", "args", "command"):
         if key in view:
             click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
     od = view.get("ondemand") or {}
@@ -552,6 +571,34 @@ def deploy_start(ctx: Ctx, dep_id: int, wait: bool, as_json: bool) -> None:
 def deploy_stop(ctx: Ctx, dep_id: int, as_json: bool) -> None:
     """Stop a deployment's engine."""
     _action(ctx, dep_id, "stop", as_json)
+
+
+@deploy.command("logs")
+@click.argument("dep_id", type=int)
+@click.option("-n", "--tail", default=100, show_default=True, type=click.IntRange(0, 10000),
+              help="how many of the last lines")
+@click.option("-f", "--follow", is_flag=True, help="then print new lines as the engine writes them, until it "
+                                                   "stops or Ctrl-C")
+@pass_ctx
+def deploy_logs(ctx: Ctx, dep_id: int, tail: int, follow: bool) -> None:
+    """Print a deployment's engine log (stdout and stderr)."""
+    out = sys.stdout.buffer
+
+    def write(chunk: bytes) -> None:
+        out.write(chunk)
+        out.flush()
+    path = f"/deployments/{dep_id}/logs?tail={tail}" + ("&follow=1" if follow else "")
+    try:
+        _run(adminclient.stream(ctx.cfg, path, write))
+    except KeyboardInterrupt:  # Ctrl-C ends a follow: that is how it is meant to end
+        pass
+    except BrokenPipeError:  # | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit
+    except adminclient.NoServer as exc:
+        _fail(f"{exc}; start it with `ondemand serve`", EXIT_NO_SERVER)
+    except adminclient.Refused as exc:
+        err = (exc.body or {}).get("error", {}) if isinstance(exc.body, dict) else {}
+        _fail(f"{err.get('message', exc.status)} ({err.get('code', exc.status)})")
 
 
 # --- mode ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .model import Deployment
 from .peers import PeerPolicySource
+from .starts import StartHistory
 from .store import Store
 from .tasks import TaskGroup
 from .telemetry import Telemetry
@@ -42,6 +43,7 @@ STARTED_AT = web.AppKey("started_at", float)
 TASKS = web.AppKey("tasks", TaskGroup)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 ACCESS_LOG = web.AppKey("access_log", AccessLog)  # only when access_log is text or json
+STARTS = web.AppKey("starts", StartHistory)
 
 
 class PolicyHolder(Protocol):
@@ -55,7 +57,8 @@ POLICY = web.AppKey("policy", PolicyHolder)
 
 
 def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
-    """A deployment view: the row plus its on-demand status and its LiteLLM entry's status."""
+    """A deployment view: the row plus its on-demand status, its LiteLLM entry's status,
+    its engine's load and how long its starts take."""
     out = dep.as_dict()
     dep_id = dep.id
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
@@ -64,4 +67,6 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     out["litellm"] = sync.status_of(dep_id) if sync is not None else None
     sample = app[SAMPLER].as_dict(dep_id)
     out["engine_metrics"] = sample
+    starts = app.get(STARTS)
+    out.update(starts.fields(dep_id) if starts is not None else {"last_start_s": None, "start_eta_s": None})
     return out

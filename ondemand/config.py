@@ -87,6 +87,7 @@ class Config:
     log_level: str = "info"
     access_log: str = "off"
     metrics_public: bool = False
+    retention_days: int = 30
     budget: BudgetConfig = BudgetConfig()
     deployer: DeployerConfig = DeployerConfig()
     litellm: LiteLLMConfig = LiteLLMConfig()
@@ -226,6 +227,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
                   "debug, info, warning or error"),
     "access_log": (lambda v: _str(v).lower(), _one_of("off", "text", "json"), "off, text or json"),
     "metrics_public": (_bool, lambda x: True, "true or false (GET {base_path}/metrics without the admin token)"),
+    "retention_days": (_int, _between(1, 3650), "whole days, 1 to 3650"),
     "budget.source": (_str, _one_of("nvidia-smi", "meminfo", "static"), "nvidia-smi, meminfo or static"),
     "budget.capacity_gib": (lambda v: None if v in (None, "") else _float(v),
                             lambda x: x is None or 0 < x <= 1e6, "GiB, more than 0"),

@@ -172,9 +172,11 @@ def _json_object(body: bytes) -> dict[str, Any]:
 class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
-                 clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer):
+                 clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer,
+                 start_eta: Callable[[int], float | None] = lambda dep_id: None):
         """``finished(exchange)`` hears of every request once its answer's last byte is
-        written (or its client went away): the metrics and the access log."""
+        written (or its client went away): the metrics and the access log. ``start_eta``:
+        how long a deployment's start takes (its history), for the queued notice."""
         self.controller = controller
         self.deployer = deployer
         self.keys = keys
@@ -184,6 +186,7 @@ class Gateway:
         self.max_body = max_body
         self.clock = clock
         self.finished = finished
+        self.start_eta = start_eta
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ex = Exchange(request_id(request.headers), request.method, request.remote or "", self.clock())
@@ -276,10 +279,17 @@ class Gateway:
         how = notice.mode(route, parsed)
         if how == notice.STREAM_NOTICE:
             return await self._stream_with_notice(request, ex, dep, segs, body, route)
-        slot = await self._acquire(ex, dep_id, ex.memory_wait)
+        # The ETA as it stood when the request queued, as the streaming notice tells it.
+        queued: list[float | None] = []
+
+        def on_queued() -> None:
+            ex.memory_wait()
+            queued.append(self.start_eta(dep_id))
+        slot = await self._acquire(ex, dep_id, on_queued)
         try:
             return await self._forward(request, dep, segs, body, route,
-                                       prepend=how == notice.PREPEND and ex.waited_memory)
+                                       prepend=how == notice.PREPEND and ex.waited_memory,
+                                       eta_s=queued[0] if queued else None)
         finally:
             slot.release()
 
@@ -344,7 +354,7 @@ class Gateway:
             # Queued for memory: tell the person now, then wait.
             out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
             await out.prepare(request)
-            await out.write(notice.queued_chunk(route, dep.served_name))
+            await out.write(notice.queued_chunk(route, dep.served_name, self.start_eta(dep.id)))
             try:
                 slot = await acq
             except OndemandError as err:
@@ -364,7 +374,7 @@ class Gateway:
     # --- forwarding -----------------------------------------------------------------
 
     async def _forward(self, request: web.Request, dep: Deployment, segs: list[str], body: bytes | None,
-                       route: str, *, prepend: bool = False,
+                       route: str, *, prepend: bool = False, eta_s: float | None = None,
                        started: web.StreamResponse | None = None) -> web.StreamResponse:
         base = self.deployer.base_url(dep.id)
         if base is None:
@@ -388,7 +398,7 @@ class Gateway:
                         raw = await up.read()
                     except aiohttp.ClientPayloadError as exc:
                         return await self._upstream_failed(None, f"the engine broke off its answer: {exc}")
-                    data = notice.prepend(route, raw, dep.served_name)
+                    data = notice.prepend(route, raw, dep.served_name, eta_s)
                     headers = response_headers(up.headers)
                     return web.Response(status=200, body=data, headers=headers)
                 content = up.content

@@ -93,10 +93,27 @@ async def _v3_gpu_placement(db: aiosqlite.Connection) -> None:
             await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
 
 
+async def _v4_starts_and_retention(db: aiosqlite.Connection) -> None:
+    # How long each successful start took (starting -> ready), a few per deployment;
+    # and indexes on `at`, so that retention's hourly delete finds old rows without a scan.
+    await db.execute("""
+        CREATE TABLE IF NOT EXISTS starts (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            deployment_id INTEGER NOT NULL,
+            at REAL NOT NULL,
+            duration_s REAL NOT NULL,
+            kind TEXT NOT NULL DEFAULT 'start' CHECK (kind IN ('start', 'wake'))
+        )""")
+    await db.execute("CREATE INDEX IF NOT EXISTS starts_deployment ON starts (deployment_id, id)")
+    await db.execute("CREATE INDEX IF NOT EXISTS events_at ON events (at)")
+    await db.execute("CREATE INDEX IF NOT EXISTS audit_at ON audit (at)")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
     Migration(3, "deployments: GPU placement (gpu_count, gpu_ids, gpus, measured_gib)", _v3_gpu_placement),
+    Migration(4, "starts (start durations); events and audit indexed by time", _v4_starts_and_retention),
 ]
 
 LATEST = MIGRATIONS[-1].version

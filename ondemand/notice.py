@@ -24,9 +24,11 @@ NONE = None
 _STRUCTURED = ("response_format", "tools", "tool_choice", "functions", "function_call", "structured_outputs")
 
 
-def notice_text(served_name: str) -> str:
+def notice_text(served_name: str, eta_s: float | None = None) -> str:
+    """The notice; ``eta_s``, how long the model's starts take (its start history), when known."""
+    eta = f", then expected in about {max(1, round(eta_s))} s" if eta_s is not None else ""
     return (f"[ondemand] {served_name} is waiting for GPU memory to be freed and will start "
-            f"when it is; your answer follows.\n\n")
+            f"when it is{eta}; your answer follows.\n\n")
 
 
 def is_structured(body: dict[str, Any]) -> bool:
@@ -53,9 +55,9 @@ def mode(route: str, body: dict[str, Any] | None) -> str | None:
     return PREPEND
 
 
-def queued_chunk(route: str, served_name: str) -> bytes:
+def queued_chunk(route: str, served_name: str, eta_s: float | None = None) -> bytes:
     now = int(time.time())
-    text = notice_text(served_name)
+    text = notice_text(served_name, eta_s)
     if route == "completions":
         chunk = {"id": "ondemand-queued", "object": "text_completion", "created": now, "model": served_name,
                  "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
@@ -73,14 +75,14 @@ def error_events(error: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
 
 
-def prepend(route: str, body: bytes, served_name: str) -> bytes:
+def prepend(route: str, body: bytes, served_name: str, eta_s: float | None = None) -> bytes:
     """The engine's JSON answer with the notice in front of its text; unchanged
     when the answer has no place for it (tool calls with null content ...)."""
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
-    text = notice_text(served_name)
+    text = notice_text(served_name, eta_s)
     changed = False
     try:
         if route == "chat/completions":

@@ -2,7 +2,7 @@
 
 Owns the connection (aiosqlite, WAL, foreign keys, ``synchronous=NORMAL``,
 a busy timeout), the transaction discipline and the typed reads and writes of
-``deployments``, ``events`` and ``audit``. Every write runs in a transaction;
+``deployments``, ``events``, ``audit`` and ``starts``. Every write runs in a transaction;
 nested ``transaction()`` blocks join the outer one. One asyncio lock orders
 the transactions of this process, because aiosqlite runs one connection on a
 thread and two interleaved BEGINs on it would join each other's work. Reads
@@ -205,3 +205,43 @@ class Store:
             d["detail"] = orjson.loads(d["detail"])
             out.append(d)
         return out
+
+    # --- start history -------------------------------------------------------
+
+    async def write_start(self, deployment_id: int, *, at: float, duration_s: float, kind: str,
+                          keep: int) -> None:
+        """One successful start; only the last ``keep`` of the deployment's are kept."""
+        async with self.transaction() as db:
+            await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (?, ?, ?, ?)",
+                             (deployment_id, at, duration_s, kind))
+            await db.execute(
+                "DELETE FROM starts WHERE deployment_id = ? AND id NOT IN "
+                "(SELECT id FROM starts WHERE deployment_id = ? ORDER BY id DESC LIMIT ?)",
+                (deployment_id, deployment_id, keep))
+
+    async def starts(self, limit: int) -> dict[int, list[tuple[str, float]]]:
+        """Each deployment's last ``limit`` starts, oldest first: (kind, duration_s)."""
+        out: dict[int, list[tuple[str, float]]] = {}
+        # The table holds a few rows per deployment (write_start's keep): read them all.
+        async with self._reading() as db, db.execute(
+                "SELECT deployment_id, kind, duration_s FROM starts ORDER BY id") as cur:
+            for row in await cur.fetchall():
+                out.setdefault(row[0], []).append((row[1], row[2]))
+        return {dep_id: rows[-limit:] for dep_id, rows in out.items()}
+
+    # --- retention -------------------------------------------------------------
+
+    async def prune(self, before: float, limit: int) -> dict[str, int]:
+        """Delete up to ``limit`` events and up to ``limit`` audit rows older than ``before``
+        (oldest first), and the start history of deployments that are gone, in one
+        transaction. Returns how many rows went from each table."""
+        counts = {}
+        async with self.transaction() as db:
+            for table in ("events", "audit"):
+                cur = await db.execute(
+                    f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE at < ? ORDER BY at LIMIT ?)",
+                    (before, limit))
+                counts[table] = cur.rowcount
+            cur = await db.execute("DELETE FROM starts WHERE deployment_id NOT IN (SELECT id FROM deployments)")
+            counts["starts"] = cur.rowcount
+        return counts

@@ -8,7 +8,7 @@ Answers the calls aiodocker 0.27 makes for the peer policy: ``GET /version`` (un
 And the container life cycle the docker backend drives (create, start, wait, stop, delete,
 logs): an image registered with ``add_image(name, entrypoint)`` runs as a host process,
 ``entrypoint + Cmd`` (``python3`` is the test's interpreter), in a session of its own, its output the container's log (framed as
-Docker's multiplexed stream). A port published on 127.0.0.1 with no host port gets a free one,
+Docker's multiplexed stream, every line as stderr; ``follow`` streams new lines until the container stops). A port published on 127.0.0.1 with no host port gets a free one,
 and since a host process cannot listen on the container's port the double rewrites the value
 of ``--port`` in the command from the container port to that host port (so the engine must
 take ``--port``, as the engine simulator does). Stop is SIGTERM, SIGKILL after ``t``. Containers and networks resolve like
@@ -347,17 +347,54 @@ class DockerDouble:
         return web.json_response({"Titles": ["UID", "PID", "PPID", "C", "STIME", "TTY", "TIME", "CMD"],
                                   "Processes": [["root", str(pid), "1", "0", "00:00", "?", "00:00:00", "engine"]]})
 
-    async def _container_logs(self, request: web.Request) -> web.Response:
+    async def _container_logs(self, request: web.Request) -> web.StreamResponse:
+        """Docker's logs call: the multiplexed stream (every line as stderr), ``tail`` lines
+        (or ``all``); with ``follow``, then every line the container writes until it stops."""
         c = self._found(request)
         if c is None:
             return self._error(404, f"No such container: {request.match_info['id']}")
         with open(self._log_path(c["Id"]), "rb") as fh:
-            lines = fh.read().splitlines(keepends=True)
+            data = fh.read()
+        lines = data.splitlines(keepends=True)
         tail = request.query.get("tail", "all")
         if tail != "all":
             lines = lines[-int(tail):] if int(tail) else []
-        body = b"".join(struct.pack(">BxxxL", 2, len(line)) + line for line in lines)
-        return web.Response(body=body, content_type="application/vnd.docker.multiplexed-stream")
+        body = b"".join(self._frame(line) for line in lines)
+        if request.query.get("follow") not in ("1", "true", "True"):
+            return web.Response(body=body, content_type="application/vnd.docker.multiplexed-stream")
+        out = web.StreamResponse(headers={"Content-Type": "application/vnd.docker.multiplexed-stream"})
+        await out.prepare(request)
+        await out.write(body)
+        await self._follow(c, len(data), out)
+        await out.write_eof()
+        return out
+
+    @staticmethod
+    def _frame(line: bytes) -> bytes:
+        return struct.pack(">BxxxL", 2, len(line)) + line
+
+    async def _follow(self, c: dict, pos: int, out: web.StreamResponse) -> None:
+        """Send what the log file gains from ``pos`` on, line by line, until the container
+        is not running and everything it wrote was sent (Docker's follow ends there)."""
+        partial = b""
+        while True:
+            running = c["State"]["Running"]
+            try:
+                with open(self._log_path(c["Id"]), "rb") as fh:
+                    fh.seek(pos)
+                    new = fh.read()
+            except FileNotFoundError:  # removed
+                return
+            pos += len(new)
+            partial += new
+            *whole, partial = partial.split(b"\n")
+            for line in whole:
+                await out.write(self._frame(line + b"\n"))
+            if not running and not new:
+                if partial:
+                    await out.write(self._frame(partial))
+                return
+            await asyncio.sleep(0.02)
 
     async def _unknown(self, request: web.Request) -> web.Response:
         self.requests.append(request.path)

@@ -416,3 +416,64 @@ async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_
                 assert r.status == 503 and body["status"] == "unavailable" and "in time" in body["reason"]
         async with s.get(f"{server.url}/healthz") as r:
             assert r.status == 200
+
+
+async def _logs(server, dep_id, query=""):
+    async with aiohttp.ClientSession() as s, \
+            s.get(f"{server.url}/api/deployments/{dep_id}/logs{query}", headers=server.admin_headers()) as r:
+        return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+
+async def test_logs_route_tail_and_its_errors(server):
+    status, body = await api(server, "POST", "/deployments", new_dep("lg"))
+    dep_id = body["id"]
+    assert await _logs(server, dep_id) == (200, "text/plain; charset=utf-8", b"")  # never ran: empty
+    status, _, raw = await _logs(server, 999)
+    assert status == 404 and orjson.loads(raw)["error"]["code"] == "not_found"
+    for bad in ("?tail=-1", "?tail=x", "?tail=10001", "?follow=2"):
+        status, _, raw = await _logs(server, dep_id, bad)
+        assert status == 400 and orjson.loads(raw)["error"]["code"] == "invalid_field", bad
+        assert orjson.loads(raw)["error"]["message"].startswith(bad[1:].split("=")[0])
+    assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
+    status, _, raw = await _logs(server, dep_id, "?tail=1")
+    assert status == 200 and b"serving LG" in raw and raw.count(b"\n") == 1
+    status, _, raw = await _logs(server, dep_id, "?tail=0&follow=0")
+    assert (status, raw) == (200, b"")
+    # Over the socket too, as the command line reads it.
+    conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))
+    async with aiohttp.ClientSession(connector=conn) as s, \
+            s.get(f"http://ondemand{server.cfg.base_path}/api/deployments/{dep_id}/logs?tail=5") as r:
+        assert r.status == 200 and b"serving LG" in await r.read()
+
+
+async def test_logs_follow_a_start_live_until_the_engine_stops(server):
+    status, body = await api(server, "POST", "/deployments", new_dep("fl", command=sim_command(
+        "FL", "--startup-delay", "30")))
+    dep_id = body["id"]
+    assert (await api(server, "POST", f"/deployments/{dep_id}/start"))[0] == 200
+    got = b""
+    async with aiohttp.ClientSession() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
+                                                   headers=server.admin_headers()) as r:
+        assert r.status == 200
+        while b"serving FL" not in got:
+            got += await asyncio.wait_for(r.content.readany(), 20)
+        assert server.state(dep_id) == "starting"  # followed while it starts
+        assert (await api(server, "POST", f"/deployments/{dep_id}/stop"))[0] == 200
+        got += await asyncio.wait_for(r.content.read(), 20)  # the answer ends with the engine's log
+    assert b"serving FL" in got
+
+
+async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
+    status, body = await api(server, "POST", "/deployments", new_dep("hu"))
+    dep_id = body["id"]
+    assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
+    run = server.deployer.backend._runs["hu"]
+    before = {t.get_name() for t in asyncio.all_tasks()}
+    async with aiohttp.ClientSession() as s:
+        r = await s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1", headers=server.admin_headers())
+        assert b"serving HU" in await asyncio.wait_for(r.content.readany(), 10)
+        assert len(run.followers) == 1
+        r.close()  # hang up while the engine runs on
+    await wait_for(lambda: not run.followers, what="the follower gone with its client")
+    await wait_for(lambda: {t.get_name() for t in asyncio.all_tasks()} <= before, what="no task left")
+    assert server.state(dep_id) == "ready"

@@ -313,3 +313,68 @@ async def test_log_tail_is_of_the_last_run_only(h):
     assert await asyncio.wait_for(b.wait_exit(engine), READY_S) == 1
     tail = await b.log_tail(engine, again)
     assert "again 29" in tail and "line " not in tail, tail
+
+
+# An engine that writes lines in two batches, a pause apart, then exits: for logs().
+TWO_BATCHES = ("import sys, time\n"
+               "for i in range(5): print('line', i, file=sys.stderr, flush=True)\n"
+               "time.sleep({pause})\n"
+               "for i in range(5, 10): print('line', i, file=sys.stderr, flush=True)\n")
+
+
+def _two_batches(h, pause: float) -> Deployment:
+    dep = h.noisy(lines=0, code=0)
+    script = TWO_BATCHES.format(pause=pause)
+    return dep.replace(command=tuple(script if a.startswith("import sys") else a for a in dep.command),
+                       args=tuple(script if a.startswith("import sys") else a for a in dep.args))
+
+
+async def _read(stream, limit: float = READY_S) -> list[str]:
+    """All of a logs() stream, as lines (it must end within ``limit``)."""
+    async def collect() -> bytes:
+        out = b""
+        async for chunk in stream:
+            out += chunk
+        return out
+    return (await asyncio.wait_for(collect(), limit)).decode().splitlines()
+
+
+async def test_logs_tail_then_follow_until_the_engine_ends(h):
+    """follow: the last lines so far, then every new line, and the end when the engine exits."""
+    b = h.backend()
+    dep = _two_batches(h, pause=1.0)
+    engine = await b.start(dep)
+    await wait_for(lambda: _has(b.log_tail(engine, dep), "line 4"), timeout=READY_S, what="the first batch")
+    lines = await _read(b.logs(dep, tail=3, follow=True))
+    assert lines == [f"line {i}" for i in range(2, 10)], lines
+    assert await asyncio.wait_for(b.wait_exit(engine), 10) == 0
+    # Without follow, an ended engine's log is still there; tail=0 gives nothing.
+    assert await _read(b.logs(dep, tail=4, follow=False)) == [f"line {i}" for i in range(6, 10)]
+    assert await _read(b.logs(dep, tail=0, follow=False)) == []
+    # After a restart of ondemand, by name.
+    assert await _read(h.backend().logs(dep, tail=2, follow=True)) == ["line 8", "line 9"]
+
+
+async def _has(awaitable, text: str) -> bool:
+    return text in await awaitable
+
+
+async def test_logs_of_a_deployment_that_never_ran_are_empty(h):
+    b = h.backend()
+    dep = h.dep()
+    assert await _read(b.logs(dep, tail=100, follow=False)) == []
+    assert await _read(b.logs(dep, tail=100, follow=True)) == []  # nothing runs: ends at once
+
+
+async def test_a_follower_that_closes_early_stops_the_stream(h):
+    b = h.backend()
+    dep = h.dep()
+    engine = await b.start(dep)
+    await until_answers(engine)
+    stream = b.logs(dep, tail=50, follow=True)
+    first = await asyncio.wait_for(stream.__anext__(), 10)
+    assert b"serving" in first
+    await asyncio.wait_for(stream.aclose(), 5)  # the engine still runs: only the reader goes
+    if h.kind == "process":
+        assert all(not run.followers for run in b._runs.values())
+    await b.stop(engine, 5)

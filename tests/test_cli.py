@@ -297,3 +297,41 @@ def test_every_command_says_what_it_does():
             walk(sub, f"{path} {name}")
     walk(root, "ondemand")
     assert isinstance(root, click.Group) and len(root.commands) >= 8
+
+
+async def test_deploy_logs_tail_follow_and_ctrl_c(tmp_path, server):
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    dep_id = await server.add("lg")
+    rc, out, err = await cli("deploy", "logs", str(dep_id), config=cfg)
+    assert (rc, out) == (0, "")  # it never ran: an empty log
+    rc, _, err = await cli("deploy", "logs", "99", config=cfg)
+    assert rc == 1 and "not_found" in err
+    rc, _, err = await cli("deploy", "logs", str(dep_id), "-n", "-1", config=cfg)
+    assert rc == 2
+    await server.deployer.restart(dep_id)
+    rc, out, err = await cli("deploy", "logs", str(dep_id), "-n", "1", config=cfg)
+    assert rc == 0 and "serving LG" in out and out.count("\n") == 1, (out, err)
+    # -f runs until Ctrl-C, which ends it cleanly: exit 0, no traceback.
+    argv = [sys.executable, "-m", "ondemand", "--config", str(cfg), "deploy", "logs", str(dep_id), "-f"]
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        seen = b""
+        while b"serving LG" not in seen:
+            seen += await asyncio.wait_for(proc.stdout.readline(), 20)
+        await asyncio.sleep(0.3)
+        assert proc.returncode is None  # following
+        proc.send_signal(2)
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0 and err == b"", err
+    await wait_for(lambda: not server.deployer.backend._runs["lg"].followers, what="the follower gone")
+
+
+async def test_deploy_logs_without_a_server(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
+    rc, _, err = await cli("deploy", "logs", "1", config=cfg)
+    assert rc == 3 and "no server" in err

@@ -14,7 +14,7 @@ ALLOWED = {
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
     "dockerapi": set(), "notice": set(), "forward": set(), "migrations": set(), "store": {"migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
-    "backends": {"errors", "model"}, "backends.process": {"backends", "model"},
+    "backends": {"errors", "model"}, "backends.process": {"backends", "model", "tasks"},
     "backends.docker": {"backends", "dockerapi", "model"},
     "deployer": {"backends", "budget", "errors", "events", "model", "store", "tasks"},
     # The decision core sees the world only through its Effects protocol.
@@ -30,8 +30,11 @@ ALLOWED = {
     "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"accesslog", "admission", "config", "controller", "deployer", "effects", "events", "footprint",
-                   "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "store", "tasks", "telemetry"},
-    "admin": {"components", "keys", "config", "deployer", "errors", "events", "metrics", "model", "telemetry"},
+                   "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "starts", "store", "tasks",
+                   "telemetry"},
+    "starts": {"model", "store", "tasks"},
+    "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "metrics", "model",
+              "telemetry"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},

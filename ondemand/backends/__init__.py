@@ -2,13 +2,14 @@
 
 A backend knows nothing of states, budgets or requests. It starts an engine
 for a deployment row and hands back an ``Engine`` handle (base URL, a way to
-wait for its exit, its log tail), stops it, and finds engines of ours that
-outlived a restart of ondemand (adoption).
+wait for its exit, its log tail), stops it, finds engines of ours that
+outlived a restart of ondemand (adoption), and reads or follows an engine's log.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ..model import Deployment
@@ -69,6 +70,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:
         """The last lines the engine wrote, for the failure reason."""
+
+    @abc.abstractmethod
+    def logs(self, dep: Deployment, *, tail: int, follow: bool) -> AsyncIterator[bytes]:
+        """The engine's log, as bytes: its last ``tail`` lines (of every run), then, with
+        ``follow``, what its running engine writes until that engine's log ends. Nothing
+        when it never ran. An async generator: close it (``contextlib.aclosing``) to stop
+        following; raises BackendError when the log cannot be read."""
 
     async def close(self) -> None:  # noqa: B027 (optional hook: a backend that holds nothing keeps it)
         pass

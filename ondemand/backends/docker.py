@@ -28,7 +28,8 @@ import hashlib
 import json
 import logging
 import math
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import aiohttp
 
@@ -414,3 +415,31 @@ class DockerBackend(Backend):
         except _TRANSPORT as exc:
             raise _error(f"reading the log of {container_name(dep)}", exc) from exc
         return "\n".join("".join(chunks).splitlines()[-lines:])
+
+    async def logs(self, dep: Deployment, *, tail: int, follow: bool) -> AsyncIterator[bytes]:
+        """The container's log (stdout and stderr) through Docker's logs call; a follow ends
+        when the container stops (Docker closes the stream). Only a container of ours."""
+        name = container_name(dep)
+        info = await self._inspect(name, f"inspecting container {name}")
+        if info is None or not self._ours(info):
+            return
+        docker = await self._client()
+        container = docker.containers.container(info["Id"])
+        what = f"reading the log of {name}"
+        try:
+            if not follow:
+                chunks = await container.log(stdout=True, stderr=True, tail=tail)
+                if chunks:
+                    yield "".join(chunks).encode()
+                return
+            # aiodocker reads the stream with no total timeout (a log call is long-running). Its
+            # follow is an async generator (typed as an iterator): closed, it closes the response.
+            stream = cast(AsyncGenerator[str, None], container.log(stdout=True, stderr=True, follow=True, tail=tail))
+            async with contextlib.aclosing(stream):
+                async for piece in stream:
+                    yield piece.encode()
+        except DockerError as exc:
+            if exc.status != 404:  # removed meanwhile: its log went with it
+                raise _error(what, exc) from exc
+        except _TRANSPORT as exc:
+            raise _error(what, exc) from exc

@@ -1,0 +1,107 @@
+"""Retention: events and audit rows older than retention_days are deleted once an hour
+(app.prune_old_rows, Store.prune), the queue-timeout audit rows with them."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from helpers import wait_for
+
+from ondemand import app as app_mod
+from ondemand import config
+from ondemand.errors import ConfigError
+
+DAY = 86400.0
+
+
+async def add_rows(store, at: float, n: int = 1, action: str = "ondemand_queue_timeout") -> None:
+    async with store.transaction() as db:
+        for _ in range(n):
+            await db.execute("INSERT INTO events (at, actor, text) VALUES (?, 'deployer', 'e')", (at,))
+            await db.execute("INSERT INTO audit (at, action, actor, deployment_id, text) "
+                             "VALUES (?, ?, 'ondemand', 1, 'a')", (at, action))
+
+
+async def count(store, table: str) -> int:
+    async with store.db.execute(f"SELECT count(*) FROM {table}") as cur:
+        return (await cur.fetchone())[0]
+
+
+async def test_prune_deletes_only_rows_older_than_the_cut_in_batches(store):
+    now = 1_000_000_000.0
+    await add_rows(store, now - 40 * DAY, 5)
+    await add_rows(store, now - 29 * DAY, 2)
+    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 3, "audit": 3, "starts": 0}
+    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 2, "audit": 2, "starts": 0}
+    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 0, "audit": 0, "starts": 0}
+    assert await count(store, "events") == await count(store, "audit") == 2
+
+
+async def test_prune_forgets_the_start_history_of_removed_deployments(store):
+    dep = await store.insert_deployment(dict(name="a", served_name="A", engine="vllm", state="stopped"))
+    await store.write_start(dep["id"], at=1.0, duration_s=3.0, kind="start", keep=20)
+    await store.write_start(dep["id"] + 1, at=1.0, duration_s=3.0, kind="start", keep=20)  # removed
+    assert (await store.prune(0.0, 10))["starts"] == 1
+    assert list(await store.starts(5)) == [dep["id"]]
+
+
+async def test_the_background_task_runs_soon_then_every_interval(store):
+    clock = [1_000_000_000.0]
+    await add_rows(store, clock[0] - 31 * DAY, 3)
+    await store.write_audit(action="ondemand_queue_timeout", actor="ondemand", deployment_id=1, text="now")
+    task = asyncio.ensure_future(app_mod.prune_old_rows(store, 30, clock=lambda: clock[0], first_s=0.01,
+                                                        interval_s=0.05))
+    try:
+        await wait_for(lambda: count_is(store, "audit", 1), what="the old audit rows gone at the first pass")
+        assert await count(store, "events") == 0
+        # Time passes (the fake clock): rows written "now" age past the cut and go at a later pass.
+        await add_rows(store, clock[0] - DAY, 2)
+        await asyncio.sleep(0.15)
+        assert await count(store, "events") == 2
+        clock[0] += 30 * DAY
+        await wait_for(lambda: count_is(store, "events", 0), what="the aged rows gone at a later pass")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def count_is(store, table, n):
+    return await count(store, table) == n
+
+
+async def test_a_backlog_is_deleted_in_several_short_passes(store, monkeypatch):
+    monkeypatch.setattr(app_mod, "RETENTION_BATCH", 10)
+    monkeypatch.setattr(app_mod, "RETENTION_AGAIN_S", 0.01)
+    await add_rows(store, time.time() - 100 * DAY, 35)
+    task = asyncio.ensure_future(app_mod.prune_old_rows(store, 30, first_s=0, interval_s=3600))
+    try:
+        await wait_for(lambda: count_is(store, "audit", 0), what="the backlog gone without the hourly wait")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_the_server_runs_retention(tmp_path, monkeypatch):
+    from helpers import run_app
+
+    from ondemand.components import STORE
+    monkeypatch.setattr(app_mod, "RETENTION_FIRST_S", 0.05)
+    async with run_app(tmp_path, retention_days=2) as server:
+        store = server.app[STORE]
+        await add_rows(store, time.time() - 3 * DAY, 2)
+        await add_rows(store, time.time() - 1 * DAY, 1)
+        await wait_for(lambda: count_is(store, "audit", 1), what="the server's first retention pass")
+
+
+@pytest.mark.parametrize("value", [0, 3651, "x", 1.5])
+def test_retention_days_is_validated(value):
+    with pytest.raises(ConfigError, match="retention_days"):
+        config.load(env={}, overrides={"retention_days": value})
+
+
+def test_retention_days_default_and_environment():
+    assert config.load(env={}).retention_days == 30
+    assert config.load(env={"ONDEMAND_RETENTION_DAYS": "3650"}).retention_days == 3650

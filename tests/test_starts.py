@@ -1,0 +1,169 @@
+"""Start history (ondemand/starts.py): durations from the bus's DeploymentChanged, the
+deployment view's last_start_s and start_eta_s, the state file's `starts` table
+(migration 4), and the ETA in the queued notice."""
+from __future__ import annotations
+
+import pytest
+from helpers import wait_for
+
+from ondemand import migrations, notice
+from ondemand.model import Deployment, State
+from ondemand.starts import ETA_OF, StartHistory
+
+
+def dep(state: State, at: float, **kw) -> Deployment:
+    return Deployment(id=kw.pop("id", 1), name="d", served_name="D", engine="vllm", state=state, updated_at=at, **kw)
+
+
+def moves(history: StartHistory, *steps: tuple[State, float], **kw) -> None:
+    """Publish the deployment's changes ``(state, updated_at)`` in order, as the deployer does."""
+    old = None
+    for state, at in steps:
+        new = dep(state, at, **kw)
+        history.on_change(new.id, new, old)
+        old = new
+
+
+async def written(store, dep_id: int, n: int) -> list[tuple[str, float]]:
+    return await wait_for(lambda: _rows(store, dep_id, n), what=f"{n} start rows of {dep_id}")
+
+
+async def _rows(store, dep_id, n):
+    rows = (await store.starts(100)).get(dep_id, [])
+    return rows if len(rows) == n else None
+
+
+async def test_a_start_is_timed_from_starting_to_ready_and_kept(store):
+    h = StartHistory(store)
+    try:
+        assert h.fields(1) == {"last_start_s": None, "start_eta_s": None}
+        moves(h, (State.STOPPED, 100.0), (State.STARTING, 100.0), (State.READY, 142.0))
+        assert h.fields(1) == {"last_start_s": 42.0, "start_eta_s": 42.0}
+        assert await written(store, 1, 1) == [("start", 42.0)]
+    finally:
+        await h.close()
+    again = StartHistory(store)  # after a restart of ondemand
+    await again.load()
+    assert again.fields(1) == {"last_start_s": 42.0, "start_eta_s": 42.0}
+
+
+async def test_eta_is_the_median_of_the_last_five(store):
+    h = StartHistory(store)
+    try:
+        for i, took in enumerate([100, 10, 20, 30, 40, 50, 11]):
+            t = 1000.0 * i
+            moves(h, (State.STOPPED, t), (State.STARTING, t), (State.READY, t + took))
+        assert h.last_start_s(1) == 11.0
+        assert h.eta_s(1) == 30.0  # median of 20, 30, 40, 50, 11: the 100 s start aged out
+        await written(store, 1, 7)
+    finally:
+        await h.close()
+
+
+async def test_an_edit_while_starting_does_not_shorten_it(store):
+    """The deployer stamps updated_at on every change: a pending mode set during the start
+    must not become the start's beginning."""
+    h = StartHistory(store)
+    try:
+        moves(h, (State.STOPPED, 0.0), (State.STARTING, 10.0), (State.STARTING, 30.0), (State.READY, 70.0))
+        assert h.last_start_s(1) == 60.0
+    finally:
+        await h.close()
+
+
+@pytest.mark.parametrize("end", [State.FAILED, State.STOPPING])
+async def test_failed_or_interrupted_starts_are_not_counted(store, end):
+    h = StartHistory(store)
+    try:
+        moves(h, (State.STOPPED, 0.0), (State.STARTING, 0.0), (end, 5.0))
+        assert h.fields(1) == {"last_start_s": None, "start_eta_s": None}
+        moves(h, (State.STOPPED, 10.0), (State.STARTING, 10.0), (State.READY, 13.0))
+        assert h.last_start_s(1) == 3.0
+    finally:
+        await h.close()
+
+
+async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_timed_from_its_row(store):
+    h = StartHistory(store)
+    try:
+        moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 2.0))
+        assert h.last_start_s(1) is None  # a wake says nothing about a cold start
+        # Adopted while starting: the first change seen is starting -> ready.
+        h.on_change(2, dep(State.READY, 50.0, id=2), dep(State.STARTING, 20.0, id=2))
+        assert h.last_start_s(2) == 30.0
+        assert await written(store, 1, 1) == [("wake", 2.0)]
+        # A clock that went back gives no entry; a removal forgets the deployment.
+        moves(h, (State.STOPPED, 100.0), (State.STARTING, 100.0), (State.READY, 90.0), id=3)
+        assert h.last_start_s(3) is None
+        h.on_change(2, None, dep(State.READY, 50.0, id=2))
+        assert h.last_start_s(2) is None
+    finally:
+        await h.close()
+
+
+async def test_the_state_file_keeps_a_bounded_history(store):
+    for i in range(30):
+        await store.write_start(7, at=float(i), duration_s=float(i), kind="start", keep=20)
+    rows = (await store.starts(100))[7]
+    assert [d for _, d in rows] == [float(i) for i in range(10, 30)]
+    assert [d for _, d in (await store.starts(ETA_OF))[7]] == [25.0, 26.0, 27.0, 28.0, 29.0]
+    assert migrations.LATEST >= 4
+
+
+def test_the_notice_says_when_the_model_is_expected():
+    assert "expected in about 42 s" in notice.notice_text("M", 41.6)
+    assert "expected" not in notice.notice_text("M")
+    chunk = notice.queued_chunk("chat/completions", "M", 3.0)
+    assert b"expected in about 3 s" in chunk
+
+
+async def test_views_carry_the_history_of_real_starts(server, http):
+    """End to end: two real starts of an engine-simulator deployment, through the deployer and
+    the bus, show in its view; the gateway's notice gets the same ETA."""
+    dep_id = await server.add("h", 10, "--startup-delay", "0.3")
+    for _ in range(2):
+        await server.deployer.restart(dep_id)
+        await server.deployer.stop(dep_id)
+    async with http.get(f"{server.url}/api/deployments/{dep_id}", headers=server.admin_headers()) as r:
+        view = await r.json()
+    assert 0.3 <= view["last_start_s"] < 10 and 0.3 <= view["start_eta_s"] < 10
+    from ondemand import app as app_mod
+    gateway = server.app[app_mod.GATEWAY]
+    assert gateway.start_eta(dep_id) == view["start_eta_s"]
+    assert gateway.start_eta(dep_id + 1) is None
+
+
+def test_status_says_when_a_starting_or_queued_model_is_expected():
+    from ondemand.cli import _dep_rows, _expected
+    views = [
+        {"name": "a", "state": "starting", "updated_at": 100.0, "start_eta_s": 40.0, "ondemand": {"phase": "idle"}},
+        {"name": "b", "state": "stopped", "updated_at": 0.0, "start_eta_s": 12.0, "ondemand": {"phase": "queued"}},
+        {"name": "c", "state": "starting", "updated_at": 100.0, "start_eta_s": None, "ondemand": {"phase": "idle"}},
+        {"name": "d", "state": "ready", "updated_at": 0.0, "start_eta_s": 5.0, "ondemand": {"phase": "idle"}},
+    ]
+    assert _expected(views, now=110.0) == ["a: starting, expected in about 30 s",
+                                           "b: queued for GPU memory; once it starts, expected in about 12 s"]
+    row = {"id": 1, "served_name": "A", "mode": "on_demand", "memory_gib": 1, **views[0]}
+    assert _dep_rows([row])[0][-1] == "~40s"
+
+
+async def test_the_queued_notice_of_the_gateway_carries_the_eta(server, http):
+    import time
+
+    import orjson
+
+    from ondemand import app as app_mod
+    big = await server.add("big", 15)
+    x = await server.add("x", 12)
+    await server.deployer.restart(big)
+    slot = await server.admission.acquire(big)  # busy: x must queue for its memory
+    server.app[app_mod.STARTS].record(x, 7.2, at=time.time())
+    body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()) as r:
+        chunk = orjson.loads((await r.content.readuntil(b"\n\n"))[6:])
+        assert chunk["id"] == "ondemand-queued"
+        assert "then expected in about 7 s" in chunk["choices"][0]["delta"]["content"]
+        slot.release()
+        server.controller._last_activity[big] = 0  # idle for its full timeout: x gets its memory
+        await server.app[app_mod.SAMPLER].sample_once()
+        assert (await r.read()).endswith(b"data: [DONE]\n\n")
