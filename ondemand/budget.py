@@ -73,14 +73,15 @@ class Pool:
     index: int
     uuid: str | None
     capacity: float  # usable: measured or declared, less the reserve
-    used: float
-    free: float  # for a new engine: less the starts in progress and others' holds
+    used: float  # measured (every process's), or declared by the holders (static)
+    starting: float  # measured sources: what starts in progress will take on top of ``used``
+    free: float  # for a new engine: capacity less used, starting and others' holds
     ondemand_capacity: float  # capacity less what always-on and system deployments hold here
     holders: tuple[str, ...]  # deployments whose engines hold memory here
 
     def as_dict(self) -> dict[str, object]:
         return {"index": self.index, "uuid": self.uuid, "capacity": round(self.capacity, 3),
-                "used": round(self.used, 3), "free": round(self.free, 3),
+                "used": round(self.used, 3), "starting": round(self.starting, 3), "free": round(self.free, 3),
                 "ondemand_capacity": round(self.ondemand_capacity, 3), "deployments": list(self.holders)}
 
 
@@ -98,6 +99,10 @@ class Snapshot:
         return sum(p.used for p in self.pools)
 
     @property
+    def starting(self) -> float:
+        return sum(p.starting for p in self.pools)
+
+    @property
     def free(self) -> float:
         return sum(p.free for p in self.pools)
 
@@ -106,7 +111,8 @@ class Snapshot:
         return sum(p.ondemand_capacity for p in self.pools)
 
     def as_dict(self) -> dict[str, object]:
-        return {"capacity": round(self.capacity, 3), "used": round(self.used, 3), "free": round(self.free, 3),
+        return {"capacity": round(self.capacity, 3), "used": round(self.used, 3),
+                "starting": round(self.starting, 3), "free": round(self.free, 3),
                 "ondemand_capacity": round(self.ondemand_capacity, 3), "per_gpu": self.per_gpu,
                 "gpus": [p.as_dict() for p in self.pools]}
 
@@ -231,22 +237,27 @@ class Budget:
         caps = self._capacities(reading)
         n = len(caps)
         used = [0.0] * n if reading.gpus is None else [g.used for g in reading.gpus]
+        starting = [0.0] * n  # measured: starts in progress, on top of the measurement
         always_on = [0.0] * n
         holders: list[list[str]] = [[] for _ in range(n)]
         for d in deps:
             if d.state not in HOLDING:
                 continue
             held = self.holdings(d, n)
-            counted = reading.gpus is None or d.state is State.STARTING or d.id in reading.starting
+            declared = reading.gpus is None
+            pending = not declared and (d.state is State.STARTING or d.id in reading.starting)
             for i, gib in held.items():
                 holders[i].append(d.name)
-                if counted and d.id != exclude:
+                if d.id != exclude and declared:
                     used[i] += gib
+                elif d.id != exclude and pending:
+                    starting[i] += gib
                 if d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL:
                     always_on[i] += gib
         held_out = held_for_others or {}
         return Snapshot(tuple(
-            Pool(idx, uuid, cap, used[i], max(0.0, cap - used[i] - held_out.get(i, 0.0)),
+            Pool(idx, uuid, cap, used[i], starting[i],
+                 max(0.0, cap - used[i] - starting[i] - held_out.get(i, 0.0)),
                  max(0.0, cap - always_on[i]), tuple(holders[i]))
             for i, (idx, uuid, cap) in enumerate(caps)), self.per_gpu)
 

@@ -68,9 +68,10 @@ async def test_socket_is_open_and_0600(tmp_path):
 
 async def test_host_view(server):
     status, host = await api(server, "GET", "/host")
-    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "free": 24.0, "ondemand_capacity": 24.0,
-                              "per_gpu": False, "gpus": [{"index": 0, "uuid": None, "capacity": 24.0, "used": 0.0,
-                                                          "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
+    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "starting": 0.0, "free": 24.0,
+                              "ondemand_capacity": 24.0, "per_gpu": False,
+                              "gpus": [{"index": 0, "uuid": None, "capacity": 24.0, "used": 0.0, "starting": 0.0,
+                                        "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
     assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
     assert host["ondemand"]["litellm_ready"] is False
 

@@ -95,7 +95,13 @@ async function begin() {
 
 let hostTimer = null;
 function refreshHost() {  // at most once a second, however many events arrive
-  if (hostTimer === null) hostTimer = setTimeout(() => { hostTimer = null; loadHost().catch(() => {}); }, 1000);
+  if (hostTimer === null) {
+    hostTimer = setTimeout(() => {
+      hostTimer = null;
+      loadHost().catch(() => {});
+      if (!auditPages.length) loadAudit();  // the newest page follows what happens
+    }, 1000);
+  }
 }
 
 async function loadHost() {
@@ -137,7 +143,8 @@ function renderGpus(b) {
     track.setAttribute("aria-label", `${title}: ${fmt(g.used)} of ${fmt(g.capacity)} GiB used, ` +
                                      `${fmt(g.free)} free` + (g.deployments.length ? `, held by ${g.deployments.join(", ")}` : ""));
     div.append(label, track, el("div", {className: "who"},
-      `${fmt(g.free)} GiB free` + (g.deployments.length ? " · " + g.deployments.join(", ") : "")));
+      `${fmt(g.free)} GiB free` + (g.starting > 0.05 ? ` · ${fmt(g.starting)} held for a start` : "") +
+      (g.deployments.length ? " · " + g.deployments.join(", ") : "")));
     box.append(div);
   }
 }
@@ -167,6 +174,8 @@ async function follow() {
       for (const v of all) views.set(v.id, v);
       render();
       loadHost().catch(() => {});
+      if (!auditPages.length) loadAudit();
+      if ($("error").textContent.includes("does not answer")) showError(null);  // it answers again
       $("conn").textContent = "live";
       delay = 1000;
       await readEvents(r.body.getReader());
@@ -236,7 +245,8 @@ function row(v) {
   const mem = el("td", {"data-label": "Memory"}, `${fmt(v.memory_gib)} GiB`,
                  el("span", {className: "sub"}, v.measured_gib != null ?
                     `measured ${fmt(v.measured_gib)} GiB` + (over ? " — over what it declares" : "") : "not measured"));
-  const ll = v.litellm ? v.litellm.status + (v.litellm.code ? ` (${v.litellm.code})` : "") : "–";
+  const ll = !v.litellm || v.litellm.code === "litellm_disabled" ? "not used" :
+    v.litellm.status + (v.litellm.code ? ` (${v.litellm.code})` : "");
   const litellm = el("td", {"data-label": "LiteLLM"}, ll);
   const actions = el("td", {"data-label": "Actions", className: "actions"}, ...buttons(v));
   tr.append(name, state, mode, load, gpus, mem, litellm, actions);

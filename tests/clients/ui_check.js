@@ -105,7 +105,7 @@ function waitForLine(expected) {
     await click(page, "slow", "Start");
     await waitState(page, "slow", "starting", 5000);
     await click(page, "slow", "Log");
-    await page.waitForFunction(() => document.getElementById("log").textContent.includes("serving"), null,
+    await page.waitForFunction(() => document.getElementById("log").textContent.includes("application startup complete"), null,
                                { timeout: 20000 });
     out.log = { text: await page.textContent("#log"), state_when_seen: (await stateOf(page, "slow")).state };
     await page.click("#logs-close");
@@ -121,15 +121,19 @@ function waitForLine(expected) {
     await page.waitForFunction(() => document.getElementById("conn").textContent === "live" &&
                                document.querySelector('#rows tr[data-name="alpha"]')?.dataset.state !== "ready",
                                null, { timeout: 30000 });
-    out.after_restart = { alpha: await stateOf(page, "alpha"), names: await page.$$eval("#rows tr", (trs) => trs.map((t) => t.dataset.name)) };
+    out.after_restart = { alpha: await stateOf(page, "alpha"), broken: await stateOf(page, "broken"), names: await page.$$eval("#rows tr", (trs) => trs.map((t) => t.dataset.name)) };
     await page.waitForSelector(row("late"), { timeout: 10000 });  // made after the restart: it shows
     out.after_restart.late = true;
 
     out.gpus = await page.$$eval("#gpus .gpu", (gs) => gs.map((g) => g.querySelector(".track").getAttribute("aria-label")));
+    await page.waitForFunction(() => [...document.querySelectorAll("#audit-rows tr")]
+      .some((t) => t.cells[1].textContent === "ondemand_start"), null, { timeout: 5000 }).catch(() => {});
     out.audit = await page.$$eval("#audit-rows tr", (trs) => trs.map((t) => t.cells[1].textContent));
+    await page.waitForTimeout(1500);  // the counters' last publish (at most one a second) is in
     await page.screenshot({ path: shot, fullPage: true });
   } finally {
     await browser.close();
   }
   console.log(JSON.stringify(out));
+  process.exit(0);  // stdin stays open after the readline: do not wait for it
 })().catch((e) => { console.error(e); process.exit(1); });
