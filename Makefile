@@ -95,8 +95,10 @@ pyz: install
 pyz-all: install
 	for t in $(PYZ_TARGETS); do $(PY) scripts/build_pyz.py --target $$t || exit 1; done
 
+# The gateway's figures against a direct connection, then the cold path (its own section).
 bench: install
 	$(PY) scripts/bench.py
+	$(PY) scripts/bench_cold.py
 
 clean:
 	rm -rf dist build .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -30,7 +30,7 @@ log = logging.getLogger("ondemand.effects")
 
 class DeployerEffects:
     def __init__(self, deployer: Deployer, budget: Budget, sampler: MetricsSampler, *,
-                 publish: Callable[[object], None], settle_poll_s: float = 0.25):
+                 publish: Callable[[object], None], settle_poll_s: float = 0.05):
         self.deployer = deployer
         self.budget = budget
         self.sampler = sampler
@@ -107,7 +107,9 @@ class DeployerEffects:
 
     async def _settle(self, dep_id: int, within_s: float) -> None:
         """Freed memory may read as used for a while (nvidia-smi): look until the
-        deployment fits on some allowed GPU set, the fit check's own rule."""
+        deployment fits on some allowed GPU set, the fit check's own rule; 50 ms after
+        each reading (which itself takes nvidia-smi's time), so freed memory is seen soon
+        after it shows."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
         try:

@@ -105,6 +105,22 @@ async def test_watchdog_kills_an_engine_that_stops_answering_and_its_streams_end
         assert d.get(dep.id).state == "ready"
 
 
+async def test_a_start_is_polled_quickly_and_holds_one_change_future(tmp_path, store):
+    """Readiness is asked for every 20 ms at first, then every 50 ms; a long start keeps one
+    future for the deployment's next change, not one per poll."""
+    from ondemand.deployer import ready_poll_s
+    assert ready_poll_s(0.0) == 0.02 and ready_poll_s(1.9) == 0.02 and ready_poll_s(2.0) == 0.05
+    assert ready_poll_s(3600) == 0.05
+    async with running_deployer(tmp_path, store) as d:
+        dep = await d.create(dep_fields("a", 4, "on_demand", "--startup-delay", "2.5"))
+        await d.admit_start(dep.id)
+        most = 0
+        while d.get(dep.id).state == "starting":
+            most = max(most, len(d._changes.get(dep.id, [])))
+            await asyncio.sleep(0.05)
+        assert d.get(dep.id).state == "ready" and most <= 2
+
+
 async def test_second_that_does_not_fit_raises(tmp_path, store):
     async with running_deployer(tmp_path, store, capacity=24) as d:
         a = await d.create(dep_fields("a", 16))
