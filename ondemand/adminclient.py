@@ -19,15 +19,23 @@ class NoServer(Exception):
     """No server answers on the admin socket."""
 
 
-async def request(cfg: Config, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One admin API call over the Unix socket: (HTTP status, parsed JSON or None)."""
+def _session(cfg: Config) -> Any:
+    """A client session on the admin socket (no overall timeout: a log may be followed);
+    raises NoServer when there is no socket."""
     import aiohttp
     sock = cfg.admin_socket
     if not sock.exists():
         raise NoServer(f"no server: {sock} does not exist")
+    return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+
+
+async def request(cfg: Config, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One admin API call over the Unix socket: (HTTP status, parsed JSON or None)."""
+    import aiohttp
+    sock = cfg.admin_socket
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
-                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as s:
+        async with _session(cfg) as s:
             async with s.request(method, f"http://ondemand{cfg.base_path}/api{path}",
                                  data=None if body is None else orjson.dumps(body),
                                  headers={"Content-Type": "application/json"}) as r:
@@ -51,11 +59,8 @@ async def stream(cfg: Config, path: str, write: Callable[[bytes], None]) -> None
     that is followed), until the server ends it. Raises NoServer, or Refused for an error."""
     import aiohttp
     sock = cfg.admin_socket
-    if not sock.exists():
-        raise NoServer(f"no server: {sock} does not exist")
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)),
-                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as s:
+        async with _session(cfg) as s:
             async with s.get(f"http://ondemand{cfg.base_path}/api{path}") as r:
                 if r.status >= 400:
                     raw = await r.read()

@@ -172,16 +172,23 @@ async def test_unknown_image_is_a_helpful_error(docker_env, backends):
     assert containers_named(f"ondemand-{dep.name}") == []
 
 
+async def start_or_no_gpu(backend, dep):
+    """The engine where Docker can give GPUs; else None, after checking that start said so
+    and left nothing behind."""
+    try:
+        return await backend.start(dep)
+    except BackendError as exc:
+        assert "nvidia" in str(exc) or "gpu" in str(exc).lower()
+        assert containers_named(f"ondemand-{dep.name}") == []
+        return None
+
+
 async def test_gpu_request(docker_env, backends):
     """gpus=True asks for every GPU; where Docker cannot give one, start says so and leaves nothing."""
     backend = backends(gpus=True)
     dep = deployment(docker_env)
-    try:
-        engine = await backend.start(dep)
-    except BackendError as exc:
-        assert "nvidia" in str(exc) or "gpu" in str(exc).lower()
-        assert containers_named(f"ondemand-{dep.name}") == []
-    else:  # a machine with GPUs
+    engine = await start_or_no_gpu(backend, dep)
+    if engine is not None:  # a machine with GPUs
         requests = inspect(engine.ref)["HostConfig"]["DeviceRequests"]
         assert requests == [{"Driver": "nvidia", "Count": -1, "DeviceIDs": None,
                              "Capabilities": [["gpu"]], "Options": {}}]
@@ -210,12 +217,8 @@ async def test_device_ids_reach_docker(docker_env, backends):
             await container.delete(force=True)
     finally:
         await docker.close()
-    try:
-        engine = await backend.start(dep)
-    except BackendError as exc:
-        assert "nvidia" in str(exc) or "gpu" in str(exc).lower()
-        assert containers_named(f"ondemand-{dep.name}") == []
-    else:  # a machine with GPUs
+    engine = await start_or_no_gpu(backend, dep)
+    if engine is not None:  # a machine with GPUs
         await backend.stop(engine, 5)
     none = deployment(docker_env, gpu_count=0)
     engine = await backend.start(none)
