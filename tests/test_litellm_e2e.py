@@ -88,10 +88,10 @@ class GatewaySpy:
         gateway = server.app[app_mod.GATEWAY]
         original = gateway._check_key
 
-        def check_key(request):
+        def check_key(request, *rest):
             self.hits.append({"method": request.method, "path": request.path,
                               "headers": {k.lower(): v for k, v in request.headers.items()}})
-            return original(request)
+            return original(request, *rest)
 
         gateway._check_key = check_key  # the instance's attribute: ondemand/ is not touched
 
