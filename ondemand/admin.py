@@ -27,7 +27,15 @@ from . import keys as keys_mod
 from .backends import BackendError
 from .config import Config
 from .deployer import Deployer, StartFailed, StartInterrupted
-from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, OndemandError
+from .errors import (
+    BudgetError,
+    DeployerError,
+    DeploymentBusy,
+    InsufficientMemory,
+    NameTaken,
+    OndemandError,
+    StateFileError,
+)
 from .events import ViewPublished
 from .model import Deployment, State
 from .telemetry import CONTENT_TYPE
@@ -92,6 +100,9 @@ def auth_middleware(cfg: Config) -> Middleware:
                 return web.Response(status=401, body=err.body(), content_type=_JSON)
         try:
             return await handler(request)
+        except StateFileError as exc:
+            err = OndemandError(503, "state_file_unwritable", str(exc), headers={"Retry-After": "30"})
+            return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
         except OndemandError as err:
             return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
         except web.HTTPException as exc:

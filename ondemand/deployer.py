@@ -41,7 +41,7 @@ import aiohttp
 
 from .backends import Backend, BackendError, Engine
 from .budget import Budget
-from .errors import DeployerError, DeploymentBusy, NameTaken
+from .errors import DeployerError, DeploymentBusy, NameTaken, StateFileError
 from .events import DeploymentChanged, StopCause
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, State, plain
 from .store import Store
@@ -250,6 +250,10 @@ class Deployer:
                 if audit:
                     await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=new.id,
                                                  text=text, detail=detail)
+        except StateFileError as exc:
+            # The engine did what it did: memory keeps the truth and the next transition writes
+            # the whole state again (a restart takes back what runs). Only this event is lost.
+            log.error("%s: %s (%s)", new.name, exc, text)
         finally:
             log.info("%s: %s", new.name, text)
             self._notify(new.id, self._deps.get(new.id), old, cause)
@@ -282,15 +286,20 @@ class Deployer:
             raise DeployerError(f"not changeable through update: {', '.join(sorted(bad))}")
         self._get(dep_id)
         old, new = self._replace(dep_id, **fields)
-        async with self.store.transaction():
-            await self.store.update_deployment(dep_id, **{k: getattr(new, k) for k in fields},
-                                               updated_at=new.updated_at)
-            if text:
-                await self.store.write_event(actor=actor, user=user, deployment_id=dep_id, text=text,
-                                             detail=detail or {})
-            if audit:
-                await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=dep_id,
-                                             text=text or audit, detail=detail or {})
+        try:
+            async with self.store.transaction():
+                await self.store.update_deployment(dep_id, **{k: getattr(new, k) for k in fields},
+                                                   updated_at=new.updated_at)
+                if text:
+                    await self.store.write_event(actor=actor, user=user, deployment_id=dep_id, text=text,
+                                                 detail=detail or {})
+                if audit:
+                    await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=dep_id,
+                                                 text=text or audit, detail=detail or {})
+        except StateFileError:
+            if self._deps.get(dep_id) is new:  # an administrator's change that was not stored: undone
+                self._deps[dep_id] = old
+            raise
         self._notify(dep_id, self._deps.get(dep_id), old)
         return new
 
@@ -425,9 +434,11 @@ class Deployer:
                 return  # stopped or removed while it waited at the gate
             try:
                 engine = await self.backend.start(dep)
-            except BackendError as exc:
+            except Exception as exc:  # a BackendError, or a defect: the start failed, it is not stuck
+                if not isinstance(exc, BackendError):
+                    log.exception("starting %s failed", dep.name)
                 tail = await self._tail(None, dep)
-                await self._transition(dep_id, State.FAILED, reason=str(exc), log_tail=tail)
+                await self._transition(dep_id, State.FAILED, reason=str(exc) or repr(exc), log_tail=tail)
                 return
             self._attach(engine)
             await self._finish_start(dep_id, engine)

@@ -68,6 +68,11 @@ class BudgetError(Exception):
     """The memory budget could not be read (nvidia-smi missing, failing or too slow ...)."""
 
 
+class StateFileError(Exception):
+    """The state file cannot be written (its disk is full, read-only, failing): nothing of
+    the change was written (SQLite rolled it back); the message says which file and why."""
+
+
 class DeployerError(Exception):
     """A deployer operation that could not be done (bad state, backend error)."""
 

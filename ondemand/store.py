@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import aiosqlite
 import orjson
 
 from . import migrations
+from .errors import StateFileError
 
 DEPLOYMENT_FIELDS = (
     "id", "name", "served_name", "engine", "image", "args", "command", "port", "memory_gib",
@@ -105,10 +107,16 @@ class Store:
                 await self.db.execute("BEGIN IMMEDIATE")
                 try:
                     yield self.db
-                except BaseException:
-                    await self.db.execute("ROLLBACK")
+                    await self.db.execute("COMMIT")
+                except BaseException as exc:
+                    # SQLite rolls some failures back itself (a full disk, an I/O error): then
+                    # this ROLLBACK fails, harmlessly. Either way nothing of it was written.
+                    with contextlib.suppress(sqlite3.Error):
+                        await self.db.execute("ROLLBACK")
+                    if isinstance(exc, sqlite3.OperationalError) and not isinstance(exc, sqlite3.IntegrityError):
+                        raise StateFileError(f"the state file {self.path} cannot be written: {exc}; "
+                                             "nothing of this change was written (free space there?)") from exc
                     raise
-                await self.db.execute("COMMIT")
             finally:
                 _in_tx.reset(token)
 

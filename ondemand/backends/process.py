@@ -291,7 +291,10 @@ class ProcessBackend(Backend):
         self._end_run(dep.name)
         run = LogRun(RotatingLog(log_path, self.log_max_bytes, self.log_keep))
         # Every run appends to the one log; the marker lets log_tail quote this run only.
-        run.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
+        try:
+            run.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
+        except OSError as exc:  # a full disk loses the log, not the engine
+            log.warning("cannot write the log %s: %s", log_path, exc)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -304,7 +307,10 @@ class ProcessBackend(Backend):
         assert proc.stdout is not None
         self._runs[dep.name] = self._run_of[proc] = run
         run.copier = self.tasks.spawn(self._copy(proc.stdout, run), f"copy {dep.name}")
-        pid_path.write_text(f"{proc.pid} {_start_time(proc.pid)}")
+        try:
+            pid_path.write_text(f"{proc.pid} {_start_time(proc.pid)}")
+        except OSError as exc:  # only a leftover after our own crash goes unnoticed then
+            log.warning("cannot write %s: %s", pid_path, exc)
         log.info("started %s: pid %d on port %d", dep.name, proc.pid, port)
         return Engine(dep.id, dep.name, f"http://127.0.0.1:{port}", ref=proc)
 
