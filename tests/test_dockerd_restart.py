@@ -5,6 +5,7 @@ reason, nothing is left half-adopted, and the next start makes a fresh container
 The daemon is restarted for real: SIGTERM to dockerd, then scripts/heavy/docker-up.sh."""
 import asyncio
 import os
+import pathlib
 import signal
 import subprocess
 import time
@@ -18,7 +19,7 @@ from ondemand.budget import Budget
 from ondemand.deployer import Deployer
 
 pytestmark = pytest.mark.docker
-PID_FILE = __import__("pathlib").Path("/var/run/docker.pid")
+PID_FILE = pathlib.Path("/var/run/docker.pid")
 
 
 def restart_dockerd() -> None:
