@@ -114,6 +114,8 @@ async def test_the_page_does_what_an_admin_does(tmp_path, browser_ready, fake_nv
     gpus = result["gpus"]
     assert len(gpus) == 8 and "held by big" in gpus[0] + gpus[1] and "held by pinned" in gpus[3]
     assert "ondemand_mode" in result["audit"] and "ondemand_start" in result["audit"]  # newest first, live
+    assert result["keyboard"] == {"opened": True, "closed": True}
+    assert result["phone"]["width"] <= result["phone"]["screen"], result["phone"]  # no sideways scrolling
     assert shot.stat().st_size > 10000
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shutil.copyfile(shot, SCREENSHOT)  # the README's picture, kept current

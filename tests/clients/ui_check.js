@@ -131,6 +131,17 @@ function waitForLine(expected) {
     out.audit = await page.$$eval("#audit-rows tr", (trs) => trs.map((t) => t.cells[1].textContent));
     await page.waitForTimeout(1500);  // the counters' last publish (at most one a second) is in
     await page.screenshot({ path: shot, fullPage: true });
+
+    // By keyboard: the add form opens with Enter and closes with Escape.
+    await page.focus("#add");
+    await page.keyboard.press("Enter");
+    out.keyboard = { opened: await page.$eval("#edit", (d) => d.open) };
+    await page.keyboard.press("Escape");
+    out.keyboard.closed = !(await page.$eval("#edit", (d) => d.open));
+    // On a phone: nothing wider than the screen (the tables become cards).
+    await page.setViewportSize({ width: 390, height: 844 });
+    await page.waitForTimeout(300);
+    out.phone = await page.evaluate(() => ({ width: document.documentElement.scrollWidth, screen: window.innerWidth }));
   } finally {
     await browser.close();
   }
