@@ -29,9 +29,16 @@ from .exchange import Exchange
 FORMATS = ("off", "text", "json")
 
 
+_second: list[object] = [-1, ""]  # the last whole second formatted, and its text
+
+
 def _when(wall: float) -> str:
-    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat(
-        timespec="milliseconds").replace("+00:00", "Z")
+    """ISO 8601 in UTC with milliseconds; the date and time of a second are formatted once."""
+    whole = int(wall)
+    if _second[0] != whole:
+        _second[:] = [whole, datetime.datetime.fromtimestamp(whole, datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%S")]
+    return f"{_second[1]}.{int((wall - whole) * 1000):03d}Z"
 
 
 def fields(ex: Exchange, wall: float) -> dict[str, object]:

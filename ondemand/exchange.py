@@ -11,6 +11,7 @@ next source is used instead.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 
@@ -23,8 +24,14 @@ def valid_id(value: str) -> bool:
     return 0 < len(value) <= MAX_ID and value.isascii() and value.isprintable()
 
 
+_PREFIX = os.urandom(8).hex()  # this process's: ids stay unique across restarts and boxes
+_count = itertools.count(1)
+
+
 def new_id() -> str:
-    return os.urandom(16).hex()  # as unique as a uuid4's hex, a little cheaper
+    """A new id: this process's random prefix and a counter (32 hex digits, as a uuid4's
+    hex), unique without a system call per request."""
+    return f"{_PREFIX}{next(_count):016x}"
 
 
 def request_id(headers: Mapping[str, str]) -> str:

@@ -78,3 +78,13 @@ def test_access_log_writes_from_its_thread_and_flushes_at_close():
     lines = [orjson.loads(line) for line in out.getvalue().splitlines()]
     assert [line["request_id"] for line in lines] == [f"r{i}" for i in range(100)]
     assert lines[0]["duration_s"] == round(math.pi, 6)
+
+
+def test_the_time_is_iso_8601_utc_with_milliseconds_as_datetime_would_write_it():
+    import datetime
+
+    from ondemand.accesslog import _when
+    for wall in (0.5, 1796057180.0, 1796057180.999, 1796057181.0425, 1796057181.0425, 1796057999.7):
+        want = datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat(
+            timespec="milliseconds").replace("+00:00", "Z")
+        assert _when(wall) == want
