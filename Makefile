@@ -97,6 +97,7 @@ pyz-all: install
 
 # The gateway's figures against a direct connection, then the cold path (its own section).
 bench: install
+	bash $(HEAVY)/nginx.sh >/dev/null || echo "bench: no nginx here; the side-by-side leaves it out"
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_cold.py
 

@@ -143,6 +143,40 @@ def _env() -> dict[str, str]:
     return env
 
 
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx-body;
+    proxy_temp_path {tmp}/nginx-proxy;
+    upstream engine {{ server {upstream}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError, ValueError):
+        for _ in range(50):
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if kids:
+                return [int(k) for k in kids]
+            time.sleep(0.02)
+    return []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,9 +256,10 @@ def median(values: list[float]) -> float:
 
 @dataclass
 class Target:
-    name: str        # "gateway" or "direct"
+    name: str        # "gateway", "direct", or another proxy beside them ("nginx", "bare aiohttp")
     url: str         # .../v1/chat/completions
     headers: dict[str, str]
+    pid: int = 0     # the proxy process whose CPU a run counts (the gateway's for "direct": ~0)
 
 
 @dataclass
@@ -454,7 +489,9 @@ class Bench:
         if dep["state"] != "ready" or not dep.get("base_url"):
             raise RuntimeError(f"the bench deployment is {dep['state']} without a base_url after the first request")
         direct = Target("direct", dep["base_url"] + "/v1/chat/completions", {"Content-Type": "application/json"})
+        gw.pid = direct.pid = self.gw_pid
         res["engine_url"] = dep["base_url"]
+        others = await self.start_others(dep["base_url"])
         engine_pid = int((self.state_dir / "logs" / "bench.pid").read_text().split()[0])
         self.log(f"gateway pid {self.gw_pid} on :{self.port}, engine {dep['base_url']} "
                  f"(cold start {res['cold_start_s']:.2f} s)")
@@ -472,7 +509,7 @@ class Bench:
         ]
 
         # Warm-up: connection pools, code paths, the engine's caches.
-        for t in (gw, direct, gw, direct):
+        for t in (gw, direct, *others, gw, direct, *others):
             await closed_loop(self.http, t, small, 16, plan.warmup_s / 2)
             await stream_loop(self.http, t, stream, 16, plan.warmup_s / 2)
         await asyncio.sleep(0.5)
@@ -480,17 +517,20 @@ class Bench:
         res["fds_idle"] = n_fds(self.gw_pid)
         res["backlog"] = listen_backlog(self.port)
 
-        store: dict[str, dict[str, list[Run]]] = {p: {"gateway": [], "direct": []} for p, _ in phases}
+        everyone = [gw, direct, *others]
+        store: dict[str, dict[str, list[Run]]] = {p: {t.name: [] for t in everyone} for p, _ in phases}
         scraper = asyncio.get_running_loop().create_task(self.scrape_metrics()) if self.scrape_s else None
         t_rounds, busy0 = time.perf_counter(), machine_busy_s()
         ours0 = cpu_s(self.gw_pid) + cpu_s(engine_pid) + self_cpu()
         for rnd in range(plan.rounds):
-            order = (gw, direct) if rnd % 2 == 0 else (direct, gw)
+            # ABBA for the gateway and direct, the other proxies after them in turn.
+            order = [gw, direct] if rnd % 2 == 0 else [direct, gw]
+            order += others[rnd % len(others):] + others[:rnd % len(others)] if others else []
             for name, fn in phases:
                 for t in order:
-                    c0, e0, s0 = cpu_s(self.gw_pid), cpu_s(engine_pid), self_cpu()
+                    c0, e0, s0 = cpu_s(t.pid), cpu_s(engine_pid), self_cpu()
                     run = await fn(t)
-                    run.cpu = cpu_s(self.gw_pid) - c0
+                    run.cpu = cpu_s(t.pid) - c0
                     run.cpu_engine = cpu_s(engine_pid) - e0
                     run.cpu_client = self_cpu() - s0
                     store[name][t.name].append(run)
@@ -514,6 +554,42 @@ class Bench:
         res["rss_idle_after_mib"] = rss_mib(self.gw_pid)
         res["hwm_mib"] = proc_status(self.gw_pid, "VmHWM")
         return res
+
+    async def start_others(self, engine_url: str) -> list[Target]:
+        """nginx (when installed: ``scripts/heavy/nginx.sh``) and a bare aiohttp proxy, each in
+        front of the same engine, one worker each: what a proxy costs without ondemand's checks."""
+        out: list[Target] = []
+        json_h = {"Content-Type": "application/json"}
+        nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+        if nginx is None:
+            self.results["others_note"] = "nginx is not installed (scripts/heavy/nginx.sh): left out"
+        else:
+            port = free_port()
+            conf = self.tmp / "nginx.conf"
+            conf.write_text(NGINX_CONF.format(tmp=self.tmp, port=port, upstream=engine_url.split("://", 1)[1]))
+            master = self.procs.spawn("nginx", [nginx, "-c", str(conf), "-p", str(self.tmp)],
+                                      self.tmp / "nginx.log", _env())
+            await self.wait_port(port, master)
+            worker = _children(master.pid)
+            out.append(Target("nginx", f"http://127.0.0.1:{port}/v1/chat/completions", json_h,
+                              worker[0] if worker else master.pid))
+        port = free_port()
+        bare = self.procs.spawn("bare aiohttp proxy", [sys.executable, str(ROOT / "scripts" / "bare_proxy.py"),
+                                                       "--port", str(port), "--upstream", engine_url],
+                                self.tmp / "bare.log", _env())
+        await self.wait_port(port, bare)
+        out.append(Target("bare aiohttp", f"http://127.0.0.1:{port}/v1/chat/completions", json_h, bare.pid))
+        return out
+
+    async def wait_port(self, port: int, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError):
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.args[0]} did not listen on {port} (exit {proc.poll()})")
+            await asyncio.sleep(0.05)
 
     async def scrape_metrics(self) -> None:
         """GET /metrics over TCP with the admin token every ``scrape_s``, as Prometheus would."""
@@ -774,6 +850,25 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
                              f"{cell(c)} | {cell(g + e + c)} | {work / secs:,.0f}/s |")
         return lines
 
+    def others_table() -> list[str]:
+        """ondemand beside the other proxies in front of the same engine, in the same rounds."""
+        names = [n for n in ph["c16"] if n != "direct"]
+        if len(names) < 2:
+            return [f"- {res.get('others_note', 'no other proxy ran')}"]
+        lines = ["| Proxy | Requests/s c=16 / direct | CPU per request c=64 (µs) | Added latency p50 c=1 (ms) | "
+                 "Chunks/s 16 streams / direct | Chunks/s 64 streams / direct |", "|---|---:|---:|---:|---:|---:|"]
+        d16, s16d, s64d = med_rate("c16", "direct"), med_rate("s16", "direct", True), med_rate("s64", "direct", True)
+        dp50 = pct(lat("c1", "direct"), 50)
+        for n in names:
+            runs = ph["c64"][n]
+            cpu_us = sum(r.cpu for r in runs) * 1e6 / (sum(r.n for r in runs) or 1)
+            lines.append(f"| {n} | {ratio(med_rate('c16', n), d16)} | {cpu_us:,.0f} | "
+                         f"{pct(lat('c1', n), 50) - dp50:.2f} | {ratio(med_rate('s16', n, True), s16d)} | "
+                         f"{ratio(med_rate('s64', n, True), s64d)} |")
+        if res.get("others_note"):
+            lines += ["", f"- {res['others_note']}"]
+        return lines
+
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
         cores = len(os.sched_getaffinity(0))
@@ -803,6 +898,14 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
         "## Targets",
         "",
         *(f"- {'met' if ok else '**MISSED**'}: {what}" for what, ok in checks),
+        "",
+        "## Beside nginx and a bare aiohttp proxy",
+        "",
+        "Each in front of the same engine with one worker, in the same interleaved rounds: what a proxy "
+        "costs here without ondemand's checks (nginx: `scripts/heavy/nginx.sh`; the bare proxy: "
+        "`scripts/bare_proxy.py`, aiohttp's application and client with no middleware).",
+        "",
+        *others_table(),
         "",
         "## Where the CPU goes",
         "",
