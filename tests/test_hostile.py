@@ -259,6 +259,36 @@ async def test_a_head_over_the_size_limit_is_431(ready):
     await _quiet(server, dep)
 
 
+@pytest.mark.uvloop
+async def test_slow_and_broken_bodies_are_bounded(ready):
+    """A body trickled too slowly is 408 after the gateway's body timeout; a chunked body whose
+    framing breaks after the head (aiohttp never ends such a body) the same, where it hung
+    for ever; a hang-up mid-body frees everything. None takes a slot or reaches the engine."""
+    server, dep = ready
+    server.app[GATEWAY].body_timeout_s = 0.5
+    port = _port(server)
+    head = _head(dep, "Content-Type: application/json", "Content-Length: 200", key=server.key)
+    # The answer comes at 0.5 s and says close; aiohttp then reads and drops what more comes
+    # for up to LINGERING_S before it closes: the client here hangs up once answered.
+    t0 = time.monotonic()
+    data, _ = await _talk(port, head, *[b"{"] + [b" "] * 30, pause=0.05, timeout=5, want=1)
+    [(status, headers, body)] = _answers(data)
+    assert (status, orjson.loads(body)["error"]["code"], headers["connection"]) == (408, "request_timeout", "close")
+    assert time.monotonic() - t0 < 2
+    chunked = _head(dep, "Content-Type: application/json", "Transfer-Encoding: chunked", key=server.key)
+    data, _ = await _talk(port, chunked, b"zz\r\n{}\r\n0\r\n\r\n", pause=0.2, timeout=5, want=1)
+    assert [a[0] for a in _answers(data)] in ([400], [408]), data
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + b'{"model": ')
+    await asyncio.sleep(0.2)
+    writer.close()
+    await _quiet(server, dep)
+    assert await _forwarded(server, dep) == []
+    data, _ = await _talk(port, _head(dep, "Content-Type: application/json", f"Content-Length: {len(CHAT)}",
+                                      "Connection: close", key=server.key) + CHAT)
+    assert _answers(data)[0][0] == 200  # and the server serves on
+
+
 def test_the_malformed_request_filter_lets_one_line_a_minute_through():
     from aiohttp.http_exceptions import BadHttpMessage
 
