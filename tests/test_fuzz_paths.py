@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from ondemand.errors import OndemandError
 from ondemand.gateway import TRAFFIC, _route
+from ondemand.httpserver import MAX_LINE_SIZE
 from ondemand.paths import rebuild, split_checked
 
 PREFIX = "/dgxmm/ondemand"
@@ -198,6 +199,8 @@ async def test_no_generated_path_outside_the_routes_reaches_the_engine(server):
     client = _Client(int(server.url.split(":")[2].split("/")[0]), server.key)
     expected: dict[str, tuple[str, str, str]] = {}  # request id: (method, raw target, engine path)
     seen: set[str] = set()
+    split_lines: set[str] = set()
+    statuses: dict[str, int] = {}
     n = [0]
 
     def drain() -> None:
@@ -209,10 +212,12 @@ async def test_no_generated_path_outside_the_routes_reaches_the_engine(server):
             if rid is None:  # ondemand's own probes (/health, /metrics, /v1/models), not the gateway's
                 assert row["path"] in ("/health", "/metrics", "/v1/models") and row["method"] == "GET", row
                 continue
+            assert allowed_engine_path(row["raw_path"], row["method"]), row
+            if rid in split_lines:  # the server saw another request line than the model: no prediction
+                continue
             assert rid in expected, ("the engine got a request the model says is never forwarded", rid, row)
             method, raw, target = expected[rid]
             assert (row["method"], row["raw_path"]) == (method, target), (raw, row)
-            assert allowed_engine_path(row["raw_path"], row["method"]), (raw, row)
             seen.add(rid)
 
     @settings(max_examples=E2E_EXAMPLES, deadline=None, database=None,
@@ -221,10 +226,19 @@ async def test_no_generated_path_outside_the_routes_reaches_the_engine(server):
     def one(raw: str, method: str) -> None:
         n[0] += 1
         rid = f"fuzz-{n[0]}"
+        if any(c in raw for c in " \r\n") or len(raw.encode("utf-8", "surrogatepass")) > MAX_LINE_SIZE - 32:
+            # A space or line break ends the request line where the server reads it: it sees
+            # another target (and maybe headers) than the model does; near the line limit its
+            # parser may refuse what the model accepts. The engine's side of the property still
+            # holds for whatever the server makes of it.
+            split_lines.add(rid)
+            client.send(method, raw, rid)
+            client.close()  # it may have made two requests of one: no answer may be left over
+            return
         what, target = classify(raw, method, dep)
         if target is not None:
             expected[rid] = (method, raw, target)
-        status = client.send(method, raw, rid)
+        status = statuses[rid] = client.send(method, raw, rid)
         if what == "refuse":
             assert status in (0, 400, 404), (raw, method, status)
         elif what == "answer":
@@ -237,5 +251,6 @@ async def test_no_generated_path_outside_the_routes_reaches_the_engine(server):
         await asyncio.to_thread(drain)
     finally:
         client.close()
-    assert seen == set(expected), sorted(set(expected) - seen)[:5]
+    missing = sorted(set(expected) - seen, key=lambda rid: int(rid.split("-")[1]))
+    assert not missing, (len(missing), [(rid, expected[rid], statuses.get(rid)) for rid in missing[:5]])
     assert server.controller.inflight(dep) == 0
