@@ -56,7 +56,7 @@ test-slow: install
 
 # The path property tests (tests/test_fuzz_paths.py) at full size: 100,000 generated hostile paths
 # on the path functions and 100,000 through a running server to the engine simulator (make test
-# runs a few hundred). FUZZ_EXAMPLES=N to change it; a few minutes on 2 cores.
+# runs a few hundred). FUZZ_EXAMPLES=N to change it; about 7 minutes on 2 cores.
 FUZZ_EXAMPLES ?= 100000
 fuzz: install
 	ONDEMAND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -q tests/test_fuzz_paths.py
