@@ -4,6 +4,7 @@
 #                   make lint runs the first two alone, in seconds)
 #   make test-all   the fast suite, the long race loops, and the suites with real
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus
+#   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
 
 PYTHON ?= python3
@@ -17,7 +18,7 @@ PYZ_TARGETS := native py310-x86_64 py311-x86_64 py312-x86_64 py312-aarch64
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 export ONDEMAND_CACHE := $(CACHE)
 
-.PHONY: install run run-real lint test test-all test-slow test-docker test-litellm test-llamacpp test-browser \
+.PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus \
         pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
 
@@ -52,6 +53,13 @@ test: lint
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
+
+# The path property tests (tests/test_fuzz_paths.py) at full size: 100,000 generated hostile paths
+# on the path functions and 100,000 through a running server to the engine simulator (make test
+# runs a few hundred). FUZZ_EXAMPLES=N to change it; about 7 minutes on 2 cores.
+FUZZ_EXAMPLES ?= 100000
+fuzz: install
+	ONDEMAND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -q tests/test_fuzz_paths.py
 
 docker-up:
 	bash $(HEAVY)/docker-up.sh

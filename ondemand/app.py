@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import __version__
+from . import __version__, httpserver
 from . import keys as keys_mod
 from .accesslog import AccessLog
 from .admission import Admission
@@ -139,7 +139,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     components in the cleanup contexts below, in start-up order."""
     from . import admin  # the admin API's routes
 
-    app = web.Application(client_max_size=MAX_BODY + 1, handler_args={"max_field_size": 65536})
+    app = web.Application(client_max_size=MAX_BODY + 1, handler_args=httpserver.HANDLER_ARGS)
     app[CONFIG] = cfg
     app[BUS] = EventBus()
     app[STARTED_AT] = time.time()
@@ -441,6 +441,7 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=None,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    httpserver.quiet_malformed_requests()
 
 
 async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
@@ -449,8 +450,8 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     setup_logging(cfg.log_level)
     _ensure_token(cfg.token_file)
     app = build_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace_s,
-                           access_log=None)
+    runner = httpserver.Runner(app, handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace_s,
+                               access_log=None)
     try:
         await runner.setup()
     except StartupError:

@@ -44,6 +44,10 @@ from .ratelimit import FailureLimiter
 log = logging.getLogger("ondemand.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
+# The whole body must arrive within this of the handler starting to read it: a body trickled
+# byte by byte (or a chunked body the parser gave up on, which aiohttp never ends) would hold
+# its connection and handler for ever. Read before a slot is taken, so it never holds a slot.
+BODY_TIMEOUT_S = 60.0
 TRAFFIC = frozenset({
     "chat/completions", "completions", "embeddings", "responses", "messages", "chat/completions/batch",
     "audio/transcriptions", "audio/translations", "rerank", "score"})
@@ -81,7 +85,13 @@ def error_response(err: OndemandError) -> web.Response:
     headers = err.headers
     if err.code in _NO_RETRY:
         headers = {**headers, "x-should-retry": "false"}
-    return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=headers)
+    close = headers.get("Connection") == "close"
+    if close:  # aiohttp writes its own Connection header: force_close() makes it say close, and do it
+        headers = {k: v for k, v in headers.items() if k != "Connection"}
+    resp = web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=headers)
+    if close:
+        resp.force_close()
+    return resp
 
 
 def _err(status: int, code: str, message: str, **kw: Any) -> OndemandError:
@@ -184,6 +194,7 @@ class Gateway:
         self.upstreams = upstreams
         self.prefix = base_path + "/ondemand"
         self.max_body = max_body
+        self.body_timeout_s = BODY_TIMEOUT_S
         self.clock = clock
         self.finished = finished
         self.start_eta = start_eta
@@ -308,11 +319,18 @@ class Gateway:
         return _err(413, "request_too_large", f"The request body is larger than {self.max_body // 2**20} MiB")
 
     async def _read_body(self, request: web.Request) -> bytes:
-        """Counted while it arrives (chunked too): aiohttp stops at client_max_size."""
+        """Counted while it arrives (chunked too): aiohttp stops at client_max_size; and
+        timed: the whole of it within ``body_timeout_s``, else 408 and the connection closes."""
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), self.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
+        except asyncio.TimeoutError:  # TimeoutError itself from 3.11
+            raise _err(408, "request_timeout", f"The request body did not arrive within {self.body_timeout_s:g} s",
+                       headers={"Connection": "close"}) from None
+        except web.RequestPayloadError as exc:  # a malformed chunked body, found while reading it
+            raise _err(400, "invalid_body", f"The request body is malformed: {exc}",
+                       headers={"Connection": "close"}) from None
         if len(body) > self.max_body:
             raise self._too_large()
         return body

@@ -1,8 +1,10 @@
 """The gateway's path check, and the upstream path rebuilt from its segments.
 
 BEHAVIOUR.md, "Checks, in order", check 2: "a ., .. or empty segment, \\, ?, #, a control character or an
-encoded /, \\, #, ? or NUL is 400 invalid_path". The check runs on the raw request target, as the
-client sent it (aiohttp's ``request.raw_path``, query included) and before any decoding, so that
+encoded /, \\, #, ? or NUL is 400 invalid_path", and so is an escape that decodes to a segment whose
+NFKC form would be one of those (a fullwidth solidus, a two dot leader). The check runs on the raw
+request target, as the client sent it (aiohttp's ``request.raw_path``, query included) and before
+any decoding, so that
 nothing a decoder or a normaliser does (here or in the engine) can turn an accepted path into a
 different one. "Forwarding": the upstream URL is "the checked path, rebuilt from its segments"
 (:func:`rebuild`), never the client's bytes. Imports nothing of ours but the errors.
@@ -10,6 +12,7 @@ different one. "Forwarding": the upstream URL is "the checked path, rebuilt from
 from __future__ import annotations
 
 import re
+import unicodedata
 from urllib.parse import quote, unquote_to_bytes
 
 from ondemand.errors import OndemandError
@@ -81,7 +84,20 @@ def _decode(seg: str, raw_path: str) -> str:
     bad = _DECODED_BAD.search(decoded)
     if bad is not None:
         raise _invalid("Invalid encoded character in request path", f"raw path {raw_path!r}: {bad.group()!r}")
+    if _folds_to_bad(decoded):
+        raise _invalid("Encoded character in request path that normalizes to a separator or a dot segment",
+                       f"raw path {raw_path!r}: {decoded!r}")
     return decoded
+
+
+def _folds_to_bad(seg: str) -> bool:
+    """A segment whose compatibility form (NFKC) is a dot segment or holds what a decoded segment
+    may not: fullwidth solidus, small question mark, two dot leader and their kin. No engine is
+    known to normalize paths so, but one that did would see another path than the one checked."""
+    if seg.isascii():
+        return False
+    folded = unicodedata.normalize("NFKC", seg)
+    return folded in _DOT_SEGMENTS or _DECODED_BAD.search(folded) is not None
 
 
 def rebuild(segments: list[str] | tuple[str, ...]) -> str:
@@ -92,7 +108,7 @@ def rebuild(segments: list[str] | tuple[str, ...]) -> str:
     """
     parts = []
     for seg in segments:
-        if seg in _DOT_SEGMENTS or _DECODED_BAD.search(seg) is not None:
+        if seg in _DOT_SEGMENTS or _DECODED_BAD.search(seg) is not None or _folds_to_bad(seg):
             raise ValueError(f"not a checked path segment: {seg!r}")
         parts.append(quote(seg, safe=_SAFE) if _NEEDS_QUOTE.search(seg) is not None else seg)
     return "/" + "/".join(parts) if parts else ""

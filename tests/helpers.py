@@ -209,7 +209,7 @@ async def run_app(tmp_path, *, write_key: bool = True, **overrides):
     from aiohttp import web
 
     from ondemand import app as app_mod
-    from ondemand import config, keys
+    from ondemand import config, httpserver, keys
 
     port = int(overrides["listen"].rpartition(":")[2]) if "listen" in overrides else free_port()
     settings = {"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{port}",
@@ -225,7 +225,8 @@ async def run_app(tmp_path, *, write_key: bool = True, **overrides):
         keys.write_key_file(cfg.key_file, key)
     token = app_mod._ensure_token(cfg.token_file)
     app = app_mod.build_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1, access_log=None)
+    runner = httpserver.Runner(app, handler_cancellation=True, shutdown_timeout=1, access_log=None)
+    httpserver.quiet_malformed_requests()
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     await web.UnixSite(runner, str(cfg.admin_socket)).start()

@@ -12,7 +12,8 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 ALLOWED = {
     "model": set(), "placement": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
-    "dockerapi": set(), "notice": set(), "forward": set(), "migrations": set(), "store": {"errors", "migrations"},
+    "dockerapi": set(), "httpserver": set(), "notice": set(), "forward": set(), "migrations": set(),
+    "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
     "backends": {"errors", "model"}, "backends.process": {"backends", "model", "tasks"},
     "backends.docker": {"backends", "dockerapi", "model"},

@@ -25,8 +25,9 @@ answers. While asleep (``POST /sleep``) generation routes answer 503.
 Failures: ``exit-at-start`` exits with code 3 before listening;
 ``crash-mid-stream`` and ``exit-after S`` end the process with ``os._exit(1)``.
 
-Every request but ``/_sim/*`` is recorded (the last ``--record-limit``):
-``GET /_sim/requests`` lists them, ``DELETE /_sim/requests`` clears them.
+Every request but ``/_sim/*`` is recorded (the last ``--record-limit``), with its decoded
+``path`` and its ``raw_path`` as received: ``GET /_sim/requests`` lists them,
+``DELETE /_sim/requests`` clears them.
 
 GPU memory, for the fake nvidia-smi of the tests (tests/fakes/nvidia-smi): with
 ``--gpu-mib N`` and ``$FAKE_NVIDIA_SMI_APPS`` set, the simulator "uses" N MiB on
@@ -58,8 +59,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 FLAVORS = ("vllm", "llamacpp")
-# One recorded request: (time, method, path, query, raw headers, body).
-_Recorded = tuple[float, str, str, str, tuple[tuple[bytes, bytes], ...], bytes]
+# One recorded request: (time, method, path, query, raw headers, body, raw path as received).
+_Recorded = tuple[float, str, str, str, tuple[tuple[bytes, bytes], ...], bytes, str]
 FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails")
 GENERATION = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -201,7 +202,8 @@ class Sim:
         if path.startswith("/_sim/"):
             return await handler(request)
         body = await request.read() if request.body_exists else b""
-        self.record.append((time.time(), request.method, path, request.query_string, request.raw_headers, body))
+        self.record.append((time.time(), request.method, path, request.query_string, request.raw_headers, body,
+                            request.raw_path))
         if not self.ready:
             if self.opts.fail == "never-ready" or time.monotonic() < self.ready_at:
                 return web.Response(status=503, body=_LOADING, content_type="application/json")
@@ -349,10 +351,10 @@ class Sim:
         return _json({"is_sleeping": self.sleeping})
 
     async def sim_requests(self, request: web.Request) -> web.StreamResponse:
-        return _json([{"time": t, "method": m, "path": p, "query": q,
+        return _json([{"time": t, "method": m, "path": p, "raw_path": rp, "query": q,
                        "headers": [[k.decode("utf-8", "replace"), v.decode("utf-8", "replace")] for k, v in h],
                        "body": b.decode("utf-8", "replace"), "body_b64": base64.b64encode(b).decode()}
-                      for t, m, p, q, h, b in self.record])
+                      for t, m, p, q, h, b, rp in self.record])
 
     async def sim_clear(self, request: web.Request) -> web.StreamResponse:
         self.record.clear()
