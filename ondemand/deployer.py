@@ -20,10 +20,14 @@ holds for the two that matter:
   every engine that was starting at the reading or is starting now by what
   it declared, so a reading that aged during the await is never optimistic.
 
-``_gate`` is the start-up gate: engines start one at a time, from create to
-ready, so two cold starts do not fight over memory while neither shows it.
-It is the one lock held across slow work, on purpose; nothing that must
-answer quickly waits for it (a stop cancels a start still waiting there).
+``_gates`` are the start-up gates, one per GPU: engines that share a GPU start
+one at a time, from create to ready, so two cold starts do not fight over memory
+that neither shows as used yet (vLLM sizes its cache from the free memory it
+measures as it loads). Engines on other GPUs start meanwhile; on a one-pool
+budget (nothing tells GPUs apart) there is one gate for all, and an engine with
+no GPU passes none. They are the one lock held across slow work, on purpose;
+nothing that must answer quickly waits for them (a stop cancels a start still
+waiting there).
 
 Waking a vLLM engine from sleep mode goes through ``starting`` too: it takes
 memory back, may fail, and its waiters wait like a start's.
@@ -103,7 +107,7 @@ class Deployer:
         self._removing: set[int] = set()  # stopped for removal: nothing starts them again
         self._exits: dict[int, asyncio.Future[int | None]] = {}
         self._changes: dict[int, list[asyncio.Future[None]]] = {}
-        self._gate = asyncio.Lock()
+        self._gates: dict[int | None, asyncio.Lock] = {}  # per GPU index (None: the one pool)
         self._http: aiohttp.ClientSession | None = None
         self.tasks = TaskGroup("deployer")
 
@@ -428,7 +432,7 @@ class Deployer:
         await self.wait_started(dep_id)
 
     async def _start(self, dep_id: int) -> None:
-        async with self._gate, self._through_gate(dep_id):
+        async with self._gate(dep_id), self._through_gate(dep_id):
             dep = self._deps.get(dep_id)
             if dep is None or dep.state is not State.STARTING:
                 return  # stopped or removed while it waited at the gate
@@ -477,7 +481,7 @@ class Deployer:
             await asyncio.wait(waits, timeout=ready_poll_s(self.clock() - began), return_when=asyncio.FIRST_COMPLETED)
 
     async def _wake(self, dep_id: int) -> None:
-        async with self._gate, self._through_gate(dep_id):
+        async with self._gate(dep_id), self._through_gate(dep_id):
             dep = self._deps.get(dep_id)
             engine = self._engines.get(dep_id)
             if dep is None or dep.state is not State.STARTING:
@@ -495,6 +499,22 @@ class Deployer:
                                        log_tail=await self._tail(engine, dep))
                 return
             await self._finish_start(dep_id, engine)
+
+    @contextlib.asynccontextmanager
+    async def _gate(self, dep_id: int) -> AsyncIterator[None]:
+        """The gates of the GPUs this start was given, taken in index order (two starts that
+        share GPUs never hold one each and wait for the other's)."""
+        dep = self._deps.get(dep_id)
+        if dep is None:
+            keys: list[int | None] = []  # removed meanwhile: its start ends at once
+        elif not self.budget.per_gpu:
+            keys = [None]
+        else:
+            keys = [*sorted(dep.gpus)]  # no GPU (gpu_count 0): no gate
+        async with contextlib.AsyncExitStack() as held:
+            for key in keys:
+                await held.enter_async_context(self._gates.setdefault(key, asyncio.Lock()))
+            yield
 
     @contextlib.asynccontextmanager
     async def _through_gate(self, dep_id: int) -> AsyncIterator[None]:

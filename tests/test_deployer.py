@@ -226,6 +226,38 @@ async def test_starts_pass_the_gate_one_at_a_time(tmp_path, store):
         await d.wait_started(c.id)
 
 
+async def test_starts_on_other_gpus_do_not_wait_for_each_other(tmp_path, store):
+    """The gate is per GPU: two starts on two GPUs run together; two that share a GPU still
+    go one at a time; an engine with no GPU passes no gate."""
+    from ondemand.budget import Budget
+    budget = Budget("static", gpu_capacity_gib=(80, 80))
+    async with running_deployer(tmp_path, store, budget=budget) as d:
+        # (Best fit would put both on GPU 0: the pins put them on one GPU each.)
+        a = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "1", gpu_ids=[0], gpu_count=1))
+        b = await d.create(dep_fields("b", 10, "on_demand", "--startup-delay", "1", gpu_ids=[1], gpu_count=1))
+        await d.admit_start(a.id)
+        await d.admit_start(b.id)
+        assert (d.get(a.id).gpus, d.get(b.id).gpus) == ((0,), (1,))
+        await wait_for(lambda: a.id in d._engines and b.id in d._engines, what="both engines started together")
+        assert d.get(a.id).state == d.get(b.id).state == "starting"
+        await d.wait_started(a.id)
+        await d.wait_started(b.id)
+        await d.stop(a.id)
+        await d.stop(b.id)
+        c = await d.create(dep_fields("c", 10, "on_demand", "--startup-delay", "1", gpu_ids=[1], gpu_count=1))
+        e = await d.create(dep_fields("e", 10, "on_demand", "--startup-delay", "1", gpu_ids=[1], gpu_count=1))
+        cpu = await d.create(dep_fields("cpu", 10, "on_demand", gpu_count=0))
+        await d.admit_start(c.id)
+        await d.admit_start(e.id)
+        await d.admit_start(cpu.id)
+        await wait_for(lambda: c.id in d._engines, what="c's engine started")
+        assert e.id not in d._engines  # same GPU: waits at its gate
+        await d.wait_started(cpu.id)  # no GPU: no gate, ready while c still loads
+        assert d.get(c.id).state == "starting"
+        await d.wait_started(c.id)
+        await d.wait_started(e.id)
+
+
 async def test_sleep_and_wake(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
