@@ -4,6 +4,8 @@
 #                   make lint runs the first two alone, in seconds)
 #   make test-all   the fast suite, the long race loops, and the suites with real
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus
+#   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
+#                   50 SIGKILLs of ondemand (their short versions are in test-all)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
 
 PYTHON ?= python3
@@ -19,7 +21,7 @@ export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow test-docker test-litellm test-llamacpp test-browser \
         test-prometheus \
-        pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
+        pyz pyz-all bench soak clean docker-up engine-image llama gemma litellm-venv
 
 install: $(STAMP)
 
@@ -97,6 +99,13 @@ pyz-all: install
 
 bench: install
 	$(PY) scripts/bench.py
+
+# A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
+# the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.
+SEED ?= 1
+soak: install
+	$(PY) scripts/soak.py --seed $(SEED) --requests 10000 --clients 50 --record bench/soak.md
+	$(PY) scripts/crash.py --seed $(SEED) --kills 50
 
 clean:
 	rm -rf dist build .pytest_cache .hypothesis .mypy_cache .ruff_cache
