@@ -105,6 +105,7 @@ async def _pump(request: web.Request, up: UpstreamResponse, out: web.StreamRespo
     try:
         async for chunk in up.content.iter_any():
             await out.write(chunk)
+        await out.write_eof()  # a client gone after the last chunk fails here (found by the soak)
     except ConnectionResetError:
         return out  # the client went away; the caller closes the engine connection
     except aiohttp.ClientPayloadError:
@@ -112,7 +113,6 @@ async def _pump(request: web.Request, up: UpstreamResponse, out: web.StreamRespo
         if request.transport is not None:
             request.transport.close()
         return out
-    await out.write_eof()
     return out
 
 
