@@ -183,6 +183,10 @@ class Soak:
             except asyncio.TimeoutError:
                 outcome = "HUNG past its deadline"
             self.done.append(Done(i, plan.dep, outcome, start, time.time(), key))
+            if not outcome.startswith(("200", "hang-up")):
+                # As a person (or LiteLLM's caller) would: an error is not retried at once. Without
+                # this, errors answered at once (a start backoff) would use up the requests in seconds.
+                await asyncio.sleep(random.uniform(0.3, 1.0))
 
     def body(self, plan: Plan) -> dict[str, Any]:
         model = NAMES[plan.dep].upper()
@@ -276,6 +280,8 @@ class Soak:
         for at, kind in plan:
             while self.next_i < at:
                 await asyncio.sleep(0.05)
+            if len(self.done) >= self.requests:
+                break  # the clients are done: a fault now would test nothing
             try:
                 await getattr(self, kind)()
             except Exception as exc:  # a fault that could not be made is reported, not fatal
@@ -401,8 +407,11 @@ class Soak:
         (`deploy set`), a start backoff is cleared (`deploy set --idle-timeout`), a switch to
         always on is switched back (`mode set on_demand`)."""
         while True:
-            await asyncio.sleep(3)
-            await self.heal_once(final=False)
+            await asyncio.sleep(2)
+            try:
+                await self.heal_once(final=False)
+            except Exception as exc:  # ondemand restarting, a slow command: next time
+                self.faults[f"healer: {type(exc).__name__}"] += 1
 
     async def heal_once(self, final: bool) -> None:
         now = time.time()
@@ -423,8 +432,10 @@ class Soak:
                     del self.broken[n]
                     self.faults["deploy set: the working command back"] += 1
             elif (v.get("ondemand") or {}).get("backoff_until"):
-                rc, _, _ = await self.od.cli("deploy", "set", str(i), "--idle-timeout", str(1 + n % 3))
-                self.faults["deploy set --idle-timeout (clears a start backoff)"] += rc == 0
+                timeout = 1 + (v.get("idle_timeout_s") or 0) % 3  # another value than now
+                rc, _, err = await self.od.cli("deploy", "set", str(i), "--idle-timeout", str(timeout))
+                self.faults["deploy set --idle-timeout (clears a start backoff)" if rc == 0 else
+                            f"deploy set --idle-timeout refused: {err.strip()[-60:]}"] += 1
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -491,6 +502,9 @@ class Soak:
         verdict = soaklib.integrity(self.od.cfg.db_path)
         self.check("the state file passes PRAGMA integrity_check", verdict == "ok", verdict[:200])
         secrets = [*self.keys, self.od.token()]
+        errors = [line for line in self.od.stderr_path.read_text().splitlines()
+                  if " ERROR " in line or line.startswith("Traceback")]
+        self.check("no ERROR line or traceback in ondemand's log", not errors, "; ".join(errors[:3])[:300])
         hits = soaklib.secrets_found(soaklib.log_files(self.work), secrets)
         self.check(f"no secret ({len(self.keys)} keys, the admin token) in any log", not hits,
                    "; ".join(hits[:4]) or f"{len(soaklib.log_files(self.work))} files read")
