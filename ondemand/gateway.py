@@ -195,8 +195,11 @@ class Gateway:
         try:
             resp = await self._answer(request, ex)
             if not resp.prepared:  # written here rather than by aiohttp, so that its end is timed
-                await resp.prepare(request)
-                await resp.write_eof()
+                try:
+                    await resp.prepare(request)
+                    await resp.write_eof()
+                except ConnectionResetError:  # the client went away first (found by the soak)
+                    return resp
             ex.status = resp.status
             return resp
         finally:

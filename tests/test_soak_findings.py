@@ -51,3 +51,25 @@ async def test_a_switch_to_always_on_cut_by_a_crash_is_not_left_pending(tmp_path
     stored = [r for r in await store.deployments() if r["id"] == row["id"]][0]
     assert stored["pending_mode"] is None and stored["mode"] == "on_demand"
     assert "switch to always_on was cut short" in caplog.text
+
+
+async def test_a_client_gone_before_an_error_answer_is_written_is_no_internal_error(tmp_path, monkeypatch, caplog):
+    """An answer the gateway writes itself (an error, a health check) to a client that has
+    gone: write_eof raised out of the handler and aiohttp logged "Error handling request"
+    with a traceback. It is a hang-up; aiohttp's own end of the request copes with it."""
+    from aiohttp import web
+    from helpers import run_app
+
+    async def gone(self, data=b""):
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    async with run_app(tmp_path) as srv:
+        monkeypatch.setattr(web.Response, "write_eof", gone)
+        caplog.set_level(logging.INFO)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            try:
+                async with s.post(srv.gw(999, "chat/completions"), json={}, headers=srv.auth()) as r:
+                    await r.read()
+            except aiohttp.ClientError:
+                pass  # nothing was written: the server closed the connection
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
