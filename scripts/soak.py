@@ -121,7 +121,7 @@ class Soak:
     faults: collections.Counter[str] = field(default_factory=collections.Counter)
     fault_times: dict[int, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     start_faults: dict[int, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
-    always_on: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # dep: (since, until)
+    always_on: dict[int, list[list[float]]] = field(default_factory=lambda: collections.defaultdict(list))
     rotations: list[float] = field(default_factory=list)
     down: list[tuple[float, float]] = field(default_factory=list)  # ondemand not there
     broken: dict[int, float] = field(default_factory=dict)
@@ -368,7 +368,7 @@ class Soak:
         if n is None or n in self.broken:
             self.faults["mode set always_on: no ready deployment"] += 1
             return
-        self.always_on[n] = (time.time(), None)
+        self.always_on[n].append([time.time(), float("inf")])
         rc, _, err = await self.od.cli("mode", "set", str(self.ids[n]), "always_on")
         self.switched[n] = time.time()
         self.faults["mode set always_on (CLI)" if rc == 0 else f"mode set refused: {err.strip()[-50:]}"] += 1
@@ -399,8 +399,6 @@ class Soak:
                                              f"{len(alive)} alive once the new one answers")
         self.down.append((t0, time.time()))
         self.up.set()
-        for n in list(self.always_on):  # a restart forgets nothing: the switch stays as the row says
-            self.switched.setdefault(n, time.time())
 
     async def healer(self) -> None:
         """Now and then, an administrator puts things back: a failing command is set back
@@ -420,7 +418,8 @@ class Soak:
                 rc, _, _ = await self.od.cli("mode", "set", str(self.ids[n]), "on_demand")
                 if rc == 0:
                     del self.switched[n]
-                    self.always_on[n] = (self.always_on.get(n, (since, None))[0], time.time())
+                    for interval in self.always_on[n]:
+                        interval[1] = min(interval[1], time.time())
                     self.faults["mode set on_demand (CLI)"] += 1
         for n, i in enumerate(self.ids):
             v = self.views.get(i, {})
@@ -472,11 +471,17 @@ class Soak:
         if "start_failed" in o or o == "503 ondemand_not_ready":
             return any(t <= d.end for t in self.start_faults[d.dep] + self.fault_times[d.dep])
         if "not_on_demand" in o:
-            since, until = self.always_on.get(d.dep, (float("inf"), None))
-            return since - 1 <= d.end and (until is None or until + 1 >= d.start)
+            return self.always_on_during(d) >= 1
+        if "does_not_fit" in o:  # two switched to always on leave no room for the on-demand ones
+            return self.always_on_during(d, any_dep=True) >= 2
         if o == "401 invalid_api_key":
             return any(d.start - 3 <= t <= d.end + 1 for t in self.rotations)
         return False
+
+    def always_on_during(self, d: Done, any_dep: bool = False) -> int:
+        """How many deployments (``d``'s alone, or any) were switched to always on during ``d``."""
+        deps = range(len(NAMES)) if any_dep else [d.dep]
+        return sum(any(a - 1 <= d.end and b + 1 >= d.start for a, b in self.always_on[n]) for n in deps)
 
     async def after(self) -> None:
         """The invariants, once every client is done."""
