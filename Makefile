@@ -5,6 +5,8 @@
 #   make test-all   the fast suite, the long race loops, and the suites with real
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
+#   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
+#                   50 SIGKILLs of ondemand (their short versions are in test-all)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
 
 PYTHON ?= python3
@@ -20,7 +22,7 @@ export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus \
-        pyz pyz-all bench clean docker-up engine-image llama gemma litellm-venv
+        pyz pyz-all bench soak clean docker-up engine-image llama gemma litellm-venv
 
 install: $(STAMP)
 
@@ -108,6 +110,14 @@ bench: install
 	bash $(HEAVY)/nginx.sh >/dev/null || echo "bench: no nginx here; the side-by-side leaves it out"
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_cold.py
+
+# A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
+# the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.
+SEED ?= 1
+soak: install
+	$(MAKE) fuzz
+	$(PY) scripts/soak.py --seed $(SEED) --requests 10000 --clients 50 --record bench/soak.md
+	$(PY) scripts/crash.py --seed $(SEED) --kills 50
 
 clean:
 	rm -rf dist build .pytest_cache .hypothesis .mypy_cache .ruff_cache

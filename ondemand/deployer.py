@@ -186,6 +186,14 @@ class Deployer:
         elif dep.state in HOLDING:
             await self._transition(dep.id, State.STOPPED, reason="engine gone after ondemand restarted",
                                    text="engine gone after ondemand restarted")
+        now = self._deps[dep.id]
+        if now.pending_mode is not None and now.state is not State.STARTING:
+            # A switch whose start was never admitted (ondemand died between its two writes):
+            # nothing would start it, and requests would wait for it. Cleared, as a refused start.
+            log.warning("%s: the switch to %s was cut short by a restart before its start: it stays %s",
+                        dep.name, now.pending_mode, now.mode)
+            await self.update(dep.id, actor="deployer", pending_mode=None,
+                              text=f"switch to {now.pending_mode} cut short by a restart; still {now.mode}")
 
     async def close(self, stop_engines: bool) -> None:
         """Stop background work; with ``stop_engines`` also the engines (process backend)."""

@@ -115,6 +115,7 @@ async def _pump(request: web.Request, up: UpstreamResponse, out: web.StreamRespo
     try:
         async for chunk in up.content.iter_any():
             await out.write(chunk)
+        await out.write_eof()  # a client gone after the last chunk fails here (found by the soak)
     except ConnectionResetError:
         return out  # the client went away; the caller closes the engine connection
     except aiohttp.ClientPayloadError:
@@ -122,7 +123,6 @@ async def _pump(request: web.Request, up: UpstreamResponse, out: web.StreamRespo
         if request.transport is not None:
             request.transport.close()
         return out
-    await out.write_eof()
     return out
 
 
@@ -206,8 +206,11 @@ class Gateway:
         try:
             resp = await self._answer(request, ex)
             if not resp.prepared:  # written here rather than by aiohttp, so that its end is timed
-                await resp.prepare(request)
-                await resp.write_eof()
+                try:
+                    await resp.prepare(request)
+                    await resp.write_eof()
+                except ConnectionResetError:  # the client went away first (found by the soak)
+                    return resp
             ex.status = resp.status
             return resp
         finally:

@@ -115,6 +115,7 @@ class KeyWatcher:
         self._grace = previous_grace_s
         self._log = logger or _log
         self._next_stat = float("-inf")
+        self._looked_at = float("-inf")
         self._sig: tuple[int, int, int] | None = None
         self._key: str | None = None
         self._key_b: bytes | None = None
@@ -137,11 +138,24 @@ class KeyWatcher:
         """``"ok"`` for the current key, ``"previous"`` for the one before it within the grace
         period after a change, else ``"bad"`` (also when no key is configured).
 
+        A key that would be ``"bad"`` makes the file be looked at once more first: a client
+        that read a rotated key from the file a moment before our once-a-second look is not
+        refused, nor counted as a failed attempt (with 20 of those the limiter would refuse
+        its whole address, LiteLLM's included). The limiter refuses a peer's 21st failure
+        before its key is checked, so this costs at most 20 stats a minute per address.
+
         Comparisons are constant-time (``hmac.compare_digest`` on bytes).
         """
         now = self._clock()
         if now >= self._next_stat:
             self._look(now)
+        verdict = self._compare(presented, now)
+        if verdict == "bad" and presented is not None and self._looked_at < now:
+            self._look(now)
+            verdict = self._compare(presented, now)
+        return verdict
+
+    def _compare(self, presented: str | None, now: float) -> Check:
         key_b = self._key_b
         if key_b is None or presented is None:
             return "bad"
@@ -164,6 +178,7 @@ class KeyWatcher:
 
     def _look(self, now: float) -> None:
         self._next_stat = now + self.STAT_INTERVAL_S
+        self._looked_at = now
         try:
             st = os.stat(self.path)
             sig = (st.st_ino, st.st_mtime_ns, st.st_size)

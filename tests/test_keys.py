@@ -126,9 +126,27 @@ def test_watcher_stats_at_most_once_a_second(tmp_path, monkeypatch):
     for i in range(100):
         clock.t = 1000.0 + i * 0.05  # 5 s of requests
         w.current()
-        w.check("x")
+        w.check("key-a")
     assert len(stats) == 5
     assert len(reads) == 1  # unchanged inode, mtime and size: never re-read
+    w.check("x")  # a key it would refuse: one look more first (a rotation may be under way)
+    assert len(stats) == 6 and len(reads) == 1
+
+
+def test_a_key_rotated_within_the_second_is_accepted_at_its_first_use(tmp_path):
+    """Found by the soak: clients that switched to the new key right after `key rotate` got
+    401 until the next once-a-second look, each counted as a failed attempt, and the 21st
+    had their shared address (LiteLLM's, in production) refused with 429 for everyone."""
+    path = tmp_path / "k"
+    write_key_file(path, "key-a")
+    clock = Clock()
+    w = KeyWatcher(path, clock=clock)
+    assert w.check("key-a") == "ok"
+    write_key_file(path, "key-b")
+    clock.t += 0.01  # well within the second
+    assert w.check("key-b") == "ok"
+    assert w.check("key-a") == "previous"
+    assert w.check("nope") == "bad"
 
 
 def test_watcher_rereads_on_same_size_rewrite_with_new_mtime(tmp_path):

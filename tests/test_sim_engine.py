@@ -387,3 +387,34 @@ async def test_sigterm_stops_cleanly():
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_journal_records_requests_and_the_inflight_at_sigterm(tmp_path):
+    """--journal: boot, each request's path and header names (no values), its end, and at
+    SIGTERM the generation requests still in flight; the file outlives the process."""
+    journal = tmp_path / "journal.jsonl"
+    proc = await spawn("--journal", str(journal), "--token-delay", "0.5", "--tokens", "20")
+    try:
+        port = await started(proc)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "max_tokens": 1},
+                              headers={"Authorization": "Bearer sk-secret", "X-Other": "v"}) as r:
+                assert r.status == 200
+            stream = await s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "stream": True})
+            await stream.content.readline()  # it is being generated now
+            proc.terminate()
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+            stream.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = journal.read_text()
+    assert "sk-secret" not in text
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert [e["ev"] for e in lines[:3]] == ["boot", "req", "end"]
+    assert {e["pid"] for e in lines} == {proc.pid}
+    assert "authorization" in lines[1]["h"] and "x-other" in lines[1]["h"]
+    assert lines[1]["path"] == "/v1/chat/completions"
+    sigterm = [e for e in lines if e["ev"] == "sigterm"]
+    assert len(sigterm) == 1 and sigterm[0]["inflight"] == 1

@@ -29,6 +29,15 @@ Every request but ``/_sim/*`` is recorded (the last ``--record-limit``), with it
 ``path`` and its ``raw_path`` as received: ``GET /_sim/requests`` lists them,
 ``DELETE /_sim/requests`` clears them.
 
+A record that outlives the process, for soak tests that kill and restart engines:
+``--journal FILE`` appends one JSON line per event (each line one ``write`` to a file
+opened ``O_APPEND``, so many simulators can share the file): ``boot`` (the process
+began: ``pid``, ``model``), ``req`` (a request arrived: its ``path`` and the names of
+its headers, never their values), ``end`` (that request's handler returned: ``n``,
+the request's number within this process), and ``sigterm`` with ``inflight``, the
+generation requests still being answered when SIGTERM (or SIGINT) came: an engine
+stopped while busy says so here. Every line has ``ev``, ``pid`` and ``t`` (Unix time).
+
 GPU memory, for the fake nvidia-smi of the tests (tests/fakes/nvidia-smi): with
 ``--gpu-mib N`` and ``$FAKE_NVIDIA_SMI_APPS`` set, the simulator "uses" N MiB on
 each GPU of ``$CUDA_VISIBLE_DEVICES`` (integer indices; GPU 0 when unset, none when
@@ -102,6 +111,20 @@ class SimOptions:
     record_limit: int = 1000
     shutdown_delay: float = 0.0  # seconds between SIGTERM and the exit (a large engine freeing memory)
     gpu_mib: int = 0  # MiB per visible GPU reported to the fake nvidia-smi (0: none)
+    journal: str | None = None  # a file to append one JSON line per event to (see the module's doc)
+
+
+class Journal:
+    """``--journal FILE``: events as JSON lines, each appended with one write."""
+
+    def __init__(self, path: str | None, model: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if path else -1
+        self.model = model
+        self.pid = os.getpid()
+
+    def write(self, ev: str, **fields: Any) -> None:
+        if self.fd >= 0:
+            os.write(self.fd, orjson.dumps({"ev": ev, "pid": self.pid, "t": time.time(), **fields}) + b"\n")
 
 
 class SimError(Exception):
@@ -164,6 +187,9 @@ class Sim:
         self.waiting = 0
         self.sem = asyncio.Semaphore(opts.max_running) if opts.max_running > 0 else None
         self.record: collections.deque[_Recorded] = collections.deque(maxlen=opts.record_limit)
+        self.journal = Journal(opts.journal, opts.model)
+        self.seq = 0
+        self.inflight = 0  # generation requests being answered (for the journal's sigterm line)
         self.tasks: list[asyncio.Task[Any]] = []
         self.card = {"id": opts.model, "object": "model", "created": int(time.time()),
                      "owned_by": "ondemand-simulator", "root": opts.model, "parent": None,
@@ -201,9 +227,26 @@ class Sim:
         path = request.path
         if path.startswith("/_sim/"):
             return await handler(request)
-        body = await request.read() if request.body_exists else b""
-        self.record.append((time.time(), request.method, path, request.query_string, request.raw_headers, body,
-                            request.raw_path))
+        generation = path in GENERATION
+        self.inflight += generation
+        try:
+            body = await request.read() if request.body_exists else b""
+            self.record.append((time.time(), request.method, path, request.query_string, request.raw_headers, body,
+                                request.raw_path))
+            if self.journal.fd < 0:
+                return await self._handle(request, handler, path)
+            self.seq += 1
+            n = self.seq
+            self.journal.write("req", n=n, path=path,
+                               h=sorted({k.decode("latin-1").lower() for k, _ in request.raw_headers}))
+            try:
+                return await self._handle(request, handler, path)
+            finally:
+                self.journal.write("end", n=n)
+        finally:
+            self.inflight -= generation
+
+    async def _handle(self, request: web.Request, handler: Handler, path: str) -> web.StreamResponse:
         if not self.ready:
             if self.opts.fail == "never-ready" or time.monotonic() < self.ready_at:
                 return web.Response(status=503, body=_LOADING, content_type="application/json")
@@ -685,9 +728,17 @@ async def serve(opts: SimOptions) -> None:
     """Serve until SIGINT or SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    app = build_app(opts)
+    sim = app[SIM_KEY]
+    sim.journal.write("boot", model=opts.model)
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            sim.journal.write("sigterm", model=opts.model, inflight=sim.inflight)
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the startup line: whoever reads it may stop us at once
-        loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(build_app(opts), access_log=None, shutdown_timeout=0.5)
+        loop.add_signal_handler(sig, on_signal)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     claimed = claim_gpu_memory(opts)
     try:
@@ -724,6 +775,8 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--gpu-mib", type=int, default=0, metavar="N",
                     help="use N MiB on each GPU of $CUDA_VISIBLE_DEVICES, as the fake nvidia-smi "
                          "in $FAKE_NVIDIA_SMI_APPS sees it")
+    ap.add_argument("--journal", metavar="FILE",
+                    help="append one JSON line per event (boot, req, end, sigterm with the requests in flight)")
     a = ap.parse_args(argv)
     fail, fail_after = None, 0.0
     if a.fail:
@@ -744,7 +797,8 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     return SimOptions(host=a.host, port=a.port, model=a.model, flavor=a.flavor, startup_delay=a.startup_delay,
                       token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
-                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib)
+                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
+                      journal=a.journal)
 
 
 def main(argv: list[str] | None = None) -> int:
