@@ -15,6 +15,42 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fakes"
 
 
+async def serving(proc, cfg, what: str, log: Path, timeout: float = 30) -> None:
+    """Wait until an ``ondemand serve`` child answers on its admin socket (``log``: its
+    output, quoted when it exited first)."""
+    from ondemand import adminclient
+
+    def output() -> str:
+        return log.read_text(errors="replace")[-3000:]
+
+    async def up():
+        assert proc.returncode is None, output()
+        with contextlib.suppress(adminclient.NoServer):
+            status, _ = await adminclient.request(cfg, "GET", "/host")
+            return status == 200
+    await wait_for(up, timeout=timeout, interval=0.05, what=what)
+
+
+async def terminate(proc, timeout: float = 15) -> None:
+    """SIGTERM a child, SIGKILL it after ``timeout``; idempotent."""
+    if proc is not None and proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def admin_ok(cfg, method: str, path: str, body=None, who: str = ""):
+    """An admin API call over the socket that must succeed; its JSON."""
+    from ondemand import adminclient
+    status, data = await adminclient.request(cfg, method, path, body)
+    assert status < 400, (who, method, path, status, data)
+    return data
+
+
 def sim_command(model: str = "m", *extra: str) -> list[str]:
     """The process backend's command for the engine simulator."""
     return ["ondemand", "sim-engine", "--port", "{port}", "--model", model, *extra]

@@ -8,16 +8,15 @@ a key rotation; an entry from before instances is adopted by its owner only; bot
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sys
 
 import pytest
-from helpers import ROOT, free_port, sim_command, wait_for
+from helpers import ROOT, admin_ok, free_port, serving, sim_command, terminate, wait_for
 from litellm_double import litellm_double
 
-from ondemand import adminclient, config, keys
+from ondemand import config, keys
 from ondemand.litellm import entry_instance, entry_owned, ondemand_entry
 
 MASTER = "sk-master"
@@ -50,34 +49,21 @@ class Box:
         self.cfg = config.load(self.path, env={})
         keys.write_key_file(self.cfg.key_file, keys.generate_key())
         self.proc: asyncio.subprocess.Process | None = None
+        self.log = tmp / f"{instance}.log"
 
     async def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_")}
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ondemand", "--config", str(self.path), "serve", cwd=ROOT, env=env,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-
-        async def up():
-            assert self.proc.returncode is None, (await self.proc.stderr.read()).decode()[-3000:]
-            with contextlib.suppress(adminclient.NoServer):
-                status, _ = await adminclient.request(self.cfg, "GET", "/host")
-                return status == 200
-        await wait_for(up, timeout=20, interval=0.05, what=f"{self.instance} serving")
+        with open(self.log, "ab") as log:  # a pipe nobody reads would fill and stall the server
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ondemand", "--config", str(self.path), "serve", cwd=ROOT, env=env,
+                stdout=log, stderr=log)
+        await serving(self.proc, self.cfg, f"{self.instance} serving", self.log, timeout=20)
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            finally:
-                if self.proc.returncode is None:
-                    self.proc.kill()
-                    await self.proc.wait()
+        await terminate(self.proc)
 
     async def api(self, method: str, path: str, body=None):
-        status, data = await adminclient.request(self.cfg, method, path, body)
-        assert status < 400, (self.instance, method, path, status, data)
-        return data
+        return await admin_ok(self.cfg, method, path, body, self.instance)
 
     async def sync(self) -> dict:
         result = await self.api("POST", "/sync")

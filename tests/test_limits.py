@@ -21,9 +21,9 @@ import time
 
 import orjson
 import pytest
-from helpers import ROOT, free_port, sim_command, wait_for
+from helpers import ROOT, admin_ok, free_port, serving, sim_command, terminate, wait_for
 
-from ondemand import adminclient, config, keys
+from ondemand import config, keys
 
 pytestmark = pytest.mark.slow
 
@@ -67,28 +67,14 @@ class Serve:
                 sys.executable, "-m", "ondemand", "--config", str(self.path), "serve", cwd=ROOT, env=env,
                 stdout=log, stderr=log, preexec_fn=self._limits)
 
-        async def up():
-            assert self.proc.returncode is None, self.log.read_text()[-3000:]
-            with contextlib.suppress(adminclient.NoServer):
-                status, _ = await adminclient.request(self.cfg, "GET", "/host")
-                return status == 200
-        await wait_for(up, timeout=30, interval=0.05, what="ondemand serving")
+        await serving(self.proc, self.cfg, "ondemand serving", self.log)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 20)
-            finally:
-                if self.proc.returncode is None:
-                    self.proc.kill()
-                    await self.proc.wait()
+        await terminate(self.proc, 20)
 
     async def api(self, method: str, path: str, body=None):
-        status, data = await adminclient.request(self.cfg, method, path, body)
-        assert status < 400, (method, path, status, data)
-        return data
+        return await admin_ok(self.cfg, method, path, body)
 
     async def add(self, name: str, *sim_args: str) -> int:
         view = await self.api("POST", "/deployments", {
