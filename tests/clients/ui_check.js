@@ -125,6 +125,9 @@ function waitForLine(expected) {
     await page.waitForSelector(row("late"), { timeout: 10000 });  // made after the restart: it shows
     out.after_restart.late = true;
 
+    // The bars follow the host's budget, read again at most once a second after changes.
+    await page.waitForFunction(() => [...document.querySelectorAll("#gpus .track")]
+      .some((t) => (t.getAttribute("aria-label") || "").includes("held by pinned")), null, { timeout: 10000 });
     out.gpus = await page.$$eval("#gpus .gpu", (gs) => gs.map((g) => g.querySelector(".track").getAttribute("aria-label")));
     await page.waitForFunction(() => [...document.querySelectorAll("#audit-rows tr")]
       .some((t) => t.cells[1].textContent === "ondemand_start"), null, { timeout: 5000 }).catch(() => {});
