@@ -396,18 +396,22 @@ async def test_hang_up_while_queued_removes_the_entry(tmp_path, store):
         slot.release()
 
 
-async def test_attempt_starts_nothing_when_nobody_waits(tmp_path, store):
-    """The only waiter hangs up while the start's memory reading is out: the deployer asks
-    again whether anyone wants the start in the step that would mark it starting."""
+def held_budget(release: asyncio.Event):
+    """A static budget whose reading waits for ``release`` (an admit held in its one await)."""
     from ondemand.budget import Budget
-    release = asyncio.Event()
 
-    class SlowBudget(Budget):
+    class HeldBudget(Budget):
         async def measure(self):
             await release.wait()
             return None
+    return HeldBudget("static", 24)
 
-    async with controller_env(tmp_path, store, budget=SlowBudget("static", 24)) as env:
+
+async def test_attempt_starts_nothing_when_nobody_waits(tmp_path, store):
+    """The only waiter hangs up while the start's memory reading is out: the deployer asks
+    again whether anyone wants the start in the step that would mark it starting."""
+    release = asyncio.Event()
+    async with controller_env(tmp_path, store, budget=held_budget(release)) as env:
         a = await env.add("a")
         w = asyncio.ensure_future(env.acquire(a))
         await wait_for(lambda: env.controller.attempt_phase(a) is not None)
@@ -602,16 +606,9 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
 async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path, store):
     """Cancelling the effects (shutdown) while an admit reads the budget reports back: the
     attempt is idle again, nothing was marked starting, and the waiter can still leave."""
-    from ondemand.budget import Budget
     from ondemand.controller import Phase
     release = asyncio.Event()
-
-    class SlowBudget(Budget):
-        async def measure(self):
-            await release.wait()
-            return None
-
-    async with controller_env(tmp_path, store, budget=SlowBudget("static", 24)) as env:
+    async with controller_env(tmp_path, store, budget=held_budget(release)) as env:
         a = await env.add("a")
         w = asyncio.ensure_future(env.acquire(a))
         await wait_for(lambda: env.controller.attempt_phase(a) is Phase.ADMITTING)
