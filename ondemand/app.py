@@ -61,7 +61,7 @@ from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, Vi
 from .exchange import Exchange
 from .footprint import FootprintSampler
 from .forward import Upstreams
-from .gateway import MAX_BODY, Gateway, stamp_request_id
+from .gateway import MAX_BODY, Gateway
 from .litellm import LiteLLMClient
 from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
@@ -145,16 +145,21 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     app[STARTED_AT] = time.time()
     holder = _PolicyHolder()
     app[POLICY] = holder
-    app.middlewares.append(PeerGuard(holder, cfg.base_path + "/ondemand"))
+    guard = PeerGuard(holder, cfg.base_path + "/ondemand")
+    app.middlewares.append(guard)
     app.middlewares.append(admin.auth_middleware(cfg))
 
-    async def gateway_route(request: web.Request) -> web.StreamResponse:
-        return await request.app[GATEWAY].handle(request)
-
     prefix = cfg.base_path + "/ondemand"
+    app[httpserver.LEAN_ROUTE] = _lean_route(app, guard, prefix)
+
+    async def gateway_route(request: web.Request) -> web.StreamResponse:
+        """The gateway on aiohttp's application: for a connection aiohttp took (see httpserver)."""
+        call = httpserver.AioCall(request)
+        await request.app[GATEWAY].handle(call)
+        return call.response if call.response is not None else web.Response(status=499)
+
     app.router.add_route("*", prefix, gateway_route)
     app.router.add_route("*", prefix + "/{tail:.*}", gateway_route)
-    app.on_response_prepare.append(stamp_request_id)  # x-request-id on every gateway answer
     admin.add_routes(app, cfg.base_path)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
@@ -164,6 +169,17 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     app.on_shutdown.append(_shutting_down)
     app.cleanup_ctx.extend([_state, _starts, engines, _control, _observe, _gateway, _litellm, _views, _background])
     return app
+
+
+def _lean_route(app: web.Application, guard: PeerGuard, prefix: str) -> httpserver.LeanRoute:
+    """The gateway's routes on the lean front: the peer guard (check 1), then the gateway."""
+    refused = guard.refused_body
+
+    async def handle(call: httpserver.Call) -> None:
+        if guard.refuses(call.headers, call.peer):
+            return await call.send(404, {"Content-Type": "application/json"}, refused)
+        await app[GATEWAY].handle(call)
+    return httpserver.LeanRoute(prefix, handle, lambda: app[GATEWAY].max_body)
 
 
 async def _shutting_down(app: web.Application) -> None:

@@ -26,7 +26,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from . import notice
 from .admission import Admission
@@ -36,6 +35,7 @@ from .errors import OndemandError
 from .exchange import Exchange, request_id
 from .forward import Response as UpstreamResponse
 from .forward import UpstreamError, Upstreams, request_headers, response_headers
+from .httpserver import BodyMalformed, BodyTooLarge, Call
 from .keys import KeyWatcher
 from .model import Deployment, Role, State
 from .paths import rebuild, split_checked
@@ -56,19 +56,12 @@ HEALTH_HEADER = "x-dgxmm-health-check"
 STATE_HEADER = "x-dgxmm-ondemand-state"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _JSON = "application/json"
+_JSON_UTF8 = {"Content-Type": "application/json; charset=utf-8"}  # as aiohttp's json_response says
+_NO_NOTICE = object()  # _answer_with: no queued notice to prepend
 _EMPTY_BODY = frozenset({204, 304})
 ID_HEADER = "X-Request-Id"
-EXCHANGE = web.RequestKey("exchange", Exchange)
 # A request whose client went away before its answer was written (nginx's code).
 CLIENT_GONE = 499
-
-
-async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: every answer of the gateway, the engine's and its own
-    errors alike, carries the request's id (set once here, so no answer path can miss it)."""
-    ex = request.get(EXCHANGE)
-    if ex is not None:
-        response.headers[ID_HEADER] = ex.rid
 
 
 def _no_observer(ex: Exchange) -> None:
@@ -81,17 +74,13 @@ _NO_RETRY = frozenset({"start_failed", "does_not_fit", "ondemand_queue_timeout",
                        "ondemand_not_configured", "not_on_demand", "ondemand_planned"})
 
 
-def error_response(err: OndemandError) -> web.Response:
-    headers = err.headers
+async def send_error(call: Call, err: OndemandError) -> None:
+    """An error in the documented form; a ``Connection: close`` of the error closes the connection."""
+    headers = {k: v for k, v in err.headers.items() if k != "Connection"}
     if err.code in _NO_RETRY:
-        headers = {**headers, "x-should-retry": "false"}
-    close = headers.get("Connection") == "close"
-    if close:  # aiohttp writes its own Connection header: force_close() makes it say close, and do it
-        headers = {k: v for k, v in headers.items() if k != "Connection"}
-    resp = web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=headers)
-    if close:
-        resp.force_close()
-    return resp
+        headers["x-should-retry"] = "false"
+    headers["Content-Type"] = _JSON
+    await call.send(err.status, headers, err.body(), close=err.headers.get("Connection") == "close")
 
 
 def _err(status: int, code: str, message: str, **kw: Any) -> OndemandError:
@@ -110,20 +99,17 @@ def _release_when_granted(task: asyncio.Future[Slot]) -> None:
     task.add_done_callback(done)
 
 
-async def _pump(request: web.Request, up: UpstreamResponse, out: web.StreamResponse) -> web.StreamResponse:
+async def _pump(call: Call, up: UpstreamResponse) -> None:
     """The engine's bytes to the client as they come, chunk by chunk, unbuffered."""
     try:
         async for chunk in up.content.iter_any():
-            await out.write(chunk)
-        await out.write_eof()  # a client gone after the last chunk fails here (found by the soak)
+            await call.write(chunk)
+        await call.end()  # a client gone after the last chunk fails here (found by the soak)
     except ConnectionResetError:
-        return out  # the client went away; the caller closes the engine connection
+        return  # the client went away; the caller closes the engine connection
     except aiohttp.ClientPayloadError:
         # The engine broke off mid-answer: so do we, rather than end the answer cleanly.
-        if request.transport is not None:
-            request.transport.close()
-        return out
-    return out
+        call.abort()
 
 
 def health_answer(route: str, served: str) -> dict[str, Any] | None:
@@ -199,43 +185,44 @@ class Gateway:
         self.finished = finished
         self.start_eta = start_eta
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        ex = Exchange(request_id(request.headers), request.method, request.remote or "", self.clock())
-        request[EXCHANGE] = ex
+    async def handle(self, call: Call) -> None:
+        """Answer one gateway request, whichever way it came (the lean front or aiohttp)."""
+        ex = Exchange(request_id(call.headers), call.method, call.peer, self.clock())
+        call.rid = ex.rid
         ex.status = CLIENT_GONE  # unless an answer is written to its end below
         try:
-            resp = await self._answer(request, ex)
-            if not resp.prepared:  # written here rather than by aiohttp, so that its end is timed
-                try:
-                    await resp.prepare(request)
-                    await resp.write_eof()
-                except ConnectionResetError:  # the client went away first (found by the soak)
-                    return resp
-            ex.status = resp.status
-            return resp
+            await self._answer(call, ex)
+            if call.status:
+                ex.status = call.status
+        except ConnectionResetError:  # the client went away first (found by the soak)
+            pass
         finally:
             ex.duration_s = self.clock() - ex.arrival
-            ex.bytes_out = request.writer.output_size if request.writer is not None else 0
+            ex.bytes_out = call.bytes_out
             self.finished(ex)
 
-    async def _answer(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+    async def _answer(self, call: Call, ex: Exchange) -> None:
         try:
-            return await self._handle(request, ex)
+            await self._handle(call, ex)
         except OndemandError as err:
             if err.status >= 500:
-                log.info("%s %s: %d %s (request %s)", request.method, request.raw_path, err.status, err.code, ex.rid)
-            return error_response(err)
+                log.info("%s %s: %d %s (request %s)", call.method, call.raw_path, err.status, err.code, ex.rid)
+            if call.status:  # an answer went out already (cannot be: errors come before one)
+                raise
+            await send_error(call, err)
+        except ConnectionResetError:
+            raise
         except Exception:
             # A defect of ours: logged with its traceback, answered in the documented form
-            # when nothing of an answer went out yet (else aiohttp cuts the connection).
-            log.exception("%s %s failed (request %s)", request.method, request.raw_path, ex.rid)
-            if request.writer is None or request.writer.output_size:
+            # when nothing of an answer went out yet (else the connection is cut).
+            log.exception("%s %s failed (request %s)", call.method, call.raw_path, ex.rid)
+            if call.status or call.bytes_out:
                 raise
-            return error_response(_err(500, "internal_error", "ondemand failed on this request; see its log"))
+            await send_error(call, _err(500, "internal_error", "ondemand failed on this request; see its log"))
 
     # --- the checks -------------------------------------------------------------
 
-    def _check_key(self, request: web.Request, peer: str) -> None:
+    def _check_key(self, call: Call, peer: str) -> None:
         if self.keys.current() is None:
             raise _err(503, "ondemand_not_configured",
                        "The on-demand gateway has no key configured (ondemand_key_file)")
@@ -243,7 +230,7 @@ class Gateway:
         if retry is not None:
             raise _err(429, "rate_limited", "Too many failed key checks; try again later",
                        headers={"Retry-After": str(retry)})
-        auth = request.headers.get("Authorization", "")
+        auth = call.headers.get("Authorization", "")
         presented = auth[7:].strip() if auth[:7].lower() == "bearer " else None
         verdict = self.keys.check(presented)
         if verdict == "ok":
@@ -252,12 +239,12 @@ class Gateway:
             self.limiter.fail(peer)
         raise _err(401, "invalid_api_key", "Invalid API key for the on-demand gateway")
 
-    async def _handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
-        segs = split_checked(request.raw_path, self.prefix)
-        self._check_key(request, ex.peer or "?")
-        dep_id, route, kind = _route(segs, request.method)
+    async def _handle(self, call: Call, ex: Exchange) -> None:
+        segs = split_checked(call.raw_path, self.prefix)
+        self._check_key(call, ex.peer or "?")
+        dep_id, route, kind = _route(segs, call.method)
         ex.route = route
-        length = request.content_length
+        length = call.content_length
         if length is not None and length > self.max_body:
             raise self._too_large()
         dep = self.deployer.get(dep_id)
@@ -267,32 +254,32 @@ class Gateway:
         if dep.role is Role.DECISION:
             raise _err(503, "not_on_demand", f"{dep.served_name} is not served through the on-demand gateway")
         if kind == "models":
-            return web.json_response({"object": "list", "data": [{
-                "id": dep.served_name, "object": "model", "created": int(dep.created_at),
-                "owned_by": "dgxmm"}]}, dumps=lambda o: orjson.dumps(o).decode())
+            body = orjson.dumps({"object": "list", "data": [{
+                "id": dep.served_name, "object": "model", "created": int(dep.created_at), "owned_by": "dgxmm"}]})
+            return await call.send(200, _JSON_UTF8, body)
         if dep.state is State.PLANNED:  # not registered in LiteLLM: nothing to wait for
             raise _err(503, "ondemand_planned",
                        f"{dep.served_name} is planned: an administrator has to start it first")
         if kind == "model":
             if dep.state is not State.READY:
                 raise _err(503, "ondemand_not_ready", f"{dep.served_name} is {dep.state}")
-            return await self._forward(request, dep, segs, None, route)
+            return await self._forward(call, dep, segs, None, route)
 
-        if HEALTH_HEADER in request.headers:
+        if HEALTH_HEADER in call.headers:
             ex.health = True
-            return self._health(dep, route)
+            return await self._health(call, dep, route)
         on_demand = dep.on_demand
         if not on_demand and dep.state is not State.READY:
             raise _err(503, "not_on_demand", f"{dep.served_name} is always on and is {dep.state}")
 
-        body = await self._read_body(request)
+        body = await self._read_body(call)
         ex.bytes_in = len(body)
         parsed = None if route in MULTIPART else _json_object(body)
         if not on_demand:
-            return await self._forward(request, dep, segs, body, route)
+            return await self._forward(call, dep, segs, body, route)
         how = notice.mode(route, parsed)
         if how == notice.STREAM_NOTICE:
-            return await self._stream_with_notice(request, ex, dep, segs, body, route)
+            return await self._stream_with_notice(call, ex, dep, segs, body, route)
         # The ETA as it stood when the request queued, as the streaming notice tells it.
         queued: list[float | None] = []
 
@@ -301,7 +288,7 @@ class Gateway:
             queued.append(self.start_eta(dep_id))
         slot = await self._acquire(ex, dep_id, on_queued)
         try:
-            return await self._forward(request, dep, segs, body, route,
+            return await self._forward(call, dep, segs, body, route,
                                        prepend=how == notice.PREPEND and ex.waited_memory,
                                        eta_s=queued[0] if queued else None)
         finally:
@@ -321,24 +308,21 @@ class Gateway:
     def _too_large(self) -> OndemandError:
         return _err(413, "request_too_large", f"The request body is larger than {self.max_body // 2**20} MiB")
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """Counted while it arrives (chunked too): aiohttp stops at client_max_size; and
-        timed: the whole of it within ``body_timeout_s``, else 408 and the connection closes."""
+    async def _read_body(self, call: Call) -> bytes:
+        """Counted while it arrives (chunked too), and timed: the whole of it within
+        ``body_timeout_s``, else 408 and the connection closes."""
         try:
-            body = await asyncio.wait_for(request.read(), self.body_timeout_s)
-        except web.HTTPRequestEntityTooLarge:
+            return await call.body(self.max_body, self.body_timeout_s)
+        except BodyTooLarge:
             raise self._too_large() from None
         except asyncio.TimeoutError:  # TimeoutError itself from 3.11
             raise _err(408, "request_timeout", f"The request body did not arrive within {self.body_timeout_s:g} s",
                        headers={"Connection": "close"}) from None
-        except web.RequestPayloadError as exc:  # a malformed chunked body, found while reading it
+        except BodyMalformed as exc:  # a malformed chunked body, found while reading it
             raise _err(400, "invalid_body", f"The request body is malformed: {exc}",
                        headers={"Connection": "close"}) from None
-        if len(body) > self.max_body:
-            raise self._too_large()
-        return body
 
-    def _health(self, dep: Deployment, route: str) -> web.Response:
+    async def _health(self, call: Call, dep: Deployment, route: str) -> None:
         """LiteLLM's health checks are answered here, never forwarded, in every state:
         the header is no secret, and a forwarded one would run without a slot."""
         if dep.state is State.FAILED:
@@ -346,12 +330,12 @@ class Gateway:
         answer = health_answer(route, dep.served_name)
         if answer is None:
             raise _err(503, "ondemand_health_unsupported", f"no health answer for /v1/{route}")
-        return web.Response(body=orjson.dumps(answer), content_type=_JSON, headers={STATE_HEADER: dep.state.value})
+        await call.send(200, {"Content-Type": _JSON, STATE_HEADER: dep.state.value}, orjson.dumps(answer))
 
     # --- streaming with the queued notice -----------------------------------------
 
-    async def _stream_with_notice(self, request: web.Request, ex: Exchange, dep: Deployment, segs: list[str],
-                                  body: bytes, route: str) -> web.StreamResponse:
+    async def _stream_with_notice(self, call: Call, ex: Exchange, dep: Deployment, segs: list[str],
+                                  body: bytes, route: str) -> None:
         queued = asyncio.Event()
 
         def on_queued() -> None:
@@ -371,18 +355,16 @@ class Gateway:
                     q.cancel()
             if acq.done():
                 slot = acq.result()  # raises the controller's error as a plain answer
-                return await self._forward(request, dep, segs, body, route)
+                return await self._forward(call, dep, segs, body, route)
             # Queued for memory: tell the person now, then wait.
-            out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-            await out.prepare(request)
-            await out.write(notice.queued_chunk(route, dep.served_name, self.start_eta(dep.id)))
+            await call.start(200, _SSE_HEADERS)
+            await call.write(notice.queued_chunk(route, dep.served_name, self.start_eta(dep.id)))
             try:
                 slot = await acq
             except OndemandError as err:
-                await out.write(notice.error_events(err.envelope()))
-                await out.write_eof()
-                return out
-            return await self._forward(request, dep, segs, body, route, started=out)
+                await call.write(notice.error_events(err.envelope()))
+                return await call.end()
+            return await self._forward(call, dep, segs, body, route, started=True)
         finally:
             if slot is not None:
                 slot.release()
@@ -394,55 +376,49 @@ class Gateway:
 
     # --- forwarding -----------------------------------------------------------------
 
-    async def _forward(self, request: web.Request, dep: Deployment, segs: list[str], body: bytes | None,
+    async def _forward(self, call: Call, dep: Deployment, segs: list[str], body: bytes | None,
                        route: str, *, prepend: bool = False, eta_s: float | None = None,
-                       started: web.StreamResponse | None = None) -> web.StreamResponse:
+                       started: bool = False) -> None:
         base = self.deployer.base_url(dep.id)
         if base is None:
-            return await self._upstream_failed(started, "the engine has no address")
-        target = rebuild(segs[1:])
+            return await self._upstream_failed(call, started, "the engine has no address")
         lease = self.upstreams.open(dep.id, base)
         try:
             try:
-                headers = request_headers(request.headers)
-                ex = request.get(EXCHANGE)
-                if ex is not None:  # the engine logs it too (vLLM takes it as its request id)
-                    headers[ID_HEADER] = ex.rid
-                up = await lease.request(request.method, target, headers, body)
+                headers = request_headers(call.headers)
+                headers[ID_HEADER] = call.rid  # the engine logs it too (vLLM takes it as its request id)
+                up = await lease.request(call.method, rebuild(segs[1:]), headers, body)
             except (UpstreamError, ValueError) as exc:
-                return await self._upstream_failed(started, f"the engine did not answer: {exc}")
+                return await self._upstream_failed(call, started, f"the engine did not answer: {exc}")
             try:
-                if started is not None:
-                    return await self._into_started(request, up, started)
-                if prepend and up.status == 200 and up.content_type == _JSON:
-                    try:
-                        raw = await up.read()
-                    except aiohttp.ClientPayloadError as exc:
-                        return await self._upstream_failed(None, f"the engine broke off its answer: {exc}")
-                    data = notice.prepend(route, raw, dep.served_name, eta_s)
-                    headers = response_headers(up.headers)
-                    return web.Response(status=200, body=data, headers=headers)
-                content = up.content
-                if content.is_eof() and request.method != "HEAD" and up.status not in _EMPTY_BODY:
-                    # The whole answer is here already (a short one usually is): head and body
-                    # in one write, where a StreamResponse writes its head on its own.
-                    return web.Response(status=up.status, reason=up.reason, headers=response_headers(up.headers),
-                                        body=await content.read())
-                out = web.StreamResponse(status=up.status, reason=up.reason, headers=response_headers(up.headers))
-                if up.content_length is not None:
-                    out.content_length = up.content_length
-                await out.prepare(request)
-                if request.method == "HEAD":
-                    await out.write_eof()
-                    return out
-                return await _pump(request, up, out)
+                if started:
+                    return await self._into_started(call, up)
+                await self._answer_with(call, up, route, dep, eta_s if prepend else _NO_NOTICE)
             finally:
                 up.release()  # back to the pool when read to the end, else closed (the engine stops)
         finally:
             lease.end()
 
-    async def _into_started(self, request: web.Request, up: UpstreamResponse,
-                            out: web.StreamResponse) -> web.StreamResponse:
+    async def _answer_with(self, call: Call, up: UpstreamResponse, route: str, dep: Deployment,
+                           eta_s: float | None | object) -> None:
+        """The engine's answer to the client: whole when it is here already, else streamed."""
+        content = up.content
+        if eta_s is not _NO_NOTICE and up.status == 200 and up.content_type == _JSON:
+            try:
+                raw = await up.read()
+            except aiohttp.ClientPayloadError as exc:
+                return await self._upstream_failed(call, False, f"the engine broke off its answer: {exc}")
+            data = notice.prepend(route, raw, dep.served_name, eta_s)  # type: ignore[arg-type]
+            return await call.send(200, response_headers(up.headers), data)
+        if content.is_eof() and call.method != "HEAD" and up.status not in _EMPTY_BODY:
+            # The whole answer is here already (a short one usually is): head and body in one write.
+            return await call.send(up.status, response_headers(up.headers), await content.read(), reason=up.reason)
+        await call.start(up.status, response_headers(up.headers), reason=up.reason, length=up.content_length)
+        if call.method == "HEAD":
+            return await call.end()
+        await _pump(call, up)
+
+    async def _into_started(self, call: Call, up: UpstreamResponse) -> None:
         """The engine's SSE bytes after the queued notice; an engine error becomes an SSE error."""
         if up.status != 200:
             raw = b""
@@ -451,7 +427,7 @@ class Gateway:
                 while len(raw) < 65536 and not content.at_eof():  # read() gives what arrived, not all
                     raw += await content.read(65536 - len(raw))
             except aiohttp.ClientPayloadError as exc:
-                return await self._upstream_failed(out, f"the engine broke off its answer: {exc}")
+                return await self._upstream_failed(call, True, f"the engine broke off its answer: {exc}")
             try:
                 error = orjson.loads(raw)
                 if not isinstance(error, dict) or "error" not in error:
@@ -459,15 +435,13 @@ class Gateway:
             except ValueError:
                 error = {"error": {"message": raw.decode("utf-8", "replace")[:2000] or f"engine answered {up.status}",
                                    "type": "server_error", "code": up.status}}
-            await out.write(notice.error_events(error))
-            await out.write_eof()
-            return out
-        return await _pump(request, up, out)
+            await call.write(notice.error_events(error))
+            return await call.end()
+        await _pump(call, up)
 
-    async def _upstream_failed(self, started: web.StreamResponse | None, why: str) -> web.StreamResponse:
+    async def _upstream_failed(self, call: Call, started: bool, why: str) -> None:
         err = _err(502, "ondemand_upstream_error", f"The engine could not be reached: {why}")
-        if started is None:
+        if not started:
             raise err
-        await started.write(notice.error_events(err.envelope()))
-        await started.write_eof()
-        return started
+        await call.write(notice.error_events(err.envelope()))
+        await call.end()

@@ -23,7 +23,7 @@ import asyncio
 import ipaddress
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from aiohttp import hdrs, web
@@ -411,18 +411,26 @@ class PeerGuard:
     def applies(self, request: web.BaseRequest) -> bool:
         return self._under(request.raw_path) or self._under(request.path)
 
+    @property
+    def refused_body(self) -> bytes:
+        """The body of a refusal: the gateway's 404 not_found."""
+        return self._body
+
     def refused(self, request: web.BaseRequest) -> bool:
-        headers = request.headers
-        for h in _FORWARDING:
-            if h in headers:
-                return True
         transport = request.transport
         if transport is None:
             return True
         peer = transport.get_extra_info("peername")
         if not peer or not isinstance(peer, tuple):
             return True  # a Unix socket or an unknown transport is not a network peer
-        return not self.policy.allows(peer[0])
+        return self.refuses(request.headers, peer[0])
+
+    def refuses(self, headers: Mapping[str, str], peer: str) -> bool:
+        """A request with these headers from this TCP peer (``""``: not a network peer) is refused."""
+        for h in _FORWARDING:
+            if h in headers:
+                return True
+        return not peer or not self.policy.allows(peer)
 
     async def __call__(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.applies(request) and self.refused(request):

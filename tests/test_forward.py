@@ -793,7 +793,7 @@ async def test_a_connection_lost_in_the_turn_it_was_handed_over_leaves_no_stray_
 
 
 class _Out:
-    """What _into_started writes to: the client's answer, already begun by the queued notice."""
+    """What _into_started writes to (a Call): the client's answer, already begun by the queued notice."""
 
     def __init__(self):
         self.data = b""
@@ -801,7 +801,7 @@ class _Out:
     async def write(self, b):
         self.data += b
 
-    async def write_eof(self):
+    async def end(self):
         self.data += b"<eof>"
 
 
@@ -809,7 +809,7 @@ def _gateway():
     from types import SimpleNamespace
 
     from ondemand.gateway import Gateway
-    return SimpleNamespace(_upstream_failed=lambda started, why: Gateway._upstream_failed(None, started, why))
+    return SimpleNamespace(_upstream_failed=lambda call, started, why: Gateway._upstream_failed(None, call, started, why))
 
 
 async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
@@ -828,7 +828,7 @@ async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
         up = await lease.request("POST", "/v1/chat/completions", JSON, b"{}")
         out = _Out()
         try:
-            await Gateway._into_started(_gateway(), None, up, out)
+            await Gateway._into_started(_gateway(), out, up)
         finally:
             up.release()
             lease.end()
@@ -848,7 +848,7 @@ async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_
         up = await lease.request("POST", "/v1/chat/completions", JSON, b"{}")
         out = _Out()
         try:
-            await Gateway._into_started(_gateway(), None, up, out)
+            await Gateway._into_started(_gateway(), out, up)
         finally:
             up.release()
             lease.end()

@@ -25,8 +25,8 @@ ALLOWED = {
     "effects": {"budget", "controller", "deployer", "errors", "events", "metrics", "model", "tasks"},
     "admission": {"controller", "deployer", "errors", "model"},
     "reaper": {"controller"},
-    "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "keys", "model",
-                "paths", "ratelimit"},
+    "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "httpserver",
+                "keys", "model", "paths", "ratelimit"},
     # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
     "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},

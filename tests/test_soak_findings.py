@@ -28,11 +28,11 @@ async def test_a_client_gone_after_the_last_chunk_is_no_internal_error():
         async def write(self, chunk: bytes) -> None:
             self.written.append(chunk)
 
-        async def write_eof(self) -> None:
+        async def end(self) -> None:
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
 
     out = Out()
-    assert await gateway._pump(None, Up(), out) is out
+    await gateway._pump(out, Up())  # returns: no exception out of it
     assert out.written == [b"data: [DONE]\n\n"]
 
 
