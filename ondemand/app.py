@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -460,6 +461,16 @@ def setup_logging(level: str) -> None:
     httpserver.quiet_malformed_requests()
 
 
+def _tune_gc() -> None:
+    """Start-up's objects (modules, the application, its state) leave the cyclic collector's
+    scans, and its youngest generation is collected every 10,000 allocations instead of
+    700: a request allocates a few hundred short-lived objects, almost none in cycles, and
+    with the defaults the collector took about a tenth of the gateway's CPU per request."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
+
+
 async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT: stop accepting, let streams end within the
     grace period, then cancel what is left (uvicorn's order)."""
@@ -491,6 +502,7 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     except OSError as exc:
         await runner.cleanup()
         raise StartupError(f"cannot listen on {cfg.listen} / {sock_path}: {exc.strerror or exc}") from exc
+    _tune_gc()
     log.info("ondemand %s listening on %s (gateway %s/ondemand, admin %s/api, socket %s)",
              __version__, cfg.listen, cfg.base_path, cfg.base_path, sock_path)
     stop = asyncio.Event()

@@ -468,6 +468,7 @@ class _Front(asyncio.Protocol):
         self.head_bytes = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
         self.linger_timer: asyncio.TimerHandle | None = None
         self.lingering: _Msg | None = None
         self.aio: web.RequestHandler | None = None
@@ -497,13 +498,8 @@ class _Front(asyncio.Protocol):
             return
         if self.broken:
             return
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
         if self.msg is None or self.in_head:  # a head is on its way
             self.head_bytes += len(data)
-            if self.head_timer is None:
-                self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
         if self.first is not None:
             self.first.append(data)
         try:
@@ -523,9 +519,17 @@ class _Front(asyncio.Protocol):
                 self._malformed(exc)
         if self.to_aiohttp:
             self._hand_over()
-        elif (self.msg is None or self.in_head) and self.head_bytes > MAX_HEAD_BYTES and not self.broken:
-            self._refuse(_refusal(431, "Request Header Fields Too Large", "headers_too_large",
-                                  f"The request head is larger than {MAX_HEAD_BYTES // 1024} KiB"))
+        elif self._head_pending() and not self.broken:
+            # Timed from its first chunk: a head that came whole (the usual) never needs the timer.
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._refuse(_refusal(431, "Request Header Fields Too Large", "headers_too_large",
+                                      f"The request head is larger than {MAX_HEAD_BYTES // 1024} KiB"))
+            elif self.head_timer is None:
+                self.head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def _head_pending(self) -> bool:
+        """Part of a request head is here (or only the empty lines llhttp skips before one)."""
+        return self.in_head or (self.msg is None and self.head_bytes > 0)
 
     def eof_received(self) -> bool | None:
         if self.aio is not None:
@@ -726,12 +730,21 @@ class _Front(asyncio.Protocol):
             self._idle()
 
     def _idle(self) -> None:
+        """Waiting for the next request: closed after KEEPALIVE_TIMEOUT_S of this. One timer
+        lives across requests (set again when it fires early), not one per request."""
+        self.idle_since = self.loop.time()
         if self.idle_timer is None:
             self.idle_timer = self.loop.call_later(KEEPALIVE_TIMEOUT_S, self._idle_late)
 
     def _idle_late(self) -> None:
         self.idle_timer = None
-        if self.task is None and not self.queue and self.msg is None and self.transport is not None:
+        if self.task is not None or self.queue or self.msg is not None or self.aio is not None \
+                or self.head_bytes or self.transport is None:
+            return  # busy: _idle() sets it again after the answer
+        left = self.idle_since + KEEPALIVE_TIMEOUT_S - self.loop.time()
+        if left > 0.001:
+            self.idle_timer = self.loop.call_later(left, self._idle_late)
+        else:
             self.transport.close()
 
     # --- the head's bounds, refusals ---
@@ -744,7 +757,7 @@ class _Front(asyncio.Protocol):
 
     def _head_late(self) -> None:
         self.head_timer = None
-        if self.msg is None or self.in_head:
+        if self._head_pending():
             self._refuse(_refusal(408, "Request Timeout", "request_timeout",
                                   f"The request head did not arrive within {HEAD_TIMEOUT_S:g} s"))
 

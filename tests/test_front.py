@@ -1,0 +1,262 @@
+"""The lean front (ondemand/httpserver.py, ``_Front``): the gateway's requests are parsed by
+llhttp and answered without aiohttp's application; the admin API, the page and the metrics
+stay on aiohttp, whichever way they share a connection with the gateway's requests. Raw
+sockets where the framing matters, aiohttp's client where it does not.
+
+Run on both loops: handing a connection over to aiohttp (``set_protocol``) and flow
+control are the transports' own business."""
+import asyncio
+import contextlib
+
+import aiohttp
+import orjson
+import pytest
+from helpers import wait_for
+
+from ondemand import httpserver
+from ondemand.app import CONTROLLER, GATEWAY
+
+LOOPS = ("asyncio", "uvloop")
+CHAT = orjson.dumps({"model": "A", "messages": [{"role": "user", "content": "hello"}]})
+
+
+def _port(server) -> int:
+    return int(server.url.split(":")[2].split("/")[0])
+
+
+def _req(server, dep, *lines: str, method: str = "POST", path: str | None = None, body: bytes = CHAT,
+         version: str = "1.1", key: str | None = None) -> bytes:
+    target = path or f"/dgxmm/ondemand/{dep}/v1/chat/completions"
+    head = [f"{method} {target} HTTP/{version}", "Host: x", f"Authorization: Bearer {key or server.key}", *lines]
+    if method == "POST":
+        head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + (body if method == "POST" else b"")
+
+
+def _admin(server, path: str = "/dgxmm/api/host") -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.token}\r\n\r\n".encode()
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
+    """One answer: its status line, headers (lower-case names) and body (Content-Length or chunked)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            body += (await reader.readexactly(size + 2))[:-2]
+            if not size:
+                break
+    else:
+        body = await reader.read()
+    return lines[0].encode(), headers, body
+
+
+@contextlib.asynccontextmanager
+async def _conn(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+def aio_calls(monkeypatch) -> list:
+    """The gateway requests answered on aiohttp's application (AioCall), by raw path."""
+    seen: list = []
+    init = httpserver.AioCall.__init__
+
+    def spy(self, request):
+        seen.append(request.raw_path)
+        init(self, request)
+    monkeypatch.setattr(httpserver.AioCall, "__init__", spy)
+    return seen
+
+
+@pytest.fixture
+async def ready(server):
+    dep = await server.add("a")
+    await server.deployer.restart(dep)
+    return server, dep
+
+
+async def test_gateway_then_admin_then_gateway_on_one_connection(ready, aio_calls):
+    """A later admin request goes to aiohttp, with every request after it: answers in order,
+    the gateway's checks and answers the same on either side."""
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep))
+        status, headers, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and orjson.loads(body)["object"] == "chat.completion"
+        lean_id = headers["x-request-id"]
+        writer.write(_admin(server))
+        status, _, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and "hostname" in orjson.loads(body)
+        writer.write(_req(server, dep, "X-Request-Id: after-admin"))
+        status, headers, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and headers["x-request-id"] == "after-admin" != lean_id
+        writer.write(_req(server, dep, key="wrong"))
+        status, _, body = await _answer(reader)
+        assert status.startswith(b"HTTP/1.1 401") and orjson.loads(body)["error"]["code"] == "invalid_api_key"
+    assert len(aio_calls) == 2  # the first on the lean front, the two after the admin request on aiohttp
+
+
+async def test_a_connection_that_starts_with_the_admin_api_is_aiohttps(ready, aio_calls):
+    """The first request is not the gateway's: aiohttp takes the connection and its bytes as
+    they came; the gateway's requests on it are answered by the gateway on aiohttp."""
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_admin(server, "/dgxmm/api/deployments"))
+        status, _, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and isinstance(orjson.loads(body), (list, dict))
+        writer.write(_req(server, dep))
+        status, headers, body = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK" and len(headers["x-request-id"]) == 32
+    assert aio_calls == [f"/dgxmm/ondemand/{dep}/v1/chat/completions"]
+    async with _conn(server) as (reader, writer):  # a gateway request first: the lean front's
+        writer.write(_req(server, dep))
+        assert (await _answer(reader))[0] == b"HTTP/1.1 200 OK"
+    assert len(aio_calls) == 1
+
+
+async def test_pipelined_gateway_admin_gateway_are_answered_in_order(ready, aio_calls):
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep, "X-Request-Id: one") + _admin(server)
+                     + _req(server, dep, "X-Request-Id: three"))
+        answers = [await _answer(reader) for _ in range(3)]
+    assert [a[0] for a in answers] == [b"HTTP/1.1 200 OK"] * 3
+    assert answers[0][1]["x-request-id"] == "one" and "hostname" in orjson.loads(answers[1][2])
+    assert answers[2][1]["x-request-id"] == "three" and len(aio_calls) == 1
+
+
+async def test_pipelined_gateway_requests_wait_their_turn(ready):
+    """Three in one write: one handler at a time, answers in order, nothing left behind."""
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(b"".join(_req(server, dep, f"X-Request-Id: n{i}") for i in range(3)))
+        ids = [(await _answer(reader))[1]["x-request-id"] for _ in range(3)]
+    assert ids == ["n0", "n1", "n2"]
+    assert server.app[CONTROLLER].inflight(dep) == 0
+
+
+async def test_expect_100_continue_is_answered_when_the_gateway_reads_the_body(ready):
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        head, _, body = _req(server, dep, "Expect: 100-continue").partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n")
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        status, _, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK"
+        # Refused before the body is read: no 100, the answer at once.
+        writer.write(_req(server, dep, "Expect: 100-continue", key="wrong").partition(b"\r\n\r\n")[0] + b"\r\n\r\n")
+        status, headers, _ = await _answer(reader)
+        assert status.startswith(b"HTTP/1.1 401")
+
+
+async def test_http_1_0_gets_a_1_0_answer_and_the_connection_ends(ready):
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep, version="1.0"))
+        status, headers, body = await _answer(reader)
+        assert status == b"HTTP/1.0 200 OK" and headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+    async with _conn(server) as (reader, writer):  # a streamed answer: no chunking in 1.0
+        stream = orjson.dumps({"model": "A", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+        writer.write(_req(server, dep, version="1.0", body=stream))
+        status, headers, body = await _answer(reader)
+        assert status == b"HTTP/1.0 200 OK" and "transfer-encoding" not in headers
+        assert body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_streamed_answer_is_chunked_and_the_connection_kept(server):
+    dep = await server.add("a", 10, "--token-delay", "0.02")  # still coming when its head is passed on
+    await server.deployer.restart(dep)
+    stream = orjson.dumps({"model": "A", "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    async with _conn(server) as (reader, writer):
+        for _ in range(2):
+            writer.write(_req(server, dep, body=stream))
+            status, headers, body = await _answer(reader)
+            assert status == b"HTTP/1.1 200 OK" and headers["transfer-encoding"] == "chunked"
+            assert headers["content-type"].startswith("text/event-stream") and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_an_early_answer_reads_and_drops_the_rest_of_the_body(ready):
+    """Refused before its body came (Content-Length over the limit): 413 at once; the body that
+    follows is read and dropped, and the connection serves the next request."""
+    server, dep = ready
+    server.app[GATEWAY].max_body = 1000
+    big = b"{" + b" " * 5000 + b"}"
+    async with _conn(server) as (reader, writer):
+        head, _, _ = _req(server, dep, body=big).partition(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n" + big[:100])
+        status, _, body = await _answer(reader)
+        assert status.startswith(b"HTTP/1.1 413") and orjson.loads(body)["error"]["code"] == "request_too_large"
+        writer.write(big[100:])
+        writer.write(_req(server, dep))
+        status, _, _ = await _answer(reader)
+        assert status == b"HTTP/1.1 200 OK"
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(ready, monkeypatch):
+    server, dep = ready
+    monkeypatch.setattr(httpserver, "KEEPALIVE_TIMEOUT_S", 0.4)
+    async with _conn(server) as (reader, writer):
+        for _ in range(3):  # requests within the timeout keep it
+            writer.write(_req(server, dep))
+            assert (await _answer(reader))[0] == b"HTTP/1.1 200 OK"
+            await asyncio.sleep(0.25)
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+
+
+async def test_malformed_requests_get_a_json_400(ready):
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep, "Content-Length: 2"))
+        status, headers, body = await _answer(reader)
+    assert status.startswith(b"HTTP/1.1 400") and headers["connection"] == "close"
+    assert orjson.loads(body)["error"]["code"] == "invalid_request"
+
+
+async def test_a_client_gone_mid_stream_frees_its_slot(server):
+    dep = await server.add("a", 10, "--token-delay", "0.05")
+    await server.deployer.restart(dep)
+    stream = orjson.dumps({"model": "A", "stream": True, "max_tokens": 400, "messages": [{"role": "user", "content": "x"}]})
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep, body=stream))
+        await asyncio.wait_for(reader.readuntil(b"data:"), 10)
+        assert server.app[CONTROLLER].inflight(dep) == 1
+    await wait_for(lambda: server.app[CONTROLLER].inflight(dep) == 0, timeout=5, what="the slot back")
+
+
+async def test_the_gateway_on_aiohttp_answers_as_the_lean_front(ready, aio_calls):
+    """The same requests, over a connection aiohttp took (its first request the page's): the
+    same statuses, codes and headers."""
+    server, dep = ready
+    stream = orjson.dumps({"model": "A", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+    cases = [(CHAT, server.auth()), (stream, server.auth()), (CHAT, server.auth("wrong")),
+             (b"[1]", server.auth()), (CHAT, {**server.auth(), "x-dgxmm-health-check": "1"})]
+
+    async def run(first_admin: bool) -> list:
+        out = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+            if first_admin:
+                async with http.get(server.url + "/api/host", headers=server.admin_headers()) as r:
+                    assert r.status == 200
+            for body, headers in cases:
+                async with http.post(server.gw(dep, "chat/completions"), data=body,
+                                     headers={**headers, "Content-Type": "application/json"}) as r:
+                    data = await r.read()
+                    code = orjson.loads(data)["error"]["code"] if r.status >= 400 else None
+                    out.append((r.status, code, r.content_type, len(r.headers["X-Request-Id"]),
+                                r.headers.get("x-dgxmm-ondemand-state"), data.endswith(b"[DONE]\n\n")))
+        return out
+    on_aiohttp = await run(True)
+    assert len(aio_calls) == len(cases)
+    assert on_aiohttp == await run(False) and len(aio_calls) == len(cases)
