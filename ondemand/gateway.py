@@ -1,16 +1,18 @@
 """The gateway: ``{base_path}/ondemand/{id}/v1/...``, what LiteLLM calls
 instead of the engine.
 
-The checks run in the order of BEHAVIOUR.md, "Checks, in order": the peer guard (middleware,
-``peers.PeerGuard``, before routing), the raw path, a configured key, the
+Requests come as an ``httpserver.Call`` (the lean front's, or aiohttp's for a connection
+aiohttp took); answers go out through it. The checks run in the order of BEHAVIOUR.md,
+"Checks, in order": the peer guard (``peers.PeerGuard``, before the gateway, by
+``app._lean_route`` or aiohttp's middleware), the raw path, a configured key, the
 rate limit on failed keys, the key, the body size, the deployment. Then a
 traffic request takes a slot from the controller (which may start the model,
 make room or queue) and is streamed to the engine and back, chunk by chunk.
 Unknown routes answer 404 after the key check, so nothing about the routes
 is learnt without the key; the engine is never called for them.
 
-Hang-ups: the application runs with handler cancellation, so a client that
-goes away cancels its handler: a pending ``acquire`` (the controller removes
+Hang-ups: the server cancels a request's handler when its client goes away (the lean
+front on ``connection_lost``; aiohttp with handler cancellation): a pending ``acquire`` (the controller removes
 the waiter) or the upstream request (its connection is closed). The slot is
 released in ``finally``; when ``acquire`` runs in a task of its own (the
 streaming notice), a slot it grants after the hang-up is released by a done

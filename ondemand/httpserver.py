@@ -1,14 +1,29 @@
-"""The HTTP server's bounds on what a client may make it hold, beyond aiohttp's own.
+"""The HTTP server: the gateway's lean front, aiohttp's application for the rest, and the
+bounds on what a client may make either hold.
 
-aiohttp's parser already refuses (400, connection closed) a request line over
-``max_line_size``, a header over ``max_field_size``, more than ``max_headers``
-headers, and every framing trick (Content-Length with Transfer-Encoding, two
-Content-Lengths, obs-fold, bare CR or LF, bad chunk sizes, unknown codings). It
-does not bound the time a request head may take to arrive (a "slowloris" holds
-its connection until the keep-alive timeout, an hour by default), nor the total
-size of a head (``max_headers`` times ``max_field_size``: 8 MiB a connection), and
-it logs every malformed request with a traceback (a log flood for anyone who can
-open a TCP connection). Here:
+**The lean front** (:class:`_Front`, on when the application has a :data:`LEAN_ROUTE`):
+every connection starts here. llhttp parses (through httptools, as uvicorn uses it; no
+parser of our own), and a request whose target starts with the gateway's prefix goes
+straight to the gateway's handler as a :class:`Call`, without aiohttp's request and
+response objects, router, middlewares or writer: the gateway writes its answer's bytes
+itself. Requests on one connection are handled one at a time, in order. Any other request
+(the admin API, the page, ``/metrics``, ``/healthz``, anything unknown) goes to aiohttp's
+own connection object, :class:`_Protocol`, with the connection: all of it and its bytes
+so far when it is the connection's first request; else it and every later request, their
+heads written anew from what llhttp parsed, once the gateway's answers before them are
+out. A gateway request on such a connection reaches the gateway through :class:`AioCall`,
+with the same checks and answers.
+
+**The bounds.** aiohttp's limits, applied by the lean front too: a request line over
+``MAX_LINE_SIZE``, a header over ``MAX_FIELD_SIZE`` or more than ``MAX_HEADERS`` headers
+is 400 and the connection is closed; so is every framing trick llhttp refuses
+(Content-Length with Transfer-Encoding, two Content-Lengths, obs-fold, bare CR or LF, bad
+chunk sizes, unknown codings); the lean front's 400 is JSON (``invalid_request``).
+aiohttp alone does not bound the time a request head may take to arrive (a "slowloris"
+holds its connection until the keep-alive timeout), nor the total size of a head
+(``max_headers`` times ``max_field_size``: 8 MiB a connection), and it logs every
+malformed request with a traceback (a log flood for anyone who can open a TCP
+connection). Here, on both:
 
 - :data:`HEAD_TIMEOUT_S`: a request head must be complete within this many seconds
   of its first byte, else 408 and the connection is closed;
@@ -17,11 +32,16 @@ open a TCP connection). Here:
 - :data:`KEEPALIVE_TIMEOUT_S`: an idle keep-alive connection is closed after this;
   it is longer than LiteLLM's own idle limit (120 s), so that LiteLLM never sends a
   request on a connection the gateway is closing;
-- one log line (no traceback) per minute for malformed requests, with their count.
+- :data:`LINGERING_S`: the rest of a body after an early answer (401, 413) is read and
+  dropped for this long at most, so that the client reads the answer (an unread body
+  would make the close a reset);
+- one log line (no traceback) per minute for aiohttp's malformed requests, with their
+  count; the lean front logs its refusals at debug level.
 
-:class:`Runner` is an ``aiohttp.web.AppRunner`` whose connections are
-:class:`_Protocol`: aiohttp's own, with the two bounds above. ``serve`` and the
-tests' ``run_app`` both use it. Imports nothing of ours.
+:class:`Runner` is an ``aiohttp.web.AppRunner`` whose connections are the lean front's,
+or :class:`_Protocol` without a lean route; its shutdown waits for the lean front's
+answers as aiohttp's does for its own. ``serve`` and the tests' ``run_app`` both use it.
+Imports nothing of ours.
 """
 from __future__ import annotations
 

@@ -69,6 +69,10 @@ T_RPS16 = 0.60        # requests/s at concurrency 16: at least 60 % of direct
 T_STREAM = 0.80       # streaming chunks/s: at least 80 % of direct
 T_ADDED_P50_MS = 1.0  # added latency p50 at concurrency 1
 T_RSS_MIB = 150.0     # peak RSS with 1,000 open streams
+# The lean path's targets, as ratios in one run (beside nginx and direct).
+T_LEAN_CPU_X = 3.0      # gateway CPU per request at c=64: at most 3x nginx's
+T_LEAN_RPS16 = 0.70     # requests/s at c=16: at least 0.70x direct
+T_LEAN_ADDED_MS = 0.2   # added latency p50 at c=1
 
 
 @dataclass(frozen=True)
@@ -859,15 +863,30 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
                  "Chunks/s 16 streams / direct | Chunks/s 64 streams / direct |", "|---|---:|---:|---:|---:|---:|"]
         d16, s16d, s64d = med_rate("c16", "direct"), med_rate("s16", "direct", True), med_rate("s64", "direct", True)
         dp50 = pct(lat("c1", "direct"), 50)
+        cpu: dict[str, float] = {}
         for n in names:
             runs = ph["c64"][n]
-            cpu_us = sum(r.cpu for r in runs) * 1e6 / (sum(r.n for r in runs) or 1)
+            cpu[n] = cpu_us = sum(r.cpu for r in runs) * 1e6 / (sum(r.n for r in runs) or 1)
             lines.append(f"| {n} | {ratio(med_rate('c16', n), d16)} | {cpu_us:,.0f} | "
                          f"{pct(lat('c1', n), 50) - dp50:.2f} | {ratio(med_rate('s16', n, True), s16d)} | "
                          f"{ratio(med_rate('s64', n, True), s64d)} |")
         if res.get("others_note"):
             lines += ["", f"- {res['others_note']}"]
-        return lines
+        return lines + ["", "The lean path's targets (the gateway in this run):", "",
+                        *lean_targets(cpu, d16, s16d, s64d, dp50)]
+
+    def lean_targets(cpu: dict[str, float], d16: float, s16d: float, s64d: float, dp50: float) -> list[str]:
+        g = "gateway"
+        added = pct(lat("c1", g), 50) - dp50
+        checks = [(f"CPU per request at c=64 ≤ {T_LEAN_CPU_X:g}× nginx's: {cpu[g] / cpu['nginx']:.1f}×"
+                   if "nginx" in cpu else None, "nginx" in cpu and cpu[g] <= T_LEAN_CPU_X * cpu["nginx"]),
+                  (f"requests/s at c=16 ≥ {T_LEAN_RPS16:.2f}× direct: {med_rate('c16', g) / d16:.2f}×",
+                   med_rate("c16", g) >= T_LEAN_RPS16 * d16),
+                  (f"added latency p50 at c=1 ≤ {T_LEAN_ADDED_MS:g} ms: {added:.2f} ms", added <= T_LEAN_ADDED_MS),
+                  (f"streaming ≥ 1.0× direct at 16 and 64 streams: {med_rate('s16', g, True) / s16d:.2f}× and "
+                   f"{med_rate('s64', g, True) / s64d:.2f}×",
+                   med_rate("s16", g, True) >= s16d and med_rate("s64", g, True) >= s64d)]
+        return [f"- {'met' if ok else '**missed**'}: {what}" for what, ok in checks if what is not None]
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:

@@ -150,7 +150,7 @@ async def test_smuggling_attempts_are_400_and_closed_and_never_forwarded(ready, 
                 f"Authorization: Bearer {server.key}\r\n".encode()
         data, closed = await _talk(port, start + tail)
         assert closed, name
-        assert [a[0] for a in _answers(data)] == [400], (name, data[:200])  # HTTP/1.0 400: aiohttp's
+        assert [a[0] for a in _answers(data)] == [400], (name, data[:200])  # the parser's 400
     # The bare-LF request line: a head of bare LFs.
     data, closed = await _talk(port, f"POST /dgxmm/ondemand/{dep}/v1/chat/completions HTTP/1.1\nHost: x\n"
                                      f"Authorization: Bearer {server.key}\nContent-Length: 2\n\n{{}}".encode())
