@@ -1,8 +1,8 @@
 """The access log (``access_log = text | json``): one line per gateway request, on stderr.
 
-The event loop formats the line (a few microseconds) and puts it on a queue; a
-thread of its own wakes every ``interval_s`` and writes all that wait in one
-write, so a slow terminal or pipe never holds up the loop (the idea of
+The event loop formats the line (a few microseconds) and appends it to a list; a
+thread of its own wakes every ``interval_s``, takes the list whole and writes all
+its lines in one write, so a slow terminal or pipe never holds up the loop (the idea of
 logging's QueueHandler and QueueListener, without a LogRecord per request).
 The thread does not wake per line: a thread waiting for the GIL makes the busy
 event loop hand it over only at the 5 ms switch interval, which a wake-up per
@@ -18,7 +18,6 @@ Imports the exchange only.
 from __future__ import annotations
 
 import datetime
-import queue
 import threading
 from typing import TextIO
 
@@ -75,24 +74,21 @@ class AccessLog:
         self._line = json_line if fmt == "json" else text_line
         self._stream = stream
         self._interval_s = interval_s
-        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._lines: list[str] = []
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ondemand access log", daemon=True)
         self._thread.start()
 
     def write(self, ex: Exchange, wall: float) -> None:
-        """From the event loop: never blocks (nobody waits on the queue, so a put wakes no one)."""
-        self._queue.put(self._line(ex, wall))
+        """From the event loop: never blocks (an append to a list the thread takes whole)."""
+        self._lines.append(self._line(ex, wall))
 
     def _run(self) -> None:
         while True:
             closing = self._closing.wait(self._interval_s)
-            lines = []
-            try:
-                while True:
-                    lines.append(self._queue.get_nowait())
-            except queue.Empty:
-                pass
+            # One swap, atomic under the GIL: the thread holds the GIL for a moment, not
+            # for a get() per line (which made the busy loop hand it over at every switch).
+            lines, self._lines = self._lines, []
             if lines:
                 try:
                     self._stream.write("".join(lines))

@@ -8,11 +8,11 @@ straight to the gateway's handler as a :class:`Call`, without aiohttp's request 
 response objects, router, middlewares or writer: the gateway writes its answer's bytes
 itself. Requests on one connection are handled one at a time, in order. Any other request
 (the admin API, the page, ``/metrics``, ``/healthz``, anything unknown) goes to aiohttp's
-own connection object, :class:`_Protocol`, with the connection: all of it and its bytes
-so far when it is the connection's first request; else it and every later request, their
-heads written anew from what llhttp parsed, once the gateway's answers before them are
-out. A gateway request on such a connection reaches the gateway through :class:`AioCall`,
-with the same checks and answers.
+own connection object, :class:`_Protocol`, its head written anew from what llhttp parsed,
+once the gateway's answers before it are out; the connection's requests stay with aiohttp
+until it is between requests when a gateway request comes. A gateway request that comes
+while aiohttp still has the connection (pipelined behind an admin request) reaches the
+gateway through :class:`AioCall`, with the same checks and answers.
 
 **The bounds.** aiohttp's limits, applied by the lean front too: a request line over
 ``MAX_LINE_SIZE``, a header over ``MAX_FIELD_SIZE`` or more than ``MAX_HEADERS`` headers
@@ -166,7 +166,7 @@ class _Server(web_server.Server):
             return _Front(self, self.route)
         return self.aiohttp_protocol()
 
-    def aiohttp_protocol(self) -> web.RequestHandler:
+    def aiohttp_protocol(self) -> _Protocol:
         return _Protocol(self, loop=self._loop, **self._kwargs)
 
     def pre_shutdown(self) -> None:
@@ -444,7 +444,7 @@ class _LeanCall:
             transport.close()
 
 
-_LEAN, _SHIM, _PASS, _GONE = range(4)
+_LEAN, _SHIM, _PASS = range(3)
 
 
 class _Refuse(Exception):
@@ -456,14 +456,13 @@ class _Refuse(Exception):
 class _Front(asyncio.Protocol):
     """One connection of the lean front. httptools (llhttp, as uvicorn uses) parses; requests
     under the gateway's prefix are handled here, one at a time and in order (a pipelined one
-    waits, with reading paused); the rest go to aiohttp's own connection object:
-
-    - when the connection's first request is not the gateway's, aiohttp gets the connection
-      itself and every byte so far (``set_protocol``), as if it had accepted it;
-    - when a later one is not, aiohttp gets this request and every later one, their heads
-      written anew from what llhttp parsed and their bodies framed anew, once the gateway's
-      requests before them are answered (answers leave in the order requests came). Bytes
-      after an ``Upgrade`` head go to it as they are.
+    waits, with reading paused). Any other request goes to aiohttp's own connection object
+    (:class:`_Protocol`, made for the connection when first needed), with every request after
+    it, until aiohttp is between requests when a gateway request comes: aiohttp then lets the
+    connection go and the lean front takes it back. What aiohttp gets is written anew from
+    what llhttp parsed (the head, and the body framed as it came: ``Content-Length`` or
+    chunked), and only once the gateway's answers before it are out, so answers leave in the
+    order requests came. Bytes after an ``Upgrade`` head go to aiohttp as they are, for good.
 
     The bounds are aiohttp's (request line, header size and count) and
     :class:`_Protocol`'s (head time and size, idle keep-alive), applied here.
@@ -482,16 +481,13 @@ class _Front(asyncio.Protocol):
         self.queue: collections.deque[_Msg] = collections.deque()  # gateway heads not yet handled
         self.task: asyncio.Task[None] | None = None  # the handler of the current request
         self.current: _Msg | None = None
-        self.first: list[bytes] | None = []  # every byte until the first head is in (for set_protocol)
-        self.to_aiohttp = False             # the first request is aiohttp's
-        self.served = 0                     # requests handled here
         self.head_bytes = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.linger_timer: asyncio.TimerHandle | None = None
         self.lingering: _Msg | None = None
-        self.aio: web.RequestHandler | None = None
+        self.aio: _Protocol | None = None
         self.pending: list[bytes] | None = None  # for aiohttp, until the gateway's answers are out
         self.refuse_after: bytes | None = None   # an answer to write and close on, after the current one
         self.broken = False                 # the parser refused: nothing more is read
@@ -520,8 +516,6 @@ class _Front(asyncio.Protocol):
             return
         if self.msg is None or self.in_head:  # a head is on its way
             self.head_bytes += len(data)
-        if self.first is not None:
-            self.first.append(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as up:
@@ -537,9 +531,7 @@ class _Front(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if self.mode is _LEAN or self.mode is _SHIM:
                 self._malformed(exc)
-        if self.to_aiohttp:
-            self._hand_over()
-        elif self._head_pending() and not self.broken:
+        if self._head_pending() and not self.broken and self.mode is not _PASS:
             # Timed from its first chunk: a head that came whole (the usual) never needs the timer.
             if self.head_bytes > MAX_HEAD_BYTES:
                 self._refuse(_refusal(431, "Request Header Fields Too Large", "headers_too_large",
@@ -629,17 +621,16 @@ class _Front(asyncio.Protocol):
         msg.method = parser.get_method().decode("ascii", "replace")
         msg.version = parser.get_http_version()
         msg.keep_alive = parser.should_keep_alive()
+        gateway = msg.url.startswith(self.route.prefix) and not parser.should_upgrade()
+        if self.mode is _SHIM and gateway and self.pending is None and self.aio is not None \
+                and self.aio._between_requests():
+            self._detach_aio()  # aiohttp answered all it had: the gateway's requests are ours again
         if self.mode is _LEAN:
-            if msg.url.startswith(self.route.prefix) and not parser.should_upgrade():
+            if gateway:
                 self._lean_head(msg)
-                return
-            if self.served == 0 and not self.queue and self.task is None and self.first is not None:
-                self.to_aiohttp = True  # handed over after this feed (see data_received)
-                self.mode = _GONE
                 return
             self.mode = _SHIM
             self.pending = []
-        self.first = None
         msg.chunked = any(n.lower() == b"transfer-encoding" for n, _ in msg.raw_headers)
         head = [msg.method.encode(), b" ", msg.url, b" HTTP/", msg.version.encode(), b"\r\n"]
         for name, value in msg.raw_headers:
@@ -672,7 +663,6 @@ class _Front(asyncio.Protocol):
     # --- the gateway's requests ---
 
     def _lean_head(self, msg: _Msg) -> None:
-        self.first = None
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in msg.raw_headers:
             headers.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
@@ -720,7 +710,6 @@ class _Front(asyncio.Protocol):
         if not call.ended or call.close or not msg.keep_alive or self.closing or self.broken:
             transport.close()
             return
-        self.served += 1
         if not msg.complete:  # answered before its body was in: read and drop the rest for a while
             msg.too_large = True
             msg.parts.clear()
@@ -819,7 +808,8 @@ class _Front(asyncio.Protocol):
             self.pending.append(data)
 
     def _start_aio(self) -> None:
-        """The gateway's answers are out: aiohttp takes the connection's next requests."""
+        """The gateway's answers are out: aiohttp takes the connection's next requests (until
+        it is between requests when a gateway request comes: see on_headers_complete)."""
         pending, self.pending = self.pending or [], None
         if self.idle_timer is not None:
             self.idle_timer.cancel()
@@ -829,25 +819,14 @@ class _Front(asyncio.Protocol):
         for data in pending:
             aio.data_received(data)
 
-    def _hand_over(self) -> None:
-        """The connection's first request is aiohttp's: the connection and its bytes are too."""
-        transport, self.transport = self.transport, None
-        first, self.first = self.first or [], None
-        self._detach()
-        if transport is None or transport.is_closing():
-            return
-        aio = self.server.aiohttp_protocol()
-        transport.set_protocol(aio)
-        aio.connection_made(transport)
-        aio.data_received(b"".join(first))
-
-    def _detach(self) -> None:
-        self.to_aiohttp = False
-        self.server._lean.discard(self)
-        for timer in (self.head_timer, self.idle_timer):
-            if timer is not None:
-                timer.cancel()
-        self.head_timer = self.idle_timer = None
+    def _detach_aio(self) -> None:
+        """aiohttp is between requests: it lets the connection go (as if it had closed, but
+        the connection stays open here) and the lean front takes the next request."""
+        aio, self.aio = self.aio, None
+        assert aio is not None
+        aio.transport = None  # its connection_lost would close the connection otherwise
+        aio.connection_lost(None)
+        self.mode = _LEAN
 
     # --- shutting down ---
 
