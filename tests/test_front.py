@@ -8,7 +8,6 @@ control are the transports' own business."""
 import asyncio
 import contextlib
 
-import aiohttp
 import orjson
 import pytest
 from helpers import wait_for
