@@ -259,3 +259,44 @@ async def test_the_gateway_on_aiohttp_answers_as_the_lean_front(ready, aio_calls
             on_lean = await _answer(reader)
         assert seen(on_aiohttp) == seen(on_lean), case
     assert len(aio_calls) == len(cases)
+
+
+async def test_shutdown_lets_streams_end_within_the_grace_and_closes_idle_connections(tmp_path):
+    """As aiohttp does for its own: at shutdown an idle connection closes at once, a stream
+    that ends within the grace period (1 s in run_app) ends whole, a longer one is cut then."""
+    from helpers import run_app
+
+    cm = run_app(tmp_path)
+    server = await cm.__aenter__()
+    stopped = False
+    try:
+        dep = await server.add("a", 10, "--token-delay", "0.02", "--tokens", "400")
+        await server.deployer.restart(dep)
+
+        def stream(tokens: int) -> bytes:
+            return _req(server, dep, body=orjson.dumps({"model": "A", "stream": True, "max_tokens": tokens,
+                                                        "messages": [{"role": "user", "content": "x"}]}))
+        idle = await asyncio.open_connection("127.0.0.1", _port(server))
+        idle[1].write(_req(server, dep))
+        await _answer(idle[0])
+        short = await asyncio.open_connection("127.0.0.1", _port(server))
+        short[1].write(stream(20))  # about 0.4 s
+        long = await asyncio.open_connection("127.0.0.1", _port(server))
+        long[1].write(stream(400))  # about 8 s
+        for reader, _ in (short, long):
+            await asyncio.wait_for(reader.readuntil(b"data:"), 5)
+        t0 = asyncio.get_running_loop().time()
+        stopping = asyncio.ensure_future(cm.__aexit__(None, None, None))
+        assert await asyncio.wait_for(idle[0].read(), 2) == b""
+        short_rest = await asyncio.wait_for(short[0].read(), 5)
+        long_rest = await asyncio.wait_for(long[0].read(), 5)
+        took = asyncio.get_running_loop().time() - t0
+        await stopping
+        stopped = True
+        assert b"data: [DONE]" in short_rest and b"data: [DONE]" not in long_rest
+        assert 0.9 < took < 3, took
+        for _, writer in (idle, short, long):
+            writer.close()
+    finally:
+        if not stopped:
+            await cm.__aexit__(None, None, None)
