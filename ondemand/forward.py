@@ -66,14 +66,16 @@ else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
 
 log = logging.getLogger("ondemand.forward")
 
-HOP_BY_HOP = frozenset(istr(h) for h in (
+# Lower-case: names are compared as ``name.lower()``. (An ``istr`` hashes as its text: a set of
+# them finds "Host" but not "host", which httpx, the OpenAI SDK's client, sends.)
+HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection",
     "TE", "Trailer", "Trailers", "Transfer-Encoding", "Upgrade"))
-_DROP_REQUEST = HOP_BY_HOP | frozenset(istr(h) for h in (
+_DROP_REQUEST = HOP_BY_HOP | frozenset(h.lower() for h in (
     "Authorization", "Cookie", "Host", "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto",
     "X-Forwarded-Port", "X-Forwarded-Prefix", "Forwarded", "X-Real-IP", "Content-Length",
     "Accept-Encoding", "Expect", "x-dgxmm-health-check"))
-_DROP_RESPONSE = HOP_BY_HOP | frozenset(istr(h) for h in ("Server", "Date", "Content-Length"))
+_DROP_RESPONSE = HOP_BY_HOP | frozenset(h.lower() for h in ("Server", "Date", "Content-Length"))
 _IDENTITY = (istr("Accept-Encoding"), "identity")
 
 LIMIT = 256              # connections per deployment
@@ -90,14 +92,15 @@ def _named_in_connection(headers: CIMultiDictProxy[str]) -> frozenset[str]:
     named = headers.getall("Connection", ())
     if not named:
         return frozenset()
-    return frozenset(istr(t.strip()) for v in named for t in v.split(",") if t.strip())
+    return frozenset(t.strip().lower() for v in named for t in v.split(",") if t.strip())
 
 
 def request_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     extra = _named_in_connection(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name not in _DROP_REQUEST and name not in extra and not name.lower().startswith("x-forwarded-"):
+        lower = name.lower()
+        if lower not in _DROP_REQUEST and lower not in extra and not lower.startswith("x-forwarded-"):
             out.add(name, value)
     out.add(*_IDENTITY)
     return out
@@ -107,7 +110,8 @@ def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     extra = _named_in_connection(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name not in _DROP_RESPONSE and name not in extra:
+        lower = name.lower()
+        if lower not in _DROP_RESPONSE and lower not in extra:
             out.add(name, value)
     return out
 

@@ -56,6 +56,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 import httptools
 import orjson
@@ -256,6 +257,9 @@ class Call(Protocol):
 
     @property
     def bytes_out(self) -> int: ...
+    @property
+    def path(self) -> str:
+        """The decoded path without the query, as aiohttp's ``Request.path`` (for observers)."""
     async def body(self, limit: int, timeout_s: float) -> bytes: ...
     async def send(self, status: int, headers: Mapping[str, str], body: bytes, *, reason: str | None = None,
                    close: bool = False) -> None: ...
@@ -361,6 +365,10 @@ class _LeanCall:
         self.bytes_out = 0
         self._chunked = False
         self._continued = False
+
+    @property
+    def path(self) -> str:
+        return unquote(self.raw_path.partition("?")[0])
 
     async def body(self, limit: int, timeout_s: float) -> bytes:
         msg = self._msg
@@ -863,6 +871,10 @@ class AioCall:
         self.rid = ""
         self.status = 0
         self.response: web.StreamResponse | None = None
+
+    @property
+    def path(self) -> str:
+        return self.request.path
 
     @property
     def bytes_out(self) -> int:

@@ -300,3 +300,47 @@ async def test_shutdown_lets_streams_end_within_the_grace_and_closes_idle_connec
     finally:
         if not stopped:
             await cm.__aexit__(None, None, None)
+
+
+async def test_a_call_tells_its_decoded_path_as_aiohttp_does(ready):
+    """Observers of the gateway (the LiteLLM suite's spy) read ``call.path`` on either side."""
+    server, dep = ready
+    seen = []
+    gateway = server.app[GATEWAY]
+    original = gateway._check_key
+
+    def spy(call, *rest):
+        seen.append(call.path)
+        return original(call, *rest)
+    gateway._check_key = spy
+    target = f"/dgxmm/ondemand/{dep}/v1/models"
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep, method="GET", path=target))  # the lean front
+        assert (await _answer(reader))[0] == b"HTTP/1.1 200 OK"
+        writer.write(_admin(server) + _req(server, dep, method="GET", path=target))  # aiohttp's
+        await _answer(reader)
+        await _answer(reader)
+    assert seen == [f"/dgxmm/ondemand/{dep}/v1/models"] * 2
+
+
+async def test_lower_case_header_names_are_kept_from_the_engine_too(ready):
+    """httpx (the OpenAI SDK's client, LiteLLM's) sends lower-case names: the header rules
+    compare names without case, so nothing secret or hop-by-hop reaches the engine."""
+    server, dep = ready
+    raw = (f"POST /dgxmm/ondemand/{dep}/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+           f"authorization: Bearer {server.key}\r\ncookie: session=1\r\nconnection: keep-alive, x-private\r\n"
+           f"x-private: secret\r\nkeep-alive: timeout=5\r\naccept-encoding: gzip\r\nproxy-connection: x\r\n"
+           f"x-custom: kept\r\ncontent-type: application/json\r\ncontent-length: {len(CHAT)}\r\n\r\n").encode() + CHAT
+    async with _conn(server) as (reader, writer):
+        writer.write(raw)
+        assert (await _answer(reader))[0] == b"HTTP/1.1 200 OK"
+    import aiohttp
+    async with aiohttp.ClientSession() as s, s.get(server.deployer.base_url(dep) + "/_sim/requests") as r:
+        rows = [x for x in await r.json() if x["path"] == "/v1/chat/completions"]
+    names = {}
+    for k, v in rows[-1]["headers"]:
+        names.setdefault(k.lower(), []).append(v)
+    for banned in ("authorization", "cookie", "x-private", "keep-alive", "proxy-connection", "connection"):
+        assert banned not in names, banned
+    assert names["host"] == [server.deployer.base_url(dep).split("://")[1]]  # ours, once
+    assert names["accept-encoding"] == ["identity"] and names["x-custom"] == ["kept"]
