@@ -277,7 +277,8 @@ async def test_shutdown_lets_streams_end_within_the_grace_and_closes_idle_connec
             return _req(server, dep, body=orjson.dumps({"model": "A", "stream": True, "max_tokens": tokens,
                                                         "messages": [{"role": "user", "content": "x"}]}))
         idle = await asyncio.open_connection("127.0.0.1", _port(server))
-        idle[1].write(_req(server, dep))
+        idle[1].write(_req(server, dep, body=orjson.dumps({"model": "A", "max_tokens": 1,
+                                                           "messages": [{"role": "user", "content": "x"}]})))
         await _answer(idle[0])
         short = await asyncio.open_connection("127.0.0.1", _port(server))
         short[1].write(stream(20))  # about 0.4 s
