@@ -35,8 +35,8 @@ connection). Here, on both:
 - :data:`LINGERING_S`: the rest of a body after an early answer (401, 413) is read and
   dropped for this long at most, so that the client reads the answer (an unread body
   would make the close a reset);
-- one log line (no traceback) per minute for aiohttp's malformed requests, with their
-  count; the lean front logs its refusals at debug level.
+- one log line (no traceback) per minute for malformed requests, with their count (the
+  lean front's, :class:`_RefusalLog`; aiohttp's, :class:`_MalformedFilter`).
 
 :class:`Runner` is an ``aiohttp.web.AppRunner`` whose connections are the lean front's,
 or :class:`_Protocol` without a lean route; its shutdown waits for the lean front's
@@ -222,6 +222,28 @@ class _MalformedFilter(logging.Filter):
 
 
 _FILTER = _MalformedFilter()
+
+
+class _RefusalLog:
+    """The lean front's malformed requests, as aiohttp's are with :class:`_MalformedFilter`:
+    one warning a minute at most, with the count of those not logged since."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self.suppressed = 0
+        self._last = -float("inf")
+
+    def note(self, peer: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            return
+        more = f" ({self.suppressed} more since the last such line)" if self.suppressed else ""
+        self._last, self.suppressed = now, 0
+        _log.warning("refused a malformed request from %s (400): %s%s", peer, why.splitlines()[0] if why else "", more)
+
+
+_REFUSALS = _RefusalLog()
 
 
 def quiet_malformed_requests() -> None:
@@ -804,7 +826,7 @@ class _Front(asyncio.Protocol):
             self.broken = True
             msg.fail(BodyMalformed(str(exc) or type(exc).__name__))
             return
-        _log.debug("refused a malformed request from %s: %s", self.peer or "a local client", exc)
+        _REFUSALS.note(self.peer or "a local client", str(exc) or type(exc).__name__)
         self._refuse(_refusal(400, "Bad Request", "invalid_request", f"Malformed HTTP request: {exc}"))
 
     # --- aiohttp's requests ---

@@ -345,3 +345,20 @@ async def test_lower_case_header_names_are_kept_from_the_engine_too(ready):
         assert banned not in names, banned
     assert names["host"] == [server.deployer.base_url(dep).split("://")[1]]  # ours, once
     assert names["accept-encoding"] == ["identity"] and names["x-custom"] == ["kept"]
+
+
+async def test_malformed_requests_are_logged_once_a_minute_with_their_count(ready, monkeypatch, caplog):
+    server, dep = ready
+    refusals = httpserver._RefusalLog()
+    monkeypatch.setattr(httpserver, "_REFUSALS", refusals)
+    for _ in range(5):
+        async with _conn(server) as (reader, writer):
+            writer.write(_req(server, dep, "Content-Length: 2"))  # two Content-Lengths
+            assert (await _answer(reader))[0].startswith(b"HTTP/1.1 400")
+    lines = [r for r in caplog.records if "refused a malformed request" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING" and "127.0.0.1" in lines[0].getMessage()
+    assert refusals.suppressed == 4
+    refusals._last -= 61  # a minute later: the next one is logged, with the count
+    refusals.note("10.0.0.9", "Duplicate Content-Length")
+    assert caplog.records[-1].getMessage() == ("refused a malformed request from 10.0.0.9 (400): "
+                                               "Duplicate Content-Length (4 more since the last such line)")
