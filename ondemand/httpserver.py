@@ -193,26 +193,44 @@ class Runner(web.AppRunner):
         return server
 
 
+class _OnceAMinute:
+    """A line at most every ``every_s``: :meth:`due` is None while it must keep quiet, else
+    what to add to the line (the count of those not logged since the last one)."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self.suppressed = 0
+        self._last = -float("inf")
+
+    def due(self) -> str | None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            return None
+        more = f" ({self.suppressed} more since the last such line)" if self.suppressed else ""
+        self._last, self.suppressed = now, 0
+        return more
+
+
 class _MalformedFilter(logging.Filter):
     """aiohttp logs each malformed request as an error with its traceback: one line a
     minute instead, with the count, so that no client can flood the log."""
 
     def __init__(self, every_s: float = 60.0):
         super().__init__()
-        self.every_s = every_s
-        self.suppressed = 0
-        self._last = -float("inf")
+        self._quiet = _OnceAMinute(every_s)
+
+    @property
+    def suppressed(self) -> int:
+        return self._quiet.suppressed
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if not isinstance(exc, HttpProcessingError):
             return True
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self.suppressed += 1
+        more = self._quiet.due()
+        if more is None:
             return False
-        more = f" ({self.suppressed} more since the last such line)" if self.suppressed else ""
-        self._last, self.suppressed = now, 0
         first = str(exc.message).strip().splitlines()[0] if exc.message else type(exc).__name__
         peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
         record.msg, record.args, record.exc_info, record.exc_text = (
@@ -224,22 +242,13 @@ class _MalformedFilter(logging.Filter):
 _FILTER = _MalformedFilter()
 
 
-class _RefusalLog:
-    """The lean front's malformed requests, as aiohttp's are with :class:`_MalformedFilter`:
-    one warning a minute at most, with the count of those not logged since."""
-
-    def __init__(self, every_s: float = 60.0):
-        self.every_s = every_s
-        self.suppressed = 0
-        self._last = -float("inf")
+class _RefusalLog(_OnceAMinute):
+    """The lean front's malformed requests, as aiohttp's are with :class:`_MalformedFilter`."""
 
     def note(self, peer: str, why: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self.suppressed += 1
+        more = self.due()
+        if more is None:
             return
-        more = f" ({self.suppressed} more since the last such line)" if self.suppressed else ""
-        self._last, self.suppressed = now, 0
         _log.warning("refused a malformed request from %s (400): %s%s", peer, why.splitlines()[0] if why else "", more)
 
 
@@ -426,11 +435,10 @@ class _LeanCall:
         else:
             self.close = True  # the answer's end is the connection's
         if self.close or not self._msg.keep_alive or self._front.closing:
-            lines.append(f"Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\nConnection: close\r\n\r\n")
-        elif version == "1.0":
-            lines.append(f"Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\nConnection: keep-alive\r\n\r\n")
-        else:
-            lines.append(f"Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n\r\n")
+            connection = "Connection: close\r\n"
+        else:  # HTTP/1.1 keeps it without saying so; 1.0 only when told
+            connection = "Connection: keep-alive\r\n" if version == "1.0" else ""
+        lines.append(f"Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n{connection}\r\n")
         self.status = status
         self.started = True
         return "".join(lines).encode("utf-8", "surrogateescape")
