@@ -362,3 +362,42 @@ async def test_malformed_requests_are_logged_once_a_minute_with_their_count(read
     refusals.note("10.0.0.9", "Duplicate Content-Length")
     assert caplog.records[-1].getMessage() == ("refused a malformed request from 10.0.0.9 (400): "
                                                "Duplicate Content-Length (4 more since the last such line)")
+
+
+async def test_a_malformed_request_behind_a_good_one_is_refused_after_its_answer(ready):
+    """Pipelined in one write: the good request's handler is already under way when llhttp
+    refuses the next head, so its answer goes first, then the 400, then the close; the
+    engine sees only the good one."""
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep, "X-Request-Id: good") + _req(server, dep, "Content-Length: 1"))
+        first, second = await _answer(reader), await _answer(reader)
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert first[0] == b"HTTP/1.1 200 OK" and first[1]["x-request-id"] == "good"
+    assert second[0].startswith(b"HTTP/1.1 400") and orjson.loads(second[2])["error"]["code"] == "invalid_request"
+
+
+async def test_a_chunked_body_that_breaks_while_the_gateway_reads_it_is_400_invalid_body(ready):
+    server, dep = ready
+    head = _req(server, dep, "Transfer-Encoding: chunked", body=b"").replace(b"Content-Length: 0\r\n", b"")
+    async with _conn(server) as (reader, writer):
+        writer.write(head + b"2\r\n{}")
+        await asyncio.sleep(0.2)  # the handler waits for the rest of the body
+        writer.write(b"\r\nzz\r\n")
+        status, headers, body = await _answer(reader)
+    assert status.startswith(b"HTTP/1.1 400") and headers["connection"] == "close"
+    assert orjson.loads(body)["error"]["code"] == "invalid_body"
+    assert server.app[CONTROLLER].inflight(dep) == 0
+
+
+async def test_an_upgrade_request_goes_to_aiohttp_with_the_bytes_after_it(ready, aio_calls):
+    """llhttp stops at an Upgrade head: it is aiohttp's, on the gateway's prefix too (the
+    gateway's checks run there), and what follows goes to aiohttp as it is."""
+    server, dep = ready
+    async with _conn(server) as (reader, writer):
+        writer.write(_req(server, dep))
+        assert (await _answer(reader))[0] == b"HTTP/1.1 200 OK"
+        writer.write(_req(server, dep, "Connection: Upgrade", "Upgrade: h2c"))  # its body after the head
+        status, _, body = await _answer(reader)
+    assert status == b"HTTP/1.1 200 OK" and orjson.loads(body)["object"] == "chat.completion"
+    assert len(aio_calls) == 1
