@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from . import __version__, components, metrics
+from . import __version__, components, metrics, recipes
 from . import keys as keys_mod
 from .backends import BackendError
 from .config import Config
@@ -193,11 +193,21 @@ async def get_deployment(request: web.Request) -> web.Response:
     return _json(app_mod.view(app, app[app_mod.DEPLOYER].get(dep_id)))
 
 
-def validate_new(data: dict[str, Any], cfg: Config,
-                 existing: list[Deployment]) -> tuple[dict[str, Any], bool]:
-    """The row to insert, and whether to start it now (always on, not planned)."""
-    allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "gpu_count",
-               "gpu_ids", "role", "mode", "idle_timeout_s", "start"}
+def validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
+                 gpu_sizes: tuple[float, ...] | None = None, per_gpu: bool = True) -> tuple[dict[str, Any], bool]:
+    """The row to insert, and whether to start it now (always on, not planned).
+    ``gpu_sizes``: each GPU's total (or the one pool's), for the checks against the box
+    (None: unknown, not checked here; the start says it)."""
+    try:
+        return _validate_new(data, cfg, existing, gpu_sizes, per_gpu)
+    except recipes.FieldError as exc:
+        raise _field_error(exc.field, exc.message) from None
+
+
+def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
+                  gpu_sizes: tuple[float, ...] | None, per_gpu: bool) -> tuple[dict[str, Any], bool]:
+    allowed = {"name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
+               "gpu_count", "gpu_ids", "env", "volumes", "role", "mode", "idle_timeout_s", "start"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise _field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
@@ -210,9 +220,8 @@ def validate_new(data: dict[str, Any], cfg: Config,
     served = data.get("served_name", name)
     if not isinstance(served, str) or not served.strip() or len(served) > 256:
         raise _field_error("served_name", "a non-empty string")
-    engine = data.get("engine", "vllm")
-    if engine not in ("vllm", "llamacpp"):
-        raise _field_error("engine", "vllm or llamacpp")
+    run = _validate_engine(data, cfg)
+    model = run["model"]
     role = data.get("role", "model")
     if role not in ("model", "decision", "system"):
         raise _field_error("role", "model, decision or system")
@@ -221,17 +230,6 @@ def validate_new(data: dict[str, Any], cfg: Config,
         raise _field_error("mode", "on_demand or always_on")
     if role != "model" and mode == "on_demand":
         raise _field_error("mode", f"a {role} deployment is always always_on")
-    for field in ("args", "command"):
-        value = data.get(field, [])
-        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
-            raise _field_error(field, "a list of strings")
-    image = data.get("image")
-    if image is not None and (not isinstance(image, str) or not image.strip()):
-        raise _field_error("image", "a container image name")
-    if cfg.deployer.backend == "docker" and not image:
-        raise _field_error("image", "required with the docker backend")
-    if cfg.deployer.backend == "process" and not data.get("command"):
-        raise _field_error("command", "required with the process backend (argv with {port})")
     port = data.get("port", 8000)
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise _field_error("port", "1 to 65535")
@@ -239,6 +237,12 @@ def validate_new(data: dict[str, Any], cfg: Config,
     if not isinstance(memory, (int, float)) or isinstance(memory, bool) or not 0 <= memory <= 1e6:
         raise _field_error("memory_gib", "GiB, 0 or more")
     gpu_count, gpu_ids = _validate_gpus(data.get("gpu_count"), data.get("gpu_ids"))
+    if model is not None and "gpu_count" not in data and gpu_ids is None:
+        gpu_count = 1  # a recipe's engine uses one GPU unless told (NULL would book all of them)
+    if gpu_sizes:
+        recipes.check_fits_box(float(memory), gpu_count, gpu_sizes, per_gpu, model is not None)
+        if per_gpu and gpu_ids and max(gpu_ids) >= len(gpu_sizes):
+            raise _field_error("gpu_ids", f"this box has GPUs 0 to {len(gpu_sizes) - 1}")
     idle = data.get("idle_timeout_s")
     if idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)
                              or not cfg.min_idle_timeout_s <= idle <= 86400):
@@ -247,10 +251,34 @@ def validate_new(data: dict[str, Any], cfg: Config,
     if not isinstance(start, bool):
         raise _field_error("start", "true or false")
     state = "planned" if not start else ("stopped" if mode == "on_demand" else "planned")
-    return {"name": name, "served_name": served, "engine": engine, "image": image, "args": data.get("args", []),
-            "command": data.get("command", []), "port": port, "memory_gib": float(memory), "gpu_count": gpu_count,
-            "gpu_ids": gpu_ids, "role": role, "mode": mode, "idle_timeout_s": idle,
-            "state": state}, start and mode == "always_on"
+    return {"name": name, "served_name": served, **run, "port": port,
+            "memory_gib": float(memory), "gpu_count": gpu_count, "gpu_ids": gpu_ids,
+            "role": role, "mode": mode, "idle_timeout_s": idle, "state": state}, start and mode == "always_on"
+
+
+def _validate_engine(data: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """What the engine runs: its engine and model (a recipe), or its image and args or command
+    as given; its env and volumes."""
+    engine = recipes.check_engine(data.get("engine", "vllm"))
+    model = recipes.check_model(engine, data.get("model"))
+    for field in ("args", "command"):
+        value = data.get(field, [])
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise _field_error(field, "a list of strings")
+    image = data.get("image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise _field_error("image", "a container image name")
+    if cfg.deployer.backend == "docker" and not image and model is None:
+        if engine == "custom" or "image" in data:
+            raise _field_error("image", "required with the docker backend")
+        raise _field_error("model", "required: the model the engine loads (or an image and args, as given)")
+    if cfg.deployer.backend == "process" and not data.get("command") and model is None:
+        if engine == "custom" or "command" in data:
+            raise _field_error("command", "required with the process backend (argv with {port})")
+        raise _field_error("model", "required: the model the engine loads (or a command with {port}, as given)")
+    return {"engine": engine, "model": model, "image": image, "args": data.get("args", []),
+            "command": data.get("command", []), "env": recipes.check_env(data.get("env")),
+            "volumes": recipes.check_volumes(data.get("volumes"), recipes.Box.from_config(cfg))}
 
 
 MAX_GPUS = 64
@@ -275,12 +303,12 @@ def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
 # What PATCH /api/deployments/{id} may change: what a creation sets, but the id and the
 # mode. A mode switch has its own route (PATCH .../mode, `mode set`): it may start the
 # deployment and is audited ondemand_mode, which an edit of the record must not bypass.
-EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "gpu_count",
-            "gpu_ids", "role", "idle_timeout_s")
+EDITABLE = ("name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
+            "gpu_count", "gpu_ids", "env", "volumes", "role", "idle_timeout_s")
 
 
-def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,
-                     existing: list[Deployment]) -> dict[str, Any]:
+def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment, existing: list[Deployment],
+                     gpu_sizes: tuple[float, ...] | None = None, per_gpu: bool = True) -> dict[str, Any]:
     """The fields an edit changes, validated by ``validate_new`` as the creation of
     the edited deployment (so the same rules, messages and codes apply, including
     the rules between fields), other deployments' names taken."""
@@ -294,7 +322,14 @@ def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,
     data = dict(data)
     if data.get("gpu_ids") is not None and "gpu_count" not in data:
         data["gpu_count"] = len(data["gpu_ids"])  # a new pin sets the count with it
-    fields, _ = validate_new({**current, **data, "start": False}, cfg, [d for d in existing if d.id != dep.id])
+    if isinstance(data.get("env"), dict):
+        # A secret shown masked ("***", as views show it) and sent back unchanged keeps its value.
+        data["env"] = {k: plain["env"][k] if v == recipes.MASK and k in plain["env"] else v
+                       for k, v in data["env"].items()}
+    if "model" in data and data["model"] is not None and "gpu_count" not in current and "gpu_count" not in data:
+        data["gpu_count"] = 1  # as for a new deployment with a model
+    fields, _ = validate_new({**current, **data, "start": False}, cfg, [d for d in existing if d.id != dep.id],
+                             gpu_sizes, per_gpu)
     return {k: fields[k] for k in EDITABLE if k in data and fields[k] != plain[k]}
 
 
@@ -307,7 +342,7 @@ async def edit_deployment(request: web.Request) -> web.Response:
     dep = deployer.get(dep_id)
     if dep is None:  # removed while the body was read
         raise OndemandError(404, "not_found", f"no deployment {dep_id}")
-    changes = validate_changes(data, app[app_mod.CONFIG], dep, deployer.all())
+    changes = validate_changes(data, app[app_mod.CONFIG], dep, deployer.all(), *await _box_sizes(deployer))
     try:
         dep = await deployer.edit(dep_id, changes, actor="admin", user=_user(request))
     except DeploymentBusy as exc:
@@ -325,13 +360,27 @@ async def edit_deployment(request: web.Request) -> web.Response:
 async def create_deployment(request: web.Request) -> web.Response:
     app_mod, app = _app_parts(request)
     deployer = app[app_mod.DEPLOYER]
-    fields, start_now = validate_new(await _body(request), app[app_mod.CONFIG], deployer.all())
+    data = await _body(request)
+    fields, start_now = validate_new(data, app[app_mod.CONFIG], deployer.all(), *await _box_sizes(deployer))
+    if request.query.get("dry_run") not in (None, "0", "false"):
+        # What it would be and run, with nothing written (deploy add --dry-run).
+        dep = Deployment.from_row({**fields, "id": 0})
+        return _json({**dep.as_dict(), **components.launch_fields(deployer, dep), "dry_run": True})
     dep = await deployer.create(fields, actor="admin", user=_user(request))
     if metrics.blind(dep):
         log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
     if start_now:
         await _admit(deployer, dep.id, request)
     return _json(app_mod.view(app, deployer.get(dep.id) or dep), status=201)
+
+
+async def _box_sizes(deployer: Deployer) -> tuple[tuple[float, ...] | None, bool]:
+    """The GPUs' sizes for the checks against the box, or None when they cannot be read now."""
+    try:
+        return await deployer.budget.box_sizes(), deployer.budget.per_gpu
+    except BudgetError as exc:
+        log.warning("the GPUs cannot be read (%s): a new deployment is not checked against the box", exc)
+        return None, deployer.budget.per_gpu
 
 
 async def _admit(deployer: Deployer, dep_id: int, request: web.Request) -> None:

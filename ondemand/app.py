@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import logging
@@ -70,6 +71,7 @@ from .model import SYNC_STATES, State
 from .peers import PeerGuard, PeerPolicySource
 from .ratelimit import FailureLimiter
 from .reaper import Reaper
+from .recipes import Box
 from .starts import StartHistory
 from .store import Store
 from .tasks import TaskGroup
@@ -87,7 +89,7 @@ def make_backend(cfg: Config) -> Backend:
     from .backends.docker import DockerBackend
     return DockerBackend(docker_url=cfg.deployer.docker_url, network=cfg.deployer.network,
                          own_container_id=socket.gethostname(), gpus=cfg.deployer.gpus,
-                         shm_size_gib=cfg.deployer.shm_size_gib)
+                         shm_size_gib=cfg.deployer.shm_size_gib, publish_host=cfg.deployer.publish_host)
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -214,8 +216,11 @@ async def _starts(app: web.Application) -> AsyncIterator[None]:
 
 async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    deployer = Deployer(app[STORE], backend or make_backend(cfg), Budget.from_config(cfg), publish=app[BUS].publish,
-                        start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s)
+    backend = backend or make_backend(cfg)
+    box = dataclasses.replace(Box.from_config(cfg), backend=backend.kind)  # a test's backend may be another kind
+    deployer = Deployer(app[STORE], backend, Budget.from_config(cfg), publish=app[BUS].publish,
+                        start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s,
+                        box=box)
     app[DEPLOYER] = deployer
     app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in((State.READY, State.ASLEEP)),
                                   interval_s=cfg.metrics_interval_s)

@@ -127,6 +127,7 @@ class Budget:
         self.reserve_gib = reserve_gib
         self.nvidia_smi = nvidia_smi
         self.meminfo_path = meminfo_path
+        self._sizes: tuple[float, ...] | None = None  # each pool's total, as last measured
 
     @classmethod
     def from_config(cls, cfg: Config) -> Budget:
@@ -143,10 +144,29 @@ class Budget:
     async def measure(self) -> tuple[Gpu, ...] | None:
         """Each GPU (or the one pool) as measured, or None for the static source."""
         if self.source == "nvidia-smi":
-            return await self._nvidia_smi()
-        if self.source == "meminfo":
-            return (self._meminfo(),)
-        return None
+            gpus = await self._nvidia_smi()
+        elif self.source == "meminfo":
+            gpus = (self._meminfo(),)
+        else:
+            return None
+        self._sizes = tuple(g.total for g in gpus)
+        return gpus
+
+    def sizes(self) -> tuple[float, ...] | None:
+        """Each pool's total GiB (a GPU's, or the one pool's): declared for the static source,
+        else as last measured; None before the first reading. Recipes derive memory shares
+        from it, and new deployments are checked against it."""
+        if self.source == "static":
+            return self.gpu_capacity_gib or (float(self.capacity_gib or 0),)
+        return self._sizes
+
+    async def box_sizes(self) -> tuple[float, ...]:
+        """``sizes()``, measured first when nothing was yet; raises BudgetError."""
+        sizes = self.sizes()
+        if sizes is None:
+            await self.measure()
+            sizes = self.sizes()
+        return sizes or ()
 
     async def _run_nvidia_smi(self, *args: str) -> list[list[str]]:
         """The tool's CSV lines, split ("noheader,nounits"); raises BudgetError."""

@@ -21,6 +21,7 @@ from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
 from .model import Deployment
 from .peers import PeerPolicySource
+from .recipes import MASK, FieldError, is_secret
 from .starts import StartHistory
 from .store import Store
 from .tasks import TaskGroup
@@ -56,11 +57,25 @@ class PolicyHolder(Protocol):
 POLICY = web.AppKey("policy", PolicyHolder)
 
 
+def launch_fields(deployer: Deployer, dep: Deployment) -> dict[str, Any]:
+    """``argv`` (the command line as it will run, no secret in it), ``env`` with secrets'
+    values masked, and the names of the variables the engine gets (``env_names``)."""
+    try:
+        how = deployer.launch(dep)
+    except (FieldError, ValueError) as exc:
+        return {"argv": None, "argv_error": str(exc), "env": {k: MASK if is_secret(k) else v for k, v in dep.env},
+                "env_names": [k for k, _ in dep.env]}
+    shown = how.shown_env()
+    return {"argv": how.argv, "env": {k: MASK if is_secret(k) else v for k, v in dep.env}, "env_names": sorted(shown),
+            "engine_image": how.image}
+
+
 def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     """A deployment view: the row plus its on-demand status, its LiteLLM entry's status,
     its engine's load and how long its starts take."""
     out = dep.as_dict()
     dep_id = dep.id
+    out.update(launch_fields(app[DEPLOYER], dep))
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
     out["ondemand"] = app[CONTROLLER].status(dep_id)
     sync = app.get(SYNC)

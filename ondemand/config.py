@@ -14,6 +14,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import shlex
 import socket
 import sys
 from collections.abc import Callable
@@ -38,6 +39,13 @@ class BudgetConfig:
     meminfo_path: str = "/proc/meminfo"
 
 
+# The engine recipes' images (docker backend) and commands (process backend), by engine.
+DEFAULT_IMAGES: dict[str, str] = {"vllm": "vllm/vllm-openai:latest", "sglang": "lmsysorg/sglang:latest",
+                                  "llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda"}
+DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm", "serve"), "sglang": ("python3", "-m", "sglang.launch_server"), "llamacpp": ("llama-server",)}
+
+
 @dataclasses.dataclass(frozen=True)
 class DeployerConfig:
     backend: str = "docker"
@@ -47,6 +55,16 @@ class DeployerConfig:
     stop_timeout_s: float = 30.0
     gpus: bool = True
     shm_size_gib: float = 16.0
+    # Engine recipes (recipes.py): the images and commands a recipe runs, and what the box gives
+    # every engine. Keyed by engine: deployer.images.vllm, deployer.commands.sglang, ...
+    images: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_IMAGES))
+    commands: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(DEFAULT_COMMANDS))
+    model_cache: Path | None = None
+    hf_token_file: Path | None = None
+    volume_roots: tuple[Path, ...] = ()
+    sleep_flags: bool = True
+    publish_host: str = "127.0.0.1"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +198,26 @@ def _gib_list(v: Any) -> tuple[float, ...] | None:
     return tuple(_float(x) for x in v)
 
 
+def _argv(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):  # from the environment: a shell-quoted command line
+        v = shlex.split(v)
+    if not isinstance(v, (list, tuple)) or not v:
+        raise ValueError
+    return tuple(_str(x) for x in v)
+
+
+def _paths(v: Any) -> tuple[Path, ...]:
+    if isinstance(v, str):  # from the environment: "/models, /data"
+        v = [part for part in v.replace(",", " ").split() if part]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError
+    return tuple(Path(_str(x)) for x in v)
+
+
+def _address(v: Any) -> str:
+    return str(ipaddress.ip_address(_str(v)))
+
+
 def _listen(v: Any) -> str:
     s = _str(v)
     host, sep, port = s.rpartition(":")
@@ -244,6 +282,18 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "deployer.stop_timeout_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "deployer.shm_size_gib": (_float, _between(0, 1024),
                               "GiB, 0 to 1024 (size of /dev/shm in engine containers; 0: Docker's 64 MiB)"),
+    **{f"deployer.images.{e}": (_str, bool, f"the container image of the {e} recipe")
+       for e in DEFAULT_IMAGES},
+    **{f"deployer.commands.{e}": (_argv, bool, f"the argv the {e} recipe starts with (process backend), a list")
+       for e in DEFAULT_COMMANDS},
+    "deployer.model_cache": (_opt_path, lambda p: p is None or p.is_absolute(),
+                             "an absolute host directory, mounted at the images' Hugging Face cache"),
+    "deployer.hf_token_file": (_opt_path, lambda p: True, "a file holding the Hugging Face token (mode 0600)"),
+    "deployer.volume_roots": (_paths, lambda ps: all(p.is_absolute() and str(p) != "/" for p in ps),
+                              "a list of absolute host directories (not /) deployments may mount from"),
+    "deployer.sleep_flags": (_bool, lambda x: True, "true or false (the recipes' sleep flags)"),
+    "deployer.publish_host": (_address, lambda s: True,
+                              "an IP address engine ports are published on (beside Docker on the host)"),
     "litellm.url": (_opt_str, lambda s: s is None or s.startswith(("http://", "https://")), "an http(s) URL"),
     "litellm.master_key_file": (_opt_str, lambda s: True, "a file path"),
 }
@@ -251,12 +301,16 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
 _TABLES = {"budget": BudgetConfig, "deployer": DeployerConfig, "litellm": LiteLLMConfig}
 
 
+# Tables inside a table: [deployer.images], [deployer.commands].
+_SUBTABLES = {"deployer.images", "deployer.commands"}
+
+
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and key in _TABLES and not prefix:
-            flat.update(_flatten(value, f"{key}."))
+        if isinstance(value, dict) and ((key in _TABLES and not prefix) or name in _SUBTABLES):
+            flat.update(_flatten(value, f"{name}."))
         else:
             flat[name] = value
     return flat
@@ -303,11 +357,7 @@ def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None 
             raise ConfigError(f"configuration key {key} = {value!r} is not allowed: {allowed}")
         values[key] = parsed
 
-    top = {k: v for k, v in values.items() if "." not in k}
-    for table, cls in _TABLES.items():
-        sub = {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(table + ".")}
-        top[table] = cls(**sub)
-    cfg = Config(**top)
+    cfg = Config(**_tables(values))
 
     if not cfg.min_idle_timeout_s <= cfg.ondemand_idle_timeout_s <= 86400:
         raise ConfigError(
@@ -319,6 +369,24 @@ def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None 
             f"configuration keys admin_token_file ({cfg.token_file}) and ondemand_key_file ({cfg.key_file}) "
             "name the same file: the admin API must never open with the on-demand key; give them two files")
     return cfg
+
+
+def _tables(values: dict[str, Any]) -> dict[str, Any]:
+    """Config's arguments from the checked keys: ``budget.x`` into BudgetConfig, and so on;
+    ``deployer.images.vllm`` is one entry of ``DeployerConfig.images`` (the rest default)."""
+    top = {k: v for k, v in values.items() if "." not in k}
+    for table, cls in _TABLES.items():
+        sub: dict[str, Any] = {}
+        for k, v in values.items():
+            if k.startswith(table + "."):
+                name = k.split(".", 1)[1]
+                if f"{table}.{name.split('.')[0]}" in _SUBTABLES and "." in name:
+                    group, entry = name.split(".", 1)
+                    sub.setdefault(group, dict(getattr(cls(), group)))[entry] = v
+                else:
+                    sub[name] = v
+        top[table] = cls(**sub)
+    return top
 
 
 def _check_budget(cfg: Config) -> None:
@@ -357,7 +425,9 @@ def describe() -> list[tuple[str, str, str]]:
     for key, (_, _, allowed) in _KEYS.items():
         obj: Any = defaults
         for part in key.split("."):
-            obj = getattr(obj, part)
+            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        if isinstance(obj, tuple):
+            obj = shlex.join(str(x) for x in obj) if obj else ""
         default = "the host name" if key == "instance" else "" if obj is None else str(obj)
         rows.append((key, default, allowed))
     return rows

@@ -45,9 +45,10 @@ import aiohttp
 
 from .backends import Backend, BackendError, Engine
 from .budget import Budget
-from .errors import DeployerError, DeploymentBusy, NameTaken, StateFileError
+from .errors import BudgetError, DeployerError, DeploymentBusy, NameTaken, StateFileError
 from .events import DeploymentChanged, StopCause
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, State, plain
+from .recipes import Box, FieldError, Launch, is_secret, launch
 from .store import Store
 from .tasks import TaskGroup
 
@@ -56,7 +57,7 @@ log = logging.getLogger("ondemand.deployer")
 Precheck = Callable[[Deployment], bool]
 
 # An edit of these makes another engine: what the old one was measured to use no longer holds.
-_REMEASURE = frozenset({"engine", "image", "args", "command", "memory_gib", "gpu_count", "gpu_ids"})
+_REMEASURE = frozenset({"engine", "model", "image", "args", "command", "memory_gib", "gpu_count", "gpu_ids"})
 
 
 def ready_poll_s(elapsed: float) -> float:
@@ -84,15 +85,31 @@ def _no_publish(event: object) -> None:
     pass
 
 
+def _shown(field: str, value: Any) -> Any:
+    """A field's value as an audit row keeps it: a secret's value in ``env`` masked."""
+    out = plain(value, field)
+    if field == "env":
+        out = {k: "***" if is_secret(k) else v for k, v in out.items()}
+    return out
+
+
+def _checks_name(dep: Deployment) -> bool:
+    """Whether readiness asks that /v1/models list the served name: for every recipe, and
+    for vLLM and SGLang rows (they answer 404 for another name). A llama.cpp or custom row
+    without a model runs as given, as before recipes (llama.cpp serves any name)."""
+    return dep.model is not None or dep.engine in ("vllm", "sglang")
+
+
 class Deployer:
     def __init__(self, store: Store, backend: Backend, budget: Budget, *,
                  publish: Callable[[object], None] = _no_publish,
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
                  watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, box: Box | None = None):
         self.store = store
         self.backend = backend
         self.budget = budget
+        self.box = box or Box(backend=backend.kind)
         self.publish = publish
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -125,6 +142,16 @@ class Deployer:
     def base_url(self, dep_id: int) -> str | None:
         engine = self._engines.get(dep_id)
         return engine.base_url if engine else None
+
+    def launch(self, dep: Deployment, *, secrets: bool = False) -> Launch:
+        """How ``dep``'s engine runs on this box (``recipes.launch``). The memory share is of
+        the GPUs it holds (a start's), else of the smallest; with ``secrets`` the token is read
+        (a start only). Raises FieldError or OSError (``secrets``)."""
+        sizes = self.budget.sizes() or ()
+        held = [sizes[g] for g in dep.gpus if g < len(sizes)] if self.budget.per_gpu else []
+        size = min(held or sizes) if sizes else None
+        return launch(dep, self.box, gpu_size_gib=size, box_gpus=len(sizes) if self.budget.per_gpu else 1,
+                      per_gpu=self.budget.per_gpu, secrets=secrets)
 
     def ready_engines(self) -> list[tuple[int, str]]:
         return self.engines_in((State.READY,))
@@ -161,6 +188,10 @@ class Deployer:
     async def load(self) -> None:
         """Read the rows and take back what survived our restart."""
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10, connect=5))
+        try:
+            await self.budget.box_sizes()  # the recipes' memory shares need each GPU's size
+        except BudgetError as exc:
+            log.warning("cannot read the GPUs' sizes yet (%s): running engines are taken back as they are", exc)
         for row in await self.store.deployments():
             dep = Deployment.from_row(row)
             self._deps[dep.id] = dep
@@ -170,7 +201,11 @@ class Deployer:
 
     async def _take_back(self, dep: Deployment) -> None:
         try:
-            engine = await self.backend.adopt(dep)
+            how: Launch | None = self.launch(dep)
+        except (FieldError, OSError, ValueError):
+            how = None  # cannot be derived now: any engine of this deployment's is its own
+        try:
+            engine = await self.backend.adopt(dep, how, compare=how is not None)
         except BackendError as exc:
             log.warning("cannot look for the engine of %s: %s", dep.name, exc)
             engine = None
@@ -352,8 +387,8 @@ class Deployer:
         name = changed.get("name")
         if name is not None and any(d.name == name for d in self._deps.values() if d.id != dep_id):
             raise NameTaken(f"name: a deployment named {name!r} exists")
-        old = {k: plain(getattr(dep, k)) for k in changed}
-        new = {k: plain(v) for k, v in changed.items()}
+        old = {k: _shown(k, getattr(dep, k)) for k in changed}
+        new = {k: _shown(k, v) for k, v in changed.items()}
         extra = {"measured_gib": None} if set(changed) & _REMEASURE and dep.measured_gib is not None else {}
         return await self.update(dep_id, actor=actor, user=user, audit="deployment_update",
                                  text=f"edited {', '.join(sorted(changed))}",
@@ -445,7 +480,13 @@ class Deployer:
             if dep is None or dep.state is not State.STARTING:
                 return  # stopped or removed while it waited at the gate
             try:
-                engine = await self.backend.start(dep)
+                how = self.launch(dep, secrets=True)
+            except (FieldError, OSError, ValueError) as exc:
+                what = f"deployer.hf_token_file: {exc}" if not isinstance(exc, FieldError) else str(exc)
+                await self._transition(dep_id, State.FAILED, reason=f"cannot make its command line: {what}")
+                return
+            try:
+                engine = await self.backend.start(dep, how)
             except Exception as exc:  # a BackendError, or a defect: the start failed, it is not stuck
                 if not isinstance(exc, BackendError):
                     log.exception("starting %s failed", dep.name)
@@ -457,7 +498,7 @@ class Deployer:
 
     async def _finish_start(self, dep_id: int, engine: Engine) -> None:
         dep = self._deps[dep_id]
-        health = "/health" if dep.engine == "llamacpp" else "/v1/models"
+        health = "/health"
         began = self.clock()
         deadline = began + self.start_timeout_s
         exited = self._exits[dep_id]
@@ -479,10 +520,22 @@ class Deployer:
                 await self.backend.stop(engine, self.stop_timeout_s)
                 return
             if await self._answers(engine, health):
+                served = await self._served_names(engine, dep)
                 dep_now = self._deps.get(dep_id)
-                if dep_now is not None and dep_now.state is State.STARTING:
-                    await self._transition(dep_id, State.READY, text="ready")
-                return
+                if served is not None and dep_now is not None and dep_now.state is State.STARTING:
+                    if dep.served_name in served or not _checks_name(dep):
+                        await self._transition(dep_id, State.READY, text="ready")
+                    else:
+                        names = ", ".join(served) or "no model"
+                        await self._transition(
+                            dep_id, State.FAILED, log_tail=await self._tail(engine, dep),
+                            reason=f"the engine serves {names}, not {dep.served_name} (served_name): requests "
+                                   "for it would get the engine's 404; fix served_name or the engine's "
+                                   "--served-model-name/--alias")
+                        await self.backend.stop(engine, self.stop_timeout_s)
+                    return
+                if served is not None:
+                    return
             if changed.done():
                 changed = self.changed(dep_id)  # one future at a time, however long the start
             waits: list[asyncio.Future[Any]] = [exited, changed]
@@ -539,6 +592,19 @@ class Deployer:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
+
+    async def _served_names(self, engine: Engine, dep: Deployment) -> list[str] | None:
+        """The model ids the engine's /v1/models lists; None while it does not answer yet."""
+        try:
+            async with self.http.get(engine.base_url + "/v1/models",
+                                     timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                if resp.status != 200:
+                    return None if _checks_name(dep) else []
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None
+        data = body.get("data") if isinstance(body, dict) else None
+        return [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else []
 
     def _attach(self, engine: Engine) -> None:
         self._engines[engine.deployment_id] = engine

@@ -109,11 +109,44 @@ async def _v4_starts_and_retention(db: aiosqlite.Connection) -> None:
     await db.execute("CREATE INDEX IF NOT EXISTS audit_at ON audit (at)")
 
 
+_OLD_ENGINES = "CHECK (engine IN ('vllm', 'llamacpp'))"
+_ENGINES = "CHECK (engine IN ('vllm', 'sglang', 'llamacpp', 'custom'))"
+
+
+async def _v5_engine_recipes(db: aiosqlite.Connection) -> None:
+    # Engine recipes: two more engines, and what a recipe needs (the model, env, volumes). Rows
+    # keep model NULL: they run their image/args or command exactly as before.
+    async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'deployments'") as cur:
+        row = await cur.fetchone()
+    sql = row[0] if row else ""
+    if _OLD_ENGINES in sql:
+        # SQLite cannot alter a CHECK: the table is made anew and the rows copied (SQLite's
+        # "other kinds of table schema changes"), keeping AUTOINCREMENT's high-water mark so
+        # that no removed deployment's id is handed out again (LiteLLM's entries name ids).
+        async with db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'deployments'") as cur:
+            seq = await cur.fetchone()
+        new_sql = sql.replace(_OLD_ENGINES, _ENGINES).replace("CREATE TABLE deployments",
+                                                              "CREATE TABLE deployments_v5", 1)
+        await db.execute(new_sql)
+        await db.execute("INSERT INTO deployments_v5 SELECT * FROM deployments")
+        await db.execute("DROP TABLE deployments")
+        await db.execute("ALTER TABLE deployments_v5 RENAME TO deployments")
+        if seq is not None:
+            await db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'deployments'", (seq[0],))
+    cols = await _columns(db, "deployments")
+    for column, sqltype in (("model", "TEXT"),
+                            ("env", "TEXT NOT NULL DEFAULT '{}'"),  # JSON object
+                            ("volumes", "TEXT NOT NULL DEFAULT '[]'")):  # JSON list
+        if column not in cols:
+            await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
     Migration(3, "deployments: GPU placement (gpu_count, gpu_ids, gpus, measured_gib)", _v3_gpu_placement),
     Migration(4, "starts (start durations); events and audit indexed by time", _v4_starts_and_retention),
+    Migration(5, "deployments: engine recipes (sglang and custom engines; model, env, volumes)", _v5_engine_recipes),
 ]
 
 LATEST = MIGRATIONS[-1].version

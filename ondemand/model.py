@@ -83,6 +83,9 @@ _COERCE: dict[str, Callable[[Any], Any]] = {
     "state": lambda v: State(v or State.PLANNED),
     "mode": lambda v: Mode(v or Mode.ALWAYS_ON),
     "pending_mode": lambda v: Mode(v) if v else None,
+    # Sorted pairs: a frozen value that compares equal whatever order it was given in.
+    "env": lambda v: tuple(sorted((str(k), str(x)) for k, x in (v.items() if isinstance(v, Mapping) else v or ()))),
+    "volumes": lambda v: tuple(v or ()),
 }
 
 
@@ -90,8 +93,10 @@ def _coerced(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _COERCE[k](v) if k in _COERCE else v for k, v in values.items()}
 
 
-def plain(value: Any) -> Any:
-    """A field's value as JSON has it: an enum's string, a list for a tuple."""
+def plain(value: Any, field: str | None = None) -> Any:
+    """A field's value as JSON has it: an enum's string, a list for a tuple (an object for ``env``)."""
+    if field == "env":
+        return dict(value)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):
@@ -104,7 +109,8 @@ class Deployment:
     id: int
     name: str
     served_name: str
-    engine: str = "vllm"
+    engine: str = "vllm"  # vllm, sglang, llamacpp or custom (recipes.ENGINES)
+    model: str | None = None  # what the engine loads; None: no recipe, image/args or command as given
     image: str | None = None
     args: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
@@ -112,6 +118,8 @@ class Deployment:
     memory_gib: float = 0.0  # in all; split evenly over its GPUs
     gpu_count: int | None = None  # None: every GPU (as before GPU placement); 0: no GPU
     gpu_ids: tuple[int, ...] | None = None  # the GPUs it must run on (gpu_count of them)
+    env: tuple[tuple[str, str], ...] = ()  # added to the engine's environment, sorted by name
+    volumes: tuple[str, ...] = ()  # "/host:/container[:ro]" (docker backend)
     role: Role = Role.MODEL
     state: State = State.PLANNED
     state_reason: str | None = None
@@ -136,7 +144,7 @@ class Deployment:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (enums as their strings, sequences as lists)."""
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: plain(getattr(self, f.name), f.name) for f in dataclasses.fields(self)}
 
     def config(self) -> tuple[Any, ...]:
         """Everything an administrator sets (not its state): a change of it (an edit,

@@ -32,8 +32,9 @@ DEPLOYMENT_FIELDS = (
     "id", "name", "served_name", "engine", "image", "args", "command", "port", "memory_gib",
     "gpu_count", "gpu_ids", "role", "state", "state_reason", "log_tail", "mode", "idle_timeout_s",
     "pending_mode", "gpus", "measured_gib", "created_at", "updated_at",
+    "model", "env", "volumes",
 )
-_JSON_FIELDS = ("args", "command", "gpus")  # lists, stored as JSON ([] when empty)
+_JSON_FIELDS = ("args", "command", "gpus", "volumes")  # lists, stored as JSON ([] when empty)
 _NULLABLE_JSON = ("gpu_ids",)  # lists or NULL
 
 # Set while this task is inside a transaction, so nested blocks join it.
@@ -47,6 +48,8 @@ def _row_to_deployment(row: aiosqlite.Row) -> dict[str, Any]:
         dep[k] = orjson.loads(dep[k]) if dep.get(k) else []
     for k in _NULLABLE_JSON:
         dep[k] = orjson.loads(dep[k]) if dep.get(k) is not None else None
+    if "env" in dep:
+        dep["env"] = orjson.loads(dep["env"]) if dep["env"] else {}
     return dep
 
 
@@ -58,6 +61,8 @@ def _to_columns(values: dict[str, Any]) -> dict[str, Any]:
     for k in _NULLABLE_JSON:
         if values.get(k) is not None:
             values[k] = orjson.dumps(list(values[k])).decode()
+    if "env" in values:  # {NAME: value}, from a mapping or the deployment's sorted pairs
+        values["env"] = orjson.dumps(dict(values["env"] or {})).decode()
     return values
 
 

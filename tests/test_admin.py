@@ -26,7 +26,7 @@ async def api(server, method, path, body=None, headers=None, unix=False):
 
 
 def new_dep(name="a", **kw):
-    body = {"name": name, "command": sim_command(name.upper()), "memory_gib": 10, "mode": "on_demand"}
+    body = {"name": name, "command": sim_command(name), "memory_gib": 10, "mode": "on_demand"}
     body.update(kw)
     return body
 
@@ -141,7 +141,8 @@ async def test_a_defect_of_ours_is_a_json_500(server, monkeypatch):
 
 
 async def test_create_defaults_and_states(server):
-    status, view = await api(server, "POST", "/deployments", {"name": "ao", "command": sim_command("AO"), "memory_gib": 4})
+    status, view = await api(server, "POST", "/deployments", {"name": "ao", "served_name": "AO", "command": sim_command("AO"),
+                                                        "memory_gib": 4})
     assert status == 201 and view["mode"] == "always_on"  # the default
     await wait_for(lambda: server.state(view["id"]) == "ready", what="always on starts at once")
     status, od = await api(server, "POST", "/deployments", new_dep("od"))
@@ -227,7 +228,8 @@ async def test_edit_in_place(server):
     # the old name is free again; the new one is taken
     assert (await api(server, "PATCH", f"/deployments/{b['id']}", {"name": "a"}))[0] == 200
     assert (await api(server, "PATCH", f"/deployments/{b['id']}", {"name": "a2"}))[1]["error"]["code"] == "name_taken"
-    # it starts with the edited configuration
+    # it starts with the edited configuration (an engine that serves the new name: readiness asks)
+    assert (await api(server, "PATCH", f"/deployments/{i}", {"command": sim_command("A2")}))[0] == 200
     status, view = await api(server, "POST", f"/deployments/{i}/start?wait=1")
     assert status == 200 and view["state"] == "ready"
     # busy (starting, ready, asleep, stopping): 409 and nothing changed
@@ -254,7 +256,7 @@ async def test_edit_resets_the_start_backoff(server):
         status, body = await ask()
         assert status == 503 and body["error"]["code"] == "start_failed", body
     assert server.state(i) == "failed"
-    status, view = await api(server, "PATCH", f"/deployments/{i}", {"command": sim_command("A")})
+    status, view = await api(server, "PATCH", f"/deployments/{i}", {"command": sim_command("a")})
     assert status == 200 and view["state"] == "failed"
     status, body = await ask()  # no backoff: the edited deployment starts at once
     assert status == 200, body
@@ -368,7 +370,7 @@ async def test_planned_deployment_is_registered_in_litellm_once_started(tmp_path
 async def test_published_views_of_a_cold_start(server):
     """The view published with `starting` says starting_for_request; updated_at follows the file."""
     from ondemand import components
-    _, v = await api(server, "POST", "/deployments", new_dep("a", command=sim_command("A", "--startup-delay", "0.3")))
+    _, v = await api(server, "POST", "/deployments", new_dep("a", command=sim_command("a", "--startup-delay", "0.3")))
     i = v["id"]
     seen = []
     from ondemand.events import ViewPublished
@@ -437,14 +439,14 @@ async def test_logs_route_tail_and_its_errors(server):
         assert orjson.loads(raw)["error"]["message"].startswith(bad[1:].split("=")[0])
     assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
     status, _, raw = await _logs(server, dep_id, "?tail=1")
-    assert status == 200 and b"serving LG" in raw and raw.count(b"\n") == 1
+    assert status == 200 and b"serving lg" in raw and raw.count(b"\n") == 1
     status, _, raw = await _logs(server, dep_id, "?tail=0&follow=0")
     assert (status, raw) == (200, b"")
     # Over the socket too, as the command line reads it.
     conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))
     async with aiohttp.ClientSession(connector=conn) as s, \
             s.get(f"http://ondemand{server.cfg.base_path}/api/deployments/{dep_id}/logs?tail=5") as r:
-        assert r.status == 200 and b"serving LG" in await r.read()
+        assert r.status == 200 and b"serving lg" in await r.read()
 
 
 async def test_logs_follow_a_start_live_until_the_engine_stops(server):
@@ -456,12 +458,12 @@ async def test_logs_follow_a_start_live_until_the_engine_stops(server):
     async with aiohttp.ClientSession() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
                                                    headers=server.admin_headers()) as r:
         assert r.status == 200
-        while b"serving FL" not in got:
+        while b"serving fl" not in got:
             got += await asyncio.wait_for(r.content.readany(), 20)
         assert server.state(dep_id) == "starting"  # followed while it starts
         assert (await api(server, "POST", f"/deployments/{dep_id}/stop"))[0] == 200
         got += await asyncio.wait_for(r.content.read(), 20)  # the answer ends with the engine's log
-    assert b"serving FL" in got
+    assert b"serving fl" in got
 
 
 async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
@@ -472,7 +474,7 @@ async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
     before = {t.get_name() for t in asyncio.all_tasks()}
     async with aiohttp.ClientSession() as s:
         r = await s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1", headers=server.admin_headers())
-        assert b"serving HU" in await asyncio.wait_for(r.content.readany(), 10)
+        assert b"serving hu" in await asyncio.wait_for(r.content.readany(), 10)
         assert len(run.followers) == 1
         r.close()  # hang up while the engine runs on
     await wait_for(lambda: not run.followers, what="the follower gone with its client")

@@ -15,9 +15,11 @@ ALLOWED = {
     "dockerapi": set(), "httpserver": set(), "notice": set(), "forward": set(), "migrations": set(),
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
-    "backends": {"errors", "model"}, "backends.process": {"backends", "model", "tasks"},
-    "backends.docker": {"backends", "dockerapi", "model"},
-    "deployer": {"backends", "budget", "errors", "events", "model", "store", "tasks"},
+    # What an engine runs (command line, environment, mounts): derived from the deployment and the box.
+    "recipes": {"config", "model"},
+    "backends": {"errors", "model", "recipes"}, "backends.process": {"backends", "model", "recipes", "tasks"},
+    "backends.docker": {"backends", "dockerapi", "model", "recipes"},
+    "deployer": {"backends", "budget", "errors", "events", "model", "recipes", "store", "tasks"},
     # The decision core sees the world only through its Effects protocol.
     "controller": {"errors", "eviction", "model", "placement", "queue"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
@@ -31,10 +33,10 @@ ALLOWED = {
     "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
     "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"accesslog", "admission", "config", "controller", "deployer", "effects", "events", "footprint",
-                   "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "starts", "store", "tasks",
+                   "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "recipes", "starts", "store", "tasks",
                    "telemetry"},
     "starts": {"model", "store", "tasks"},
-    "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "metrics", "model",
+    "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "metrics", "model", "recipes",
               "telemetry"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).

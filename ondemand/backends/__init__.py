@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..model import Deployment
+from ..recipes import Box, Launch, launch
 
 
 @dataclasses.dataclass
@@ -43,8 +44,14 @@ class Backend(abc.ABC):
     kind: str
 
     @abc.abstractmethod
-    async def start(self, dep: Deployment) -> Engine:
-        """Create and start the engine; returns at once, before it is ready."""
+    async def start(self, dep: Deployment, launch: Launch | None = None) -> Engine:
+        """Create and start the engine as ``launch`` says (``recipes.launch``: image,
+        command line, environment, mounts; None: the deployment's own, as given);
+        returns at once, before it is ready."""
+
+    def as_given(self, dep: Deployment) -> Launch:
+        """The deployment's image and args (or command) as given, with its env: no recipe, no box."""
+        return launch(dep.replace(model=None), Box(backend=self.kind))
 
     @abc.abstractmethod
     async def wait_exit(self, engine: Engine) -> int | None:
@@ -59,8 +66,10 @@ class Backend(abc.ABC):
         """Remove what is left of the deployment's engine (stopped container)."""
 
     @abc.abstractmethod
-    async def adopt(self, dep: Deployment) -> Engine | None:
-        """An engine of ours for ``dep`` still running from before our restart."""
+    async def adopt(self, dep: Deployment, launch: Launch | None = None, *, compare: bool = True) -> Engine | None:
+        """An engine of ours for ``dep`` still running from before our restart, made as
+        ``launch`` says (None: as given); ``compare`` False: how it runs now cannot be told,
+        so any engine of ``dep``'s is its own."""
 
     async def pids(self, engine: Engine) -> list[int]:
         """The host pids of the engine's processes (for its measured GPU footprint);

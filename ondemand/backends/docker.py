@@ -13,9 +13,11 @@ takes back only a running container made for this deployment from its current co
 an older one is stopped and removed instead of being served or left holding GPU memory.
 
 Address: when ondemand runs in a container on that network, ``http://ondemand-{name}:{port}``
-(Docker's DNS). Otherwise the engine port is published on 127.0.0.1 only, on a host port Docker
-picks, read back from the inspect: ``http://127.0.0.1:{hostport}``. Never on another address:
-the engine has no key of its own.
+(Docker's DNS). Otherwise the engine port is published on ``deployer.publish_host`` only
+(127.0.0.1 unless set), on a host port Docker picks, read back from the inspect:
+``http://127.0.0.1:{hostport}``. Never on every address: the engine has no key of its own.
+A recipe (``recipes.launch``) gives the entrypoint, the arguments, the environment and the
+mounts (the model cache, the deployment's volumes).
 
 Images are never pulled (an appliance may reach no registry): a missing image is an error that
 says to load it locally. Every Docker error becomes a ``BackendError`` carrying Docker's message.
@@ -36,6 +38,7 @@ import aiohttp
 from .. import dockerapi
 from ..dockerapi import Docker, DockerContainer, DockerError
 from ..model import Deployment
+from ..recipes import Launch, is_secret
 from . import Backend, BackendError, Engine, visible_gpus
 
 log = logging.getLogger("ondemand.backends.docker")
@@ -61,6 +64,10 @@ def container_name(dep: Deployment) -> str:
     return PREFIX + dep.name
 
 
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
 def _port(dep: Deployment) -> int:
     return int(dep.port or 8000)
 
@@ -83,7 +90,8 @@ class DockerBackend(Backend):
     kind = "docker"
 
     def __init__(self, *, docker_url: str | None, network: str, in_container: bool | None = None,
-                 own_container_id: str | None = None, gpus: bool = True, shm_size_gib: float = 16.0):
+                 own_container_id: str | None = None, gpus: bool = True, shm_size_gib: float = 16.0,
+                 publish_host: str = "127.0.0.1"):
         """``docker_url``: the Docker API address (None: aiodocker's discovery, i.e. the Docker
         context, ``DOCKER_HOST`` or the local socket). ``network``: the network engines join.
         ``in_container``: whether ondemand runs in a container on ``network`` (engines are then
@@ -91,8 +99,10 @@ class DockerBackend(Backend):
         ``gpus``: request every GPU (nvidia device request); off for machines without one.
         ``shm_size_gib``: size of the container's /dev/shm (0: Docker's default of 64 MiB, which
         vLLM's tensor-parallel workers and PyTorch data loaders outgrow: NCCL fails with a bus
-        error). A tmpfs: it takes memory only as it is used."""
+        error). A tmpfs: it takes memory only as it is used. ``publish_host``: beside Docker on
+        the host, the address engine ports are published on (and reached at)."""
         self.docker_url = docker_url
+        self.publish_host = publish_host
         self.network = network
         self.gpus = gpus
         self.shm_size = int(shm_size_gib * 2**30)
@@ -145,19 +155,29 @@ class DockerBackend(Backend):
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def config_hash(self, dep: Deployment) -> str:
-        """Fingerprint of what the container is made from; a change means "replace it"."""
-        spec: dict[str, Any] = {"image": dep.image, "args": [str(a) for a in dep.args],
+    def config_hash(self, dep: Deployment, launch: Launch) -> str:
+        """Fingerprint of what the container is made from; a change means "replace it".
+        A secret's value is not in it (a rotated token does not replace a running engine)."""
+        spec: dict[str, Any] = {"image": launch.image, "args": [str(a) for a in launch.args],
                 "port": _port(dep), "engine": dep.engine, "network": self.network,
                 "gpus": self.gpus}
         devices = visible_gpus(dep)
         if devices is not None:  # absent for every GPU: containers made before placement still match
             spec["devices"] = list(devices)
+        # Absent when unused, so that containers made before recipes still match.
+        if launch.entrypoint is not None:
+            spec["entrypoint"] = list(launch.entrypoint)
+        if launch.env:
+            spec["env"] = [[k, "" if is_secret(k) else v] for k, v in launch.env]
+        if launch.mounts:
+            spec["mounts"] = [str(m) for m in launch.mounts]
+        if self.publish_host != "127.0.0.1":
+            spec["publish_host"] = self.publish_host
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
-    def _labels(self, dep: Deployment) -> dict[str, str]:
+    def _labels(self, dep: Deployment, launch: Launch) -> dict[str, str]:
         return {LABEL_MANAGED: "true", LABEL_ID: str(dep.id), LABEL_NAME: dep.name,
-                LABEL_HASH: self.config_hash(dep)}
+                LABEL_HASH: self.config_hash(dep, launch)}
 
     async def _inspect(self, ref: str, what: str) -> dict[str, Any] | None:
         """The container's inspect, or None when there is none by that name or id."""
@@ -177,12 +197,13 @@ class DockerBackend(Backend):
         labels = (info.get("Config") or {}).get("Labels") or {}
         return labels.get(LABEL_MANAGED) == "true"
 
-    def _matches(self, info: dict[str, Any], dep: Deployment) -> str | None:
-        """None when ``info`` is a container made for ``dep`` as configured now, else why not."""
+    def _matches(self, info: dict[str, Any], dep: Deployment, launch: Launch | None) -> str | None:
+        """None when ``info`` is a container made for ``dep`` as configured now, else why not
+        (``launch`` None: how it runs now cannot be told, so only the deployment is compared)."""
         labels = (info.get("Config") or {}).get("Labels") or {}
         if labels.get(LABEL_ID) != str(dep.id):
             return f"it belongs to deployment id {labels.get(LABEL_ID)}"
-        if labels.get(LABEL_HASH) != self.config_hash(dep):
+        if launch is not None and labels.get(LABEL_HASH) != self.config_hash(dep, launch):
             return "it was made from an older configuration"
         return None
 
@@ -197,8 +218,8 @@ class DockerBackend(Backend):
             return f"http://{container_name(dep)}:{port}"
         ports = (info.get("NetworkSettings") or {}).get("Ports") or {}
         for binding in ports.get(f"{port}/tcp") or ():
-            if binding.get("HostIp") in ("127.0.0.1", "") and binding.get("HostPort"):
-                return f"http://127.0.0.1:{binding['HostPort']}"
+            if binding.get("HostIp") in (self.publish_host, "") and binding.get("HostPort"):
+                return f"http://{_host(self.publish_host)}:{binding['HostPort']}"
         return None
 
     async def _discard(self, info: dict[str, Any], why: str) -> None:
@@ -219,17 +240,18 @@ class DockerBackend(Backend):
 
     # --- the Backend API ----------------------------------------------------------------------
 
-    async def start(self, dep: Deployment) -> Engine:
+    async def start(self, dep: Deployment, launch: Launch | None = None) -> Engine:
+        launch = launch or self.as_given(dep)
         name = container_name(dep)
-        image = dep.image
+        image = launch.image
         if not image:
             raise BackendError(f"deployment {dep.name} has no image (the docker backend runs `image`)")
         docker = await self._client()
-        running = await self._reuse_or_discard(name, dep)
+        running = await self._reuse_or_discard(name, dep, launch)
         if running is not None:
             return running
         await self._check_network(docker)
-        container = await self._create(docker, await self._container_config(dep, image), name, image)
+        container = await self._create(docker, await self._container_config(dep, launch, image), name, image)
         try:
             await container.start()
             info = await container.show()
@@ -250,7 +272,7 @@ class DockerBackend(Backend):
         log.info("started %s: container %s at %s", dep.name, container.id[:12], url)
         return Engine(dep.id, dep.name, url, ref=container.id)
 
-    async def _reuse_or_discard(self, name: str, dep: Deployment) -> Engine | None:
+    async def _reuse_or_discard(self, name: str, dep: Deployment, launch: Launch) -> Engine | None:
         """A container by that name already: adopt it when it is ours, made from the current
         configuration and serving; otherwise remove it (refuse one that is not ours)."""
         info = await self._inspect(name, f"inspecting container {name}")
@@ -259,21 +281,22 @@ class DockerBackend(Backend):
         if not self._ours(info):
             raise BackendError(f"a container named {name} exists and was not made by ondemand "
                                f"(no {LABEL_MANAGED} label): remove or rename it")
-        why = self._matches(info, dep)
+        why = self._matches(info, dep, launch)
         if why is None and self._running(info):
             url = await self._base_url(info, dep)
             if url is not None:
                 log.info("container %s is running already: adopting it (%s)", name, url)
                 return Engine(dep.id, dep.name, url, ref=info["Id"], adopted=True)
-            why = "its engine port is not published on 127.0.0.1"
+            why = f"its engine port is not published on {self.publish_host}"
         await self._discard(info, why or "it is not running")
         return None
 
-    async def _container_config(self, dep: Deployment, image: str) -> dict[str, Any]:
-        """The create request: image, labels, port, network, GPUs, /dev/shm, engine arguments."""
+    async def _container_config(self, dep: Deployment, launch: Launch, image: str) -> dict[str, Any]:
+        """The create request: image, labels, port, network, GPUs, /dev/shm, mounts, environment,
+        entrypoint and engine arguments."""
         port = _port(dep)
         host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
-        env: list[str] = []
+        env: list[str] = [f"{k}={v}" for k, v in launch.env]  # before the GPU's: those win
         devices = visible_gpus(dep)
         if self.gpus and devices is None:
             host_config["DeviceRequests"] = [GPU_REQUEST]
@@ -284,17 +307,21 @@ class DockerBackend(Backend):
             env.append("NVIDIA_VISIBLE_DEVICES=void")  # gpu_count 0: no GPU, whatever the image says
         if self.shm_size:
             host_config["ShmSize"] = self.shm_size
+        if launch.mounts:
+            host_config["Binds"] = [str(m) for m in launch.mounts]
         if not await self.in_container():
-            host_config["PortBindings"] = {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
+            host_config["PortBindings"] = {f"{port}/tcp": [{"HostIp": self.publish_host, "HostPort": ""}]}
         config: dict[str, Any] = {
             "Image": image,
-            "Labels": self._labels(dep),
+            "Labels": self._labels(dep, launch),
             "ExposedPorts": {f"{port}/tcp": {}},
             "HostConfig": host_config,
         }
         if env:
             config["Env"] = env
-        args = [str(a) for a in dep.args]
+        if launch.entrypoint is not None:
+            config["Entrypoint"] = list(launch.entrypoint)
+        args = [str(a) for a in launch.args]
         if args:
             config["Cmd"] = args
         return config
@@ -387,15 +414,15 @@ class DockerBackend(Backend):
         except _TRANSPORT as exc:
             raise _error(f"removing container {name}", exc) from exc
 
-    async def adopt(self, dep: Deployment) -> Engine | None:
+    async def adopt(self, dep: Deployment, launch: Launch | None = None, *, compare: bool = True) -> Engine | None:
         name = container_name(dep)
         info = await self._inspect(name, f"inspecting container {name}")
         if info is None or not self._ours(info) or not self._running(info):
             return None  # an exited one stays for its log tail; start() replaces it
-        why = self._matches(info, dep)
+        why = self._matches(info, dep, (launch or self.as_given(dep)) if compare else None)
         url = await self._base_url(info, dep) if why is None else None
         if why is None and url is None:
-            why = "its engine port is not published on 127.0.0.1"
+            why = f"its engine port is not published on {self.publish_host}"
         if why is not None:
             # Not served, and not left running either: it would hold GPU memory nobody counts.
             await self._discard(info, why)

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ..model import Deployment
+from ..recipes import Launch
 from ..tasks import TaskGroup
 from . import Backend, BackendError, Engine, visible_gpus
 
@@ -68,9 +69,10 @@ def self_command() -> list[str]:
     return [sys.executable, "-m", "ondemand"]
 
 
-def _child_env(dep: Deployment) -> dict[str, str]:
+def _child_env(dep: Deployment, launch: Launch) -> dict[str, str]:
     # `python -m ondemand` must find the package the same way we did.
     env = dict(os.environ)
+    env.update(launch.env)  # the recipe's, the box's (HF_HOME, HF_TOKEN) and the deployment's own
     root = str(Path(__file__).resolve().parent.parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     gpus = visible_gpus(dep)
@@ -275,8 +277,9 @@ class ProcessBackend(Backend):
         path = self._paths(name)[0]
         return [path] + [path.with_name(f"{path.name}.{n}") for n in range(1, self.log_keep + 1)]
 
-    async def start(self, dep: Deployment) -> Engine:
-        command = list(dep.command)
+    async def start(self, dep: Deployment, launch: Launch | None = None) -> Engine:
+        launch = launch or self.as_given(dep)
+        command = list(launch.args)
         if not command:
             raise BackendError(f"deployment {dep.name} has no command (the process backend runs `command`)")
         port = free_port()
@@ -298,7 +301,7 @@ class ProcessBackend(Backend):
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=_child_env(dep),
+                stderr=asyncio.subprocess.STDOUT, env=_child_env(dep, launch),
                 start_new_session=True)  # our Ctrl-C is not the engine's
         except OSError as exc:
             run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
@@ -374,7 +377,7 @@ class ProcessBackend(Backend):
     async def remove(self, dep: Deployment) -> None:
         await self._kill_leftover(dep.name)
 
-    async def adopt(self, dep: Deployment) -> Engine | None:
+    async def adopt(self, dep: Deployment, launch: Launch | None = None, *, compare: bool = True) -> Engine | None:
         await self._kill_leftover(dep.name)
         return None
 

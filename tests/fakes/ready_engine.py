@@ -1,8 +1,9 @@
-"""A stand-in engine that only has to become ready: ``GET /v1/models`` answers 200, anything
-else 404. Standard library only, so it starts in milliseconds (the engine simulator imports
-aiohttp first): for tests that point the deployment at an engine double once it is ready.
+"""A stand-in engine that only has to become ready: ``GET /health`` and ``GET /v1/models``
+(listing NAME, the served name readiness asks for) answer 200, anything else 404. Standard
+library only, so it starts in milliseconds (the engine simulator imports aiohttp first): for
+tests that point the deployment at an engine double once it is ready.
 
-    python ready_engine.py PORT
+    python ready_engine.py PORT [NAME]
 """
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,8 +16,8 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         if length:
             self.rfile.read(length)
-        ok = self.command == "GET" and self.path == "/v1/models"
-        body = b'{"object": "list", "data": [{"id": "A", "object": "model"}]}' if ok else b""
+        ok = self.command == "GET" and self.path in ("/v1/models", "/health")
+        body = (b'{"object": "list", "data": [{"id": "%s", "object": "model"}]}' % NAME.encode()) if ok else b""
         self.send_response(200 if ok else 404)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -29,4 +30,5 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+NAME = sys.argv[2] if len(sys.argv) > 2 else "A"
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
