@@ -107,7 +107,7 @@ def test_describe_lists_every_key():
     assert "budget.capacity_gib" in keys and "ondemand_queue_timeout_s" in keys
 
 
-@pytest.mark.parametrize("name", ["ondemand.example.toml", "demo.toml", "real.toml"])
+@pytest.mark.parametrize("name", ["ondemand.example.toml", "ondemand.toml", "demo.toml", "real.toml"])
 def test_shipped_configs_load(name):
     path = Path(__file__).resolve().parent.parent / "packaging" / name
     cfg = config.load(path, env={})
