@@ -23,6 +23,7 @@ from . import __version__, adminclient
 from . import config as config_mod
 from .errors import ConfigError
 from .model import Deployment
+from .recipes import ENGINES, MASK, is_secret
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
 T = TypeVar("T")
@@ -249,6 +250,9 @@ def _views(ctx: Ctx, path: str = "/deployments") -> tuple[Any, bool]:
         rows = _run(adminclient.offline_views(ctx.cfg))
         if rows is None:
             _fail(f"no server runs and there is no state file at {ctx.cfg.db_path}", EXIT_NO_SERVER)
+        for row in rows:  # as a view shows them: no secret's value
+            if isinstance(row.get("env"), dict):
+                row["env"] = {k: MASK if is_secret(k) else v for k, v in row["env"].items()}
         if path == "/deployments":
             return rows, True
         dep_id = int(path.rsplit("/", 1)[1])
@@ -395,43 +399,98 @@ def deploy() -> None:
 @deploy.command("add")
 @click.argument("name")
 @click.option("--served-name", help="the model name clients send (default: NAME)")
-@click.option("--engine", type=click.Choice(["vllm", "llamacpp"]), default="vllm", show_default=True)
-@click.option("--image", help="container image (docker backend)")
-@click.option("--arg", "args", multiple=True, help="an engine argument (docker backend); repeat")
-@click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
+              help="with --model, its recipe writes the command line; custom: no recipe")
+@click.option("--model", help="what the engine loads: a Hugging Face repo id (Qwen/Qwen3-8B) or a path")
+@click.option("--image", help="container image (docker backend; default with --model: the engine's)")
+@click.option("--arg", "args", multiple=True, help="an engine argument, after the recipe's (it may override "
+                                                   "one); repeat")
+@click.option("--command", "command", help="the engine's command line, {port} for its port (process backend, "
+                                           "without --model)")
 @click.option("--port", type=int, default=8000, show_default=True, help="the engine's port in its container")
 @click.option("--memory-gib", type=float, default=0, show_default=True, help="GPU memory it needs in all")
-@click.option("--gpu-count", type=int, help="how many GPUs (0: none; default: every GPU)")
+@click.option("--gpu-count", type=int, help="how many GPUs (0: none; default: 1 with --model, else every GPU)")
 @click.option("--gpu-ids", help="the GPUs it must run on, as indices: 0,3")
+@click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="added to the engine's environment; repeat")
+@click.option("--volume", "volumes", multiple=True, metavar="HOST:CONTAINER[:ro]",
+              help="a host directory under deployer.volume_roots (docker backend); repeat")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]), default="model", show_default=True)
 @click.option("--mode", type=click.Choice(["on_demand", "always_on"]), default="always_on", show_default=True)
 @click.option("--idle-timeout", type=int, help="seconds idle before it is put to sleep (on demand)")
 @click.option("--no-start", is_flag=True, help="leave it planned")
+@click.option("--dry-run", is_flag=True, help="check it and print the command line it would run; create nothing")
 @json_option
 @pass_ctx
-def deploy_add(ctx: Ctx, name: str, served_name: str | None, engine: str, image: str | None, args: tuple[str, ...],
-               command: str | None, port: int, memory_gib: float, gpu_count: int | None, gpu_ids: str | None,
-               role: str, mode: str, idle_timeout: int | None, no_start: bool, as_json: bool) -> None:
+def deploy_add(ctx: Ctx, /, name: str, dry_run: bool, as_json: bool, **opts: Any) -> None:
     """Create a deployment. On demand it rests stopped until its first request;
-    always on it starts at once."""
-    import shlex
-    body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
-                            "role": role, "mode": mode, "args": list(args), "start": not no_start}
-    if served_name:
-        body["served_name"] = served_name
-    if image:
-        body["image"] = image
-    if command:
-        body["command"] = shlex.split(command)
-    if idle_timeout is not None:
-        body["idle_timeout_s"] = idle_timeout
-    body.update(_gpu_fields(gpu_count, gpu_ids))
+    always on it starts at once.
+
+    With --model the engine's recipe writes its command line (model, served name,
+    address, GPUs, memory share); --arg adds to it. --dry-run prints that command
+    line and creates nothing."""
+    body = _add_body(name, **opts)
+    if dry_run:
+        _dry_run(ctx, body, as_json)
+        return
     view = _call(ctx, "POST", "/deployments", body)
     if as_json:
         _echo_json(view)
     else:
         click.echo(f"created {view['name']} (id {view['id']}, {view['mode']}, {view['state']})")
     _warn_if_blind(view)
+
+
+def _add_body(name: str, served_name: str | None, engine: str, model: str | None, image: str | None,
+              args: tuple[str, ...], command: str | None, port: int, memory_gib: float, gpu_count: int | None,
+              gpu_ids: str | None, env: tuple[str, ...], volumes: tuple[str, ...], role: str, mode: str,
+              idle_timeout: int | None, no_start: bool) -> dict[str, Any]:
+    """`deploy add`'s POST body."""
+    import shlex
+    body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
+                            "role": role, "mode": mode, "args": list(args), "start": not no_start}
+    if served_name:
+        body["served_name"] = served_name
+    if model is not None:
+        body["model"] = model
+    if image:
+        body["image"] = image
+    if command:
+        body["command"] = shlex.split(command)
+    if idle_timeout is not None:
+        body["idle_timeout_s"] = idle_timeout
+    if env:
+        body["env"] = _env_option(env)
+    if volumes:
+        body["volumes"] = list(volumes)
+    body.update(_gpu_fields(gpu_count, gpu_ids))
+    return body
+
+
+def _dry_run(ctx: Ctx, body: dict[str, Any], as_json: bool) -> None:
+    """The would-be view (validated by the server, nothing written): its argv on stdout."""
+    import shlex
+    view = _call(ctx, "POST", "/deployments?dry_run=1", body)
+    if as_json:
+        _echo_json(view)
+    elif view.get("argv") is None:
+        _fail(f"no command line: {view.get('argv_error') or 'the server did not derive one'}")
+    else:
+        click.echo(shlex.join(view["argv"]))
+        image = f"image {view['engine_image']}; " if view.get("engine_image") else ""
+        click.echo(f"dry run, nothing created: {image}environment {', '.join(view.get('env_names') or ()) or '-'}",
+                   err=True)
+    _warn_if_blind(view)
+
+
+def _env_option(items: tuple[str, ...]) -> dict[str, str]:
+    """--env NAME=VALUE ...: split at the first '='; the server checks the names."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            _fail(f"--env takes NAME=VALUE, not {item!r}", EXIT_USAGE)
+        out[name] = value
+    return out
 
 
 def _int_option(flag: str, value: str) -> int:
@@ -458,34 +517,61 @@ def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
 @click.argument("dep_id", type=int)
 @click.option("--name", help="a new unique name")
 @click.option("--served-name", help="the model name clients send")
-@click.option("--engine", type=click.Choice(["vllm", "llamacpp"]))
+@click.option("--engine", type=click.Choice(ENGINES))
+@click.option("--model", help="what the engine loads (its recipe writes the command line)")
+@click.option("--no-model", is_flag=True, help="no recipe: run image and args, or command, as given")
 @click.option("--image", help="container image (docker backend)")
-@click.option("--arg", "args", multiple=True, help="an engine argument (docker backend); repeat; replaces them all")
+@click.option("--arg", "args", multiple=True, help="an engine argument; repeat; replaces them all")
 @click.option("--no-args", is_flag=True, help="no engine arguments")
 @click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
 @click.option("--port", type=int, help="the engine's port in its container")
 @click.option("--memory-gib", type=float, help="GPU memory it needs in all")
 @click.option("--gpu-count", help="how many GPUs (0: none), or 'all' for every GPU")
 @click.option("--gpu-ids", help="the GPUs it must run on, as indices (0,3), or 'any' to drop the pin")
+@click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
+              help="the engine's environment; repeat; replaces it all (a secret given as *** keeps its value)")
+@click.option("--no-env", is_flag=True, help="no environment of its own")
+@click.option("--volume", "volumes", multiple=True, metavar="HOST:CONTAINER[:ro]",
+              help="a host directory to mount (docker backend); repeat; replaces them all")
+@click.option("--no-volumes", is_flag=True, help="no volumes")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]))
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
 @json_option
 @pass_ctx
-def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None, engine: str | None,
-               image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
-               memory_gib: float | None, gpu_count: str | None, gpu_ids: str | None, role: str | None,
-               idle_timeout: str | None, as_json: bool) -> None:
+def deploy_set(ctx: Ctx, /, dep_id: int, as_json: bool, **opts: Any) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
     deployment_update). A start afterwards uses the new values. The mode is switched
     with `mode set`."""
+    body = _set_body(**opts)
+    if not body:
+        _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
+    view = _call(ctx, "PATCH", f"/deployments/{dep_id}", body)
+    _echo_json(view) if as_json else click.echo(f"updated {view['name']} (id {view['id']}, {view['state']})")
+    _warn_if_blind(view)
+
+
+def _set_body(name: str | None, served_name: str | None, engine: str | None, model: str | None, no_model: bool,
+              image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
+              memory_gib: float | None, gpu_count: str | None, gpu_ids: str | None, env: tuple[str, ...],
+              no_env: bool, volumes: tuple[str, ...], no_volumes: bool, role: str | None,
+              idle_timeout: str | None) -> dict[str, Any]:
+    """`deploy set`'s PATCH body: only the fields given."""
     import shlex
-    if args and no_args:
-        _fail("--arg and --no-args exclude each other", EXIT_USAGE)
+    for given, none, flags in ((args, no_args, "--arg and --no-args"), (model, no_model, "--model and --no-model"),
+                               (env, no_env, "--env and --no-env"), (volumes, no_volumes, "--volume and --no-volumes")):
+        if given and none:
+            _fail(f"{flags} exclude each other", EXIT_USAGE)
     body: dict[str, Any] = {k: v for k, v in (("name", name), ("served_name", served_name), ("engine", engine),
-                                              ("image", image), ("port", port), ("memory_gib", memory_gib),
-                                              ("role", role)) if v is not None}
+                                              ("model", model), ("image", image), ("port", port),
+                                              ("memory_gib", memory_gib), ("role", role)) if v is not None}
+    if no_model:
+        body["model"] = None
     if args or no_args:
         body["args"] = list(args)
+    if env or no_env:
+        body["env"] = _env_option(env)
+    if volumes or no_volumes:
+        body["volumes"] = list(volumes)
     if command is not None:
         body["command"] = shlex.split(command)
     if idle_timeout is not None:
@@ -494,11 +580,7 @@ def deploy_set(ctx: Ctx, dep_id: int, name: str | None, served_name: str | None,
         body["gpu_count"] = None if gpu_count == "all" else _int_option("--gpu-count", gpu_count)
     if gpu_ids is not None:
         body["gpu_ids"] = None if gpu_ids == "any" else _gpu_list(gpu_ids)
-    if not body:
-        _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
-    view = _call(ctx, "PATCH", f"/deployments/{dep_id}", body)
-    _echo_json(view) if as_json else click.echo(f"updated {view['name']} (id {view['id']}, {view['state']})")
-    _warn_if_blind(view)
+    return body
 
 
 @deploy.command("list")
@@ -520,11 +602,13 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
     if as_json:
         _echo_json(view)
         return
-    for key in ("id", "name", "served_name", "engine", "role", "mode", "pending_mode", "state", "state_reason",
-                "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s", "last_start_s",
-                "start_eta_s", "base_url", "image", "args", "command"):
+    for key in ("id", "name", "served_name", "engine", "model", "role", "mode", "pending_mode", "state",
+                "state_reason", "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s",
+                "last_start_s", "start_eta_s", "base_url", "image", "engine_image", "args", "command", "volumes"):
         if key in view:
             click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
+    for line in _launch_lines(view):
+        click.echo(line)
     od = view.get("ondemand") or {}
     click.echo(f"{'ondemand:':16} phase {od.get('phase')}, in-flight {od.get('inflight')}, queued {od.get('queued')}, "
                f"last request {_ago(od.get('last_request_at'))}")
@@ -532,6 +616,23 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
         click.echo(f"{'litellm:':16} {view['litellm'].get('status')} {view['litellm'].get('code') or ''}".rstrip())
     if view.get("log_tail") and view["state"] == "failed":
         click.echo("log tail:\n" + view["log_tail"])
+
+
+def _launch_lines(view: dict[str, Any]) -> list[str]:
+    """The command line as it will run and the environment's names (secrets' values as the
+    API shows them: ***)."""
+    import shlex
+    lines = []
+    if view.get("argv") is not None:
+        lines.append(f"{'argv:':16} {shlex.join(view['argv'])}")
+    elif view.get("argv_error"):
+        lines.append(f"{'argv:':16} - ({view['argv_error']})")
+    env = view.get("env") or {}
+    if env:
+        lines.append(f"{'env:':16} {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items()))}")
+    if view.get("env_names"):
+        lines.append(f"{'env_names:':16} {', '.join(view['env_names'])}")
+    return lines
 
 
 def _action(ctx: Ctx, dep_id: int, verb: str, as_json: bool, wait: bool = False) -> None:

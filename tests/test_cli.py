@@ -163,9 +163,13 @@ async def test_deploy_set_edits_in_place(tmp_path):
 async def test_read_only_commands_without_a_server(tmp_path):
     async with run_app(tmp_path) as server:
         await server.add("alpha")
+        await server.deployer.update(1, env={"HF_X_TOKEN": "s3cret", "A": "1"})
     cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
     rc, out, _ = await cli("status", config=cfg)
     assert rc == 0 and "no server runs" in out and "alpha" in out
+    for args in (("deploy", "show", "1"), ("deploy", "show", "1", "--json"), ("deploy", "list", "--json")):
+        rc, out, _ = await cli(*args, config=cfg)
+        assert rc == 0 and "s3cret" not in out and "HF_X_TOKEN" in out  # masked as a view masks it
     rc, out, _ = await cli("deploy", "list", "--json", config=cfg)
     assert json.loads(out)[0]["name"] == "alpha"
     rc, _, err = await cli("deploy", "start", "1", config=cfg)
@@ -335,3 +339,66 @@ async def test_deploy_logs_without_a_server(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
     rc, _, err = await cli("deploy", "logs", "1", config=cfg)
     assert rc == 3 and "no server" in err
+
+
+async def test_deploy_add_show_and_set_with_a_recipe(tmp_path, server):
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    add = ("deploy", "add", "qwen", "--engine", "vllm", "--model", "Qwen/Qwen3-8B", "--memory-gib", "12",
+           "--env", "FOO=a=b", "--env", "API_KEY=s3cret", "--arg", "--max-model-len", "--arg", "4096",
+           "--mode", "on_demand")
+    # --dry-run: the command line it would run (the box's 24 GiB pool: a share of 0.5), nothing made
+    rc, out, err = await cli(*add, "--dry-run", config=cfg)
+    assert rc == 0, err
+    assert out == ("vllm serve Qwen/Qwen3-8B --served-model-name qwen --host 127.0.0.1 --port '{port}' "
+                   "--gpu-memory-utilization 0.50 --max-model-len 4096\n")
+    assert err.startswith("dry run, nothing created: environment API_KEY, FOO")
+    rc, out, err = await cli(*add, "--dry-run", "--json", config=cfg)
+    view = json.loads(out)
+    assert rc == 0 and view["dry_run"] and view["gpu_count"] == 1 and view["env"] == {"API_KEY": "***", "FOO": "a=b"}
+    assert "s3cret" not in out and server.deployer.all() == []
+    # made, then shown: argv and the environment's names, the secret masked
+    rc, out, err = await cli(*add, "--json", config=cfg)
+    assert rc == 0, err
+    dep_id = json.loads(out)["id"]
+    assert dict(server.deployer.get(dep_id).env) == {"API_KEY": "s3cret", "FOO": "a=b"}
+    rc, out, _ = await cli("deploy", "show", str(dep_id), config=cfg)
+    lines = dict(line.split(None, 1) for line in out.splitlines() if line.startswith(("model:", "argv:", "env")))
+    assert lines["model:"] == "Qwen/Qwen3-8B"
+    assert lines["argv:"].startswith("vllm serve Qwen/Qwen3-8B --served-model-name qwen")
+    assert lines["env:"] == "API_KEY='***' FOO=a=b" and lines["env_names:"] == "API_KEY, FOO"
+    assert "s3cret" not in out
+    # set: --env replaces the whole env; a secret sent back as *** keeps its value
+    rc, out, err = await cli("deploy", "set", str(dep_id), "--env", "API_KEY=***", "--env", "BAR=1",
+                             "--model", "Qwen/Qwen3-4B", config=cfg)
+    assert rc == 0, err
+    dep = server.deployer.get(dep_id)
+    assert (dict(dep.env), dep.model) == ({"API_KEY": "s3cret", "BAR": "1"}, "Qwen/Qwen3-4B")
+    rc, out, err = await cli("deploy", "set", str(dep_id), "--no-env", "--engine", "sglang", config=cfg)
+    assert rc == 0, err
+    assert (server.deployer.get(dep_id).env, server.deployer.get(dep_id).engine) == ((), "sglang")
+    # refused by the API (its message as it is) or as bad usage; nothing changed
+    before = server.deployer.get(dep_id).as_dict()
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--volume", "/srv/models:/models:ro", config=cfg)
+    assert rc == 1 and "volumes:" in err and "docker backend" in err and "invalid_field" in err
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--env", "CUDA_VISIBLE_DEVICES=1", config=cfg)
+    assert rc == 1 and "env:" in err and "CUDA_VISIBLE_DEVICES" in err
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--env", "NOEQUALS", config=cfg)
+    assert rc == 2 and "--env takes NAME=VALUE, not 'NOEQUALS'" in err
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--env", "A=1", "--no-env", config=cfg)
+    assert rc == 2 and "exclude each other" in err
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--engine", "custom", config=cfg)
+    assert rc == 1 and "model:" in err and "custom" in err
+    assert server.deployer.get(dep_id).as_dict() == before
+    rc, _, err = await cli("deploy", "add", "x", "--model", "m", "--env", "=v", "--dry-run", config=cfg)
+    assert rc == 2 and "NAME=VALUE" in err
+    rc, _, err = await cli("deploy", "add", "x", "--engine", "tgi", "--model", "m", config=cfg)
+    assert rc == 2 and "tgi" in err  # not one of the engines (click's usage error)
+    rc, _, err = await cli("deploy", "add", "x", "--model", "m", "--memory-gib", "24", "--dry-run", config=cfg)
+    assert rc == 1 and "memory_gib:" in err and "at most 0.95" in err
+    # back to a command as given
+    rc, out, err = await cli("deploy", "set", str(dep_id), "--no-model", "--engine", "vllm",
+                             "--command", " ".join(sim_command("QWEN")), config=cfg)
+    assert rc == 0, err
+    assert server.deployer.get(dep_id).model is None
+    rc, out, _ = await cli("deploy", "show", str(dep_id), config=cfg)
+    assert "argv:            ondemand sim-engine --port '{port}' --model QWEN" in out
