@@ -107,6 +107,13 @@ def test_describe_lists_every_key():
     assert "budget.capacity_gib" in keys and "ondemand_queue_timeout_s" in keys
 
 
+def test_readme_configuration_names_every_key():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("## Configuration\n"):readme.index("## Engine logs\n")]
+    missing = [key for key, _, _ in config.describe() if f"`{key}`" not in table]
+    assert not missing, f"the README's configuration table lacks {missing}"
+
+
 @pytest.mark.parametrize("name", ["ondemand.example.toml", "ondemand.toml", "demo.toml", "real.toml"])
 def test_shipped_configs_load(name):
     path = Path(__file__).resolve().parent.parent / "packaging" / name
