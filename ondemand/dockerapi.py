@@ -6,6 +6,8 @@
 - ``own_networks``: which Docker networks the container ondemand runs in is
   attached to (the peer policy's input), and the decider network's subnets.
 - ``container_ids_from_proc``: candidate ids of that container, from ``/proc``.
+- ``image_present`` and ``info``: what ``ondemand doctor`` asks of the Docker host (an
+  image inspected, never pulled; ``docker info``'s runtimes and CDI devices).
 
 A leaf: it imports nothing of ours. The docker backend, the peer policy and
 ``ondemand doctor`` use it.
@@ -24,7 +26,7 @@ from aiodocker.exceptions import DockerError
 from aiodocker.networks import DockerNetwork
 
 __all__ = ["Docker", "DockerContainer", "DockerError", "client", "AttachedNetwork", "OutsideDocker", "own_networks",
-           "container_ids_from_proc", "read_proc_ids"]
+           "container_ids_from_proc", "read_proc_ids", "image_present", "info"]
 
 Docker = aiodocker.Docker
 
@@ -35,6 +37,24 @@ def client(url: str | None, *, timeout: aiohttp.ClientTimeout | None = None) -> 
     if timeout is None:
         return aiodocker.Docker(url=url)
     return aiodocker.Docker(url=url, timeout=timeout)
+
+
+async def image_present(docker: Docker, ref: str) -> bool:
+    """Whether the image is on the Docker host: inspected, never pulled. Raises DockerError
+    for anything but "no such image"."""
+    try:
+        await docker.images.inspect(ref)
+    except DockerError as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+async def info(docker: Docker) -> dict[str, Any]:
+    """``docker info``: the host's runtimes (``Runtimes``), CDI spec directories
+    (``CDISpecDirs``) and the devices it discovered (``DiscoveredDevices``, API 1.50+)."""
+    return dict(await docker.system.info())
 
 
 # -- the container we run in ------------------------------------------------------------------

@@ -14,7 +14,8 @@ of ``--port`` in the command from the container port to that host port (so the e
 take ``--port``, as the engine simulator does). Stop is SIGTERM, SIGKILL after ``t``. Containers and networks resolve like
 Docker's: full id, name, or unique id prefix (``$HOSTNAME`` is the 12-digit prefix). The model is
 mutable while the server runs; ``fail_status`` makes every inspect fail with that status;
-``requests`` records the paths asked.
+``requests`` records the paths asked. ``GET /info`` answers ``info`` (mutable) and
+``GET /images/{name}/json`` the images added.
 
     double = DockerDouble()
     double.add_network("dgxmm", [("172.18.0.0/16", "172.18.0.1")])
@@ -70,6 +71,9 @@ class DockerDouble:
         self._procs: dict[str, asyncio.subprocess.Process] = {}  # container id -> its process
         self._exited: dict[str, asyncio.Event] = {}
         self._watchers: set[asyncio.Task] = set()
+        # ``GET /info`` (docker info): a Docker without the NVIDIA toolkit, unless a test says.
+        self.info: dict[str, Any] = {"ServerVersion": "27.0.0", "Runtimes": {"runc": {"path": "runc"}},
+                                     "DefaultRuntime": "runc", "CDISpecDirs": []}
 
     def add_image(self, name: str, entrypoint: Sequence[str]) -> None:
         """An image whose containers run ``entrypoint + Cmd`` on the host."""
@@ -183,6 +187,20 @@ class DockerDouble:
             "Version": "27.0.0", "ApiVersion": self.api_version, "MinAPIVersion": "1.24",
             "Os": "linux", "Arch": "arm64", "KernelVersion": "6.8.0",
         })
+
+    async def _info(self, request: web.Request) -> web.Response:
+        self.requests.append(request.path)
+        return web.json_response(self.info)
+
+    async def _image_inspect(self, request: web.Request) -> web.Response:
+        """An image added with ``add_image``; a name without a tag is ``:latest``, as Docker's."""
+        self.requests.append(request.path)
+        name = request.match_info["name"]
+        for ref in (name, name + ":latest"):
+            if ref in self.images:
+                return web.json_response({"Id": "sha256:" + _id("image", ref), "RepoTags": [ref],
+                                          "Config": {"Entrypoint": self.images[ref]}})
+        return self._error(404, f"No such image: {name}")
 
     async def _container_inspect(self, request: web.Request) -> web.Response:
         self.requests.append(request.path)
@@ -414,6 +432,8 @@ class DockerDouble:
         app.router.add_get(v + "/containers/{id}/logs", self._container_logs)
         app.router.add_get(v + "/containers/{id}/top", self._container_top)
         app.router.add_get(v + "/networks/{id}", self._network_inspect)
+        app.router.add_get(v + "/info", self._info)
+        app.router.add_get(v + "/images/{name:.+}/json", self._image_inspect)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
 

@@ -41,7 +41,8 @@ ALLOWED = {
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},
-    "doctor": {"adminclient", "budget", "config", "dockerapi", "keys", "litellm", "metrics", "model"},
+    # recipes: the images the deployments run, and the checks of a deployment against the box.
+    "doctor": {"adminclient", "budget", "config", "dockerapi", "keys", "litellm", "metrics", "model", "recipes"},
 }
 
 
