@@ -170,7 +170,8 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
             yield
 
     app.on_shutdown.append(_shutting_down)
-    app.cleanup_ctx.extend([_state, _starts, engines, _control, _observe, _gateway, _litellm, _views, _background])
+    app.cleanup_ctx.extend([_state, _starts, engines, _control, _observe, _gateway, _litellm, _views, _background,
+                            _restarts])
     return app
 
 
@@ -349,12 +350,12 @@ def _litellm_client(cfg: Config) -> LiteLLMClient | None:
 
 def _sync_needed(e: DeploymentChanged) -> bool:
     """A change that changes what LiteLLM should list: created, removed, an edit of
-    what its entry shows (mode, names, role), or entering or leaving ready, failed or
-    planned."""
+    what its entry shows (mode or pending mode, names, role), or entering or leaving
+    ready, failed or planned."""
     if e.dep is None or e.old is None:
         return True
-    if (e.old.mode, e.old.name, e.old.served_name, e.old.role) != (e.dep.mode, e.dep.name, e.dep.served_name,
-                                                                    e.dep.role):
+    if (e.old.mode, e.old.pending_mode, e.old.name, e.old.served_name, e.old.role) != \
+            (e.dep.mode, e.dep.pending_mode, e.dep.name, e.dep.served_name, e.dep.role):
         return True
     return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
 
@@ -411,6 +412,14 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     tasks.spawn(prune_old_rows(app[STORE], cfg.retention_days), "retention")
     yield
     await tasks.close()
+
+
+async def _restarts(app: web.Application) -> AsyncIterator[None]:
+    """The always-on deployments that lost their engine while ondemand was down start again
+    (issue 21, "After a reboot"), last: everything that hears of a start listens by now (the
+    controller, the LiteLLM sync, the views). The deployer decides and owns the tasks."""
+    app[DEPLOYER].restart_lost(held_for_others=app[CONTROLLER].held_for_others)
+    yield
 
 
 class _PolicyHolder:

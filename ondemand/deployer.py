@@ -31,6 +31,17 @@ waiting there).
 
 Waking a vLLM engine from sleep mode goes through ``starting`` too: it takes
 memory back, may fail, and its waiters wait like a start's.
+
+After a restart of ondemand (a reboot, a removed container, a child process
+that died with the old ondemand), an always-on deployment that was ready or
+starting and has lost its engine is *owed a start* (issue 21, "After a
+reboot"): ``_take_back`` marks it stopped with ``pending_mode`` always_on, the
+mark a switch to always on uses, and ``restart_lost`` admits it, once the app
+is up, through ``admit_start`` (the fit check, then the start-up gates),
+retrying a refusal. The mark is in the row, so a debt survives another restart;
+the LiteLLM sync and the gateway treat it as a switch (the gateway entry, the
+requests wait) until ready. A stop cancels the debt; one an administrator
+stopped was never owed.
 """
 from __future__ import annotations
 
@@ -45,9 +56,9 @@ import aiohttp
 
 from .backends import Backend, BackendError, Engine
 from .budget import Budget
-from .errors import BudgetError, DeployerError, DeploymentBusy, NameTaken, StateFileError
+from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, StateFileError
 from .events import DeploymentChanged, StopCause
-from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, State, plain
+from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, State, plain
 from .recipes import Box, FieldError, Launch, is_secret, launch
 from .store import Store
 from .tasks import TaskGroup
@@ -58,6 +69,10 @@ Precheck = Callable[[Deployment], bool]
 
 # An edit of these makes another engine: what the old one was measured to use no longer holds.
 _REMEASURE = frozenset({"engine", "model", "image", "args", "command", "memory_gib", "gpu_count", "gpu_ids"})
+
+# A refused start after ondemand's restart is tried again after this long, doubled each time up to the most.
+RESTART_RETRY_S = 10.0
+RESTART_RETRY_MAX_S = 300.0
 
 
 def ready_poll_s(elapsed: float) -> float:
@@ -93,6 +108,16 @@ def _shown(field: str, value: Any) -> Any:
     return out
 
 
+def _owed_a_start(dep: Deployment) -> bool:
+    """Whether a deployment whose engine is gone when ondemand starts is started again: always
+    on (or switching to it) and ready or starting when the old ondemand ended, or marked owed
+    by it (always on with ``pending_mode`` always_on: a debt not yet paid, or the process
+    backend's shutdown). A row an administrator stopped is neither: it stays stopped."""
+    always_on = Mode.ALWAYS_ON in (dep.mode, dep.pending_mode)
+    marked = dep.mode is Mode.ALWAYS_ON and dep.pending_mode is Mode.ALWAYS_ON
+    return (always_on and dep.state in (State.READY, State.STARTING)) or marked
+
+
 def _checks_name(dep: Deployment) -> bool:
     """Whether readiness asks that /v1/models list the served name: for every recipe, and
     for vLLM and SGLang rows (they answer 404 for another name). A llama.cpp or custom row
@@ -105,7 +130,8 @@ class Deployer:
                  publish: Callable[[object], None] = _no_publish,
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
                  watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, box: Box | None = None):
+                 clock: Callable[[], float] = time.monotonic, box: Box | None = None,
+                 restart_retry_s: float = RESTART_RETRY_S):
         self.store = store
         self.backend = backend
         self.budget = budget
@@ -117,11 +143,13 @@ class Deployer:
         self.watch_failures = watch_failures
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
+        self.restart_retry_s = restart_retry_s
         self._deps: dict[int, Deployment] = {}
         self._engines: dict[int, Engine] = {}
         self._starts: dict[int, asyncio.Task[None]] = {}
         self._gated: set[int] = set()  # starts past the gate: busy with the backend
         self._removing: set[int] = set()  # stopped for removal: nothing starts them again
+        self._owed: set[int] = set()  # owed a start after ondemand's restart, not yet admitted
         self._exits: dict[int, asyncio.Future[int | None]] = {}
         self._changes: dict[int, list[asyncio.Future[None]]] = {}
         self._gates: dict[int | None, asyncio.Lock] = {}  # per GPU index (None: the one pool)
@@ -218,11 +246,14 @@ class Deployer:
             await self.backend.stop(engine, self.stop_timeout_s)
             if dep.state is State.STOPPING:
                 await self._transition(dep.id, State.STOPPED, text="stopped after ondemand restarted")
+        elif _owed_a_start(dep):
+            await self._owe_start(dep.id, reason="engine gone after ondemand restarted: it is started again",
+                                  text="engine gone after ondemand restarted; it will be started again")
         elif dep.state in HOLDING:
             await self._transition(dep.id, State.STOPPED, reason="engine gone after ondemand restarted",
                                    text="engine gone after ondemand restarted")
         now = self._deps[dep.id]
-        if now.pending_mode is not None and now.state is not State.STARTING:
+        if dep.id not in self._owed and now.pending_mode is not None and now.state is not State.STARTING:
             # A switch whose start was never admitted (ondemand died between its two writes):
             # nothing would start it, and requests would wait for it. Cleared, as a refused start.
             log.warning("%s: the switch to %s was cut short by a restart before its start: it stays %s",
@@ -241,8 +272,13 @@ class Deployer:
                 dep = self._deps.get(e.deployment_id)
                 if dep is not None and dep.state in HOLDING:
                     with contextlib.suppress(Exception):
-                        await self._transition(dep.id, State.STOPPED, text="stopped at shutdown",
-                                               cause=StopCause.SHUTDOWN)
+                        if _owed_a_start(dep):  # always on: the next ondemand starts it again
+                            await self._owe_start(dep.id, reason="stopped at shutdown: started again when "
+                                                  "ondemand starts", text="stopped at shutdown; ondemand's next "
+                                                  "start starts it again", cause=StopCause.SHUTDOWN)
+                        else:
+                            await self._transition(dep.id, State.STOPPED, text="stopped at shutdown",
+                                                   cause=StopCause.SHUTDOWN)
         if self._http is not None:
             await self._http.close()
         await self.backend.close()
@@ -271,7 +307,19 @@ class Deployer:
         if state in (State.READY, State.FAILED, State.STOPPED) and dep.pending_mode is not None:
             # A switch to always on is applied in the same transaction as the state change.
             changes["mode"], changes["pending_mode"] = dep.pending_mode, None
+        self._owed.discard(dep_id)  # any transition settles a start owed: admitted, or stopped
         return self._replace(dep_id, **changes)
+
+    async def _owe_start(self, dep_id: int, *, reason: str, text: str, cause: StopCause | None = None) -> None:
+        """Mark it stopped and owed a start to always on, with ``pending_mode`` always_on in the
+        same transaction. That is a switch's mark, so nothing else needs telling: LiteLLM keeps
+        (or gets) the gateway entry and the gateway holds its requests for the start, until
+        ready (then the direct entry), and make-room never picks it. In the row, the debt
+        outlives another restart of ondemand (``_owed_a_start``)."""
+        old, _ = self._mark(dep_id, State.STOPPED, reason)  # a switch under way is applied: always on now
+        _, new = self._replace(dep_id, pending_mode=Mode.ALWAYS_ON)
+        self._owed.add(dep_id)
+        await self._persist(old, new, text=text, cause=cause)
 
     async def _transition(self, dep_id: int, state: State, *, reason: str | None = None,
                           log_tail: str | None = None, text: str | None = None, actor: str = "deployer",
@@ -474,6 +522,51 @@ class Deployer:
         await self.admit_start(dep_id, **kw)
         await self.wait_started(dep_id)
 
+    def restart_lost(self, held_for_others: Callable[[int], Mapping[int, float]] | None = None
+                     ) -> list[asyncio.Task[None]]:
+        """Start again, in the background, the always-on deployments ``_take_back`` found
+        without their engine; returns the tasks. Called by the app once everything that hears
+        of a start listens (the controller, the LiteLLM sync); ``held_for_others``: the wait
+        queue's holds, kept out of the fit check as for any start."""
+        return [self.tasks.spawn(self._pay_start(dep_id, held_for_others), f"restart {self._deps[dep_id].name}")
+                for dep_id in sorted(self._owed)]
+
+    def _owes_start(self, dep_id: int) -> bool:
+        """Still owed and still wanted always on (a switch to on demand since cancels it)."""
+        dep = self._deps.get(dep_id)
+        return dep_id in self._owed and dep is not None and Mode.ALWAYS_ON in (dep.mode, dep.pending_mode)
+
+    async def _pay_start(self, dep_id: int, held_for_others: Callable[[int], Mapping[int, float]] | None) -> None:
+        """Admit the owed start, as any start (the fit check, the start-up gates). A refusal
+        (too little memory, the budget unreadable) is noted in the reason and tried again,
+        10 s, then twice as long each time, up to 5 min: memory may free up, nvidia-smi come
+        back. Ends once admitted, or once the debt is settled otherwise: an administrator's
+        start or stop, a switch to on demand, a removal. (A request starts nothing meanwhile:
+        the pending mode makes it wait for this start.)"""
+        delay = self.restart_retry_s
+        held = (lambda: held_for_others(dep_id)) if held_for_others is not None else None
+        while self._owes_start(dep_id):
+            try:
+                # wanted: asked in the step that marks starting, so a stop during the fit
+                # check's reading is never followed by this start.
+                await self.admit_start(dep_id, actor="ondemand", text="starting again after ondemand restarted",
+                                       held_for_others=held, wanted=lambda: self._owes_start(dep_id))
+                break
+            except (InsufficientMemory, BudgetError) as exc:
+                if not self._owes_start(dep_id):
+                    break
+                name = self._deps[dep_id].name
+                reason = (f"engine gone after ondemand restarted; its start was refused ({exc}): "
+                          f"tried again in {delay:g} s")
+                log.warning("%s: %s", name, reason)
+                old, new = self._replace(dep_id, state_reason=reason)
+                await self._persist(old, new, actor="ondemand", text=reason)
+            except DeployerError:
+                break  # removed, or being stopped: nothing is owed any more
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max(RESTART_RETRY_MAX_S, self.restart_retry_s))
+        self._owed.discard(dep_id)
+
     async def _start(self, dep_id: int) -> None:
         async with self._gate(dep_id), self._through_gate(dep_id):
             dep = self._deps.get(dep_id)
@@ -670,8 +763,9 @@ class Deployer:
         dep = self._deps.get(dep_id)
         if dep is None or (precheck is not None and not precheck(dep)):
             return None
-        if dep.state in (State.STOPPED, State.PLANNED, State.STOPPING) or \
-                (dep.state is State.FAILED and dep_id not in self._engines):
+        owed = dep.state is State.STOPPED and dep_id in self._owed  # the stop cancels the start it is owed
+        if not owed and (dep.state in (State.STOPPED, State.PLANNED, State.STOPPING) or
+                         (dep.state is State.FAILED and dep_id not in self._engines)):
             return None
         return self._mark(dep_id, State.STOPPING)
 

@@ -270,7 +270,9 @@ class Gateway:
         if HEALTH_HEADER in call.headers:
             ex.health = True
             return await self._health(call, dep, route)
-        on_demand = dep.on_demand
+        # A pending start to always on (a switch, a start after ondemand's restart) is waited
+        # for like an on-demand start: LiteLLM lists the gateway entry until it is ready.
+        on_demand = dep.on_demand or dep.pending_mode is not None
         if not on_demand and dep.state is not State.READY:
             raise _err(503, "not_on_demand", f"{dep.served_name} is always on and is {dep.state}")
 

@@ -74,8 +74,10 @@ class LiteLLMSync:
     - Always-on deployments are registered as direct entries only while ready *and*
       their engine has an address: a direct entry of an engine that is not serving would
       only produce errors, and the design syncs whenever a deployment enters or leaves
-      ready. During a switch to always on the deployment stays on_demand (pending_mode)
-      until ready, so the gateway entry covers the whole start.
+      ready. While a start to always on is pending (``pending_mode``: a switch, during which
+      the deployment stays on_demand, or an always-on deployment started again after
+      ondemand's own restart) it has the gateway entry until ready, so the name is callable
+      during the whole start and the gateway holds its requests for it.
     - The decision model (role "decision") never goes through the gateway: it is always
       treated as always on, i.e. a direct entry while ready, whatever its mode says.
       System deployments follow their mode like models.
@@ -217,7 +219,11 @@ class LiteLLMSync:
             if dep.get("state") == "planned":  # waits for an administrator's start
                 statuses[dep_id] = _status("pending", "deployment_planned")
                 continue
-            on_demand = (dep.get("mode") or "always_on") == "on_demand" and dep.get("role") != "decision"
+            # A pending start to always on keeps the gateway entry, not a direct one: the switch's
+            # rule, reused for a start after ondemand's restart (deployer._owe_start) rather than a
+            # second one, so both hold the name the same way.
+            on_demand = ((dep.get("mode") or "always_on") == "on_demand" or dep.get("pending_mode") == "always_on") \
+                and dep.get("role") != "decision"
             if on_demand:
                 if key is None:
                     left_alone.add(dep_id)

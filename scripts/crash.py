@@ -11,12 +11,16 @@ administrator calls, waits for the moment it aims at, and kills ondemand. Then:
 - the state file as the kill left it passes PRAGMA integrity_check (checked on a copy);
 - the restarted ondemand shows every deployment in a state BEHAVIOUR.md allows after a
   restart ("At start-up": the process backend adopts nothing, so stopped, failed or planned;
-  never starting or stopping, never a switch to always on left pending with nothing starting);
+  never stopping, never a switch to always on left pending with nothing starting; an always-on
+  deployment that lost its engine is started again, "After a restart of ondemand": stopped or
+  starting with its pending mode until ready);
 - engines the dead ondemand left behind are gone once the new one answers, and no deployment
   ever has two simulator processes;
 - LiteLLM's entries converge: after a sync, the double holds exactly the entries the
   deployments call for (one gateway entry per on-demand deployment that is not failed or
-  planned, with the current key, none for the others), and nothing else of ours.
+  planned, and per always-on one whose start after the restart is pending, with the current
+  key; a direct entry per always-on one that is ready; none for the others), and nothing else
+  of ours.
 
 The exit code is 1 when a check failed; the summary says which.
 """
@@ -49,6 +53,14 @@ NAMES = ("alpha", "bravo", "charlie", "delta")
 SIM_ARGS = ("--startup-delay", "0.6", "--shutdown-delay", "0.4", "--token-delay", "0.02", "--tokens", "20")
 MOMENTS = ("start", "spawn", "stop", "mode_switch", "sync", "key_rotation", "random")
 AFTER_RESTART = {"stopped", "failed", "planned"}
+
+
+def allowed_after_restart(v: dict[str, Any]) -> bool:
+    """A switch to always on left pending is cleared at start-up; a pending mode left is the
+    start an always-on deployment that lost its engine is owed (mode always_on), not yet ready."""
+    if v.get("pending_mode"):
+        return v["mode"] == "always_on" and v["state"] in ("stopped", "starting")
+    return v["state"] in AFTER_RESTART or (v["mode"] == "always_on" and v["state"] == "ready")
 
 
 class Crash:
@@ -188,10 +200,10 @@ class Crash:
 
     async def after_restart(self, k: int, left: dict[int, dict[str, Any]]) -> None:
         views = await self.views()
-        wrong = {v["name"]: (v["state"], v.get("pending_mode")) for v in views.values()
-                 if v["state"] not in AFTER_RESTART or v.get("pending_mode")}
-        self.check("after a restart: stopped, failed or planned; no switch left pending", not wrong,
-                   f"kill {k}: {wrong}")
+        wrong = {v["name"]: (v["mode"], v["state"], v.get("pending_mode")) for v in views.values()
+                 if not allowed_after_restart(v)}
+        self.check("after a restart: stopped, failed or planned, or an always-on one started again; "
+                   "no switch left pending", not wrong, f"kill {k}: {wrong}")
         alive = [p for p in left if p in sim_processes(self.journal)]
         self.check("engines left behind are gone once the new ondemand answers", not alive,
                    f"kill {k}: {len(alive)} of {len(left)} alive")
@@ -208,7 +220,8 @@ class Crash:
         out = set()
         key = self.od.key()
         for i, v in views.items():
-            if v["mode"] == "on_demand" and v["state"] not in ("failed", "planned"):
+            pending = v.get("pending_mode") == "always_on"  # a start to always on: the gateway entry until ready
+            if (v["mode"] == "on_demand" or pending) and v["state"] not in ("failed", "planned"):
                 out.add((v["served_name"], f"{self.od.url}/ondemand/{i}/v1", key, i,
                          1 if v["state"] == "ready" else 2))
             elif v["mode"] == "always_on" and v["state"] == "ready" and v.get("base_url"):

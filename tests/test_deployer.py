@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -313,3 +314,175 @@ async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
     assert [c for c in seen if c[2] is not None] == [
         ("ready", "stopping", StopCause.ADMIN), ("ready", "failed", StopCause.FAILED),
         ("ready", "stopped", StopCause.SHUTDOWN)]
+
+
+# --- after a restart of ondemand (issue 21, "After a reboot") -----------------------------
+
+
+def _as_if_ondemand_died(d) -> None:
+    """Nothing stops the engines: the next ondemand finds them (the process backend kills them)."""
+    d.tasks._tasks.clear()
+    d._engines.clear()
+
+
+async def test_always_on_engines_lost_with_ondemand_start_again_and_a_stop_stays_a_stop(tmp_path, store):
+    """The process backend never adopts a child: after a clean shutdown (it stops them) and after
+    a crash (the next ondemand kills the leftover), the always-on deployment that was ready is
+    started again and becomes ready; one an administrator stopped stays stopped, an on-demand
+    one rests stopped."""
+    async with running_deployer(tmp_path, store) as d:
+        a = (await d.create(dep_fields("a", 4, "always_on"))).id
+        b = (await d.create(dep_fields("b", 4, "always_on"))).id
+        c = (await d.create(dep_fields("c", 4, "on_demand"))).id
+        for i in (a, b, c):
+            await d.restart(i)
+        await d.stop(b)  # an administrator's stop
+    row = await store.deployment(a)
+    assert (row["state"], row["mode"], row["pending_mode"]) == ("stopped", "always_on", "always_on")  # owed
+    for restart in ("after a clean shutdown", "after a crash"):
+        async with running_deployer(tmp_path, store) as d:
+            assert (d.get(a).state, d.get(a).pending_mode) == ("stopped", "always_on"), restart
+            assert (d.get(b).state, d.get(b).pending_mode) == ("stopped", None), restart
+            assert (d.get(c).state, d.get(c).pending_mode) == ("stopped", None), restart
+            tasks = d.restart_lost()
+            assert len(tasks) == 1
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await d.wait_started(a)
+            assert (d.get(a).state, d.get(a).mode, d.get(a).pending_mode) == ("ready", "always_on", None)
+            assert d.get(b).state == "stopped" and d.get(c).state == "stopped"
+            if restart == "after a clean shutdown":
+                pid = d._engines[a].ref.pid
+                _as_if_ondemand_died(d)
+        if restart == "after a clean shutdown":
+            os.kill(pid, 0)  # left running by the "dead" ondemand
+            row = await store.deployment(a)
+            assert (row["state"], row["pending_mode"]) == ("ready", None)
+    texts = [e["text"] for e in await store.events(a)]
+    assert "engine gone after ondemand restarted; it will be started again" in texts
+    assert texts.count("starting again after ondemand restarted") == 2
+    assert not [e for e in await store.events(b) if "again" in e["text"]]
+
+
+async def test_a_start_owed_that_does_not_fit_says_why_and_is_tried_again(tmp_path, store, caplog):
+    """Two always-on engines that no longer fit together: one starts, the other stays stopped
+    with the refusal in its reason (and the log), owed still, and starts once room is made."""
+    ids = [(await store.insert_deployment(dep_fields(n, 16, "always_on", state="ready")))["id"] for n in "ab"]
+    async with running_deployer(tmp_path, store, capacity=24, restart_retry_s=0.2) as d:
+        d.restart_lost()
+
+        def refused():
+            return [i for i in ids if "start was refused" in (d.get(i).state_reason or "")]
+        await wait_for(refused, what="a refusal noted")
+        [waiting] = refused()
+        [first] = [i for i in ids if i != waiting]
+        await d.wait_started(first)
+        now = d.get(waiting)
+        assert (now.state, now.pending_mode) == ("stopped", "always_on")
+        assert "needs 16 GiB" in now.state_reason and "tried again in" in now.state_reason
+        assert "start was refused (needs 16 GiB" in caplog.text and "tried again in 0.2 s" in caplog.text
+        await d.stop(first)  # room made: the next try starts it
+        await wait_for(lambda: d.get(waiting).state == "ready", timeout=30, what="the owed start once it fits")
+        assert d.get(first).state == "stopped"  # the stop stays: it owed nothing
+
+
+async def test_a_request_and_an_admin_start_during_an_owed_start_start_it_once(tmp_path, store):
+    """A request that arrives while the start is owed waits for it (it starts nothing itself); an
+    administrator's start racing the owed one is the one attempt; the engine starts once."""
+    from helpers import controller_env
+    i = (await store.insert_deployment(dep_fields("a", 4, "always_on", "--startup-delay", "0.3",
+                                                  state="ready")))["id"]
+    async with controller_env(tmp_path, store) as env:
+        d = env.deployer
+        starts = []
+        real = d.backend.start
+
+        async def counted(dep, how=None):
+            starts.append(dep.id)
+            return await real(dep, how)
+        d.backend.start = counted
+        request = asyncio.ensure_future(env.acquire(i))
+        await asyncio.sleep(0.1)
+        assert not request.done() and d.get(i).state == "stopped" and starts == []
+        admin = asyncio.ensure_future(d.restart(i, actor="admin"))
+        tasks = d.restart_lost(env.controller.held_for_others)
+        slot = await asyncio.wait_for(request, 10)
+        slot.release()
+        await admin
+        await asyncio.gather(*tasks)
+        assert starts == [i] and d.get(i).state == "ready" and d.get(i).pending_mode is None
+        assert [e["text"] for e in await store.events(i)].count("ready") == 1
+
+
+async def test_an_admin_stop_while_the_owed_start_reads_the_budget_cancels_it(tmp_path, store):
+    """A stop of a deployment owed a start is a stop: it settles the debt (and the pending mode),
+    even against the owed start's fit check already under way; nothing starts."""
+    i = (await store.insert_deployment(dep_fields("a", 4, "always_on", state="starting")))["id"]
+    async with running_deployer(tmp_path, store) as d:
+        gate = asyncio.Event()
+        reading = asyncio.Event()
+        real = d.budget.read
+
+        async def slow_read(deps):
+            reading.set()
+            await gate.wait()
+            return await real(deps)
+        d.budget.read = slow_read
+        tasks = d.restart_lost()
+        await asyncio.wait_for(reading.wait(), 5)
+        assert await d.stop(i, actor="admin", text="stopped by an administrator")
+        gate.set()
+        await asyncio.gather(*tasks)
+        now = d.get(i)
+        assert (now.state, now.mode, now.pending_mode) == ("stopped", "always_on", None)
+        assert i not in d._engines and d._starts.get(i) is None
+    row = await store.deployment(i)
+    assert (row["state"], row["pending_mode"]) == ("stopped", None)
+    async with running_deployer(tmp_path, store) as d:
+        assert d.restart_lost() == []  # and the next ondemand owes nothing either
+
+
+async def test_a_container_removed_while_ondemand_was_down_is_made_again(tmp_path, store):
+    """The docker backend over the Docker API double: a running container is adopted (nothing
+    restarted); one removed while ondemand was down is made again and becomes ready."""
+    from docker_double import DockerDouble
+
+    from ondemand.backends.docker import DockerBackend
+    from ondemand.budget import Budget
+    from ondemand.deployer import Deployer
+
+    image, network = "ondemand-sim-engine:latest", "ondemand-test"
+    double = DockerDouble()
+    double.add_network(network, [("172.30.0.0/16", "172.30.0.1")])
+    double.add_image(image, [])
+
+    def backend():
+        return DockerBackend(docker_url=double.url, network=network, gpus=False, in_container=False)
+
+    @contextlib.asynccontextmanager
+    async def ondemand():
+        d = Deployer(store, backend(), Budget("static", 24), start_timeout_s=20, stop_timeout_s=5)
+        await d.load()
+        try:
+            yield d
+        finally:
+            await d.close(stop_engines=False)  # as the app: docker engines keep running
+
+    sim = ["python3", "-m", "ondemand", "sim-engine", "--host", "127.0.0.1", "--port", "8000", "--model", "A"]
+    async with double:
+        async with ondemand() as d:
+            dep = await d.create({**dep_fields("a", 4, "always_on"), "command": [], "image": image, "args": sim})
+            await d.restart(dep.id)
+            first = d.engine(dep.id).ref
+        async with ondemand() as d:  # still running: adopted
+            assert d.get(dep.id).state == "ready" and d.engine(dep.id).ref == first
+            assert d.restart_lost() == []
+        gone = backend()
+        await gone.remove(dep)  # `docker rm -f` while ondemand is down
+        await gone.close()
+        async with ondemand() as d:
+            assert (d.get(dep.id).state, d.get(dep.id).pending_mode) == ("stopped", "always_on")
+            await asyncio.gather(*d.restart_lost())
+            await d.wait_started(dep.id)
+            assert d.get(dep.id).state == "ready" and d.engine(dep.id).ref != first
+            assert len([c for c in double.containers.values() if c["Name"] == "/ondemand-a"]) == 1
+            await d.stop(dep.id)

@@ -367,6 +367,41 @@ async def test_always_on_registered_only_while_ready_and_decision_is_direct():
         await sync.close()
 
 
+async def test_an_always_on_start_pending_after_a_restart_keeps_the_gateway_entry_until_ready():
+    """After ondemand's restart an always-on deployment whose engine is gone is owed a start
+    (mode always_on, pending_mode always_on): its dead direct entry is replaced by the gateway
+    entry, adds before deletes, which stays until ready; then the direct one. The decision
+    model never goes through the gateway: it just waits for ready."""
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "m", mode="always_on", state="ready"),
+                      dep(2, "decider", mode="always_on", state="ready", role="decision"))
+        world.addresses.update({1: "http://old:8000", 2: "http://old-decider:8000"})
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        dead = by_dgxmm_id(double)[1][0]
+        world.addresses.clear()
+        world.set(1, state="stopped", pending_mode="always_on")
+        world.set(2, state="stopped", pending_mode="always_on")
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert_adds_before_deletes(double.calls)
+        assert sorted(d["dgxmm_id"] for d in result["deleted"]) == [1, 2]  # the dead direct entries
+        assert dead["model_info"]["id"] in [d["model_id"] for d in result["deleted"]]
+        (gateway,) = by_dgxmm_id(double)[1]
+        assert gateway["litellm_params"]["api_base"] == f"{INTERNAL}/ondemand/1/v1"
+        assert 2 not in by_dgxmm_id(double)
+        world.set(1, state="starting")
+        assert (await sync.sync_now())["added"] == []  # unchanged while it starts
+        world.set(1, state="ready", pending_mode=None)
+        world.addresses[1] = "http://new:8000"
+        double.calls.clear()
+        await sync.sync_now()
+        assert_adds_before_deletes(double.calls)
+        (direct,) = by_dgxmm_id(double)[1]
+        assert direct["litellm_params"]["api_base"] == "http://new:8000/v1"
+        await sync.close()
+
+
 async def test_entries_not_ours_are_never_touched():
     async with litellm_double(MASTER) as double:
         foreign = [
