@@ -66,6 +66,9 @@ async def test_the_page_does_what_an_admin_does(tmp_path, browser_ready, fake_nv
             pytest.fail(f"the page script stopped early: {line!r}\n{_tail(tmp_path)}")
     # The server is down (its engines stopped); the same state and port come back.
     async with run_app(tmp_path, **settings) as server:
+        # The page's edit sent the masked secret back: it kept its value.
+        (recipe,) = [d for d in server.deployer.all() if d.name == "recipe"]
+        assert (recipe.model, dict(recipe.env)) == ("Qwen/Qwen3-8B", {"FOO": "c", "HF_X_TOKEN": "s3cret"})
         create = server.deployer.create
         await create(dep("late", 8))
         big = (await create(dep("big", 120, gpus=2, mode="always_on"))).id
@@ -105,6 +108,13 @@ async def test_the_page_does_what_an_admin_does(tmp_path, browser_ready, fake_nv
     assert result["mode"]["mode"].startswith("always on")
     assert result["add_default_mode"] == "always_on"  # no LiteLLM here: the wizard's default
     assert result["added"]["state"] == "stopped" and result["removed"]
+    recipe = result["recipe"]  # a recipe's command line and environment, the secret masked
+    assert recipe["argv"] == ("vllm serve Qwen/Qwen3-8B --served-model-name recipe --host 127.0.0.1 --port {port} "
+                              "--gpu-memory-utilization 0.20 --enable-sleep-mode --max-model-len 4096")
+    assert "HF_X_TOKEN=***" in recipe["info"] and "FOO=a=b" in recipe["info"] and "VLLM_SERVER_DEV_MODE" in recipe["info"]
+    assert recipe["env_form"] == "FOO=a=b\nHF_X_TOKEN=***" and "1 wanted" in recipe["gpus"]  # one GPU by default
+    assert "FOO=c" in recipe["after"] and "HF_X_TOKEN=***" in recipe["after"]
+    assert "s3cret" not in json.dumps(result)
     assert "name_taken" in result["api_error"] and "alpha" in result["api_error"]
     assert "loaded: application startup complete" in result["log"]["text"]
     assert "exited with code 3" in result["failed"]["detail"]
@@ -116,6 +126,7 @@ async def test_the_page_does_what_an_admin_does(tmp_path, browser_ready, fake_nv
     assert "ondemand_mode" in result["audit"] and "ondemand_start" in result["audit"]  # newest first, live
     assert result["keyboard"] == {"opened": True, "closed": True}
     assert result["phone"]["width"] <= result["phone"]["screen"], result["phone"]  # no sideways scrolling
+    assert result["phone"]["info"]["width"] <= result["phone"]["info"]["room"], result["phone"]
     assert shot.stat().st_size > 10000
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shutil.copyfile(shot, SCREENSHOT)  # the README's picture, kept current

@@ -221,6 +221,7 @@ function render() {
     if (again) again.focus();
   }
   if (host) renderGpus(host.budget);
+  if ($("info").open && views.has(showing)) fillInfo(views.get(showing));  // the details follow the view
 }
 
 function row(v) {
@@ -230,7 +231,8 @@ function row(v) {
   tr.dataset.name = v.name;
   tr.dataset.state = v.state;
   const name = el("td", {"data-label": "Deployment"}, el("strong", {className: "name"}, v.name),
-                  el("span", {className: "sub"}, `${v.served_name} · ${v.engine}` + (v.role !== "model" ? ` · ${v.role}` : "")));
+                  el("span", {className: "sub"}, `${v.served_name} · ${v.engine}` + (v.model ? ` · ${v.model}` : "") +
+                     (v.role !== "model" ? ` · ${v.role}` : "")));
   const state = el("td", {"data-label": "State", className: "state"}, badge(v), el("span", {className: "sub detail"}, stateDetail(v)));
   const mode = el("td", {"data-label": "Mode", className: "mode"},
                   v.mode === "on_demand" ? "on demand" : "always on",
@@ -307,6 +309,7 @@ function buttons(v) {
   if (st === "asleep") add("Wake", () => act(v, "wake"));
   if (v.role === "model") add("Mode", () => openMode(v));
   if (["stopped", "failed", "planned"].includes(st)) add("Edit", () => openEdit(v));
+  add("Details", () => openInfo(v));
   add("Log", () => openLog(v));
   add("Remove", () => remove(v), "danger");
   return out;
@@ -339,7 +342,10 @@ function openEdit(v) {
   for (const e of document.querySelectorAll(".new-only")) e.classList.toggle("hidden-field", !!v);
   if (v) {
     f.name.value = v.name; f.served_name.value = v.served_name; f.engine.value = v.engine;
-    f.image.value = v.image || ""; f.args.value = (v.args || []).join("\n");
+    f.model.value = v.model || ""; f.image.value = v.image || ""; f.args.value = (v.args || []).join("\n");
+    // Secrets' values come masked (***): sent back unchanged, they keep what is stored.
+    f.env.value = Object.entries(v.env || {}).map(([k, x]) => `${k}=${x}`).join("\n");
+    f.volumes.value = (v.volumes || []).join("\n");
     f.command.value = (v.command || []).map(quote).join(" "); f.port.value = v.port;
     f.memory_gib.value = v.memory_gib; f.gpu_count.value = v.gpu_count ?? "";
     f.gpu_ids.value = (v.gpu_ids || []).join(","); f.role.value = v.role;
@@ -354,16 +360,19 @@ function openEdit(v) {
 
 function editBody(f) {
   const num = (x) => x === "" ? null : Number(x);
+  const lines = (x) => x.split("\n").map((l) => l.trim()).filter(Boolean);
   const body = {
     name: f.name.value.trim(), served_name: f.served_name.value.trim() || f.name.value.trim(),
-    engine: f.engine.value, port: Number(f.port.value || 8000), memory_gib: Number(f.memory_gib.value || 0),
-    gpu_count: num(f.gpu_count.value), role: f.role.value, idle_timeout_s: num(f.idle_timeout_s.value),
+    engine: f.engine.value, model: f.model.value.trim() || null, port: Number(f.port.value || 8000),
+    memory_gib: Number(f.memory_gib.value || 0), gpu_count: num(f.gpu_count.value), role: f.role.value,
+    idle_timeout_s: num(f.idle_timeout_s.value), args: lines(f.args.value), env: parseEnv(f.env.value),
     gpu_ids: f.gpu_ids.value.trim() ? f.gpu_ids.value.split(",").map((x) => Number(x.trim())) : null,
   };
-  if (body.gpu_ids && body.gpu_count === null) delete body.gpu_count;  // a pin sets the count
+  // A pin sets the count; a new one left empty gets the server's default (1 with a model).
+  if (body.gpu_count === null && (body.gpu_ids || !editing)) delete body.gpu_count;
   if (!host || host.backend === "docker") {
     body.image = f.image.value.trim() || null;
-    body.args = f.args.value.split("\n").map((x) => x.trim()).filter(Boolean);
+    body.volumes = lines(f.volumes.value);
   } else {
     body.command = splitCommand(f.command.value);
   }
@@ -371,11 +380,22 @@ function editBody(f) {
   return body;
 }
 
+function parseEnv(text) {  // NAME=value per line, split at the first "="; the server checks the names
+  const env = {};
+  for (const line of text.split("\n")) {
+    if (!line.trim()) continue;
+    const i = line.indexOf("=");
+    if (i <= 0) throw new ApiError(400, `env: "${line.trim()}" is not NAME=value`, "invalid_field");
+    env[line.slice(0, i).trim()] = line.slice(i + 1);
+  }
+  return env;
+}
+
 $("edit-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const f = $("edit-form");
-  const body = editBody(f);
   try {
+    const body = editBody(f);
     if (editing) {
       const changed = {};
       for (const [k, val] of Object.entries(body)) {
@@ -388,6 +408,39 @@ $("edit-form").addEventListener("submit", async (ev) => {
     $("edit").close();
   } catch (e) { if (e.status !== 401) showError(e, "edit-error"); }
 });
+
+// --- a deployment's details: what it runs ---------------------------------------------------
+
+let showing = null;  // the id of the deployment whose details are open
+
+function openInfo(v) {
+  showing = v.id;
+  fillInfo(v);
+  $("info").showModal();
+  $("info-close").focus();
+}
+
+function fillInfo(v) {
+  $("info-title").textContent = `${v.name}: what it runs`;
+  const own = v.env || {};
+  const env = el("ul", {});
+  for (const name of v.env_names || Object.keys(own)) {
+    env.append(el("li", {}, el("code", {}, name in own ? `${name}=${own[name]}` : name),
+                  name in own ? "" : el("span", {className: "by"}, " · set by ondemand")));
+  }
+  const items = [
+    ["Engine", v.engine + (v.model ? "" : " (no model: run as given)")],
+    ["Model", v.model || "–"],
+    v.engine_image ? ["Image", el("code", {}, v.engine_image)] : null,
+    ["Command line", v.argv ? el("pre", {id: "info-argv"}, v.argv.map(quote).join(" "))
+                            : `not derived: ${v.argv_error || "unknown"}`],
+    ["Environment", (v.env_names || []).length || Object.keys(own).length ? env : "nothing of its own"],
+    (v.volumes || []).length ? ["Volumes", el("ul", {}, ...v.volumes.map((x) => el("li", {}, el("code", {}, x))))] : null,
+  ];
+  const list = $("info-list");
+  list.replaceChildren();
+  for (const item of items.filter(Boolean)) list.append(el("dt", {}, item[0]), el("dd", {}, item[1]));
+}
 
 let moding = null;
 function openMode(v) {

@@ -92,6 +92,33 @@ function waitForLine(expected) {
     await page.waitForSelector(row("gamma"), { state: "detached", timeout: 10000 });
     out.removed = true;
 
+    // A deployment from a recipe: engine, model, env (a secret's value shown masked, and kept
+    // when the form sends the mask back), arguments after the recipe's.
+    await page.click("#add");
+    await page.fill("#f-name", "recipe");
+    await page.selectOption("#f-engine", "vllm");
+    await page.fill("#f-model", "Qwen/Qwen3-8B");
+    await page.fill("#f-memory", "16");
+    await page.fill("#f-env", "HF_X_TOKEN=s3cret\nFOO=a=b");
+    await page.fill("#f-args", "--max-model-len\n4096");
+    await page.selectOption("#f-mode", "on_demand");
+    await page.click("#edit-save");
+    await page.waitForSelector(row("recipe"), { timeout: 5000 });
+    await click(page, "recipe", "Details");
+    out.recipe = { info: await page.textContent("#info-list"), argv: await page.textContent("#info-argv"),
+                   gpus: await page.$eval(row("recipe"), (tr) => tr.cells[4].textContent) };
+    await page.keyboard.press("Escape");
+    await click(page, "recipe", "Edit");
+    out.recipe.env_form = await page.$eval("#f-env", (t) => t.value);
+    await page.fill("#f-env", out.recipe.env_form.replace("FOO=a=b", "FOO=c"));
+    await page.click("#edit-save");
+    await page.waitForFunction(() => !document.getElementById("edit").open, null, { timeout: 5000 });
+    await click(page, "recipe", "Details");
+    await page.waitForFunction(() => document.getElementById("info-list").textContent.includes("FOO=c"), null,
+                               { timeout: 5000 });
+    out.recipe.after = await page.textContent("#info-list");
+    await page.click("#info-close");
+
     // An API error is shown in words: a second deployment named alpha.
     await page.click("#add");
     await page.fill("#f-name", "alpha");
@@ -145,6 +172,9 @@ function waitForLine(expected) {
     await page.setViewportSize({ width: 390, height: 844 });
     await page.waitForTimeout(300);
     out.phone = await page.evaluate(() => ({ width: document.documentElement.scrollWidth, screen: window.innerWidth }));
+    await click(page, "recipe", "Details");  // the command line wraps: the details fit a phone too
+    out.phone.info = await page.$eval("#info", (d) => ({ width: d.scrollWidth, room: d.clientWidth }));
+    await page.keyboard.press("Escape");
   } finally {
     await browser.close();
   }
