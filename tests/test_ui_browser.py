@@ -119,7 +119,7 @@ async def test_the_page_does_what_an_admin_does(tmp_path, browser_ready, fake_nv
     assert "loaded: application startup complete" in result["log"]["text"]
     assert "exited with code 3" in result["failed"]["detail"]
     after = result["after_restart"]
-    assert after["alpha"]["state"] == "stopped" and "gamma" not in after["names"] and after["late"]
+    assert after["alpha"]["state"] == "ready" and "gamma" not in after["names"] and after["late"]
     assert "exited with code 3" in after["broken"]["detail"] and "new starts refused for" in after["broken"]["detail"]
     gpus = result["gpus"]
     assert len(gpus) == 8 and "held by big" in gpus[0] + gpus[1] and "held by pinned" in gpus[3]
