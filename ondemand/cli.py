@@ -627,6 +627,8 @@ def _launch_lines(view: dict[str, Any]) -> list[str]:
         lines.append(f"{'argv:':16} {shlex.join(view['argv'])}")
     elif view.get("argv_error"):
         lines.append(f"{'argv:':16} - ({view['argv_error']})")
+    elif view.get("offline") and view.get("model"):
+        lines.append(f"{'argv:':16} - (derived by the running server from the box's GPUs: ondemand serve)")
     env = view.get("env") or {}
     if env:
         lines.append(f"{'env:':16} {' '.join(f'{k}={shlex.quote(v)}' for k, v in sorted(env.items()))}")
@@ -778,7 +780,9 @@ def sync(ctx: Ctx, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def doctor(ctx: Ctx, as_json: bool) -> None:
-    """Check the Docker socket, nvidia-smi, the key file, LiteLLM and the listener."""
+    """Check the Docker socket, nvidia-smi, the key file, LiteLLM and the listener; and
+    what the engine recipes need: the images on the Docker host, Docker's GPU runtime,
+    the model cache, the token file, each deployment against the box's GPUs."""
     from . import doctor as doctor_mod
     checks = _run(doctor_mod.run(ctx.cfg))
     if as_json:

@@ -163,13 +163,15 @@ async def test_deploy_set_edits_in_place(tmp_path):
 async def test_read_only_commands_without_a_server(tmp_path):
     async with run_app(tmp_path) as server:
         await server.add("alpha")
-        await server.deployer.update(1, env={"HF_X_TOKEN": "s3cret", "A": "1"})
+        await server.deployer.update(1, env={"HF_X_TOKEN": "s3cret", "A": "1"}, model="Qwen/Qwen3-8B")
     cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
     rc, out, _ = await cli("status", config=cfg)
     assert rc == 0 and "no server runs" in out and "alpha" in out
     for args in (("deploy", "show", "1"), ("deploy", "show", "1", "--json"), ("deploy", "list", "--json")):
         rc, out, _ = await cli(*args, config=cfg)
         assert rc == 0 and "s3cret" not in out and "HF_X_TOKEN" in out  # masked as a view masks it
+    rc, out, _ = await cli("deploy", "show", "1", config=cfg)
+    assert "argv:            - (derived by the running server" in out and "model:           Qwen/Qwen3-8B" in out
     rc, out, _ = await cli("deploy", "list", "--json", config=cfg)
     assert json.loads(out)[0]["name"] == "alpha"
     rc, _, err = await cli("deploy", "start", "1", config=cfg)

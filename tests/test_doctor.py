@@ -32,6 +32,10 @@ def test_token_file_unset_missing_empty_open_and_private(tmp_path):
     cfg = make_cfg(tmp_path, **{"deployer.hf_token_file": str(token)})
     missing = doctor.check_hf_token(cfg)
     assert missing["ok"] is False and str(token) in missing["detail"] and "No such file" in missing["detail"]
+    token.mkdir()  # unreadable as a file, even for root
+    unreadable = doctor.check_hf_token(cfg)
+    assert unreadable["ok"] is False and "cannot read" in unreadable["detail"] and "directory" in unreadable["detail"]
+    token.rmdir()
     token.write_text("\n")
     empty = doctor.check_hf_token(cfg)
     assert empty["ok"] is False and "is empty" in empty["detail"]
