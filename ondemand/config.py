@@ -215,7 +215,10 @@ def _paths(v: Any) -> tuple[Path, ...]:
 
 
 def _address(v: Any) -> str:
-    return str(ipaddress.ip_address(_str(v)))
+    address = ipaddress.ip_address(_str(v))
+    if address.is_unspecified:  # every address: the engine has no key of its own
+        raise ValueError
+    return str(address)
 
 
 def _listen(v: Any) -> str:
@@ -293,7 +296,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
                               "a list of absolute host directories (not /) deployments may mount from"),
     "deployer.sleep_flags": (_bool, lambda x: True, "true or false (the recipes' sleep flags)"),
     "deployer.publish_host": (_address, lambda s: True,
-                              "an IP address engine ports are published on (beside Docker on the host)"),
+                              "one IP address (not 0.0.0.0 or ::) engine ports are published on (beside Docker)"),
     "litellm.url": (_opt_str, lambda s: s is None or s.startswith(("http://", "https://")), "an http(s) URL"),
     "litellm.master_key_file": (_opt_str, lambda s: True, "a file path"),
 }

@@ -694,7 +694,9 @@ class Deployer:
                 if resp.status != 200:
                     return None if _checks_name(dep) else []
                 body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except ValueError:  # not JSON: no name can be read from it
+            return None if _checks_name(dep) else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None
         data = body.get("data") if isinstance(body, dict) else None
         return [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else []

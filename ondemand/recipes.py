@@ -202,6 +202,7 @@ def _derived(dep: Deployment, box: Box, gpu_size_gib: float | None, box_gpus: in
                 "--host", host, "--port", port]
         if gpus > 0:
             args += ["-ngl", "999"]
+        args.append("--metrics")  # /metrics: without it the sampler never sees the engine idle
     return args, env
 
 
@@ -227,7 +228,9 @@ def launch(dep: Deployment, box: Box, *, gpu_size_gib: float | None = None, box_
         image, entrypoint, args = dep.image, None, dep.args
     else:
         image, entrypoint, args = None, None, dep.command
-    if box.model_cache is not None:
+    recipe = dep.model is not None and dep.engine in RECIPES
+    # The box's cache and token go to recipes only: a row without a model runs as it was given.
+    if box.model_cache is not None and recipe:
         if box.in_container:
             mounts.append(Mount(str(box.model_cache), HF_CACHE))
             env["HF_HOME"] = HF_CACHE
@@ -235,7 +238,7 @@ def launch(dep: Deployment, box: Box, *, gpu_size_gib: float | None = None, box_
             env["HF_HOME"] = str(box.model_cache)
         if dep.engine == "llamacpp":  # llama.cpp's -hf downloads go here
             env["LLAMA_CACHE"] = (HF_CACHE if box.in_container else str(box.model_cache)) + "/llama.cpp"
-    if box.hf_token_file is not None:
+    if box.hf_token_file is not None and recipe:
         env["HF_TOKEN"] = read_token(box.hf_token_file) if secrets else MASK
     env.update(dep.env)
     if box.in_container:
