@@ -246,7 +246,7 @@ async def test_edit_resets_the_start_backoff(server):
     # a command that exits at once: the request's start fails and later ones are refused for a while
     _, v = await api(server, "POST", "/deployments", new_dep("a", command=["false", "{port}"]))
     i = v["id"]
-    chat = {"model": "A", "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": "a", "messages": [{"role": "user", "content": "hi"}]}
 
     async def ask():
         async with aiohttp.ClientSession() as s:
@@ -377,7 +377,7 @@ async def test_published_views_of_a_cold_start(server):
     server.app[components.BUS].subscribe(ViewPublished, lambda e: e.view.get("id") == i and seen.append(
         (e.view["state"], e.view["ondemand"]["phase"], e.view["updated_at"])))
     async with aiohttp.ClientSession() as s, s.post(server.gw(i, "chat/completions"), headers=server.auth(),
-                      json={"model": "A", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                      json={"model": "a", "messages": [{"role": "user", "content": "hi"}]}) as r:
         assert r.status == 200
     phases = [(state, phase) for state, phase, _ in seen]
     assert ("starting", "starting_for_request") in phases, phases
@@ -458,12 +458,12 @@ async def test_logs_follow_a_start_live_until_the_engine_stops(server):
     async with aiohttp.ClientSession() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
                                                    headers=server.admin_headers()) as r:
         assert r.status == 200
-        while b"serving fl" not in got:
+        while b"serving FL" not in got:
             got += await asyncio.wait_for(r.content.readany(), 20)
         assert server.state(dep_id) == "starting"  # followed while it starts
         assert (await api(server, "POST", f"/deployments/{dep_id}/stop"))[0] == 200
         got += await asyncio.wait_for(r.content.read(), 20)  # the answer ends with the engine's log
-    assert b"serving fl" in got
+    assert b"serving FL" in got
 
 
 async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
