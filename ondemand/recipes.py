@@ -147,11 +147,13 @@ class Box:
 
 def share(memory_gib: float, gpu_count: int, gpu_size_gib: float) -> float:
     """The engine's memory share of each GPU it sees: ``memory_gib / gpu_count`` of one
-    GPU's total, rounded down to 0.01 (so the engine takes at most what the budget booked).
+    GPU's total, rounded down to 0.01 (so the engine takes at most what the budget booked;
+    0.01 at least).
     Raises FieldError on ``memory_gib`` above ``MAX_SHARE``."""
     per_gpu = memory_gib / max(gpu_count, 1)
     # Rounded down, with a hair of slack for binary fractions (0.3 * 100 = 30.000000000000004).
-    value = math.floor(per_gpu / gpu_size_gib * 100 + 1e-9) / 100
+    # At least 0.01: the engines refuse 0 (a model of a few hundred MiB on a large GPU).
+    value = max(0.01, math.floor(per_gpu / gpu_size_gib * 100 + 1e-9) / 100)
     if value > MAX_SHARE:
         raise FieldError("memory_gib", f"{memory_gib:g} GiB on {max(gpu_count, 1)} GPU(s) of {gpu_size_gib:g} GiB "
                                        f"is a share of {per_gpu / gpu_size_gib:.2f} of each; at most {MAX_SHARE} "

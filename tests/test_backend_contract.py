@@ -378,3 +378,51 @@ async def test_a_follower_that_closes_early_stops_the_stream(h):
     if h.kind == "process":
         assert all(not run.followers for run in b._runs.values())
     await b.stop(engine, 5)
+
+
+async def test_the_environment_mounts_and_shm_reach_the_engine(h, tmp_path):
+    """What a recipe and the box give an engine (``Launch.env``, ``.mounts``, the backend's
+    /dev/shm) is what the engine gets: the simulator tells its environment at /_sim/launch;
+    a container's mount and /dev/shm are read inside it (real dockerd) or in its create
+    request (the double). A child process has no mounts of its own."""
+    import dataclasses
+    import json
+    import subprocess
+
+    from ondemand.recipes import Mount
+    src = tmp_path / "models"
+    src.mkdir()
+    (src / "weights.txt").write_text("the weights\n")
+    b = h.backend()
+    dep = h.dep()
+    how = dataclasses.replace(b.as_given(dep), env=(("HF_HOME", "/cache"), ("ONDEMAND_T_ENV", "v=1 two")),
+                              mounts=() if h.kind == "process" else (Mount(str(src), "/srv/t-models", True),))
+    if h.kind == "docker":
+        b.shm_size = 2**30  # 1 GiB: tensor parallelism needs more than Docker's 64 MiB
+    engine = await b.start(dep, how)
+    try:
+        await until_answers(engine)
+        async with aiohttp.ClientSession() as http, http.get(engine.base_url + "/_sim/launch") as r:
+            env = (await r.json())["env"]
+        assert env["ONDEMAND_T_ENV"] == "v=1 two" and env["HF_HOME"] == "/cache"
+        if h.kind == "docker-double":
+            config = h.double._container(f"ondemand-{dep.name}")["HostConfig"]
+            assert config["Binds"] == [f"{src}:/srv/t-models:ro"]
+            assert config["ShmSize"] == 16 * 2**30  # the backend's default
+        elif h.kind == "docker":
+            name = f"ondemand-{dep.name}"
+            out = await asyncio.to_thread(subprocess.run, ["docker", "exec", name, "cat", "/srv/t-models/weights.txt"],
+                                          capture_output=True, text=True, timeout=30)
+            assert out.stdout == "the weights\n", out.stderr
+            wrote = await asyncio.to_thread(subprocess.run, ["docker", "exec", name, "sh", "-c", "echo x > "
+                                                             "/srv/t-models/new"], capture_output=True, timeout=30)
+            assert wrote.returncode != 0 and not (src / "new").exists()  # read-only
+            mounts = await asyncio.to_thread(subprocess.run, ["docker", "exec", name, "cat", "/proc/mounts"],
+                                             capture_output=True, text=True, timeout=30)
+            shm = [line for line in mounts.stdout.splitlines() if " /dev/shm " in line]
+            assert shm and "size=1048576k" in shm[0], shm
+            info = json.loads((await asyncio.to_thread(subprocess.run, ["docker", "inspect", name],
+                                                       capture_output=True, text=True, timeout=30)).stdout)[0]
+            assert info["HostConfig"]["ShmSize"] == 2**30
+    finally:
+        await b.stop(engine, 5)

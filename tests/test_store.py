@@ -174,3 +174,39 @@ async def test_reads_see_only_committed_transactions(tmp_path):
             assert (await store.deployment(dep["id"]))["state"] == "stopped"
     finally:
         await store.close()
+
+
+async def test_recipes_migration_widens_engines_and_keeps_rows_and_ids(tmp_path):
+    """Migration 5 makes the deployments table anew (SQLite cannot alter a CHECK): every row and
+    column survives, a removed deployment's id is never handed out again, and the new engines
+    and fields are accepted."""
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await migrations.upgrade(db, target=4)
+    await migrations.add_missing_columns(db)
+    for i in range(3):
+        await db.execute(
+            "INSERT INTO deployments (name, served_name, engine, state, mode, args, gpu_count, pending_mode, "
+            "created_at, updated_at) VALUES (?, ?, 'llamacpp', 'ready', 'on_demand', '[\"--x\"]', 2, ?, 0, 0)",
+            (f"d{i}", f"D{i}", "always_on" if i == 1 else None))
+    await db.execute("DELETE FROM deployments WHERE name = 'd2'")  # id 3 is gone
+    with pytest.raises(sqlite3.IntegrityError):
+        await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                         "VALUES ('s', 'S', 'sglang', 'stopped', 0, 0)")
+    await db.close()
+
+    store = await Store.open(path)
+    try:
+        assert await store.version() == migrations.LATEST
+        deps = await store.deployments()
+        assert [(d["id"], d["name"], d["engine"], d["args"], d["gpu_count"], d["pending_mode"]) for d in deps] == [
+            (1, "d0", "llamacpp", ["--x"], 2, None), (2, "d1", "llamacpp", ["--x"], 2, "always_on")]
+        assert all(d["model"] is None and d["env"] == {} and d["volumes"] == [] for d in deps)
+        new = await store.insert_deployment(dict(name="s", served_name="S", engine="sglang", model="org/m",
+                                                 env={"A": "1"}, volumes=["/m:/m:ro"], state="stopped"))
+        assert new["id"] == 4 and (new["model"], new["env"], new["volumes"]) == ("org/m", {"A": "1"}, ["/m:/m:ro"])
+        await store.insert_deployment(dict(name="c", served_name="C", engine="custom", state="stopped"))
+        with pytest.raises(sqlite3.IntegrityError):
+            await store.insert_deployment(dict(name="t", served_name="T", engine="tgi", state="stopped"))
+    finally:
+        await store.close()

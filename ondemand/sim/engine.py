@@ -27,7 +27,13 @@ Failures: ``exit-at-start`` exits with code 3 before listening;
 
 Every request but ``/_sim/*`` is recorded (the last ``--record-limit``), with its decoded
 ``path`` and its ``raw_path`` as received: ``GET /_sim/requests`` lists them,
-``DELETE /_sim/requests`` clears them.
+``DELETE /_sim/requests`` clears them. ``GET /_sim/launch`` says how the process was started
+(its argv and environment).
+
+It takes the flags ondemand's engine recipes write (vLLM's ``MODEL --served-model-name S
+--tensor-parallel-size N --gpu-memory-utilization U --enable-sleep-mode``, SGLang's and
+llama.cpp's equivalents) and refuses an unknown flag with exit 2, as the engines do. The
+served name is ``--served-model-name`` (or ``--alias``), else the model.
 
 A record that outlives the process, for soak tests that kill and restart engines:
 ``--journal FILE`` appends one JSON line per event (each line one ``write`` to a file
@@ -679,6 +685,7 @@ def build_app(opts: SimOptions) -> web.Application:
     r.add_post("/wake_up", sim.wake_up)
     r.add_get("/is_sleeping", sim.is_sleeping)
     r.add_get("/_sim/requests", sim.sim_requests)
+    r.add_get("/_sim/launch", sim_launch)
     r.add_delete("/_sim/requests", sim.sim_clear)
     r.add_post("/v1/chat/completions", sim.chat)
     r.add_post("/v1/chat/completions/batch", sim.chat_batch)
@@ -756,11 +763,29 @@ async def serve(opts: SimOptions) -> None:
         await runner.cleanup()
 
 
+async def sim_launch(request: web.Request) -> web.StreamResponse:
+    """How this process was started: its argv and environment (tests check what a recipe and
+    the box gave the engine: flags, HF_HOME, HF_TOKEN, the deployment's env)."""
+    return web.json_response({"argv": sys.argv, "env": dict(os.environ)})
+
+
 def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap = argparse.ArgumentParser(prog="python -m ondemand.sim.engine", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (the startup line names it)")
-    ap.add_argument("--model", default="sim-model", help="served model name")
+    ap.add_argument("--model", default=None, help="the model (vLLM: the model it loads; here the served name "
+                                                   "unless --served-model-name says another)")
+    # The engines' own flags, as ondemand's recipes write them (recipes.py); an unknown flag is
+    # refused with exit 2, as vLLM, SGLang and llama.cpp do.
+    ap.add_argument("model_path", nargs="?", help="vLLM's positional model (vllm serve MODEL)")
+    ap.add_argument("--served-model-name", "--alias", dest="served", help="the served name (vLLM, SGLang; "
+                                                                         "llama.cpp's --alias)")
+    ap.add_argument("--model-path", "-m", "-hf", dest="model_flag", help="SGLang's --model-path, llama.cpp's -m/-hf")
+    ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    ap.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.9)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    for flag in ("--enable-sleep-mode", "--enable-memory-saver", "--enable-weights-cpu-backup", "--metrics"):
+        ap.add_argument(flag, action="store_true")
     ap.add_argument("--flavor", choices=FLAVORS, default="vllm")
     ap.add_argument("--startup-delay", type=float, default=0.0, metavar="S", help="answer 503 for S seconds")
     ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
@@ -794,7 +819,10 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
         ap.error("--tokens must be at least 1")
     if a.gpu_mib < 0:
         ap.error("--gpu-mib must not be negative")
-    return SimOptions(host=a.host, port=a.port, model=a.model, flavor=a.flavor, startup_delay=a.startup_delay,
+    if not 0 < a.gpu_memory_utilization <= 1:
+        ap.error("--gpu-memory-utilization must be in (0, 1]")
+    model = a.served or a.model or a.model_path or a.model_flag or "sim-model"
+    return SimOptions(host=a.host, port=a.port, model=model, flavor=a.flavor, startup_delay=a.startup_delay,
                       token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
                       record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
