@@ -112,9 +112,11 @@ async def _seed_demo(cfg: config_mod.Config) -> list[str]:
         names = {d["name"] for d in await store.deployments()}
         for name, gib, sim in DEMO_DEPLOYMENTS:
             if name not in names:
+                # A recipe, as an admin would write one: the demo's config runs the simulator as
+                # its vLLM (deployer.commands.vllm), and the simulator's own options come last.
                 await store.insert_deployment(dict(
-                    name=name, served_name=name, engine="vllm", memory_gib=gib, mode="on_demand", state="stopped",
-                    role="model", command=["ondemand", "sim-engine", "--port", "{port}", "--model", name, *sim]))
+                    name=name, served_name=name, engine="vllm", model=f"demo/{name}", memory_gib=gib,
+                    gpu_count=1, mode="on_demand", state="stopped", role="model", args=sim))
                 made.append(f"deployment {name}")
     finally:
         await store.close()

@@ -70,6 +70,7 @@ def blind(dep: Deployment) -> bool:
     """An on-demand llama.cpp deployment started without ``--metrics``: the sampler
     cannot read its load, and the idle rule needs it (BEHAVIOUR.md, "The reaper and idle timers")."""
     return (dep.engine == "llamacpp" and dep.mode is Mode.ON_DEMAND and dep.pending_mode is None
+            and dep.model is None  # the llama.cpp recipe adds --metrics
             and "--metrics" not in (*dep.command, *dep.args))
 
 

@@ -169,7 +169,8 @@ def serve_demo_and_chat(sandbox: Sandbox, pyz: Path) -> dict:
     config.write_text(f'state_dir = "{state}"\nlisten = "127.0.0.1:{port}"\n'
                       'ondemand_allowed_cidrs = ["127.0.0.0/8"]\nshutdown_grace_s = 2\n'
                       '[budget]\nsource = "static"\ncapacity_gib = 24\n'
-                      '[deployer]\nbackend = "process"\nstart_timeout_s = 60\n')
+                      '[deployer]\nbackend = "process"\nstart_timeout_s = 60\n'
+                      '[deployer.commands]\nvllm = ["ondemand", "sim-engine"]\n')  # the demo's recipe
     proc = subprocess.Popen([str(sandbox.bin / "python3"), str(pyz), "--config", str(config), "serve", "--demo"],
                             cwd=sandbox.root, env=sandbox.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
