@@ -385,6 +385,28 @@ async def test_a_start_owed_that_does_not_fit_says_why_and_is_tried_again(tmp_pa
         assert d.get(first).state == "stopped"  # the stop stays: it owed nothing
 
 
+async def test_a_start_owed_while_the_budget_cannot_be_read_is_tried_again(tmp_path, store):
+    """After a reboot nvidia-smi may not answer yet: the owed start is not dropped, its reason
+    says why, and the next try starts it."""
+    from ondemand.errors import BudgetError
+    i = (await store.insert_deployment(dep_fields("a", 4, "always_on", state="ready")))["id"]
+    async with running_deployer(tmp_path, store, restart_retry_s=0.2) as d:
+        real = d.budget.read
+        calls = []
+
+        async def flaky(deps):
+            calls.append(1)
+            if len(calls) == 1:
+                raise BudgetError("nvidia-smi: NVIDIA-SMI has failed (the driver is not loaded yet)")
+            return await real(deps)
+        d.budget.read = flaky
+        await asyncio.gather(*d.restart_lost())
+        await d.wait_started(i)
+        assert d.get(i).state == "ready" and len(calls) == 2
+    texts = [e["text"] for e in await store.events(i)]
+    assert any("driver is not loaded yet" in t and "tried again in 0.2 s" in t for t in texts), texts
+
+
 async def test_a_request_and_an_admin_start_during_an_owed_start_start_it_once(tmp_path, store):
     """A request that arrives while the start is owed waits for it (it starts nothing itself); an
     administrator's start racing the owed one is the one attempt; the engine starts once."""
