@@ -285,7 +285,9 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for v in views:
         od = v.get("ondemand") or {}
-        mode = v["mode"] + (" → " + v["pending_mode"] if v.get("pending_mode") else "")
+        pending = v.get("pending_mode")
+        # pending = mode: an always-on deployment being started again after a restart of ondemand.
+        mode = v["mode"] + ("" if not pending else " (starting again)" if pending == v["mode"] else " → " + pending)
         rows.append([v["id"], v["name"], v["served_name"], mode,
                      v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
                      _ago(od.get("last_request_at")), _memory(v), ",".join(map(str, v.get("gpus") or ())) or "-",
