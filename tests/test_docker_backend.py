@@ -81,7 +81,7 @@ async def test_the_container_it_makes_and_removes(docker_env, backends):
     assert info is not None and info["Id"] == engine.ref
     labels = info["Config"]["Labels"]
     assert labels[LABEL_MANAGED] == "true" and labels[LABEL_ID] == str(dep.id)
-    assert labels[LABEL_NAME] == dep.name and labels[LABEL_HASH] == backend.config_hash(dep)
+    assert labels[LABEL_NAME] == dep.name and labels[LABEL_HASH] == backend.config_hash(dep, backend.as_given(dep))
     bindings = info["HostConfig"]["PortBindings"]["8000/tcp"]
     assert [b["HostIp"] for b in bindings] == ["127.0.0.1"]  # never on another address
     assert info["HostConfig"]["NetworkMode"] == docker_env["network"]
@@ -204,7 +204,7 @@ async def test_device_ids_reach_docker(docker_env, backends):
     from ondemand.backends.docker import container_name
     backend = backends(gpus=True)
     dep = deployment(docker_env, gpu_count=2, gpus=[2, 5])
-    config = await backend._container_config(dep, IMAGE)
+    config = await backend._container_config(dep, backend.as_given(dep), IMAGE)
     docker = dockerapi.client(None)
     try:
         container = await docker.containers.create(config, name=container_name(dep))
