@@ -37,7 +37,7 @@ from .errors import (
     StateFileError,
 )
 from .events import ViewPublished
-from .model import Deployment, State
+from .model import MAX_INFLIGHT, Deployment, Priority, State
 from .telemetry import CONTENT_TYPE
 
 log = logging.getLogger("ondemand.admin")
@@ -197,7 +197,8 @@ def validate_new(data: dict[str, Any], cfg: Config,
                  existing: list[Deployment]) -> tuple[dict[str, Any], bool]:
     """The row to insert, and whether to start it now (always on, not planned)."""
     allowed = {"name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "gpu_count",
-               "gpu_ids", "role", "mode", "idle_timeout_s", "start"}
+               "gpu_ids", "role", "mode", "idle_timeout_s", "start",
+               "priority", "max_inflight"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise _field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
@@ -243,6 +244,7 @@ def validate_new(data: dict[str, Any], cfg: Config,
     if idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)
                              or not cfg.min_idle_timeout_s <= idle <= 86400):
         raise _field_error("idle_timeout_s", f"null or {cfg.min_idle_timeout_s} to 86400 seconds")
+    priority, max_inflight = _validate_limits(data.get("priority", "normal"), data.get("max_inflight"))
     start = data.get("start", True)
     if not isinstance(start, bool):
         raise _field_error("start", "true or false")
@@ -250,10 +252,21 @@ def validate_new(data: dict[str, Any], cfg: Config,
     return {"name": name, "served_name": served, "engine": engine, "image": image, "args": data.get("args", []),
             "command": data.get("command", []), "port": port, "memory_gib": float(memory), "gpu_count": gpu_count,
             "gpu_ids": gpu_ids, "role": role, "mode": mode, "idle_timeout_s": idle,
+            "priority": priority, "max_inflight": max_inflight,
             "state": state}, start and mode == "always_on"
 
 
 MAX_GPUS = 64
+
+
+def _validate_limits(priority: Any, max_inflight: Any) -> tuple[str, int | None]:
+    """``priority`` (low, normal, high) and ``max_inflight`` (null: no limit, else 1..10000)."""
+    if priority not in [p.value for p in Priority]:
+        raise _field_error("priority", "low, normal or high")
+    if max_inflight is not None and (not isinstance(max_inflight, int) or isinstance(max_inflight, bool)
+                                     or not 1 <= max_inflight <= MAX_INFLIGHT):
+        raise _field_error("max_inflight", f"null (no limit) or 1 to {MAX_INFLIGHT} requests at once")
+    return priority, max_inflight
 
 
 def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
@@ -276,7 +289,8 @@ def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
 # mode. A mode switch has its own route (PATCH .../mode, `mode set`): it may start the
 # deployment and is audited ondemand_mode, which an edit of the record must not bypass.
 EDITABLE = ("name", "served_name", "engine", "image", "args", "command", "port", "memory_gib", "gpu_count",
-            "gpu_ids", "role", "idle_timeout_s")
+            "gpu_ids", "role", "idle_timeout_s",
+            "priority", "max_inflight")
 
 
 def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment,

@@ -36,6 +36,26 @@ class Mode(str, enum.Enum):
         return self.value
 
 
+class Priority(str, enum.Enum):
+    """Who waits and who is put to sleep (BEHAVIOUR.md, "Priorities and limits")."""
+    LOW = "low"
+    NORMAL = "normal"
+    HIGH = "high"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def rank(self) -> int:
+        """Higher goes first in the queue; make-room takes victims of this rank or lower."""
+        return _RANK[self]
+
+
+_RANK = {Priority.LOW: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
+# max_inflight: NULL (no limit) or 1..MAX_INFLIGHT.
+MAX_INFLIGHT = 10000
+
+
 class Role(str, enum.Enum):
     MODEL = "model"
     DECISION = "decision"  # always on, never through the gateway
@@ -83,6 +103,8 @@ _COERCE: dict[str, Callable[[Any], Any]] = {
     "state": lambda v: State(v or State.PLANNED),
     "mode": lambda v: Mode(v or Mode.ALWAYS_ON),
     "pending_mode": lambda v: Mode(v) if v else None,
+    "priority": lambda v: Priority(v or Priority.NORMAL),
+    "max_inflight": lambda v: None if v is None else int(v),
 }
 
 
@@ -119,6 +141,8 @@ class Deployment:
     mode: Mode = Mode.ALWAYS_ON
     idle_timeout_s: int | None = None
     pending_mode: Mode | None = None
+    priority: Priority = Priority.NORMAL
+    max_inflight: int | None = None  # requests served at once through the gateway; None: no limit
     gpus: tuple[int, ...] = ()  # the GPUs its engine holds (set at the start, cleared when it stops)
     measured_gib: float | None = None  # what its engine was last measured to use
     created_at: float = 0.0

@@ -32,6 +32,7 @@ DEPLOYMENT_FIELDS = (
     "id", "name", "served_name", "engine", "image", "args", "command", "port", "memory_gib",
     "gpu_count", "gpu_ids", "role", "state", "state_reason", "log_tail", "mode", "idle_timeout_s",
     "pending_mode", "gpus", "measured_gib", "created_at", "updated_at",
+    "priority", "max_inflight",
 )
 _JSON_FIELDS = ("args", "command", "gpus")  # lists, stored as JSON ([] when empty)
 _NULLABLE_JSON = ("gpu_ids",)  # lists or NULL
