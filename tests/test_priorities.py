@@ -161,3 +161,25 @@ async def test_the_notice_names_the_place_in_the_queue(server, http):
             r1.close()
     finally:
         slot.release()
+
+
+async def test_the_dashboard_reads_metrics_that_exist(server, http):
+    """Every series the Grafana dashboard queries (its priority and busy panels among them)
+    is one ondemand exposes."""
+    import json
+    import re
+
+    from helpers import ROOT
+    board = json.loads((ROOT / "packaging" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
+    wanted = {m for e in exprs for m in re.findall(r"\bondemand_[a-z_]+", e)}
+    assert {"ondemand_busy_total", "ondemand_queued"} <= wanted
+    assert any("by (priority)" in e for e in exprs)
+    await server.add("m", 4)
+    async with http.get(f"{server.url}/metrics", headers=server.admin_headers()) as r:
+        text = await r.text()
+    exposed = set(re.findall(r"^# TYPE (\S+) (\S+)", text, re.M))
+    names = {n for n, _ in exposed} | {f"{n}_{s}" for n, t in exposed if t == "histogram"
+                                         for s in ("bucket", "sum", "count")} \
+        | {f"{n}_total" for n, t in exposed if t == "counter"}
+    assert wanted <= names, wanted - names
