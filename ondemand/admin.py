@@ -244,7 +244,6 @@ def validate_new(data: dict[str, Any], cfg: Config,
     if idle is not None and (not isinstance(idle, int) or isinstance(idle, bool)
                              or not cfg.min_idle_timeout_s <= idle <= 86400):
         raise _field_error("idle_timeout_s", f"null or {cfg.min_idle_timeout_s} to 86400 seconds")
-    priority, max_inflight = _validate_limits(data.get("priority", "normal"), data.get("max_inflight"))
     start = data.get("start", True)
     if not isinstance(start, bool):
         raise _field_error("start", "true or false")
@@ -252,21 +251,21 @@ def validate_new(data: dict[str, Any], cfg: Config,
     return {"name": name, "served_name": served, "engine": engine, "image": image, "args": data.get("args", []),
             "command": data.get("command", []), "port": port, "memory_gib": float(memory), "gpu_count": gpu_count,
             "gpu_ids": gpu_ids, "role": role, "mode": mode, "idle_timeout_s": idle,
-            "priority": priority, "max_inflight": max_inflight,
-            "state": state}, start and mode == "always_on"
+            **_validate_limits(data), "state": state}, start and mode == "always_on"
 
 
 MAX_GPUS = 64
 
 
-def _validate_limits(priority: Any, max_inflight: Any) -> tuple[str, int | None]:
+def _validate_limits(data: dict[str, Any]) -> dict[str, Any]:
     """``priority`` (low, normal, high) and ``max_inflight`` (null: no limit, else 1..10000)."""
+    priority, max_inflight = data.get("priority", "normal"), data.get("max_inflight")
     if priority not in [p.value for p in Priority]:
         raise _field_error("priority", "low, normal or high")
     if max_inflight is not None and (not isinstance(max_inflight, int) or isinstance(max_inflight, bool)
                                      or not 1 <= max_inflight <= MAX_INFLIGHT):
         raise _field_error("max_inflight", f"null (no limit) or 1 to {MAX_INFLIGHT} requests at once")
-    return priority, max_inflight
+    return {"priority": priority, "max_inflight": max_inflight}
 
 
 def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
