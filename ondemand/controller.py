@@ -750,6 +750,9 @@ class Controller:
                 self._backoff.pop(dep_id, None)  # a changed model or configuration
             if not old.on_demand and dep.on_demand:
                 self._last_activity[dep_id] = now  # switched to on demand
+            if old.priority is not dep.priority and dep_id in self.queue:
+                self.queue.rerank(dep_id, dep.priority.rank)  # an edit while it waits
+                self._queue_changed()
         if dep.state is State.READY and (old is None or old.state is not State.READY):
             self._last_activity[dep_id] = now
             self._backoff.pop(dep_id, None)

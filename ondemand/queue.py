@@ -55,6 +55,19 @@ class WaitQueue:
             self._move_reservation(old_head, entry)
         return True
 
+    def rerank(self, dep_id: int, rank: int) -> None:
+        """Its deployment's priority changed while queued: its place changes, its first
+        arrival and its hold stay; above a lower head it takes that head's hold, as a new
+        entry would."""
+        entry = self._entries.get(dep_id)
+        if entry is None or entry.rank == rank:
+            return
+        old_head = self._order[0]
+        entry.rank = rank
+        self._order.sort(key=Entry.key)
+        if self._order[0] is entry and old_head is not entry and entry.rank > old_head.rank:
+            self._move_reservation(old_head, entry)
+
     @staticmethod
     def _move_reservation(src: Entry, dst: Entry) -> None:
         for pool, amount in src.reserved.items():

@@ -1270,3 +1270,24 @@ def test_the_limit_under_seeded_random_acquires_and_releases(world):
         for s in held:
             s.release()
     assert c.inflight(1) == 0
+
+
+def test_a_priority_edited_while_queued_moves_the_entry(world):
+    c, fx, clock = make(world)
+    fx.add(9, 10, state=State.READY)
+    c.try_take(9)
+    c.on_stopped(9, True, None)
+    fx.add(1, 10, priority=NORMAL)
+    fx.add(2, 10, priority=NORMAL)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    c.queue.reserve(1, {0: 4})  # (as if a stop had freed memory for the head)
+    late = Req(c, 2)
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert c.queue.ids() == [1, 2]
+    fx.set(2, priority=HIGH)  # an administrator's edit (deploy set --priority) while it waits
+    assert c.queue.ids() == [2, 1] and c.status(2)["queue_position"] == 1
+    assert c.queue.reserved_for_others(1) == {0: 4}  # the hold went with the head's place
+    fx.set(2, priority=LOW)
+    assert c.queue.ids() == [1, 2] and c.queue.reserved_for_others(1) == {0: 4}  # nothing comes back
+    assert late.waiter.deadline == late.waiter.arrival + c.queue_timeout_s
