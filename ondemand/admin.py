@@ -37,7 +37,7 @@ from .errors import (
     StateFileError,
 )
 from .events import ViewPublished
-from .model import Deployment, State
+from .model import MAX_INFLIGHT, Deployment, Priority, State
 from .telemetry import CONTENT_TYPE
 
 log = logging.getLogger("ondemand.admin")
@@ -207,7 +207,8 @@ def validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
 def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
                   gpu_sizes: tuple[float, ...] | None, per_gpu: bool) -> tuple[dict[str, Any], bool]:
     allowed = {"name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
-               "gpu_count", "gpu_ids", "env", "volumes", "role", "mode", "idle_timeout_s", "start"}
+               "gpu_count", "gpu_ids", "env", "volumes", "role", "mode", "idle_timeout_s", "start",
+               "priority", "max_inflight"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise _field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
@@ -253,7 +254,8 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
     state = "planned" if not start else ("stopped" if mode == "on_demand" else "planned")
     return {"name": name, "served_name": served, **run, "port": port,
             "memory_gib": float(memory), "gpu_count": gpu_count, "gpu_ids": gpu_ids,
-            "role": role, "mode": mode, "idle_timeout_s": idle, "state": state}, start and mode == "always_on"
+            "role": role, "mode": mode, "idle_timeout_s": idle, **_validate_limits(data),
+            "state": state}, start and mode == "always_on"
 
 
 def _validate_engine(data: dict[str, Any], cfg: Config) -> dict[str, Any]:
@@ -284,6 +286,17 @@ def _validate_engine(data: dict[str, Any], cfg: Config) -> dict[str, Any]:
 MAX_GPUS = 64
 
 
+def _validate_limits(data: dict[str, Any]) -> dict[str, Any]:
+    """``priority`` (low, normal, high) and ``max_inflight`` (null: no limit, else 1..10000)."""
+    priority, max_inflight = data.get("priority", "normal"), data.get("max_inflight")
+    if priority not in [p.value for p in Priority]:
+        raise _field_error("priority", "low, normal or high")
+    if max_inflight is not None and (not isinstance(max_inflight, int) or isinstance(max_inflight, bool)
+                                     or not 1 <= max_inflight <= MAX_INFLIGHT):
+        raise _field_error("max_inflight", f"null (no limit) or 1 to {MAX_INFLIGHT} requests at once")
+    return {"priority": priority, "max_inflight": max_inflight}
+
+
 def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
     """``gpu_count`` (null: every GPU; 0: none) and ``gpu_ids`` (null, or the GPU indices it
     must run on). A pin alone sets the count to its length."""
@@ -304,7 +317,7 @@ def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
 # mode. A mode switch has its own route (PATCH .../mode, `mode set`): it may start the
 # deployment and is audited ondemand_mode, which an edit of the record must not bypass.
 EDITABLE = ("name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
-            "gpu_count", "gpu_ids", "env", "volumes", "role", "idle_timeout_s")
+            "gpu_count", "gpu_ids", "env", "volumes", "role", "idle_timeout_s", "priority", "max_inflight")
 
 
 def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment, existing: list[Deployment],

@@ -97,7 +97,8 @@ async def offline_views(cfg: Config) -> list[dict[str, Any]] | None:
         row["mode"] = row.get("mode") or "always_on"
         phase = "failed" if row["state"] == "failed" else \
             "sleeping" if row["state"] in ("stopped", "asleep", "stopping", "planned") else "idle"
-        row["ondemand"] = {"inflight": 0, "queued": 0, "last_request_at": None, "phase": phase}
+        row["ondemand"] = {"inflight": 0, "queued": 0, "queue_position": None, "last_request_at": None,
+                           "phase": phase}
         row["last_start_s"] = row["start_eta_s"] = None  # the history is the server's to read
         row["offline"] = True
     return rows

@@ -294,7 +294,7 @@ async def _observe(app: web.Application) -> AsyncIterator[None]:
     gpu = _GpuMemory(deployer)
     gpu()  # the first reading, so that the first scrape has one
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
-                                           queued=controller.waiting, gpu_memory=gpu)
+                                           queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
     access = None
     if cfg.access_log != "off":
@@ -333,7 +333,7 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
                            limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
-                           start_eta=app[STARTS].eta_s)
+                           start_eta=app[STARTS].eta_s, queue_place=app[CONTROLLER].queue_place)
     yield
     await upstreams.close()
 

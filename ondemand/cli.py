@@ -46,6 +46,15 @@ def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     sys.exit(code)
 
 
+def _max_inflight(value: str) -> int | None:
+    """--max-inflight: requests at once, or 'none' (no limit); the server checks the range."""
+    if value == "none":
+        return None
+    if not value.lstrip("-").isdigit():
+        _fail("--max-inflight takes a whole number of requests or 'none'", EXIT_USAGE)
+    return int(value)
+
+
 def _idle_timeout(value: str) -> int | None:
     """--idle-timeout: whole seconds, or 'default' (null: ondemand_idle_timeout_s)."""
     if value == "default":
@@ -288,8 +297,11 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         pending = v.get("pending_mode")
         # pending = mode: an always-on deployment being started again after a restart of ondemand.
         mode = v["mode"] + ("" if not pending else " (starting again)" if pending == v["mode"] else " → " + pending)
-        rows.append([v["id"], v["name"], v["served_name"], mode,
-                     v["state"], od.get("phase"), od.get("inflight"), od.get("queued"),
+        limit = v.get("max_inflight")
+        inflight = f"{od.get('inflight')}/{limit}" if limit else od.get("inflight")
+        queued = f"{od.get('queued')} (#{od['queue_position']})" if od.get("queue_position") else od.get("queued")
+        rows.append([v["id"], v["name"], v["served_name"], mode, v.get("priority", "normal"),
+                     v["state"], od.get("phase"), inflight, queued,
                      _ago(od.get("last_request_at")), _memory(v), ",".join(map(str, v.get("gpus") or ())) or "-",
                      f"~{v['start_eta_s']:g}s" if v.get("start_eta_s") is not None else None])
     return rows
@@ -305,8 +317,8 @@ def _memory(v: dict[str, Any]) -> str:
     return f"{declared:g} GiB (measured {measured:.1f}{flag})"
 
 
-_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY",
-               "GPUS", "START"]
+_DEP_HEADER = ["ID", "NAME", "SERVED", "MODE", "PRIORITY", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST",
+               "MEMORY", "GPUS", "START"]
 
 
 def _expected(views: list[dict[str, Any]], now: float) -> list[str]:
@@ -421,6 +433,9 @@ def deploy() -> None:
 @click.option("--role", type=click.Choice(["model", "decision", "system"]), default="model", show_default=True)
 @click.option("--mode", type=click.Choice(["on_demand", "always_on"]), default="always_on", show_default=True)
 @click.option("--idle-timeout", type=int, help="seconds idle before it is put to sleep (on demand)")
+@click.option("--priority", type=click.Choice(["low", "normal", "high"]),
+              help="who waits and who is put to sleep for whom (default: normal)")
+@click.option("--max-inflight", help="requests it serves at once through the gateway; more get 429 (default: none)")
 @click.option("--no-start", is_flag=True, help="leave it planned")
 @click.option("--dry-run", is_flag=True, help="check it and print the command line it would run; create nothing")
 @json_option
@@ -447,7 +462,8 @@ def deploy_add(ctx: Ctx, /, name: str, dry_run: bool, as_json: bool, **opts: Any
 def _add_body(name: str, served_name: str | None, engine: str, model: str | None, image: str | None,
               args: tuple[str, ...], command: str | None, port: int, memory_gib: float, gpu_count: int | None,
               gpu_ids: str | None, env: tuple[str, ...], volumes: tuple[str, ...], role: str, mode: str,
-              idle_timeout: int | None, no_start: bool) -> dict[str, Any]:
+              idle_timeout: int | None, priority: str | None, max_inflight: str | None,
+              no_start: bool) -> dict[str, Any]:
     """`deploy add`'s POST body."""
     import shlex
     body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
@@ -466,6 +482,10 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
         body["env"] = _env_option(env)
     if volumes:
         body["volumes"] = list(volumes)
+    if priority is not None:
+        body["priority"] = priority
+    if max_inflight is not None:
+        body["max_inflight"] = _max_inflight(max_inflight)
     body.update(_gpu_fields(gpu_count, gpu_ids))
     return body
 
@@ -540,12 +560,14 @@ def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
 @click.option("--no-volumes", is_flag=True, help="no volumes")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]))
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
+@click.option("--priority", type=click.Choice(["low", "normal", "high"]), help="editable while it runs")
+@click.option("--max-inflight", help="requests at once, or 'none' for no limit; editable while it runs")
 @json_option
 @pass_ctx
 def deploy_set(ctx: Ctx, /, dep_id: int, as_json: bool, **opts: Any) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
     deployment_update). A start afterwards uses the new values. The mode is switched
-    with `mode set`."""
+    with `mode set`. --priority and --max-inflight alone may change in any state."""
     body = _set_body(**opts)
     if not body:
         _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
@@ -558,7 +580,7 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
               image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
               memory_gib: float | None, gpu_count: str | None, gpu_ids: str | None, env: tuple[str, ...],
               no_env: bool, volumes: tuple[str, ...], no_volumes: bool, role: str | None,
-              idle_timeout: str | None) -> dict[str, Any]:
+              idle_timeout: str | None, priority: str | None, max_inflight: str | None) -> dict[str, Any]:
     """`deploy set`'s PATCH body: only the fields given."""
     import shlex
     for given, none, flags in ((args, no_args, "--arg and --no-args"), (model, no_model, "--model and --no-model"),
@@ -580,6 +602,10 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
         body["command"] = shlex.split(command)
     if idle_timeout is not None:
         body["idle_timeout_s"] = _idle_timeout(idle_timeout)
+    if priority is not None:
+        body["priority"] = priority
+    if max_inflight is not None:
+        body["max_inflight"] = _max_inflight(max_inflight)
     if gpu_count is not None:
         body["gpu_count"] = None if gpu_count == "all" else _int_option("--gpu-count", gpu_count)
     if gpu_ids is not None:
@@ -608,14 +634,16 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
         return
     for key in ("id", "name", "served_name", "engine", "model", "role", "mode", "pending_mode", "state",
                 "state_reason", "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s",
-                "last_start_s", "start_eta_s", "base_url", "image", "engine_image", "args", "command", "volumes"):
+                "priority", "max_inflight", "last_start_s", "start_eta_s", "base_url", "image", "engine_image",
+                "args", "command", "volumes"):
         if key in view:
             click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
     for line in _launch_lines(view):
         click.echo(line)
     od = view.get("ondemand") or {}
-    click.echo(f"{'ondemand:':16} phase {od.get('phase')}, in-flight {od.get('inflight')}, queued {od.get('queued')}, "
-               f"last request {_ago(od.get('last_request_at'))}")
+    place = f" (place {od['queue_position']} in the memory queue)" if od.get("queue_position") else ""
+    click.echo(f"{'ondemand:':16} phase {od.get('phase')}, in-flight {od.get('inflight')}, queued {od.get('queued')}"
+               f"{place}, last request {_ago(od.get('last_request_at'))}")
     if view.get("litellm"):
         click.echo(f"{'litellm:':16} {view['litellm'].get('status')} {view['litellm'].get('code') or ''}".rstrip())
     if view.get("log_tail") and view["state"] == "failed":

@@ -31,7 +31,11 @@ Invariants (each has a test that races it):
 - a start is asked for only while someone waits, and the deployer asks again
   (``wanted``) in the step that marks ``starting``;
 - only the head of the queue makes room; memory freed for it is held for it
-  until it starts or gives up;
+  until it starts or gives up (or for a head of higher priority that took
+  its place);
+- a victim is never of higher priority than the request it is stopped for;
+- a slot beyond ``max_inflight`` is refused (429) in the same step as the
+  count is read, so no two requests can both take the last one;
 - every waiter leaves through ``leave``: counts never drift, and the queue
   entry of a deployment nobody waits for goes at once, its hold with it.
 Nothing is persisted: after a restart every deployment waits a full idle
@@ -179,6 +183,15 @@ def _shutting_down() -> OndemandError:
                          headers={"Retry-After": "10"})
 
 
+def _busy(dep: Deployment) -> OndemandError:
+    # 429 with x-should-retry: LiteLLM cools the entry down and the OpenAI SDKs send it again
+    # after Retry-After, so the next try may land on another box (docs/several-boxes.md).
+    return OndemandError(429, "ondemand_busy",
+                         f"{dep.served_name} is answering its limit of {dep.max_inflight} requests at once "
+                         "(max_inflight); send the request again in a moment",
+                         headers={"Retry-After": "1", "x-should-retry": "true"})
+
+
 def _stopped_error(name: str) -> OndemandError:
     return OndemandError(503, "ondemand_stopped",
                          f"{name} was stopped while it was starting for this request; send it again to start it")
@@ -207,6 +220,7 @@ class Controller:
         self._waits: dict[int, _DepWait] = {}
         self._waiting = 0
         self._backoff: dict[int, _Backoff] = {}
+        self._busy: dict[int, int] = {}  # 429s for max_inflight, per deployment (a counter)
         self._last_ondemand_stop = -math.inf
         self._published_at: dict[int, float] = {}
         self._publish_timers: dict[int, Timer] = {}
@@ -227,6 +241,14 @@ class Controller:
             return self._waiting
         dw = self._waits.get(dep_id)
         return len(dw.waiters) if dw else 0
+
+    def busy_total(self, dep_id: int) -> int:
+        """Requests refused 429 ``ondemand_busy`` (over ``max_inflight``) so far."""
+        return self._busy.get(dep_id, 0)
+
+    def queue_place(self, dep_id: int) -> tuple[int, int] | None:
+        """(its place in the memory queue, from 1; the queue's length), or None."""
+        return self.queue.place(dep_id)
 
     def idle_timeout(self, dep: Deployment) -> int:
         return dep.idle_timeout_s or self.idle_timeout_s
@@ -260,7 +282,9 @@ class Controller:
             phase = "sleeping"
         else:
             phase = "idle"
+        place = self.queue.place(dep_id)
         return {"inflight": inflight, "queued": len(dw.waiters) if dw else 0,
+                "queue_position": place[0] if place else None,
                 "last_request_at": self._last_request_at.get(dep_id), "phase": phase,
                 "idle_until": self._idle_until(dep, inflight), "backoff_until": self._backoff_until(dep_id)}
 
@@ -284,11 +308,20 @@ class Controller:
     # --- slots ------------------------------------------------------------------
 
     def try_take(self, dep_id: int) -> Slot | None:
-        """A slot at once when the deployment is ready (the fast path: no waiter)."""
+        """A slot at once when the deployment is ready (the fast path: no waiter); raises
+        ``ondemand_busy`` when it serves its ``max_inflight`` already."""
         dep = self.effects.deployment(dep_id)
         if dep is not None and dep.state is State.READY:
+            self._check_limit(dep)
             return self._grant(dep_id)
         return None
+
+    def _check_limit(self, dep: Deployment) -> None:
+        """Read in the step that grants: never two past the limit. Only granted slots
+        count (not health checks, not waiters); a refusal is no failed start."""
+        if dep.max_inflight is not None and self._inflight.get(dep.id, 0) >= dep.max_inflight:
+            self._busy[dep.id] = self._busy.get(dep.id, 0) + 1
+            raise _busy(dep)
 
     def _grant(self, dep_id: int) -> Slot:
         self._inflight[dep_id] = self._inflight.get(dep_id, 0) + 1
@@ -350,6 +383,7 @@ class Controller:
         if dep is None:
             raise OndemandError(404, "not_found", f"deployment {waiter.dep_id} was removed")
         if dep.state is State.READY:
+            self._check_limit(dep)  # it waited for a start, not for a slot: over the limit, 429 too
             return self._grant(waiter.dep_id)
         now = self.clock()
         if now >= waiter.deadline:
@@ -375,6 +409,7 @@ class Controller:
             if dw.phase is Phase.IDLE and not dw.starting_for_request:
                 del self._waits[dep_id]
             if self.queue.remove(dep_id):  # nobody waits: it gives up its place and its hold
+                self._queue_changed()
                 self._advance_all()
         self._counters_changed(dep_id)
 
@@ -429,7 +464,9 @@ class Controller:
     # --- the attempt ----------------------------------------------------------------
 
     def _advance_all(self) -> None:
-        for dep_id in list(self._waits):
+        # The queue's order first: when memory frees, the head asks before the others.
+        queued = self.queue.ids()
+        for dep_id in [*queued, *(d for d in self._waits if d not in self.queue)]:
             self._advance(dep_id)
 
     def _advance(self, dep_id: int) -> None:
@@ -456,11 +493,36 @@ class Controller:
         if b is not None and self.clock() < b.until:
             self._give_verdict(dep_id, self._start_failed(dep, b))
             return
+        if self._head_asks_first(dep_id):
+            return  # the head's answer comes first; its report moves this one on
         dw.phase = Phase.ADMITTING
         # Set before the move to starting, whose view is published as the start is admitted.
         dw.starting_for_request = True
         waking = dep.state is State.ASLEEP
         self.effects.admit(dep_id, text=("Woken" if waking else "Started") + " for a request")
+
+    def _head_asks_first(self, dep_id: int) -> bool:
+        """A queued entry of lower priority than the head waits while the head's own
+        admit is out, so that memory freed by a stop nobody made for the head (the
+        reaper, an administrator) goes to the higher request first."""
+        head = self.queue.head()
+        if head is None or head == dep_id or dep_id not in self.queue \
+                or self.queue.overtaken_by(dep_id) != head:
+            return False
+        hw = self._waits.get(head)
+        return hw is not None and hw.phase is Phase.ADMITTING
+
+    def _release_held(self, head: int) -> None:
+        """The head's admit has reported: the entries that let it ask first ask now."""
+        for dep_id in self.queue.ids():
+            if dep_id != head and self.queue.overtaken_by(dep_id) == head:
+                self._advance(dep_id)
+
+    def settle_target(self, dep_id: int) -> int:
+        """Whose fit a make-room's settle waits for: ``dep_id``, or the head of higher
+        priority that took its place (and what it freed)."""
+        taker = self.queue.overtaken_by(dep_id)
+        return dep_id if taker is None else taker
 
     def held_for_others(self, dep_id: int) -> dict[int, float]:
         """GiB per GPU the queue holds for entries other than ``dep_id`` (for the head, what
@@ -485,8 +547,10 @@ class Controller:
             # follows (or none is needed) moves it on. Never ask again from here: a loop.
             dw.starting_for_request = False
             self._forget_if_unused(dep_id)
+            self._release_held(dep_id)
             return
         if self.queue.remove(dep_id):
+            self._queue_changed()
             self._advance_all()
 
     def _admit_ended(self, dep_id: int) -> _DepWait | None:
@@ -513,13 +577,19 @@ class Controller:
             return
         if self._closing:
             return  # its waiters heard it already
-        self._enqueue(dep_id, dw)
+        self._enqueue(dep_id, dw, dep)
         if not self.queue.is_head_or_empty(dep_id):
             return  # only the head makes room
-        victims, chosen = self._pick_victims(dep_id, fit)
-        if not victims:
-            self._schedule_tick()
-            return  # queued until something changes
+        try:
+            if self._room_coming(dep_id):
+                self._schedule_tick()
+                return  # what the entries it overtook are freeing is held for it: wait for that
+            victims, chosen = self._pick_victims(dep, fit)
+            if not victims:
+                self._schedule_tick()
+                return  # queued until something changes
+        finally:
+            self._release_held(dep_id)
         dw.phase = Phase.STOPPING
         dw.victims = {v.id for v in victims}
         dw.frees = {v.id: {g: gib for g, gib in v.holds.items() if g in chosen} for v in victims}
@@ -538,6 +608,7 @@ class Controller:
             503, "budget_unavailable", f"cannot start {name} now: the GPU memory budget cannot be read ({reason})",
             headers={"Retry-After": "10"}))
         self._forget_if_unused(dep_id)
+        self._release_held(dep_id)
 
     def on_start_error(self, dep_id: int, reason: str) -> None:
         """The deployer refused the start (a state it cannot start from): a start failure."""
@@ -548,6 +619,7 @@ class Controller:
         if dep is not None and dep.state in REQUEST_STARTABLE:
             self._give_verdict(dep_id, self._start_failed(dep, self._record_failure(dep_id, reason)))
         self._forget_if_unused(dep_id)
+        self._release_held(dep_id)
 
     def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None) -> None:
         """A stop effect's report (reaper or make-room)."""
@@ -580,36 +652,55 @@ class Controller:
         self.effects.settle(for_dep, self.make_room_wait_s)
 
     def on_settled(self, dep_id: int) -> None:
-        """Freed memory shows (or the wait ran out): try again."""
+        """Freed memory shows (or the wait ran out): try again, and so does the head of
+        higher priority that took the freed memory over."""
+        taker = self.queue.overtaken_by(dep_id)
         dw = self._waits.get(dep_id)
-        if dw is None:
-            return
-        dw.phase = Phase.IDLE
-        self._forget_if_unused(dep_id)
+        if dw is not None:
+            dw.phase = Phase.IDLE
+            self._forget_if_unused(dep_id)
+        if taker is not None:
+            self._advance(taker)  # first: this one then waits for the head's answer
         self._advance(dep_id)
+
+    def _room_coming(self, head: int) -> bool:
+        """Entries this head overtook still stop victims or wait for their memory to
+        show: all of it is held for the head, which must not stop more meanwhile."""
+        return any(dw.phase in (Phase.STOPPING, Phase.SETTLING) and self.queue.overtaken_by(d) == head
+                   for d, dw in self._waits.items() if d != head)
 
     def _forget_if_unused(self, dep_id: int) -> None:
         dw = self._waits.get(dep_id)
         if dw is not None and not dw.waiters and dw.phase is Phase.IDLE and not dw.starting_for_request:
             del self._waits[dep_id]
 
-    def _enqueue(self, dep_id: int, dw: _DepWait) -> None:
+    def _enqueue(self, dep_id: int, dw: _DepWait, dep: Deployment) -> None:
         first = min((w.arrival for w in dw.waiters), default=self.clock())
-        if self.queue.add(dep_id, first):
-            log.info("deployment %d queued for memory", dep_id)
+        if self.queue.add(dep_id, first, dep.priority.rank):
+            log.info("deployment %d queued for memory (%s priority)", dep_id, dep.priority)
+            self._queue_changed()
         for waiter in dw.waiters:
             self._notify_queued(waiter)
         self._counters_changed(dep_id)
         self._schedule_tick()
 
-    def _pick_victims(self, requester: int, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
+    def _queue_changed(self) -> None:
+        """Every queued entry's place may have moved: their views say so."""
+        for dep_id in self.queue.ids():
+            self._counters_changed(dep_id)
+
+    def _pick_victims(self, requester: Deployment, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
+        """Idle deployments of the requester's priority or lower: a higher one is never
+        put to sleep for it (the request waits instead)."""
         now = self.clock()
         claimed = {v for dw in self._waits.values() for v in dw.victims}
         pools = len(fit.free)
+        rank = requester.priority.rank
         candidates = [Candidate(d.id, holdings(d.footprint_gib, d.gpu_count, d.gpus, pools, fit.per_gpu),
-                                self._last_activity.get(d.id, now))
+                                self._last_activity.get(d.id, now), d.priority.rank)
                       for d in self.effects.deployments()
-                      if d.id != requester and d.id not in claimed and self.is_idle(d, now)]
+                      if d.id != requester.id and d.id not in claimed and d.priority.rank <= rank
+                      and self.is_idle(d, now)]
         return pick_victims(candidates, fit.free, fit.choose)
 
     # --- time -------------------------------------------------------------------------
@@ -659,6 +750,9 @@ class Controller:
                 self._backoff.pop(dep_id, None)  # a changed model or configuration
             if not old.on_demand and dep.on_demand:
                 self._last_activity[dep_id] = now  # switched to on demand
+            if old.priority is not dep.priority and dep_id in self.queue:
+                self.queue.rerank(dep_id, dep.priority.rank)  # an edit while it waits
+                self._queue_changed()
         if dep.state is State.READY and (old is None or old.state is not State.READY):
             self._last_activity[dep_id] = now
             self._backoff.pop(dep_id, None)
@@ -692,7 +786,7 @@ class Controller:
         if self.queue.remove(dep_id):
             self._advance_all()
         for table in (self._inflight, self._last_activity, self._last_request_at, self._backoff,
-                      self._published_at):
+                      self._published_at, self._busy):
             table.pop(dep_id, None)
         timer = self._publish_timers.pop(dep_id, None)
         if timer is not None:

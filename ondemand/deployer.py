@@ -73,6 +73,9 @@ _REMEASURE = frozenset({"engine", "model", "image", "args", "command", "memory_g
 # A refused start after ondemand's restart is tried again after this long, doubled each time up to the most.
 RESTART_RETRY_S = 10.0
 RESTART_RETRY_MAX_S = 300.0
+# Read by the gateway and the controller only, never by an engine: editable in any state, so
+# a limit or a priority changes without a restart.
+LIVE_FIELDS = frozenset({"priority", "max_inflight"})
 
 
 def ready_poll_s(elapsed: float) -> float:
@@ -421,10 +424,10 @@ class Deployer:
         """Edit fields of a deployment with no engine (stopped, failed, planned) in place:
         same id, audited ``deployment_update`` with the old and new values of the fields
         that differ. The checks and the in-memory change are one step (no await).
-        Raises DeploymentBusy in another state or while its engine still runs, NameTaken
-        for another deployment's name."""
+        Raises DeploymentBusy in another state or while its engine still runs (unless only
+        ``LIVE_FIELDS`` change), NameTaken for another deployment's name."""
         dep = self._get(dep_id)
-        if dep.state not in EDITABLE or dep_id in self._engines:
+        if (dep.state not in EDITABLE or dep_id in self._engines) and not (changes and set(changes) <= LIVE_FIELDS):
             running = " and its engine still runs" if dep.state in EDITABLE else ""
             raise DeploymentBusy(f"{dep.name} is {dep.state}{running}: only a stopped, failed or planned "
                                  "deployment can be edited; stop it first")

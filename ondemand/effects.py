@@ -114,13 +114,15 @@ class DeployerEffects:
         deadline = loop.time() + within_s
         try:
             while loop.time() < deadline:
-                dep = self.deployer.get(dep_id)
+                # The head of higher priority that took this one's place holds what it freed.
+                target = self.controller.settle_target(dep_id)
+                dep = self.deployer.get(target)
                 if dep is None:
                     return
                 try:
                     reading = await self.budget.read(self.deployer.all())
                     self.budget.check_fit(dep, self.deployer.all(), reading,
-                                          self.controller.held_for_others(dep_id))
+                                          self.controller.held_for_others(target))
                     return
                 except BudgetError:
                     return  # the next admit reads it again and says why

@@ -1,12 +1,14 @@
 """Which idle models to stop to make room: a pure rule, no side effects, no logging.
 
-Candidates are already known to be stoppable (the controller's idle rules);
-this only picks, least recently used first, the shortest prefix after whose
-stop some allowed set of GPUs fits the model (``choose``), and of that prefix
-only the ones that hold memory on the chosen set: stopping a model on
-another GPU frees nothing the new one can use. When all of them together are
-not enough, none is picked: stopping models that cannot make room would only
-lose them (BEHAVIOUR.md, "Making room").
+Candidates are already known to be stoppable (the controller's idle rules)
+and of the requester's priority or lower (the controller leaves out every
+deployment of higher priority: it is never a victim of a lower request). This
+only picks, lowest priority first, then least recently used, the shortest
+prefix after whose stop some allowed set of GPUs fits the model (``choose``),
+and of that prefix only the ones that hold memory on the chosen set: stopping a
+model on another GPU frees nothing the new one can use. When all of them
+together are not enough, none is picked: stopping models that cannot make room
+would only lose them (BEHAVIOUR.md, "Making room", "Priorities and limits").
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Candidate:
     id: int
     holds: Mapping[int, float]  # GiB per pool (GPU) its engine holds
     last_used: float  # monotonic time of the last slot granted or released
+    rank: int = 1  # Priority.rank: lower ranks go first
 
 
 def pick_victims(candidates: list[Candidate], free: Sequence[float],
@@ -26,7 +29,7 @@ def pick_victims(candidates: list[Candidate], free: Sequence[float],
     """(the victims, the GPU set the model gets once they are stopped), or ([], ())."""
     sim = list(free)
     prefix: list[Candidate] = []
-    for cand in sorted(candidates, key=lambda c: (c.last_used, c.id)):
+    for cand in sorted(candidates, key=lambda c: (c.rank, c.last_used, c.id)):
         prefix.append(cand)
         for pool, gib in cand.holds.items():
             if 0 <= pool < len(sim):

@@ -171,10 +171,12 @@ class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
                  clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer,
-                 start_eta: Callable[[int], float | None] = lambda dep_id: None):
+                 start_eta: Callable[[int], float | None] = lambda dep_id: None,
+                 queue_place: Callable[[int], tuple[int, int] | None] = lambda dep_id: None):
         """``finished(exchange)`` hears of every request once its answer's last byte is
         written (or its client went away): the metrics and the access log. ``start_eta``:
-        how long a deployment's start takes (its history), for the queued notice."""
+        how long a deployment's start takes (its history), and ``queue_place``, its place in
+        the memory queue, for the queued notice."""
         self.controller = controller
         self.deployer = deployer
         self.keys = keys
@@ -186,6 +188,7 @@ class Gateway:
         self.clock = clock
         self.finished = finished
         self.start_eta = start_eta
+        self.queue_place = queue_place
 
     async def handle(self, call: Call) -> None:
         """Answer one gateway request, whichever way it came (the lean front or aiohttp)."""
@@ -284,19 +287,22 @@ class Gateway:
         how = notice.mode(route, parsed)
         if how == notice.STREAM_NOTICE:
             return await self._stream_with_notice(call, ex, dep, segs, body, route)
-        # The ETA as it stood when the request queued, as the streaming notice tells it.
-        queued: list[float | None] = []
+        # The wait as it stood when the request queued, as the streaming notice tells it.
+        queued: list[notice.Wait] = []
 
         def on_queued() -> None:
             ex.memory_wait()
-            queued.append(self.start_eta(dep_id))
+            queued.append(self._wait(dep_id))
         slot = await self._acquire(ex, dep_id, on_queued)
         try:
             return await self._forward(call, dep, segs, body, route,
                                        prepend=how == notice.PREPEND and ex.waited_memory,
-                                       eta_s=queued[0] if queued else None)
+                                       wait=queued[0] if queued else notice.UNKNOWN)
         finally:
             slot.release()
+
+    def _wait(self, dep_id: int) -> notice.Wait:
+        return notice.Wait(self.start_eta(dep_id), self.queue_place(dep_id))
 
     async def _acquire(self, ex: Exchange, dep_id: int, on_queued: Callable[[], None]) -> Slot:
         """The controller's slot, noting whether (and how long) the request waited for it."""
@@ -362,7 +368,7 @@ class Gateway:
                 return await self._forward(call, dep, segs, body, route)
             # Queued for memory: tell the person now, then wait.
             await call.start(200, _SSE_HEADERS)
-            await call.write(notice.queued_chunk(route, dep.served_name, self.start_eta(dep.id)))
+            await call.write(notice.queued_chunk(route, dep.served_name, self._wait(dep.id)))
             try:
                 slot = await acq
             except OndemandError as err:
@@ -381,7 +387,7 @@ class Gateway:
     # --- forwarding -----------------------------------------------------------------
 
     async def _forward(self, call: Call, dep: Deployment, segs: list[str], body: bytes | None,
-                       route: str, *, prepend: bool = False, eta_s: float | None = None,
+                       route: str, *, prepend: bool = False, wait: notice.Wait = notice.UNKNOWN,
                        started: bool = False) -> None:
         base = self.deployer.base_url(dep.id)
         if base is None:
@@ -397,22 +403,22 @@ class Gateway:
             try:
                 if started:
                     return await self._into_started(call, up)
-                await self._answer_with(call, up, route, dep, eta_s if prepend else _NO_NOTICE)
+                await self._answer_with(call, up, route, dep, wait if prepend else _NO_NOTICE)
             finally:
                 up.release()  # back to the pool when read to the end, else closed (the engine stops)
         finally:
             lease.end()
 
     async def _answer_with(self, call: Call, up: UpstreamResponse, route: str, dep: Deployment,
-                           eta_s: float | None | object) -> None:
+                           wait: notice.Wait | object) -> None:
         """The engine's answer to the client: whole when it is here already, else streamed."""
         content = up.content
-        if eta_s is not _NO_NOTICE and up.status == 200 and up.content_type == _JSON:
+        if wait is not _NO_NOTICE and up.status == 200 and up.content_type == _JSON:
             try:
                 raw = await up.read()
             except aiohttp.ClientPayloadError as exc:
                 return await self._upstream_failed(call, False, f"the engine broke off its answer: {exc}")
-            data = notice.prepend(route, raw, dep.served_name, eta_s)  # type: ignore[arg-type]
+            data = notice.prepend(route, raw, dep.served_name, wait)  # type: ignore[arg-type]
             return await call.send(200, response_headers(up.headers), data)
         if content.is_eof() and call.method != "HEAD" and up.status not in _EMPTY_BODY:
             # The whole answer is here already (a short one usually is): head and body in one write.

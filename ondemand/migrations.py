@@ -139,6 +139,18 @@ async def _v5_engine_recipes(db: aiosqlite.Connection) -> None:
                             ("volumes", "TEXT NOT NULL DEFAULT '[]'")):  # JSON list
         if column not in cols:
             await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+async def _v6_priorities_and_limits(db: aiosqlite.Connection) -> None:
+    # Priorities and limits: every existing row stays normal with no limit (the column
+    # defaults), so nothing behaves differently until an administrator sets them. Version 5
+    # is the engine recipes' (model, env, volumes); the runner applies whatever is
+    # missing in order and skips a number it does not know, so the two may land in either order.
+    cols = await _columns(db, "deployments")
+    if "priority" not in cols:
+        await db.execute("ALTER TABLE deployments ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal' "
+                         "CHECK (priority IN ('low', 'normal', 'high'))")
+    if "max_inflight" not in cols:
+        await db.execute("ALTER TABLE deployments ADD COLUMN max_inflight INTEGER "
+                         "CHECK (max_inflight IS NULL OR max_inflight BETWEEN 1 AND 10000)")
 
 
 MIGRATIONS: list[Migration] = [
@@ -147,6 +159,7 @@ MIGRATIONS: list[Migration] = [
     Migration(3, "deployments: GPU placement (gpu_count, gpu_ids, gpus, measured_gib)", _v3_gpu_placement),
     Migration(4, "starts (start durations); events and audit indexed by time", _v4_starts_and_retention),
     Migration(5, "deployments: engine recipes (sglang and custom engines; model, env, volumes)", _v5_engine_recipes),
+    Migration(6, "deployments: priority and max_inflight", _v6_priorities_and_limits),
 ]
 
 LATEST = MIGRATIONS[-1].version

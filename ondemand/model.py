@@ -36,6 +36,26 @@ class Mode(str, enum.Enum):
         return self.value
 
 
+class Priority(str, enum.Enum):
+    """Who waits and who is put to sleep (BEHAVIOUR.md, "Priorities and limits")."""
+    LOW = "low"
+    NORMAL = "normal"
+    HIGH = "high"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def rank(self) -> int:
+        """Higher goes first in the queue; make-room takes victims of this rank or lower."""
+        return _RANK[self]
+
+
+_RANK = {Priority.LOW: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
+# max_inflight: NULL (no limit) or 1..MAX_INFLIGHT.
+MAX_INFLIGHT = 10000
+
+
 class Role(str, enum.Enum):
     MODEL = "model"
     DECISION = "decision"  # always on, never through the gateway
@@ -86,6 +106,8 @@ _COERCE: dict[str, Callable[[Any], Any]] = {
     # Sorted pairs: a frozen value that compares equal whatever order it was given in.
     "env": lambda v: tuple(sorted((str(k), str(x)) for k, x in (v.items() if isinstance(v, Mapping) else v or ()))),
     "volumes": lambda v: tuple(v or ()),
+    "priority": lambda v: Priority(v or Priority.NORMAL),
+    "max_inflight": lambda v: None if v is None else int(v),
 }
 
 
@@ -127,6 +149,8 @@ class Deployment:
     mode: Mode = Mode.ALWAYS_ON
     idle_timeout_s: int | None = None
     pending_mode: Mode | None = None
+    priority: Priority = Priority.NORMAL
+    max_inflight: int | None = None  # requests served at once through the gateway; None: no limit
     gpus: tuple[int, ...] = ()  # the GPUs its engine holds (set at the start, cleared when it stops)
     measured_gib: float | None = None  # what its engine was last measured to use
     created_at: float = 0.0

@@ -13,7 +13,7 @@ Who gets what (BEHAVIOUR.md, "The queued notice"):
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -24,11 +24,25 @@ NONE = None
 _STRUCTURED = ("response_format", "tools", "tool_choice", "functions", "function_call", "structured_outputs")
 
 
-def notice_text(served_name: str, eta_s: float | None = None) -> str:
-    """The notice; ``eta_s``, how long the model's starts take (its start history), when known."""
-    eta = f", then expected in about {max(1, round(eta_s))} s" if eta_s is not None else ""
-    return (f"[ondemand] {served_name} is waiting for GPU memory to be freed and will start "
-            f"when it is{eta}; your answer follows.\n\n")
+class Wait(NamedTuple):
+    """What the notice tells of the wait, as it stood when the request queued."""
+    eta_s: float | None = None  # how long the model's starts take (its start history), when known
+    place: tuple[int, int] | None = None  # (the entry's place in the queue, from 1; the queue's length)
+
+
+UNKNOWN = Wait()  # nothing known of the wait
+
+
+def notice_text(served_name: str, eta_s: float | None = None, place: tuple[int, int] | None = None) -> str:
+    """The notice: "[ondemand] NAME is waiting for GPU memory (place P of Q, about S s)"
+    (interfaces.md, "Priorities and limits"); each part only when known."""
+    parts = []
+    if place is not None:
+        parts.append(f"place {place[0]} of {place[1]}")
+    if eta_s is not None:
+        parts.append(f"about {max(1, round(eta_s))} s")
+    where = f" ({', '.join(parts)})" if parts else ""
+    return f"[ondemand] {served_name} is waiting for GPU memory{where}; your answer follows.\n\n"
 
 
 def is_structured(body: dict[str, Any]) -> bool:
@@ -55,9 +69,9 @@ def mode(route: str, body: dict[str, Any] | None) -> str | None:
     return PREPEND
 
 
-def queued_chunk(route: str, served_name: str, eta_s: float | None = None) -> bytes:
+def queued_chunk(route: str, served_name: str, wait: Wait = UNKNOWN) -> bytes:
     now = int(time.time())
-    text = notice_text(served_name, eta_s)
+    text = notice_text(served_name, *wait)
     if route == "completions":
         chunk = {"id": "ondemand-queued", "object": "text_completion", "created": now, "model": served_name,
                  "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
@@ -75,14 +89,14 @@ def error_events(error: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
 
 
-def prepend(route: str, body: bytes, served_name: str, eta_s: float | None = None) -> bytes:
+def prepend(route: str, body: bytes, served_name: str, wait: Wait = UNKNOWN) -> bytes:
     """The engine's JSON answer with the notice in front of its text; unchanged
     when the answer has no place for it (tool calls with null content ...)."""
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
-    text = notice_text(served_name, eta_s)
+    text = notice_text(served_name, *wait)
     changed = False
     try:
         if route == "chat/completions":

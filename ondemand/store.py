@@ -33,6 +33,7 @@ DEPLOYMENT_FIELDS = (
     "gpu_count", "gpu_ids", "role", "state", "state_reason", "log_tail", "mode", "idle_timeout_s",
     "pending_mode", "gpus", "measured_gib", "created_at", "updated_at",
     "model", "env", "volumes",
+    "priority", "max_inflight",
 )
 _JSON_FIELDS = ("args", "command", "gpus", "volumes")  # lists, stored as JSON ([] when empty)
 _NULLABLE_JSON = ("gpu_ids",)  # lists or NULL

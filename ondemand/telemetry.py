@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import disable_created_metrics
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .events import DeploymentChanged
 from .exchange import Exchange
@@ -48,22 +48,27 @@ class _Live:
     """The gauges that mirror live state, computed when scraped."""
 
     def __init__(self, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
-                 queued: Callable[[int], int], gpu_memory: GpuMemory):
+                 queued: Callable[[int], int], gpu_memory: GpuMemory, busy: Callable[[int], int]):
         self._deployments = deployments
         self._inflight = inflight
         self._queued = queued
         self._gpu_memory = gpu_memory
+        self._busy = busy
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily("ondemand_inflight", "Requests being answered by the engine, per deployment",
                                      labels=["deployment"])
-        queued = GaugeMetricFamily("ondemand_queued", "Requests waiting for a start or for memory, per deployment",
-                                   labels=["deployment"])
+        queued = GaugeMetricFamily("ondemand_queued", "Requests waiting for a start or for memory, per deployment "
+                                   "(and its priority)", labels=["deployment", "priority"])
+        # Kept by the controller, which refuses them: read here like the gauges.
+        busy = CounterMetricFamily("ondemand_busy", "Requests refused 429 ondemand_busy: the deployment served "
+                                   "its max_inflight already", labels=["deployment"])
         state = GaugeMetricFamily("ondemand_deployment_state", "1 for the deployment's current state, else 0",
                                   labels=["deployment", "state"])
         for dep in self._deployments():
             inflight.add_metric([dep.name], self._inflight(dep.id))
-            queued.add_metric([dep.name], self._queued(dep.id))
+            queued.add_metric([dep.name, dep.priority.value], self._queued(dep.id))
+            busy.add_metric([dep.name], self._busy(dep.id))
             for s in State:
                 state.add_metric([dep.name, s.value], 1.0 if dep.state is s else 0.0)
         capacity = GaugeMetricFamily("ondemand_gpu_memory_capacity_bytes", "Usable GPU memory",
@@ -78,12 +83,13 @@ class _Live:
         for index, cap_gib, free_gib in gpus:
             capacity.add_metric([str(index)], cap_gib * GIB)
             free.add_metric([str(index)], free_gib * GIB)
-        return [inflight, queued, state, capacity, free]
+        return [inflight, queued, busy, state, capacity, free]
 
 
 class Telemetry:
     def __init__(self, *, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
-                 queued: Callable[[int], int], gpu_memory: GpuMemory, clock: Callable[[], float] = time.monotonic):
+                 queued: Callable[[int], int], gpu_memory: GpuMemory, clock: Callable[[], float] = time.monotonic,
+                 busy: Callable[[int], int] = lambda dep_id: 0):
         # No *_created series: they double the counters' series for a value nobody here reads.
         # (prometheus_client reads this switch when it writes a scrape; nothing else uses it.)
         disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client)
@@ -109,7 +115,7 @@ class Telemetry:
         self._health = Counter("ondemand_health_checks", "Health checks answered by the gateway, never forwarded",
                                ["deployment"], registry=r)
         self._syncs = Counter("ondemand_litellm_syncs", "LiteLLM syncs, by result", ["result"], registry=r)
-        r.register(_Live(deployments, inflight, queued, gpu_memory))
+        r.register(_Live(deployments, inflight, queued, gpu_memory, busy))
         # Label children by key: the forwarding path looks one up instead of building it.
         self._by_code: dict[tuple[str, int], Counter] = {}
         self._by_dep: dict[str, tuple[Histogram, Histogram]] = {}
@@ -135,7 +141,9 @@ class Telemetry:
             self._health.labels(ex.deployment).inc()
         elif ex.status == 401:
             self._auth_failures.inc()
-        elif ex.status == 429:
+        elif ex.status == 429 and not ex.deployment:
+            # Failed-key lockouts come before a deployment is named; a 429 of a deployment
+            # (ondemand_busy, or the engine's own) is not one.
             self._rate_limited.inc()
 
     def auth_failed(self) -> None:

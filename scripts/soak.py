@@ -5,7 +5,10 @@ simulator) under many clients and real faults, then the invariants that must hol
 
 Load: ``--requests`` requests from ``--clients`` clients over 4 deployments of which 2 fit
 at once; streaming and not; two deployments are "hot" at a time and the pair changes every
-250 requests, so models are put to sleep, started and made room for all the time.
+250 requests, so models are put to sleep, started and made room for all the time. The
+deployments have priorities (alpha high, bravo and charlie normal, delta low) and charlie
+a ``max_inflight`` of 3, so requests queue by priority, make-room picks by class, and
+charlie's bursts are refused 429 ``ondemand_busy``.
 
 Faults, for real: client hang-ups at every stage (waiting in the queue, while the model
 starts, right as the answer begins, mid-stream); engines SIGKILLed mid-stream and while
@@ -51,6 +54,10 @@ DEADLINE_S = QUEUE_TIMEOUT_S + 10  # a client gives up here: past it a request h
 PHASE = 250  # requests per pair of hot deployments
 FORBIDDEN = {"authorization", "cookie", "x-dgxmm-health-check", "x-forwarded-for", "forwarded", "x-real-ip"}
 SIM_ARGS = ("--startup-delay", "0.5", "--token-delay", "0.02", "--tokens", "24", "--shutdown-delay", "0.1")
+PRIORITIES = ("high", "normal", "normal", "low")  # per deployment, as NAMES
+RANK = {"low": 0, "normal": 1, "high": 2}
+LIMITS = (None, None, 3, None)  # max_inflight per deployment
+MAKE_ROOM = "Put to sleep to make room for "  # the audit text of a make-room stop
 
 
 @dataclass
@@ -131,13 +138,16 @@ class Soak:
     baseline: dict[str, int] = field(default_factory=dict)
     two_at_once: list[str] = field(default_factory=list)
     old_key_answers: list[str] = field(default_factory=list)
+    inflight_peak: collections.Counter[int] = field(default_factory=collections.Counter)  # per deployment
     up: asyncio.Event = field(default_factory=asyncio.Event)  # clear while ondemand restarts
 
     def __post_init__(self) -> None:
         self.journal = self.work / "journal.jsonl"
+        # The reaper looks every 2 s: an idle model is often still there when a queued request
+        # looks (just after an idle timeout runs out), so make-room, and its priority rule, runs.
         self.od = Ondemand(self.work, {
             "min_idle_timeout_s": 1, "ondemand_idle_timeout_s": 2, "ondemand_queue_timeout_s": QUEUE_TIMEOUT_S,
-            "reap_interval_s": 0.5, "metrics_interval_s": 0.5, "shutdown_grace_s": 2, "log_level": "info"},
+            "reap_interval_s": 2, "metrics_interval_s": 0.5, "shutdown_grace_s": 2, "log_level": "info"},
             {"budget": {"source": "static", "capacity_gib": 20},
              "deployer": {"backend": "process", "start_timeout_s": 10, "stop_timeout_s": 3}})
 
@@ -163,7 +173,8 @@ class Soak:
         for n, name in enumerate(NAMES):
             status, view = await self.od.api("POST", "/deployments", {
                 "name": name, "served_name": name.upper(), "memory_gib": 10, "mode": "on_demand",
-                "idle_timeout_s": 1 + n % 3, "command": self.command(n)})
+                "idle_timeout_s": 1 + n % 3, "command": self.command(n), "priority": PRIORITIES[n],
+                "max_inflight": LIMITS[n]})
             assert status == 201, (status, view)
             self.ids.append(view["id"])
         self.baseline = {"fds_first": soaklib.fd_count(self.od.pid), "rss_first": soaklib.rss_kib(self.od.pid)}
@@ -268,6 +279,9 @@ class Soak:
                 status, views = await self.od.api("GET", "/deployments")
                 if status == 200:
                     self.views = {v["id"]: v for v in views}
+                    for n, i in enumerate(self.ids):
+                        if i in self.views:
+                            self.inflight_peak[n] = max(self.inflight_peak[n], self.views[i]["ondemand"]["inflight"])
             n += 1
             if n % 5 == 0:
                 per_model = collections.Counter(p["model"] for p in sim_processes(self.journal).values())
@@ -476,6 +490,8 @@ class Soak:
             return self.always_on_during(d, any_dep=True) >= 2
         if o == "401 invalid_api_key":
             return any(d.start - 3 <= t <= d.end + 1 for t in self.rotations)
+        if "ondemand_busy" in o:  # 429 at its max_inflight (in a stream: queued, then over the limit)
+            return LIMITS[d.dep] is not None
         return False
 
     def always_on_during(self, d: Done, any_dep: bool = False) -> int:
@@ -497,6 +513,7 @@ class Soak:
         self.check("never two engines of one deployment at once (/proc, every second)", not self.two_at_once,
                    "; ".join(self.two_at_once[:3]))
         await self.quiet_checks()
+        await self.priority_checks()
         rc = await self.od.stop()
         self.check("ondemand stops on SIGTERM with exit code 0", rc == 0, f"exit code {rc}")
         await asyncio.sleep(0.5)
@@ -547,6 +564,44 @@ class Soak:
                    f"{base_rss // 1024} MiB after restart, {rss // 1024} MiB at the end")
         self.rss = (base_rss, rss)
 
+    async def priority_checks(self) -> None:
+        """From the audit rows and the request log: no make-room stop ever took a deployment
+        of higher priority than the request it was made for, and each was made while a
+        request for that one waited; the limited deployment never served more than its limit."""
+        rows: list[dict[str, Any]] = []
+        before = ""
+        while True:
+            status, page = await self.od.api("GET", f"/audit?limit=1000{before}")
+            if status != 200 or not page:
+                break
+            rows += page
+            before = f"&before={page[-1]['id']}"
+        by_name = {name.upper(): n for n, name in enumerate(NAMES)}
+        by_id = {i: n for n, i in enumerate(self.ids)}
+        stops = [r for r in rows if r["action"] == "ondemand_sleep" and r["text"].startswith(MAKE_ROOM)]
+        wrong, unasked = [], []
+        for r in stops:
+            victim, requester = by_id[r["deployment_id"]], by_name[r["text"][len(MAKE_ROOM):]]
+            if RANK[PRIORITIES[victim]] > RANK[PRIORITIES[requester]]:
+                wrong.append(f"{NAMES[victim]} ({PRIORITIES[victim]}) for {NAMES[requester]} "
+                             f"({PRIORITIES[requester]}) at {r['at']:.1f}")
+            if not any(d.dep == requester and d.start - 1 <= r["at"] <= d.end + 2 for d in self.done):
+                unasked.append(f"{NAMES[victim]} for {NAMES[requester]} at {r['at']:.1f}")
+        classes = collections.Counter(f"{PRIORITIES[by_id[r['deployment_id']]]} for "
+                                      f"{PRIORITIES[by_name[r['text'][len(MAKE_ROOM):]]]}" for r in stops)
+        self.check("no make-room stop took a deployment of higher priority than its request (audit rows)",
+                   bool(stops) and not wrong,
+                   "; ".join(wrong[:3]) or f"{len(stops)} make-room stops: "
+                   + ", ".join(f"{k} x{c}" for k, c in sorted(classes.items())))
+        self.check("every make-room stop was made while a request for its model waited (request log)",
+                   not unasked, "; ".join(unasked[:3]) or f"{len(stops)} matched")
+        busy = sum(d.outcome.endswith("ondemand_busy") for d in self.done)
+        over = {NAMES[n]: self.inflight_peak[n] for n, limit in enumerate(LIMITS)
+                if limit is not None and self.inflight_peak[n] > limit}
+        self.check("a deployment with max_inflight never served more at once (views every 0.2 s)", not over,
+                   str(over) if over else f"{busy} refused 429 ondemand_busy; peaks "
+                   + ", ".join(f"{NAMES[n]} {self.inflight_peak[n]}" for n in range(len(NAMES))))
+
     def journal_checks(self) -> None:
         events = soaklib.read_journal(self.journal)
         reqs = [e for e in events if e["ev"] == "req"]
@@ -569,7 +624,8 @@ class Soak:
     def summary(self) -> str:
         by = collections.Counter(d.outcome for d in self.done)
         out = [f"Soak: seed {self.seed}, {len(self.done)} requests from {self.clients} clients over "
-               f"{len(NAMES)} deployments (2 fit at once), {self.elapsed:.0f} s; {self.boots} engine starts, "
+               f"{len(NAMES)} deployments (2 fit at once; priorities {', '.join(PRIORITIES)}; charlie at most "
+               f"{LIMITS[2]} at once), {self.elapsed:.0f} s; {self.boots} engine starts, "
                f"{self.engine_requests} requests reached engines.", ""]
         out.append(soaklib.table("Requests by outcome", by.most_common(), ("outcome", "requests")))
         out += ["", soaklib.table("Faults injected", sorted(self.faults.items()), ("fault", "times"))]

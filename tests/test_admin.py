@@ -147,7 +147,7 @@ async def test_create_defaults_and_states(server):
     await wait_for(lambda: server.state(view["id"]) == "ready", what="always on starts at once")
     status, od = await api(server, "POST", "/deployments", new_dep("od"))
     assert od["mode"] == "on_demand" and od["state"] == "stopped"
-    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping", "idle_until": None, "backoff_until": None}
+    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping", "queue_position": None, "idle_until": None, "backoff_until": None}
     status, planned = await api(server, "POST", "/deployments", new_dep("pl", mode="always_on", start=False))
     assert planned["state"] == "planned"
     status, err = await api(server, "POST", "/deployments", new_dep("od"))
@@ -480,3 +480,25 @@ async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
     await wait_for(lambda: not run.followers, what="the follower gone with its client")
     await wait_for(lambda: {t.get_name() for t in asyncio.all_tasks()} <= before, what="no task left")
     assert server.state(dep_id) == "ready"
+
+
+async def test_priority_and_max_inflight_fields(server):
+    _, d = await api(server, "POST", "/deployments", new_dep("d"))
+    assert (d["priority"], d["max_inflight"]) == ("normal", None)  # the defaults
+    _, e = await api(server, "POST", "/deployments", {**new_dep("e"), "priority": "high", "max_inflight": 10000})
+    assert (e["priority"], e["max_inflight"]) == ("high", 10000)
+    for body, field in [({"priority": "urgent"}, "priority"), ({"priority": None}, "priority"),
+                        ({"priority": 2}, "priority"), ({"max_inflight": 0}, "max_inflight"),
+                        ({"max_inflight": 10001}, "max_inflight"), ({"max_inflight": 1.5}, "max_inflight"),
+                        ({"max_inflight": True}, "max_inflight"), ({"max_inflight": "4"}, "max_inflight")]:
+        for method, path, payload in (("POST", "/deployments", {**new_dep("f"), **body}),
+                                      ("PATCH", f"/deployments/{d['id']}", body)):
+            status, err = await api(server, method, path, payload)
+            assert status == 400 and err["error"]["code"] == "invalid_field", (method, body, err)
+            assert err["error"]["message"].startswith(field + ":"), err
+    status, view = await api(server, "PATCH", f"/deployments/{d['id']}", {"priority": "low", "max_inflight": 2})
+    assert status == 200 and (view["priority"], view["max_inflight"]) == ("low", 2)
+    status, view = await api(server, "PATCH", f"/deployments/{d['id']}", {"max_inflight": None})
+    assert status == 200 and view["max_inflight"] is None
+    (row, *_) = [r for r in await server.deployer.store.audit(d["id"]) if r["action"] == "deployment_update"]
+    assert row["detail"] == {"old": {"max_inflight": 2}, "new": {"max_inflight": None}}

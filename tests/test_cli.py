@@ -160,6 +160,34 @@ async def test_deploy_set_edits_in_place(tmp_path):
         assert server.deployer.get(a).served_name == "Alpha-2"
 
 
+async def test_deploy_add_and_set_priority_and_max_inflight(tmp_path):
+    async with run_app(tmp_path) as server:
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        rc, out, err = await cli("deploy", "add", "coder", "--command", " ".join(sim_command("CODER")),
+                                 "--mode", "on_demand", "--priority", "high", "--max-inflight", "8", "--json",
+                                 config=cfg)
+        assert rc == 0, err
+        view = json.loads(out)
+        assert (view["priority"], view["max_inflight"]) == ("high", 8)
+        rc, _, err = await cli("deploy", "add", "x", "--command", "x", "--max-inflight", "0", config=cfg)
+        assert rc == 1 and "max_inflight:" in err and "invalid_field" in err
+        rc, _, err = await cli("deploy", "add", "x", "--command", "x", "--priority", "urgent", config=cfg)
+        assert rc == 2 and "urgent" in err  # click's own choice check
+        await server.deployer.restart(view["id"])
+        rc, out, err = await cli("deploy", "set", str(view["id"]), "--priority", "low", "--max-inflight", "none",
+                                 "--json", config=cfg)  # while it runs: these two need no stop
+        assert rc == 0, err
+        assert (json.loads(out)["priority"], json.loads(out)["max_inflight"], json.loads(out)["state"]) == \
+            ("low", None, "ready")
+        rc, out, _ = await cli("deploy", "set", str(view["id"]), "--max-inflight", "2", config=cfg)
+        assert rc == 0
+        rc, out, _ = await cli("status", config=cfg)
+        header, row = [line for line in out.splitlines() if line.startswith(("ID", str(view["id"]) + " "))]
+        assert "PRIORITY" in header and " low " in row and " 0/2 " in row
+        rc, out, _ = await cli("deploy", "show", str(view["id"]), config=cfg)
+        assert re.search(r"^priority: +low$", out, re.M) and re.search(r"^max_inflight: +2$", out, re.M)
+
+
 async def test_read_only_commands_without_a_server(tmp_path):
     async with run_app(tmp_path) as server:
         await server.add("alpha")

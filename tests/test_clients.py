@@ -31,7 +31,7 @@ pytestmark = pytest.mark.clients
 
 HI = [{"role": "user", "content": "hello there"}]
 TEXT = " ".join(f"tok{i}" for i in range(16))  # the simulator's default answer
-NOTICE = "[ondemand] X is waiting for GPU memory to be freed and will start when it is; your answer follows.\n\n"
+NOTICE = "[ondemand] X is waiting for GPU memory (place 1 of 1); your answer follows.\n\n"
 HEALTH = {"x-dgxmm-health-check": "1"}
 
 

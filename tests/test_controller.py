@@ -14,8 +14,9 @@ import pytest
 from ondemand.controller import BACKOFF_FIRST_S, BACKOFF_MAX_S, Controller, Phase
 from ondemand.errors import InsufficientMemory, OndemandError
 from ondemand.eviction import Candidate, pick_victims
-from ondemand.model import Deployment, Mode, Role, State
+from ondemand.model import Deployment, Mode, Priority, Role, State
 from ondemand.placement import Fit
+from ondemand.queue import WaitQueue
 
 
 class Clock:
@@ -477,7 +478,8 @@ def test_a_hang_up_while_queued_removes_the_entry(world):
     fx.add(1, 10)
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 0, 24))
-    assert c.status(1) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "idle_until": None, "backoff_until": None}
+    assert c.status(1) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "queue_position": 1,
+                           "idle_until": None, "backoff_until": None}
     r.leave()
     assert 1 not in c.queue and c.waiting() == 0 and c.status(1)["phase"] == "sleeping"
 
@@ -990,3 +992,302 @@ def test_a_queued_entry_looks_again_at_least_every_15_s(world):
     assert fx.taken("admit") == []
     clock.advance(0.2)
     assert [a[1] for a in fx.taken("admit")] == [1]
+
+
+# --- priorities and limits (BEHAVIOUR.md, "Priorities and limits") ---------------------------------
+
+LOW, NORMAL, HIGH = Priority.LOW, Priority.NORMAL, Priority.HIGH
+
+
+def test_queue_order_is_priority_then_first_arrival_then_id():
+    q = WaitQueue()
+    q.add(1, 10.0, NORMAL.rank)
+    q.add(2, 5.0, LOW.rank)  # earliest, but low
+    q.add(3, 10.0, HIGH.rank)
+    q.add(4, 10.0, NORMAL.rank)  # equal arrival and priority to 1: the lower id first
+    q.add(5, 9.0, NORMAL.rank)
+    q.add(6, 10.0, HIGH.rank)
+    assert q.ids() == [3, 6, 5, 1, 4, 2]
+    assert q.place(5) == (3, 6) and q.place(2) == (6, 6) and q.place(9) is None
+    assert q.overtaken_by(1) == 3 and q.overtaken_by(6) is None and q.overtaken_by(3) is None
+
+
+def test_a_higher_head_takes_the_reservation_and_what_is_freed_later():
+    q = WaitQueue()
+    q.add(1, 0.0, LOW.rank)
+    q.reserve(1, {0: 10})
+    q.add(2, 5.0, NORMAL.rank)  # a later normal: takes the head and the 10 GiB
+    assert q.head() == 2 and q.reserved_for_others(1) == {0: 10} and q.reserved_for_others(2) == {}
+    q.reserve(1, {1: 4})  # a stop made for the old head ends now: held for the new head too
+    assert q.reserved_for_others(1) == {0: 10, 1: 4}
+    q.add(3, 1.0, NORMAL.rank)  # the same priority, earlier: it goes first, but takes nothing
+    assert q.ids() == [3, 2, 1] and q.reserved_for_others(2) == {}
+    q.remove(2)  # the new head gives up: its hold goes (nothing freed goes back to 1)
+    assert q.reserved_for_others(3) == {}
+
+
+def test_queued_requests_start_by_priority_then_arrival(world):
+    """Equal arrivals: high first. And a high entry that arrives later still goes first."""
+    c, fx, clock = make(world)
+    fx.add(9, 10, state=State.READY)
+    c.try_take(9)  # busy: nobody can make room
+    c.on_stopped(9, True, None)  # (a stop just now: refusals queue, none is does_not_fit)
+    for i, p in ((1, LOW), (2, NORMAL), (3, HIGH), (4, NORMAL)):
+        fx.add(i, 10, priority=p)
+    reqs = {i: Req(c, i, arrival=clock.t) for i in (1, 2, 4)}
+    for a in fx.taken("admit"):
+        c.on_refused(a[1], InsufficientMemory(10, 0, 24))
+    assert c.queue.ids() == [2, 4, 1]
+    reqs[3] = Req(c, 3, arrival=clock.t + 1)
+    c.on_refused(3, InsufficientMemory(10, 0, 24))
+    assert c.queue.ids() == [3, 2, 4, 1] and c.queue.head() == 3
+    assert [c.status(i)["queue_position"] for i in (3, 2, 4, 1)] == [1, 2, 3, 4]
+    assert c.queue_place(1) == (4, 4) and c.queue_place(9) is None
+
+
+def test_a_lower_entry_lets_the_higher_head_ask_first(world):
+    """Memory freed by a stop nobody made for the head (the reaper here): the head's fit
+    check runs first, and the lower entry asks only once the head's answer is in."""
+    c, fx, clock = make(world)
+    fx.add(9, 10, state=State.READY)
+    c.try_take(9)
+    c.on_stopped(9, True, None)
+    fx.add(1, 10, priority=LOW)
+    fx.add(2, 10, priority=HIGH)
+    low = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    high = Req(c, 2)
+    fx.taken("admit")
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert c.queue.ids() == [2, 1]
+    assert [a[1] for a in fx.taken("admit")] == [1]  # after the head's answer, the low one asks again
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.set(9, state=State.STOPPED)  # memory frees: everyone looks again, in the queue's order
+    assert [a[1] for a in fx.taken("admit")] == [2]  # the low one waits for the head's answer
+    fx.set(2, state=State.STARTING)
+    c.on_admitted(2, True)
+    assert [a[1] for a in fx.taken("admit")] == [1]  # now the low one asks (and will not fit)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.set(2, state=State.READY)
+    assert high.take() is not None and low.take() is None and c.queue.ids() == [1]
+
+
+def test_head_takeover_with_a_reservation_in_flight(world):
+    """A low head is stopping a victim when a high request queues: the high one takes the
+    head, stops nothing more, and gets what the victim frees; the low one keeps its deadline."""
+    c, fx, clock = make(world, queue_timeout_s=100)
+    fx.add(1, 10, priority=LOW)
+    fx.add(2, 10, priority=HIGH)
+    fx.add(3, 10, priority=LOW)
+    fx.add(4, 10, priority=LOW)
+    idle_ready(fx, c, clock, 3, 4)
+    low = Req(c, 1)
+    deadline = low.waiter.deadline
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1:3] for s in fx.taken("stop")] == [(3, 1)]  # the low head's victim, out
+    high = Req(c, 2)
+    assert fx.taken("admit")[-1][1:3] == (2, 0)
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert c.queue.head() == 2 and fx.taken("stop") == []  # 3's memory is coming to it: no second victim
+    c.on_stopped(3, True, 1)  # the stop made for the low head ends
+    fx.set(3, state=State.STOPPED)
+    assert c.queue.reserved_for_others(1) == {0: 10} and c.queue.reserved_for_others(2) == {}
+    assert fx.taken("settle") == [("settle", 1)] and c.settle_target(1) == 2
+    c.on_settled(1)
+    assert [a[1:3] for a in fx.taken("admit")] == [(2, 0)]  # the high one asks with the hold; the low one waits
+    fx.set(2, state=State.STARTING)
+    c.on_admitted(2, True)
+    assert [a[1] for a in fx.taken("admit")] == [1]
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    # The head now, the low one makes room for itself (4 had stayed untouched until here).
+    assert [s[1:3] for s in fx.taken("stop")] == [(4, 1)]
+    fx.set(2, state=State.READY)
+    assert high.take() is not None
+    assert low.waiter.deadline == deadline and low.take() is None and c.queue.ids() == [1]
+
+
+def test_a_head_taken_over_while_settling_hands_the_settle_on(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10, priority=NORMAL)
+    fx.add(2, 10, priority=HIGH)
+    fx.add(3, 10, priority=NORMAL)
+    idle_ready(fx, c, clock, 3)
+    Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    fx.taken("stop")
+    c.on_stopped(3, True, 1)
+    assert c.attempt_phase(1) is Phase.SETTLING and c.queue.reserved_for_others(2) == {0: 10}
+    Req(c, 2)
+    fx.taken("admit")
+    c.on_refused(2, InsufficientMemory(10, 0, 24))  # 3's memory does not read free yet
+    assert c.queue.reserved_for_others(1) == {0: 10} and fx.taken("stop") == []
+    assert c.settle_target(1) == 2  # the settle out now waits for the high head's fit
+    c.on_settled(1)
+    assert [a[1:3] for a in fx.taken("admit")] == [(2, 0)]  # the head asks, with the hold; 1 waits for it
+    fx.set(2, state=State.STARTING)
+    c.on_admitted(2, True)
+    assert [a[1:3] for a in fx.taken("admit")] == [(1, 0)]
+
+
+def test_victims_by_class_lower_priority_first_then_lru(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10, priority=NORMAL)
+    fx.add(2, 10, priority=NORMAL)  # the least recently used
+    fx.add(3, 10, priority=LOW)
+    fx.add(4, 10, priority=HIGH)  # never a victim of a normal request
+    idle_ready(fx, c, clock, 2)
+    clock.advance(5)
+    idle_ready(fx, c, clock, 3, 4)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [3]  # the low one, though 2 is older
+    c.on_stopped(3, True, 1)
+    fx.set(3, state=State.STOPPED)
+    c.on_settled(1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))  # (freed less than thought) one more
+    assert [s[1] for s in fx.taken("stop")] == [2]
+    c.on_stopped(2, True, 1)
+    fx.set(2, state=State.STOPPED)
+    c.on_settled(1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == [] and 1 in c.queue  # only the high one is left: it waits
+
+
+def test_a_normal_request_never_stops_a_high_idle_model_and_times_out(world):
+    c, fx, clock = make(world, queue_timeout_s=30)
+    fx.add(1, 10, priority=NORMAL)
+    fx.add(2, 10, priority=HIGH)
+    idle_ready(fx, c, clock, 2)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("stop") == [] and r.queued == 1
+    clock.advance(30)
+    assert r.code() == "ondemand_queue_timeout"
+    assert fx.deps[2].state is State.READY
+
+
+def test_a_high_request_against_a_busy_high_model_and_an_idle_low_one(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10, priority=HIGH)
+    fx.add(2, 10, priority=HIGH)
+    fx.add(3, 10, priority=LOW)
+    idle_ready(fx, c, clock, 2, 3)
+    c.try_take(2)  # the high model is busy
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1:4] for s in fx.taken("stop")] == [(3, 1, "Put to sleep to make room for D1")]
+    # Both needed: the busy one cannot go, so nothing is stopped at all.
+    fx.add(5, 20, priority=HIGH)
+    Req(c, 5)
+    c.on_refused(5, InsufficientMemory(20, 0, 24))
+    assert fx.taken("stop") == []
+
+
+def test_a_low_request_stops_only_low_models(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10, priority=LOW)
+    fx.add(2, 10, priority=NORMAL)
+    fx.add(3, 10, priority=LOW)
+    idle_ready(fx, c, clock, 2)
+    clock.advance(1)
+    idle_ready(fx, c, clock, 3)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [3]
+
+
+def test_pick_victims_orders_by_rank_then_lru():
+    def one_pool(need):
+        return lambda free: (0,) if free[0] + 1e-9 >= need else None
+
+    cands = [Candidate(1, {0: 10}, last_used=1, rank=NORMAL.rank), Candidate(2, {0: 10}, last_used=9, rank=LOW.rank),
+             Candidate(3, {0: 10}, last_used=5, rank=LOW.rank)]
+    assert [v.id for v in pick_victims(cands, [0], one_pool(10))[0]] == [3]
+    assert [v.id for v in pick_victims(cands, [0], one_pool(25))[0]] == [3, 2, 1]
+
+
+def test_max_inflight_refuses_at_once_with_429_and_frees_again(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY, max_inflight=2)
+    a, b = c.try_take(1), c.try_take(1)
+    with pytest.raises(OndemandError) as exc:
+        c.try_take(1)
+    err = exc.value
+    assert (err.status, err.code, err.type) == (429, "ondemand_busy", "rate_limit_error")
+    assert err.headers == {"Retry-After": "1", "x-should-retry": "true"} and "max_inflight" in err.message
+    assert c.inflight(1) == 2 and c.waiting() == 0 and c.busy_total(1) == 1
+    assert c.backoff_left(1) == 0 and fx.taken("admit") == []  # no failed start, nothing queued
+    a.release()
+    assert c.try_take(1) is not None and c.inflight(1) == 2
+    b.release()
+    fx.set(1, max_inflight=None)  # an edit while it runs: no limit from now on
+    assert all(c.try_take(1) for _ in range(50))
+
+
+def test_max_inflight_counts_slots_not_waiters_and_refuses_past_it_when_ready(world):
+    """Requests waiting for a start do not count; once it is ready, those past the limit
+    are told 429 too (it is no queue for the limit)."""
+    c, fx, clock = make(world)
+    fx.add(1, max_inflight=2)
+    reqs = [Req(c, 1) for _ in range(3)]  # three wait for the start: none is refused
+    assert c.waiting() == 3
+    start(fx, c, 1)
+    outcomes = []
+    for r in reqs:
+        try:
+            outcomes.append("slot" if r.take() else None)
+        except OndemandError as exc:
+            outcomes.append(exc.code)
+        r.leave()
+    assert outcomes == ["slot", "slot", "ondemand_busy"] and c.inflight(1) == 2 and c.waiting() == 0
+    assert c.backoff_left(1) == 0
+
+
+def test_the_limit_under_seeded_random_acquires_and_releases(world):
+    """Many rounds of take / release / hang-up in a seeded random order, one step at a
+    time as the event loop would run them: the count never passes the limit, and
+    every refusal is a 429 that changed nothing."""
+    import random
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY, max_inflight=3)
+    for seed in range(20):
+        rnd = random.Random(seed)
+        held = []
+        busy = c.busy_total(1)
+        for _ in range(500):
+            if held and rnd.random() < 0.45:
+                held.pop(rnd.randrange(len(held))).release()
+            else:
+                try:
+                    held.append(c.try_take(1))
+                except OndemandError as exc:
+                    assert exc.code == "ondemand_busy" and len(held) == 3
+                    busy += 1
+            assert c.inflight(1) == len(held) <= 3
+        assert c.busy_total(1) == busy
+        for s in held:
+            s.release()
+    assert c.inflight(1) == 0
+
+
+def test_a_priority_edited_while_queued_moves_the_entry(world):
+    c, fx, clock = make(world)
+    fx.add(9, 10, state=State.READY)
+    c.try_take(9)
+    c.on_stopped(9, True, None)
+    fx.add(1, 10, priority=NORMAL)
+    fx.add(2, 10, priority=NORMAL)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    c.queue.reserve(1, {0: 4})  # (as if a stop had freed memory for the head)
+    late = Req(c, 2)
+    c.on_refused(2, InsufficientMemory(10, 0, 24))
+    assert c.queue.ids() == [1, 2]
+    fx.set(2, priority=HIGH)  # an administrator's edit (deploy set --priority) while it waits
+    assert c.queue.ids() == [2, 1] and c.status(2)["queue_position"] == 1
+    assert c.queue.reserved_for_others(1) == {0: 4}  # the hold went with the head's place
+    fx.set(2, priority=LOW)
+    assert c.queue.ids() == [1, 2] and c.queue.reserved_for_others(1) == {0: 4}  # nothing comes back
+    assert late.waiter.deadline == late.waiter.arrival + c.queue_timeout_s

@@ -388,7 +388,7 @@ async def test_hang_up_while_queued_removes_the_entry(tmp_path, store):
         slot = await env.acquire(a)
         w = asyncio.ensure_future(env.acquire(x))
         await wait_for(lambda: x in c.queue)
-        assert c.status(x) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "idle_until": None, "backoff_until": None}
+        assert c.status(x) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "queue_position": 1, "idle_until": None, "backoff_until": None}
         w.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await w
@@ -618,3 +618,52 @@ async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path,
         with contextlib.suppress(asyncio.CancelledError):
             await w
         assert env.controller.waiting() == 0 and env.controller.attempt_phase(a) is None
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 2 else []) for s in range(10)])
+async def test_race_the_limit_under_concurrent_acquires(tmp_path, store, seed):
+    """300 acquires of a deployment with max_inflight 3, started cold (the first ones wait
+    for the start), with random hang-ups and random holding times: the in-flight count
+    never passes 3 at any moment (a spy on every grant), every refusal is 429 ondemand_busy,
+    and the counts return to 0. The limit is read in the step that grants, as the slots are."""
+    rng = random.Random(seed)
+    async with controller_env(tmp_path, store, queue_timeout_s=8, max_queued=1000) as env:
+        c = env.controller
+        a = await env.add("a", 10, "--startup-delay", "0.2", max_inflight=3)
+        peaks, codes = [], []
+        real_grant = c._grant
+
+        def spied_grant(dep_id):
+            slot = real_grant(dep_id)
+            peaks.append(c.inflight(dep_id))
+            return slot
+        c._grant = spied_grant
+
+        async def one():
+            task = asyncio.ensure_future(env.acquire(a))
+            if rng.random() < 0.2:
+                await asyncio.sleep(rng.random() * 0.3)
+                task.cancel()
+            try:
+                slot = await task
+            except asyncio.CancelledError:
+                return
+            except OndemandError as exc:
+                codes.append(exc.code)
+                return
+            try:
+                await asyncio.sleep(rng.random() * 0.05)
+            finally:
+                slot.release()
+
+        waves = []
+        for _ in range(300):
+            waves.append(asyncio.ensure_future(one()))
+            if rng.random() < 0.1:
+                await asyncio.sleep(rng.random() * 0.05)
+        done, pending = await asyncio.wait(waves, timeout=30)
+        assert not pending, "a request hung"
+        assert peaks and max(peaks) <= 3
+        assert codes and set(codes) == {"ondemand_busy"}
+        assert c.busy_total(a) == len(codes) and c.backoff_left(a) == 0
+        assert c.inflight(a) == 0 and c.waiting() == 0 and not c._waits

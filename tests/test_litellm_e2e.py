@@ -157,7 +157,7 @@ class Proxy:
 
 @contextlib.asynccontextmanager
 async def litellm_proxy(tmp: Path, model_list: list[dict], *, ready_timeout: float = 120,
-                        general_settings: dict | None = None):
+                        general_settings: dict | None = None, router_settings: dict | None = None):
     """``litellm --config`` on a free loopback port, without a database; stopped on exit."""
     cfg = {
         "model_list": model_list,
@@ -167,6 +167,7 @@ async def litellm_proxy(tmp: Path, model_list: list[dict], *, ready_timeout: flo
         "general_settings": {"master_key": MASTER, "background_health_checks": False,
                              **(general_settings or {})},
         "litellm_settings": {"drop_params": False},
+        **({"router_settings": router_settings} if router_settings else {}),
     }
     path = tmp / "litellm-config.yaml"
     path.write_text(json.dumps(cfg, indent=2))  # JSON is YAML
@@ -536,3 +537,101 @@ async def test_warm_first_sends_everything_to_the_ready_box_and_the_cold_one_ser
     finally:
         if a_open:
             await a_cm.__aexit__(None, None, None)
+
+
+# --- several boxes: a box at its max_inflight -------------------------------------------------
+
+SDK_CLIENT = """
+import json, sys
+from openai import OpenAI
+url, key, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=2)  # the SDK's default retries
+out = []
+for _ in range(n):
+    try:
+        r = client.chat.completions.create(model="M", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        out.append(200)
+    except Exception as exc:
+        out.append(getattr(exc, "status_code", repr(exc)))
+print(json.dumps(out))
+"""
+
+
+async def sdk_requests(proxy: Proxy, n: int) -> list:
+    """``n`` chat requests, one after another, by the OpenAI SDK with its default retries."""
+    proc = await asyncio.create_subprocess_exec(
+        str(_python()), "-c", SDK_CLIENT, proxy.url, MASTER, str(n), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=litellm_env())
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def test_a_box_at_its_limit_answers_429_and_litellm_sends_the_next_requests_to_the_other(tmp_path, http):
+    """M is ready on two boxes (both order 1); box A allows one request at once
+    (max_inflight 1) and is serving it. What moves traffic to box B, read in LiteLLM
+    1.106.12's source and shown here (docs/several-boxes.md, "A box at its limit"):
+
+    1. the entries keep num_retries 0, so the request that landed on A gets the 429 back
+       (LiteLLM does not retry it: the client sees exactly as many 429s as A refused), with
+       our headers as llm_provider-retry-after / llm_provider-x-should-retry; LiteLLM cools A's
+       entry down for Retry-After = 1 s (router.py deployment_callback_on_failure, which
+       prefers the answer's Retry-After to router_settings.cooldown_time;
+       cooldown_handlers._should_cooldown_deployment: a 429 in a group of more than one entry);
+    2. the client's own retry of a 429 (the OpenAI SDK retries a 429 twice by default,
+       0.5 s then 1 s later) is routed again, to B while A cools down, or to A once A has
+       room: every SDK request is answered;
+    3. with router_settings.retry_policy {RateLimitErrorRetries: N}, LiteLLM itself retries
+       the 429 at once (the policy overrides the entry's num_retries 0 for rate-limit errors
+       only): a client without retries sees no 429."""
+    async with run_app(tmp_path / "a", instance="box-a", ondemand_idle_timeout_s=3600) as a, \
+            run_app(tmp_path / "b", instance="box-b", ondemand_idle_timeout_s=3600) as b:
+        ma, mb = await a.add("m", 4, max_inflight=1), await b.add("m", 4)
+        await a.deployer.restart(ma)
+        await b.deployer.restart(mb)
+        entries = [entry_for(a, ma), entry_for(b, mb)]
+        assert [(e["litellm_params"]["order"], e["litellm_params"]["num_retries"]) for e in entries] == [(1, 0), (1, 0)]
+        held = await a.admission.acquire(ma)  # A serves its one request, all along
+        try:
+            async with litellm_proxy(tmp_path / "a", entries) as proxy:
+                statuses = []
+                for _ in range(30):
+                    async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
+                                         headers=proxy.headers()) as r:
+                        statuses.append(r.status)
+                        if r.status == 429:
+                            err = await r.json()
+                            headers = {k.lower(): v for k, v in r.headers.items()}
+                            assert "max_inflight" in err["error"]["message"], err  # our message (not our code)
+                            assert headers["llm_provider-x-should-retry"] == "true", headers
+                            assert headers["llm_provider-retry-after"] == "1", headers
+                        else:
+                            assert r.status == 200, (await r.text(), proxy.tail())
+                refused = statuses.count(429)
+                print(f"30 plain requests: {statuses.count(200)} answered by B, {refused} refused by A (429)")
+                assert refused >= 1, "LiteLLM never picked box A"
+                assert a.controller.busy_total(ma) == refused  # LiteLLM retried none of them
+                assert len(await engine_requests(b, mb)) == statuses.count(200)
+                # The OpenAI SDK's own retries: each 429 is tried again, and lands on B.
+                busy0, served0 = a.controller.busy_total(ma), len(await engine_requests(b, mb))
+                sdk = await sdk_requests(proxy, 10)
+                print(f"OpenAI SDK (max_retries=2): {sdk.count(200)} of 10 answered; A refused "
+                      f"{a.controller.busy_total(ma) - busy0} tries on the way")
+                assert sdk == [200] * 10, sdk
+                assert len(await engine_requests(b, mb)) == served0 + 10
+            # A router retry policy for rate-limit errors: LiteLLM moves the request itself.
+            settings = {"retry_policy": {"RateLimitErrorRetries": 3}}
+            async with litellm_proxy(tmp_path / "b", entries, router_settings=settings) as proxy:
+                busy0 = a.controller.busy_total(ma)
+                for i in range(20):
+                    async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
+                                         headers=proxy.headers()) as r:
+                        assert r.status == 200, (await r.text(), proxy.tail())
+                    if i % 4 == 3:
+                        await asyncio.sleep(1.1)  # past A's cooldown now and then: A is picked again
+                print(f"retry_policy RateLimitErrorRetries 3: 20 of 20 answered; A refused "
+                      f"{a.controller.busy_total(ma) - busy0} tries, retried by LiteLLM")
+                assert a.controller.busy_total(ma) > busy0  # some went to A first
+            assert a.controller.inflight(ma) == 1 and await starts(a, ma) == 1 and await starts(b, mb) == 1
+        finally:
+            held.release()

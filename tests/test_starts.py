@@ -111,10 +111,13 @@ async def test_the_state_file_keeps_a_bounded_history(store):
 
 
 def test_the_notice_says_when_the_model_is_expected():
-    assert "expected in about 42 s" in notice.notice_text("M", 41.6)
-    assert "expected" not in notice.notice_text("M")
-    chunk = notice.queued_chunk("chat/completions", "M", 3.0)
-    assert b"expected in about 3 s" in chunk
+    assert notice.notice_text("M", 41.6) == "[ondemand] M is waiting for GPU memory (about 42 s); your answer follows.\n\n"
+    assert notice.notice_text("M", 41.6, (2, 3)).startswith("[ondemand] M is waiting for GPU memory "
+                                                            "(place 2 of 3, about 42 s);")
+    assert notice.notice_text("M", None, (1, 1)).startswith("[ondemand] M is waiting for GPU memory (place 1 of 1);")
+    assert "about" not in notice.notice_text("M") and "place" not in notice.notice_text("M")
+    chunk = notice.queued_chunk("chat/completions", "M", notice.Wait(3.0, (1, 2)))
+    assert b"(place 1 of 2, about 3 s)" in chunk
 
 
 async def test_views_carry_the_history_of_real_starts(server, http):
@@ -162,7 +165,7 @@ async def test_the_queued_notice_of_the_gateway_carries_the_eta(server, http):
     async with http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()) as r:
         chunk = orjson.loads((await r.content.readuntil(b"\n\n"))[6:])
         assert chunk["id"] == "ondemand-queued"
-        assert "then expected in about 7 s" in chunk["choices"][0]["delta"]["content"]
+        assert "(place 1 of 1, about 7 s)" in chunk["choices"][0]["delta"]["content"]
         slot.release()
         server.controller._last_activity[big] = 0  # idle for its full timeout: x gets its memory
         await server.app[app_mod.SAMPLER].sample_once()

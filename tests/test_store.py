@@ -56,6 +56,44 @@ async def test_ondemand_mode_migration_upgrades_old_rows(tmp_path):
         await store.close()
 
 
+async def test_priorities_migration_skips_the_gap_and_keeps_old_rows_normal_without_a_limit(tmp_path):
+    """Version 6 follows 4 here: 5 is the engine recipes' (another branch). The runner applies
+    what is missing in order and skips a number it does not know."""
+    assert [m.version for m in migrations.MIGRATIONS if m.version > 4][:1] in ([5], [6])
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    assert await migrations.upgrade(db, target=4) == (0, 4)
+    assert "priority" not in await migrations._columns(db, "deployments")
+    await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                     "VALUES ('old', 'Old', 'vllm', 'ready', 0, 0)")
+    assert await migrations.upgrade(db) == (4, migrations.LATEST)
+    assert await migrations.schema_version(db) == migrations.LATEST >= 6
+    await db.close()
+    store = await Store.open(path)
+    try:
+        [old] = await store.deployments()
+        assert old["priority"] == "normal" and old["max_inflight"] is None
+        new = await store.insert_deployment(dict(name="b", served_name="B", engine="vllm", priority="high",
+                                                 max_inflight=4))
+        assert new["priority"] == "high" and new["max_inflight"] == 4
+        for bad in ({"priority": "urgent"}, {"max_inflight": 0}, {"max_inflight": 10001}):
+            with pytest.raises(sqlite3.IntegrityError):  # the column's CHECK, below the API's own
+                await store.update_deployment(new["id"], **bad)
+    finally:
+        await store.close()
+
+
+async def test_priorities_migration_is_idempotent_on_a_file_that_has_the_columns(tmp_path):
+    """A file whose columns came another way (a branch's build) migrates without an error."""
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await migrations.upgrade(db, target=4)
+    await db.execute("ALTER TABLE deployments ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal'")
+    assert await migrations.upgrade(db) == (4, migrations.LATEST)
+    assert {"priority", "max_inflight"} <= await migrations._columns(db, "deployments")
+    await db.close()
+
+
 async def test_migration_is_one_transaction(tmp_path, monkeypatch):
     path = tmp_path / "ondemand.db"
     db = await aiosqlite.connect(path, isolation_level=None)

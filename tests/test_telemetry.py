@@ -60,7 +60,8 @@ async def test_the_metrics_are_what_happened(server, http):
                                              headers=server.auth()))
     await wait_for(lambda: server.controller.status(x)["queued"] == 1)
     during = await scrape(server, http)
-    assert v(during, "ondemand_queued", deployment="x") == 1 and v(during, "ondemand_inflight", deployment="big") == 1
+    assert v(during, "ondemand_queued", deployment="x", priority="normal") == 1
+    assert v(during, "ondemand_inflight", deployment="big") == 1
     slot.release()
     server.controller._last_activity[big] = 0  # idle for its full timeout
     await server.app[app_mod.SAMPLER].sample_once()
@@ -96,7 +97,8 @@ async def test_the_metrics_are_what_happened(server, http):
              for (name, labels), val in m.items() if name == "ondemand_stops_total"}
     assert stops == {"big/make_room": 1, "x/idle": 1}
     for dep in ("big", "x"):
-        assert v(m, "ondemand_inflight", deployment=dep) == 0 and v(m, "ondemand_queued", deployment=dep) == 0
+        assert v(m, "ondemand_inflight", deployment=dep) == 0
+        assert v(m, "ondemand_queued", deployment=dep, priority="normal") == 0 and v(m, "ondemand_busy_total", deployment=dep) == 0
         states = {dict(labels)["state"]: val for (name, labels), val in m.items()
                   if name == "ondemand_deployment_state" and dict(labels)["deployment"] == dep}
         assert len(states) == 7 and states["stopped"] == 1 and sum(states.values()) == 1

@@ -237,7 +237,9 @@ function row(v) {
   const mode = el("td", {"data-label": "Mode", className: "mode"},
                   v.mode === "on_demand" ? "on demand" : "always on",
                   el("span", {className: "sub"}, modeDetail(v)));
-  const load = el("td", {"data-label": "Load"}, `${od.inflight || 0} in flight · ${od.queued || 0} queued`,
+  const limit = v.max_inflight ? `/${v.max_inflight}` : "";
+  const place = od.queue_position ? ` (place ${od.queue_position})` : "";
+  const load = el("td", {"data-label": "Load"}, `${od.inflight || 0}${limit} in flight · ${od.queued || 0} queued${place}`,
                   el("span", {className: "sub"}, "last request " + ago(od.last_request_at)));
   const gpus = el("td", {"data-label": "GPUs"}, (v.gpus || []).length ? v.gpus.join(", ") :
                   (v.gpu_count === 0 ? "none" : "–"),
@@ -285,6 +287,7 @@ function modeDetail(v) {
   const od = v.ondemand || {};
   const idle = v.idle_timeout_s ? `idle timeout ${dur(v.idle_timeout_s)}` : "default idle timeout";
   let s = v.mode === "on_demand" ? idle : "";
+  if (v.priority && v.priority !== "normal") s += `${s ? " · " : ""}${v.priority} priority`;
   if (v.pending_mode) s = `switching to ${v.pending_mode.replace("_", " ")} at the start`;
   if (od.idle_until) {
     const left = od.idle_until - Date.now() / 1000;
@@ -350,6 +353,8 @@ function openEdit(v) {
     f.memory_gib.value = v.memory_gib; f.gpu_count.value = v.gpu_count ?? "";
     f.gpu_ids.value = (v.gpu_ids || []).join(","); f.role.value = v.role;
     f.idle_timeout_s.value = v.idle_timeout_s ?? "";
+    f.priority.value = v.priority || "normal";
+    f.max_inflight.value = v.max_inflight ?? "";
   } else {
     // As the design's wizard: on demand when LiteLLM is there to route to it.
     f.mode.value = host && host.ondemand.litellm_ready ? "on_demand" : "always_on";
@@ -367,6 +372,7 @@ function editBody(f) {
     memory_gib: Number(f.memory_gib.value || 0), gpu_count: num(f.gpu_count.value), role: f.role.value,
     idle_timeout_s: num(f.idle_timeout_s.value), args: lines(f.args.value), env: parseEnv(f.env.value),
     gpu_ids: f.gpu_ids.value.trim() ? f.gpu_ids.value.split(",").map((x) => Number(x.trim())) : null,
+    priority: f.priority.value, max_inflight: num(f.max_inflight.value),
   };
   // A pin sets the count; a new one left empty gets the server's default (1 with a model).
   if (body.gpu_count === null && (body.gpu_ids || !editing)) delete body.gpu_count;
@@ -449,6 +455,8 @@ function openMode(v) {
   $("mode-title").textContent = `Mode of ${v.name}`;
   $("m-mode").value = v.pending_mode || v.mode;
   $("m-idle").value = v.idle_timeout_s ?? "";
+  $("m-priority").value = v.priority || "normal";
+  $("m-max-inflight").value = v.max_inflight ?? "";
   $("mode").showModal();
   $("m-mode").focus();
 }
@@ -456,7 +464,12 @@ function openMode(v) {
 $("mode-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const idle = $("m-idle").value;
+  const limit = $("m-max-inflight").value;
+  // Priority and limit are no part of the mode: an edit, allowed in any state.
+  const limits = {priority: $("m-priority").value, max_inflight: limit === "" ? null : Number(limit)};
+  const changed = Object.fromEntries(Object.entries(limits).filter(([k, val]) => val !== (moding[k] ?? null)));
   try {
+    if (Object.keys(changed).length) await call("PATCH", `deployments/${moding.id}`, changed);
     await call("PATCH", `deployments/${moding.id}/mode`,
                {mode: $("m-mode").value, idle_timeout_s: idle === "" ? null : Number(idle)});
     $("mode").close();
