@@ -163,7 +163,7 @@ async def test_deploy_set_edits_in_place(tmp_path):
 async def test_deploy_add_and_set_priority_and_max_inflight(tmp_path):
     async with run_app(tmp_path) as server:
         cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-        rc, out, err = await cli("deploy", "add", "coder", "--command", " ".join(sim_command("CODER")),
+        rc, out, err = await cli("deploy", "add", "coder", "--command", " ".join(sim_command("coder")),
                                  "--mode", "on_demand", "--priority", "high", "--max-inflight", "8", "--json",
                                  config=cfg)
         assert rc == 0, err
