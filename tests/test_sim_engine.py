@@ -418,3 +418,21 @@ async def test_journal_records_requests_and_the_inflight_at_sigterm(tmp_path):
     assert lines[1]["path"] == "/v1/chat/completions"
     sigterm = [e for e in lines if e["ev"] == "sigterm"]
     assert len(sigterm) == 1 and sigterm[0]["inflight"] == 1
+
+
+def test_it_takes_the_flags_the_recipes_write_and_refuses_others():
+    """The simulator stands in for the engines a recipe starts: their flags as
+    recipes.launch writes them are accepted, the served name is vLLM's
+    (--served-model-name, else the model), and an unknown flag exits 2 as vLLM does."""
+    from ondemand.model import Deployment
+    from ondemand.recipes import Box, launch
+    for engine, model in (("vllm", "org/m"), ("sglang", "org/m"), ("llamacpp", "/srv/m.gguf")):
+        dep = Deployment(id=1, name="d", served_name="served", engine=engine, model=model, memory_gib=8, gpu_count=2)
+        argv = launch(dep, Box(backend="process", commands={engine: ()}), gpu_size_gib=80).args
+        opts = parse_args([a.replace("{port}", "0") for a in argv])
+        assert opts.model == "served" and opts.port == 0, (engine, argv)
+    assert parse_args(["org/m"]).model == "org/m"
+    assert parse_args(["--model", "legacy"]).model == "legacy"  # the tests' and the demo's older form
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["org/m", "--no-such-flag"])
+    assert exit_.value.code == 2
