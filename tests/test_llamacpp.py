@@ -1,7 +1,10 @@
 """ondemand with a real llama.cpp server and a real model, end to end.
 
-One flow, through the gateway on loopback with the process backend: a cold
-start (stopped → starting → ready), a streamed chat (SSE chunks, byte-level
+One flow, through the gateway on loopback with the process backend, the
+deployment made from the llama.cpp recipe (engine ``llamacpp``, ``model`` the
+GGUF path, ``deployer.commands.llamacpp`` the binary: the recipe writes ``-m``,
+``--alias``, the address, ``-ngl 999`` and ``--metrics``, and the deployment's
+own ``args`` follow): a cold start (stopped → starting → ready), a streamed chat (SSE chunks, byte-level
 sanity, ``data: [DONE]``), the metrics sampler reading llama.cpp's
 ``llamacpp:requests_processing`` / ``llamacpp:requests_deferred`` gauges
 (busy in the middle of a long generation, idle after it), the reaper putting
@@ -80,14 +83,12 @@ def engine_files() -> tuple[str, str]:
     return found["LLAMA_SERVER"], found["GEMMA_GGUF"]
 
 
-def llama_command(llama_server: str, gguf: str) -> list[str]:
-    # --no-jinja: with jinja (this llama.cpp's default) "gemma" would be read as a
-    # literal Jinja template. Small context and two slots keep memory low. -t 1:
-    # llama.cpp's worker threads spin while they wait for each other, so on a
-    # busy 2-core machine two threads ran ~7x slower than one (2.6 vs 17 tokens/s).
-    return [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", "{port}",
-            "--no-jinja", "--chat-template", "gemma", "--metrics", "-c", "2048", "-np", "2",
-            "-t", "1", "--alias", SERVED]
+# The deployment's own args, after what the recipe writes (-m, --alias, --host, --port, -ngl, --metrics).
+# --no-jinja: with jinja (this llama.cpp's default) "gemma" would be read as a literal
+# Jinja template. Small context and two slots keep memory low. -t 1: llama.cpp's worker
+# threads spin while they wait for each other, so on a busy 2-core machine two threads
+# ran ~7x slower than one (2.6 vs 17 tokens/s).
+LLAMA_ARGS = ["--no-jinja", "--chat-template", "gemma", "-c", "2048", "-np", "2", "-t", "1"]
 
 
 # --- small tools ------------------------------------------------------------------
@@ -168,12 +169,14 @@ async def test_llamacpp_on_demand_end_to_end(tmp_path, engine_files):
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     llama_server, gguf = engine_files
-    async with run_app(tmp_path, **{"deployer.start_timeout_s": 60, "deployer.stop_timeout_s": 10}) as server, \
+    async with run_app(tmp_path, **{"deployer.start_timeout_s": 60, "deployer.stop_timeout_s": 10,
+                                    "deployer.commands.llamacpp": [llama_server]}) as server, \
             aiohttp.ClientSession() as http:
         from ondemand import app as app_mod
         sampler = server.app[app_mod.SAMPLER]
         dep = await server.deployer.create(dict(
-            name=NAME, served_name=SERVED, engine="llamacpp", command=llama_command(llama_server, gguf),
+            # gpu_count 1: the recipe adds -ngl 999 (this CPU build of llama.cpp ignores it).
+            name=NAME, served_name=SERVED, engine="llamacpp", model=gguf, args=LLAMA_ARGS, gpu_count=1,
             memory_gib=1, mode="on_demand", state="stopped", role="model", idle_timeout_s=IDLE_S))
         d = dep.id
         tl = Timeline(server, d)
@@ -211,8 +214,10 @@ async def test_llamacpp_on_demand_end_to_end(tmp_path, engine_files):
         assert server.state(d) == "ready" and server.controller.inflight(d) == 0
         assert len(await audit(server, d, "ondemand_start")) == 1
         pid1 = engine_pid(server, NAME)
-        assert alive(pid1) and cmdline(pid1)[0] == llama_server and SERVED in cmdline(pid1)
         base1 = server.deployer.base_url(d)
+        port = base1.rpartition(":")[2]
+        assert alive(pid1) and cmdline(pid1) == [llama_server, "-m", gguf, "--alias", SERVED, "--host", "127.0.0.1",
+                                                 "--port", port, "-ngl", "999", "--metrics", *LLAMA_ARGS], cmdline(pid1)
         log_text = (server.cfg.state_dir / "logs" / f"{NAME}.log").read_text(errors="replace")
         assert "llama" in log_text.lower() and "gemma" in log_text.lower(), log_text[-2000:]
 
