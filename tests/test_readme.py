@@ -74,7 +74,7 @@ async def test_readme_demo_as_printed(tmp_path):
             tables.append(rows)
         elif rows is not None and line[:1].isdigit():
             cols = line.split()
-            rows[cols[1]] = (cols[4], cols[5])  # state, phase
+            rows[cols[1]] = (cols[5], cols[6])  # state, phase (after mode and priority)
         else:
             rows = None
     assert len(tables) == 2, out
