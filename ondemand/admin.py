@@ -36,7 +36,7 @@ from .errors import (
     OndemandError,
     StateFileError,
 )
-from .events import ViewPublished
+from .events import Resync, ViewPublished
 from .http.aio import read_body
 from .http.headers import bearer, token_bytes
 from .http.server import LIMITS
@@ -438,21 +438,32 @@ async def action(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    """Server-Sent Events: one ``deployment`` event per change (the view)."""
+    """Server-Sent Events: one ``deployment`` event per change (the view). A reader that fell
+    behind gets ``resync`` (every view, as a list) and then every view again as ``deployment``
+    events, instead of the events it missed."""
     app_mod, app = _app_parts(request)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     bus = app[app_mod.BUS]
+
+    async def all_views(resync: bool) -> None:
+        views = [app_mod.view(app, dep) for dep in app[app_mod.DEPLOYER].all()]
+        if resync:
+            await resp.write(b"event: resync\ndata: " + orjson.dumps(views) + b"\n\n")
+        for v in views:
+            await resp.write(b"event: deployment\ndata: " + orjson.dumps(v) + b"\n\n")
     with bus.stream(ViewPublished) as queue:
-        for dep in app[app_mod.DEPLOYER].all():  # the current views first
-            await resp.write(b"event: deployment\ndata: " + orjson.dumps(app_mod.view(app, dep)) + b"\n\n")
+        await all_views(False)  # the current views first
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), 15)
             except asyncio.TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue
-            await resp.write(b"event: deployment\ndata: " + orjson.dumps(event.view) + b"\n\n")
+            if isinstance(event, Resync):
+                await all_views(True)
+            else:
+                await resp.write(b"event: deployment\ndata: " + orjson.dumps(event.view) + b"\n\n")
 
 
 async def audit(request: web.Request) -> web.Response:

@@ -853,3 +853,16 @@ async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_
             up.release()
             lease.end()
     assert b'"ondemand_upstream_error"' in out.data and b"broke off" in out.data and out.data.endswith(b"<eof>")
+
+
+async def test_the_engines_own_request_id_is_replaced_not_duplicated(tmp_path):
+    """vLLM answers with an X-Request-Id of its own: the client sees one, the gateway's (issue 23)."""
+    async def answer(req, writer):
+        if await not_ours(req, writer):
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Request-Id: engine-own\r\n"
+                     b"Content-Length: 12\r\n\r\n{\"ok\": true}")
+        await writer.drain()
+    async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        async with http.post(url, json={"model": "A"}, headers={**server.auth(), "X-Request-Id": "mine"}) as r:
+            assert r.status == 200 and r.headers.getall("X-Request-Id") == ["mine"]

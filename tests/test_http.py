@@ -195,10 +195,11 @@ async def test_an_admin_body_one_byte_over_16_mib_is_413(server):
     b"GET * HTTP/1.1\r\nHost: x\r\n\r\n",
     b"GET /dgxmm/ondemand%2F1/v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
 ])
-async def test_refusals_are_the_documented_json(server, raw):
-    answers = _answers(await _talk(server, raw, timeout=5))
-    assert answers and 400 <= answers[0][0] < 500, answers
-    assert _code(answers[0])
+@pytest.mark.parametrize("after_admin", [False, True])
+async def test_refusals_are_the_documented_json(server, raw, after_admin):
+    answers = _answers(await _talk(server, (_admin(server) if after_admin else b"") + raw, timeout=5))
+    assert len(answers) == 1 + after_admin and 400 <= answers[-1][0] < 500, answers
+    assert _code(answers[-1])
 
 
 async def test_an_authenticated_admin_body_has_a_time_limit(tmp_path):
