@@ -2,8 +2,10 @@
 
 Every long-lived resource is a typed ``web.AppKey`` started and stopped
 through ``app.cleanup_ctx``, so the start-up order is the list in
-``build_app`` and shutdown is its reverse (aiohttp's habit). Nothing else in
-the package constructs components or reads the environment.
+``build_app`` and shutdown is its reverse (aiohttp's habit). Nothing else
+wires components together or reads the environment (the command line's
+``cli`` builds the few it uses without a server, ``http.server`` its
+connections; ``config`` reads the environment once).
 """
 from __future__ import annotations
 

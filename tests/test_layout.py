@@ -36,7 +36,7 @@ ALLOWED = {
                 "keys", "model", "paths", "ratelimit"},
     # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
     "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
-    "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
+    "litellm": {"errors", "http.headers", "keys"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"accesslog", "admission", "config", "controller", "deployer", "effects", "events", "footprint",
                    "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "starts", "store", "tasks",
                    "telemetry"},
