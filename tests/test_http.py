@@ -245,3 +245,21 @@ async def test_a_gateway_body_past_the_high_water_mark_pauses_reading(ready):
         writer.close()
         gateway.handle = handle
     assert head.startswith(b"HTTP/1.1 ") and held and held[0] < 2 * 2**20, held
+
+
+async def test_an_early_answer_drops_a_body_past_the_high_water_mark_and_serves_on(ready):
+    """A 401 before a 1 MiB body came: the body is read and dropped (reading is not paused for
+    a body nobody will read), and the next request on the connection is answered."""
+    server, dep = ready
+    big = b"{" + b" " * 2**20 + b"}"
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    try:
+        writer.write(_gw(server, dep, body=big).replace(server.key.encode(), b"wrong")
+                     + _gw(server, dep, body=b"{}"))
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert first.startswith(b"HTTP/1.1 401")
+        await asyncio.wait_for(reader.readuntil(b"}}"), 10)  # its JSON body
+        second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert second.startswith(b"HTTP/1.1 400")  # {} is no chat request, but it was answered
+    finally:
+        writer.close()

@@ -104,6 +104,8 @@ class Call:
     # --- the request's body, from the protocol ---
 
     def feed(self, data: bytes) -> None:
+        if self.too_large:  # refused, or answered before it came: read and dropped (never paused)
+            return
         self.size += len(data)
         if self.size > self.limit:
             if not self.too_large:

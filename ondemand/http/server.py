@@ -69,8 +69,9 @@ class HttpServer:
         self.app = app
         self.limits = app.get(LIMITS) or Limits()
         self.shutdown_timeout = shutdown_timeout
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=shutdown_timeout, **self.limits.aiohttp_args())
+        # The runner's server is used for its request handling and its connections' drain;
+        # its connections are made here (AioConnection, with the limits), never by its factory.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
         self.front: Front | None = None
         self.listeners: list[asyncio.AbstractServer] = []
         app.on_shutdown.append(self._drain)  # after the application's own (signals run in order)
