@@ -559,12 +559,12 @@ async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on(how)
             await wait_for(lambda: pool(ups).waiters)
             p = pool(ups)
             if how == "close":
-                lost = p._lost
+                lost = p.lost
 
                 def lost_then_cancel(conn):
                     lost(conn)  # the slot is handed to the waiter ...
                     waiting.cancel()  # ... which goes away in the same turn
-                p._lost = lost_then_cancel
+                p.lost = lost_then_cancel
                 close_now.set()
                 await wait_for(lambda: waiting.done(), what="the engine closed it")
                 r.release()

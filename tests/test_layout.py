@@ -17,7 +17,7 @@ ALLOWED = {
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
     "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.protocol"},
     "http.protocol": {"http.cycle", "http.flow_control", "http.refusals", "http.server"},  # (for types only)
-    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.body"},
+    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"}, "http.connection": {"http.body"},
     "http.server": {"http.aio", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),

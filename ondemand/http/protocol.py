@@ -1,21 +1,13 @@
 """One client connection of the lean front: :class:`HttpProtocol` (uvicorn's
-``HttpToolsProtocol``).
+``HttpToolsProtocol``; design.md, "The HTTP layer").
 
-llhttp (through httptools) parses; a request whose target starts with the gateway's prefix
-becomes a :class:`~.cycle.Call` and goes to the gateway's handler, one at a time and in order
-(a pipelined one waits, with reading paused). The first request that is not the gateway's
-hands the connection to aiohttp's application for good (:meth:`HttpProtocol._hand_off`,
-as uvicorn hands an upgrade to its websocket protocol): once the gateway's answers before it
-are out, aiohttp's connection object gets the transport (``transport.set_protocol``) and
-every byte from that request's first on, exactly as the client sent them. Nothing is ever
-taken back (issue 23). The hand-off needs to know where that request began: it does when
-the request begins a read (the usual case, and always on a connection's first request); a
-request pipelined in the same read behind a gateway request is answered 421
-``misdirected_request`` instead, after the answers before it, and the connection closes.
-
-The bounds are the server's :class:`~.limits.Limits`. Refusals are the documented JSON,
-written after the answers owed before them, and the connection closes after them.
-Imports nothing of ours but ``errors`` and this package.
+llhttp (httptools) parses; a request under the gateway's prefix becomes a :class:`~.cycle.Call`
+for the gateway's handler, one at a time and in order. The first request that is not the
+gateway's hands the connection to aiohttp for good (:meth:`HttpProtocol._hand_off`), with the
+bytes from that request's first on, once the answers before it are out; one pipelined in the
+same read behind a gateway request (where it begins is unknown: llhttp tells no offsets) is 421
+instead. Refusals are the documented JSON, after the answers owed before them, then the close.
+Imports nothing of ours but ``errors`` (through ``refusals``) and this package.
 """
 from __future__ import annotations
 
