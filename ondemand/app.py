@@ -486,7 +486,10 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     try:
         # A deep backlog: LiteLLM may open hundreds of connections at once, and a full
         # default queue (128) drops handshakes that then retry after 1, 3, 7 s.
-        await server.listen_tcp(host or None, port, backlog=4096)
+        admin = cfg.admin_listen_host_port
+        await server.listen_tcp(host or None, port, backlog=4096, serves="gateway" if admin else "all")
+        if admin is not None:
+            await server.listen_tcp(admin[0] or None, admin[1], serves="admin")
         if sock_path.exists() or sock_path.is_symlink():
             sock_path.unlink()
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
@@ -497,10 +500,12 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
         os.chmod(sock_path, stat.S_IRUSR | stat.S_IWUSR)
     except OSError as exc:
         await server.stop()
-        raise StartupError(f"cannot listen on {cfg.listen} / {sock_path}: {exc.strerror or exc}") from exc
+        raise StartupError(f"cannot listen on {cfg.listen}{' / ' + cfg.admin_listen if cfg.admin_listen else ''} / "
+                           f"{sock_path}: {exc.strerror or exc}") from exc
     _tune_gc()
-    log.info("ondemand %s listening on %s (gateway %s/ondemand, admin %s/api, socket %s)",
-             __version__, cfg.listen, cfg.base_path, cfg.base_path, sock_path)
+    log.info("ondemand %s listening on %s (gateway %s/ondemand, admin %s/api%s, socket %s)",
+             __version__, cfg.listen, cfg.base_path, cfg.base_path,
+             f" on {cfg.admin_listen}" if cfg.admin_listen else "", sock_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -272,7 +272,10 @@ async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides)
         app[LIMITS] = limits
     server = HttpServer(app, shutdown_timeout=1)
     await server.start()
-    await server.listen_tcp("127.0.0.1", port)
+    admin = cfg.admin_listen_host_port  # as serve listens
+    await server.listen_tcp("127.0.0.1", port, serves="gateway" if admin else "all")
+    if admin is not None:
+        await server.listen_tcp(admin[0], admin[1], serves="admin")
     await server.listen_unix(str(cfg.admin_socket))
     cfg.admin_socket.chmod(0o600)  # as serve makes it
     srv = Server(app, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)

@@ -263,3 +263,38 @@ async def test_an_early_answer_drops_a_body_past_the_high_water_mark_and_serves_
         assert second.startswith(b"HTTP/1.1 400")  # {} is no chat request, but it was answered
     finally:
         writer.close()
+
+
+async def test_admin_listen_gives_the_admin_api_a_listener_of_its_own(tmp_path):
+    """With ``admin_listen``, ``listen`` serves the gateway alone (anything else is 404) and the
+    admin listener is aiohttp's from the first byte (a gateway request there is 421)."""
+    from helpers import free_port
+    admin_port = free_port()
+    async with run_app(tmp_path, admin_listen=f"127.0.0.1:{admin_port}") as server:
+        dep = await server.add("a")
+        await server.deployer.restart(dep)
+        answers = _answers(await _talk(server, _gw(server, dep) + _gw(server, dep, "Connection: close")))
+        assert [a[0] for a in answers] == [200, 200]
+        [answer] = _answers(await _talk(server, _admin(server)))
+        assert answer[0] == 404 and _code(answer) == "not_found"
+
+        async def admin_talk(data: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+            writer.write(data)
+            try:
+                return await asyncio.wait_for(reader.read(65536), 5)
+            finally:
+                writer.close()
+        answers = _answers(await admin_talk(_admin(server)))
+        assert answers[0][0] == 200 and "hostname" in orjson.loads(answers[0][2])
+        answers = _answers(await admin_talk(_gw(server, dep)))
+        assert answers[0][0] == 421 and _code(answers[0]) == "misdirected_request"
+
+
+def test_admin_listen_is_host_port_or_nothing():
+    from ondemand import config
+    from ondemand.errors import ConfigError
+    assert config.load(env={}).admin_listen is None
+    assert config.load(env={"ONDEMAND_ADMIN_LISTEN": "127.0.0.1:8091"}).admin_listen_host_port == ("127.0.0.1", 8091)
+    with pytest.raises(ConfigError, match="admin_listen"):
+        config.load(env={}, overrides={"admin_listen": "8091"})

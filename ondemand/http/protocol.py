@@ -205,6 +205,9 @@ class HttpProtocol(asyncio.Protocol):
             # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.
             raise _Refuse(refusal(400, "invalid_request", "Transfer-Encoding other than one chunked is not accepted"))
         if not self.url.startswith(self.front.prefix):
+            if not self.front.hand_off:
+                raise _Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
+                                      "(the admin API is on admin_listen)"))
             if self.raw is None:
                 raise _Refuse(refusal(421, "misdirected_request",
                                       "A request that is not the gateway's, pipelined behind a gateway request: "

@@ -48,8 +48,9 @@ class Front:
     connections (for the shutdown) and how to make aiohttp's connection for a hand-off."""
 
     def __init__(self, route: Route, limits: Limits, aiohttp_connection: Callable[[], AioConnection],
-                 refusals: RefusalLog = REFUSALS):
+                 refusals: RefusalLog = REFUSALS, *, hand_off: bool = True):
         self.loop = asyncio.get_running_loop()
+        self.hand_off = hand_off  # False: a listener of the gateway's alone (admin_listen is set)
         self.prefix = route.prefix
         self.handle = route.handle
         self.max_body = route.max_body
@@ -73,6 +74,7 @@ class HttpServer:
         # its connections are made here (AioConnection, with the limits), never by its factory.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
         self.front: Front | None = None
+        self.gateway_only: Front | None = None
         self.listeners: list[asyncio.AbstractServer] = []
         app.on_shutdown.append(self._drain)  # after the application's own (signals run in order)
 
@@ -86,11 +88,19 @@ class HttpServer:
         def aiohttp_connection() -> AioConnection:
             return AioConnection(server, front.limits, loop, access_log=None)
         front = self.front = Front(route, self.limits, aiohttp_connection)
+        self.gateway_only = Front(route, self.limits, aiohttp_connection, hand_off=False)
+        self.gateway_only.connections = front.connections  # one set: the shutdown drains both
 
-    async def listen_tcp(self, host: str | None, port: int, *, backlog: int = 4096) -> None:
-        assert self.front is not None
+    async def listen_tcp(self, host: str | None, port: int, *, backlog: int = 4096,
+                         serves: str = "all") -> None:
+        """``serves``: "all" (the lean front, handing other connections to aiohttp), "gateway"
+        (the gateway alone: anything else is 404) or "admin" (aiohttp's from the first byte)."""
+        assert self.front is not None and self.gateway_only is not None
+        factories: dict[str, Callable[[], asyncio.Protocol]] = {
+            "all": self.front, "gateway": self.gateway_only, "admin": self.front.aiohttp_connection}
+        factory = factories[serves]
         self.listeners.append(await asyncio.get_running_loop().create_server(
-            self.front, host, port, reuse_address=True, backlog=backlog))
+            factory, host, port, reuse_address=True, backlog=backlog))
 
     async def listen_unix(self, path: str) -> None:
         assert self.front is not None
