@@ -198,6 +198,9 @@ def test_no_aiohttp_private_module_attribute_or_class_swap():
             elif isinstance(node, ast.ClassDef):
                 bases = {ast.unparse(b) for b in node.bases}
                 if any(b.startswith(("web.", "aiohttp.")) for b in bases):
-                    bad += [f"{where}:{f.lineno} overrides aiohttp's {f.name}" for f in node.body
-                            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name in private]
+                    # None of aiohttp's underscore methods, and no underscore method of its own
+                    # (it could meet one of aiohttp's in its next version).
+                    bad += [f"{where}:{f.lineno} defines {f.name} in a subclass of aiohttp's" for f in node.body
+                            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            and f.name.startswith("_") and not f.name.startswith("__")]
     assert bad == []

@@ -111,7 +111,7 @@ class AioConnection(web.RequestHandler):
                 watch.feed_data(data)
             except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # aiohttp's parser answers it
                 in_body = self.watch_in_body
-                self._unwatch()
+                self.unwatch()
                 if in_body:
                     # aiohttp gives up on such a body without ending it: its reader would wait
                     # for ever (until read_body's time limit), the 400 queued behind it.
@@ -120,7 +120,7 @@ class AioConnection(web.RequestHandler):
             if self.watch_head:
                 self.watch_bytes += len(data)
                 if self.watch_bytes > self.limits.max_head_bytes:
-                    self._head_refused(431, "headers_too_large",
+                    self.head_refused(431, "headers_too_large",
                                        f"The request head is larger than {self.limits.max_head_bytes // 1024} KiB")
                     return
         super().data_received(data)
@@ -129,7 +129,7 @@ class AioConnection(web.RequestHandler):
         self.watch_head = True
         self.watch_bytes = 0
         if self.watch_timer is None:
-            self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self._head_late)
+            self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self.head_late)
 
     def head_ends(self) -> None:
         self.watch_head = False
@@ -138,18 +138,18 @@ class AioConnection(web.RequestHandler):
             self.watch_timer.cancel()
             self.watch_timer = None
 
-    def _head_late(self) -> None:
+    def head_late(self) -> None:
         self.watch_timer = None
         if self.watch_head:
-            self._head_refused(408, "request_timeout",
+            self.head_refused(408, "request_timeout",
                                f"The request head did not arrive within {self.limits.head_timeout_s:g} s")
 
-    def _head_refused(self, status: int, code: str, message: str) -> None:
+    def head_refused(self, status: int, code: str, message: str) -> None:
         self.refuse_as = (status, code, message)
-        self._unwatch()
+        self.unwatch()
         super().data_received(b"\x00\r\n\r\n")  # no head may hold a NUL: aiohttp refuses it, in its order
 
-    def _unwatch(self) -> None:
+    def unwatch(self) -> None:
         self.watch = None
         self.watch_head = False
         if self.watch_timer is not None:
@@ -157,7 +157,7 @@ class AioConnection(web.RequestHandler):
             self.watch_timer = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._unwatch()
+        self.unwatch()
         super().connection_lost(exc)
 
     # --- aiohttp's refusals, in the documented form ---
