@@ -36,7 +36,10 @@ from .errors import (
     OndemandError,
     StateFileError,
 )
-from .events import ViewPublished
+from .events import Resync, ViewPublished
+from .http.aio import read_body
+from .http.headers import bearer, token_bytes
+from .http.server import LIMITS
 from .model import MAX_INFLIGHT, Deployment, Priority, State
 from .telemetry import CONTENT_TYPE
 
@@ -74,7 +77,18 @@ def _http_error(exc: web.HTTPException) -> web.Response:
                         headers={"Allow": allow} if allow else None)
 
 
+def _refusal(err: OndemandError, *, close: bool = False) -> web.Response:
+    """An error in the documented form; its ``Connection: close`` closes the connection."""
+    headers = {k: v for k, v in err.headers.items() if k != "Connection"}
+    resp = web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=headers or None)
+    if close or err.headers.get("Connection") == "close":
+        resp.force_close()
+    return resp
+
+
 def auth_middleware(cfg: Config) -> Middleware:
+    """The admin token, and what aiohttp's application never serves (design.md, "The HTTP
+    layer"): gateway requests (the lean front's alone) and upgrades."""
     api = cfg.base_path + "/api"
     gateway = cfg.base_path + "/ondemand"
     metrics_path = cfg.base_path + "/metrics"
@@ -85,13 +99,24 @@ def auth_middleware(cfg: Config) -> Middleware:
 
     @web.middleware
     async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if "Upgrade" in request.headers and "upgrade" in request.headers.get("Connection", "").lower():
+            # aiohttp would take what follows for the new protocol's, and lose the requests
+            # pipelined behind it (issue 23): nothing here switches protocols.
+            return _refusal(OndemandError(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"),
+                            close=True)
+        if request.raw_path.startswith(gateway + "/"):
+            # This connection carries admin requests: the gateway serves only connections
+            # that began with one of its own (RFC 9110's 421: retry on another connection).
+            return _refusal(OndemandError(421, "misdirected_request",
+                                          "A gateway request on a connection that carries admin requests: "
+                                          "send it on a connection of its own"))
         if request.path.startswith(gateway):
-            return await handler(request)  # the gateway answers its own errors
+            return _refusal(OndemandError(404, "not_found", "Not found"))  # ondemand%2F1, say
         if guarded(request.path) and not _is_unix(request):
             token = keys_mod.read_key_file(cfg.token_file)
-            auth = request.headers.get("Authorization", "")
-            presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if token is None or not hmac.compare_digest(presented.encode(), token.encode()):
+            presented = bearer(request.headers) or ""
+            # The presented bytes as they came: .encode() raised on a non-UTF-8 byte (issue 23).
+            if token is None or not hmac.compare_digest(token_bytes(presented), token.encode()):
                 telemetry = request.app.get(components.TELEMETRY)
                 if telemetry is not None:
                     telemetry.auth_failed()
@@ -104,7 +129,7 @@ def auth_middleware(cfg: Config) -> Middleware:
             err = OndemandError(503, "state_file_unwritable", str(exc), headers={"Retry-After": "30"})
             return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
         except OndemandError as err:
-            return web.Response(status=err.status, body=err.body(), content_type=_JSON, headers=err.headers)
+            return _refusal(err)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -134,8 +159,10 @@ def _dep_id(request: web.Request) -> int:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
+    # A time limit as the gateway's (issue 23: an admin body could trickle for ever).
+    raw = await read_body(request, request.app[LIMITS])
     try:
-        data = orjson.loads(await request.read() or b"{}")
+        data = orjson.loads(raw or b"{}")
     except orjson.JSONDecodeError:
         raise OndemandError(400, "invalid_json", "the body is not valid JSON") from None
     if not isinstance(data, dict):
@@ -473,21 +500,32 @@ async def action(request: web.Request) -> web.Response:
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    """Server-Sent Events: one ``deployment`` event per change (the view)."""
+    """Server-Sent Events: one ``deployment`` event per change (the view). A reader that fell
+    behind gets ``resync`` (every view, as a list) and then every view again as ``deployment``
+    events, instead of the events it missed."""
     app_mod, app = _app_parts(request)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     bus = app[app_mod.BUS]
+
+    async def all_views(resync: bool) -> None:
+        views = [app_mod.view(app, dep) for dep in app[app_mod.DEPLOYER].all()]
+        if resync:
+            await resp.write(b"event: resync\ndata: " + orjson.dumps(views) + b"\n\n")
+        for v in views:
+            await resp.write(b"event: deployment\ndata: " + orjson.dumps(v) + b"\n\n")
     with bus.stream(ViewPublished) as queue:
-        for dep in app[app_mod.DEPLOYER].all():  # the current views first
-            await resp.write(b"event: deployment\ndata: " + orjson.dumps(app_mod.view(app, dep)) + b"\n\n")
+        await all_views(False)  # the current views first
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), 15)
             except asyncio.TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue
-            await resp.write(b"event: deployment\ndata: " + orjson.dumps(event.view) + b"\n\n")
+            if isinstance(event, Resync):
+                await all_views(True)
+            else:
+                await resp.write(b"event: deployment\ndata: " + orjson.dumps(event.view) + b"\n\n")
 
 
 async def audit(request: web.Request) -> web.Response:

@@ -2,8 +2,10 @@
 
 Every long-lived resource is a typed ``web.AppKey`` started and stopped
 through ``app.cleanup_ctx``, so the start-up order is the list in
-``build_app`` and shutdown is its reverse (aiohttp's habit). Nothing else in
-the package constructs components or reads the environment.
+``build_app`` and shutdown is its reverse (aiohttp's habit). Nothing else
+wires components together or reads the environment (the command line's
+``cli`` builds the few it uses without a server, ``http.server`` its
+connections; ``config`` reads the environment once).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import __version__, httpserver
+from . import __version__
 from . import keys as keys_mod
 from .accesslog import AccessLog
 from .admission import Admission
@@ -62,8 +64,11 @@ from .errors import BudgetError
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
 from .exchange import Exchange
 from .footprint import FootprintSampler
-from .forward import Upstreams
-from .gateway import MAX_BODY, Gateway
+from .gateway import Gateway
+from .http.cycle import Call
+from .http.limits import Limits
+from .http.pool import Upstreams
+from .http.server import LIMITS, ROUTE, HttpServer, Route
 from .litellm import LiteLLMClient
 from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
@@ -142,8 +147,10 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     components in the cleanup contexts below, in start-up order."""
     from . import admin  # the admin API's routes
 
-    app = web.Application(client_max_size=MAX_BODY + 1, handler_args=httpserver.HANDLER_ARGS)
+    limits = Limits()  # no configuration key changes a bound yet: built here, once, for both stacks
+    app = web.Application(client_max_size=limits.client_max_size())
     app[CONFIG] = cfg
+    app[LIMITS] = limits
     app[BUS] = EventBus()
     app[STARTED_AT] = time.time()
     holder = _PolicyHolder()
@@ -152,17 +159,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     app.middlewares.append(guard)
     app.middlewares.append(admin.auth_middleware(cfg))
 
-    prefix = cfg.base_path + "/ondemand"
-    app[httpserver.LEAN_ROUTE] = _lean_route(app, guard, prefix)
-
-    async def gateway_route(request: web.Request) -> web.StreamResponse:
-        """The gateway on aiohttp's application: for a connection aiohttp took (see httpserver)."""
-        call = httpserver.AioCall(request)
-        await request.app[GATEWAY].handle(call)
-        return call.response if call.response is not None else web.Response(status=499)
-
-    app.router.add_route("*", prefix, gateway_route)
-    app.router.add_route("*", prefix + "/{tail:.*}", gateway_route)
+    app[ROUTE] = _gateway_route(app, guard, cfg.base_path + "/ondemand")
     admin.add_routes(app, cfg.base_path)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
@@ -175,15 +172,15 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     return app
 
 
-def _lean_route(app: web.Application, guard: PeerGuard, prefix: str) -> httpserver.LeanRoute:
-    """The gateway's routes on the lean front: the peer guard (check 1), then the gateway."""
+def _gateway_route(app: web.Application, guard: PeerGuard, prefix: str) -> Route:
+    """The gateway's routes, the lean front's alone: the peer guard (check 1), then the gateway."""
     refused = guard.refused_body
 
-    async def handle(call: httpserver.Call) -> None:
+    async def handle(call: Call) -> None:
         if guard.refuses(call.headers, call.peer):
             return await call.send(404, {"Content-Type": "application/json"}, refused)
         await app[GATEWAY].handle(call)
-    return httpserver.LeanRoute(prefix, handle, lambda: app[GATEWAY].max_body)
+    return Route(prefix, handle, lambda: app[GATEWAY].max_body)
 
 
 async def _shutting_down(app: web.Application) -> None:
@@ -333,7 +330,8 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
                            limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
-                           start_eta=app[STARTS].eta_s, queue_place=app[CONTROLLER].queue_place)
+                           start_eta=app[STARTS].eta_s, queue_place=app[CONTROLLER].queue_place,
+                           max_body=app[LIMITS].gateway_max_body, body_timeout_s=app[LIMITS].body_timeout_s)
     yield
     await upstreams.close()
 
@@ -472,7 +470,6 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=None,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    httpserver.quiet_malformed_requests()
 
 
 def _tune_gc() -> None:
@@ -491,10 +488,9 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     setup_logging(cfg.log_level)
     _ensure_token(cfg.token_file)
     app = build_app(cfg)
-    runner = httpserver.Runner(app, handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace_s,
-                               access_log=None)
+    server = HttpServer(app, shutdown_timeout=cfg.shutdown_grace_s)
     try:
-        await runner.setup()
+        await server.start()
     except StartupError:
         raise
     except Exception as exc:
@@ -504,21 +500,26 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     try:
         # A deep backlog: LiteLLM may open hundreds of connections at once, and a full
         # default queue (128) drops handshakes that then retry after 1, 3, 7 s.
-        await web.TCPSite(runner, host or None, port, reuse_address=True, backlog=4096).start()
+        admin = cfg.admin_listen_host_port
+        await server.listen_tcp(host or None, port, backlog=4096, serves="gateway" if admin else "all")
+        if admin is not None:
+            await server.listen_tcp(admin[0] or None, admin[1], serves="admin")
         if sock_path.exists() or sock_path.is_symlink():
             sock_path.unlink()
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
-            await web.UnixSite(runner, str(sock_path)).start()
+            await server.listen_unix(str(sock_path))
         finally:
             os.umask(old_umask)
         os.chmod(sock_path, stat.S_IRUSR | stat.S_IWUSR)
     except OSError as exc:
-        await runner.cleanup()
-        raise StartupError(f"cannot listen on {cfg.listen} / {sock_path}: {exc.strerror or exc}") from exc
+        await server.stop()
+        raise StartupError(f"cannot listen on {cfg.listen}{' / ' + cfg.admin_listen if cfg.admin_listen else ''} / "
+                           f"{sock_path}: {exc.strerror or exc}") from exc
     _tune_gc()
-    log.info("ondemand %s listening on %s (gateway %s/ondemand, admin %s/api, socket %s)",
-             __version__, cfg.listen, cfg.base_path, cfg.base_path, sock_path)
+    log.info("ondemand %s listening on %s (gateway %s/ondemand, admin %s/api%s, socket %s)",
+             __version__, cfg.listen, cfg.base_path, cfg.base_path,
+             f" on {cfg.admin_listen}" if cfg.admin_listen else "", sock_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -531,6 +532,6 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
         log.info("shutting down: no new connections; streams get %gs to end", cfg.shutdown_grace_s)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        await server.stop()
         sock_path.unlink(missing_ok=True)
         log.info("stopped")

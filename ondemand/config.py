@@ -89,6 +89,9 @@ class Config:
     # Names this box in LiteLLM's entries (model_info.dgxmm_instance): several boxes, one LiteLLM.
     instance: str = dataclasses.field(default_factory=default_instance)
     listen: str = "0.0.0.0:8090"
+    # None: everything on listen. Else the admin API, the page, /metrics and /healthz here and
+    # only the gateway on listen, so that the two can be firewalled apart (design.md, "The HTTP layer").
+    admin_listen: str | None = None
     base_path: str = "/dgxmm"
     internal_url: str = "http://dgxmm:8090/dgxmm"
     ondemand_key_file: Path | None = None  # None: {state_dir}/ondemand.key
@@ -130,6 +133,13 @@ class Config:
     @property
     def listen_host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def admin_listen_host_port(self) -> tuple[str, int] | None:
+        if self.admin_listen is None:
+            return None
+        host, _, port = self.admin_listen.rpartition(":")
         return host.strip("[]"), int(port)
 
 
@@ -249,6 +259,8 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "instance": (_str, lambda s: bool(_INSTANCE.fullmatch(s)) and len(s) <= 63,
                  "lower-case letters, digits, '.', '_', '-' (first a letter or digit), at most 63"),
     "listen": (_listen, bool, "HOST:PORT"),
+    "admin_listen": (lambda v: None if v in (None, "") else _listen(v), lambda s: True,
+                     "HOST:PORT, or empty (the admin API on listen)"),
     "base_path": (_base_path, lambda s: True, "a path prefix like /dgxmm, or empty"),
     "internal_url": (_str, lambda s: s.startswith(("http://", "https://")), "an http(s) URL"),
     "ondemand_key_file": (_opt_path, lambda s: True, "a file path"),

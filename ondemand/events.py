@@ -9,9 +9,10 @@ who hears what is visible in one place.
 ``publish`` is synchronous and never blocks: handlers are plain functions that
 must not await (they note, decide or spawn a named task). A handler that
 raises is logged and the others still run. ``stream`` hands an async reader
-(the SSE route) a bounded queue of one event type; when it is full the oldest
-event is dropped, because a view is a full snapshot and the newest one is what
-matters. Imports only the deployment value type.
+(the SSE route) a bounded queue of one event type; a reader that falls so far
+behind that its queue is full gets :data:`RESYNC` instead of what it missed (the
+queue is emptied): it reads the whole state again (issue 23: the oldest events
+were dropped without a word). Imports only the deployment value type.
 """
 from __future__ import annotations
 
@@ -87,6 +88,16 @@ E = TypeVar("E")
 Handler = Callable[[Any], None]
 
 
+class Resync:
+    """In a stream's queue: events were dropped here; read the whole state again."""
+
+    def __repr__(self) -> str:
+        return "RESYNC"
+
+
+RESYNC = Resync()
+
+
 class EventBus:
     def __init__(self, queue_size: int = 256) -> None:
         self._queue_size = queue_size
@@ -102,9 +113,12 @@ class EventBus:
     def publish(self, event: object) -> None:
         kind = type(event)
         for queue in self._queues.get(kind, ()):
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(event)
+            if queue.full():  # the reader fell behind: what it missed is replaced by one resync
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(RESYNC)
+            else:
+                queue.put_nowait(event)
         for handler in list(self._handlers.get(kind, ())):
             try:
                 handler(event)
@@ -112,9 +126,9 @@ class EventBus:
                 log.exception("handler %r of %s failed", handler, kind.__name__)
 
     @contextlib.contextmanager
-    def stream(self, kind: type[E]) -> Iterator[asyncio.Queue[E]]:
-        """A bounded queue of the events of ``kind`` for as long as the ``with`` block lasts."""
-        queue: asyncio.Queue[E] = asyncio.Queue(self._queue_size)
+    def stream(self, kind: type[E]) -> Iterator[asyncio.Queue[E | Resync]]:
+        """A bounded queue of the events of ``kind`` (or :data:`RESYNC`) while the ``with`` block lasts."""
+        queue: asyncio.Queue[E | Resync] = asyncio.Queue(self._queue_size)
         queues = self._queues.setdefault(kind, set())
         queues.add(queue)
         try:

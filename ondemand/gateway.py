@@ -1,18 +1,17 @@
 """The gateway: ``{base_path}/ondemand/{id}/v1/...``, what LiteLLM calls
 instead of the engine.
 
-Requests come as an ``httpserver.Call`` (the lean front's, or aiohttp's for a connection
-aiohttp took); answers go out through it. The checks run in the order of BEHAVIOUR.md,
-"Checks, in order": the peer guard (``peers.PeerGuard``, before the gateway, by
-``app._lean_route`` or aiohttp's middleware), the raw path, a configured key, the
+Requests come as an ``http.Call`` from the lean front, the one way in; answers go out
+through it. The checks run in the order of BEHAVIOUR.md, "Checks, in order": the peer guard
+(``peers.PeerGuard``, before the gateway, by ``app._gateway_route``), the raw path, a configured key, the
 rate limit on failed keys, the key, the body size, the deployment. Then a
 traffic request takes a slot from the controller (which may start the model,
 make room or queue) and is streamed to the engine and back, chunk by chunk.
 Unknown routes answer 404 after the key check, so nothing about the routes
 is learnt without the key; the engine is never called for them.
 
-Hang-ups: the server cancels a request's handler when its client goes away (the lean
-front on ``connection_lost``; aiohttp with handler cancellation): a pending ``acquire`` (the controller removes
+Hang-ups: the lean front cancels a request's handler when its client goes away
+(``connection_lost``): a pending ``acquire`` (the controller removes
 the waiter) or the upstream request (its connection is closed). The slot is
 released in ``finally``; when ``acquire`` runs in a task of its own (the
 streaming notice), a slot it grants after the hang-up is released by a done
@@ -26,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
 from . import notice
@@ -35,9 +33,11 @@ from .controller import Slot
 from .deployer import Deployer
 from .errors import OndemandError
 from .exchange import Exchange, request_id
-from .forward import Response as UpstreamResponse
-from .forward import UpstreamError, Upstreams, request_headers, response_headers
-from .httpserver import BodyMalformed, BodyTooLarge, Call
+from .forward import request_headers, response_headers
+from .http.cycle import BodyMalformed, BodyTooLarge, Call
+from .http.headers import HEALTH_HEADER, ID_HEADER, bearer
+from .http.pool import PayloadError, UpstreamError, Upstreams
+from .http.pool import Response as UpstreamResponse
 from .keys import KeyWatcher
 from .model import Deployment, Role, State
 from .paths import rebuild, split_checked
@@ -54,14 +54,12 @@ TRAFFIC = frozenset({
     "chat/completions", "completions", "embeddings", "responses", "messages", "chat/completions/batch",
     "audio/transcriptions", "audio/translations", "rerank", "score"})
 MULTIPART = frozenset({"audio/transcriptions", "audio/translations"})
-HEALTH_HEADER = "x-dgxmm-health-check"
 STATE_HEADER = "x-dgxmm-ondemand-state"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _JSON = "application/json"
 _JSON_UTF8 = {"Content-Type": "application/json; charset=utf-8"}  # as aiohttp's json_response says
 _NO_NOTICE = object()  # _answer_with: no queued notice to prepend
 _EMPTY_BODY = frozenset({204, 304})
-ID_HEADER = "X-Request-Id"
 # A request whose client went away before its answer was written (nginx's code).
 CLIENT_GONE = 499
 
@@ -109,7 +107,7 @@ async def _pump(call: Call, up: UpstreamResponse) -> None:
         await call.end()  # a client gone after the last chunk fails here (found by the soak)
     except ConnectionResetError:
         return  # the client went away; the caller closes the engine connection
-    except aiohttp.ClientPayloadError:
+    except PayloadError:
         # The engine broke off mid-answer: so do we, rather than end the answer cleanly.
         call.abort()
 
@@ -172,7 +170,8 @@ class Gateway:
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
                  clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer,
                  start_eta: Callable[[int], float | None] = lambda dep_id: None,
-                 queue_place: Callable[[int], tuple[int, int] | None] = lambda dep_id: None):
+                 queue_place: Callable[[int], tuple[int, int] | None] = lambda dep_id: None,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         """``finished(exchange)`` hears of every request once its answer's last byte is
         written (or its client went away): the metrics and the access log. ``start_eta``:
         how long a deployment's start takes (its history), and ``queue_place``, its place in
@@ -184,14 +183,14 @@ class Gateway:
         self.upstreams = upstreams
         self.prefix = base_path + "/ondemand"
         self.max_body = max_body
-        self.body_timeout_s = BODY_TIMEOUT_S
+        self.body_timeout_s = body_timeout_s
         self.clock = clock
         self.finished = finished
         self.start_eta = start_eta
         self.queue_place = queue_place
 
     async def handle(self, call: Call) -> None:
-        """Answer one gateway request, whichever way it came (the lean front or aiohttp)."""
+        """Answer one gateway request."""
         ex = Exchange(request_id(call.headers), call.method, call.peer, self.clock())
         call.rid = ex.rid
         ex.status = CLIENT_GONE  # unless an answer is written to its end below
@@ -235,8 +234,7 @@ class Gateway:
         if retry is not None:
             raise _err(429, "rate_limited", "Too many failed key checks; try again later",
                        headers={"Retry-After": str(retry)})
-        auth = call.headers.get("Authorization", "")
-        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        presented = bearer(call.headers)
         verdict = self.keys.check(presented)
         if verdict == "ok":
             return
@@ -416,7 +414,7 @@ class Gateway:
         if wait is not _NO_NOTICE and up.status == 200 and up.content_type == _JSON:
             try:
                 raw = await up.read()
-            except aiohttp.ClientPayloadError as exc:
+            except PayloadError as exc:
                 return await self._upstream_failed(call, False, f"the engine broke off its answer: {exc}")
             data = notice.prepend(route, raw, dep.served_name, wait)  # type: ignore[arg-type]
             return await call.send(200, response_headers(up.headers), data)
@@ -436,7 +434,7 @@ class Gateway:
             try:
                 while len(raw) < 65536 and not content.at_eof():  # read() gives what arrived, not all
                     raw += await content.read(65536 - len(raw))
-            except aiohttp.ClientPayloadError as exc:
+            except PayloadError as exc:
                 return await self._upstream_failed(call, True, f"the engine broke off its answer: {exc}")
             try:
                 error = orjson.loads(raw)

@@ -32,9 +32,10 @@ def generate_key() -> str:
     return "odk-" + secrets.token_urlsafe(32)
 
 
-def fingerprint(key: str) -> str:
-    """The first 12 hex digits of the key's SHA-256 (``dgxmm_key_fp``, ``key show``)."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+def fingerprint(key: str | bytes) -> str:
+    """The first 12 hex digits of a SHA-256: the key's (``dgxmm_key_fp``, ``key show``) and
+    the LiteLLM entries' parameters' (BEHAVIOUR.md, "Fingerprints"). The one such function."""
+    return hashlib.sha256(key.encode("utf-8") if isinstance(key, str) else key).hexdigest()[:12]
 
 
 def write_key_file(path: str | os.PathLike[str], key: str) -> None:

@@ -22,7 +22,6 @@ Facts about LiteLLM relied on here are cited by file and function of BerriAI/lit
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +30,12 @@ import aiohttp
 import orjson
 
 from .errors import OndemandError
+from .http.headers import HEALTH_HEADER
+from .keys import fingerprint
 
 log = logging.getLogger(__name__)
 
-HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
+HEALTH_CHECK_HEADER = HEALTH_HEADER
 # Warm-first routing (BEHAVIOUR.md, "Several boxes"): LiteLLM's router keeps, of the
 # deployments of a name that passed its health and cooldown filters, only those of the
 # lowest litellm_params.order (router.py "ORDER FILTERING", after the cooldown filter;
@@ -75,17 +76,6 @@ class LiteLLMError(OndemandError):
 # Entries
 
 
-def _fp(text: str | bytes) -> str:
-    """First 12 hex digits of a SHA-256, the fingerprint length of BEHAVIOUR.md, "Fingerprints"."""
-    if isinstance(text, str):
-        text = text.encode()
-    return hashlib.sha256(text).hexdigest()[:12]
-
-
-def key_fingerprint(key: str) -> str:
-    return _fp(key)
-
-
 def params_fingerprint(litellm_params: dict[str, Any], model_info: dict[str, Any]) -> str:
     """Fingerprint of what an on-demand entry adds to an always-on one.
 
@@ -101,7 +91,7 @@ def params_fingerprint(litellm_params: dict[str, Any], model_info: dict[str, Any
         "num_retries": litellm_params.get("num_retries"),
         "health_check_params": model_info.get("health_check_params"),
     }
-    return _fp(orjson.dumps(covered, option=orjson.OPT_SORT_KEYS))
+    return fingerprint(orjson.dumps(covered, option=orjson.OPT_SORT_KEYS))
 
 
 def _served_name(dep: dict[str, Any]) -> str:
@@ -139,7 +129,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
         "dgxmm_id": dep_id,
         "dgxmm_instance": instance,
         "dgxmm_state": "ready" if ready else "cold",
-        "dgxmm_key_fp": key_fingerprint(key),
+        "dgxmm_key_fp": fingerprint(key),
         "dgxmm_params_fp": "",
         "health_check_params": health_check_params,
     }

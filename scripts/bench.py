@@ -596,19 +596,20 @@ class Bench:
             await asyncio.sleep(0.05)
 
     async def scrape_metrics(self) -> None:
-        """GET /metrics over TCP with the admin token every ``scrape_s``, as Prometheus would."""
-        assert self.http is not None
+        """GET /metrics over TCP with the admin token every ``scrape_s``, as Prometheus would: on
+        a connection of its own (one that carried /metrics is aiohttp's, design.md)."""
         token = (self.state_dir / "admin.token").read_text().strip()
         url = f"http://127.0.0.1:{self.port}{BASE}/metrics"
         n, size = 0, 0
-        while True:
-            async with self.http.get(url, headers={"Authorization": f"Bearer {token}"}) as r:
-                body = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"GET /metrics: {r.status} {body[:200]!r}")
-            n, size = n + 1, len(body)
-            self.results["scrapes"] = (n, size)
-            await asyncio.sleep(self.scrape_s)
+        async with aiohttp.ClientSession() as prometheus:
+            while True:
+                async with prometheus.get(url, headers={"Authorization": f"Bearer {token}"}) as r:
+                    body = await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"GET /metrics: {r.status} {body[:200]!r}")
+                n, size = n + 1, len(body)
+                self.results["scrapes"] = (n, size)
+                await asyncio.sleep(self.scrape_s)
 
     async def prewarm(self, targets: list[Target], n: int, batch: int = 100) -> float:
         """Open ``n`` keep-alive connections to the gateway before the streams start.

@@ -43,9 +43,9 @@ async def server(request, tmp_path):
 
 @pytest.fixture
 async def http():
-    """A client session for the test's requests."""
-    import aiohttp
-    async with aiohttp.ClientSession() as s:
+    """A client session for the test's requests (gateway and admin on their own connections)."""
+    from helpers import two_pools
+    async with two_pools() as s:
         yield s
 
 

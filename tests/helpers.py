@@ -193,6 +193,13 @@ class Server:
         self.cfg = cfg
         self.key = key
         self.token = token
+        self.http = None  # the HttpServer (run_app sets it)
+
+    def set_limits(self, **changes) -> None:
+        """Other HTTP bounds for the connections that open from now on (``ondemand.http.Limits``)."""
+        import dataclasses
+        front = self.http.front
+        front.limits = dataclasses.replace(front.limits, **changes)
 
     @property
     def deployer(self):
@@ -240,12 +247,12 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def run_app(tmp_path, *, write_key: bool = True, **overrides):
-    """Start ondemand (process backend, static budget) on 127.0.0.1 with a key and a token."""
-    from aiohttp import web
-
+async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides):
+    """Start ondemand (process backend, static budget) on 127.0.0.1 with a key and a token;
+    ``limits``: the HTTP bounds (``ondemand.http.Limits``) instead of the defaults."""
     from ondemand import app as app_mod
-    from ondemand import config, httpserver, keys
+    from ondemand import config, keys
+    from ondemand.http.server import LIMITS, HttpServer
 
     port = int(overrides["listen"].rpartition(":")[2]) if "listen" in overrides else free_port()
     settings = {"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{port}",
@@ -261,13 +268,64 @@ async def run_app(tmp_path, *, write_key: bool = True, **overrides):
         keys.write_key_file(cfg.key_file, key)
     token = app_mod._ensure_token(cfg.token_file)
     app = app_mod.build_app(cfg)
-    runner = httpserver.Runner(app, handler_cancellation=True, shutdown_timeout=1, access_log=None)
-    httpserver.quiet_malformed_requests()
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    await web.UnixSite(runner, str(cfg.admin_socket)).start()
+    if limits is not None:
+        app[LIMITS] = limits
+    server = HttpServer(app, shutdown_timeout=1)
+    await server.start()
+    admin = cfg.admin_listen_host_port  # as serve listens
+    await server.listen_tcp("127.0.0.1", port, serves="gateway" if admin else "all")
+    if admin is not None:
+        await server.listen_tcp(admin[0], admin[1], serves="admin")
+    await server.listen_unix(str(cfg.admin_socket))
     cfg.admin_socket.chmod(0o600)  # as serve makes it
+    srv = Server(app, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)
+    srv.http = server
     try:
-        yield Server(app, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)
+        yield srv
     finally:
-        await runner.cleanup()
+        await server.stop()
+
+
+class TwoPools:
+    """An aiohttp client session whose gateway requests and other requests use connections of
+    their own, as LiteLLM's and an admin's do: a connection that carried an admin request is
+    aiohttp's for good and answers a gateway request 421 (design.md, "The HTTP layer")."""
+
+    def __init__(self, gateway, other):
+        self._gateway = gateway
+        self._other = other
+
+    def _for(self, url) -> object:
+        return self._gateway if "/ondemand/" in str(url) else self._other
+
+    def request(self, method, url, **kw):
+        return self._for(url).request(method, url, **kw)
+
+    def get(self, url, **kw):
+        return self._for(url).get(url, **kw)
+
+    def post(self, url, **kw):
+        return self._for(url).post(url, **kw)
+
+    def put(self, url, **kw):
+        return self._for(url).put(url, **kw)
+
+    def patch(self, url, **kw):
+        return self._for(url).patch(url, **kw)
+
+    def delete(self, url, **kw):
+        return self._for(url).delete(url, **kw)
+
+    def head(self, url, **kw):
+        return self._for(url).head(url, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._other, name)
+
+
+@contextlib.asynccontextmanager
+async def two_pools():
+    """A :class:`TwoPools` client session."""
+    import aiohttp
+    async with aiohttp.ClientSession() as gateway, aiohttp.ClientSession() as other:
+        yield TwoPools(gateway, other)

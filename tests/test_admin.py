@@ -7,7 +7,7 @@ import stat
 import aiohttp
 import orjson
 import pytest
-from helpers import run_app, sim_command, wait_for
+from helpers import run_app, sim_command, two_pools, wait_for
 from litellm_double import litellm_double
 
 from ondemand import keys
@@ -126,7 +126,7 @@ async def test_routing_refusals_are_json_errors(server, unix):
         assert status == 404 and body["error"]["code"] == "not_found"
     assert server.deployer.all() == []
     # Redirects stay redirects.
-    async with aiohttp.ClientSession() as s, s.get(server.url + "/ui", allow_redirects=False) as r:
+    async with two_pools() as s, s.get(server.url + "/ui", allow_redirects=False) as r:
         assert r.status == 302 and r.headers["Location"].endswith("/ui/")
 
 
@@ -249,7 +249,7 @@ async def test_edit_resets_the_start_backoff(server):
     chat = {"model": "a", "messages": [{"role": "user", "content": "hi"}]}
 
     async def ask():
-        async with aiohttp.ClientSession() as s:
+        async with two_pools() as s:
             async with s.post(server.gw(i, "chat/completions"), headers=server.auth(), json=chat) as r:
                 return r.status, await r.json()
     for _ in range(2):  # the failed start, then the backoff's refusal
@@ -305,7 +305,7 @@ async def test_events_stream_views_and_folds_counters(server):
     got = []
 
     async def reader():
-        async with aiohttp.ClientSession() as s:
+        async with two_pools() as s:
             async with s.get(f"{server.url}/api/events", headers=server.admin_headers()) as r:
                 async for line in r.content:
                     if line.startswith(b"data: "):
@@ -376,7 +376,7 @@ async def test_published_views_of_a_cold_start(server):
     from ondemand.events import ViewPublished
     server.app[components.BUS].subscribe(ViewPublished, lambda e: e.view.get("id") == i and seen.append(
         (e.view["state"], e.view["ondemand"]["phase"], e.view["updated_at"])))
-    async with aiohttp.ClientSession() as s, s.post(server.gw(i, "chat/completions"), headers=server.auth(),
+    async with two_pools() as s, s.post(server.gw(i, "chat/completions"), headers=server.auth(),
                       json={"model": "a", "messages": [{"role": "user", "content": "hi"}]}) as r:
         assert r.status == 200
     phases = [(state, phase) for state, phase, _ in seen]
@@ -391,7 +391,7 @@ async def test_ui_page_is_served_without_data(server):
     """Three static files, no credentials to load them, a strict CSP (scripts and styles from
     the page's own files), and nothing else under the package reachable."""
     page = {}
-    async with aiohttp.ClientSession() as s:
+    async with two_pools() as s:
         for name, kind in (("", "text/html"), ("app.js", "text/javascript"), ("app.css", "text/css")):
             async with s.get(f"{server.url}/ui/{name}") as r:
                 assert r.status == 200 and r.content_type == kind, name
@@ -409,7 +409,7 @@ async def test_ui_page_is_served_without_data(server):
 
 async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_not_answer(server, monkeypatch):
     from ondemand import admin
-    async with aiohttp.ClientSession() as s:
+    async with two_pools() as s:
         async with s.get(f"{server.url}/healthz") as r:  # no token, no key
             assert r.status == 200 and await r.json() == {"status": "ok"}
         monkeypatch.setattr(admin, "HEALTH_TIMEOUT_S", 0.2)
@@ -422,7 +422,7 @@ async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_
 
 
 async def _logs(server, dep_id, query=""):
-    async with aiohttp.ClientSession() as s, \
+    async with two_pools() as s, \
             s.get(f"{server.url}/api/deployments/{dep_id}/logs{query}", headers=server.admin_headers()) as r:
         return r.status, r.headers.get("Content-Type", ""), await r.read()
 
@@ -455,7 +455,7 @@ async def test_logs_follow_a_start_live_until_the_engine_stops(server):
     dep_id = body["id"]
     assert (await api(server, "POST", f"/deployments/{dep_id}/start"))[0] == 200
     got = b""
-    async with aiohttp.ClientSession() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
+    async with two_pools() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
                                                    headers=server.admin_headers()) as r:
         assert r.status == 200
         while b"serving FL" not in got:
@@ -472,7 +472,7 @@ async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
     assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
     run = server.deployer.backend._runs["hu"]
     before = {t.get_name() for t in asyncio.all_tasks()}
-    async with aiohttp.ClientSession() as s:
+    async with two_pools() as s:
         r = await s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1", headers=server.admin_headers())
         assert b"serving hu" in await asyncio.wait_for(r.content.readany(), 10)
         assert len(run.followers) == 1

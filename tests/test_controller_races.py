@@ -4,7 +4,7 @@ import contextlib
 import random
 
 import pytest
-from helpers import controller_env, wait_for
+from helpers import controller_env, two_pools, wait_for
 
 from ondemand.errors import OndemandError
 from ondemand.model import State
@@ -157,8 +157,7 @@ async def test_busy_engine_by_metrics_is_not_a_victim(tmp_path, store):
         x = await env.add("x", 12)
         await env.start(a)
         env.skip(1.1)
-        import aiohttp
-        async with aiohttp.ClientSession() as s:
+        async with two_pools() as s:
             # a request that reached the engine around the gateway keeps it busy
             body = {"model": "A", "messages": [{"role": "user", "content": "hi"}], "stream": True}
             async with s.post(env.deployer.base_url(a) + "/v1/chat/completions", json=body) as resp:
@@ -559,7 +558,6 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
     status, another deployment's stop and a ready model's request each answer at once."""
     import time
 
-    import aiohttp
     from helpers import run_app
 
     # No reaper: it would stop the idle victim itself, before make-room could (a race the
@@ -576,7 +574,7 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
         c._last_activity[victim] = 0  # idle for its full timeout
         await wait_for(lambda: c.is_idle(server.deployer.get(victim)), timeout=30, what="the victim idle by every rule")
         chat = {"model": "X", "messages": [{"role": "user", "content": "hi"}]}
-        async with aiohttp.ClientSession() as http:
+        async with two_pools() as http:
             cold = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=chat,
                                                    headers=server.auth()))
             await wait_for(lambda: server.state(victim) == "stopping", what="the victim stopping")

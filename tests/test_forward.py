@@ -9,8 +9,8 @@ import pytest
 from helpers import wait_for
 from multidict import CIMultiDict
 
-from ondemand import forward
-from ondemand.forward import UpstreamError, Upstreams
+from ondemand.http import pool as forward
+from ondemand.http.pool import PayloadError, UpstreamError, Upstreams
 
 JSON = CIMultiDict({"Content-Type": "application/json"})
 
@@ -300,7 +300,7 @@ async def test_engine_breaking_off_mid_body_is_an_error(ups, answer_bytes):
         await asyncio.sleep(0.05)  # the engine double's behaviour: a moment, then it breaks off
         return False
     async with Engine(answer) as eng:
-        with pytest.raises(aiohttp.ClientPayloadError):
+        with pytest.raises(PayloadError):
             await fetch(ups, eng.url)
         await wait_for(lambda: pool(ups).size == 0, what="connection gone")
 
@@ -357,7 +357,7 @@ async def test_back_pressure_pauses_reading_the_engine(ups):
         r = await lease.request("POST", "/v1/x", JSON, b"{}")
         await asyncio.wait_for(blocked.wait(), 10)
         assert sent < 16 * 2**20  # kernel buffers plus the StreamReader's 128 KiB, not 64 MiB
-        assert r.content._size <= 4 * 2**20
+        assert r.content.buffered <= 4 * 2**20
         r.release()
         lease.end()
 
@@ -488,7 +488,7 @@ async def test_race_cancelled_requests_leak_nothing(seed):
     try:
         async with Engine(answer) as eng:
             async def one():
-                with contextlib.suppress(UpstreamError, aiohttp.ClientPayloadError):
+                with contextlib.suppress(UpstreamError, PayloadError):
                     await fetch(ups, eng.url)
 
             tasks = []
@@ -507,7 +507,7 @@ async def test_race_cancelled_requests_leak_nothing(seed):
             await wait_for(lambda: p.size == len(p.conns) == len(p.idle) and eng.open == p.size,
                            what="every connection idle or closed")
             assert p.size <= 4 and not p.waiters and p.streams == 0
-            assert all(c.alive() and c.parser is None for c in p.idle)
+            assert all(c.alive() and not c.active for c in p.idle)
             eng.answer = ok_answer
             for _ in range(4):  # and the pool still works
                 assert (await fetch(ups, eng.url))[0] == 200
@@ -559,12 +559,12 @@ async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on(how)
             await wait_for(lambda: pool(ups).waiters)
             p = pool(ups)
             if how == "close":
-                lost = p._lost
+                lost = p.lost
 
                 def lost_then_cancel(conn):
                     lost(conn)  # the slot is handed to the waiter ...
                     waiting.cancel()  # ... which goes away in the same turn
-                p._lost = lost_then_cancel
+                p.lost = lost_then_cancel
                 close_now.set()
                 await wait_for(lambda: waiting.done(), what="the engine closed it")
                 r.release()
@@ -853,3 +853,16 @@ async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_
             up.release()
             lease.end()
     assert b'"ondemand_upstream_error"' in out.data and b"broke off" in out.data and out.data.endswith(b"<eof>")
+
+
+async def test_the_engines_own_request_id_is_replaced_not_duplicated(tmp_path):
+    """vLLM answers with an X-Request-Id of its own: the client sees one, the gateway's (issue 23)."""
+    async def answer(req, writer):
+        if await not_ours(req, writer):
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Request-Id: engine-own\r\n"
+                     b"Content-Length: 12\r\n\r\n{\"ok\": true}")
+        await writer.drain()
+    async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        async with http.post(url, json={"model": "A"}, headers={**server.auth(), "X-Request-Id": "mine"}) as r:
+            assert r.status == 200 and r.headers.getall("X-Request-Id") == ["mine"]

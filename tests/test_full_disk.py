@@ -6,9 +6,8 @@ import os
 import sqlite3
 import subprocess
 
-import aiohttp
 import pytest
-from helpers import run_app
+from helpers import run_app, two_pools
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -36,7 +35,7 @@ async def test_a_full_disk_is_a_clear_error_and_nothing_is_half_written(small_di
         a = await server.add("a", 4)
         filler = small_disk / "filler"
         fill(filler)
-        async with aiohttp.ClientSession() as http:
+        async with two_pools() as http:
             async with http.post(f"{server.url}/api/deployments", headers=server.admin_headers(),
                                  json={"name": "b", "command": ["ondemand", "sim-engine", "--port", "{port}"]}) as r:
                 body = await r.json()

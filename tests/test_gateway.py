@@ -11,7 +11,7 @@ import os
 import aiohttp
 import orjson
 import pytest
-from helpers import wait_for
+from helpers import two_pools, wait_for
 
 from ondemand import keys
 
@@ -25,7 +25,7 @@ async def err(resp):
 
 
 async def recorded(server, dep_id):
-    async with aiohttp.ClientSession() as s, s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
+    async with two_pools() as s, s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
         return [x for x in await r.json() if x["path"].startswith("/v1/") and x["path"] != "/v1/models"]
 
 
@@ -529,7 +529,7 @@ async def test_peer_guard_on_the_raw_peer(server):
 @pytest.mark.server(ondemand_allowed_cidrs="auto", **{"deployer.docker_url": "unix:///nonexistent.sock"})
 async def test_auto_outside_docker_allows_nobody(server):
     a = await server.add("a")
-    async with aiohttp.ClientSession() as s, s.get(server.gw(a, "models"), headers=server.auth()) as r:
+    async with two_pools() as s, s.get(server.gw(a, "models"), headers=server.auth()) as r:
         assert await err(r) == (404, "not_found")
 
 
@@ -587,7 +587,7 @@ async def test_upstream_sessions_keep_no_cookies(tmp_path):
     from helpers import FAKES, free_port
     from multidict import CIMultiDict
 
-    from ondemand.forward import Upstreams
+    from ondemand.http.pool import Upstreams
     _JSON = "application/json"
     port = free_port()
     proc = await asyncio.create_subprocess_exec(_sys.executable, str(FAKES / "cookie_engine.py"), str(port))

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from helpers import wait_for
 
-from ondemand import httpserver
 from ondemand.app import GATEWAY
+from ondemand.http.refusals import RefusalLog
 
 CHAT = orjson.dumps({"model": "A", "messages": [{"role": "user", "content": "hello"}]})
 ALLOWED_ENGINE_PATHS = {"/v1/chat/completions"}
@@ -188,7 +188,7 @@ async def test_pipelined_requests_are_each_checked(ready):
         _head(dep, "Connection: close", method="GET", path="/metrics", key=server.key),
     ]
     for second, (status, code) in zip(sneaky, [(400, "invalid_path"), (400, "invalid_path"),
-                                               (401, "invalid_api_key"), (404, None)]):
+                                               (401, "invalid_api_key"), (421, "misdirected_request")]):
         data, closed = await _talk(_port(server), first + second)
         answers = _answers(data)
         assert closed and [a[0] for a in answers] == [200, status], data[:300]
@@ -207,8 +207,8 @@ async def test_pipelined_requests_are_each_checked(ready):
 
 
 @pytest.fixture
-def short_head_timeout(monkeypatch):
-    monkeypatch.setattr(httpserver, "HEAD_TIMEOUT_S", 0.3)
+def short_head_timeout(server):
+    server.set_limits(head_timeout_s=0.3)
 
 
 @pytest.mark.uvloop
@@ -289,22 +289,15 @@ async def test_slow_and_broken_bodies_are_bounded(ready):
     assert _answers(data)[0][0] == 200  # and the server serves on
 
 
-def test_the_malformed_request_filter_lets_one_line_a_minute_through():
-    from aiohttp.http_exceptions import BadHttpMessage
-
-    f = httpserver._MalformedFilter(every_s=60)
-    logger = logging.getLogger("test.malformed")
-
-    def record():
-        try:
-            raise BadHttpMessage("Duplicate Content-Length:\n\n  b'Content-Length: 2'")
-        except BadHttpMessage:
-            import sys
-            return logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "Error handling request from %s",
-                                     ("10.0.0.9",), sys.exc_info())
-    first = record()
-    assert f.filter(first) and first.exc_info is None and first.levelno == logging.WARNING
-    assert first.getMessage() == "refused a malformed request from 10.0.0.9 (400): Duplicate Content-Length:"
-    assert not any(f.filter(record()) for _ in range(50)) and f.suppressed == 50
-    other = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "boom", (), None)
-    assert f.filter(other) and other.levelno == logging.ERROR  # anything else passes unchanged
+def test_the_refusal_log_lets_one_line_a_minute_through(caplog):
+    """Both stacks' malformed requests go through one RefusalLog: one line a minute, the
+    first line of the reason, and the count of the others."""
+    log = RefusalLog(every_s=60)
+    with caplog.at_level(logging.WARNING, logger="ondemand.http"):
+        log.note("10.0.0.9", "Duplicate Content-Length:\n\n  b'Content-Length: 2'")
+        for _ in range(50):
+            log.note("10.0.0.9", "again")
+    lines = [r for r in caplog.records if r.name == "ondemand.http"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING and lines[0].exc_info is None
+    assert lines[0].getMessage() == "refused a malformed request from 10.0.0.9 (400): Duplicate Content-Length:"
+    assert log.suppressed == 50

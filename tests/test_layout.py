@@ -12,7 +12,13 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 ALLOWED = {
     "model": set(), "placement": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
-    "dockerapi": set(), "httpserver": set(), "notice": set(), "forward": set(), "migrations": set(),
+    "dockerapi": set(), "notice": set(), "forward": {"http.headers"}, "migrations": set(),
+    # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
+    "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
+    "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.protocol"},
+    "http.protocol": {"http.cycle", "http.flow_control", "http.refusals", "http.server"},  # (for types only)
+    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"}, "http.connection": {"http.body"},
+    "http.server": {"http.aio", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
     # What an engine runs (command line, environment, mounts): derived from the deployment and the box.
@@ -27,17 +33,18 @@ ALLOWED = {
     "effects": {"budget", "controller", "deployer", "errors", "events", "metrics", "model", "tasks"},
     "admission": {"controller", "deployer", "errors", "model"},
     "reaper": {"controller"},
-    "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "httpserver",
+    "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "http.cycle",
+                "http.headers", "http.pool",
                 "keys", "model", "paths", "ratelimit"},
     # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
     "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
-    "litellm": {"errors"}, "litellm_sync": {"litellm", "tasks"},
+    "litellm": {"errors", "http.headers", "keys"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"accesslog", "admission", "config", "controller", "deployer", "effects", "events", "footprint",
                    "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "recipes", "starts", "store", "tasks",
                    "telemetry"},
     "starts": {"model", "store", "tasks"},
-    "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "metrics", "model", "recipes",
-              "telemetry"},
+    "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "http.aio", "http.headers",
+              "http.server", "metrics", "model", "recipes", "telemetry"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},
@@ -129,3 +136,74 @@ def test_no_long_function_without_a_reason():
             if length > MAX_FUNCTION_LINES and not above.startswith("# Long:"):
                 long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({length} lines)")
     assert long == [], "split these, or say why above them with '# Long: ...'"
+
+
+# aiohttp's public surface (its documentation's modules); anything else is its inside (issue 23).
+AIOHTTP_PUBLIC = {"aiohttp", "aiohttp.web", "aiohttp.typedefs", "aiohttp.hdrs", "aiohttp.abc"}
+
+
+def _aiohttp_private_names() -> set[str]:
+    """The underscore attributes of aiohttp's classes that ondemand meets: its server's,
+    runner's, connection's, request's, response's, client's and streams'."""
+    import aiohttp
+    from aiohttp import web
+    names: set[str] = set()
+    for cls in (web.Application, web.AppRunner, web.Server, web.RequestHandler, web.BaseRequest, web.Request,
+                web.StreamResponse, web.Response, aiohttp.ClientSession, aiohttp.ClientResponse,
+                aiohttp.StreamReader, aiohttp.TCPConnector):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("aiohttp"):
+                names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+                names |= {n for n in getattr(klass, "__slots__", ()) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def test_no_aiohttp_private_module_attribute_or_class_swap():
+    """A connection belongs to one stack; nothing reaches into aiohttp (STYLE.md, habit 13):
+    no import of its private modules (``aiohttp.web_protocol``, ``aiohttp.http_parser`` ...),
+    no underscore attribute of aiohttp's that ondemand does not define itself, no class swap,
+    and no override of aiohttp's underscore methods in a subclass."""
+    private = _aiohttp_private_names()
+    trees = {p: ast.parse(p.read_text()) for p in PKG.rglob("*.py")}
+    ours = set()  # underscore attributes and methods of ondemand's own classes (not aiohttp's subclasses)
+    for tree in trees.values():
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef) or any(ast.unparse(b).startswith(("web.", "aiohttp."))
+                                                        for b in cls.bases):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    ours.add(node.attr)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    ours.add(node.name)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    ours.add(node.value)  # __slots__
+    bad = []
+    for path, tree in trees.items():
+        where = path.relative_to(PKG).as_posix()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("aiohttp") \
+                    and node.module not in AIOHTTP_PUBLIC:
+                bad.append(f"{where}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                bad += [f"{where}:{node.lineno} imports {a.name}" for a in node.names
+                        if a.name.startswith("aiohttp") and a.name not in AIOHTTP_PUBLIC]
+            elif isinstance(node, ast.Attribute):
+                if node.attr == "__class__" and isinstance(node.ctx, ast.Store):
+                    bad.append(f"{where}:{node.lineno} swaps a class")
+                elif node.attr == "transport" and isinstance(node.ctx, ast.Store) \
+                        and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    bad.append(f"{where}:{node.lineno} sets another object's transport")
+                elif node.attr in private and node.attr not in ours:
+                    bad.append(f"{where}:{node.lineno} touches aiohttp's {node.attr}")
+                elif node.attr in private and isinstance(node.value, ast.Name) and node.value.id in ("super",):
+                    bad.append(f"{where}:{node.lineno} calls aiohttp's {node.attr}")
+            elif isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                if any(b.startswith(("web.", "aiohttp.")) for b in bases):
+                    # None of aiohttp's underscore methods, and no underscore method of its own
+                    # (it could meet one of aiohttp's in its next version).
+                    bad += [f"{where}:{f.lineno} defines {f.name} in a subclass of aiohttp's" for f in node.body
+                            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            and f.name.startswith("_") and not f.name.startswith("__")]
+    assert bad == []

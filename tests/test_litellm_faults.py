@@ -3,10 +3,9 @@ own, with a timeout, and says what went wrong (BEHAVIOUR.md, "LiteLLM registrati
 import asyncio
 import time
 
-import aiohttp
 import pytest
 from aiohttp import web
-from helpers import free_port, run_app, wait_for
+from helpers import free_port, run_app, two_pools, wait_for
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,7 +40,7 @@ async def test_a_broken_litellm_never_holds_up_the_gateway(tmp_path, kind):
     try:
         async with run_app(tmp_path, **{"litellm.url": url, "litellm.master_key_file": str(master)}) as server:
             a = await server.add("a", 4)
-            async with aiohttp.ClientSession() as http:
+            async with two_pools() as http:
                 t0 = time.monotonic()
                 async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
                     assert r.status == 200  # a cold start, while the sync is stuck or failing

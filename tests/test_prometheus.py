@@ -9,7 +9,7 @@ import signal
 
 import aiohttp
 import pytest
-from helpers import ROOT, free_port, run_app, wait_for
+from helpers import ROOT, free_port, run_app, two_pools, wait_for
 
 pytestmark = pytest.mark.prometheus
 
@@ -38,7 +38,7 @@ async def query(http, url: str, promql: str) -> list:
 async def test_prometheus_scrapes_with_the_token_file_and_counts_the_requests(tmp_path):
     if not shutil.which(PROMETHEUS):
         pytest.skip(f"{PROMETHEUS} not installed (make test-prometheus installs it)")
-    async with run_app(tmp_path) as server, aiohttp.ClientSession() as http:
+    async with run_app(tmp_path) as server, two_pools() as http:
         token_file = tmp_path / "ondemand.token"
         token_file.write_text(server.token + "\n")
         token_file.chmod(0o600)

@@ -1,0 +1,191 @@
+"""aiohttp's side of a connection handed to it: :class:`AioConnection`, aiohttp's own
+connection object (``web.RequestHandler``, made with its public constructor) with the
+server's :class:`~.limits.Limits` and its refusals in the documented JSON.
+
+aiohttp answers a malformed request (and a handler's unhandled exception) through
+``handle_error`` with plain text, and logs each with its traceback; here it is the JSON error
+(issue 23: two Transfer-Encodings on an admin path, ``GET *``) and one log line a minute.
+aiohttp's answers before the refusal go out first: it queues the refusal behind them.
+
+A head that is still arriving after ``head_timeout_s``, or grows past ``max_head_bytes``
+(aiohttp bounds neither: a slowloris held an admin connection until its keep-alive ran out,
+then got a FIN), is refused in aiohttp's order too: a parser of our own watches where heads
+begin and end (it never changes a byte), and when one is late or too large aiohttp's parser
+is given a NUL, which it refuses as a malformed request; ``handle_error`` then answers 408 or
+431 instead of 400. Imports nothing of ours but ``errors`` and this package.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httptools
+from aiohttp import web
+
+from ..errors import OndemandError
+from .limits import Limits
+from .refusals import REFUSALS
+
+_log = logging.getLogger("ondemand.http")
+
+
+class _Watch:
+    """llhttp callbacks that only note where request heads begin and end."""
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: AioConnection):
+        self.conn = conn
+
+    def on_message_begin(self) -> None:
+        self.conn.head_begins()
+
+    def on_headers_complete(self) -> None:
+        self.conn.head_ends()
+
+    def on_message_complete(self) -> None:
+        self.conn.watch_in_body = False
+
+
+class BodyMalformedError(Exception):
+    """The body's framing broke (a bad chunk size, say)."""
+
+
+async def read_body(request: web.BaseRequest, limits: Limits) -> bytes:
+    """An admin request's body, within ``body_timeout_s``; a malformed one is 400 at once.
+    Raises ``OndemandError`` (408 and 400 close the connection)."""
+    conn = request.protocol if isinstance(request.protocol, AioConnection) else None
+    if conn is not None:
+        conn.reading = request
+        conn.body_broke()
+    try:
+        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:  # TimeoutError itself from 3.11
+        err = OndemandError(408, "request_timeout", f"The request body did not arrive within "
+                            f"{limits.body_timeout_s:g} s", headers={"Connection": "close"})
+    except BodyMalformedError as exc:
+        err = OndemandError(400, "invalid_body", f"The request body is malformed: {exc}",
+                            headers={"Connection": "close"})
+    finally:
+        if conn is not None:
+            conn.reading = None
+    raise err
+
+
+class AioConnection(web.RequestHandler):
+    def __init__(self, server: web.Server, limits: Limits, loop: asyncio.AbstractEventLoop, **kwargs: Any):
+        super().__init__(server, loop=loop, **limits.aiohttp_args(), **kwargs)
+        self.limits = limits
+        self.watch_loop = loop
+        self.watch: Any = httptools.HttpRequestParser(_Watch(self))
+        self.watch_head = False
+        self.watch_bytes = 0
+        self.watch_timer: asyncio.TimerHandle | None = None
+        self.refuse_as: tuple[int, str, str] | None = None  # what the next parse error really is
+        self.watch_in_body = False
+        self.reading: web.BaseRequest | None = None  # a request whose body read_body awaits
+        self.broken_body: BodyMalformedError | None = None  # the body being received broke
+
+    def body_broke(self) -> None:
+        """The first request whose body has not all arrived is the one whose body broke."""
+        request = self.reading
+        if self.broken_body is not None and request is not None and not request.content.is_eof():
+            request.content.set_exception(self.broken_body)
+
+    # --- watching the heads ---
+
+    def data_received(self, data: bytes) -> None:
+        """In pieces that each end with a head's end (any split of the stream is as good as
+        another): aiohttp's parser drops every message it parsed in a read when the read holds
+        a malformed head too (issue 23: the 200 before a 400 was lost); so it holds one head."""
+        start = 0
+        while (end := data.find(b"\r\n\r\n", start)) >= 0 and end + 4 < len(data):
+            self.feed_piece(data[start:end + 4])
+            start = end + 4
+        self.feed_piece(data[start:] if start else data)
+
+    def feed_piece(self, data: bytes) -> None:
+        watch = self.watch
+        if watch is not None:
+            try:
+                watch.feed_data(data)
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # aiohttp's parser answers it
+                in_body = self.watch_in_body
+                self.unwatch()
+                if in_body:
+                    # aiohttp gives up on such a body without ending it: its reader would wait
+                    # for ever (until read_body's time limit), the 400 queued behind it.
+                    self.broken_body = BodyMalformedError(str(exc) or type(exc).__name__)
+                    self.body_broke()
+            if self.watch_head:
+                self.watch_bytes += len(data)
+                if self.watch_bytes > self.limits.max_head_bytes:
+                    self.head_refused(431, "headers_too_large",
+                                       f"The request head is larger than {self.limits.max_head_bytes // 1024} KiB")
+                    return
+        super().data_received(data)
+
+    def head_begins(self) -> None:
+        self.watch_head = True
+        self.watch_bytes = 0
+        if self.watch_timer is None:
+            self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self.head_late)
+
+    def head_ends(self) -> None:
+        self.watch_head = False
+        self.watch_in_body = True
+        if self.watch_timer is not None:
+            self.watch_timer.cancel()
+            self.watch_timer = None
+
+    def head_late(self) -> None:
+        self.watch_timer = None
+        if self.watch_head:
+            self.head_refused(408, "request_timeout",
+                               f"The request head did not arrive within {self.limits.head_timeout_s:g} s")
+
+    def head_refused(self, status: int, code: str, message: str) -> None:
+        self.refuse_as = (status, code, message)
+        self.unwatch()
+        super().data_received(b"\x00\r\n\r\n")  # no head may hold a NUL: aiohttp refuses it, in its order
+
+    def unwatch(self) -> None:
+        self.watch = None
+        self.watch_head = False
+        if self.watch_timer is not None:
+            self.watch_timer.cancel()
+            self.watch_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.unwatch()
+        super().connection_lost(exc)
+
+    # --- aiohttp's refusals, in the documented form ---
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, BodyMalformedError):
+            return  # answered 400 already: aiohttp's lingering read meets it once more
+        super().log_exception(*args, **kw)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer is not None and request.writer.output_size > 0:
+            # Part of an answer went out: the connection is broken (aiohttp's rule).
+            raise ConnectionError("an answer is under way: the connection is cut")
+        peer = request.remote or "a local client"
+        if self.refuse_as is not None:
+            status, code, text = self.refuse_as
+            REFUSALS.note(peer, text, status)
+        elif status >= 500:
+            _log.error("%s %s failed", request.method, request.path, exc_info=exc)
+            code, text = "internal_error", "ondemand failed on this request; see its log"
+        else:
+            code = "invalid_request"
+            first = str(message or exc or "Bad Request").strip().splitlines()
+            text = f"Malformed HTTP request: {first[0] if first else 'Bad Request'}"
+            REFUSALS.note(peer, text, status)
+        resp = web.Response(status=status, body=OndemandError(status, code, text).body(),
+                            content_type="application/json")
+        resp.force_close()
+        return resp

@@ -1,0 +1,292 @@
+"""One keep-alive connection to an engine (:class:`EngineConnection`) and its answer
+(:class:`Response`): a request is one write; the answer's head and chunked framing are parsed
+by llhttp through httptools' public response parser (aiohttp's private ``HttpResponseParser``
+before issue 23), and its body arrives through a :class:`~.body.Body`. The pool
+(``pool.py``) owns the connections; a connection tells it when it closes. Imports nothing of
+ours but this package.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Protocol
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from .body import Body, PayloadError
+
+__all__ = ["EngineConnection", "Response", "UpstreamError", "Stale", "PayloadError"]
+
+READ_LIMIT = 2 ** 16     # the body's low-water mark; reading pauses at twice this
+_FLOW_CONTROL_ERRORS = (AttributeError, NotImplementedError, RuntimeError)  # as aiohttp's BaseProtocol
+
+
+class Owner(Protocol):
+    """What a connection needs of its pool."""
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def stale_window(self) -> float: ...
+    def lost(self, conn: EngineConnection) -> None: ...
+    def put_back(self, conn: EngineConnection) -> None: ...
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached, or closed or garbled the connection before its answer's head."""
+
+
+class Stale(UpstreamError):
+    """The connection closed before any byte of the answer arrived."""
+
+
+class _HeadOnly(Exception):
+    """Raised in a callback: the answer to a HEAD request has no body, whatever it says."""
+
+
+class EngineConnection(asyncio.Protocol):
+    """One keep-alive connection; at most one exchange at a time."""
+    __slots__ = ("pool", "transport", "parser", "active", "head", "payload", "got_bytes", "keep", "paused",
+                 "sent_at", "idle_since", "head_only", "answered", "status", "reason", "raw_headers", "framed")
+
+    def __init__(self, pool: Owner):
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.active = False           # an exchange runs
+        self.head: asyncio.Future[Response] | None = None
+        self.payload: Body | None = None   # the body once the head arrived
+        self.got_bytes = False
+        self.keep = True              # False once anything rules out another exchange
+        self.paused = False
+        self.sent_at = 0.0            # loop time of the current exchange's request
+        self.idle_since = 0.0         # loop time it went back to the pool
+        self.head_only = False
+        self.answered = False         # the final answer's end arrived
+        self.status = 0
+        self.reason = b""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.framed = False           # Content-Length or chunked: an early close is a cut body
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:  # idle: the engine has nothing to say now
+            self.close()
+            return
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            why = exc.__context__
+            if isinstance(why, _HeadOnly):
+                self.parser = httptools.HttpResponseParser(self)  # this one stopped inside the answer
+                return
+            self._failed(f"malformed answer from the engine: {why or exc}")
+            self.close()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._failed(f"malformed answer from the engine: {exc!r}")
+            self.close()
+
+    def eof_received(self) -> None:
+        return None  # close the transport: a half-closed engine connection is of no further use
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self.keep = False
+        self.pool.lost(self)
+        if not self.active:
+            return
+        head = self.head
+        if head is not None and not head.done():
+            why = f"the engine closed the connection{': ' + str(exc) if exc else ''}"
+            # Stale (safe to send again) only when the close came right after the request:
+            # the engine closing an idle connection as it arrived. Later, the engine may have
+            # worked on it (a generation, a crash): sending it again could run it twice.
+            stale = not self.got_bytes and self.pool.loop.time() - self.sent_at < self.pool.stale_window
+            head.set_exception(Stale(why) if stale else UpstreamError(why))
+            return
+        payload = self.payload
+        if payload is not None and not payload.is_eof() and payload.exception() is None:
+            if self.framed or exc is not None:
+                payload.set_exception(PayloadError("the engine broke off the answer"))
+            else:
+                payload.feed_eof()  # a close-delimited body ends with the connection
+
+    # --- llhttp's callbacks ---
+
+    def on_message_begin(self) -> None:
+        if self.answered:
+            raise ValueError("the engine sent more than one answer")
+        self.status = 0
+        self.reason = b""
+        self.raw_headers = []
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        status = self.status = parser.get_status_code()
+        if status < 200:  # an interim answer (1xx): the real one follows
+            return
+        headers: CIMultiDict[str] = CIMultiDict()
+        chunked = False
+        for name, value in self.raw_headers:
+            n = name.decode("utf-8", "surrogateescape")
+            v = value.decode("utf-8", "surrogateescape")
+            headers.add(n, v)
+            lower = n.lower()
+            if lower == "content-length" or (lower == "transfer-encoding" and "chunked" in v.lower()):
+                chunked = True
+        self.framed = chunked
+        if not parser.should_keep_alive():
+            self.keep = False
+        payload = self.payload = Body(self, READ_LIMIT)
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(Response(self, status, self.reason.decode("utf-8", "surrogateescape"),
+                                     CIMultiDictProxy(headers), payload))
+        if self.head_only or status in (204, 304):
+            self.answered = True
+            payload.feed_eof()
+            if self.head_only:
+                raise _HeadOnly()
+
+    def on_body(self, body: bytes) -> None:
+        if self.payload is not None:
+            self.payload.feed_data(body)
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            return
+        self.answered = True
+        if self.payload is not None:
+            self.payload.feed_eof()
+
+    # --- flow control, called by the body ---
+
+    def pause_reading(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            try:
+                self.transport.pause_reading()
+            except _FLOW_CONTROL_ERRORS:  # a closing transport: nothing more to read anyway
+                pass
+
+    def resume_reading(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None:
+                try:
+                    self.transport.resume_reading()
+                except _FLOW_CONTROL_ERRORS:
+                    pass
+
+    # --- ours ---
+
+    def _failed(self, why: str) -> None:
+        self.keep = False
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(UpstreamError(why))
+        elif self.payload is not None and not self.payload.is_eof():
+            self.payload.set_exception(PayloadError(why))
+
+    def alive(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def close(self) -> None:
+        self.keep = False
+        if self.transport is not None:
+            if self.transport.get_write_buffer_size():
+                # Part of the request is unsent (the client hung up during a big upload, or the
+                # engine answered early): close() would first wait for an engine that may never
+                # read it, holding the slot; and the engine would get the whole request after all.
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+    async def exchange(self, data: bytes | list[bytes], head_only: bool) -> Response:
+        """Send one request and wait for the answer's head; on any exception the connection is closed."""
+        loop = self.pool.loop
+        self.active = True
+        self.head_only = head_only
+        self.answered = False
+        head: asyncio.Future[Response] = loop.create_future()
+        self.head = head
+        self.payload = None
+        self.got_bytes = False
+        self.sent_at = loop.time()
+        try:
+            if self.transport is None or self.transport.is_closing():
+                raise Stale("the engine closed the connection")
+            if type(data) is list:
+                self.transport.writelines(data)
+            else:
+                self.transport.write(data)  # type: ignore[arg-type]
+            return await head
+        except BaseException:
+            # Cancelled (the client hung up) or failed: the engine must see the connection close.
+            self.close()
+            if not head.done():
+                head.cancel()  # awaited by no one now: connection_lost must not leave an exception in it
+            raise
+
+    def done(self) -> None:
+        """The exchange is over: back to the pool when the answer was read to its end, else closed."""
+        payload = self.payload
+        transport = self.transport
+        # Not while part of the request is still unsent: an engine that answered early would
+        # read the rest of that body as the next request.
+        if self.keep and self.answered and payload is not None and payload.is_eof() \
+                and payload.exception() is None and transport is not None and not transport.is_closing() \
+                and not transport.get_write_buffer_size():
+            self.active = False
+            self.head = self.payload = None
+            self.resume_reading()  # an idle connection must notice the engine closing it
+            self.pool.put_back(self)
+        else:
+            self.close()
+
+
+class Response:
+    """An engine's answer: status, headers and ``content`` (a :class:`~.body.Body`)."""
+    __slots__ = ("status", "reason", "headers", "content", "_conn")
+
+    def __init__(self, conn: EngineConnection, status: int, reason: str, headers: CIMultiDictProxy[str], content: Body):
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.content = content
+        self._conn: EngineConnection | None = conn
+
+    @property
+    def content_length(self) -> int | None:
+        v = self.headers.get("Content-Length")
+        return int(v) if v is not None and v.isdigit() else None
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("Content-Type", "application/octet-stream").partition(";")[0].strip().lower()
+
+    async def read(self) -> bytes:
+        return await self.content.read()
+
+    def release(self) -> None:
+        """Exactly once per answer, however it ended (idempotent)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.done()

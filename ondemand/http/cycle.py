@@ -1,0 +1,214 @@
+"""One request and its answer on the lean front: :class:`Call`, the per-request cycle
+(uvicorn's ``RequestResponseCycle``).
+
+The protocol (``protocol.py``) fills the request's head and body from llhttp's callbacks; the
+gateway reads the body with :meth:`Call.body` and answers with ``send`` (head and body in one
+write), or ``start``, ``write``s and ``end``. The answer's state (started, ended, whether the
+connection closes after it) is the cycle's. ``rid`` (when set) goes out as ``X-Request-Id``
+on every head. Writing to a client that went away raises ``ConnectionResetError``.
+Imports nothing of ours but ``http.flow_control`` (through the protocol it is handed).
+"""
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import sys
+import time
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+from urllib.parse import unquote
+
+import aiohttp
+from multidict import CIMultiDictProxy
+
+from .flow_control import BODY
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
+    from async_timeout import timeout as _timeout
+
+if TYPE_CHECKING:
+    from .protocol import HttpProtocol
+
+__all__ = ["Call", "BodyTooLarge", "BodyMalformed"]
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+# The Server header aiohttp's answers carry, so that both stacks' look alike.
+SERVER_SOFTWARE = f"Python/{sys.version_info[0]}.{sys.version_info[1]} aiohttp/{aiohttp.__version__}"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class BodyTooLarge(Exception):
+    """The request body grew past the limit the handler gave."""
+
+
+class BodyMalformed(Exception):
+    """The request body's framing broke after its head (a bad chunk size, say)."""
+
+
+class _Date:
+    """The Date header's value, formatted once a second."""
+    second = -1
+    value = ""
+
+    @classmethod
+    def now(cls) -> str:
+        t = int(time.time())
+        if t != cls.second:
+            cls.second, cls.value = t, email.utils.formatdate(t, usegmt=True)
+        return cls.value
+
+
+class Call:
+    """A gateway request and its answer. The head (method, target, headers) is complete when
+    the cycle is made; the body arrives through :meth:`feed` while the handler runs."""
+    __slots__ = ("_proto", "method", "raw_path", "headers", "peer", "content_length", "rid", "status",
+                 "version", "keep_alive", "expect", "started", "ended", "close", "bytes_out", "_chunked",
+                 "_continued", "parts", "size", "limit", "complete", "too_large", "failed", "_body_waiter")
+
+    def __init__(self, proto: HttpProtocol, method: str, raw_path: str, headers: CIMultiDictProxy[str],
+                 version: str, keep_alive: bool, limit: int):
+        self._proto = proto
+        self.method = method
+        self.raw_path = raw_path
+        self.headers = headers
+        self.peer = proto.peer
+        length = headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        expect = headers.get("Expect")
+        self.expect = expect is not None and expect.lower() == "100-continue"
+        self.version = version
+        self.keep_alive = keep_alive
+        self.rid = ""
+        self.status = 0
+        self.started = self.ended = self.close = False
+        self.bytes_out = 0
+        self._chunked = False
+        self._continued = False
+        # The request's body, as it arrives.
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = limit
+        self.complete = False
+        self.too_large = False
+        self.failed: BaseException | None = None
+        self._body_waiter: asyncio.Future[None] | None = None
+
+    @property
+    def path(self) -> str:
+        """The decoded path without the query (for observers)."""
+        return unquote(self.raw_path.partition("?")[0])
+
+    # --- the request's body, from the protocol ---
+
+    def feed(self, data: bytes) -> None:
+        if self.too_large:  # refused, or answered before it came: read and dropped (never paused)
+            return
+        self.size += len(data)
+        if self.size > self.limit:
+            if not self.too_large:
+                self.too_large = True
+                self.parts.clear()
+                self._wake()
+            return
+        self.parts.append(data)
+        if self._body_waiter is None and self.size > self._proto.limits.high_water:
+            self._proto.flow.pause_reading(BODY)  # nobody reads it yet: let the kernel hold the rest
+
+    def done(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._body_waiter is not None and not self._body_waiter.done():
+            self._body_waiter.set_result(None)
+
+    async def body(self, limit: int, timeout_s: float) -> bytes:
+        """The whole body, at most ``limit`` bytes (else :class:`BodyTooLarge`), within
+        ``timeout_s`` (else ``TimeoutError``)."""
+        if self.size > limit:
+            self.too_large = True
+        self.limit = limit
+        if not (self.complete or self.too_large or self.failed):
+            if self.expect and not self._continued:  # the client waits for this before it sends
+                self._continued = True
+                self._proto.write(_CONTINUE)
+            self._body_waiter = self._proto.loop.create_future()
+            self._proto.flow.resume_reading(BODY)
+            async with _timeout(timeout_s):
+                await self._body_waiter
+        if self.failed is not None:
+            raise self.failed
+        if self.too_large:
+            raise BodyTooLarge()
+        parts = self.parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    # --- the answer ---
+
+    def _head(self, status: int, reason: str | None, headers: Mapping[str, str], length: int | None) -> bytes:
+        version = self.version
+        lines = [f"HTTP/{version} {status} {reason or _REASONS.get(status, 'Unknown')}\r\n"]
+        lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
+        if self.rid:
+            lines.append(f"X-Request-Id: {self.rid}\r\n")
+        if length is not None:
+            if status >= 200 and status not in (204, 304):
+                lines.append(f"Content-Length: {length}\r\n")
+        elif version == "1.1" and status not in (204, 304) and self.method != "HEAD":
+            self._chunked = True
+            lines.append("Transfer-Encoding: chunked\r\n")
+        else:
+            self.close = True  # the answer's end is the connection's
+        if self.close or not self.keep_alive or self._proto.closing:
+            connection = "Connection: close\r\n"
+        else:  # HTTP/1.1 keeps it without saying so; 1.0 only when told
+            connection = "Connection: keep-alive\r\n" if version == "1.0" else ""
+        lines.append(f"Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n{connection}\r\n")
+        self.status = status
+        self.started = True
+        # Our header names and values are constants or came through llhttp (which refuses CR
+        # and LF in them); the engine's through httptools' response parser, which does too.
+        return "".join(lines).encode("utf-8", "surrogateescape")
+
+    async def send(self, status: int, headers: Mapping[str, str], body: bytes, *, reason: str | None = None,
+                   close: bool = False) -> None:
+        self.close = self.close or close
+        head = self._head(status, reason, headers, len(body))
+        data = head if self.method == "HEAD" or status in (204, 304) else head + body
+        self._proto.write(data)
+        self.bytes_out += len(data)
+        self.ended = True
+        await self._proto.flow.drain()
+
+    async def start(self, status: int, headers: Mapping[str, str], *, reason: str | None = None,
+                    length: int | None = None) -> None:
+        head = self._head(status, reason, headers, length)
+        self._proto.write(head)
+        self.bytes_out += len(head)
+
+    async def write(self, data: bytes) -> None:
+        if not data or self.method == "HEAD":
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._proto.write(data)
+        self.bytes_out += len(data)
+        await self._proto.flow.drain()
+
+    async def end(self) -> None:
+        if self._chunked:
+            self._proto.write(b"0\r\n\r\n")
+            self.bytes_out += 5
+        self.ended = True
+        await self._proto.flow.drain()
+
+    def abort(self) -> None:
+        self.close = True
+        self._proto.close()

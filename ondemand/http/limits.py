@@ -1,0 +1,39 @@
+"""The bounds on what one client may make the server hold, in one frozen object.
+
+Built once (``app.build_app``) and read by both stacks: the lean front applies every one of
+them itself, and aiohttp's connections get theirs from :meth:`Limits.aiohttp_args` and
+:meth:`Limits.client_max_size`. Before issue 23 the numbers were written twice (module
+constants and aiohttp's ``handler_args``) and drifted (the admin body limit was one byte off).
+Imports nothing of ours.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MiB = 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_line_size: int = 8190          # the request line (aiohttp's default): an overlong path is 400
+    max_field_size: int = 65536        # one header, name and value
+    max_headers: int = 128             # header lines (aiohttp's default)
+    max_head_bytes: int = 128 * 1024   # request line and headers together, while they arrive
+    head_timeout_s: float = 10.0       # from the first byte of a request head to its end
+    keepalive_timeout_s: float = 300.0  # an idle keep-alive connection; LiteLLM's own is 120 s
+    lingering_s: float = 10.0          # how long an unread body is read and dropped after an early answer
+    gateway_max_body: int = 16 * MiB   # a gateway request's body
+    admin_max_body: int = 16 * MiB     # an admin request's body
+    body_timeout_s: float = 60.0       # a whole body, from the handler's first read (both stacks)
+    high_water: int = 64 * 1024        # request body bytes buffered before reading pauses
+
+    def aiohttp_args(self) -> dict[str, Any]:
+        """aiohttp's ``RequestHandler`` options for a connection handed to it."""
+        return {"max_line_size": self.max_line_size, "max_field_size": self.max_field_size,
+                "max_headers": self.max_headers, "keepalive_timeout": self.keepalive_timeout_s,
+                "lingering_time": self.lingering_s}
+
+    def client_max_size(self) -> int:
+        """aiohttp's ``client_max_size`` refuses a body *over* it: the limit itself is allowed."""
+        return self.admin_max_body

@@ -1,0 +1,298 @@
+"""The engines' connection pools: one per deployment, of ``connection.py``'s plain HTTP/1.1
+connections.
+
+At most 256 connections; 10 s to connect; 60 s to wait for a free connection when all 256 are
+busy; no read or write timeout, because generation can be long. A request is one write (head
+and body); the answer's head and chunked framing are parsed by llhttp through httptools' public
+response parser (aiohttp's private ``HttpResponseParser`` before issue 23), and the body is
+passed on as it arrives through a :class:`~.body.Body`, which pauses reading the engine's
+socket while more than 128 KiB wait for a slow client. A connection goes back to the pool only
+when the whole answer arrived, the whole request was sent and the engine allows keep-alive (no
+``Connection: close``, no close-delimited body); otherwise (the client hung up, the engine broke
+off) it is closed, which makes vLLM and llama.cpp cancel the generation. A request that finds
+every connection busy waits in line (first come, first served) for a connection or for the slot
+of one that closed. An idle connection the engine closes (uvicorn and llama.cpp do after 5 s)
+leaves the pool at once, and one idle for more than 4 s is not reused (closed instead), so that
+race hardly ever happens. A request whose reused connection closes within 1 s of the request
+and before any byte of the answer (the engine closed it while the request was on its way) is
+sent once more on a connection that never sat idle; a later close is the caller's
+:class:`UpstreamError`, like any other failure: the engine may have worked on the request, and
+a generation must not run twice. A connection closed with part of its request unsent is aborted
+(reset), not closed after a flush that an engine no longer reading would never allow. When an
+engine comes back on a new address, the old pool is closed only when its last stream ends: a
+long generation must not be cut by a restart of a neighbour's engine on the same deployment id.
+
+No locks or shields: all of it runs on the event loop, and every await that a cancellation
+(the client hanging up) can interrupt closes the connection or gives its slot back; a
+connection or slot handed to a waiter that is cancelled in the same turn of the loop is passed
+on to the next. Imports nothing of ours but this package.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+from collections.abc import Coroutine
+from typing import Any
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+
+from .connection import EngineConnection as _Conn
+from .connection import PayloadError, Response, Stale, UpstreamError
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
+    from async_timeout import timeout as _timeout
+
+__all__ = ["Upstreams", "UpstreamError", "Response", "PayloadError"]
+
+LIMIT = 256              # connections per deployment
+CONNECT_TIMEOUT = 10.0   # seconds to open a TCP connection
+POOL_TIMEOUT = 60.0      # seconds to wait for a free connection when all are busy
+IDLE_MAX = 4.0           # seconds an idle connection is reused: below the 5 s keep-alive of uvicorn (vLLM)
+                         # and of llama.cpp's server, so the engine hardly ever closes one we are about to use
+STALE_WINDOW = 1.0       # a reused connection closed within this of the request, with no answer, was stale
+
+
+class _Pool:
+    """The connections to one engine address."""
+
+    def __init__(self, base_url: str, limit: int = LIMIT, connect_timeout: float = CONNECT_TIMEOUT,
+                 pool_timeout: float = POOL_TIMEOUT):
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"not an http:// engine address: {base_url!r}")
+        self.base_url = base_url
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self.host_header = parts.netloc.rpartition("@")[2]
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        self.pool_timeout = pool_timeout
+        self.loop = asyncio.get_running_loop()
+        self.size = 0                  # connections open or being opened (each holds a slot)
+        self.conns: set[_Conn] = set()   # every open connection, idle or busy
+        self.idle: list[_Conn] = []    # LIFO: the most recently used connection is the likeliest alive
+        self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.streams = 0               # leases not yet ended
+        self.retired = False
+        self.closed = False
+
+    # --- requests ---
+
+    def _encode(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None) -> bytes | list[bytes]:
+        lines = [f"{method} {self.prefix}{target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}\r\n")
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append("\r\n")
+        head = "".join(lines)
+        # Names and values came through llhttp, which refuses CR and LF in them; a line break
+        # of their own would be a second header or request: count, never trust.
+        if head.count("\n") != len(lines) + 1 or head.count("\r") != len(lines) + 1:
+            raise ValueError("line break in a request header")
+        raw = head.encode("utf-8", "surrogateescape")  # the bytes the client sent (decoded with surrogateescape)
+        if not body:
+            return raw
+        return raw + body if len(body) <= 65536 else [raw, body]
+
+    async def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None) -> Response:
+        """The answer's head; the caller must ``release()`` it. Raises :class:`UpstreamError`."""
+        data = self._encode(method, target, headers, body)
+        head_only = method == "HEAD"
+        conn, reused = await self._acquire(fresh=False)
+        try:
+            return await conn.exchange(data, head_only)
+        except Stale:
+            if not reused:
+                raise
+        # The engine closed the idle connection while the request was on its way: once more,
+        # on a connection that did not sit idle.
+        conn, _ = await self._acquire(fresh=True)
+        return await conn.exchange(data, head_only)
+
+    # --- connections ---
+
+    async def _acquire(self, fresh: bool) -> tuple[_Conn, bool]:
+        if self.closed:
+            raise UpstreamError("the engine's address changed")
+        if not fresh:
+            now = self.loop.time()
+            while self.idle:
+                conn = self.idle.pop()
+                if conn.alive():
+                    if now - conn.idle_since <= IDLE_MAX:
+                        return conn, True
+                    conn.close()  # idle too long: the engine may close it any moment (its slot comes back)
+        if self.size < self.limit:
+            self.size += 1
+            return await self._connect(), False
+        waiter = self.loop.create_future()
+        self.waiters.append(waiter)
+        try:
+            async with _timeout(self.pool_timeout):
+                got = await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._hand_on(waiter.result())  # handed a connection or a slot in the same turn: pass it on
+            else:
+                waiter.cancel()
+                try:
+                    self.waiters.remove(waiter)
+                except ValueError:
+                    pass
+            if isinstance(exc, asyncio.TimeoutError):  # TimeoutError itself from 3.11
+                raise UpstreamError(f"no free connection to the engine within {self.pool_timeout:g} s") from None
+            raise
+        if got is None:  # a slot: connect
+            return await self._connect(), False
+        if fresh:  # a connection handed over straight from a finished answer never sat idle
+            return got, False
+        return got, True
+
+    async def _connect(self) -> _Conn:
+        """Open a connection on a slot the caller holds; the slot is passed on when this fails."""
+        try:
+            async with _timeout(self.connect_timeout):
+                _tr, conn = await self.loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        except BaseException as exc:
+            self._slot_free()
+            if isinstance(exc, asyncio.TimeoutError):  # TimeoutError itself from 3.11
+                raise UpstreamError(f"connect to {self.host}:{self.port} timed out after "
+                                    f"{self.connect_timeout:g} s") from None
+            if isinstance(exc, OSError):
+                raise UpstreamError(str(exc) or repr(exc)) from None
+            raise
+        if self.closed or conn.transport is None:  # closed while connecting, by us or the engine
+            conn.close()
+            self._slot_free()  # connection_lost frees only the slots of registered connections
+            raise Stale("the engine's address changed" if self.closed else "the engine closed the connection")
+        self.conns.add(conn)
+        return conn
+
+    def _hand_on(self, got: _Conn | None) -> None:
+        if got is None:
+            self._slot_free()
+        else:
+            self.put_back(got)
+
+    @property
+    def stale_window(self) -> float:
+        return STALE_WINDOW  # read when asked: tests shorten it
+
+    def put_back(self, conn: _Conn) -> None:
+        if self.closed:
+            conn.close()
+            return
+        waiters = self.waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(conn)
+                return
+        conn.idle_since = self.loop.time()
+        self.idle.append(conn)
+
+    def _slot_free(self) -> None:
+        """A connection closed (or never opened): its slot goes to the first waiter, else back."""
+        waiters = self.waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+        self.size -= 1
+
+    def lost(self, conn: _Conn) -> None:
+        """connection_lost: called once per connection; a registered one gives its slot back."""
+        if conn in self.conns:
+            self.conns.discard(conn)
+            try:
+                self.idle.remove(conn)
+            except ValueError:
+                pass
+            self._slot_free()
+
+    def close(self) -> None:
+        """Close every connection, busy ones too, and refuse new requests."""
+        self.closed = True
+        for w in self.waiters:
+            if not w.done():
+                w.set_exception(UpstreamError("the engine's address changed"))
+        self.waiters.clear()
+        self.idle.clear()
+        for conn in list(self.conns):
+            conn.close()
+
+
+class Upstreams:
+    """The connection pools of the engines, by deployment id."""
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._current: dict[int, _Pool] = {}
+        self._retired: set[_Pool] = set()
+
+    def open(self, dep_id: int, base_url: str) -> _Lease:
+        up = self._current.get(dep_id)
+        if up is None or up.base_url != base_url:
+            if up is not None:
+                self._retire(up)
+            up = self._current[dep_id] = _Pool(base_url, self.limit)
+        up.streams += 1
+        return _Lease(self, up)
+
+    def _retire(self, up: _Pool) -> None:
+        up.retired = True
+        if up.streams == 0:
+            up.close()
+        else:
+            self._retired.add(up)
+
+    def _ended(self, up: _Pool) -> None:
+        up.streams -= 1
+        if up.retired and up.streams == 0:
+            self._retired.discard(up)
+            up.close()
+
+    def forget(self, dep_id: int) -> None:
+        """The deployment was removed: close its pool once idle."""
+        up = self._current.pop(dep_id, None)
+        if up is not None:
+            self._retire(up)
+
+    async def close(self) -> None:
+        ups = list(self._current.values()) + list(self._retired)
+        self._current.clear()
+        self._retired.clear()
+        for up in ups:
+            up.close()
+        await asyncio.sleep(0)  # the transports' connection_lost runs on the next turn of the loop
+
+
+class _Lease:
+    """One stream's use of a pool; ``end()`` exactly once (idempotent), after its answer's ``release()``."""
+    __slots__ = ("_owner", "_up", "_ended")
+
+    def __init__(self, owner: Upstreams, up: _Pool):
+        self._owner = owner
+        self._up = up
+        self._ended = False
+
+    @property
+    def base_url(self) -> str:
+        return self._up.base_url
+
+    def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None
+                ) -> Coroutine[Any, Any, Response]:
+        """``await`` it for the answer's head (a :class:`Response`); raises :class:`UpstreamError`."""
+        return self._up.request(method, target, headers, body)
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._owner._ended(self._up)

@@ -1,0 +1,408 @@
+"""One client connection of the lean front: :class:`HttpProtocol` (uvicorn's
+``HttpToolsProtocol``; design.md, "The HTTP layer").
+
+llhttp (httptools) parses; a request under the gateway's prefix becomes a :class:`~.cycle.Call`
+for the gateway's handler, one at a time and in order. The first request that is not the
+gateway's hands the connection to aiohttp for good (:meth:`HttpProtocol._hand_off`), with the
+bytes from that request's first on, once the answers before it are out; one pipelined in the
+same read behind a gateway request (where it begins is unknown: llhttp tells no offsets) is 421
+instead. Refusals are the documented JSON, after the answers owed before them, then the close.
+Imports nothing of ours but ``errors`` (through ``refusals``) and this package.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from .cycle import BodyMalformed, Call
+from .flow_control import BODY, PIPELINE, FlowControl
+from .refusals import refusal
+
+if TYPE_CHECKING:
+    from .server import Front
+
+_log = logging.getLogger("ondemand.http")
+
+
+class _Refuse(Exception):
+    """Raised in a parser callback: answer this (after the answers owed) and close."""
+
+    def __init__(self, answer: bytes):
+        super().__init__()
+        self.answer = answer
+
+
+class _HandOff(Exception):
+    """Raised in a parser callback: stop parsing, the rest is aiohttp's."""
+
+
+class HttpProtocol(asyncio.Protocol):
+    def __init__(self, front: Front):
+        self.front = front
+        self.limits = front.limits
+        self.loop = front.loop
+        self.transport: asyncio.Transport | None = None
+        self.flow: FlowControl = None  # type: ignore[assignment]  # set in connection_made
+        self.peer = ""
+        self.parser = httptools.HttpRequestParser(self)
+        # The message being parsed.
+        self.in_message = False
+        self.in_head = False
+        self.url = b""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.cycle: Call | None = None       # the gateway request whose body is being parsed
+        # The bytes since the current message began, while that beginning is known (see _hand_off).
+        self.raw: list[bytes] | None = None
+        self.fresh = False                   # no message ended in the read being parsed
+        # The gateway's requests.
+        self.pipeline: collections.deque[Call] = collections.deque()
+        self.current: Call | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.lingering: Call | None = None
+        # What comes once the answers owed are out: a refusal, or the hand-off's bytes.
+        self.refusal: bytes | None = None
+        self.handoff: list[bytes] | None = None
+        self.broken = False                  # nothing more is parsed
+        self.closing = False                 # the server is shutting down
+        self.head_bytes = 0
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
+        self.linger_timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.flow = FlowControl(self.transport)  # type: ignore[arg-type]
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) and peer else ""
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.front.connections.add(self)
+        self._idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self.broken:
+            if self.handoff is not None:
+                self.handoff.append(data)  # aiohttp's, once the answers before it are out
+            return
+        if not self.in_message:  # whatever begins in this read begins at its first byte
+            self.raw = [data]
+            self.fresh = True
+            self.head_bytes += len(data)
+        else:
+            if self.raw is not None:
+                self.raw.append(data)
+            if self.in_head:
+                self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            why = exc.__context__
+            if isinstance(why, _Refuse):
+                self._refuse(why.answer)
+            elif not isinstance(why, _HandOff):
+                raise
+        except httptools.HttpParserUpgrade:  # cannot be: on_headers_complete refuses upgrades
+            self._refuse(refusal(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"))
+        except httptools.HttpParserError as exc:
+            self._malformed(exc)
+        if self.broken:
+            if self.handoff is not None and self.current is None and not self.pipeline:
+                self._hand_off()
+            return
+        if self._head_pending():
+            # Timed from its first read: a head that came whole (the usual) never needs the timer.
+            if self.head_bytes > self.limits.max_head_bytes:
+                self._refuse(refusal(431, "headers_too_large",
+                                     f"The request head is larger than {self.limits.max_head_bytes // 1024} KiB"))
+            elif self.head_timer is None:
+                self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_late)
+
+    def _head_pending(self) -> bool:
+        """Part of a request head is here (or only the empty lines llhttp skips before one)."""
+        return self.in_head or (not self.in_message and self.head_bytes > 0)
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes: a hang-up
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self._forget()
+        if self.task is not None:  # the client went away: its handler is cancelled (a hang-up)
+            self.task.cancel()
+
+    def pause_writing(self) -> None:
+        self.flow.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.flow.resume_writing()
+
+    def _forget(self) -> None:
+        self.front.connections.discard(self)
+        for timer in (self.head_timer, self.idle_timer, self.linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self.head_timer = self.idle_timer = self.linger_timer = None
+        if self.flow is not None:
+            self.flow.connection_lost()
+
+    # --- writing, for Call ---
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # --- llhttp's callbacks ---
+
+    def on_message_begin(self) -> None:
+        self.in_message = self.in_head = True
+        self.url = b""
+        self.raw_headers = []
+        if not self.fresh:  # a message ended earlier in this read: where this one begins is unknown
+            self.raw = None
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > self.limits.max_line_size:
+            raise _Refuse(refusal(400, "invalid_request", "The request line is too long"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        headers = self.raw_headers
+        headers.append((name, value))
+        if len(name) + len(value) > self.limits.max_field_size or len(headers) > self.limits.max_headers:
+            raise _Refuse(refusal(400, "invalid_request",
+                                  f"A request header is over {self.limits.max_field_size} bytes, or there are "
+                                  f"over {self.limits.max_headers} of them"))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        self._head_done()
+        parser = self.parser
+        if parser.should_upgrade():  # (issue 23) aiohttp lost what followed an Upgrade with a body
+            raise _Refuse(refusal(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"))
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in self.raw_headers:
+            headers.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        codings = headers.getall("Transfer-Encoding", ())
+        if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
+            # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.
+            raise _Refuse(refusal(400, "invalid_request", "Transfer-Encoding other than one chunked is not accepted"))
+        if not self.url.startswith(self.front.prefix):
+            if not self.front.hand_off:
+                raise _Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
+                                      "(the admin API is on admin_listen)"))
+            if self.raw is None:
+                raise _Refuse(refusal(421, "misdirected_request",
+                                      "A request that is not the gateway's, pipelined behind a gateway request: "
+                                      "send it on a connection of its own"))
+            self.broken = True
+            self.handoff, self.raw = self.raw, None
+            if self.current is not None or self.pipeline:
+                self.flow.pause_reading(PIPELINE)  # the bytes wait in the kernel until aiohttp takes them
+            raise _HandOff()
+        self.raw = None  # a gateway request is never handed off: its bytes need not be kept
+        cycle = self.cycle = Call(self, parser.get_method().decode("ascii", "replace"),
+                                  self.url.decode("utf-8", "surrogateescape"), CIMultiDictProxy(headers),
+                                  parser.get_http_version(), parser.should_keep_alive(), self.front.max_body())
+        if self.current is None and not self.pipeline:
+            self._start(cycle)
+        else:
+            self.pipeline.append(cycle)
+            self.flow.pause_reading(PIPELINE)  # one request at a time: the next waits in the kernel
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.feed(body)
+
+    def on_message_complete(self) -> None:
+        self.in_message = self.fresh = False
+        cycle, self.cycle = self.cycle, None
+        if cycle is not None:
+            cycle.done()
+            if cycle is self.lingering:
+                self._linger_done()
+
+    # --- the gateway's requests ---
+
+    def _start(self, cycle: Call) -> None:
+        self.current = cycle
+        # A child of this connection, not a background task: connection_lost cancels it.
+        self.task = self.loop.create_task(self._run(cycle))  # noqa: TID251
+
+    async def _run(self, cycle: Call) -> None:
+        try:
+            await self.front.handle(cycle)
+        except asyncio.CancelledError:
+            return  # the client went away (connection_lost) or the server is stopping
+        except Exception:
+            _log.exception("the gateway failed on %s %s", cycle.method, cycle.raw_path)
+            cycle.close = True
+            if not cycle.started and self.transport is not None:
+                with contextlib.suppress(ConnectionError):
+                    self.write(refusal(500, "internal_error", "ondemand failed on this request; see its log"))
+                    cycle.ended = True
+        finally:
+            self.task = self.current = None
+        self._after(cycle)
+
+    def _after(self, cycle: Call) -> None:
+        """The answer is out: the next request, or the connection's end."""
+        transport = self.transport
+        if transport is None:
+            return
+        if not cycle.ended or cycle.close or not cycle.keep_alive or self.closing:
+            transport.close()
+            return
+        if not cycle.complete and not cycle.failed:  # answered before its body was in: read and drop the rest
+            cycle.too_large = True
+            cycle.parts.clear()
+            self.lingering = cycle
+            self.flow.resume_reading(BODY)
+            self.linger_timer = self.loop.call_later(self.limits.lingering_s, transport.close)
+            return
+        self._go_on()
+
+    def _linger_done(self) -> None:
+        self.lingering = None
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
+            self.linger_timer = None
+        self._go_on()
+
+    def _go_on(self) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        self.flow.resume_reading(BODY)  # the answered request's body is no one's concern now
+        if self.pipeline:
+            self._start(self.pipeline.popleft())
+            if not self.pipeline and not self.broken:
+                self.flow.resume_reading(PIPELINE)
+            return
+        if self.refusal is not None:
+            self._refuse(self.refusal)
+        elif self.handoff is not None:
+            self._hand_off()
+        else:
+            self.flow.resume_reading(PIPELINE)
+            self._idle()
+
+    def _idle(self) -> None:
+        """Waiting for the next request: closed after the keep-alive timeout of this. One timer
+        lives across requests (set again when it fires early), not one per request."""
+        self.idle_since = self.loop.time()
+        if self.idle_timer is None:
+            self.idle_timer = self.loop.call_later(self.limits.keepalive_timeout_s, self._idle_late)
+
+    def _idle_late(self) -> None:
+        self.idle_timer = None
+        if self.transport is None or self.broken:
+            return
+        if self.task is not None or self.pipeline or self.in_message or self.head_bytes:
+            return  # busy: _idle() sets it again after the answer
+        left = self.idle_since + self.limits.keepalive_timeout_s - self.loop.time()
+        if left > 0.001:
+            self.idle_timer = self.loop.call_later(left, self._idle_late)
+        else:
+            self.transport.close()
+
+    # --- the head's bounds, refusals ---
+
+    def _head_done(self) -> None:
+        self.head_bytes = 0
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if self._head_pending() and not self.broken:
+            self._refuse(refusal(408, "request_timeout",
+                                 f"The request head did not arrive within {self.limits.head_timeout_s:g} s"))
+
+    def _refuse(self, answer: bytes) -> None:
+        """Write ``answer`` and close, after the answers owed before it; nothing more is read."""
+        self.broken = True
+        self._head_done()
+        transport = self.transport
+        if transport is None:
+            return
+        if self.current is not None or self.pipeline:
+            self.refusal = answer
+            self.flow.pause_reading(PIPELINE)
+            return
+        self.refusal = None
+        if not transport.is_closing():
+            transport.write(answer)
+        transport.close()
+
+    def _malformed(self, exc: Exception) -> None:
+        cycle = self.cycle
+        why = str(exc) or type(exc).__name__
+        if cycle is not None:  # its body broke: its handler says so (400 invalid_body), or it lingers
+            self.broken = True
+            if cycle is self.lingering:
+                self.close()
+            else:
+                cycle.fail(BodyMalformed(why))
+            return
+        self.front.refusals.note(self.peer or "a local client", why)
+        self._refuse(refusal(400, "invalid_request", f"Malformed HTTP request: {why}"))
+
+    # --- the hand-off ---
+
+    def _hand_off(self) -> None:
+        """aiohttp's connection object gets the transport, and every byte from the first
+        request that is not the gateway's on, as they came; this protocol is done with it."""
+        transport, data = self.transport, b"".join(self.handoff or ())
+        paused = self.flow.read_paused
+        self.handoff = None
+        self.transport = None
+        self._forget()
+        if transport is None or transport.is_closing():
+            return
+        if paused:  # for the requests before it: aiohttp's connection expects to read
+            transport.resume_reading()
+        aio = self.front.aiohttp_connection()
+        aio.connection_made(transport)
+        transport.set_protocol(aio)
+        if data:
+            aio.data_received(data)
+
+    # --- shutting down ---
+
+    def shutdown_begin(self) -> None:
+        """No new requests: an idle connection closes now, a busy one after its answer."""
+        self.closing = True
+        if self.task is None and not self.pipeline and self.transport is not None:
+            self.transport.close()
+
+    async def shutdown(self, timeout: float | None) -> None:
+        task = self.task
+        if task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.transport is not None:
+            self.transport.close()

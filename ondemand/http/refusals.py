@@ -1,0 +1,54 @@
+"""The server's own refusals (malformed HTTP, bounds, misdirected requests): the documented
+JSON error, ready to write, and the once-a-minute log line for malformed requests.
+Imports nothing of ours but ``errors``."""
+from __future__ import annotations
+
+import logging
+import time
+from http import HTTPStatus
+
+from ..errors import OndemandError
+
+_log = logging.getLogger("ondemand.http")
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+def refusal(status: int, code: str, message: str) -> bytes:
+    """A whole answer that closes the connection, with the error in the documented form."""
+    body = OndemandError(status, code, message).body()
+    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class OnceAMinute:
+    """A line at most every ``every_s``: :meth:`due` is None while it must keep quiet, else
+    what to add to the line (the count of those not logged since the last one)."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self.suppressed = 0
+        self._last = -float("inf")
+
+    def due(self) -> str | None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            return None
+        more = f" ({self.suppressed} more since the last such line)" if self.suppressed else ""
+        self._last, self.suppressed = now, 0
+        return more
+
+
+class RefusalLog(OnceAMinute):
+    """Malformed requests, from either stack: one warning a minute at most, with the count,
+    so that no client can flood the log (aiohttp logged each with its traceback)."""
+
+    def note(self, peer: str, why: str, status: int = 400) -> None:
+        more = self.due()
+        if more is None:
+            return
+        first = why.strip().splitlines()[0] if why.strip() else ""
+        _log.warning("refused a malformed request from %s (%d): %s%s", peer, status, first, more)
+
+
+REFUSALS = RefusalLog()
