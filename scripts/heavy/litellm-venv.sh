@@ -34,16 +34,11 @@ for a in "$@"; do
 done
 
 want="$(printf '%s\n' "${PINS[@]}")"
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+if venv_ready "$VENV" "$want"; then
   log "cached: $VENV (${PINS[*]})"
 else
   start=$SECONDS
-  if [[ ! -x "$PY" ]]; then
-    log "creating venv $VENV"
-    rm -rf "$VENV"
-    python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
-  fi
-  rm -f "$STAMP"
+  venv_begin "$VENV"
   log "pip install ${PINS[*]} (~1.5 min cold)"
   PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet --disable-pip-version-check \
     "${PINS[@]}" >&2 || die "pip install ${PINS[*]} failed"

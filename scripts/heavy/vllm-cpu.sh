@@ -31,16 +31,11 @@ PY="$VENV/bin/python"
 STAMP="$VENV/.ondemand-pins"
 
 want="$(printf '%s\n' "${PINS[@]}" "without ${UNWANTED[*]}")"
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+if venv_ready "$VENV" "$want"; then
   log "cached: $VENV (${PINS[*]})"
 else
   start=$SECONDS
-  if [[ ! -x "$PY" ]]; then
-    log "creating venv $VENV"
-    rm -rf "$VENV"
-    python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
-  fi
-  rm -f "$STAMP"
+  venv_begin "$VENV"
   find_links=()
   [[ -d "$WHEELS" ]] && find_links=(--find-links "$WHEELS")
   log "pip install ${PINS[*]} (~5 min cold)"
