@@ -244,6 +244,12 @@ class Budget:
         return [(g.index, g.uuid, max(0.0, (min(g.total, cap) if cap else g.total) - self.reserve_gib))
                 for g in reading.gpus]
 
+    def _sizes_of(self, reading: Reading) -> tuple[float, ...] | None:
+        """Each GPU's total, for placement (several GPUs are of one size); None for one pool."""
+        if not self.per_gpu:
+            return None
+        return tuple(g.total for g in reading.gpus) if reading.gpus is not None else self.gpu_capacity_gib
+
     def holdings(self, dep: Deployment, pools: int) -> dict[int, float]:
         """GiB per pool that ``dep``'s engine holds (or will, once started)."""
         return placement.holdings(dep.footprint_gib, dep.gpu_count, dep.gpus, pools, self.per_gpu)
@@ -296,10 +302,11 @@ class Budget:
         if self.per_gpu and dep.state is State.ASLEEP and dep.gpus:
             allowed = dep.gpus
         free = [p.free for p in snap.pools]
-        chosen = placement.choose(free, dep.footprint_gib, count, allowed)
+        sizes = self._sizes_of(reading)
+        chosen = placement.choose(free, dep.footprint_gib, count, allowed, sizes)
         if chosen is None:
             fit = Fit(dep.footprint_gib, tuple(free), tuple(p.ondemand_capacity for p in snap.pools), count,
-                      allowed, self.per_gpu)
+                      allowed, self.per_gpu, sizes)
             message = None
             if self.per_gpu:
                 where = f"GPUs {', '.join(map(str, allowed))}" if allowed is not None else f"{n} GPUs"

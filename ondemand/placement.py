@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 EPS = 1e-9
+# GPUs whose totals differ by no more than this are of one size (nvidia-smi rounds to MiB).
+SAME_SIZE_GIB = 0.5
 
 
 def demand(gpu_count: int | None, gpu_ids: Sequence[int] | None, pools: int,
@@ -63,12 +65,15 @@ def share(memory_gib: float, count: int) -> float:
 
 
 def choose(free: Sequence[float], memory_gib: float, gpu_count: int | None,
-           gpu_ids: Sequence[int] | None = None) -> tuple[int, ...] | None:
+           gpu_ids: Sequence[int] | None = None, sizes: Sequence[float] | None = None) -> tuple[int, ...] | None:
     """The GPU indices to use, or None when no allowed set fits now.
 
     ``free[i]`` is GPU i's free memory in GiB. ``gpu_count`` None means every
     GPU; 0 means none (always fits, with no GPU). ``gpu_ids`` limits the
-    choice to those indices (with ``gpu_count`` of them, it is the set)."""
+    choice to those indices (with ``gpu_count`` of them, it is the set).
+    ``sizes[i]``: GPU i's total; when given, a set of several GPUs is of one size
+    only (an engine's memory share is one fraction for every GPU it sees, and
+    tensor parallelism splits the model evenly)."""
     n = len(free)
     count = n if gpu_count is None else gpu_count
     if count == 0:
@@ -80,17 +85,19 @@ def choose(free: Sequence[float], memory_gib: float, gpu_count: int | None,
     fitting = [i for i in allowed if free[i] + EPS >= need]
     if len(fitting) < count:
         return None
+    sets: Iterable[tuple[int, ...]] = itertools.combinations(fitting, count)
+    if sizes is not None and count > 1:
+        sets = (c for c in sets if max(sizes[i] for i in c) - min(sizes[i] for i in c) <= SAME_SIZE_GIB)
     # Best fit: the least left over on the chosen GPUs; combinations come in
     # lexicographic order, so min() keeps the lowest indices among equals.
-    return min(itertools.combinations(fitting, count),
-               key=lambda chosen: sum(free[i] - need for i in chosen))
+    return min(sets, key=lambda chosen: sum(free[i] - need for i in chosen), default=None)
 
 
 def can_ever_fit(capacity: Sequence[float], memory_gib: float, gpu_count: int | None,
-                 gpu_ids: Sequence[int] | None = None) -> bool:
+                 gpu_ids: Sequence[int] | None = None, sizes: Sequence[float] | None = None) -> bool:
     """Would it fit with every GPU as free as it can be (``capacity``: usable memory per
     GPU less what nothing on demand can free)? If not, it is ``does_not_fit`` at once."""
-    return choose(capacity, memory_gib, gpu_count, gpu_ids) is not None
+    return choose(capacity, memory_gib, gpu_count, gpu_ids, sizes) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +110,11 @@ class Fit:
     count: int  # pools it needs
     allowed: tuple[int, ...] | None  # the pools it may use (None: any)
     per_gpu: bool
+    sizes: tuple[float, ...] | None = None  # each pool's total: several GPUs are of one size
 
     def choose(self, free: Sequence[float]) -> tuple[int, ...] | None:
         """The set it would get with ``free`` per pool, or None."""
-        return choose(free, self.need, self.count, self.allowed)
+        return choose(free, self.need, self.count, self.allowed, self.sizes)
 
     def never_fits(self) -> bool:
         """Not even with every on-demand model stopped (``does_not_fit``)."""

@@ -212,3 +212,14 @@ def test_each_gpu_shows_who_holds_it():
     pools = b.snapshot_of(Reading(None), deps).pools
     assert [p.holders for p in pools] == [("d2",), ("d1", "d2")]
     assert [p.free for p in pools] == [60, 0]
+
+
+def test_a_deployment_on_several_gpus_is_placed_on_gpus_of_one_size():
+    b = Budget("static", gpu_capacity_gib=[80, 40, 80, 48])
+    two = Deployment(id=1, name="tp2", served_name="tp2", memory_gib=60, gpu_count=2, state=State.STOPPED)
+    assert b.check_fit(two, [two], Reading(None)) == (0, 2)  # best fit alone would take the 40 and the 48
+    measured = Budget("nvidia-smi")
+    gpus = (Gpu(0, "a", 79.6, 0), Gpu(1, "b", 39.5, 0), Gpu(2, "c", 79.6, 70))
+    with pytest.raises(InsufficientMemory) as err:
+        measured.check_fit(two, [two], Reading(gpus))  # 0 and 1 have room, but not of one size
+    assert err.value.fit.sizes == (79.6, 39.5, 79.6) and err.value.fit.never_fits() is False

@@ -68,3 +68,15 @@ def test_the_choice_fits_and_is_the_best_fit(free, memory_gib, count):
     assert all(free[i] + 1e-9 >= need for i in chosen)  # never over a GPU's free memory
     best = min(sum(free[i] - need for i in c) for c in fitting)
     assert sum(free[i] - need for i in chosen) <= best + 1e-6
+
+
+def test_several_gpus_are_of_one_size():
+    """A deployment on several GPUs gets GPUs of one size (interfaces.md, "Engine recipes"): its
+    engine's memory share is one fraction of each GPU, and tensor parallelism splits it evenly."""
+    free, sizes = [35.0, 30.0, 31.0], [80.0, 40.0, 80.0]
+    assert choose(free, 60, 2) == (1, 2)  # without sizes: the best fit, of mixed sizes
+    assert choose(free, 60, 2, sizes=sizes) == (0, 2)  # the two 80 GiB GPUs
+    assert choose(free, 30, 1, sizes=sizes) == (1,)  # one GPU: any size
+    assert choose([35.0, 30.0], 60, 2, sizes=[80.0, 40.0]) is None
+    assert not can_ever_fit([80.0, 40.0], 60, 2, sizes=[80.0, 40.0])
+    assert choose([40.0, 40.0], 60, 2, sizes=[79.6, 79.65]) == (0, 1)  # nvidia-smi's rounding: one size
