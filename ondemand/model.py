@@ -80,7 +80,7 @@ SLEEPING = frozenset({State.STOPPED, State.ASLEEP, State.STOPPING, State.PLANNED
 # Its fields may be edited in place (no engine depends on them).
 EDITABLE = frozenset({State.STOPPED, State.FAILED, State.PLANNED})
 # Entering or leaving one of these changes what LiteLLM should list.
-SYNC_STATES = frozenset({State.READY, State.FAILED, State.PLANNED})
+SYNC_STATES = frozenset({State.READY, State.ASLEEP, State.FAILED, State.PLANNED})
 
 # A measured footprint this much over what was declared is flagged (log, status, doctor).
 OVER_DECLARED = 1.10
