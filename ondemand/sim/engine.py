@@ -16,19 +16,53 @@ Like vLLM, a body that is not ``application/json`` or not JSON is a 400, and an
 unknown ``model`` a 404 (``{"error": {"message", "type", "param", "code"}}``).
 ``--flavor llamacpp`` answers ``/health`` with ``{"status": "ok"}``, exposes
 llama.cpp's metric names and, like llama.cpp, serves whatever model is asked.
+``--flavor sglang`` answers ``/health`` with an empty 200, ``/v1/models`` as vLLM, exposes
+SGLang's metric names (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``) and serves
+whatever model is asked.
 
 While loading (``--startup-delay S``, or forever with ``--fail never-ready``) the
 socket listens at once and every engine route, ``/health`` and ``/v1/models``
 included, answers 503 ``Loading model`` (llama.cpp's behaviour; vLLM would not
 answer at all, which a gateway cannot tell from a hang). ``/_sim/*`` always
-answers. While asleep (``POST /sleep``) generation routes answer 503.
+answers.
+
+Sleep, as vLLM's sleep mode (``--flavor vllm``, and ``llamacpp`` as before): ``POST
+/sleep?level=1|2`` (default 1; another level is a 400) puts both parts, ``weights`` and
+``kv_cache``, to sleep and answers 200 after ``--sleep-delay S``; sleeping again changes
+nothing unless deeper. ``POST /wake_up`` wakes both, ``?tags=weights`` or ``?tags=kv_cache``
+(the query may repeat) those only (another tag is a 400); the call that wakes the weights
+takes ``--wake-delay S``. ``GET /is_sleeping`` says true until both are awake. While either
+sleeps, generation routes answer 503 (vLLM would hang); ``/health``, ``/v1/models`` and
+``/metrics`` answer as usual. Level 1 keeps the weights in host memory: with ``--host-mib H``
+the process really holds H MiB more (RSS) until the weights wake. Level 2 drops them: once
+they are awake, generation answers garbage (200, ``garbage0 garbage1 ...``; embeddings and
+scores change too) until ``POST /collective_rpc`` ``{"method": "reload_weights"}`` (200
+``{"results": [null]}``; another method, or the weights still asleep, is a 400). ``POST
+/reset_prefix_cache`` answers 200.
+
+Sleep, as SGLang's memory saver (``--flavor sglang``; vLLM's routes above are 404 there, and
+these are 404 in the other flavors): ``POST /release_memory_occupation`` (a JSON object,
+``{}`` will do) sleeps at level 1 when the process was started with
+``--enable-weights-cpu-backup``, else at level 2; ``POST /resume_memory_occupation`` (``{}``)
+wakes both parts (``--wake-delay``); both answer 200 ``null``. ``POST
+/update_weights_from_disk`` ``{"model_path": "..."}`` reloads the weights (ends the garbage):
+200 ``{"success": true, "message", "num_paused_requests": 0}`` (400 with ``"success":
+false`` while the weights sleep). SGLang's errors are ``{"error": {"message"}}`` (a 400).
+
 Failures: ``exit-at-start`` exits with code 3 before listening;
-``crash-mid-stream`` and ``exit-after S`` end the process with ``os._exit(1)``.
+``crash-mid-stream`` and ``exit-after S`` end the process with ``os._exit(1)``;
+``wake-fails``: a wake answers 500 (SGLang: 400) and wakes nothing; ``wake-hangs``: a
+wake never answers (nothing wakes; for timeouts); ``wake-garbage``: a wake succeeds, but
+from then on generation answers garbage for good, even after a reload (silent garbage
+after sleep cycles, as torch_memory_saver #71).
 
 Every request but ``/_sim/*`` is recorded (the last ``--record-limit``), with its decoded
 ``path`` and its ``raw_path`` as received: ``GET /_sim/requests`` lists them,
 ``DELETE /_sim/requests`` clears them. ``GET /_sim/launch`` says how the process was started
-(its argv and environment).
+(its argv and environment). ``GET /_sim/state`` says how it sleeps: ``{"sleeping":
+{"weights": bool, "kv_cache": bool}, "level": 0|1|2, "garbage": bool, "wakes": n, "sleeps":
+n}`` (level 0: awake; garbage: the weights in GPU memory are not the model's; wakes and
+sleeps count the calls that changed something).
 
 It takes the flags ondemand's engine recipes write (vLLM's ``MODEL --served-model-name S
 --tensor-parallel-size N --gpu-memory-utilization U --enable-sleep-mode``, SGLang's and
@@ -42,14 +76,19 @@ began: ``pid``, ``model``), ``req`` (a request arrived: its ``path`` and the nam
 its headers, never their values), ``end`` (that request's handler returned: ``n``,
 the request's number within this process), and ``sigterm`` with ``inflight``, the
 generation requests still being answered when SIGTERM (or SIGINT) came: an engine
-stopped while busy says so here. Every line has ``ev``, ``pid`` and ``t`` (Unix time).
+stopped while busy says so here; ``sleep`` (with its ``level``) and ``wake`` (with the
+``tags`` it woke) when a sleep or wake changed something. Every line has ``ev``, ``pid`` and
+``t`` (Unix time).
 
 GPU memory, for the fake nvidia-smi of the tests (tests/fakes/nvidia-smi): with
 ``--gpu-mib N`` and ``$FAKE_NVIDIA_SMI_APPS`` set, the simulator "uses" N MiB on
 each GPU of ``$CUDA_VISIBLE_DEVICES`` (integer indices; GPU 0 when unset, none when
 empty) by writing ``$FAKE_NVIDIA_SMI_APPS/<pid>`` (lines ``<gpu index> <MiB>``)
 before its startup line, and removes the file when it exits (a SIGKILL leaves it,
-but the fake ignores a dead pid's file).
+but the fake ignores a dead pid's file). With ``--sleep-gpu-mib M`` the file says M MiB
+instead while asleep (from the sleep until both parts are awake; default 0), as an engine's
+residue (CUDA context, graphs) once its weights and KV cache are released. The file is
+rewritten atomically (a temporary file, then a rename).
 """
 from __future__ import annotations
 
@@ -73,10 +112,12 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-FLAVORS = ("vllm", "llamacpp")
+FLAVORS = ("vllm", "llamacpp", "sglang")
 # One recorded request: (time, method, path, query, raw headers, body, raw path as received).
 _Recorded = tuple[float, str, str, str, tuple[tuple[bytes, bytes], ...], bytes, str]
-FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails")
+FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails", "wake-hangs",
+            "wake-garbage")
+PARTS = ("weights", "kv_cache")  # what sleeps, as vLLM's wake_up tags name them
 GENERATION = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
     "/v1/messages", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
@@ -89,13 +130,26 @@ _LOADING = orjson.dumps({"error": {"code": 503, "message": "Loading model", "typ
 
 _TOK: list[str] = []  # token i as text, shared by every request
 _TOKJ: list[bytes] = []  # the same, JSON-encoded once
+_GTOK: list[str] = []  # token i of garbage (the weights are not the model's), and JSON-encoded
+_GTOKJ: list[bytes] = []
 
 
 def _tokens(n: int) -> None:
     for i in range(len(_TOK), n):
-        s = f" tok{i}" if i else "tok0"
+        s, g = (f" tok{i}", f" garbage{i}") if i else ("tok0", "garbage0")
         _TOK.append(s)
         _TOKJ.append(orjson.dumps(s))
+        _GTOK.append(g)
+        _GTOKJ.append(orjson.dumps(g))
+
+
+def _hold(mib: int) -> bytearray | None:
+    """``mib`` MiB of host memory, every page touched so that the RSS really grows."""
+    if mib <= 0:
+        return None
+    b = bytearray(mib << 20)
+    b[::4096] = b"\x01" * (len(b) // 4096)
+    return b
 
 
 @dataclass
@@ -117,6 +171,11 @@ class SimOptions:
     record_limit: int = 1000
     shutdown_delay: float = 0.0  # seconds between SIGTERM and the exit (a large engine freeing memory)
     gpu_mib: int = 0  # MiB per visible GPU reported to the fake nvidia-smi (0: none)
+    sleep_gpu_mib: int = 0  # the same while asleep
+    host_mib: int = 0  # host memory really held while asleep at level 1 (the weights' copy)
+    sleep_delay: float = 0.0  # seconds a sleep takes
+    wake_delay: float = 0.0  # seconds the wake of the weights takes
+    weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: it sleeps at level 1, else 2
     journal: str | None = None  # a file to append one JSON line per event to (see the module's doc)
 
 
@@ -134,9 +193,12 @@ class Journal:
 
 
 class SimError(Exception):
-    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
+    """An error answer: vLLM's shape, or ``body`` as it is (SGLang's shapes)."""
+
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None,
+                 body: Any = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
+        self.status, self.message, self.type, self.param, self.body = status, message, type, param, body
 
 
 def _error(status: int, message: str, type: str, param: str | None = None) -> web.Response:
@@ -181,14 +243,22 @@ class Sim:
         if opts.tokens < 1:
             raise ValueError("tokens must be at least 1")
         self.opts = opts
-        self.vllm = opts.flavor == "vllm"
+        self.vllm = opts.flavor == "vllm"  # it refuses another model's name (llama.cpp and SGLang serve any)
+        self.sglang = opts.flavor == "sglang"
+        self.json_only = opts.flavor != "llamacpp"  # a body that is not application/json is a 400
         self.model = opts.model
         self.model_j = orjson.dumps(opts.model)
         self.crash = opts.fail == "crash-mid-stream"
         self.ready = False
         self.ready_at = float("inf")
-        self.sleeping = False
-        self.sleep_level = 0
+        self.asleep = dict.fromkeys(PARTS, False)
+        self.sleep_level = 0  # 0 while both parts are awake
+        self.dropped = False  # a level 2 sleep dropped the weights; a reload ends it
+        self.poisoned = False  # --fail wake-garbage, after a wake: garbage for good
+        self.host_mem: bytearray | None = None  # the weights' host copy (--host-mib) while asleep at level 1
+        self.sleeps = self.wakes = 0
+        self.memory = asyncio.Lock()  # one sleep, wake or reload at a time
+        self.gpu_file: str | None = None  # this process's file for the fake nvidia-smi (serve sets it)
         self.running = 0
         self.waiting = 0
         self.sem = asyncio.Semaphore(opts.max_running) if opts.max_running > 0 else None
@@ -202,6 +272,15 @@ class Sim:
                      "max_model_len": opts.max_model_len}
         self.models_body = orjson.dumps({"object": "list", "data": [self.card]})
         _tokens(opts.tokens)
+
+    @property
+    def sleeping(self) -> bool:
+        return any(self.asleep.values())
+
+    @property
+    def garbage(self) -> bool:
+        """Whether the weights in GPU memory are not the model's (generation answers garbage)."""
+        return self.dropped or self.poisoned
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -258,11 +337,12 @@ class Sim:
                 return web.Response(status=503, body=_LOADING, content_type="application/json")
             self.ready = True
         if self.sleeping and path in GENERATION:
-            return _error(503, "The engine is sleeping; POST /wake_up first.", "ServiceUnavailableError")
+            wake = "/resume_memory_occupation" if self.sglang else "/wake_up"
+            return _error(503, f"The engine is sleeping; POST {wake} first.", "ServiceUnavailableError")
         try:
             return await handler(request)
         except SimError as e:
-            return _error(e.status, e.message, e.type, e.param)
+            return _json(e.body, e.status) if e.body is not None else _error(e.status, e.message, e.type, e.param)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -270,7 +350,7 @@ class Sim:
             return _json({"detail": e.reason}, e.status)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        if self.vllm and request.content_type != "application/json":
+        if self.json_only and request.content_type != "application/json":
             raise SimError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
             body = orjson.loads(await request.read())
@@ -351,7 +431,7 @@ class Sim:
     # -- control routes -------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        return _json({"status": "ok"}) if not self.vllm else web.Response()
+        return _json({"status": "ok"}) if self.opts.flavor == "llamacpp" else web.Response()
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=self.models_body, content_type="application/json")
@@ -363,9 +443,17 @@ class Sim:
         return _json(self.card)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
-        if self.vllm:
-            name = self.model.replace("\\", "\\\\").replace('"', '\\"')
-            label = f'{{model_name="{name}"}}'
+        name = self.model.replace("\\", "\\\\").replace('"', '\\"')
+        label = f'{{model_name="{name}"}}'
+        if self.sglang:
+            text = (
+                "# HELP sglang:num_running_reqs The number of running requests.\n"
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f"sglang:num_running_reqs{label} {float(self.running)}\n"
+                "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+                "# TYPE sglang:num_queue_reqs gauge\n"
+                f"sglang:num_queue_reqs{label} {float(self.waiting)}\n")
+        elif self.vllm:
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -383,21 +471,142 @@ class Sim:
                 f"llamacpp:requests_deferred {self.waiting}\n")
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
+    # -- sleep and wake (the state; vLLM's and SGLang's routes below) ------------------
+
+    def _residue(self) -> None:
+        """Rewrite this process's file for the fake nvidia-smi: --sleep-gpu-mib while asleep."""
+        if self.gpu_file is not None:
+            claim_gpu_memory(self.opts, self.opts.sleep_gpu_mib if self.sleeping else self.opts.gpu_mib)
+
+    async def _sleep(self, level: int) -> None:
+        async with self.memory:
+            if self.sleeping and level <= self.sleep_level:
+                return  # asleep already, as deep or deeper
+            if self.opts.sleep_delay:
+                await asyncio.sleep(self.opts.sleep_delay)
+            self.asleep = dict.fromkeys(PARTS, True)
+            self.sleep_level = level
+            if level == 2:  # the weights are dropped, the host keeps no copy
+                self.dropped, self.host_mem = True, None
+            elif self.host_mem is None:
+                self.host_mem = _hold(self.opts.host_mib)
+            self.sleeps += 1
+            self._residue()
+            self.journal.write("sleep", level=level)
+
+    async def _wake_fault(self) -> str | None:
+        """--fail wake-hangs: never return; wake-fails: the error's message."""
+        if self.opts.fail == "wake-hangs":
+            await asyncio.Event().wait()
+        if self.opts.fail == "wake-fails":  # as an engine that cannot re-allocate its weights
+            return "simulated failure: wake failed (--fail wake-fails)"
+        return None
+
+    async def _wake(self, tags: Iterable[str]) -> None:
+        async with self.memory:
+            woken = [p for p in PARTS if p in tags and self.asleep[p]]
+            if not woken:
+                return
+            if "weights" in woken and self.opts.wake_delay:
+                await asyncio.sleep(self.opts.wake_delay)
+            for p in woken:
+                self.asleep[p] = False
+            if "weights" in woken:
+                self.host_mem = None  # back on the GPU: the host copy is freed
+            if not self.sleeping:
+                self.sleep_level = 0
+            if self.opts.fail == "wake-garbage":
+                self.poisoned = True
+            self.wakes += 1
+            self._residue()
+            self.journal.write("wake", tags=woken)
+
+    async def _reload(self) -> str | None:
+        """Load the weights again (ends a level 2 sleep's garbage), or why not."""
+        async with self.memory:
+            if self.asleep["weights"]:
+                return "the weights are asleep: wake them first"
+            self.dropped = False
+            return None
+
     async def sleep(self, request: web.Request) -> web.StreamResponse:
         level = request.query.get("level", "1")
-        if not level.isdigit():
-            raise SimError(400, f"level must be an integer, got {level!r}", param="level")
-        self.sleeping, self.sleep_level = True, int(level)
+        if level not in ("1", "2"):
+            raise SimError(400, f"level must be 1 or 2, got {level!r}", param="level")
+        await self._sleep(int(level))
         return web.Response()
 
     async def wake_up(self, request: web.Request) -> web.StreamResponse:
-        if self.opts.fail == "wake-fails":  # as vLLM does when it cannot re-allocate its weights
-            raise SimError(500, "simulated failure: wake_up failed (--fail wake-fails)")
-        self.sleeping, self.sleep_level = False, 0
+        tags = request.query.getall("tags", [])
+        unknown = [t for t in tags if t not in PARTS]
+        if unknown:
+            raise SimError(400, f"unknown tags {unknown}: the tags are {', '.join(PARTS)}", param="tags")
+        fault = await self._wake_fault()
+        if fault is not None:
+            raise SimError(500, fault, "InternalServerError")
+        await self._wake(tags or PARTS)
         return web.Response()
 
     async def is_sleeping(self, request: web.Request) -> web.StreamResponse:
         return _json({"is_sleeping": self.sleeping})
+
+    async def collective_rpc(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise SimError(400, f"JSON decode error: {e}") from None
+        method = body.get("method") if isinstance(body, dict) else None
+        if method is None:
+            raise SimError(400, "Missing 'method' in request body", param="method")
+        if method != "reload_weights":
+            raise SimError(400, f"the simulator knows the method reload_weights only, not {method!r}",
+                           param="method")
+        why = await self._reload()
+        if why is not None:
+            raise SimError(400, why)
+        return _json({"results": [None]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+        return web.Response()
+
+    async def _sglang_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            body = e
+        if not isinstance(body, dict):  # FastAPI's validation error, as SGLang answers it
+            message = "JSON decode error" if isinstance(body, Exception) else "Input should be an object"
+            raise SimError(400, message, body={"object": "error", "message": message, "type": "Bad Request",
+                                               "param": None, "code": 400})
+        return body
+
+    async def release_memory_occupation(self, request: web.Request) -> web.StreamResponse:
+        await self._sglang_body(request)
+        await self._sleep(1 if self.opts.weights_cpu_backup else 2)
+        return _json(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.StreamResponse:
+        await self._sglang_body(request)
+        fault = await self._wake_fault()
+        if fault is not None:
+            raise SimError(400, fault, body={"error": {"message": fault}})
+        await self._wake(PARTS)
+        return _json(None)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.StreamResponse:
+        body = await self._sglang_body(request)
+        if not isinstance(body.get("model_path"), str):
+            message = "model_path: Field required"
+            raise SimError(400, message, body={"object": "error", "message": message, "type": "Bad Request",
+                                               "param": None, "code": 400})
+        why = await self._reload()
+        if why is not None:
+            raise SimError(400, why, body={"success": False, "message": why, "num_paused_requests": 0})
+        return _json({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+    async def sim_state(self, request: web.Request) -> web.StreamResponse:
+        return _json({"sleeping": self.asleep, "level": self.sleep_level, "garbage": self.garbage,
+                      "wakes": self.wakes, "sleeps": self.sleeps})
 
     async def sim_requests(self, request: web.Request) -> web.StreamResponse:
         return _json([{"time": t, "method": m, "path": p, "raw_path": rp, "query": q,
@@ -414,6 +623,10 @@ class Sim:
     def _usage(self, p: int, n: int) -> dict[str, Any]:
         return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n, "prompt_tokens_details": None}
 
+    def _text(self) -> tuple[list[str], list[bytes]]:
+        """The tokens generation answers with (and JSON-encoded): garbage when the weights are."""
+        return (_GTOK, _GTOKJ) if self.garbage else (_TOK, _TOKJ)
+
     def _include_usage(self, body: dict[str, Any]) -> bool:
         so = body.get("stream_options")
         return isinstance(so, dict) and bool(so.get("include_usage", True))
@@ -425,16 +638,16 @@ class Sim:
             raise SimError(400, "messages: Field required", param="messages")
         n, cut = self._length(body, "max_completion_tokens", "max_tokens")
         p, rid, created = _words(msgs), "chatcmpl-" + _uid(), int(time.time())
-        finish = "length" if cut else "stop"
+        finish, (tok, tj) = "length" if cut else "stop", self._text()
         if not body.get("stream"):
             return await self._generate(n, lambda: {
                 "id": rid, "object": "chat.completion", "created": created, "model": self.model,
-                "choices": [self._chat_choice(0, n, finish)], "usage": self._usage(p, n)})
+                "choices": [self._chat_choice(0, tok[:n], finish)], "usage": self._usage(p, n)})
         head = (b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
                 b'"choices":[{"index":0,"delta":{') % (rid.encode(), created, self.model_j)
         mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
-        last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
+        last, usage = n - 1, self._include_usage(body)
 
         def after() -> Iterator[bytes]:
             if usage:
@@ -445,8 +658,8 @@ class Sim:
         return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
                                   lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
 
-    def _chat_choice(self, index: int, n: int, finish: str) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(_TOK[:n]), "refusal": None,
+    def _chat_choice(self, index: int, tokens: list[str], finish: str) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(tokens), "refusal": None,
                                             "tool_calls": [], "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
@@ -461,10 +674,10 @@ class Sim:
             raise SimError(400, "Streaming is not supported for batch chat completions.", param="stream")
         n, cut = self._length(body, "max_completion_tokens", "max_tokens")
         p, finish = _words(convs), "length" if cut else "stop"
-        rid, created = "chatcmpl-" + _uid(), int(time.time())
+        rid, created, tok = "chatcmpl-" + _uid(), int(time.time()), self._text()[0][:n]
         return await self._generate(n, lambda: {
             "id": rid, "object": "chat.completion", "created": created, "model": self.model,
-            "choices": [self._chat_choice(i, n, finish) for i in range(len(convs))],
+            "choices": [self._chat_choice(i, tok, finish) for i in range(len(convs))],
             "usage": self._usage(p, n * len(convs))})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -474,18 +687,18 @@ class Sim:
             raise SimError(400, "prompt: Field required", param="prompt")
         n, cut = self._length(body, "max_tokens")
         p, rid, created = _words(prompt), "cmpl-" + _uid(), int(time.time())
-        finish = "length" if cut else "stop"
+        finish, (tok, tj) = "length" if cut else "stop", self._text()
         if not body.get("stream"):
             return await self._generate(n, lambda: {
                 "id": rid, "object": "text_completion", "created": created, "model": self.model,
-                "choices": [{"index": 0, "text": "".join(_TOK[:n]), "logprobs": None, "finish_reason": finish,
+                "choices": [{"index": 0, "text": "".join(tok[:n]), "logprobs": None, "finish_reason": finish,
                              "stop_reason": None, "prompt_logprobs": None}],
                 "usage": self._usage(p, n)})
         head = b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,"choices":[{"index":0,"text":' % (
             rid.encode(), created, self.model_j)
         mid = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
         end = b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
-        last, tj, usage = n - 1, _TOKJ, self._include_usage(body)
+        last, usage = n - 1, self._include_usage(body)
 
         def after() -> Iterator[bytes]:
             if usage:
@@ -515,9 +728,10 @@ class Sim:
         p = _words(body["input"]) + _words(body.get("instructions") or "")
         uid, created = _uid(), int(time.time())
         rid, mid, status = "resp_" + uid, "msg_" + uid, "incomplete" if cut else "completed"
+        tok, tj = self._text()
 
         def final(seq: int | None = None) -> Any:  # the response (seq None), else its closing events
-            text = "".join(_TOK[:n])
+            text = "".join(tok[:n])
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item = {"id": mid, "type": "message", "status": "completed", "role": "assistant", "content": [part]}
             usage = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
@@ -546,7 +760,6 @@ class Sim:
                     "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})]
         head = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":'
         mid_b = b',"item_id":"%s","output_index":0,"content_index":0,"delta":' % mid.encode()
-        tj = _TOKJ
         return await self._stream(request, n, before,
                                   lambda i: head + b"%d" % (4 + i) + mid_b + tj[i] + b',"logprobs":[]}\n\n',
                                   lambda: final(4 + n))
@@ -560,10 +773,11 @@ class Sim:
         n, cut = self._length(body, "max_tokens")
         p = _words(body["messages"]) + _words(body.get("system") or "")
         mid, stop = "msg_" + _uid(), "max_tokens" if cut else "end_turn"
+        tok, tj = self._text()
         if not body.get("stream"):
             return await self._generate(n, lambda: {
                 "id": mid, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": "".join(_TOK[:n])}], "stop_reason": stop, "stop_sequence": None,
+                "content": [{"type": "text", "text": "".join(tok[:n])}], "stop_reason": stop, "stop_sequence": None,
                 "usage": {"input_tokens": p, "output_tokens": n}})
         before = [
             _event({"type": "message_start", "message": {
@@ -572,7 +786,6 @@ class Sim:
             _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})]
         head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
                 b'"delta":{"type":"text_delta","text":')
-        tj = _TOKJ
         # vLLM ends its Anthropic stream with a bare "data: [DONE]" too; clients ignore it.
         return await self._stream(request, n, before, lambda i: head + tj[i] + b"}}\n\n", lambda: [
             _event({"type": "content_block_stop", "index": 0}),
@@ -581,7 +794,7 @@ class Sim:
             _event({"type": "message_stop"}), _DONE])
 
     def _vector(self, key: str, dim: int) -> list[float]:
-        r = random.Random(key)
+        r = random.Random(("garbage\x00" if self.garbage else "") + key)
         v = [r.uniform(-1.0, 1.0) for _ in range(dim)]
         norm = sum(x * x for x in v) ** 0.5 or 1.0
         return [x / norm for x in v]
@@ -609,7 +822,7 @@ class Sim:
                                     "prompt_tokens_details": None}})
 
     def _score(self, a: str, b: str) -> float:
-        return random.Random(f"{a}\x00{b}").random()
+        return random.Random(f"{'garbage' if self.garbage else ''}\x00{a}\x00{b}").random()
 
     async def rerank(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -681,10 +894,18 @@ def build_app(opts: SimOptions) -> web.Application:
     r.add_get("/v1/models", sim.models)
     r.add_get("/v1/models/{model}", sim.model_card)
     r.add_get("/metrics", sim.metrics)
-    r.add_post("/sleep", sim.sleep)
-    r.add_post("/wake_up", sim.wake_up)
-    r.add_get("/is_sleeping", sim.is_sleeping)
+    if sim.sglang:
+        r.add_post("/release_memory_occupation", sim.release_memory_occupation)
+        r.add_post("/resume_memory_occupation", sim.resume_memory_occupation)
+        r.add_post("/update_weights_from_disk", sim.update_weights_from_disk)
+    else:
+        r.add_post("/sleep", sim.sleep)
+        r.add_post("/wake_up", sim.wake_up)
+        r.add_get("/is_sleeping", sim.is_sleeping)
+        r.add_post("/collective_rpc", sim.collective_rpc)
+        r.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
     r.add_get("/_sim/requests", sim.sim_requests)
+    r.add_get("/_sim/state", sim.sim_state)
     r.add_get("/_sim/launch", sim_launch)
     r.add_delete("/_sim/requests", sim.sim_clear)
     r.add_post("/v1/chat/completions", sim.chat)
@@ -715,9 +936,10 @@ def visible_gpus(env: str | None) -> list[int]:
     return gpus
 
 
-def claim_gpu_memory(opts: SimOptions) -> str | None:
-    """Write this process's file for the fake nvidia-smi (see the module's doc) and
-    return its path, or None when there is nothing to claim."""
+def claim_gpu_memory(opts: SimOptions, mib: int | None = None) -> str | None:
+    """Write this process's file for the fake nvidia-smi (see the module's doc), saying
+    ``mib`` MiB per GPU (default ``opts.gpu_mib``), and return its path, or None when
+    there is nothing to claim."""
     apps = os.environ.get("FAKE_NVIDIA_SMI_APPS")
     gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
     if not opts.gpu_mib or not apps or not gpus:
@@ -726,7 +948,7 @@ def claim_gpu_memory(opts: SimOptions) -> str | None:
     path = os.path.join(apps, str(os.getpid()))
     tmp = os.path.join(apps, f".{os.getpid()}.tmp")  # atomic: the fake never reads half a file
     with open(tmp, "w") as f:
-        f.writelines(f"{gpu} {opts.gpu_mib}\n" for gpu in gpus)
+        f.writelines(f"{gpu} {opts.gpu_mib if mib is None else mib}\n" for gpu in gpus)
     os.replace(tmp, path)
     return path
 
@@ -747,7 +969,7 @@ async def serve(opts: SimOptions) -> None:
         loop.add_signal_handler(sig, on_signal)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
-    claimed = claim_gpu_memory(opts)
+    claimed = sim.gpu_file = claim_gpu_memory(opts)
     try:
         await web.TCPSite(runner, opts.host, opts.port, backlog=1024).start()
         port = runner.addresses[0][1]
@@ -757,6 +979,7 @@ async def serve(opts: SimOptions) -> None:
         if opts.shutdown_delay:
             await asyncio.sleep(opts.shutdown_delay)  # as an engine that takes its time to free the GPU
     finally:
+        sim.gpu_file = None  # a sleep or wake still being answered writes it no more
         if claimed is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(claimed)
@@ -784,14 +1007,18 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.9)
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    for flag in ("--enable-sleep-mode", "--enable-memory-saver", "--enable-weights-cpu-backup", "--metrics"):
+    for flag in ("--enable-sleep-mode", "--enable-memory-saver", "--metrics"):
         ap.add_argument(flag, action="store_true")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true",
+                    help="SGLang's: release_memory_occupation keeps the weights in host memory (a level 1 "
+                         "sleep; without it, level 2)")
     ap.add_argument("--flavor", choices=FLAVORS, default="vllm")
     ap.add_argument("--startup-delay", type=float, default=0.0, metavar="S", help="answer 503 for S seconds")
     ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
     ap.add_argument("--tokens", type=int, default=16, metavar="N", help="length of an answer")
     ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
-                    help="exit-at-start | never-ready | crash-mid-stream | exit-after S | wake-fails")
+                    help="exit-at-start | never-ready | crash-mid-stream | exit-after S | wake-fails | "
+                         "wake-hangs | wake-garbage")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-running", type=int, default=0, metavar="N", help="concurrent generations (0: no limit)")
     ap.add_argument("--embedding-dim", type=int, default=8)
@@ -800,8 +1027,16 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--gpu-mib", type=int, default=0, metavar="N",
                     help="use N MiB on each GPU of $CUDA_VISIBLE_DEVICES, as the fake nvidia-smi "
                          "in $FAKE_NVIDIA_SMI_APPS sees it")
+    ap.add_argument("--sleep-gpu-mib", type=int, default=0, metavar="M",
+                    help="with --gpu-mib: M MiB on each GPU instead while asleep (default 0)")
+    ap.add_argument("--host-mib", type=int, default=0, metavar="H",
+                    help="really hold H MiB more of host memory while asleep at level 1 (the weights' copy)")
+    ap.add_argument("--sleep-delay", type=float, default=0.0, metavar="S", help="a sleep takes S seconds")
+    ap.add_argument("--wake-delay", type=float, default=0.0, metavar="S",
+                    help="the wake of the weights takes S seconds")
     ap.add_argument("--journal", metavar="FILE",
-                    help="append one JSON line per event (boot, req, end, sigterm with the requests in flight)")
+                    help="append one JSON line per event (boot, req, end, sigterm with the requests in flight, "
+                         "sleep, wake)")
     a = ap.parse_args(argv)
     fail, fail_after = None, 0.0
     if a.fail:
@@ -817,8 +1052,9 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                 ap.error(f"--fail exit-after: {a.fail[1]!r} is not a number of seconds")
     if a.tokens < 1:
         ap.error("--tokens must be at least 1")
-    if a.gpu_mib < 0:
-        ap.error("--gpu-mib must not be negative")
+    for flag in ("gpu_mib", "sleep_gpu_mib", "host_mib", "sleep_delay", "wake_delay"):
+        if getattr(a, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} must not be negative")
     if not 0 < a.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
     model = a.served or a.model or a.model_path or a.model_flag or "sim-model"
@@ -826,7 +1062,8 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                       token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
                       record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
-                      journal=a.journal)
+                      sleep_gpu_mib=a.sleep_gpu_mib, host_mib=a.host_mib, sleep_delay=a.sleep_delay,
+                      wake_delay=a.wake_delay, weights_cpu_backup=a.enable_weights_cpu_backup, journal=a.journal)
 
 
 def main(argv: list[str] | None = None) -> int:
