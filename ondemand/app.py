@@ -218,7 +218,7 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
     box = dataclasses.replace(Box.from_config(cfg), backend=backend.kind)  # a test's backend may be another kind
     deployer = Deployer(app[STORE], backend, Budget.from_config(cfg), publish=app[BUS].publish,
                         start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s,
-                        box=box)
+                        wake_timeout_s=cfg.deployer.wake_timeout_s, box=box)
     app[DEPLOYER] = deployer
     app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in((State.READY, State.ASLEEP)),
                                   interval_s=cfg.metrics_interval_s)
@@ -240,7 +240,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     controller = app[CONTROLLER] = Controller(
         effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
         max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
-        min_idle_timeout_s=cfg.min_idle_timeout_s)
+        min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s)
     effects.bind(controller)
     app[ADMISSION] = Admission(controller, deployer)
     bus.subscribe(DeploymentChanged, lambda e: controller.on_deployment(e.dep_id, e.dep, e.old))

@@ -117,23 +117,34 @@ class Snapshot:
                 "gpus": [p.as_dict() for p in self.pools]}
 
 
+def apps_gib(apps: list[tuple[int, str, float]], pids: list[int]) -> float | None:
+    """GiB the processes ``pids`` hold on every GPU together (nvidia-smi's compute apps);
+    None when none of them is listed (nothing measured: not 0, which would claim the engine
+    uses nothing)."""
+    mine = set(pids)
+    used = [gib for pid, _uuid, gib in apps if pid in mine]
+    return sum(used) if used else None
+
+
 class Budget:
     def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
                  gpu_capacity_gib: Sequence[float] | None = None, reserve_gib: float = 0.0,
-                 nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo"):
+                 nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo",
+                 host_reserve_gib: float = 16.0):
         self.source = source
         self.capacity_gib = capacity_gib
         self.gpu_capacity_gib = tuple(gpu_capacity_gib) if gpu_capacity_gib else None
         self.reserve_gib = reserve_gib
         self.nvidia_smi = nvidia_smi
         self.meminfo_path = meminfo_path
+        self.host_reserve_gib = host_reserve_gib
         self._sizes: tuple[float, ...] | None = None  # each pool's total, as last measured
 
     @classmethod
     def from_config(cls, cfg: Config) -> Budget:
         b = cfg.budget
         return cls(b.source, b.capacity_gib, gpu_capacity_gib=b.gpu_capacity_gib, reserve_gib=b.reserve_gib,
-                   nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path)
+                   nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path, host_reserve_gib=b.host_reserve_gib)
 
     @property
     def per_gpu(self) -> bool:
@@ -215,6 +226,16 @@ class Budget:
                 continue  # "[N/A]" (no permission to see that process): not ours to count
         return apps
 
+    def host_available_gib(self) -> float | None:
+        """The host memory available now (``MemAvailable``), for a level-1 sleep's host
+        reserve; None when it cannot be read (then nothing is held back). A read of a small
+        file, no await: it is asked in the step that decides the sleep's level."""
+        try:
+            host = self._meminfo()
+        except BudgetError:
+            return None
+        return host.total - host.used
+
     def _meminfo(self) -> Gpu:
         fields = {}
         try:
@@ -251,8 +272,10 @@ class Budget:
         return tuple(g.total for g in reading.gpus) if reading.gpus is not None else self.gpu_capacity_gib
 
     def holdings(self, dep: Deployment, pools: int) -> dict[int, float]:
-        """GiB per pool that ``dep``'s engine holds (or will, once started)."""
-        return placement.holdings(dep.footprint_gib, dep.gpu_count, dep.gpus, pools, self.per_gpu)
+        """GiB per pool that ``dep``'s engine holds (or will, once started); asleep, what it
+        keeps there (``residue_gib``, as measured after the sleep)."""
+        gib = dep.residue_gib if dep.state is State.ASLEEP else dep.footprint_gib
+        return placement.holdings(gib, dep.gpu_count, dep.gpus, pools, self.per_gpu)
 
     def snapshot_of(self, reading: Reading, deps: list[Deployment], exclude: int | None = None,
                     held_for_others: Mapping[int, float] | None = None) -> Snapshot:
@@ -278,7 +301,11 @@ class Budget:
                     used[i] += gib
                 elif d.id != exclude and pending:
                     starting[i] += gib
-                if d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL:
+                elif d.id == exclude and not declared and d.state is State.ASLEEP:
+                    used[i] = max(0.0, used[i] - gib)  # what a sleeper keeps is its own to wake into
+            if d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL:
+                # Nothing on demand frees it, and asleep it wakes into its whole footprint.
+                for i, gib in placement.holdings(d.footprint_gib, d.gpu_count, d.gpus, n, self.per_gpu).items():
                     always_on[i] += gib
         held_out = held_for_others or {}
         return Snapshot(tuple(

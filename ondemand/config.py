@@ -37,6 +37,8 @@ class BudgetConfig:
     reserve_gib: float = 0.0  # kept free on every GPU
     nvidia_smi: str = "nvidia-smi"
     meminfo_path: str = "/proc/meminfo"
+    # Host memory a level-1 sleep must leave available (warmth.host_level): else level 2, or a stop.
+    host_reserve_gib: float = 16.0
 
 
 # The engine recipes' images (docker backend) and commands (process backend), by engine.
@@ -52,6 +54,7 @@ class DeployerConfig:
     docker_url: str | None = None
     network: str = "dgxmm"
     start_timeout_s: float = 1800.0
+    wake_timeout_s: float = 300.0  # a wake (its engine calls and the wake check) longer than this fails
     stop_timeout_s: float = 30.0
     gpus: bool = True
     shm_size_gib: float = 16.0
@@ -102,6 +105,7 @@ class Config:
     ondemand_queue_timeout_s: int = 900
     ondemand_max_queued: int = 256
     reap_interval_s: float = 15.0
+    sleep_timeout_s: int | None = None  # an engine asleep this long is stopped; None: never
     min_idle_timeout_s: int = 60
     metrics_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
@@ -274,6 +278,9 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "ondemand_max_queued": (_int, _between(1, 100000), "1 to 100000"),
     "reap_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
     "min_idle_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
+    "sleep_timeout_s": (lambda v: None if v in (None, "", "none") else _int(v),
+                        lambda x: x is None or 1 <= x <= 30 * 86400,
+                        "whole seconds, 1 to 2592000 (an engine asleep this long is stopped), or none"),
     "metrics_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
     "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),
@@ -289,12 +296,15 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "budget.reserve_gib": (_float, _between(0, 1e6), "GiB kept free on every GPU, 0 or more"),
     "budget.nvidia_smi": (_str, bool, "the nvidia-smi command (a path or a name on PATH)"),
     "budget.meminfo_path": (_str, bool, "the meminfo file (/proc/meminfo)"),
+    "budget.host_reserve_gib": (_float, _between(0, 1e6),
+                                "GiB of host memory a level-1 sleep must leave available, 0 or more"),
     "deployer.backend": (_str, _one_of("docker", "process"), "docker or process"),
     "deployer.docker_url": (_opt_str, lambda s: True, "a Docker API URL (unix:///var/run/docker.sock)"),
     "deployer.network": (_str, bool, "a Docker network name"),
     "deployer.start_timeout_s": (_float, _between(1, 86400), "seconds, 1 to 86400"),
     "deployer.gpus": (_bool, lambda x: True, "true or false (request every GPU for engine containers)"),
     "deployer.stop_timeout_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
+    "deployer.wake_timeout_s": (_float, _between(1, 86400), "seconds, 1 to 86400 (a longer wake fails)"),
     "deployer.shm_size_gib": (_float, _between(0, 1024),
                               "GiB, 0 to 1024 (size of /dev/shm in engine containers; 0: Docker's 64 MiB)"),
     **{f"deployer.images.{e}": (_str, bool, f"the container image of the {e} recipe")

@@ -78,6 +78,9 @@ class Effects(Protocol):
     def engine_idle(self, dep_id: int) -> bool:
         """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
 
+    def idle_level(self, dep: Deployment) -> int:
+        """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
+
     def admit(self, dep_id: int, *, text: str) -> None:
         """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
         step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or
@@ -85,6 +88,10 @@ class Effects(Protocol):
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        """Put ``dep_id`` to sleep at its idle level if ``is_idle`` still approves it (the host
+        reserve may make it level 2, or a stop); reports ``on_stopped``."""
 
     def settle(self, dep_id: int, within_s: float) -> None:
         """Wait until ``dep_id`` fits (the freed memory reads as free on its GPUs), or
@@ -201,7 +208,7 @@ class Controller:
     def __init__(self, effects: Effects, *, clock: Callable[[], float], wall: Callable[[], float],
                  queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
                  min_idle_timeout_s: int = 60, make_room_wait_s: float = 20.0, recent_stop_s: float = 20.0,
-                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0):
+                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0, sleep_timeout_s: float | None = None):
         self.effects = effects
         self.clock = clock
         self.wall = wall
@@ -213,10 +220,12 @@ class Controller:
         self.recent_stop_s = recent_stop_s
         self.max_tick_s = max_tick_s
         self.publish_interval_s = publish_interval_s
+        self.sleep_timeout_s = sleep_timeout_s
         self.queue = WaitQueue()
         self._inflight: dict[int, int] = {}
         self._last_activity: dict[int, float] = {}
         self._last_request_at: dict[int, float] = {}
+        self._asleep_since: dict[int, float] = {}  # for sleep_timeout_s (after a restart: from then)
         self._waits: dict[int, _DepWait] = {}
         self._waiting = 0
         self._backoff: dict[int, _Backoff] = {}
@@ -230,6 +239,8 @@ class Controller:
         now = clock()
         for dep in effects.deployments():  # first seen after a restart: a full idle timeout
             self._last_activity[dep.id] = now
+            if dep.state is State.ASLEEP:
+                self._asleep_since[dep.id] = now
 
     # --- reads ----------------------------------------------------------------
 
@@ -595,7 +606,12 @@ class Controller:
         dw.frees = {v.id: {g: gib for g, gib in v.holds.items() if g in chosen} for v in victims}
         dw.freed = 0.0
         for v in victims:
-            self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
+            if v.tier == 0 and self._sleeps(v.id):
+                self.effects.sleep(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
+            elif v.tier == 0:
+                self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
+            else:
+                self.effects.stop(v.id, text=f"Stopped (asleep) to make room for {dep.served_name}", for_dep=dep_id)
 
     def on_budget_error(self, dep_id: int, reason: str) -> None:
         """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""
@@ -696,12 +712,28 @@ class Controller:
         claimed = {v for dw in self._waits.values() for v in dw.victims}
         pools = len(fit.free)
         rank = requester.priority.rank
-        candidates = [Candidate(d.id, holdings(d.footprint_gib, d.gpu_count, d.gpus, pools, fit.per_gpu),
-                                self._last_activity.get(d.id, now), d.priority.rank)
+        candidates = [Candidate(d.id, holdings(self._frees(d), d.gpu_count, d.gpus, pools, fit.per_gpu),
+                                self._last_activity.get(d.id, now), d.priority.rank,
+                                0 if d.state is State.READY else 1)
                       for d in self.effects.deployments()
                       if d.id != requester.id and d.id not in claimed and d.priority.rank <= rank
                       and self.is_idle(d, now)]
         return pick_victims(candidates, fit.free, fit.choose)
+
+    def _sleeps(self, dep_id: int) -> bool:
+        """Is an idle ``dep_id`` put to sleep (not stopped)?"""
+        dep = self.effects.deployment(dep_id)
+        return dep is not None and self.effects.idle_level(dep) > 0
+
+    def _frees(self, dep: Deployment) -> float:
+        """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what
+        it kept asleep last time (as measured; nothing known, all); awake and stopped, all;
+        asleep and stopped, what it keeps."""
+        if dep.state is State.ASLEEP:
+            return dep.residue_gib
+        if self.effects.idle_level(dep) > 0:
+            return dep.footprint_gib - dep.residue_gib
+        return dep.footprint_gib
 
     # --- time -------------------------------------------------------------------------
 
@@ -756,6 +788,11 @@ class Controller:
         if dep.state is State.READY and (old is None or old.state is not State.READY):
             self._last_activity[dep_id] = now
             self._backoff.pop(dep_id, None)
+        if dep.state is State.ASLEEP:
+            if old is None or old.state is not State.ASLEEP:
+                self._asleep_since[dep_id] = now
+        else:
+            self._asleep_since.pop(dep_id, None)
         if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
             self._start_ended(dep)
         self._advance_all()
@@ -786,7 +823,7 @@ class Controller:
         if self.queue.remove(dep_id):
             self._advance_all()
         for table in (self._inflight, self._last_activity, self._last_request_at, self._backoff,
-                      self._published_at, self._busy):
+                      self._published_at, self._busy, self._asleep_since):
             table.pop(dep_id, None)
         timer = self._publish_timers.pop(dep_id, None)
         if timer is not None:
@@ -805,7 +842,18 @@ class Controller:
             if dep.id in claimed or not self.is_idle(dep, now):
                 continue
             minutes = round(self.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
-            self.effects.stop(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
+            if dep.state is State.ASLEEP:
+                # Asleep it stays, until a request wakes it, make-room needs its memory, or
+                # it has slept sleep_timeout_s.
+                slept = now - self._asleep_since.get(dep.id, now)
+                if self.sleep_timeout_s is None or slept < self.sleep_timeout_s:
+                    continue
+                self.effects.stop(dep.id, text=f"Stopped after {round(slept / 60, 2):g} min asleep "
+                                               "(sleep_timeout_s)", for_dep=None)
+            elif self.effects.idle_level(dep) > 0:
+                self.effects.sleep(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
+            else:
+                self.effects.stop(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
             asked.append(dep.id)
         return asked
 

@@ -54,10 +54,11 @@ from typing import Any
 
 import aiohttp
 
+from . import warmth
 from .backends import Backend, BackendError, Engine
-from .budget import Budget
+from .budget import Budget, apps_gib
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, StateFileError
-from .events import DeploymentChanged, StopCause
+from .events import DeploymentChanged, Slept, StopCause, Woken
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, State, plain
 from .recipes import Box, FieldError, Launch, is_secret, launch
 from .store import Store
@@ -85,6 +86,15 @@ def ready_poll_s(elapsed: float) -> float:
     first 2 s (a warm model, a wake), then 50 ms, so readiness is seen within about 25 ms
     on average (ondemand's benchmark measures it)."""
     return 0.02 if elapsed < 2.0 else 0.05
+
+
+class WakeFailed(Exception):
+    """A wake did not bring the engine back: an engine call failed or timed out (``failed``),
+    or the wake check's answer differed (``mismatch``)."""
+
+    def __init__(self, result: str, reason: str):
+        super().__init__(reason)
+        self.result = result
 
 
 class StartFailed(Exception):
@@ -134,7 +144,7 @@ class Deployer:
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
                  watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, box: Box | None = None,
-                 restart_retry_s: float = RESTART_RETRY_S):
+                 restart_retry_s: float = RESTART_RETRY_S, wake_timeout_s: float = 300.0):
         self.store = store
         self.backend = backend
         self.budget = budget
@@ -147,12 +157,15 @@ class Deployer:
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
         self.restart_retry_s = restart_retry_s
+        self.wake_timeout_s = wake_timeout_s
         self._deps: dict[int, Deployment] = {}
         self._engines: dict[int, Engine] = {}
         self._starts: dict[int, asyncio.Task[None]] = {}
         self._gated: set[int] = set()  # starts past the gate: busy with the backend
         self._removing: set[int] = set()  # stopped for removal: nothing starts them again
         self._owed: set[int] = set()  # owed a start after ondemand's restart, not yet admitted
+        self._sleeping: dict[int, asyncio.Future[None]] = {}  # a sleep's engine call is out: done when it ends
+        self._waking: set[int] = set()  # a wake's engine calls are out: a stop may cancel them
         self._exits: dict[int, asyncio.Future[int | None]] = {}
         self._changes: dict[int, list[asyncio.Future[None]]] = {}
         self._gates: dict[int | None, asyncio.Lock] = {}  # per GPU index (None: the one pool)
@@ -243,7 +256,11 @@ class Deployer:
         if engine is not None and dep.state in (State.READY, State.ASLEEP, State.STARTING):
             log.info("adopted the running engine of %s (%s)", dep.name, engine.base_url)
             self._attach(engine)
-            if dep.state is State.STARTING:
+            if dep.state is State.STARTING and dep.sleep_level is not None:
+                # ondemand ended during a wake: the engine may still sleep (its /health answers
+                # all the same), so the wake is done again, and checked.
+                self._starts[dep.id] = self.tasks.spawn(self._wake(dep.id), f"wake {dep.name}")
+            elif dep.state is State.STARTING:
                 self._starts[dep.id] = self.tasks.spawn(self._finish_start(dep.id, engine), f"start {dep.name}")
         elif engine is not None:
             await self.backend.stop(engine, self.stop_timeout_s)
@@ -296,11 +313,18 @@ class Deployer:
         return old, new
 
     def _mark(self, dep_id: int, state: State, reason: str | None = None,
-              log_tail: str | None = None, gpus: tuple[int, ...] | None = None) -> tuple[Deployment, Deployment]:
+              log_tail: str | None = None, gpus: tuple[int, ...] | None = None,
+              extra: Mapping[str, Any] | None = None) -> tuple[Deployment, Deployment]:
         """The in-memory half of a transition (no await). ``gpus``: the GPUs a start
-        was given; an engine that holds nothing any more holds no GPU either."""
+        was given; an engine that holds nothing any more holds no GPU either. A sleep's
+        level stays through its wake (``starting``: a restart mid-wake wakes it again)."""
         dep = self._deps[dep_id]
         changes: dict[str, Any] = {"state": state, "state_reason": reason}
+        if state not in (State.ASLEEP, State.STARTING):
+            changes["sleep_level"] = changes["host_gib"] = None
+        if state not in HOLDING:
+            changes["wake_check"] = None  # it belongs to the engine: the next one records its own
+        changes.update(extra or {})
         if gpus is not None:
             changes["gpus"] = gpus
         elif state not in HOLDING:
@@ -327,8 +351,9 @@ class Deployer:
     async def _transition(self, dep_id: int, state: State, *, reason: str | None = None,
                           log_tail: str | None = None, text: str | None = None, actor: str = "deployer",
                           user: str | None = None, audit: str | None = None,
-                          detail: dict[str, Any] | None = None, cause: StopCause | None = None) -> None:
-        old, new = self._mark(dep_id, state, reason, log_tail)
+                          detail: dict[str, Any] | None = None, cause: StopCause | None = None,
+                          extra: Mapping[str, Any] | None = None) -> None:
+        old, new = self._mark(dep_id, state, reason, log_tail, extra=extra)
         await self._persist(old, new, text=text, actor=actor, user=user, audit=audit, detail=detail, cause=cause)
 
     async def _persist(self, old: Deployment, new: Deployment, *, text: str | None = None, actor: str = "deployer",
@@ -343,7 +368,9 @@ class Deployer:
             async with self.store.transaction():
                 await self.store.update_deployment(
                     new.id, state=new.state, state_reason=new.state_reason, log_tail=new.log_tail,
-                    mode=new.mode, pending_mode=new.pending_mode, gpus=new.gpus, updated_at=new.updated_at)
+                    mode=new.mode, pending_mode=new.pending_mode, gpus=new.gpus, updated_at=new.updated_at,
+                    sleep_level=new.sleep_level, host_gib=new.host_gib, asleep_gib=new.asleep_gib,
+                    sleep_host_gib=new.sleep_host_gib, wake_check=new.wake_check)
                 await self.store.write_event(actor=actor, user=user, deployment_id=new.id, text=text, detail=detail)
                 if audit:
                     await self.store.write_audit(action=audit, actor=actor, user=user, deployment_id=new.id,
@@ -500,7 +527,7 @@ class Deployer:
         if dep.state in (State.STARTING, State.READY) or dep_id in self._removing:
             return None
         if dep.state is State.ASLEEP:
-            if dep.engine != "vllm":
+            if not warmth.has_sleep_api(dep):
                 raise DeployerError(f"{dep.name} is asleep but {dep.engine} has no sleep mode")
         elif dep.state not in ADMIN_STARTABLE:
             raise DeployerError(f"{dep.name} is {dep.state}: it cannot be started now")
@@ -572,25 +599,29 @@ class Deployer:
 
     async def _start(self, dep_id: int) -> None:
         async with self._gate(dep_id), self._through_gate(dep_id):
-            dep = self._deps.get(dep_id)
-            if dep is None or dep.state is not State.STARTING:
-                return  # stopped or removed while it waited at the gate
-            try:
-                how = self.launch(dep, secrets=True)
-            except (FieldError, OSError, ValueError) as exc:
-                what = f"deployer.hf_token_file: {exc}" if not isinstance(exc, FieldError) else str(exc)
-                await self._transition(dep_id, State.FAILED, reason=f"cannot make its command line: {what}")
-                return
-            try:
-                engine = await self.backend.start(dep, how)
-            except Exception as exc:  # a BackendError, or a defect: the start failed, it is not stuck
-                if not isinstance(exc, BackendError):
-                    log.exception("starting %s failed", dep.name)
-                tail = await self._tail(None, dep)
-                await self._transition(dep_id, State.FAILED, reason=str(exc) or repr(exc), log_tail=tail)
-                return
-            self._attach(engine)
-            await self._finish_start(dep_id, engine)
+            await self._cold_start(dep_id)
+
+    async def _cold_start(self, dep_id: int) -> None:
+        """Create the engine and wait until it is ready; the caller holds its gates."""
+        dep = self._deps.get(dep_id)
+        if dep is None or dep.state is not State.STARTING:
+            return  # stopped or removed while it waited at the gate
+        try:
+            how = self.launch(dep, secrets=True)
+        except (FieldError, OSError, ValueError) as exc:
+            what = f"deployer.hf_token_file: {exc}" if not isinstance(exc, FieldError) else str(exc)
+            await self._transition(dep_id, State.FAILED, reason=f"cannot make its command line: {what}")
+            return
+        try:
+            engine = await self.backend.start(dep, how)
+        except Exception as exc:  # a BackendError, or a defect: the start failed, it is not stuck
+            if not isinstance(exc, BackendError):
+                log.exception("starting %s failed", dep.name)
+            tail = await self._tail(None, dep)
+            await self._transition(dep_id, State.FAILED, reason=str(exc) or repr(exc), log_tail=tail)
+            return
+        self._attach(engine)
+        await self._finish_start(dep_id, engine)
 
     async def _finish_start(self, dep_id: int, engine: Engine) -> None:
         dep = self._deps[dep_id]
@@ -620,7 +651,14 @@ class Deployer:
                 dep_now = self._deps.get(dep_id)
                 if served is not None and dep_now is not None and dep_now.state is State.STARTING:
                     if dep.served_name in served or not _checks_name(dep):
-                        await self._transition(dep_id, State.READY, text="ready")
+                        extra = {}
+                        if warmth.idle_level(dep, self.budget.per_gpu) > 0:
+                            # What every wake of this engine must answer again (torch_memory_saver #71).
+                            extra["wake_check"] = await self._one_token(engine, dep)
+                            cur = self._deps.get(dep_id)
+                            if cur is None or cur.state is not State.STARTING:
+                                return  # a stop took over; it stops the engine
+                        await self._transition(dep_id, State.READY, text="ready", extra=extra)
                     else:
                         names = ", ".join(served) or "no model"
                         await self._transition(
@@ -638,24 +676,117 @@ class Deployer:
             await asyncio.wait(waits, timeout=ready_poll_s(self.clock() - began), return_when=asyncio.FIRST_COMPLETED)
 
     async def _wake(self, dep_id: int) -> None:
+        """Wake an asleep engine (``starting`` since the admit), behind its gates: the engine
+        calls of its level, then the wake check. A wake that fails, times out or answers
+        otherwise than the check recorded stops the engine and starts it cold, audited
+        ``ondemand_wake_failed``; only a failed cold start is a failed start (the backoff)."""
         async with self._gate(dep_id), self._through_gate(dep_id):
+            sleeping = self._sleeping.get(dep_id)
+            if sleeping is not None:
+                await asyncio.shield(sleeping)  # the sleep's own call ends first: a wake never overtakes it
             dep = self._deps.get(dep_id)
             engine = self._engines.get(dep_id)
             if dep is None or dep.state is not State.STARTING:
                 return
+            level = dep.sleep_level or 1
             if engine is None:
-                await self._transition(dep_id, State.FAILED, reason="no engine to wake")
+                await self._wake_failed(dep_id, None, level, WakeFailed("failed", "no engine to wake"))
                 return
+            began = self.clock()
+            self._waking.add(dep_id)
             try:
-                async with self.http.post(engine.base_url + "/wake_up") as resp:
-                    if resp.status != 200:
-                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                          message=(await resp.text())[:200])
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                await self._transition(dep_id, State.FAILED, reason=f"wake_up failed: {exc}",
-                                       log_tail=await self._tail(engine, dep))
+                await asyncio.wait_for(self._wake_engine(engine, dep, level), self.wake_timeout_s)
+                failure = None
+            except asyncio.TimeoutError:
+                failure = WakeFailed("failed", f"the engine did not wake within {self.wake_timeout_s:g} s "
+                                               "(deployer.wake_timeout_s)")
+            except WakeFailed as exc:
+                failure = exc
+            finally:
+                self._waking.discard(dep_id)
+            seconds = self.clock() - began
+            now = self._deps.get(dep_id)
+            if now is None or now.state is not State.STARTING:
+                return  # a stop took over; it stops the engine
+            self.publish(Woken(dep_id, dep.name, failure.result if failure else "ready", seconds))
+            if failure is not None:
+                await self._wake_failed(dep_id, engine, level, failure)
                 return
-            await self._finish_start(dep_id, engine)
+            await self._transition(dep_id, State.READY, text=f"woken from sleep level {level} in {seconds:.2f} s")
+
+    async def _wake_engine(self, engine: Engine, dep: Deployment, level: int) -> None:
+        """The engine calls that wake it, in order, then the wake check; raises WakeFailed."""
+        for step in warmth.wake_steps(dep, level):
+            await self._engine_call(engine, step)
+        if dep.wake_check is None:
+            if not await self._answers(engine, "/health"):
+                raise WakeFailed("failed", "the engine does not answer /health after its wake")
+            return
+        try:
+            got = await self._completion(engine, dep)
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise WakeFailed("failed", f"the wake check's completion failed: {exc}") from exc
+        if got != dep.wake_check:
+            raise WakeFailed("mismatch", f"the wake check answered {got!r}, not {dep.wake_check!r} as after its "
+                                         "start: its weights did not come back whole")
+
+    async def _wake_failed(self, dep_id: int, engine: Engine | None, level: int, failure: WakeFailed) -> None:
+        """Audit the failed wake, stop the engine and start it cold (its gates are held)."""
+        dep = self._deps[dep_id]
+        text = f"wake from sleep level {level} failed ({failure}): stopped and started cold"
+        log.warning("%s: %s", dep.name, text)
+        with contextlib.suppress(StateFileError):
+            async with self.store.transaction():
+                detail = {"reason": str(failure), "result": failure.result, "level": level}
+                await self.store.write_event(actor="deployer", deployment_id=dep_id, text=text, detail=detail)
+                await self.store.write_audit(action="ondemand_wake_failed", actor="ondemand", deployment_id=dep_id,
+                                             text=text, detail=detail)
+        if engine is not None:
+            try:
+                await self.backend.stop(engine, self.stop_timeout_s)
+            except BackendError as exc:
+                log.error("stopping %s after its failed wake: %s", dep.name, exc)
+            exited = self._exits.get(dep_id)
+            if exited is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s + 5)
+        now = self._deps.get(dep_id)
+        if now is None or now.state is not State.STARTING:
+            return
+        self._replace(dep_id, sleep_level=None, host_gib=None, wake_check=None)  # a cold start from here
+        await self._cold_start(dep_id)
+
+    async def _engine_call(self, engine: Engine, step: warmth.Step) -> None:
+        """One POST of the sleep API; raises WakeFailed unless it answers 200."""
+        path, query, body = step
+        try:
+            async with self.http.post(engine.base_url + path, params=query, json=body,
+                                      timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                if resp.status != 200:
+                    raise WakeFailed("failed", f"POST {path} answered {resp.status}: {(await resp.text())[:200]}")
+        except (aiohttp.ClientError, OSError) as exc:
+            raise WakeFailed("failed", f"POST {path} failed: {exc}") from exc
+
+    async def _completion(self, engine: Engine, dep: Deployment) -> str | None:
+        """The greedy one-token completion's text (None: not a completion); raises
+        aiohttp.ClientError for an answer that is not 200."""
+        async with self.http.post(engine.base_url + "/v1/completions", json=warmth.check_body(dep),
+                                  timeout=aiohttp.ClientTimeout(total=self.wake_timeout_s)) as resp:
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=(await resp.text())[:200])
+            return warmth.check_text(await resp.json(content_type=None))
+
+    async def _one_token(self, engine: Engine, dep: Deployment) -> str | None:
+        """The wake check's answer after a cold start, or None (not a completion model:
+        an embedding model's wakes are checked by /health only)."""
+        try:
+            got = await self._completion(engine, dep)
+        except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError) as exc:
+            log.info("%s: no wake check recorded (/v1/completions: %s); its wakes are checked by /health",
+                     dep.name, exc)
+            return None
+        return got
 
     @contextlib.asynccontextmanager
     async def _gate(self, dep_id: int) -> AsyncIterator[None]:
@@ -787,11 +918,13 @@ class Deployer:
         dep = marked[1]
         start = self._starts.get(dep_id)
         if start is not None and not start.done():
-            if dep_id in self._gated:
+            if dep_id in self._gated and dep_id not in self._waking:
                 # Let the start notice the stop; never cancel a backend call half-way.
                 await asyncio.shield(start)
             else:
-                start.cancel("stopped while waiting at the start-up gate")  # it holds nothing yet
+                # At the gate it holds nothing yet; a wake's engine calls are only HTTP to an
+                # engine about to be stopped (a hung wake would hold the stop up to wake_timeout_s).
+                start.cancel("stopped while waiting at the start-up gate or waking")
                 with contextlib.suppress(asyncio.CancelledError):
                     await start
         engine = self._engines.get(dep_id)
@@ -809,21 +942,100 @@ class Deployer:
             await self._transition(dep_id, State.STOPPED, actor=actor, user=user)
         return True
 
-    async def sleep(self, dep_id: int, *, actor: str = "admin", user: str | None = None) -> None:
-        """vLLM sleep mode level 1: the engine keeps running, its weights leave the GPU.
-        A stop during the engine's /sleep call wins: the deployment is then not marked asleep."""
+    async def sleep(self, dep_id: int, level: int | None = None, precheck: Precheck | None = None, *,
+                    actor: str = "admin", user: str | None = None, text: str | None = None,
+                    audit: str | None = None, cause: StopCause = StopCause.ADMIN, or_stop: bool = False) -> int | None:
+        """Put the engine to sleep at ``level`` (None: its ``idle_action``'s, else 1). A level-1
+        sleep that would leave less than ``budget.host_reserve_gib`` of host memory sleeps at
+        level 2, or, with ``or_stop`` (the reaper, make-room), is a stop. Returns the level it
+        sleeps at, 0 when it was stopped instead, None when ``precheck`` or its state refused.
+        Raises DeployerError for an engine that cannot sleep so (an administrator's ask).
+
+        The precheck and the mark to ``asleep`` are one step, as for a stop: from then on no
+        slot is given (a request waits for the wake), and a wake waits for this sleep's engine
+        call to end. A failed sleep call stops the engine (its state is not known)."""
         dep = self._get(dep_id)
-        if dep.engine != "vllm":
+        per_gpu = self.budget.per_gpu
+        if not warmth.has_sleep_api(dep):
             raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
+        want = level or warmth.idle_level(dep, per_gpu) or 1
+        if want not in warmth.LEVELS or want > warmth.deepest_level(dep, per_gpu):
+            raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
+                                "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
+        # From here to the mark, no await: the checks and the move are one step.
         engine = self._engines.get(dep_id)
-        if dep.state is not State.READY or engine is None:
-            raise DeployerError(f"{dep.name} is {dep.state}, not ready")
+        if dep.state is not State.READY or engine is None or dep_id in self._removing or \
+                (precheck is not None and not precheck(dep)):
+            if precheck is None:
+                raise DeployerError(f"{dep.name} is {dep.state}, not ready")
+            return None
+        got = warmth.host_level(dep, want, self.budget.host_available_gib(), self.budget.host_reserve_gib, per_gpu)
+        text = text or "put to sleep by an administrator"
+        reserve = f"host memory: a level-1 sleep would leave less than {self.budget.host_reserve_gib:g} GiB available"
+        if got == 0:
+            if not or_stop:
+                raise DeployerError(f"{dep.name} cannot sleep now ({reserve}, and it cannot sleep at level 2): "
+                                    "stop it instead")
+            stopped = await self.stop(dep_id, precheck, actor=actor, user=user, audit=audit, cause=cause,
+                                      text=f"{text}; stopped instead ({reserve})")
+            return 0 if stopped else None
+        why = f" (level {got}: {reserve})" if got != want else ""
+        old, new = self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._sleeping[dep_id] = done
         try:
-            async with self.http.post(engine.base_url + "/sleep", params={"level": "1"}) as resp:
-                if resp.status != 200:
-                    raise DeployerError(f"engine refused /sleep: {resp.status} {(await resp.text())[:200]}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise DeployerError(f"engine unreachable: {exc}") from exc
+            before = await self._host_gib(engine) if got == 1 else None
+            await self._persist(old, new, actor=actor, user=user, audit=audit, cause=None,
+                                text=f"{text} (sleep level {got}){why}", detail={"level": got})
+            try:
+                await self._engine_call(engine, warmth.sleep_step(dep, got))
+                failure = None
+            except WakeFailed as exc:
+                failure = str(exc)
+        finally:
+            self._sleeping.pop(dep_id, None)
+            done.set_result(None)
         now = self._deps.get(dep_id)
-        if now is not None and now.state is State.READY:
-            await self._transition(dep_id, State.ASLEEP, actor=actor, user=user, text="put to sleep (sleep mode)")
+        if failure is not None:
+            if now is not None and now.state is State.ASLEEP:  # not woken or stopped meanwhile
+                await self.stop(dep_id, actor=actor, user=user, cause=cause,
+                                text=f"the engine's sleep failed ({failure}): stopped")
+                return 0
+            return None
+        if now is None or now.state is not State.ASLEEP:
+            return got  # a wake or a stop came during the call: it carries on from here
+        await self._measure_sleeper(dep_id, engine, got, before)
+        self.publish(Slept(dep_id, dep.name, got, cause))
+        return got
+
+    async def _host_gib(self, engine: Engine) -> float | None:
+        try:
+            return await self.backend.host_memory(engine)
+        except Exception as exc:  # a measurement is a courtesy: never fail a sleep over one
+            log.debug("cannot measure the host memory of %s: %s", engine.name, exc)
+            return None
+
+    async def _measure_sleeper(self, dep_id: int, engine: Engine, level: int, before: float | None) -> None:
+        """What the sleeper still holds: on its GPUs (nvidia-smi, its processes; none listed
+        once it was measured awake means none), and in host memory (its process tree's, or its
+        container's). A level-1 sleep's growth of host memory is the next one's prediction."""
+        residue: float | None = None
+        if self.budget.source == "nvidia-smi":
+            with contextlib.suppress(BudgetError):
+                apps = await self.budget.compute_apps()
+                pids = await self.backend.pids(engine)
+                residue = apps_gib(apps, pids) if pids else None
+                dep = self._deps.get(dep_id)
+                if residue is None and pids and dep is not None and dep.measured_gib is not None:
+                    residue = 0.0  # its processes were listed awake: asleep they hold nothing
+        host = await self._host_gib(engine)
+        dep = self._deps.get(dep_id)
+        if dep is None or dep.state is not State.ASLEEP:
+            return
+        fields: dict[str, Any] = {"host_gib": None if host is None else round(host, 3)}
+        if residue is not None:
+            fields["asleep_gib"] = round(residue, 3)
+        if level == 1 and host is not None and before is not None:
+            fields["sleep_host_gib"] = round(max(0.0, host - before), 3)
+        with contextlib.suppress(StateFileError, DeployerError):
+            await self.update(dep_id, actor="ondemand", **fields)

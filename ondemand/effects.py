@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from . import warmth
 from .budget import Budget
 from .controller import ACTOR, Controller, Timer
 from .deployer import Deployer
@@ -60,6 +61,9 @@ class DeployerEffects:
     def engine_idle(self, dep_id: int) -> bool:
         return self.sampler.idle(dep_id)
 
+    def idle_level(self, dep: Deployment) -> int:
+        return warmth.idle_level(dep, self.budget.per_gpu)
+
     # --- actions ------------------------------------------------------------------
 
     def admit(self, dep_id: int, *, text: str) -> None:
@@ -101,6 +105,22 @@ class DeployerEffects:
             log.exception("stopping deployment %d failed", dep_id)
         finally:
             ctl.on_stopped(dep_id, stopped, for_dep)
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.tasks.spawn(self._sleep(dep_id, text, for_dep), f"sleep {dep_id}")
+
+    async def _sleep(self, dep_id: int, text: str, for_dep: int | None) -> None:
+        ctl = self.controller
+        done = False
+        try:
+            cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
+            level = await self.deployer.sleep(dep_id, None, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
+                                              text=text, cause=cause, or_stop=True)
+            done = level is not None  # asleep, or stopped instead (the host reserve, a failed sleep)
+        except Exception:
+            log.exception("putting deployment %d to sleep failed", dep_id)
+        finally:
+            ctl.on_stopped(dep_id, done, for_dep)
 
     def settle(self, dep_id: int, within_s: float) -> None:
         self.tasks.spawn(self._settle(dep_id, within_s), f"settle {dep_id}")

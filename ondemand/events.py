@@ -68,6 +68,27 @@ class DeploymentChanged:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Slept:
+    """An engine was put to sleep at ``level`` (1 or 2): by the reaper (``idle``), make-room
+    (``make_room``) or an administrator (``admin``). Published after its change to asleep."""
+    dep_id: int
+    name: str
+    level: int
+    reason: StopCause
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Woken:
+    """A wake ended: ``ready`` (the wake check matched), ``failed`` (an engine call failed or
+    timed out) or ``mismatch`` (the wake check's answer differed); a failed one is followed by
+    a cold start. ``seconds``: from the wake's first call to its end."""
+    dep_id: int
+    name: str
+    result: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class CountersChanged:
     """The controller's in-flight or queued counts of a deployment changed (already throttled)."""
     dep_id: int

@@ -2,8 +2,11 @@
 
 Candidates are already known to be stoppable (the controller's idle rules)
 and of the requester's priority or lower (the controller leaves out every
-deployment of higher priority: it is never a victim of a lower request). This
-only picks, lowest priority first, then least recently used, the shortest
+deployment of higher priority: it is never a victim of a lower request); each
+says what putting it away frees on each GPU (an awake one put to sleep: all but
+what it keeps asleep; an asleep one stopped: what it keeps). This only picks,
+lowest priority first, then awake before asleep (the tiers: a sleep costs a
+wake of seconds, a stop a cold start), then least recently used, the shortest
 prefix after whose stop some allowed set of GPUs fits the model (``choose``),
 and of that prefix only the ones that hold memory on the chosen set: stopping a
 model on another GPU frees nothing the new one can use. When all of them
@@ -22,6 +25,7 @@ class Candidate:
     holds: Mapping[int, float]  # GiB per pool (GPU) its engine holds
     last_used: float  # monotonic time of the last slot granted or released
     rank: int = 1  # Priority.rank: lower ranks go first
+    tier: int = 0  # 0 awake (put to sleep, or stopped), 1 asleep (stopped): awake ones go first
 
 
 def pick_victims(candidates: list[Candidate], free: Sequence[float],
@@ -29,7 +33,7 @@ def pick_victims(candidates: list[Candidate], free: Sequence[float],
     """(the victims, the GPU set the model gets once they are stopped), or ([], ())."""
     sim = list(free)
     prefix: list[Candidate] = []
-    for cand in sorted(candidates, key=lambda c: (c.rank, c.last_used, c.id)):
+    for cand in sorted(candidates, key=lambda c: (c.rank, c.tier, c.last_used, c.id)):
         prefix.append(cand)
         for pool, gib in cand.holds.items():
             if 0 <= pool < len(sim):

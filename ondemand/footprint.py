@@ -19,19 +19,12 @@ import asyncio
 import contextlib
 import logging
 
-from .budget import Budget, BudgetError
+from .budget import Budget, BudgetError, apps_gib
 from .deployer import Deployer
 from .model import State
 
 log = logging.getLogger("ondemand.footprint")
 
-
-def match(apps: list[tuple[int, str, float]], pids: list[int]) -> float | None:
-    """GiB the processes ``pids`` hold on every GPU together; None when none of them
-    is listed (nothing measured: not 0, which would claim the engine uses nothing)."""
-    mine = set(pids)
-    used = [gib for pid, _uuid, gib in apps if pid in mine]
-    return sum(used) if used else None
 
 
 class FootprintSampler:
@@ -60,7 +53,7 @@ class FootprintSampler:
             engine = self.deployer.engine(dep_id)
             if engine is None:
                 continue
-            gib = match(apps, await self.deployer.backend.pids(engine))
+            gib = apps_gib(apps, await self.deployer.backend.pids(engine))
             if gib is not None:
                 found[dep_id] = gib
                 await self.deployer.record_footprint(dep_id, gib)

@@ -153,6 +153,24 @@ async def _v6_priorities_and_limits(db: aiosqlite.Connection) -> None:
                          "CHECK (max_inflight IS NULL OR max_inflight BETWEEN 1 AND 10000)")
 
 
+async def _v7_tiered_warmth(db: aiosqlite.Connection) -> None:
+    # Tiered warmth: every existing row reads idle_action 'auto' (a vLLM or SGLang recipe on
+    # discrete GPUs then sleeps where it was stopped before; anything else still stops). The
+    # rest is the engine's life, NULL until it first sleeps: its level and host memory while
+    # asleep, what it still holds on its GPUs asleep, the last host memory a level-1 sleep was
+    # measured at (the next one's prediction), and the one-token answer its wakes must match.
+    cols = await _columns(db, "deployments")
+    for column, sqltype in (
+            ("idle_action", "TEXT NOT NULL DEFAULT 'auto' CHECK (idle_action IN ('auto', 'stop', 'sleep', 'sleep2'))"),
+            ("sleep_level", "INTEGER CHECK (sleep_level IS NULL OR sleep_level IN (1, 2))"),
+            ("host_gib", "REAL"),
+            ("asleep_gib", "REAL"),
+            ("sleep_host_gib", "REAL"),
+            ("wake_check", "TEXT")):
+        if column not in cols:
+            await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
@@ -160,6 +178,7 @@ MIGRATIONS: list[Migration] = [
     Migration(4, "starts (start durations); events and audit indexed by time", _v4_starts_and_retention),
     Migration(5, "deployments: engine recipes (sglang and custom engines; model, env, volumes)", _v5_engine_recipes),
     Migration(6, "deployments: priority and max_inflight", _v6_priorities_and_limits),
+    Migration(7, "deployments: tiered warmth (idle_action; sleep level, host memory, wake check)", _v7_tiered_warmth),
 ]
 
 LATEST = MIGRATIONS[-1].version

@@ -56,6 +56,18 @@ _RANK = {Priority.LOW: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
 MAX_INFLIGHT = 10000
 
 
+class IdleAction(str, enum.Enum):
+    """What an idle engine becomes (BEHAVIOUR.md, "Tiered warmth"): ``auto`` is ``sleep`` for a
+    vLLM or SGLang recipe on discrete GPUs and ``stop`` otherwise (``warmth.idle_level``)."""
+    AUTO = "auto"
+    STOP = "stop"
+    SLEEP = "sleep"  # level 1: weights kept in host memory
+    SLEEP2 = "sleep2"  # level 2: weights dropped, the process and its compiled graphs kept
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Role(str, enum.Enum):
     MODEL = "model"
     DECISION = "decision"  # always on, never through the gateway
@@ -87,7 +99,8 @@ OVER_DECLARED = 1.10
 
 # Fields that are not the deployment's configuration: its life, not its make-up.
 _LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "gpus", "measured_gib",
-                          "created_at", "updated_at"})
+                          "created_at", "updated_at", "sleep_level", "host_gib", "asleep_gib", "sleep_host_gib",
+                          "wake_check"})
 
 
 # How a plain value (a stored row, a JSON body) becomes the field's type.
@@ -108,6 +121,11 @@ _COERCE: dict[str, Callable[[Any], Any]] = {
     "volumes": lambda v: tuple(v or ()),
     "priority": lambda v: Priority(v or Priority.NORMAL),
     "max_inflight": lambda v: None if v is None else int(v),
+    "idle_action": lambda v: IdleAction(v or IdleAction.AUTO),
+    "sleep_level": lambda v: None if v is None else int(v),
+    "host_gib": lambda v: None if v is None else float(v),
+    "asleep_gib": lambda v: None if v is None else float(v),
+    "sleep_host_gib": lambda v: None if v is None else float(v),
 }
 
 
@@ -151,8 +169,14 @@ class Deployment:
     pending_mode: Mode | None = None
     priority: Priority = Priority.NORMAL
     max_inflight: int | None = None  # requests served at once through the gateway; None: no limit
+    idle_action: IdleAction = IdleAction.AUTO
     gpus: tuple[int, ...] = ()  # the GPUs its engine holds (set at the start, cleared when it stops)
     measured_gib: float | None = None  # what its engine was last measured to use
+    sleep_level: int | None = None  # 1 or 2 while asleep
+    host_gib: float | None = None  # host memory its engine was measured to hold asleep (while asleep)
+    asleep_gib: float | None = None  # GPU memory its engine was last measured to keep asleep (in all)
+    sleep_host_gib: float | None = None  # host memory its last level-1 sleep held: the next one's prediction
+    wake_check: str | None = None  # the greedy one-token answer recorded after its engine's cold start
     created_at: float = 0.0
     updated_at: float = 0.0
 
@@ -179,6 +203,11 @@ class Deployment:
     def footprint_gib(self) -> float:
         """What a fit check counts for it: the larger of declared and measured."""
         return max(self.memory_gib, self.measured_gib or 0.0)
+
+    @property
+    def residue_gib(self) -> float:
+        """What its engine keeps on its GPUs asleep: as last measured, else nothing known (0)."""
+        return min(self.asleep_gib or 0.0, self.footprint_gib)
 
     @property
     def over_declared(self) -> bool:

@@ -37,6 +37,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
+from . import warmth
 from .config import Config
 from .model import Deployment
 
@@ -162,9 +163,10 @@ def share(memory_gib: float, gpu_count: int, gpu_size_gib: float) -> float:
 
 
 def may_sleep(dep: Deployment, per_gpu: bool) -> bool:
-    """Whether the deployment's engine is started able to sleep: a vLLM or SGLang recipe on
-    discrete GPUs. On unified memory (DGX Spark) a wake is not reliable (vLLM #50011)."""
-    return dep.model is not None and dep.engine in ("vllm", "sglang") and per_gpu
+    """Whether the deployment's engine is started able to sleep: a vLLM or SGLang recipe whose
+    ``idle_action`` sleeps (``auto``: on discrete GPUs only; on unified memory, DGX Spark, a
+    wake is not reliable: vLLM #50011)."""
+    return dep.model is not None and warmth.idle_level(dep, per_gpu) > 0
 
 
 def _gpus(dep: Deployment, box_gpus: int) -> int:
@@ -198,7 +200,9 @@ def _derived(dep: Deployment, box: Box, gpu_size_gib: float | None, box_gpus: in
         if gpus > 0 and dep.memory_gib > 0 and gpu_size_gib:
             args += ["--mem-fraction-static", f"{share(dep.memory_gib, pooled, gpu_size_gib):.2f}"]
         if sleep and box.sleep_flags:
-            args += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+            args.append("--enable-memory-saver")
+            if warmth.idle_level(dep, per_gpu) == 1:
+                args.append("--enable-weights-cpu-backup")  # level 1: the weights kept in host memory
     else:  # llamacpp
         args = ["-m" if model.endswith(".gguf") else "-hf", model, "--alias", dep.served_name,
                 "--host", host, "--port", port]

@@ -34,6 +34,7 @@ DEPLOYMENT_FIELDS = (
     "pending_mode", "gpus", "measured_gib", "created_at", "updated_at",
     "model", "env", "volumes",
     "priority", "max_inflight",
+    "idle_action", "sleep_level", "host_gib", "asleep_gib", "sleep_host_gib", "wake_check",
 )
 _JSON_FIELDS = ("args", "command", "gpus", "volumes")  # lists, stored as JSON ([] when empty)
 _NULLABLE_JSON = ("gpu_ids",)  # lists or NULL

@@ -21,11 +21,11 @@ def gpus(*used: float, total: float = 80.0) -> Reading:
 async def test_static_counts_what_holders_declared():
     b = Budget("static", 24)
     deps = [dep(1, 10, State.READY), dep(2, 4, State.STARTING), dep(3, 6, State.STOPPED),
-            dep(4, 3, State.ASLEEP, Mode.ALWAYS_ON), dep(5, 1, State.STOPPING, role=Role.SYSTEM)]
+            dep(4, 3, State.ASLEEP, Mode.ALWAYS_ON).replace(asleep_gib=1), dep(5, 1, State.STOPPING, role=Role.SYSTEM)]
     snap = await b.snapshot(deps)
-    assert (snap.capacity, snap.used, snap.free) == (24, 18, 6)
-    assert snap.ondemand_capacity == 20  # always-on and system holdings are out of on-demand reach
-    assert (await b.snapshot(deps, exclude=1)).free == 16  # waking 1: its own holding does not count
+    assert (snap.capacity, snap.used, snap.free) == (24, 16, 8)  # asleep, 4 holds what it kept: 1 of 3
+    assert snap.ondemand_capacity == 20  # always-on and system holdings are out of on-demand reach (all 3 of 4's)
+    assert (await b.snapshot(deps, exclude=1)).free == 18  # waking 1: its own holding does not count
 
 
 async def test_nvidia_smi_measures_each_gpu_and_says_why_it_fails(fake_nvidia_smi, monkeypatch):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ondemand import warmth
 from ondemand.controller import BACKOFF_FIRST_S, BACKOFF_MAX_S, Controller, Phase
 from ondemand.errors import InsufficientMemory, OndemandError
 from ondemand.eviction import Candidate, pick_victims
@@ -71,6 +72,9 @@ class Effects:
     def engine_idle(self, dep_id: int) -> bool:
         return dep_id not in self.busy_engines
 
+    def idle_level(self, dep: Deployment) -> int:
+        return warmth.idle_level(dep, per_gpu=True)  # discrete GPUs: a vLLM recipe sleeps at level 1
+
     # actions
     def admit(self, dep_id: int, *, text: str) -> None:
         assert self.controller is not None  # what the deployer would hold back, as of now
@@ -79,6 +83,9 @@ class Effects:
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         self.calls.append(("stop", dep_id, for_dep, text))
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.calls.append(("sleep", dep_id, for_dep, text))
 
     def settle(self, dep_id: int, within_s: float) -> None:
         self.calls.append(("settle", dep_id))
@@ -612,13 +619,13 @@ def test_the_reaper_stops_what_is_idle_for_its_full_timeout(world):
     fx.add(1, state=State.READY, idle_timeout_s=120)
     fx.add(2, state=State.READY)
     fx.add(3, state=State.READY, mode=Mode.ALWAYS_ON)
-    fx.add(4, state=State.ASLEEP)
+    fx.add(4, state=State.ASLEEP)  # asleep stays asleep: no sleep_timeout_s
     fx.add(5, state=State.READY, role=Role.SYSTEM)
     clock.advance(60)
-    assert c.reap() == [2, 4]
-    assert [s[3] for s in fx.taken("stop")] == ["Put to sleep after 1 min idle"] * 2
+    assert c.reap() == [2]
+    assert [s[3] for s in fx.taken("stop")] == ["Put to sleep after 1 min idle"]
     clock.advance(60)
-    assert c.reap() == [1, 2, 4]  # (2 and 4 again: the deployer refuses a second stop)
+    assert c.reap() == [1, 2]  # (2 again: the deployer refuses a second stop)
 
 
 def test_the_idle_timer_restarts_on_grant_release_ready_and_the_switch(world):

@@ -510,16 +510,24 @@ async def test_too_big_is_not_refused_right_after_an_ondemand_stop(tmp_path, sto
         assert await code_of(env.acquire(big)) == "does_not_fit"
 
 
-async def test_background_wake_that_fails_is_start_failed(tmp_path, store):
+async def test_a_wake_that_fails_starts_the_engine_cold_and_is_no_failed_start(tmp_path, store):
+    """A failed wake is audited ondemand_wake_failed, the engine is stopped and started cold,
+    and its waiters are served by the new engine; only a failed cold start would back off."""
     async with controller_env(tmp_path, store) as env:
         c = env.controller
         a = await env.add("a", 10, "--fail", "wake-fails")
         await env.start(a)
+        pid = env.deployer.engine(a).ref.pid
         await env.deployer.sleep(a)
         ws = [asyncio.ensure_future(env.acquire(a)) for _ in range(2)]
-        assert [await code_of(w) for w in ws] == ["start_failed"] * 2
-        assert env.state(a) == "failed" and c._backoff[a].delay == 60
-        assert await code_of(env.acquire(a)) == "start_failed"  # refused at once for 60 s
+        for w in ws:
+            async with await w:
+                assert env.state(a) == "ready"
+        assert env.deployer.engine(a).ref.pid != pid  # another engine: a cold start
+        assert a not in c._backoff
+        audit = await store.audit(a)
+        failed = [r for r in audit if r["action"] == "ondemand_wake_failed"]
+        assert len(failed) == 1 and "500" in failed[0]["detail"]["reason"] and failed[0]["detail"]["result"] == "failed"
 
 
 async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidia_smi):

@@ -8,6 +8,7 @@ outlived a restart of ondemand (adoption), and reads or follows an engine's log.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +35,22 @@ def visible_gpus(dep: Deployment) -> tuple[int, ...] | None:
     if dep.gpu_count == 0:
         return ()
     return dep.gpus or dep.gpu_ids or tuple(range(dep.gpu_count))
+
+
+def rss_gib(pids: list[int]) -> float | None:
+    """GiB of host memory the processes ``pids`` hold (``VmRSS``), or None when none is readable."""
+    total, seen = 0, False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        seen = True
+                        break
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return total / 1024 ** 3 if seen else None
 
 
 class BackendError(Exception):
@@ -75,6 +92,12 @@ class Backend(abc.ABC):
         """The host pids of the engine's processes (for its measured GPU footprint);
         [] when they cannot be known."""
         return []
+
+    async def host_memory(self, engine: Engine) -> float | None:
+        """GiB of host memory the engine holds (a level-1 sleeper's weights are there): the
+        resident memory of its process tree; None when it cannot be known."""
+        pids = await self.pids(engine)
+        return await asyncio.to_thread(rss_gib, pids) if pids else None  # reads of /proc: off the loop
 
     @abc.abstractmethod
     async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:

@@ -397,6 +397,27 @@ class DockerBackend(Backend):
                 out.append(int(row[col]))
         return out
 
+    async def host_memory(self, engine: Engine) -> float | None:
+        """The resident memory of the container's processes (their host pids, from ``top``);
+        when those cannot be read (ondemand in a container of its own pid namespace), the
+        container's usage as ``docker stats`` counts it: usage less the page cache it may drop
+        (cgroup v2 ``inactive_file``, v1 ``total_inactive_file``)."""
+        rss = await super().host_memory(engine)
+        if rss is not None:
+            return rss
+        docker = await self._client()
+        try:
+            stats = await docker.containers.container(engine.ref).stats(stream=False)
+            mem = (stats[0] if stats else {}).get("memory_stats") or {}
+            usage = mem.get("usage")
+            if isinstance(usage, int) and usage > 0:
+                inner = mem.get("stats") or {}
+                cache = inner.get("inactive_file", inner.get("total_inactive_file", 0))
+                return max(0, usage - (cache if isinstance(cache, int) else 0)) / 1024 ** 3
+        except (*_TRANSPORT, AttributeError, TypeError, IndexError) as exc:
+            log.debug("cannot read the memory of %s%s: %s", PREFIX, engine.name, exc)
+        return None
+
     async def remove(self, dep: Deployment) -> None:
         name = container_name(dep)
         info = await self._inspect(name, f"inspecting container {name}")
