@@ -3,28 +3,35 @@
 This module owns everything ondemand says to LiteLLM's proxy (``litellm_sync`` decides
 when and what):
 
-- ``LiteLLMClient``: ``GET /model/info``, ``POST /model/new`` (verified by a read) and
+- ``LiteLLMClient``: ``GET /model/info``, ``POST /model/new`` (verified by a read),
+  ``PATCH /model/{id}/update`` (a change of warmth, verified by a read) and
   ``POST /model/delete``, with the master key, and LiteLLM's answers turned into
   ``LiteLLMError`` codes (``litellm_unreachable``, ``litellm_unauthorized``,
   ``litellm_no_db``, ``litellm_not_stored``, ``litellm_error``).
-- ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as BEHAVIOUR.md, "LiteLLM registration",
-  ("LiteLLM registration") describes them.
+- ``ondemand_entry`` / ``always_on_entry``: the entries, exactly as BEHAVIOUR.md, "LiteLLM
+  registration", describes them; ``entry_change``: what it takes to turn one into another.
 
 Our entries are the ones whose ``model_info`` carries ``dgxmm_id`` and our instance's
 ``dgxmm_instance`` (several boxes may share one LiteLLM: ``entry_owned``); nothing else in
-LiteLLM is ever touched. Entries are replaced (add, then delete), never edited: the old
-``POST /model/update`` (update_model) merges litellm_params only and keeps the stored
-model_info, so a fingerprint would never change, and ``PATCH /model/{id}/update`` is
-recent; add-then-delete works on every release and keeps the name served throughout.
+LiteLLM is ever touched. A change of warmth alone (``litellm_params.order`` and
+``model_info.dgxmm_state``) is written in place with ``PATCH /model/{id}/update``
+(patch_model), which merges both and keeps the entry's LiteLLM id, so its spend records,
+cooldown and health state carry over; the older ``POST /model/update`` (update_model) merges
+litellm_params only and keeps the stored model_info, so it is never used. Any other change
+(what LiteLLM calls: key, address, model, timeouts) replaces the entry (add, then delete),
+which works on every release and keeps the name served throughout; so does a change of
+warmth on a LiteLLM without the PATCH route (404/405).
 Facts about LiteLLM relied on here are cited by file and function of BerriAI/litellm
-(``proxy_server.py``, ``management_endpoints/model_management_endpoints.py``, ``health_check.py``, ``types/router.py``).
+(``proxy_server.py``, ``management_endpoints/model_management_endpoints.py``, ``health_check.py``,
+``types/router.py``, ``router.py``, ``utils.py``), read in the source of 1.106.12.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -38,11 +45,17 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_HEADER = HEALTH_HEADER
 # Warm-first routing (BEHAVIOUR.md, "Several boxes"): LiteLLM's router keeps, of the
 # deployments of a name that passed its health and cooldown filters, only those of the
-# lowest litellm_params.order (router.py "ORDER FILTERING", after the cooldown filter;
-# utils.py get_order_filtered_deployments). So a ready engine's entry gets 1, an entry
-# that would need a start 2: a cold box is chosen only while no ready one is available.
+# lowest litellm_params.order (router.py async_get_healthy_deployments /
+# get_available_deployment, "ORDER FILTERING", after the cooldown filter;
+# utils.py get_order_filtered_deployments: min() over get_deployment_order, which reads
+# litellm_params.order, else model_info.order; entries without one are dropped while any
+# has one). So a name's traffic goes to a box where the model is awake (1), else to one
+# where it sleeps (2: a wake in seconds), and only then to a cold one (3: a start).
+# Before issue 22, 2 meant cold: an old box's cold entry ranks with a new box's asleep one.
 ORDER_READY = 1
-ORDER_COLD = 2
+ORDER_ASLEEP = 2
+ORDER_COLD = 3
+_WARMTH = {"ready": ORDER_READY, "asleep": ORDER_ASLEEP, "cold": ORDER_COLD}
 # LiteLLM needs *some* key for an openai/ entry; the engines behind always-on entries
 # take none, so a harmless placeholder is sent (it never reaches a secret check).
 ALWAYS_ON_API_KEY = "none"
@@ -52,14 +65,23 @@ ALWAYS_ON_API_KEY = "none"
 # HTTPException(500, {"error": "No DB Connected. Here's how to do it - ..."}) without a
 # database and HTTPException(500, {"error": "Set `'STORE_MODEL_IN_DB='True'` in your env
 # to enable this feature."}) when models are not stored in it; both end up as
-# ProxyException(message=str(detail), type="auth_error", code="500").
-_NO_DB_MARKERS = ("No DB Connected", "STORE_MODEL_IN_DB")
+# ProxyException(message=str(detail), type="auth_error", code="500"). patch_model raises
+# HTTPException(500, {"error": CommonProxyErrors.db_not_connected_error}) ("DB not
+# connected. This endpoint needs a database; ...", rendered by FastAPI as {"detail": ...})
+# and, with store_model_in_db off, ProxyException(400, "Model updates only supported for
+# DB-stored models").
+_NO_DB_MARKERS = ("No DB Connected", "STORE_MODEL_IN_DB", "DB not connected",
+                  "Model updates only supported for DB-stored models")
 # model_info_v1 (proxy_server.py) answers 500 "LLM Router is not loaded in ..." (older:
 # "LLM Model List not loaded in ...") while the proxy has no model at all: that is an
 # empty list, not an outage.
 _NO_ROUTER_MARKERS = ("LLM Router is not loaded in", "LLM Model List not loaded in")
 # delete_model: HTTPException(400, {"error": f"Model with id={id} not found in db"}).
 _NOT_FOUND_MARKER = "not found in db"
+
+# What patch_warmth found: the entry rewritten in place; LiteLLM has no PATCH route; the
+# entry is not (or no longer) in LiteLLM's database.
+PatchOutcome = Literal["patched", "no_route", "gone"]
 
 
 class LiteLLMError(OndemandError):
@@ -82,7 +104,9 @@ def params_fingerprint(litellm_params: dict[str, Any], model_info: dict[str, Any
     LiteLLM normalises what it returns (GenericLiteLLMParams in types/router.py types
     ``timeout`` as float, so 1500 comes back as 1500.0, and /model/info never returns
     api_key), so the entry is not compared field by field: this value, stored in
-    model_info (kept verbatim: ModelInfo has extra="allow"), is.
+    model_info (kept verbatim: ModelInfo has extra="allow"), is. It leaves out the warmth
+    (``order``, ``dgxmm_state``): a change of warmth alone is patched in place
+    (``entry_change``), a change of anything covered here replaces the entry.
     """
     covered = {
         "api_base": litellm_params.get("api_base"),
@@ -92,6 +116,18 @@ def params_fingerprint(litellm_params: dict[str, Any], model_info: dict[str, Any
         "health_check_params": model_info.get("health_check_params"),
     }
     return fingerprint(orjson.dumps(covered, option=orjson.OPT_SORT_KEYS))
+
+
+def entry_warmth(state: Any) -> str:
+    """The ``dgxmm_state`` of an on-demand entry for a deployment state: ``ready``,
+    ``asleep``, else ``cold`` (its order: ``ORDER_READY``, ``ORDER_ASLEEP``, ``ORDER_COLD``)."""
+    value = getattr(state, "value", state)  # a model.State or its string
+    return str(value) if value in ("ready", "asleep") else "cold"
+
+
+def warmth_order(dgxmm_state: str) -> int:
+    """The routing order of a ``dgxmm_state``: 1 ready, 2 asleep, 3 cold."""
+    return _WARMTH[dgxmm_state]
 
 
 def _served_name(dep: dict[str, Any]) -> str:
@@ -110,7 +146,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     dep_id = int(dep["id"])
     served = _served_name(dep)
     timeout = ondemand_timeout(queue_timeout_s)
-    ready = dep.get("state") == "ready"
+    state = entry_warmth(dep.get("state"))
     litellm_params: dict[str, Any] = {
         "model": f"openai/{served}",
         "api_base": f"{internal_url.rstrip('/')}/ondemand/{dep_id}/v1",
@@ -119,7 +155,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
         "stream_timeout": timeout,
         # LiteLLM must not retry or fail over a request the gateway is holding.
         "num_retries": 0,
-        "order": ORDER_READY if ready else ORDER_COLD,
+        "order": _WARMTH[state],
     }
     # health_check.py _update_litellm_params_for_health_check merges
     # model_info.health_check_params into the probe's litellm_params only, so the marker
@@ -128,7 +164,7 @@ def ondemand_entry(dep: dict[str, Any], key: str, internal_url: str, queue_timeo
     model_info: dict[str, Any] = {
         "dgxmm_id": dep_id,
         "dgxmm_instance": instance,
-        "dgxmm_state": "ready" if ready else "cold",
+        "dgxmm_state": state,
         "dgxmm_key_fp": fingerprint(key),
         "dgxmm_params_fp": "",
         "health_check_params": health_check_params,
@@ -205,8 +241,9 @@ def names_view(entries: list[dict[str, Any]], instance: str) -> list[dict[str, A
     """Each name with an ondemand entry in LiteLLM: which instances serve it, in what state.
 
     ``[{"name", "ready": [instances], "entries": [{"instance", "dgxmm_id", "state",
-    "order", "this"}]}]`` sorted by name, ready entries first. An entry not written by
-    ondemand under the same name is listed with instance null and state "external".
+    "order", "this"}]}]`` sorted by name, ready entries first, then asleep, then cold. An
+    entry not written by ondemand under the same name is listed with instance null and
+    state "external".
     """
     by_name: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:
@@ -220,7 +257,7 @@ def names_view(entries: list[dict[str, Any]], instance: str) -> list[dict[str, A
             "state": entry_state(entry) if dep_id is not None else "external",
             "this": owner == instance,
         })
-    rank = {"ready": 0, "cold": 1, "unknown": 2, "external": 3}
+    rank = {"ready": 0, "asleep": 1, "cold": 2, "unknown": 3, "external": 4}
     out = []
     for name, rows in sorted(by_name.items()):
         if all(r["dgxmm_id"] is None for r in rows):
@@ -255,31 +292,54 @@ def entry_order(entry: dict[str, Any]) -> int | None:
 
 
 def entry_state(entry: dict[str, Any]) -> str:
-    """"ready" or "cold" as the entry says (dgxmm_state, else its order), else "unknown"."""
+    """"ready", "asleep" or "cold" as the entry says, else "unknown".
+
+    ``model_info.dgxmm_state`` when it is one of those; else the order as the box that
+    wrote it meant it: 1 ready, 2 cold (before issue 22, 2 meant cold; an entry with
+    dgxmm_state never relies on this), 3 cold.
+    """
     info = entry.get("model_info")
     state = info.get("dgxmm_state") if isinstance(info, dict) else None
-    if state in ("ready", "cold"):
+    if state in _WARMTH:
         return str(state)
-    return {ORDER_READY: "ready", ORDER_COLD: "cold"}.get(entry_order(entry) or 0, "unknown")
+    return {ORDER_READY: "ready", 2: "cold", ORDER_COLD: "cold"}.get(entry_order(entry) or 0, "unknown")
 
 
-def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """Whether an entry LiteLLM lists is the one we want (then nothing is written)."""
+EntryChange = Literal["same", "warmth", "replace"]
+
+
+def entry_change(existing: dict[str, Any], wanted: dict[str, Any]) -> EntryChange:
+    """What it takes to turn an entry LiteLLM lists into the one we want.
+
+    ``same``: nothing is written. ``warmth``: only ``litellm_params.order`` and
+    ``model_info.dgxmm_state`` differ, so the entry is patched in place and keeps its
+    LiteLLM id. ``replace``: what LiteLLM calls differs (name, model, api_base, the key's
+    and the parameters' fingerprints) or the entry is not labelled as ours the way we
+    write it now (instance): a new entry is added and this one deleted.
+    """
     have_p = existing.get("litellm_params") or {}
     want_p = wanted["litellm_params"]
     have_i = existing.get("model_info") or {}
     want_i = wanted["model_info"]
-    return (
+    if not (
         existing.get("model_name") == wanted["model_name"]
         and have_p.get("model") == want_p["model"]
         and _norm_base(have_p.get("api_base")) == _norm_base(want_p["api_base"])
         and have_i.get("dgxmm_instance") == want_i.get("dgxmm_instance")
-        and have_i.get("dgxmm_state") == want_i.get("dgxmm_state")
-        and entry_order(existing) == entry_order(wanted)
         # Always-on entries carry neither fingerprint: both sides None.
         and have_i.get("dgxmm_key_fp") == want_i.get("dgxmm_key_fp")
         and have_i.get("dgxmm_params_fp") == want_i.get("dgxmm_params_fp")
-    )
+    ):
+        return "replace"
+    if (have_i.get("dgxmm_state") == want_i.get("dgxmm_state")
+            and entry_order(existing) == entry_order(wanted)):
+        return "same"
+    return "warmth"
+
+
+def entry_matches(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether an entry LiteLLM lists is the one we want (then nothing is written)."""
+    return entry_change(existing, wanted) == "same"
 
 
 # ---------------------------------------------------------------------------
@@ -299,6 +359,9 @@ class LiteLLMClient:
         self._session: aiohttp.ClientSession | None = None
         self._verify_attempts = max(1, verify_attempts)
         self._verify_delay_s = verify_delay_s
+        # Whether LiteLLM has PATCH /model/{id}/update: None until tried, False once it
+        # answered 404/405 for it (then never tried again by this client), True once it worked.
+        self.patch_route: bool | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -420,6 +483,56 @@ class LiteLLMClient:
             "litellm_not_stored",
             f"LiteLLM accepted {model_name!r} (200) but does not list it",
             detail=f"/model/new answered {str(body)[:300]}")
+
+    async def patch_warmth(self, model_id: str, order: int, dgxmm_state: str) -> PatchOutcome:
+        """Rewrite an entry's warmth in place: ``PATCH /model/{model_id}/update``.
+
+        patch_model (management_endpoints/model_management_endpoints.py) takes an
+        updateDeployment (types/router.py: model_name, litellm_params, model_info, blocked,
+        all optional; model_name is not needed), needs the database (prisma_client, else
+        HTTPException 500 "DB not connected ...") and store_model_in_db (else 400 "Model
+        updates only supported for DB-stored models"), reads the row by model_id
+        (get_db_model: a config model is 400 "Cannot edit config-based model ...", an
+        unknown id ProxyException 404 "Model {id} not found on proxy."), then update_db_model
+        merges: litellm_params = the stored ones updated with the patch's non-None fields,
+        model_info likewise. It writes the row under the same model_id, reloads the router
+        (clear_cache) and answers the updated row. The patch's model_info goes through
+        ModelInfo(), which makes a fresh uuid4 id when none is given; the router takes the
+        id from the row's model_id anyway (proxy_server.py get_model_info_with_id), but the
+        id is sent so the stored model_info says the same.
+
+        Returns "patched" once a read shows the new warmth, "no_route" when LiteLLM has no
+        such route (404 or 405 from the framework: {"detail": "Not Found" | "Method Not
+        Allowed"}, not patch_model's own {"error": ...}; remembered in ``patch_route``),
+        "gone" when LiteLLM does not hold the entry. Raises ``LiteLLMError`` otherwise
+        (``litellm_not_stored`` when LiteLLM answered 200 but does not list the change).
+        """
+        path = f"/model/{quote(str(model_id), safe='')}/update"
+        payload = {"litellm_params": {"order": order},
+                   "model_info": {"id": str(model_id), "dgxmm_state": dgxmm_state}}
+        status, body = await self._request("PATCH", path, json=payload)
+        if status in (404, 405) and not (isinstance(body, dict) and "error" in body):
+            self.patch_route = False
+            return "no_route"
+        if status == 404:  # patch_model's own answer: the route is there
+            self.patch_route = True
+            return "gone"
+        if status >= 400:
+            raise self._error(f"PATCH {path}", status, body)
+        self.patch_route = True
+        for attempt in range(self._verify_attempts):
+            if attempt:
+                await asyncio.sleep(self._verify_delay_s)
+            for entry in await self.list_models():
+                if entry_id(entry) == str(model_id):
+                    info = entry.get("model_info") or {}
+                    if entry_order(entry) == order and info.get("dgxmm_state") == dgxmm_state:
+                        return "patched"
+                    break
+        raise LiteLLMError(
+            "litellm_not_stored",
+            f"LiteLLM accepted the warmth of {model_id} (200) but does not list it",
+            detail=f"{path} answered {str(body)[:300]}")
 
     async def delete_model(self, model_id: str) -> bool:
         """Delete by LiteLLM's id (``POST /model/delete`` {"id"}); False when already gone."""

@@ -18,10 +18,10 @@ from .litellm import (
     LiteLLMClient,
     LiteLLMError,
     always_on_entry,
+    entry_change,
     entry_dgxmm_id,
     entry_id,
     entry_instance,
-    entry_matches,
     entry_owned,
     names_view,
     ondemand_entry,
@@ -54,11 +54,16 @@ class _Round:
     statuses: dict[int, dict[str, Any]]  # the statuses this round ends with
     previous: dict[int, dict[str, Any]]  # the statuses before it, of deployments that still exist
     added: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    patched: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     deleted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     first_error: str | None = None
 
     def result(self, error: str | None) -> dict[str, Any]:
-        return {"added": self.added, "deleted": self.deleted, "error": error}
+        return {"added": self.added, "patched": self.patched, "deleted": self.deleted, "error": error}
+
+
+def _empty(error: str) -> dict[str, Any]:
+    return {"added": [], "patched": [], "deleted": [], "error": error}
 
 
 class LiteLLMSync:
@@ -81,12 +86,16 @@ class LiteLLMSync:
     - The decision model (role "decision") never goes through the gateway: it is always
       treated as always on, i.e. a direct entry while ready, whatever its mode says.
       System deployments follow their mode like models.
-    - An existing entry of a wanted id is kept when model name, model, api_base and both
-      fingerprints match; otherwise the new entry is added and the old ones deleted, all
-      adds of a sync before all its deletes, so a name is never missing. Entries of ids no
-      longer wanted (removed, failed, planned, always-on not ready) are deleted; entries without
-      dgxmm_id, and those of other instances, are never touched; an unchanged state
-      writes nothing.
+    - An existing entry of a wanted id is kept when model name, model, api_base, instance,
+      both fingerprints and its warmth (order, dgxmm_state) match. When only the warmth
+      differs it is patched in place (``PATCH /model/{id}/update``: it keeps its LiteLLM
+      id, so its spend records, cooldown and health state carry over). Otherwise, and when
+      LiteLLM has no PATCH route (404/405: remembered by the client, not tried again until
+      a restart) or the patch fails, the new entry is added and the old ones deleted: all
+      patches, then all adds of a sync before all its deletes, so a name is never missing.
+      Entries of ids no longer wanted (removed, failed, planned, always-on not ready) are
+      deleted; entries without dgxmm_id, and those of other instances, are never touched;
+      an unchanged state writes nothing.
     - LiteLLM unreachable, without a database or refusing the key: the sync reports the
       code, deletes nothing, and the next trigger or period retries.
     """
@@ -195,9 +204,11 @@ class LiteLLMSync:
     # -- the sync -----------------------------------------------------------
 
     async def sync_now(self) -> dict[str, Any]:
-        """One reconciliation; {"added": [...], "deleted": [...], "error": None|code}."""
+        """One reconciliation; {"added": [...], "patched": [...], "deleted": [...],
+        "error": None|code}: added and deleted items are {"dgxmm_id", "model_name",
+        "model_id"}, patched ones also "order" and "state" (the new warmth)."""
         if self._client is None:
-            return {"added": [], "deleted": [], "error": "litellm_disabled"}
+            return _empty("litellm_disabled")
         async with self._lock:
             result = await self._sync_locked(self._client)
         self.last_result = result
@@ -247,7 +258,7 @@ class LiteLLMSync:
         except Exception:
             log.exception("LiteLLM sync: could not read the deployments")
             self._last_ok = False
-            return {"added": [], "deleted": [], "error": "internal_error"}
+            return _empty("internal_error")
         known = {int(d["id"]) for d in deployments}
         rnd = _Round(wanted, left_alone, statuses, {i: s for i, s in self._statuses.items() if i in known})
         try:
@@ -256,16 +267,19 @@ class LiteLLMSync:
             except LiteLLMError as exc:
                 log.warning("LiteLLM sync: %s (%s)", exc.message, exc.detail)
                 raise _Stop(exc.code) from None
-            to_add, replace = self._diff(rnd, entries)
+            to_add, to_patch, replace = self._diff(rnd, entries, patch=client.patch_route is not False)
+            await self._patch(client, rnd, to_patch, to_add, replace)
             await self._add(client, rnd, to_add, replace)
             await self._delete(client, rnd, replace)
         except _Stop as stop:
             return self._fail(rnd, stop.code)
         self._statuses = rnd.statuses
         self._last_ok = rnd.first_error is None
-        if rnd.added or rnd.deleted:
-            log.info("LiteLLM sync: added %s, deleted %s",
-                     [a["model_name"] for a in rnd.added], [d["model_name"] for d in rnd.deleted])
+        if rnd.added or rnd.patched or rnd.deleted:
+            log.info("LiteLLM sync: added %s, patched %s, deleted %s",
+                     [a["model_name"] for a in rnd.added],
+                     [f"{p['model_name']} ({p['state']})" for p in rnd.patched],
+                     [d["model_name"] for d in rnd.deleted])
         return rnd.result(rnd.first_error)
 
     def _fail(self, rnd: _Round, code: str) -> dict[str, Any]:
@@ -273,7 +287,7 @@ class LiteLLMSync:
         in LiteLLM (nothing was deleted); the others wait with the reason."""
         merged = dict(rnd.statuses)
         for dep_id in rnd.wanted:
-            done = any(a["dgxmm_id"] == dep_id for a in rnd.added)
+            done = any(a["dgxmm_id"] == dep_id for a in rnd.added + rnd.patched)
             was = rnd.previous.get(dep_id, {}).get("status")
             if dep_id in merged:
                 continue
@@ -294,31 +308,75 @@ class LiteLLMSync:
         return (entry_instance(entry) is None and want is not None and isinstance(base, str)
                 and base.rstrip("/") == want["litellm_params"]["api_base"].rstrip("/"))
 
-    def _diff(self, rnd: _Round, entries: list[dict[str, Any]]
-              ) -> tuple[list[int], dict[int | str, list[dict[str, Any]]]]:
-        """The ids to add, and the entries to delete by id once their adds succeeded."""
+    def _diff(self, rnd: _Round, entries: list[dict[str, Any]], *, patch: bool = True
+              ) -> tuple[list[int], dict[int, dict[str, Any]], dict[int | str, list[dict[str, Any]]]]:
+        """The ids to add, the entries to patch (their warmth alone differs; only with
+        ``patch``), and the entries to delete by id once their adds succeeded."""
         ours: dict[int | str, list[dict[str, Any]]] = {}
         for entry in entries:
             dep_id = entry_dgxmm_id(entry)
             if dep_id is not None and self._ours(entry, rnd.wanted):
                 ours.setdefault(dep_id, []).append(entry)
         to_add: list[int] = []
+        to_patch: dict[int, dict[str, Any]] = {}
         # Deletes allowed once the ids' adds succeeded (None key: needs no add).
         replace: dict[int | str, list[dict[str, Any]]] = {}
         for dep_id, want in rnd.wanted.items():
             existing = ours.get(dep_id, [])
-            keep = next((e for e in existing if entry_matches(e, want)), None)
+            changes = [entry_change(e, want) for e in existing]
+            keep = next((e for e, c in zip(existing, changes, strict=True) if c == "same"), None)
+            if keep is None and patch:
+                keep = next((e for e, c in zip(existing, changes, strict=True)
+                             if c == "warmth" and entry_id(e) is not None), None)
+                if keep is not None:
+                    to_patch[dep_id] = keep
             if keep is None:
                 to_add.append(dep_id)
                 replace[dep_id] = existing
             else:
-                rnd.statuses[dep_id] = _status("registered")
+                if dep_id not in to_patch:
+                    rnd.statuses[dep_id] = _status("registered")
                 # Duplicates (e.g. a row stored but loaded late after a failed verify).
                 replace[dep_id] = [e for e in existing if e is not keep]
         for dep_id, existing in ours.items():
             if dep_id not in rnd.wanted and dep_id not in rnd.left_alone:
                 replace[dep_id] = existing
-        return to_add, replace
+        return to_add, to_patch, replace
+
+    @staticmethod
+    async def _patch(client: LiteLLMClient, rnd: _Round, to_patch: dict[int, dict[str, Any]],
+                     to_add: list[int], replace: dict[int | str, list[dict[str, Any]]]) -> None:
+        """Every change of warmth alone, in place. One LiteLLM cannot patch (no route, the
+        entry gone, an error) is replaced instead: added with the round's adds, the old
+        entry deleted after them."""
+        for dep_id, entry in to_patch.items():
+            want = rnd.wanted[dep_id]
+            model_id = entry_id(entry)
+            assert model_id is not None  # _diff patches only entries with an id
+            order = want["litellm_params"]["order"]
+            state = want["model_info"]["dgxmm_state"]
+            outcome = "no_route"
+            if client.patch_route is not False:  # may have been learned earlier this round
+                try:
+                    outcome = await client.patch_warmth(model_id, order, state)
+                except LiteLLMError as exc:
+                    if exc.code in _GLOBAL_CODES:
+                        raise _Stop(exc.code) from None
+                    log.warning("LiteLLM sync: patching %s in place failed, replacing it: %s (%s)",
+                                want["model_name"], exc.message, exc.detail)
+                    outcome = "failed"
+                if outcome == "no_route":  # said once: the client remembers it
+                    log.warning("LiteLLM sync: LiteLLM at %s has no PATCH /model/{id}/update (404/405): "
+                                "a change of warmth replaces the entry (a new LiteLLM id) until "
+                                "ondemand restarts", client.base_url)
+            if outcome == "patched":
+                rnd.statuses[dep_id] = _status("registered")
+                rnd.patched.append({"dgxmm_id": dep_id, "model_name": want["model_name"],
+                                    "model_id": model_id, "order": order, "state": state})
+                continue
+            to_add.append(dep_id)
+            if outcome != "gone":  # a gone entry has nothing left to delete
+                replace.setdefault(dep_id, []).append(entry)
 
     @staticmethod
     async def _add(client: LiteLLMClient, rnd: _Round, to_add: list[int],

@@ -5,6 +5,16 @@ Only what ondemand uses, with the shapes and status codes of BerriAI/litellm's s
 - ``POST /model/new``: add_new_model (management_endpoints/model_management_endpoints.py;
   older releases: proxy_server.py) answers the created DB row (LiteLLM_ProxyModelTable,
   litellm_params encrypted by encrypt_value_helper) and reloads the router.
+- ``PATCH /model/{model_id}/update``: patch_model (management_endpoints/
+  model_management_endpoints.py): an updateDeployment body (types/router.py: model_name,
+  litellm_params, model_info, all optional); the row is found by model_id (unknown:
+  ProxyException 404 "Model <id> not found on proxy.", type not_found_error; a config model:
+  400 "Cannot edit config-based model. ..."); update_db_model merges the patch's non-None
+  litellm_params and model_info into the stored ones, keeps model_id, reloads the router
+  (which sets model_info.id = model_id, db_model = True: get_model_info_with_id) and answers
+  the updated row. Without a database: HTTPException 500, rendered by FastAPI as
+  {"detail": {"error": "DB not connected. ..."}}; with store_model_in_db off: 400 "Model
+  updates only supported for DB-stored models" (type validation_error, param null).
 - ``POST /model/delete`` {"id"}: delete_model, {"message": "Model: <id> deleted
   successfully"}; an unknown id is 400 ``{'error': 'Model with id=<id> not found in db'}``.
 - ``GET /model/info`` and ``/v1/model/info``: model_info_v1 (proxy_server.py),
@@ -21,7 +31,10 @@ Knobs: ``down`` (True/"500": plain 500 to everything; "close": the connection is
 ``no_db`` (no prisma_client: writes answer 500 "No DB Connected ..."), ``no_store``
 (a DB but STORE_MODEL_IN_DB unset), ``no_router`` (no model at all yet: /model/info 500),
 ``store_silently_fails`` (True: /model/new answers 200 with a row that is never served;
-"null": 200 with a null body, as releases that swallowed the DB error did).
+"null": 200 with a null body, as releases that swallowed the DB error did), ``patch_route``
+(None: LiteLLM without the PATCH route, as FastAPI answers an unknown path: 404 {"detail":
+"Not Found"}; 405: a release where the path exists for another method, {"detail": "Method
+Not Allowed"}), ``patch_silently_fails`` (PATCH answers 200 and changes nothing).
 """
 from __future__ import annotations
 
@@ -38,6 +51,9 @@ from aiohttp import web
 # add_new_model / delete_model: HTTPException details, rendered with str() by ProxyException.
 NO_DB_DETAIL = {"error": "No DB Connected. Here's how to do it - https://docs.litellm.ai/docs/proxy/virtual_keys"}
 NO_STORE_DETAIL = {"error": "Set `'STORE_MODEL_IN_DB='True'` in your env to enable this feature."}
+# patch_model without a database: CommonProxyErrors.db_not_connected_error in an HTTPException.
+DB_NOT_CONNECTED = ("DB not connected. This endpoint needs a database; set DATABASE_URL to a PostgreSQL "
+                    "connection string (postgresql://...) to enable it. See https://docs.litellm.ai/docs/proxy/virtual_keys")
 # model_info_v1 without a router.
 NO_ROUTER_DETAIL = {"error": "LLM Router is not loaded in. Make sure you passed models in your "
                              "config.yaml or on the LiteLLM Admin UI. - https://docs.litellm.ai/docs/proxy/configs"}
@@ -75,11 +91,14 @@ class LiteLLMDouble:
         self.no_store = False
         self.no_router = False
         self.store_silently_fails: bool | str = False
+        self.patch_route: int | None = 200  # 200: served; None: 404 (no route); 405
+        self.patch_silently_fails = False
         self._models: list[dict] = []  # the router's deployments, api_key included
         # Several callers (boxes), each with a key of its own: who added and deleted what.
         self.other_keys: set[str] = set()
         self.adds: list[tuple[str, dict]] = []  # (caller's key, entry as stored)
         self.deletes: list[tuple[str, dict]] = []  # (caller's key, entry as it was)
+        self.patches: list[tuple[str, dict]] = []  # (caller's key, entry as patched)
 
     # -- test helpers ---------------------------------------------------------
 
@@ -98,7 +117,7 @@ class LiteLLMDouble:
         return model_id
 
     def writes(self) -> list[tuple[str, str, Any]]:
-        return [c for c in self.calls if c[0] == "POST"]
+        return [c for c in self.calls if c[0] in ("POST", "PATCH")]
 
     # -- the server -----------------------------------------------------------
 
@@ -106,6 +125,7 @@ class LiteLLMDouble:
         app = web.Application(middlewares=[self._middleware])
         app.router.add_post("/model/new", self._model_new)
         app.router.add_post("/model/delete", self._model_delete)
+        app.router.add_route("*", "/model/{model_id}/update", self._model_patch)
         app.router.add_get("/model/info", self._model_info)
         app.router.add_get("/v1/model/info", self._model_info)
         app.router.add_get("/v2/model/info", self._model_info_v2)
@@ -206,6 +226,54 @@ class LiteLLMDouble:
                 del self._models[i]
                 return web.json_response({"message": f"Model: {model_id} deleted successfully"})
         return proxy_error(400, {"error": f"Model with id={model_id} not found in db"})
+
+    async def _model_patch(self, request: web.Request) -> web.Response:
+        # What LiteLLM without the route answers (FastAPI's own 404/405), or the wrong method.
+        if self.patch_route is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if self.patch_route == 405 or request.method != "PATCH":
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        if self.no_db:
+            return web.json_response({"detail": {"error": DB_NOT_CONNECTED}}, status=500)
+        if self.no_store:
+            return proxy_error(400, "Model updates only supported for DB-stored models",
+                               "validation_error", None)
+        body = request[BODY]
+        # updateDeployment: every field optional, but a body is required and must be an object.
+        if body is None:
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required"}]},
+                                     status=422)
+        if not isinstance(body, dict):
+            return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                                                  "msg": "Input should be a valid dictionary or object"}]},
+                                     status=422)
+        model_id = request.match_info["model_id"]
+        model = next((m for m in self._models if m["model_info"]["id"] == model_id), None)
+        if model is None:
+            return proxy_error(404, f"Model {model_id} not found on proxy.", "not_found_error", None)
+        if not model["model_info"].get("db_model"):
+            return proxy_error(400, "Cannot edit config-based model. Store model in DB via /model/new first.",
+                               "validation_error", None)
+        if self.patch_silently_fails:
+            return web.json_response({"model_id": model_id, "model_name": model["model_name"]})
+        # update_db_model: the stored values updated with the patch's non-None ones.
+        params = {k: v for k, v in (body.get("litellm_params") or {}).items() if v is not None}
+        for name in FLOAT_PARAMS:
+            if isinstance(params.get(name), int):
+                params[name] = float(params[name])
+        model["litellm_params"].update(params)
+        info = {k: v for k, v in (body.get("model_info") or {}).items() if v is not None}
+        model["model_info"].update(info)
+        # The reload: the router's id is the row's model_id (get_model_info_with_id).
+        model["model_info"].update({"id": model_id, "db_model": True})
+        if isinstance(body.get("model_name"), str):
+            model["model_name"] = body["model_name"]
+        self.patches.append((request[TOKEN], copy.deepcopy(model)))
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        return web.json_response({
+            "model_id": model_id, "model_name": model["model_name"],
+            "litellm_params": {k: _encrypted(v) for k, v in model["litellm_params"].items()},
+            "model_info": model["model_info"], "updated_at": now, "updated_by": "default_user_id"})
 
     def _listing(self) -> list[dict]:
         listed = copy.deepcopy(self._models)

@@ -12,12 +12,23 @@ from helpers import wait_for
 from litellm_double import litellm_double
 
 from ondemand.litellm import (
+    ORDER_ASLEEP,
+    ORDER_COLD,
+    ORDER_READY,
     LiteLLMClient,
     LiteLLMError,
     always_on_entry,
+    entry_change,
+    entry_order,
+    entry_state,
+    entry_warmth,
+    names_view,
     ondemand_entry,
+    params_fingerprint,
+    warmth_order,
 )
 from ondemand.litellm_sync import LiteLLMSync
+from ondemand.model import State
 
 MASTER = "sk-master"
 INTERNAL = "http://dgxmm:8090/dgxmm"
@@ -114,7 +125,7 @@ def test_ondemand_entry_every_field():
             "timeout": 1500,
             "stream_timeout": 1500,
             "num_retries": 0,
-            "order": 2,  # stopped: cold
+            "order": 3,  # stopped: cold
         },
         "model_info": {
             "dgxmm_id": 7,
@@ -208,7 +219,7 @@ async def test_planned_deployment_is_not_registered_until_it_leaves_planned():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a", state="planned"), dep(2, "b", mode="always_on", state="planned"))
         sync = make_sync(double, world)
-        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
         assert double.models == [] and double.writes() == []
         assert sync.status_of(1) == {"status": "pending", "code": "deployment_planned"}
         assert sync.status_of(2) == {"status": "pending", "code": "deployment_planned"}
@@ -239,7 +250,7 @@ async def test_without_key_nothing_is_deleted():
         world.key = None
         double.calls.clear()
         result = await sync.sync_now()
-        assert result == {"added": [], "deleted": [], "error": None}
+        assert result == {"added": [], "patched": [], "deleted": [], "error": None}
         assert double.writes() == []
         assert double.models == before
         assert sync.status_of(1) == {"status": "error", "code": "ondemand_not_configured"}
@@ -264,7 +275,7 @@ async def test_unchanged_state_writes_nothing():
         await sync.sync_now()
         double.calls.clear()
         for _ in range(2):
-            assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+            assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
         assert double.writes() == []
         assert [c[:2] for c in double.calls] == [("GET", "/model/info")] * 2
         await sync.close()
@@ -283,7 +294,7 @@ async def test_changed_queue_timeout_replaces_once_then_stable():
         for m in double.models:
             assert m["litellm_params"]["timeout"] == 1800
         double.calls.clear()
-        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
         assert double.writes() == []
         await sync.close()
 
@@ -303,7 +314,7 @@ async def test_entries_of_an_older_version_are_replaced_once():
         (m,) = double.models
         assert m["model_info"]["health_check_params"] == {"extra_headers": {"x-dgxmm-health-check": "1"}}
         double.calls.clear()
-        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
         assert double.writes() == []
         await sync.close()
 
@@ -429,7 +440,7 @@ async def test_dgxmm_id_is_compared_robustly():
         info = dict(want["model_info"], dgxmm_id="5")  # came back as a string
         double.seed(want["model_name"], want["litellm_params"], info)
         sync = make_sync(double, world)
-        assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
         assert double.writes() == []
         assert sync.status_of(5)["status"] == "registered"
         # Duplicates of one id are folded into one entry.
@@ -456,7 +467,7 @@ async def test_litellm_down_loses_nothing_and_recovers():
         for down, code in ((True, "litellm_error"), ("close", "litellm_unreachable")):
             double.down = down
             result = await sync.sync_now()
-            assert result == {"added": [], "deleted": [], "error": code}
+            assert result == {"added": [], "patched": [], "deleted": [], "error": code}
             assert not sync.last_ok
             assert sync.status_of(1) == {"status": "registered", "code": None}
             assert sync.status_of(3) == {"status": "error", "code": code}
@@ -486,7 +497,7 @@ async def test_no_db_is_a_clear_error():
         world = World(dep(1, "a"))
         sync = make_sync(double, world)
         result = await sync.sync_now()
-        assert result == {"added": [], "deleted": [], "error": "litellm_no_db"}
+        assert result == {"added": [], "patched": [], "deleted": [], "error": "litellm_no_db"}
         assert sync.status_of(1) == {"status": "error", "code": "litellm_no_db"}
         assert not sync.last_ok
         assert [m["model_info"]["id"] for m in double.models] == [config_id]
@@ -518,7 +529,7 @@ async def test_silent_store_failure_is_detected_and_keeps_the_old_entry():
         world.key = "key-two"
         double.store_silently_fails = True
         result = await sync.sync_now()
-        assert result == {"added": [], "deleted": [], "error": "litellm_not_stored"}
+        assert result == {"added": [], "patched": [], "deleted": [], "error": "litellm_not_stored"}
         assert sync.status_of(1) == {"status": "error", "code": "litellm_not_stored"}
         assert double.models == before  # the old entry stays: the name never vanishes
         assert not sync.last_ok
@@ -648,7 +659,7 @@ async def test_disabled_sync():
                        list_deployments=world.list_deployments, current_key=world.current_key,
                        engine_base_url=world.engine_base_url, instance=BOX)
     assert not sync.enabled and not sync.last_ok
-    assert await sync.sync_now() == {"added": [], "deleted": [], "error": "litellm_disabled"}
+    assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": "litellm_disabled"}
     sync.trigger()
     await sync.run()  # returns at once
     assert world.syncs == 0
@@ -682,7 +693,7 @@ async def test_two_instances_with_the_same_ids_never_touch_each_other():
         result = await sync_a.sync_now()
         assert sorted(d["dgxmm_id"] for d in result["deleted"]) == [1, 2]
         assert double.models == b_entries
-        assert await sync_b.sync_now() == {"added": [], "deleted": [], "error": None}
+        assert await sync_b.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
         await sync_a.close()
         await sync_b.close()
 
@@ -715,42 +726,8 @@ async def test_entries_from_before_instances_are_adopted_by_their_owner_only():
         assert sorted((m["model_info"].get("dgxmm_instance", ""), m["model_info"]["dgxmm_id"])
                       for m in double.models) == [("", 1), ("box-a", 1), ("box-a", 2), ("box-b", 1)]
         for sync in (sync_a, sync_b):  # adopted once: stable from now on
-            assert await sync.sync_now() == {"added": [], "deleted": [], "error": None}
+            assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
             await sync.close()
-
-
-async def test_warm_first_order_is_rewritten_once_per_change_of_ready():
-    async with litellm_double(MASTER) as double:
-        world = World(dep(1, "a", state="stopped"))
-        sync = make_sync(double, world)
-        await sync.sync_now()
-
-        def entry() -> tuple:
-            (m,) = double.models
-            return m["litellm_params"]["order"], m["model_info"]["dgxmm_state"]
-        assert entry() == (2, "cold")
-        writes = []
-        for state in ("starting", "ready", "ready", "stopping", "stopped", "asleep", "ready", "failed"):
-            world.set(1, state=state)
-            double.calls.clear()
-            result = await sync.sync_now()
-            writes.append((state, len(result["added"]), len(result["deleted"])))
-            if result["added"]:
-                assert_adds_before_deletes(double.calls)
-            if state != "failed":
-                assert entry() == ((1, "ready") if state == "ready" else (2, "cold")), state
-        assert writes == [("starting", 0, 0), ("ready", 1, 1), ("ready", 0, 0), ("stopping", 1, 1),
-                          ("stopped", 0, 0), ("asleep", 0, 0), ("ready", 1, 1), ("failed", 0, 1)]
-        await sync.close()
-
-
-def test_entry_state_reads_dgxmm_state_else_the_order():
-    from ondemand.litellm import entry_order, entry_state
-    assert entry_state({"model_info": {"dgxmm_state": "ready"}, "litellm_params": {"order": 2}}) == "ready"
-    assert entry_state({"model_info": {}, "litellm_params": {"order": 2.0}}) == "cold"
-    assert entry_state({"model_info": {"order": 1}, "litellm_params": {}}) == "ready"
-    assert entry_state({"litellm_params": {"model": "x"}}) == "unknown"
-    assert entry_order({"litellm_params": {"order": True}}) is None
 
 
 async def test_names_show_which_instances_serve_each_name():
@@ -768,10 +745,314 @@ async def test_names_show_which_instances_serve_each_name():
         a = names[0]
         assert a["ready"] == ["box-a"]
         assert [(e["instance"], e["dgxmm_id"], e["state"], e["order"], e["this"]) for e in a["entries"]] == [
-            ("box-a", 1, "ready", 1, False), ("box-b", 1, "cold", 2, True), (None, None, "external", 3, False)]
+            ("box-a", 1, "ready", 1, False), ("box-b", 1, "cold", 3, True), (None, None, "external", 3, False)]
         assert names[1]["ready"] == [] and names[1]["entries"][0]["state"] == "cold"
         double.down = True
         with pytest.raises(LiteLLMError):
             await sync_a.names()
         await sync_a.close()
         await sync_b.close()
+
+
+# ---------------------------------------------------------------------------
+# Warmth: order 1 ready, 2 asleep, 3 cold, written in place (issue 22)
+
+
+def test_warmth_order_and_state_of_each_deployment_state():
+    assert (ORDER_READY, ORDER_ASLEEP, ORDER_COLD) == (1, 2, 3)
+    for state in State:
+        want = {"ready": ("ready", 1), "asleep": ("asleep", 2)}.get(state.value, ("cold", 3))
+        assert (entry_warmth(state), warmth_order(entry_warmth(state))) == want, state
+        assert entry_warmth(state.value) == want[0]
+        entry = ondemand_entry(dep(1, "a", state=state.value), "k", INTERNAL, 900, instance=BOX)
+        assert (entry["model_info"]["dgxmm_state"], entry["litellm_params"]["order"]) == want, state
+        assert (entry_state(entry), entry_order(entry)) == want
+    assert entry_warmth(None) == "cold"
+
+
+def test_warmth_is_outside_the_params_fingerprint():
+    entries = {s: ondemand_entry(dep(1, "a", state=s), "k", INTERNAL, 900, instance=BOX)
+               for s in ("ready", "asleep", "stopped")}
+    fps = {e["model_info"]["dgxmm_params_fp"] for e in entries.values()}
+    assert len(fps) == 1
+    e = entries["ready"]
+    assert params_fingerprint(dict(e["litellm_params"], order=3), dict(e["model_info"], dgxmm_state="cold")) \
+        == params_fingerprint(e["litellm_params"], e["model_info"])
+    # What LiteLLM calls is inside it.
+    assert params_fingerprint(dict(e["litellm_params"], timeout=1), e["model_info"]) not in fps
+    assert params_fingerprint(dict(e["litellm_params"], api_base="http://x/v1"), e["model_info"]) not in fps
+
+
+def test_entry_change_patches_warmth_and_replaces_what_litellm_calls():
+    ready, asleep, cold = (ondemand_entry(dep(1, "a", state=s), "k", INTERNAL, 900, instance=BOX)
+                           for s in ("ready", "asleep", "stopped"))
+    assert entry_change(ready, ready) == "same"
+    assert entry_change(ready, asleep) == entry_change(asleep, cold) == entry_change(cold, ready) == "warmth"
+    # Order alone, or state alone: still warmth (LiteLLM normalised one, an old box wrote the other).
+    assert entry_change(dict(ready, litellm_params=dict(ready["litellm_params"], order=2)), ready) == "warmth"
+    assert entry_change(dict(ready, model_info=dict(ready["model_info"], dgxmm_state="cold")), ready) == "warmth"
+    # Another key, address, timeout, name, model or instance: replaced, whatever the warmth.
+    for other in (ondemand_entry(dep(1, "a", state="ready"), "k2", INTERNAL, 900, instance=BOX),
+                  ondemand_entry(dep(1, "a", state="ready"), "k", INTERNAL_B, 900, instance=BOX),
+                  ondemand_entry(dep(1, "a", state="ready"), "k", INTERNAL, 1200, instance=BOX),
+                  ondemand_entry(dep(1, "a", state="ready", served_name="b"), "k", INTERNAL, 900, instance=BOX),
+                  ondemand_entry(dep(1, "a", state="ready"), "k", INTERNAL, 900, instance="box-b")):
+        assert entry_change(other, ready) == entry_change(other, cold) == "replace"
+    direct = always_on_entry(dep(1, "a", mode="always_on", state="ready"), "http://e:8000", instance=BOX)
+    assert entry_change(direct, direct) == "same" and entry_change(ready, direct) == "replace"
+
+
+def test_entry_state_reads_dgxmm_state_else_the_order():
+    assert entry_state({"model_info": {"dgxmm_state": "ready"}, "litellm_params": {"order": 2}}) == "ready"
+    assert entry_state({"model_info": {"dgxmm_state": "asleep"}, "litellm_params": {"order": 2}}) == "asleep"
+    # An old box's entry: 2 meant cold, with or without its dgxmm_state.
+    assert entry_state({"model_info": {"dgxmm_state": "cold"}, "litellm_params": {"order": 2}}) == "cold"
+    assert entry_state({"model_info": {}, "litellm_params": {"order": 2.0}}) == "cold"
+    assert entry_state({"model_info": {}, "litellm_params": {"order": 3}}) == "cold"
+    assert entry_state({"model_info": {"order": 1}, "litellm_params": {}}) == "ready"
+    assert entry_state({"model_info": {"dgxmm_state": "odd"}, "litellm_params": {"order": 7}}) == "unknown"
+    assert entry_state({"litellm_params": {"model": "x"}}) == "unknown"
+    assert entry_order({"litellm_params": {"order": True}}) is None
+
+
+def warmth(double) -> tuple:
+    (m,) = double.models
+    return m["model_info"]["id"], m["litellm_params"]["order"], m["model_info"]["dgxmm_state"]
+
+
+async def test_a_change_of_warmth_is_patched_in_place_and_keeps_the_litellm_id():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        model_id, order, state = warmth(double)
+        assert (order, state) == (3, "cold")
+        seen = []
+        for step in ("starting", "ready", "ready", "asleep", "asleep", "ready", "stopping", "stopped"):
+            world.set(1, state=step)
+            double.calls.clear()
+            result = await sync.sync_now()
+            assert result["error"] is None and result["added"] == [] and result["deleted"] == [], result
+            seen.append((step, warmth(double)[1:], [(p["order"], p["state"]) for p in result["patched"]]))
+            assert warmth(double)[0] == model_id  # the same LiteLLM id all along
+            for method, path, body in double.writes():
+                assert (method, path) == ("PATCH", f"/model/{model_id}/update")
+                assert body == {"litellm_params": {"order": warmth(double)[1]},
+                                "model_info": {"id": model_id, "dgxmm_state": warmth(double)[2]}}
+            if result["patched"]:
+                (p,) = result["patched"]
+                assert p == {"dgxmm_id": 1, "model_name": "a-served", "model_id": model_id,
+                             "order": p["order"], "state": p["state"]}
+        assert seen == [
+            ("starting", (3, "cold"), []), ("ready", (1, "ready"), [(1, "ready")]), ("ready", (1, "ready"), []),
+            ("asleep", (2, "asleep"), [(2, "asleep")]), ("asleep", (2, "asleep"), []),
+            ("ready", (1, "ready"), [(1, "ready")]), ("stopping", (3, "cold"), [(3, "cold")]),
+            ("stopped", (3, "cold"), [])]
+        assert double.adds[1:] == [] and double.deletes == []
+        assert sync._client.patch_route is True
+        # The rest of the entry is untouched by the patches.
+        (m,) = double.models
+        want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900, instance=BOX)
+        assert m["litellm_params"] == {**want["litellm_params"], "timeout": 1500.0, "stream_timeout": 1500.0}
+        assert {k: v for k, v in m["model_info"].items() if k not in ("id", "db_model")} == want["model_info"]
+        assert sync.status_of(1) == {"status": "registered", "code": None}
+        await sync.close()
+
+
+async def test_a_key_change_still_replaces_even_with_a_change_of_warmth():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="ready"), dep(2, "b", state="asleep"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        old_ids = {m["model_info"]["id"] for m in double.models}
+        world.key = "key-two"
+        world.set(1, state="asleep")  # warmth and key at once: the key wins, a replace
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert result["patched"] == [] and len(result["added"]) == 2
+        assert {d["model_id"] for d in result["deleted"]} == old_ids
+        assert not [c for c in double.calls if c[0] == "PATCH"]
+        assert_adds_before_deletes(double.calls)
+        assert sorted((m["model_info"]["dgxmm_id"], m["litellm_params"]["order"]) for m in double.models) == [(1, 2), (2, 2)]
+        await sync.close()
+
+
+@pytest.mark.parametrize("missing", [None, 405])
+async def test_without_the_patch_route_a_change_of_warmth_is_replaced_and_patch_is_not_tried_again(missing):
+    async with litellm_double(MASTER) as double:
+        double.patch_route = missing
+        world = World(dep(1, "a", state="stopped"), dep(2, "b", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        assert sync._client.patch_route is None  # not tried yet
+        old = {m["model_info"]["dgxmm_id"]: m["model_info"]["id"] for m in double.models}
+        world.set(1, state="ready")
+        world.set(2, state="asleep")
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert result["error"] is None and result["patched"] == []
+        assert sorted(a["dgxmm_id"] for a in result["added"]) == [1, 2]
+        assert sorted(d["model_id"] for d in result["deleted"]) == sorted(old.values())
+        patches = [c for c in double.calls if c[0] == "PATCH"]
+        assert len(patches) == 1  # the first answer is remembered, even within the round
+        assert_adds_before_deletes(double.calls)
+        assert sync._client.patch_route is False
+        assert sorted((m["model_info"]["dgxmm_id"], m["litellm_params"]["order"], m["model_info"]["dgxmm_state"])
+                      for m in double.models) == [(1, 1, "ready"), (2, 2, "asleep")]
+        # The next sync does not try again (until a restart, even once the route is there).
+        double.patch_route = 200
+        world.set(1, state="asleep")
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert [a["dgxmm_id"] for a in result["added"]] == [1] and len(result["deleted"]) == 1
+        assert not [c for c in double.calls if c[0] == "PATCH"]
+        assert sync.status_of(1) == {"status": "registered", "code": None}
+        await sync.close()
+
+
+async def test_an_entry_of_an_older_box_with_order_2_is_read_as_cold_and_rewritten_in_place():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"), dep(2, "b", state="stopped"), dep(3, "c", state="asleep"))
+        old_ids = {}
+        for d in world.deployments:
+            want = ondemand_entry(d, "key-one", INTERNAL, 900, instance=BOX)
+            info = dict(want["model_info"])
+            if d["id"] == 1:
+                del info["dgxmm_state"]  # written before dgxmm_state: order 2 alone said cold
+            else:
+                info["dgxmm_state"] = "cold"  # written before issue 22: cold was 2
+            old_ids[d["id"]] = double.seed(want["model_name"], dict(want["litellm_params"], order=2), info)
+        assert [(e["state"], e["order"]) for n in names_view(double.models, BOX) for e in n["entries"]] == [("cold", 2)] * 3
+        sync = make_sync(double, world)
+        result = await sync.sync_now()
+        assert result["error"] is None and result["added"] == [] and result["deleted"] == []
+        assert sorted((p["dgxmm_id"], p["order"], p["state"]) for p in result["patched"]) == [
+            (1, 3, "cold"), (2, 3, "cold"), (3, 2, "asleep")]
+        assert {m["model_info"]["dgxmm_id"]: (m["model_info"]["id"], m["litellm_params"]["order"],
+                                              m["model_info"]["dgxmm_state"]) for m in double.models} == {
+            1: (old_ids[1], 3, "cold"), 2: (old_ids[2], 3, "cold"), 3: (old_ids[3], 2, "asleep")}
+        assert await sync.sync_now() == {"added": [], "patched": [], "deleted": [], "error": None}
+        await sync.close()
+
+
+async def test_a_failed_patch_falls_back_to_a_replace_and_a_missing_db_stops_the_sync():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        (old,) = double.models
+        # 200 and nothing changed: not trusted; the entry is replaced instead.
+        double.patch_silently_fails = True
+        world.set(1, state="ready")
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert result["error"] is None and result["patched"] == []
+        assert len(result["added"]) == 1 and [d["model_id"] for d in result["deleted"]] == [old["model_info"]["id"]]
+        assert_adds_before_deletes(double.calls)
+        assert warmth(double)[1:] == (1, "ready") and sync._client.patch_route is True  # the route is there
+        double.patch_silently_fails = False
+        # No database: the sync stops, deletes nothing, the entry stays as it was.
+        double.no_db = True
+        before = double.models
+        world.set(1, state="asleep")
+        result = await sync.sync_now()
+        assert result == {"added": [], "patched": [], "deleted": [], "error": "litellm_no_db"}
+        assert double.models == before and sync.status_of(1) == {"status": "registered", "code": None}
+        double.no_db = False
+        result = await sync.sync_now()
+        assert [p["state"] for p in result["patched"]] == ["asleep"] and result["added"] == []
+        await sync.close()
+
+
+async def test_patch_warmth_answers():
+    async with litellm_double(MASTER) as double:
+        client = LiteLLMClient(double.url, MASTER, verify_attempts=2, verify_delay_s=0.01)
+        entry = await client.add_model("x", {"model": "openai/x", "order": 3}, {"dgxmm_id": 9, "dgxmm_state": "cold"})
+        model_id = entry["model_info"]["id"]
+        assert await client.patch_warmth(model_id, 2, "asleep") == "patched" and client.patch_route is True
+        (m,) = double.models
+        assert m["model_info"]["id"] == model_id and m["litellm_params"]["order"] == 2
+        assert m["model_info"]["dgxmm_state"] == "asleep" and m["model_info"]["dgxmm_id"] == 9
+        # An id LiteLLM does not hold: patch_model's own 404, not a missing route.
+        assert await client.patch_warmth("nope", 1, "ready") == "gone" and client.patch_route is True
+        config_id = double.seed("cfg", {"model": "openai/cfg"}, db_model=False)
+        with pytest.raises(LiteLLMError) as info:
+            await client.patch_warmth(config_id, 1, "ready")
+        assert info.value.code == "litellm_error" and "config-based" in info.value.detail
+        for no_db, no_store, marker in ((True, False, "DB not connected"), (False, True, "DB-stored models")):
+            double.no_db, double.no_store = no_db, no_store
+            with pytest.raises(LiteLLMError) as info:
+                await client.patch_warmth(model_id, 1, "ready")
+            assert info.value.code == "litellm_no_db" and marker in info.value.detail
+        double.no_db = double.no_store = False
+        double.patch_silently_fails = True
+        with pytest.raises(LiteLLMError) as info:
+            await client.patch_warmth(model_id, 1, "ready")
+        assert info.value.code == "litellm_not_stored"
+        wrong = LiteLLMClient(double.url, "sk-wrong")
+        with pytest.raises(LiteLLMError) as info:
+            await wrong.patch_warmth(model_id, 1, "ready")
+        assert info.value.code == "litellm_unauthorized" and wrong.patch_route is None
+        for missing in (None, 405):
+            double.patch_route = missing
+            fresh = LiteLLMClient(double.url, MASTER)
+            assert await fresh.patch_warmth(model_id, 1, "ready") == "no_route" and fresh.patch_route is False
+            await fresh.close()
+        await wrong.close()
+        await client.close()
+
+
+async def test_double_patch_answers_like_litellm():
+    """The shapes read in patch_model and checked against the real proxy by test_litellm_e2e."""
+    async with litellm_double(MASTER) as double:
+        headers = {"Authorization": f"Bearer {MASTER}"}
+        entry = ondemand_entry(dep(1, "a"), "key-one", INTERNAL, 900, instance=BOX)
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.post(double.url + "/model/new", json=entry) as resp:
+                model_id = (await resp.json())["model_id"]
+            url = f"{double.url}/model/{model_id}/update"
+            async with session.patch(url, json={"litellm_params": {"order": 1}}) as resp:
+                assert resp.status == 200
+                row = await resp.json()
+            assert row["model_id"] == model_id and row["litellm_params"]["api_key"] != "key-one"
+            (m,) = double.models
+            assert m["litellm_params"]["order"] == 1 and m["litellm_params"]["api_key"] == "key-one"
+            assert m["model_info"]["dgxmm_state"] == "cold"  # model_info not in the patch: kept
+            async with session.patch(url) as resp:
+                assert resp.status == 422
+            async with session.patch(double.url + "/model/nope/update", json={}) as resp:
+                assert resp.status == 404
+                assert await resp.json() == {"error": {"message": "Model nope not found on proxy.",
+                                                       "type": "not_found_error", "param": None, "code": "404"}}
+            async with session.get(url) as resp:
+                assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
+            double.no_db = True
+            async with session.patch(url, json={}) as resp:
+                assert resp.status == 500
+                assert (await resp.json())["detail"]["error"].startswith("DB not connected.")
+            double.patch_route = None
+            async with session.patch(url, json={}) as resp:
+                assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+
+
+async def test_an_entry_gone_before_its_patch_is_added_anew():
+    async with litellm_double(MASTER) as double:
+        world = World(dep(1, "a", state="stopped"))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        client = sync._client
+        patch = client.patch_warmth
+
+        async def deleted_meanwhile(model_id, order, state):
+            double._models.clear()  # someone deleted it after the sync's read
+            return await patch(model_id, order, state)
+        client.patch_warmth = deleted_meanwhile
+        world.set(1, state="ready")
+        double.calls.clear()
+        result = await sync.sync_now()
+        assert result["error"] is None and result["patched"] == [] and result["deleted"] == []
+        assert [a["dgxmm_id"] for a in result["added"]] == [1]
+        assert [c[1] for c in double.writes()][-1] == "/model/new"  # nothing left to delete
+        assert warmth(double)[1:] == (1, "ready") and client.patch_route is True
+        assert sync.status_of(1) == {"status": "registered", "code": None}
+        await sync.close()

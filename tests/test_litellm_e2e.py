@@ -7,7 +7,10 @@ backend, engine simulator), LiteLLM in its own venv (``scripts/heavy/litellm-ven
 1. The proxy (one per module, ``litellm --config``, no database) with the model
    entries exactly as the sync registers them (``ondemand_entry``): a cold start,
    a stream, ``GET /health`` that reaches the gateway with the marker header and
-   never wakes a model, and a held request that fails is never retried.
+   never wakes a model, and a held request that fails is never retried; the
+   ``PATCH /model/{id}/update`` route the sync writes warmth with exists (its own
+   "DB not connected" answer, not a 404/405), and the router keeps the lowest
+   ``order`` (ready 1, asleep 2, cold 3), shown with three boxes.
 2. The library (``tests/clients/litellm_client.py``, run with ``LITELLM_PY``):
    ``litellm.acompletion`` cold start, the queued notice as the first content of a
    streaming ``acompletion``, and ``litellm.ahealth_check`` called as the proxy calls
@@ -33,7 +36,7 @@ import pytest_asyncio
 from helpers import free_port, run_app
 
 from ondemand import app as app_mod
-from ondemand.litellm import HEALTH_CHECK_HEADER, ondemand_entry
+from ondemand.litellm import HEALTH_CHECK_HEADER, LiteLLMClient, LiteLLMError, ondemand_entry
 
 CLIENT = Path(__file__).resolve().parent / "clients" / "litellm_client.py"
 MASTER = "sk-ondemand-e2e-master"
@@ -483,40 +486,37 @@ async def test_library_health_check_as_the_proxy_makes_it_leaves_the_model_stopp
 # --- several boxes: warm first ----------------------------------------------------------------
 
 
-async def test_warm_first_sends_everything_to_the_ready_box_and_the_cold_one_serves_once_it_is_gone(tmp_path, http):
-    """Two boxes serve M (the same deployment id on both): ready on A, stopped on B, with
-    the entries the syncs of the two write (A's order 1, B's order 2) in one proxy's
-    config. Every request goes to A and B never starts. Once A is gone, LiteLLM's health
-    checks (health-check routing, as docs/several-boxes.md configures it) drop A's entry,
-    and B starts M and serves."""
+async def test_warm_first_sends_traffic_to_the_ready_box_then_the_asleep_one_then_the_cold_one(tmp_path, http):
+    """Three boxes serve M (the same deployment id on each): ready on A, asleep on C,
+    stopped on B, with the entries their syncs write (A's order 1, C's 2, B's 3) in one
+    proxy's config. Every request goes to A: C stays asleep, B never starts. Once A is gone,
+    LiteLLM's health checks (health-check routing, as docs/several-boxes.md configures it)
+    drop A's entry and C is woken and serves; B still never starts. Once C is gone too, B
+    starts M and serves."""
     a_cm = run_app(tmp_path / "a", instance="box-a", ondemand_idle_timeout_s=3600)
+    c_cm = run_app(tmp_path / "c", instance="box-c", ondemand_idle_timeout_s=3600)
     a = await a_cm.__aenter__()
-    a_open = True
+    open_boxes = [a_cm]
     try:
+        c = await c_cm.__aenter__()
+        open_boxes.append(c_cm)
         async with run_app(tmp_path / "b", instance="box-b", ondemand_idle_timeout_s=3600) as b:
-            ma, mb = await a.add("m", 4), await b.add("m", 4, "--startup-delay", "0.3")
-            assert ma == mb  # the same id on both boxes
+            ma, mb, mc = await a.add("m", 4), await b.add("m", 4, "--startup-delay", "0.3"), await c.add("m", 4)
+            assert ma == mb == mc  # the same id on every box
             await a.deployer.restart(ma)
-            entries = [entry_for(a, ma), entry_for(b, mb)]
+            await c.deployer.restart(mc)
+            await c.deployer.sleep(mc)
+            engine_c = c.deployer.base_url(mc)
+            assert (a.state(ma), c.state(mc), b.state(mb)) == ("ready", "asleep", "stopped")
+            entries = [entry_for(a, ma), entry_for(c, mc), entry_for(b, mb)]
             assert [(e["model_name"], e["litellm_params"]["order"], e["model_info"]["dgxmm_instance"],
                      e["model_info"]["dgxmm_state"]) for e in entries] == [
-                ("M", 1, "box-a", "ready"), ("M", 2, "box-b", "cold")]
-            spy_b = GatewaySpy(b)
+                ("M", 1, "box-a", "ready"), ("M", 2, "box-c", "asleep"), ("M", 3, "box-b", "cold")]
+            spy_b, spy_c = GatewaySpy(b), GatewaySpy(c)
             settings = {"background_health_checks": True, "health_check_interval": 1,
                         "enable_health_check_routing": True}
-            async with litellm_proxy(tmp_path, entries, general_settings=settings) as proxy:
-                for _ in range(12):
-                    async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
-                                         headers=proxy.headers()) as r:
-                        assert r.status == 200, (await r.text(), proxy.tail())
-                reqs = await engine_requests(a, ma)
-                assert len(reqs) == 12
-                assert all("order" not in json.loads(r["body"]) for r in reqs)  # LiteLLM's, not sent on
-                assert spy_b.to(b, mb, health=False) == [] and b.state(mb) == "stopped"
-                assert await starts(b, mb) == 0
 
-                await a_cm.__aexit__(None, None, None)  # box A is gone
-                a_open = False
+            async def until_served(what: str) -> None:
                 failed, t0 = 0, time.monotonic()
                 while True:
                     async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
@@ -526,17 +526,107 @@ async def test_warm_first_sends_everything_to_the_ready_box_and_the_cold_one_ser
                         failed += 1
                     assert time.monotonic() - t0 < 30, proxy.tail()
                     await asyncio.sleep(0.2)
-                print(f"A gone: {failed} requests failed before LiteLLM's health check dropped A's entry "
+                print(f"{what} gone: {failed} requests failed before LiteLLM's health check dropped its entry "
                       f"({time.monotonic() - t0:.1f} s)")
-                for _ in range(5):
+
+            async def served(n: int) -> None:
+                for _ in range(n):
                     async with http.post(proxy.url + "/v1/chat/completions", json=chat("M"),
                                          headers=proxy.headers()) as r:
                         assert r.status == 200, (await r.text(), proxy.tail())
+
+            async with litellm_proxy(tmp_path, entries, general_settings=settings) as proxy:
+                await served(12)
+                reqs = await engine_requests(a, ma)
+                assert len(reqs) == 12
+                assert all("order" not in json.loads(r["body"]) for r in reqs)  # LiteLLM's, not sent on
+                assert spy_c.to(c, mc, health=False) == [] and c.state(mc) == "asleep"
+                assert spy_b.to(b, mb, health=False) == [] and b.state(mb) == "stopped"
+
+                await a_cm.__aexit__(None, None, None)  # box A is gone: the asleep box is next
+                open_boxes.remove(a_cm)
+                await until_served("A")
+                await served(5)
+                assert c.state(mc) == "ready" and len(await engine_requests(c, mc)) == 6
+                texts = [e["text"] for e in await c.app[app_mod.STORE].events(mc, limit=1000)]
+                assert "Woken for a request" in texts and c.deployer.base_url(mc) == engine_c  # woken, not restarted
+                assert spy_b.to(b, mb, health=False) == [] and b.state(mb) == "stopped"
+                assert await starts(b, mb) == 0
+
+                await c_cm.__aexit__(None, None, None)  # box C is gone too: now the cold one
+                open_boxes.remove(c_cm)
+                await until_served("C")
+                await served(5)
                 assert b.state(mb) == "ready" and await starts(b, mb) == 1
                 assert len(await engine_requests(b, mb)) == 6
     finally:
-        if a_open:
-            await a_cm.__aexit__(None, None, None)
+        for cm in reversed(open_boxes):
+            await cm.__aexit__(None, None, None)
+
+
+# --- the PATCH route and the order filter of the installed LiteLLM ----------------------------
+
+
+async def test_the_installed_litellm_has_the_patch_route_ondemand_writes_warmth_with(world, http):
+    """PATCH /model/{id}/update (patch_model) exists: without a database (this suite's proxy
+    runs from a config) it answers the route's own 500 "DB not connected", never the
+    framework's 404/405, and LiteLLMClient reads that as litellm_no_db (the sync stops), not
+    as a missing route. A path LiteLLM lacks answers {"detail": "Not Found"} and a method it
+    lacks {"detail": "Method Not Allowed"}: those the client reads as no_route."""
+    proxy = world.proxy
+    body = {"litellm_params": {"order": 2}, "model_info": {"id": "1", "dgxmm_state": "asleep"}}
+    async with http.patch(proxy.url + "/model/1/update", json=body, headers=proxy.headers()) as r:
+        answer = await r.json()
+        assert r.status not in (404, 405), answer
+    assert r.status == 500 and "DB not connected" in json.dumps(answer), answer
+    async with http.patch(proxy.url + "/model/1/update-nothing", json=body, headers=proxy.headers()) as r:
+        assert r.status == 404 and await r.json() == {"detail": "Not Found"}
+    async with http.patch(proxy.url + "/model/info", json=body, headers=proxy.headers()) as r:
+        assert r.status == 405 and await r.json() == {"detail": "Method Not Allowed"}
+    client = LiteLLMClient(proxy.url, MASTER)
+    missing = LiteLLMClient(proxy.url + "/no-such-prefix", MASTER)
+    try:
+        with pytest.raises(LiteLLMError) as info:
+            await client.patch_warmth("1", 2, "asleep")
+        assert info.value.code == "litellm_no_db" and client.patch_route is None, info.value
+        assert await missing.patch_warmth("1", 2, "asleep") == "no_route" and missing.patch_route is False
+    finally:
+        await client.close()
+        await missing.close()
+
+
+ORDER_SNIPPET = """
+import inspect, json
+import litellm.router, litellm.utils
+from litellm.utils import get_order_filtered_deployments as f
+def d(i, order):
+    return {"model_name": "M", "litellm_params": {"model": "openai/M", "order": order}, "model_info": {"id": i}}
+out = {
+    "all": [x["model_info"]["id"] for x in f([d("cold", 3), d("asleep", 2), d("ready", 1)])],
+    "no_ready": [x["model_info"]["id"] for x in f([d("cold", 3), d("asleep", 2), d("cold2", 3)])],
+    "cold_only": [x["model_info"]["id"] for x in f([d("cold", 3), d("cold2", 3)])],
+    "model_info_order": [x["model_info"]["id"] for x in f([d("cold", 3), {"model_name": "M",
+        "litellm_params": {"model": "openai/M"}, "model_info": {"id": "mi", "order": 2}}])],
+}
+src = inspect.getsource(litellm.router.Router.async_get_healthy_deployments)
+out["order_after_cooldown"] = 0 < src.find("self._filter_cooldown_deployments(") < src.find("ORDER FILTERING")
+print(json.dumps(out))
+"""
+
+
+async def test_the_installed_router_keeps_the_lowest_order_ready_then_asleep_then_cold():
+    """utils.get_order_filtered_deployments, as Router.async_get_healthy_deployments's "ORDER
+    FILTERING" calls it after _filter_cooldown_deployments: of a name's deployments only those
+    of the lowest order are kept (1 ready < 2 asleep < 3 cold), litellm_params.order first,
+    else model_info.order (get_deployment_order)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(_python()), "-c", ORDER_SNIPPET, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=litellm_env())
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    got = json.loads(out.decode().strip().splitlines()[-1])
+    assert got == {"all": ["ready"], "no_ready": ["asleep"], "cold_only": ["cold", "cold2"],
+                   "model_info_order": ["mi"], "order_after_cooldown": True}, got
 
 
 # --- several boxes: a box at its max_inflight -------------------------------------------------
