@@ -28,6 +28,8 @@ _GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "llamacpp:requests_processing": "running",
     "llamacpp:requests_deferred": "waiting",
+    "sglang:num_running_reqs": "running",  # SGLang, with --enable-metrics (its recipe adds it)
+    "sglang:num_queue_reqs": "waiting",
 }
 
 

@@ -199,6 +199,7 @@ def _derived(dep: Deployment, box: Box, gpu_size_gib: float | None, box_gpus: in
             args += ["--tp", str(gpus)]
         if gpus > 0 and dep.memory_gib > 0 and gpu_size_gib:
             args += ["--mem-fraction-static", f"{share(dep.memory_gib, pooled, gpu_size_gib):.2f}"]
+        args.append("--enable-metrics")  # /metrics: without it the sampler never sees the engine idle
         if sleep and box.sleep_flags:
             args.append("--enable-memory-saver")
             if warmth.idle_level(dep, per_gpu) == 1:

@@ -50,8 +50,10 @@ def test_sglang_and_llamacpp():
     how = launch(dep(engine="sglang", gpu_count=2, memory_gib=64), DOCKER, gpu_size_gib=80)
     assert how.entrypoint == ("python3", "-m", "sglang.launch_server") and how.image == "lmsysorg/sglang:v2"
     assert list(how.args) == ["--model-path", "Qwen/Qwen3-8B", "--served-model-name", "qwen", "--host", "0.0.0.0",
-                              "--port", "8000", "--tp", "2", "--mem-fraction-static", "0.40",
+                              "--port", "8000", "--tp", "2", "--mem-fraction-static", "0.40", "--enable-metrics",
                               "--enable-memory-saver", "--enable-weights-cpu-backup"]
+    level2 = launch(dep(engine="sglang", idle_action="sleep2"), DOCKER, gpu_size_gib=80)
+    assert list(level2.args)[-2:] == ["--enable-metrics", "--enable-memory-saver"]  # no CPU backup: level 2
     gguf = launch(dep(engine="llamacpp", model="/srv/models/g.gguf", served_name="g"), PROCESS, gpu_size_gib=80)
     assert gguf.argv == ["llama-server", "-m", "/srv/models/g.gguf", "--alias", "g", "--host", "127.0.0.1",
                          "--port", "{port}", "-ngl", "999", "--metrics"]

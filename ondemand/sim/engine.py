@@ -1007,7 +1007,7 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.9)
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    for flag in ("--enable-sleep-mode", "--enable-memory-saver", "--metrics"):
+    for flag in ("--enable-sleep-mode", "--enable-memory-saver", "--metrics", "--enable-metrics"):
         ap.add_argument(flag, action="store_true")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true",
                     help="SGLang's: release_memory_occupation keeps the weights in host memory (a level 1 "

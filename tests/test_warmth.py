@@ -1,0 +1,233 @@
+"""Tiered warmth end to end: the whole ondemand (process backend), the fake nvidia-smi with
+its GPUs, and engine simulators that sleep as vLLM's sleep mode does (``--sleep-gpu-mib``: what
+an asleep engine keeps on its GPUs; ``--host-mib``: the host memory a level-1 sleeper really
+holds; level 2 answers garbage until its weights are reloaded). BEHAVIOUR.md, "Tiered warmth"."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import wait_for
+from test_gpu_placement import FAKE, add, ask, box, claimed
+
+pytestmark = pytest.mark.server(**{"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
+                                   "metrics_interval_s": 0.1, "reap_interval_s": 3600,
+                                   "budget.host_reserve_gib": 0})
+
+
+async def sleeper(server, name: str, gib: float, *extra: str, residue_gib: float = 2, **kw) -> int:
+    """A deployment that sleeps when idle (``idle_action`` sleep unless given), keeping
+    ``residue_gib`` on its GPU asleep."""
+    kw.setdefault("idle_action", "sleep")
+    kw.setdefault("idle_timeout_s", 1)
+    return await server.add(name, gib, "--gpu-mib", str(int(gib * 1024)), "--sleep-gpu-mib",
+                            str(int(residue_gib * 1024)), *extra, gpu_count=1, **kw)
+
+
+def pid(server, dep_id: int) -> int:
+    return server.deployer.engine(dep_id).ref.pid
+
+
+async def admin(server, http, dep_id: int, verb: str, body=None) -> dict:
+    async with http.post(f"{server.url}/api/deployments/{dep_id}/{verb}", json=body,
+                         headers=server.admin_headers()) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        return data
+
+
+async def engine_requests(server, dep_id: int) -> list[tuple[str, str]]:
+    """(path, query) of what the engine simulator received, in order (not the probes and the
+    metrics sampler's reads, which come at any time)."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s, s.get(server.deployer.base_url(dep_id) + "/_sim/requests") as r:
+        return [(q["path"], q.get("query", "")) for q in await r.json()
+                if q["path"] not in ("/metrics", "/health", "/v1/models")]
+
+
+async def audit_rows(server, dep_id: int, action: str) -> list[dict]:
+    return [r for r in await server.deployer.store.audit(dep_id) if r["action"] == action]
+
+
+@pytest.mark.server(reap_interval_s=0.2)
+async def test_the_reaper_puts_an_idle_model_to_sleep_and_a_request_wakes_the_same_engine(fake_nvidia_smi, server,
+                                                                                          http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20, "--host-mib", "64")
+    assert await ask(server, http, a) == (200, "")
+    first = pid(server, a)
+    assert server.deployer.get(a).wake_check == "tok0"  # the greedy one-token answer, recorded after the start
+    dep = await wait_for(lambda: (d := server.deployer.get(a)).state.value == "asleep" and d.host_gib and d,
+                         timeout=15, what="the reaper's sleep and its measurement")
+    assert dep.sleep_level == 1 and dep.asleep_gib == pytest.approx(2)  # what it keeps on its GPU, measured
+    assert dep.host_gib > 0.06 and dep.sleep_host_gib >= 0.05  # the weights in host memory: it grew by ~64 MiB
+    assert claimed(fake_nvidia_smi.apps) == {dep.gpus[0]: 2}
+    rows = await audit_rows(server, a, "ondemand_sleep")
+    assert rows and rows[0]["text"].startswith("Put to sleep after 0.02 min idle") and rows[0]["detail"]["level"] == 1
+    assert await ask(server, http, a) == (200, "")
+    assert server.state(a) == "ready" and pid(server, a) == first  # woken, not started again
+    assert server.deployer.get(a).sleep_level is None and server.deployer.get(a).host_gib is None
+    seen = [p for p, _ in await engine_requests(server, a)]
+    assert seen[-3:] == ["/wake_up", "/v1/completions", "/v1/chat/completions"]  # wake, check, then the request
+    events = [e["text"] for e in await server.deployer.store.events(a)]
+    assert any(t.startswith("woken from sleep level 1 in ") for t in events)
+
+
+async def test_make_room_puts_awake_engines_to_sleep_before_it_stops_asleep_ones(fake_nvidia_smi, server, http):
+    """One 80 GiB GPU. a and b asleep (2 GiB each), c awake and idle (40, known to keep 2
+    asleep). d needs 76: sleeping c frees 38, not enough; then the asleep engines are stopped,
+    least recently used first: a only. c sleeps, a stops, b stays asleep."""
+    box(fake_nvidia_smi, gpus=1)
+    a, b, c = [await sleeper(server, n, g) for n, g in (("a", 30), ("b", 30), ("c", 40))]
+    for dep_id in (a, b, c):
+        assert await ask(server, http, dep_id) == (200, "")
+        await admin(server, http, dep_id, "sleep")
+    assert await ask(server, http, c) == (200, "")  # awake again; its last sleep kept 2 GiB
+    assert server.deployer.get(c).asleep_gib == pytest.approx(2)
+    assert claimed(fake_nvidia_smi.apps) == {0: 44}
+    d = await add(server, "d", 76, gpu_count=1)
+    await asyncio.sleep(1.3)  # c idle for its full timeout
+    assert await ask(server, http, d) == (200, "")
+    states = {n: server.state(i) for n, i in (("a", a), ("b", b), ("c", c), ("d", d))}
+    assert states == {"a": "stopped", "b": "asleep", "c": "asleep", "d": "ready"}
+    assert claimed(fake_nvidia_smi.apps) == {0: 80}
+    texts = {r["deployment_id"]: r["text"] for r in await server.deployer.store.audit() if r["action"] == "ondemand_sleep"}
+    assert texts[c].startswith("Put to sleep to make room for D") and texts[a].startswith("Stopped (asleep) to make room")
+
+
+async def test_a_busy_engine_is_never_put_to_sleep_and_a_higher_priority_one_is_never_a_victim(fake_nvidia_smi,
+                                                                                               server, http):
+    box(fake_nvidia_smi, gpus=1)
+    busy = await sleeper(server, "busy", 30, "--token-delay", "0.5", "--tokens", "8")
+    vip = await sleeper(server, "vip", 30, priority="high")
+    assert await ask(server, http, vip) == (200, "")
+    body = {"model": "BUSY", "messages": [{"role": "user", "content": "hi"}]}
+    long = asyncio.ensure_future(http.post(server.gw(busy, "chat/completions"), json=body, headers=server.auth()))
+    await wait_for(lambda: server.controller.inflight(busy) == 1, what="the long request in flight")
+    await asyncio.sleep(1.2)
+    new = await add(server, "new", 40, gpu_count=1)
+    status, code = await asyncio.wait_for(_ask_with_timeout(server, http, new), 10)
+    assert (status, code) == (503, "ondemand_queue_timeout")
+    assert server.state(busy) == "ready" and server.state(vip) == "ready"
+    async with await long as r:
+        assert r.status == 200
+
+
+async def _ask_with_timeout(server, http, dep_id):
+    server.controller.queue_timeout_s = 2
+    return await ask(server, http, dep_id)
+
+
+async def test_a_wrong_wake_answer_stops_the_engine_and_starts_it_cold(fake_nvidia_smi, server, http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20, "--fail", "wake-garbage")
+    assert await ask(server, http, a) == (200, "")
+    first = pid(server, a)
+    await admin(server, http, a, "sleep")
+    assert await ask(server, http, a) == (200, "")
+    assert pid(server, a) != first and server.state(a) == "ready"
+    rows = await audit_rows(server, a, "ondemand_wake_failed")
+    assert len(rows) == 1 and rows[0]["detail"]["result"] == "mismatch"
+    assert "garbage" in rows[0]["detail"]["reason"] and "'tok0'" in rows[0]["detail"]["reason"]
+    assert server.controller.backoff_left(a) == 0  # a failed wake is no failed start
+    assert server.deployer.get(a).wake_check == "tok0"  # recorded again after the cold start
+
+
+@pytest.mark.server(**{"deployer.wake_timeout_s": 1})
+async def test_a_wake_that_hangs_times_out_and_starts_cold(fake_nvidia_smi, server, http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20, "--fail", "wake-hangs")
+    assert await ask(server, http, a) == (200, "")
+    first = pid(server, a)
+    await admin(server, http, a, "sleep")
+    assert await ask(server, http, a) == (200, "")
+    assert pid(server, a) != first
+    rows = await audit_rows(server, a, "ondemand_wake_failed")
+    assert rows[0]["detail"]["result"] == "failed" and "within 1 s" in rows[0]["detail"]["reason"]
+
+
+@pytest.mark.server(reap_interval_s=0.2)
+async def test_a_level_2_sleeper_reloads_its_weights_in_vllms_order(fake_nvidia_smi, server, http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20, idle_action="sleep2")
+    assert await ask(server, http, a) == (200, "")
+    first = pid(server, a)
+    dep = await wait_for(lambda: (d := server.deployer.get(a)).state.value == "asleep" and d, timeout=15,
+                         what="the reaper's level-2 sleep")
+    assert dep.sleep_level == 2
+    assert await ask(server, http, a) == (200, "")
+    assert pid(server, a) == first
+    seen = [f"{p}?{q}" if q else p for p, q in await engine_requests(server, a)]
+    i = seen.index("/sleep?level=2")
+    assert seen[i + 1:] == ["/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache",
+                            "/reset_prefix_cache", "/v1/completions", "/v1/chat/completions"]
+    assert not await audit_rows(server, a, "ondemand_wake_failed")
+
+
+async def test_a_sleep_raced_by_a_request_wakes_it_and_never_lets_the_sleeper_answer(fake_nvidia_smi, server, http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20, "--sleep-delay", "0.5")
+    assert await ask(server, http, a) == (200, "")
+    sleeping = asyncio.ensure_future(server.deployer.sleep(a))
+    await wait_for(lambda: server.state(a) == "asleep", what="the mark to asleep")
+    answers = await asyncio.gather(*(ask(server, http, a) for _ in range(5)))
+    assert answers == [(200, "")] * 5  # each waited for the wake, which waited for the sleep call
+    assert await sleeping == 1
+    seen = [p for p, _ in await engine_requests(server, a)]
+    assert seen.index("/sleep") < seen.index("/wake_up") < seen.index("/v1/chat/completions", seen.index("/sleep"))
+
+
+async def test_a_stop_during_a_wake_wins_and_its_waiters_hear_it(fake_nvidia_smi, server, http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20, "--wake-delay", "5")
+    assert await ask(server, http, a) == (200, "")
+    await admin(server, http, a, "sleep")
+    waiting = asyncio.ensure_future(ask(server, http, a))
+    await wait_for(lambda: server.state(a) == "starting", what="the wake")
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(admin(server, http, a, "stop"), 5)  # it cancels the hung wake: no 5 s wait
+    assert await waiting == (503, "ondemand_stopped")
+    assert server.state(a) == "stopped" and claimed(fake_nvidia_smi.apps) == {}
+
+
+@pytest.mark.server(**{"budget.host_reserve_gib": 16})
+async def test_the_host_reserve_makes_a_level_1_sleep_level_2_or_a_stop(fake_nvidia_smi, server, http, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 20971520 kB\n")  # 32 GiB, 20 available
+    server.deployer.budget.meminfo_path = str(meminfo)
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 10)  # predicted 10 GiB in host memory: 20 - 10 < 16
+    assert await ask(server, http, a) == (200, "")
+    view = await admin(server, http, a, "sleep")
+    assert view["state"] == "asleep" and view["sleep_level"] == 2
+    events = [e["text"] for e in await server.deployer.store.events(a)]
+    assert any("level 2: host memory" in t for t in events)
+    # SGLang started for level 1 (the CPU backup of its weights) cannot sleep at level 2: it stops.
+    s = await server.add("s", 10, "--flavor", "sglang", "--enable-memory-saver", "--enable-weights-cpu-backup",
+                         gpu_count=1, idle_action="sleep", engine="sglang", idle_timeout_s=1)
+    assert await ask(server, http, s) == (200, "")
+    await asyncio.sleep(1.2)
+    assert server.controller.reap() == [s]
+    await wait_for(lambda: server.state(s) == "stopped", what="the stop instead of a sleep")
+    meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 31457280 kB\n")  # 30 available: level 1 fits
+    assert await ask(server, http, s) == (200, "")
+    await asyncio.sleep(1.2)
+    server.controller.reap()
+    dep = await wait_for(lambda: (d := server.deployer.get(s)).state.value == "asleep" and d, what="sglang asleep")
+    assert dep.sleep_level == 1
+    assert await ask(server, http, s) == (200, "")
+    seen = [p for p, _ in await engine_requests(server, s)]
+    assert "/release_memory_occupation" in seen and "/resume_memory_occupation" in seen
+
+
+@pytest.mark.server(sleep_timeout_s=1, reap_interval_s=0.2)
+async def test_an_engine_asleep_longer_than_sleep_timeout_s_is_stopped(fake_nvidia_smi, server, http):
+    box(fake_nvidia_smi, gpus=8)
+    a = await sleeper(server, "a", 20)
+    assert await ask(server, http, a) == (200, "")
+    await wait_for(lambda: server.state(a) == "asleep", timeout=10, what="the sleep")
+    await wait_for(lambda: server.state(a) == "stopped", timeout=10, what="the stop after sleep_timeout_s")
+    rows = await audit_rows(server, a, "ondemand_sleep")
+    assert any("min asleep (sleep_timeout_s)" in r["text"] for r in rows)
+    assert claimed(fake_nvidia_smi.apps) == {}
+
