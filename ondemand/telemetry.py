@@ -1,16 +1,21 @@
 """The gateway's own metrics, for ``GET {base_path}/metrics`` (Prometheus text format).
 
 Every app has a ``CollectorRegistry`` of its own, never prometheus_client's global
-one (the tests run several apps in one process). Three sources feed it:
+one (the tests run several apps in one process). Four sources feed it:
 
 - the gateway's finished requests (``exchange``): counters and histograms, one
   cached child per label set, so a request costs a dict look-up and a few adds;
 - the deployer's ``DeploymentChanged`` events (``on_deployment``): starts (to
   ready or failed, and how long from ``starting`` to ``ready``) and stops by
   their ``StopCause``;
+- the deployer's ``Slept`` and ``Woken`` events (``on_slept``, ``on_woken``):
+  sleeps by level and reason, wakes by result and how long a wake took. A sleep
+  is no stop: the change to ``asleep`` carries no cause, so ``ondemand_stops_total``
+  does not move; a stop of an asleep engine is a stop (its change to
+  ``stopping`` carries the cause);
 - at scrape time only, a collector that reads the live state (in flight,
-  queued, each deployment's state, GPU memory): nothing is kept up to date on
-  the forwarding path for them.
+  queued, each deployment's state, GPU memory, the host memory asleep engines
+  hold): nothing is kept up to date on the forwarding path for them.
 
 ``gpu_memory()`` gives ``(gpu index, capacity GiB, free GiB)`` per GPU and must
 not block; when it raises, the GPU samples are left out of that scrape.
@@ -27,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .events import DeploymentChanged
+from .events import DeploymentChanged, Slept, Woken
 from .exchange import Exchange
 from .model import Deployment, State
 
@@ -40,6 +45,10 @@ START_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 120
 # A forwarded request takes a millisecond; one that waits for a start or for memory, minutes.
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0, 900.0)
+
+# A wake takes 50 ms (level 1, a small model) to a couple of minutes (level 2: the weights are
+# read again from disk); one that hangs ends at deployer.wake_timeout_s (300 s: +Inf).
+WAKE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 GpuMemory = Callable[[], list[tuple[int, float, float]]]
 
@@ -65,7 +74,10 @@ class _Live:
                                    "its max_inflight already", labels=["deployment"])
         state = GaugeMetricFamily("ondemand_deployment_state", "1 for the deployment's current state, else 0",
                                   labels=["deployment", "state"])
+        host_asleep = 0.0
         for dep in self._deployments():
+            if dep.state is State.ASLEEP:
+                host_asleep += dep.host_gib or 0.0
             inflight.add_metric([dep.name], self._inflight(dep.id))
             queued.add_metric([dep.name, dep.priority.value], self._queued(dep.id))
             busy.add_metric([dep.name], self._busy(dep.id))
@@ -83,7 +95,10 @@ class _Live:
         for index, cap_gib, free_gib in gpus:
             capacity.add_metric([str(index)], cap_gib * GIB)
             free.add_metric([str(index)], free_gib * GIB)
-        return [inflight, queued, busy, state, capacity, free]
+        host = GaugeMetricFamily("ondemand_host_memory_asleep_bytes", "Host memory the asleep engines hold, "
+                                 "as measured after their sleep (a level-1 sleeper's weights are there)",
+                                 value=host_asleep * GIB)
+        return [inflight, queued, busy, state, capacity, free, host]
 
 
 class Telemetry:
@@ -108,6 +123,15 @@ class Telemetry:
         self._start_duration = Histogram("ondemand_start_duration_seconds", "From starting to ready",
                                          ["deployment"], buckets=START_BUCKETS, registry=r)
         self._stops = Counter("ondemand_stops", "Engines stopped, by reason", ["deployment", "reason"], registry=r)
+        self._sleeps = Counter("ondemand_sleeps", "Engines put to sleep (not stopped), by level (1: weights in host "
+                               "memory, 2: weights dropped) and why: idle, make_room or admin",
+                               ["deployment", "level", "reason"], registry=r)
+        self._wakes = Counter("ondemand_wakes", "Wakes that ended, by result: ready, failed (an engine call failed "
+                              "or timed out) or mismatch (the wake check's answer differed); a failed or mismatched "
+                              "wake is followed by a cold start", ["deployment", "result"], registry=r)
+        self._wake_duration = Histogram("ondemand_wake_duration_seconds", "Wakes that ended ready: from the wake's "
+                                        "first engine call to the wake check's answer", ["deployment"],
+                                        buckets=WAKE_BUCKETS, registry=r)
         self._auth_failures = Counter("ondemand_auth_failures", "Requests refused 401: a wrong or missing key or "
                                       "admin token", registry=r)
         self._rate_limited = Counter("ondemand_rate_limited", "Gateway requests refused 429 after failed key checks",
@@ -173,6 +197,17 @@ class Telemetry:
             self._starts.labels(dep.name, "ready" if dep.state is State.READY else "failed").inc()
             if dep.state is State.READY and began is not None:
                 self._start_duration.labels(dep.name).observe(self._clock() - began)
+
+    def on_slept(self, e: Slept) -> None:
+        """An engine was put to sleep (published after its change to asleep, which is no stop)."""
+        self._sleeps.labels(e.name, str(e.level), e.reason.value).inc()
+
+    def on_woken(self, e: Woken) -> None:
+        """A wake ended. Only a ready one is timed, as only a start that ended ready is: a failed
+        wake's time says how long it took to give up (up to ``deployer.wake_timeout_s``)."""
+        self._wakes.labels(e.name, e.result).inc()
+        if e.result == "ready":
+            self._wake_duration.labels(e.name).observe(e.seconds)
 
     # --- the scrape ---------------------------------------------------------------
 
