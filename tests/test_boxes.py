@@ -107,8 +107,8 @@ async def test_two_boxes_never_delete_each_others_entries(tmp_path):
                         "name": name, "served_name": name.upper(), "mode": "on_demand", "memory_gib": 4,
                         "command": sim_command(name.upper())})
                 await box.sync()
-            assert owners(double) == [("-", 1, "M1", None), ("box-a", 1, "M1", 2), ("box-a", 2, "M2", 2),
-                                      ("box-b", 1, "M1", 2), ("box-b", 2, "M2", 2)]
+            assert owners(double) == [("-", 1, "M1", None), ("box-a", 1, "M1", 3), ("box-a", 2, "M2", 3),
+                                      ("box-b", 1, "M1", 3), ("box-b", 2, "M2", 3)]  # cold: order 3
             ids = {m["model_info"]["id"] for m in double.models}
             assert legacy["http://old-box:8090/dgxmm"] in ids and not {legacy[a.url], legacy[b.url]} & ids
             assert {key for key, e in double.deletes if e["model_info"]["id"] == legacy[a.url]} == {a.litellm_key}
@@ -129,7 +129,7 @@ async def test_two_boxes_never_delete_each_others_entries(tmp_path):
             # A removal on A: its m2 entry goes, B's stays.
             await a.api("DELETE", "/deployments/2")
             await a.sync()
-            assert [o for o in owners(double) if o[1] == 2] == [("box-b", 2, "M2", 2)]
+            assert [o for o in owners(double) if o[1] == 2] == [("box-b", 2, "M2", 3)]
 
             # A mode switch on B: its m1 becomes a direct entry of a ready engine (order 1).
             await b.api("PATCH", "/deployments/1/mode", {"mode": "always_on"})
