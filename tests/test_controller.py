@@ -105,7 +105,7 @@ class Effects:
     def add(self, dep_id: int, memory_gib: float = 10, *, state: State = State.STOPPED,
             mode: Mode = Mode.ON_DEMAND, **kw: Any) -> int:
         dep = Deployment(id=dep_id, name=f"d{dep_id}", served_name=f"D{dep_id}", memory_gib=memory_gib,
-                         state=state, mode=mode, **kw)
+                         state=state, mode=mode).replace(**kw)  # plain values (strings) as typed ones
         self.deps[dep_id] = dep
         if self.controller is not None:
             self.controller.on_deployment(dep_id, dep, None)
@@ -1298,3 +1298,122 @@ def test_a_priority_edited_while_queued_moves_the_entry(world):
     fx.set(2, priority=LOW)
     assert c.queue.ids() == [1, 2] and c.queue.reserved_for_others(1) == {0: 4}  # nothing comes back
     assert late.waiter.deadline == late.waiter.arrival + c.queue_timeout_s
+
+
+# --- tiered warmth: sleep before stop ----------------------------------------------------------
+
+def test_make_room_puts_awake_engines_to_sleep_before_it_stops_asleep_ones(world):
+    """Within a priority: awake first (a sleep frees all but what it kept at its last sleep), then
+    asleep (a stop frees what it keeps), least recently used first in each tier."""
+    c, fx, clock = make(world)
+    fx.add(1, 30)
+    fx.add(2, 10, idle_action="sleep", asleep_gib=1)  # sleeps: frees 9
+    fx.add(3, 6)  # cannot sleep (no model, auto): stopped, frees 6
+    fx.add(4, 10, idle_action="sleep", asleep_gib=2)
+    fx.add(5, 10, idle_action="sleep", asleep_gib=3)
+    idle_ready(fx, c, clock, 2, 3, 4, 5)
+    fx.set(4, state=State.ASLEEP)  # asleep: keeps 2
+    fx.set(5, state=State.ASLEEP)  # keeps 3
+    clock.advance(61)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(30, 12, 80))  # 18 short
+    assert [s[1:3] for s in fx.taken("sleep")] == [(2, 1)]
+    # 2 and 3 (awake) free 15, then 4 (asleep, least recently used) 2 and 5 another 3: 20 >= 18
+    assert sorted(s[1] for s in fx.taken("stop")) == [3, 4, 5]
+    assert c.attempt_phase(1) is Phase.STOPPING
+
+
+def test_an_awake_engine_that_sleeps_is_put_to_sleep_for_make_room_with_the_old_text(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, idle_action="sleep2")
+    idle_ready(fx, c, clock, 2)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    (call,) = fx.taken("sleep")
+    assert call[1:] == (2, 1, "Put to sleep to make room for D1") and fx.taken("stop") == []
+    c.on_stopped(2, True, 1)  # the sleep effect reports as a stop does
+    assert fx.taken("settle") == [("settle", 1)] and c.queue.reserved_for_others(99) == {0: 10}
+    assert r.take() is None
+
+
+def test_the_priority_class_comes_before_the_tier(world):
+    """An awake normal engine is never put to sleep while an asleep low one can be stopped."""
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, idle_action="sleep", priority="normal")
+    fx.add(3, 10, idle_action="sleep", priority="low", asleep_gib=10)
+    idle_ready(fx, c, clock, 2, 3)
+    fx.set(3, state=State.ASLEEP)
+    clock.advance(61)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert [s[1] for s in fx.taken("stop")] == [3] and fx.taken("sleep") == []
+
+
+@pytest.mark.parametrize("why", ["inflight", "waiters", "metrics"])
+def test_a_busy_engine_is_never_put_to_sleep(world, why):
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10, idle_action="sleep")
+    idle_ready(fx, c, clock, 2)
+    if why == "inflight":
+        c.try_take(2)
+    elif why == "metrics":
+        fx.busy_engines.add(2)
+    else:
+        fx.set(2, state=State.ASLEEP)
+        Req(c, 2)  # waits for its wake
+        fx.taken("admit")
+    assert c.reap() == []
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    assert fx.taken("sleep") == [] and fx.taken("stop") == []
+
+
+def test_the_reaper_sleeps_what_sleeps_stops_the_rest_and_leaves_sleepers_asleep(world):
+    c, fx, clock = make(world, sleep_timeout_s=300)
+    fx.add(1, 10, idle_action="sleep")
+    fx.add(2, 10)  # no model: auto is stop
+    fx.add(3, 10, idle_action="stop")
+    fx.add(4, 10, idle_action="sleep")
+    idle_ready(fx, c, clock, 1, 2, 3, 4)
+    fx.set(4, state=State.ASLEEP)
+    clock.advance(61)
+    assert c.reap() == [1, 2, 3]
+    assert [s[1] for s in fx.taken("sleep")] == [1]
+    assert sorted(s[1] for s in fx.taken("stop")) == [2, 3]
+    clock.advance(240)  # asleep 301 s: past sleep_timeout_s
+    assert 4 in c.reap()
+    stops = {s[1]: s[3] for s in fx.taken("stop")}
+    assert stops[4] == "Stopped after 5.02 min asleep (sleep_timeout_s)"
+
+
+def test_without_sleep_timeout_an_asleep_engine_sleeps_on_and_a_request_wakes_it(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10, idle_action="sleep", state=State.ASLEEP)
+    clock.advance(86400)
+    assert c.reap() == []
+    r = Req(c, 1)
+    assert fx.taken("admit")[0][3] == "Woken for a request" and r.queued == 0  # no queued notice for a wake
+    fx.set(1, state=State.STARTING)
+    c.on_admitted(1, True)
+    fx.set(1, state=State.READY)
+    assert r.take() is not None
+
+
+def test_a_wake_raced_by_a_stop_or_a_removal_gives_its_waiters_an_answer(world):
+    c, fx, clock = make(world)
+    fx.add(1, 10, idle_action="sleep", state=State.ASLEEP)
+    fx.add(2, 10, idle_action="sleep", state=State.ASLEEP)
+    r1, r2 = Req(c, 1), Req(c, 2)
+    assert [a[1] for a in fx.taken("admit")] == [1, 2]
+    for dep_id in (1, 2):
+        fx.set(dep_id, state=State.STARTING)
+        c.on_admitted(dep_id, True)
+    fx.set(1, state=State.STOPPING)  # an administrator's stop during the wake
+    fx.set(1, state=State.STOPPED)
+    assert r1.code() == "ondemand_stopped"
+    fx.remove(2)
+    assert r2.code() == "ondemand_stopped"
+    assert c.waiting() == 0 and c.backoff_left(1) == 0

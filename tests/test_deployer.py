@@ -508,3 +508,58 @@ async def test_a_container_removed_while_ondemand_was_down_is_made_again(tmp_pat
             assert d.get(dep.id).state == "ready" and d.engine(dep.id).ref != first
             assert len([c for c in double.containers.values() if c["Name"] == "/ondemand-a"]) == 1
             await d.stop(dep.id)
+
+
+async def test_a_sleeper_outlives_a_crash_of_ondemand_and_is_woken_not_orphaned(tmp_path, store):
+    """Docker backend over the Docker API double: ondemand ends while its engine sleeps; the next
+    one finds the container asleep, takes it back asleep (not stopped, not orphaned), and a wake
+    brings the same container back. One that ended mid-wake (the row says starting, with the
+    sleep's level) wakes it again at start-up, since an asleep vLLM answers /health all the same."""
+    from docker_double import DockerDouble
+
+    from ondemand.backends.docker import DockerBackend
+    from ondemand.budget import Budget
+    from ondemand.deployer import Deployer
+
+    image, network = "ondemand-sim-engine:latest", "ondemand-test"
+    double = DockerDouble()
+    double.add_network(network, [("172.30.0.0/16", "172.30.0.1")])
+    double.add_image(image, [])
+
+    @contextlib.asynccontextmanager
+    async def ondemand():
+        backend = DockerBackend(docker_url=double.url, network=network, gpus=False, in_container=False)
+        d = Deployer(store, backend, Budget("static", 24), start_timeout_s=20, stop_timeout_s=5)
+        await d.load()
+        try:
+            yield d
+        finally:
+            await d.close(stop_engines=False)  # as a crash leaves docker engines: running
+
+    async def sleeping(d, dep_id) -> bool:
+        async with d.http.get(d.base_url(dep_id) + "/is_sleeping") as r:
+            return (await r.json())["is_sleeping"]
+
+    sim = ["python3", "-m", "ondemand", "sim-engine", "--host", "127.0.0.1", "--port", "8000", "--model", "A"]
+    async with double:
+        async with ondemand() as d:
+            dep = await d.create({**dep_fields("a", 4), "command": [], "image": image, "args": sim,
+                                  "idle_action": "sleep2"})
+            await d.restart(dep.id)
+            first = d.engine(dep.id).ref
+            assert await d.sleep(dep.id) == 2 and await sleeping(d, dep.id)
+        async with ondemand() as d:
+            now = d.get(dep.id)
+            assert (now.state, now.sleep_level) == ("asleep", 2) and d.engine(dep.id).ref == first
+            assert await sleeping(d, dep.id)
+            await d.restart(dep.id)  # the wake: same container, weights reloaded, checked
+            assert d.get(dep.id).state == "ready" and d.engine(dep.id).ref == first
+            assert not await sleeping(d, dep.id)
+            assert await d.sleep(dep.id, 1) == 1
+            await store.update_deployment(dep.id, state="starting")  # as if it ended in the wake's first step
+        async with ondemand() as d:
+            await d.wait_started(dep.id)
+            assert d.get(dep.id).state == "ready" and d.engine(dep.id).ref == first
+            assert not await sleeping(d, dep.id)
+            assert not [r for r in await store.audit(dep.id) if r["action"] == "ondemand_wake_failed"]
+            await d.stop(dep.id)
