@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from . import __version__, components, metrics, recipes
+from . import __version__, components, metrics, recipes, warmth
 from . import keys as keys_mod
 from .backends import BackendError
 from .config import Config
@@ -40,7 +40,7 @@ from .events import Resync, ViewPublished
 from .http.aio import read_body
 from .http.headers import bearer, token_bytes
 from .http.server import LIMITS
-from .model import MAX_INFLIGHT, Deployment, Priority, State
+from .model import MAX_INFLIGHT, Deployment, IdleAction, Priority, State
 from .telemetry import CONTENT_TYPE
 
 log = logging.getLogger("ondemand.admin")
@@ -195,6 +195,7 @@ async def host(request: web.Request) -> web.Response:
         "listen": cfg.listen,
         "backend": deployer.backend.kind,
         "budget": budget,
+        "host_memory": host_memory(deployer),
         "ondemand": {
             "configured": key is not None,
             "key_fingerprint": keys_mod.fingerprint(key) if key else None,
@@ -205,6 +206,22 @@ async def host(request: web.Request) -> web.Response:
             "queue": app[app_mod.CONTROLLER].queue.ids(),
         },
     })
+
+
+def host_memory(deployer: Deployer) -> dict[str, float | None]:
+    """The host memory tiered warmth watches (GiB): the box's total and what is available
+    (``MemAvailable`` of ``budget.meminfo_path``; null when unreadable), what the asleep
+    engines were measured to hold, and the reserve a level-1 sleep must leave."""
+    budget = deployer.budget
+    try:
+        mem = budget._meminfo()
+        total: float | None = round(mem.total, 3)
+        available: float | None = round(mem.total - mem.used, 3)
+    except BudgetError:
+        total = available = None
+    asleep = sum(d.host_gib or 0.0 for d in deployer.all() if d.state is State.ASLEEP)
+    return {"total_gib": total, "available_gib": available, "asleep_gib": round(asleep, 3),
+            "reserve_gib": budget.host_reserve_gib}
 
 
 # --- deployments ------------------------------------------------------------------
@@ -235,7 +252,7 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
                   gpu_sizes: tuple[float, ...] | None, per_gpu: bool) -> tuple[dict[str, Any], bool]:
     allowed = {"name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
                "gpu_count", "gpu_ids", "env", "volumes", "role", "mode", "idle_timeout_s", "start",
-               "priority", "max_inflight"}
+               "priority", "max_inflight", "idle_action"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise _field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
@@ -282,6 +299,7 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
     return {"name": name, "served_name": served, **run, "port": port,
             "memory_gib": float(memory), "gpu_count": gpu_count, "gpu_ids": gpu_ids,
             "role": role, "mode": mode, "idle_timeout_s": idle, **_validate_limits(data),
+            "idle_action": _validate_idle_action(data.get("idle_action", "auto"), run["engine"]),
             "state": state}, start and mode == "always_on"
 
 
@@ -311,6 +329,19 @@ def _validate_engine(data: dict[str, Any], cfg: Config) -> dict[str, Any]:
 
 
 MAX_GPUS = 64
+
+
+def _validate_idle_action(action: Any, engine: str) -> str:
+    """``idle_action``: auto, stop, sleep (level 1) or sleep2 (level 2); the two sleeps only
+    for an engine with a sleep API (vLLM, SGLang)."""
+    values = [a.value for a in IdleAction]
+    if action not in values:
+        raise _field_error("idle_action", ", ".join(values[:-1]) + " or " + values[-1])
+    if action in (IdleAction.SLEEP.value, IdleAction.SLEEP2.value) and engine not in warmth.SLEEP_ENGINES:
+        raise _field_error("idle_action", f"{action} needs an engine with a sleep API "
+                                          f"({', '.join(sorted(warmth.SLEEP_ENGINES))}); {engine} has none: "
+                                          "use auto or stop")
+    return str(action)
 
 
 def _validate_limits(data: dict[str, Any]) -> dict[str, Any]:
@@ -344,7 +375,8 @@ def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
 # mode. A mode switch has its own route (PATCH .../mode, `mode set`): it may start the
 # deployment and is audited ondemand_mode, which an edit of the record must not bypass.
 EDITABLE = ("name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
-            "gpu_count", "gpu_ids", "env", "volumes", "role", "idle_timeout_s", "priority", "max_inflight")
+            "gpu_count", "gpu_ids", "env", "volumes", "role", "idle_timeout_s", "priority", "max_inflight",
+            "idle_action")
 
 
 def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment, existing: list[Deployment],
@@ -405,7 +437,8 @@ async def create_deployment(request: web.Request) -> web.Response:
     if request.query.get("dry_run") not in (None, "0", "false"):
         # What it would be and run, with nothing written (deploy add --dry-run).
         dep = Deployment.from_row({**fields, "id": 0})
-        return _json({**dep.as_dict(), **components.launch_fields(deployer, dep), "dry_run": True})
+        return _json({**dep.as_dict(), **components.launch_fields(deployer, dep),
+                      "idle_level": warmth.idle_level(dep, deployer.budget.per_gpu), "dry_run": True})
     dep = await deployer.create(fields, actor="admin", user=_user(request))
     if metrics.blind(dep):
         log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
@@ -485,7 +518,7 @@ async def action(request: web.Request) -> web.Response:
         elif verb == "stop":
             await deployer.stop(dep_id, actor="admin", user=user, text="stopped by an administrator")
         elif verb == "sleep":
-            await deployer.sleep(dep_id, actor="admin", user=user)
+            await deployer.sleep(dep_id, await _sleep_level(request), actor="admin", user=user)
         else:
             raise OndemandError(404, "not_found", f"no action {verb!r}")
     except DeployerError as exc:
@@ -497,6 +530,20 @@ async def action(request: web.Request) -> web.Response:
         except (StartFailed, StartInterrupted) as exc:
             raise OndemandError(409, "start_failed", str(exc)) from exc
     return _json(app_mod.view(app, deployer.get(dep_id)))
+
+
+async def _sleep_level(request: web.Request) -> int | None:
+    """The sleep's optional body, ``{"level": 1|2}``: the level asked for, or None (the
+    deployment's idle level, else 1)."""
+    data = await _body(request)
+    unknown = sorted(set(data) - {"level"})
+    if unknown:
+        raise _field_error(unknown[0], "unknown field; known: level")
+    level = data.get("level")
+    if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level not in warmth.LEVELS):
+        raise _field_error("level", "1 (weights kept in host memory) or 2 (weights dropped), or null "
+                                    "(its idle_action's level)")
+    return level
 
 
 async def events(request: web.Request) -> web.StreamResponse:

@@ -102,3 +102,19 @@ async def offline_views(cfg: Config) -> list[dict[str, Any]] | None:
         row["last_start_s"] = row["start_eta_s"] = None  # the history is the server's to read
         row["offline"] = True
     return rows
+
+
+async def offline_audit(cfg: Config, deployment_id: int | None, limit: int
+                        ) -> tuple[list[dict[str, Any]], dict[int, str]] | None:
+    """Audit rows read from the state file when no server runs (newest first, as ``GET
+    /api/audit``), and the deployments' names by id; None without a file."""
+    from .store import Store
+    if not cfg.db_path.exists():
+        return None
+    store = await Store.open(cfg.db_path, migrate=False)
+    try:
+        rows = await store.audit(deployment_id, limit=limit)
+        names = {d["id"]: d["name"] for d in await store.deployments()}
+    finally:
+        await store.close()
+    return rows, names

@@ -22,11 +22,12 @@ import orjson
 from . import __version__, adminclient
 from . import config as config_mod
 from .errors import ConfigError
-from .model import Deployment
+from .model import Deployment, IdleAction
 from .recipes import ENGINES, MASK, is_secret
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
 T = TypeVar("T")
+IDLE_ACTIONS = [a.value for a in IdleAction]
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -301,10 +302,36 @@ def _dep_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         inflight = f"{od.get('inflight')}/{limit}" if limit else od.get("inflight")
         queued = f"{od.get('queued')} (#{od['queue_position']})" if od.get("queue_position") else od.get("queued")
         rows.append([v["id"], v["name"], v["served_name"], mode, v.get("priority", "normal"),
-                     v["state"], od.get("phase"), inflight, queued,
+                     _state(v), od.get("phase"), inflight, queued,
                      _ago(od.get("last_request_at")), _memory(v), ",".join(map(str, v.get("gpus") or ())) or "-",
                      f"~{v['start_eta_s']:g}s" if v.get("start_eta_s") is not None else None])
     return rows
+
+
+def _state(v: dict[str, Any]) -> str:
+    """The state, with the tier of an asleep engine: "asleep (level N, X GiB host)"."""
+    if v.get("state") != "asleep":
+        return str(v.get("state"))
+    parts = [f"level {v['sleep_level']}"] if v.get("sleep_level") else []
+    if v.get("host_gib") is not None:
+        parts.append(f"{v['host_gib']:.1f} GiB host")
+    return "asleep" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _idle_level(ctx: Ctx, view: dict[str, Any]) -> int:
+    """The tier an idle engine goes to (0: stopped, 1 or 2: asleep at that level): the view's
+    ``idle_level``, else derived as the server does (``warmth.idle_level``) from this
+    configuration's budget (a view read from the state file has none)."""
+    level = view.get("idle_level")
+    if isinstance(level, int):
+        return level
+    from . import warmth
+    from .budget import Budget
+    return warmth.idle_level(Deployment.from_row(view), Budget.from_config(ctx.cfg).per_gpu)
+
+
+def _tier(level: int) -> str:
+    return f"sleeps at level {level}" if level else "is stopped"
 
 
 def _memory(v: dict[str, Any]) -> str:
@@ -367,6 +394,8 @@ def status(ctx: Ctx, as_json: bool) -> None:
         litellm = ("ready" if od["litellm_ready"] else ("not ready: " + str(od["litellm_error"]))
                    ) if od["litellm_enabled"] else "disabled"
         click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
+        if host.get("host_memory"):
+            click.echo(_host_memory_line(host["host_memory"]))
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
     import time
@@ -377,6 +406,17 @@ def status(ctx: Ctx, as_json: bool) -> None:
     if over:
         click.echo(f"! {', '.join(over)}: measured more than 10 % over the declared memory_gib; "
                    "fit checks count the measured size (raise memory_gib)")
+
+
+def _host_memory_line(hm: dict[str, Any]) -> str:
+    """What tiered warmth watches on the host: available memory, what asleep engines hold,
+    the reserve a level-1 sleep must leave."""
+    if hm.get("available_gib") is None:
+        mem = "unreadable"
+    else:
+        mem = f"{hm['available_gib']:.1f} GiB available of {hm['total_gib']:.1f} GiB"
+    return (f"host memory: {mem}; asleep engines hold {hm.get('asleep_gib') or 0:.1f} GiB; "
+            f"a level-1 sleep leaves {hm.get('reserve_gib', 0):g} GiB")
 
 
 def _litellm_names(ctx: Ctx, host: Any) -> Any:
@@ -436,6 +476,10 @@ def deploy() -> None:
 @click.option("--priority", type=click.Choice(["low", "normal", "high"]),
               help="who waits and who is put to sleep for whom (default: normal)")
 @click.option("--max-inflight", help="requests it serves at once through the gateway; more get 429 (default: none)")
+@click.option("--idle-action", type=click.Choice(IDLE_ACTIONS),
+              help="what an idle engine becomes: auto (level-1 sleep for a vLLM or SGLang recipe on discrete "
+                   "GPUs, else a stop), stop, sleep (level 1: weights in host memory), sleep2 (level 2: weights "
+                   "dropped) (default: auto)")
 @click.option("--no-start", is_flag=True, help="leave it planned")
 @click.option("--dry-run", is_flag=True, help="check it and print the command line it would run; create nothing")
 @json_option
@@ -463,7 +507,7 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
               args: tuple[str, ...], command: str | None, port: int, memory_gib: float, gpu_count: int | None,
               gpu_ids: str | None, env: tuple[str, ...], volumes: tuple[str, ...], role: str, mode: str,
               idle_timeout: int | None, priority: str | None, max_inflight: str | None,
-              no_start: bool) -> dict[str, Any]:
+              idle_action: str | None, no_start: bool) -> dict[str, Any]:
     """`deploy add`'s POST body."""
     import shlex
     body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
@@ -486,6 +530,8 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
         body["priority"] = priority
     if max_inflight is not None:
         body["max_inflight"] = _max_inflight(max_inflight)
+    if idle_action is not None:
+        body["idle_action"] = idle_action
     body.update(_gpu_fields(gpu_count, gpu_ids))
     return body
 
@@ -562,6 +608,8 @@ def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
 @click.option("--idle-timeout", help="seconds idle before it is put to sleep, or 'default' for ondemand_idle_timeout_s")
 @click.option("--priority", type=click.Choice(["low", "normal", "high"]), help="editable while it runs")
 @click.option("--max-inflight", help="requests at once, or 'none' for no limit; editable while it runs")
+@click.option("--idle-action", type=click.Choice(IDLE_ACTIONS),
+              help="what an idle engine becomes: auto, stop, sleep (level 1) or sleep2 (level 2)")
 @json_option
 @pass_ctx
 def deploy_set(ctx: Ctx, /, dep_id: int, as_json: bool, **opts: Any) -> None:
@@ -580,7 +628,8 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
               image: str | None, args: tuple[str, ...], no_args: bool, command: str | None, port: int | None,
               memory_gib: float | None, gpu_count: str | None, gpu_ids: str | None, env: tuple[str, ...],
               no_env: bool, volumes: tuple[str, ...], no_volumes: bool, role: str | None,
-              idle_timeout: str | None, priority: str | None, max_inflight: str | None) -> dict[str, Any]:
+              idle_timeout: str | None, priority: str | None, max_inflight: str | None,
+              idle_action: str | None) -> dict[str, Any]:
     """`deploy set`'s PATCH body: only the fields given."""
     import shlex
     for given, none, flags in ((args, no_args, "--arg and --no-args"), (model, no_model, "--model and --no-model"),
@@ -610,6 +659,8 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
         body["gpu_count"] = None if gpu_count == "all" else _int_option("--gpu-count", gpu_count)
     if gpu_ids is not None:
         body["gpu_ids"] = None if gpu_ids == "any" else _gpu_list(gpu_ids)
+    if idle_action is not None:
+        body["idle_action"] = idle_action
     return body
 
 
@@ -636,8 +687,13 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
                 "state_reason", "memory_gib", "gpu_count", "gpu_ids", "gpus", "measured_gib", "idle_timeout_s",
                 "priority", "max_inflight", "last_start_s", "start_eta_s", "base_url", "image", "engine_image",
                 "args", "command", "volumes"):
-        if key in view:
+        if key == "state":
+            click.echo(f"{'state:':16} {_state(view)}")
+        elif key in view:
             click.echo(f"{key + ':':16} {view[key] if view[key] not in (None, []) else '-'}")
+        if key == "idle_timeout_s":
+            for line in _warmth_lines(ctx, view):
+                click.echo(line)
     for line in _launch_lines(view):
         click.echo(line)
     od = view.get("ondemand") or {}
@@ -648,6 +704,20 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
         click.echo(f"{'litellm:':16} {view['litellm'].get('status')} {view['litellm'].get('code') or ''}".rstrip())
     if view.get("log_tail") and view["state"] == "failed":
         click.echo("log tail:\n" + view["log_tail"])
+
+
+def _warmth_lines(ctx: Ctx, view: dict[str, Any]) -> list[str]:
+    """Its ``idle_action`` and the tier it gives (the effective level), and while asleep what
+    the sleep holds."""
+    lines = [f"{'idle_action:':16} {view.get('idle_action') or 'auto'} (idle, it {_tier(_idle_level(ctx, view))})"]
+    if view.get("state") == "asleep":
+        def gib(key: str) -> str:
+            return "-" if view.get(key) is None else f"{view[key]:.1f} GiB"
+        lines.append(f"{'sleep:':16} level {view.get('sleep_level') or '-'}; host memory {gib('host_gib')}, "
+                     f"GPU memory kept {gib('asleep_gib')}")
+    if view.get("sleep_host_gib") is not None:
+        lines.append(f"{'sleep_host_gib:':16} {view['sleep_host_gib']:.1f} (the last level-1 sleep's host memory)")
+    return lines
 
 
 def _launch_lines(view: dict[str, Any]) -> list[str]:
@@ -669,15 +739,15 @@ def _launch_lines(view: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _action(ctx: Ctx, dep_id: int, verb: str, as_json: bool, wait: bool = False) -> None:
+def _action(ctx: Ctx, dep_id: int, verb: str, as_json: bool, wait: bool = False, body: Any = None) -> None:
     view = _call(ctx, "POST" if verb != "rm" else "DELETE",
-                 f"/deployments/{dep_id}" + ("" if verb == "rm" else f"/{verb}" + ("?wait=1" if wait else "")))
+                 f"/deployments/{dep_id}" + ("" if verb == "rm" else f"/{verb}" + ("?wait=1" if wait else "")), body)
     if as_json:
         _echo_json(view)
     elif verb == "rm":
         click.echo(f"removed deployment {dep_id}")
     else:
-        click.echo(f"{view['name']}: {view['state']}")
+        click.echo(f"{view['name']}: {_state(view)}")
 
 
 @deploy.command("rm")
@@ -706,6 +776,29 @@ def deploy_start(ctx: Ctx, dep_id: int, wait: bool, as_json: bool) -> None:
 def deploy_stop(ctx: Ctx, dep_id: int, as_json: bool) -> None:
     """Stop a deployment's engine."""
     _action(ctx, dep_id, "stop", as_json)
+
+
+@deploy.command("sleep")
+@click.argument("dep_id", type=int)
+@click.option("--level", type=click.IntRange(1, 2), help="1: weights kept in host memory; 2: weights dropped "
+                                                        "(default: its idle_action's level, else 1)")
+@json_option
+@pass_ctx
+def deploy_sleep(ctx: Ctx, dep_id: int, level: int | None, as_json: bool) -> None:
+    """Put a ready vLLM or SGLang engine to sleep. A level-1 sleep that would leave less
+    than budget.host_reserve_gib of host memory sleeps at level 2: the answer says the level
+    it got."""
+    _action(ctx, dep_id, "sleep", as_json, body=None if level is None else {"level": level})
+
+
+@deploy.command("wake")
+@click.argument("dep_id", type=int)
+@click.option("--wait", is_flag=True, help="return when it is ready (or failed)")
+@json_option
+@pass_ctx
+def deploy_wake(ctx: Ctx, dep_id: int, wait: bool, as_json: bool) -> None:
+    """Wake an asleep engine (a wake that fails or answers wrong starts it cold)."""
+    _action(ctx, dep_id, "wake", as_json, wait)
 
 
 @deploy.command("logs")
@@ -784,6 +877,50 @@ def _warn_if_blind(view: dict[str, Any]) -> None:
     from .metrics import BLIND_WARNING, blind
     if blind(Deployment.from_row(view)):
         click.echo(f"warning: {view['name']}: {BLIND_WARNING}", err=True)
+
+
+# --- audit ---------------------------------------------------------------------
+
+@cli.command()
+@click.option("--deployment", "dep_id", type=int, help="only this deployment's rows")
+@click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(1, 1000), help="how many rows")
+@json_option
+@pass_ctx
+def audit(ctx: Ctx, dep_id: int | None, limit: int, as_json: bool) -> None:
+    """The audit log, newest first: time, action, actor, deployment and text (as GET
+    /api/audit; read from the state file when no server runs)."""
+    query = f"?limit={limit}" + (f"&deployment_id={dep_id}" if dep_id is not None else "")
+    names: dict[int, str] = {}
+    try:
+        status, data = _run(adminclient.request(ctx.cfg, "GET", "/audit" + query))
+    except adminclient.NoServer:
+        offline = _run(adminclient.offline_audit(ctx.cfg, dep_id, limit))
+        if offline is None:
+            _fail(f"no server runs and there is no state file at {ctx.cfg.db_path}", EXIT_NO_SERVER)
+        data, names = offline
+    else:
+        if status >= 400:
+            err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+            _fail(f"{err.get('message', status)} ({err.get('code', status)})")
+        if not as_json and any(r.get("deployment_id") is not None for r in data):
+            names = {v["id"]: v["name"] for v in _call(ctx, "GET", "/deployments")}
+    if as_json:
+        _echo_json(data)
+        return
+    rows = [[_when(r.get("at")), r["action"], r["actor"] + (f" ({r['user']})" if r.get("user") else ""),
+             _who(r.get("deployment_id"), names), r.get("text")] for r in data]
+    click.echo(_table(rows, ["TIME", "ACTION", "ACTOR", "DEPLOYMENT", "TEXT"]) if rows else "no audit rows")
+
+
+def _when(at: float | None) -> str:
+    import time
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "-"
+
+
+def _who(dep_id: int | None, names: dict[int, str]) -> str | None:
+    if dep_id is None:
+        return None
+    return f"{dep_id} ({names[dep_id]})" if dep_id in names else str(dep_id)
 
 
 # --- sync ----------------------------------------------------------------------

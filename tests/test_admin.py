@@ -74,6 +74,8 @@ async def test_host_view(server):
                                         "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
     assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
     assert host["ondemand"]["litellm_ready"] is False
+    assert set(host["host_memory"]) == {"total_gib", "available_gib", "asleep_gib", "reserve_gib"}
+    assert host["host_memory"]["asleep_gib"] == 0 and host["host_memory"]["reserve_gib"] == 16.0
 
 
 @pytest.mark.parametrize("body, field", [
@@ -85,6 +87,9 @@ async def test_host_view(server):
     ({"name": "a", "gpu_count": -1}, "gpu_count"), ({"name": "a", "gpu_count": True}, "gpu_count"),
     ({"name": "a", "gpu_ids": [0, 0]}, "gpu_ids"), ({"name": "a", "gpu_ids": []}, "gpu_ids"),
     ({"name": "a", "gpu_count": 2, "gpu_ids": [1]}, "gpu_ids"), ({"name": "a", "gpu_ids": "0,1"}, "gpu_ids"),
+    ({"name": "a", "idle_action": "nap"}, "idle_action"),
+    ({"name": "a", "engine": "llamacpp", "idle_action": "sleep"}, "idle_action"),
+    ({"name": "a", "engine": "custom", "idle_action": "sleep2"}, "idle_action"),
 ])
 async def test_validation_names_the_field(server, body, field):
     full = {"command": sim_command("A"), **body}

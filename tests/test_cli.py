@@ -432,3 +432,100 @@ async def test_deploy_add_show_and_set_with_a_recipe(tmp_path, server):
     assert server.deployer.get(dep_id).model is None
     rc, out, _ = await cli("deploy", "show", str(dep_id), config=cfg)
     assert "argv:            ondemand sim-engine --port '{port}' --model QWEN" in out
+
+
+async def test_tiered_warmth_commands(tmp_path, server):
+    # A fake /proc/meminfo: 48 of 64 GiB available, so a level-1 sleep keeps its level here.
+    (tmp_path / "meminfo").write_text(f"MemTotal: {64 * 2**20} kB\nMemAvailable: {48 * 2**20} kB\n")
+    server.deployer.budget.meminfo_path = str(tmp_path / "meminfo")
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    sim = " ".join(sim_command("alpha", "--host-mib", "32"))
+    rc, out, err = await cli("deploy", "add", "alpha", "--command", sim, "--memory-gib", "1", "--mode", "on_demand",
+                             "--idle-action", "sleep", "--json", config=cfg)
+    assert rc == 0, err
+    a = json.loads(out)["id"]
+    assert json.loads(out)["idle_action"] == "sleep"
+    # refused: no sleep API (the server's message and code), an unknown action (click's usage error)
+    rc, _, err = await cli("deploy", "add", "gemma", "--engine", "llamacpp", "--command", sim, "--idle-action",
+                           "sleep", config=cfg)
+    assert rc == 1 and err.startswith("ondemand: idle_action:") and "(invalid_field)" in err
+    rc, _, err = await cli("deploy", "add", "x", "--command", sim, "--idle-action", "nap", config=cfg)
+    assert rc == 2 and "nap" in err
+    assert [d.name for d in server.deployer.all()] == ["alpha"]
+    rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
+    assert re.search(r"^idle_action: +sleep \(idle, it sleeps at level 1\)$", out, re.M), out
+    rc, out, err = await cli("deploy", "set", str(a), "--idle-action", "stop", config=cfg)
+    assert rc == 0 and out.strip() == f"updated alpha (id {a}, stopped)", err
+    rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
+    assert re.search(r"^idle_action: +stop \(idle, it is stopped\)$", out, re.M), out
+    rc, _, err = await cli("deploy", "set", str(a), "--idle-action", "sleep", config=cfg)
+    assert rc == 0, err
+    # sleep at level 1, and the tier everywhere it is shown
+    rc, out, err = await cli("deploy", "start", str(a), "--wait", config=cfg)
+    assert rc == 0 and "ready" in out, err
+    rc, _, err = await cli("deploy", "sleep", str(a), "--level", "3", config=cfg)
+    assert rc == 2 and "--level" in err
+    rc, out, err = await cli("deploy", "sleep", str(a), "--level", "1", config=cfg)
+    assert rc == 0 and re.fullmatch(r"alpha: asleep \(level 1, \d+\.\d GiB host\)\n", out), (out, err)
+    for args in (("status",), ("deploy", "list")):
+        rc, out, _ = await cli(*args, config=cfg)
+        (row,) = [line for line in out.splitlines() if line.startswith(f"{a} ")]
+        assert re.search(r" asleep \(level 1, \d+\.\d GiB host\) ", row), out
+    rc, out, _ = await cli("status", config=cfg)
+    assert re.search(r"^host memory: 48\.0 GiB available of 64\.0 GiB; asleep engines hold \d+\.\d GiB; "
+                     r"a level-1 sleep leaves 16 GiB$", out, re.M), out
+    rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
+    assert re.search(r"^state: +asleep \(level 1, ", out, re.M)
+    assert re.search(r"^sleep: +level 1; host memory \d+\.\d GiB, GPU memory kept -$", out, re.M), out
+    rc, _, err = await cli("deploy", "sleep", str(a), config=cfg)  # asleep already
+    assert rc == 1 and err.startswith("ondemand: ") and "(invalid_state)" in err
+    rc, out, err = await cli("deploy", "wake", str(a), "--wait", config=cfg)
+    assert rc == 0 and out == "alpha: ready\n", err
+    rc, _, err = await cli("deploy", "wake", str(a), config=cfg)  # not asleep
+    assert rc == 1 and "it is not asleep (invalid_state)" in err
+    # level 2, asked; a wake without --wait answers at once
+    rc, out, err = await cli("deploy", "sleep", str(a), "--level", "2", "--json", config=cfg)
+    assert rc == 0 and (json.loads(out)["state"], json.loads(out)["sleep_level"]) == ("asleep", 2), err
+    rc, out, err = await cli("deploy", "wake", str(a), config=cfg)
+    assert rc == 0 and out in ("alpha: starting\n", "alpha: ready\n"), err
+    await wait_for(lambda: server.state(a) == "ready", what="woken")
+    # a wake that fails is started cold, and audited
+    b = (await server.deployer.create(dict(name="beta", served_name="beta", engine="vllm", memory_gib=1,
+                                           mode="on_demand", state="stopped", idle_action="sleep2",
+                                           command=sim_command("beta", "--fail", "wake-fails")))).id
+    await cli("deploy", "start", str(b), "--wait", config=cfg)
+    rc, out, err = await cli("deploy", "sleep", str(b), config=cfg)
+    assert rc == 0 and out.startswith("beta: asleep (level 2"), (out, err)
+    rc, out, err = await cli("deploy", "wake", str(b), "--wait", config=cfg)
+    assert rc == 0 and out == "beta: ready\n", err
+    # the audit: newest first, time, action, actor, deployment and text
+    rc, out, err = await cli("audit", config=cfg)
+    assert rc == 0, err
+    header, *rows = out.splitlines()
+    assert header.split() == ["TIME", "ACTION", "ACTOR", "DEPLOYMENT", "TEXT"]
+    assert re.match(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d +ondemand_wake_failed +ondemand +{b} \(beta\) +wake from "
+                    r"sleep level 2 failed", rows[0]), out
+    assert any(re.search(rf" deployment_update +admin \(socket\) +{a} \(alpha\) +edited idle_action", r)
+               for r in rows), out
+    rc, out, _ = await cli("audit", "--deployment", str(a), "-n", "1", "--json", config=cfg)
+    (row,) = json.loads(out)
+    assert (row["action"], row["deployment_id"], row["detail"]["new"]) == ("deployment_update", a,
+                                                                           {"idle_action": "sleep"})
+    rc, out, _ = await cli("audit", "--deployment", "99", config=cfg)
+    assert rc == 0 and out == "no audit rows\n"
+    rc, _, err = await cli("audit", "-n", "0", config=cfg)
+    assert rc == 2
+
+
+async def test_audit_without_a_server(tmp_path):
+    async with run_app(tmp_path) as server:
+        a = await server.add("alpha")
+        await server.deployer.edit(a, {"idle_action": "sleep2"}, user="socket")
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    rc, out, err = await cli("audit", config=cfg)
+    assert rc == 0, err
+    assert re.search(rf" deployment_update +admin \(socket\) +{a} \(alpha\) +edited idle_action$", out, re.M), out
+    rc, out, _ = await cli("audit", "--json", config=cfg)
+    assert [r["action"] for r in json.loads(out)] == ["deployment_update"]
+    rc, _, err = await cli("audit", config=write_config(tmp_path / "d.toml", tmp_path / "empty"))
+    assert rc == 3 and "no state file" in err
