@@ -223,3 +223,34 @@ async def test_views_say_the_effective_idle_level(server):
     assert (a["idle_level"], b["idle_level"]) == (2, 0)  # auto without a recipe: a stop
     _, views = await api(server, "GET", "/deployments")
     assert [v["idle_level"] for v in views] == [2, 0]
+
+
+@pytest.mark.server(**{"deployer.wake_timeout_s": 1})
+@pytest.mark.parametrize("fail, result", [("wake-garbage", "mismatch"), ("wake-hangs", "failed"),
+                                          ("wake-fails", "failed")])
+async def test_a_failed_wake_starts_cold(server, fail, result):
+    _, view = await api(server, "POST", "/deployments", sleeper("a", "--fail", fail))
+    i = view["id"]
+    await api(server, "POST", f"/deployments/{i}/start?wait=1")
+    _, view = await api(server, "POST", f"/deployments/{i}/sleep", {"level": 1})
+    assert view["sleep_level"] == 1
+    status, view = await api(server, "POST", f"/deployments/{i}/wake?wait=1")
+    assert status == 200 and view["state"] == "ready" and view["sleep_level"] is None, view
+    state = await sim_state(server, i)  # a new engine (it never slept), awake and sound
+    assert (state["level"], state["garbage"], state["sleeps"]) == (0, False, 0), state
+    (row,) = [r for r in await server.deployer.store.audit(i) if r["action"] == "ondemand_wake_failed"]
+    assert row["detail"]["result"] == result and row["detail"]["level"] == 1 and row["actor"] == "ondemand"
+
+
+@pytest.mark.xfail(strict=True, reason="core defect (Deployer.edit): an edit that makes another engine "
+                                       "(_REMEASURE: model, memory_gib, command, ...) clears measured_gib but keeps "
+                                       "sleep_host_gib, the old engine's level-1 host memory, which "
+                                       "warmth.predicted_host_gib then uses for the new one's host reserve")
+async def test_an_edit_that_makes_another_engine_forgets_its_sleep_measurements(server):
+    _, view = await api(server, "POST", "/deployments", sleeper("a"))
+    i = view["id"]
+    await server.deployer.update(i, sleep_host_gib=2.0, asleep_gib=0.5)  # as a past sleep measured them
+    status, view = await api(server, "PATCH", f"/deployments/{i}", {"memory_gib": 60})
+    assert status == 200
+    dep = server.deployer.get(i)
+    assert (dep.sleep_host_gib, dep.asleep_gib) == (None, None)  # the prediction is memory_gib again: 60
