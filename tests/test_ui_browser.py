@@ -140,3 +140,129 @@ def test_the_readme_shows_the_pages_picture():
     readme = (ROOT / "README.md").read_text()
     assert "docs/ui.png" in readme and (ROOT / "docs" / "ui.png").exists()
     assert pathlib.Path(SCREENSHOT).stat().st_size > 10000
+
+
+# Tiered warmth on the page: its own short script (the main one above is long enough).
+WARMTH_SCRIPT = r"""
+const { chromium } = require("playwright-core");
+const row = (name) => `#rows tr[data-name="${name}"]`;
+const seen = (page, name) => page.$eval(row(name), (tr) => ({
+  state: tr.dataset.state, badge: tr.querySelector(".badge").textContent,
+  detail: tr.querySelector(".state .detail").textContent, mode: tr.querySelector(".mode").textContent }));
+(async () => {
+  const [url, token] = process.argv.slice(2);
+  const browser = await chromium.launch({ executablePath: "/usr/bin/chromium",
+    args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"] });
+  const out = { errors: [], posts: [] };
+  try {
+    const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+    page.on("pageerror", (e) => out.errors.push(String(e)));
+    page.on("request", (r) => { if (r.method() === "POST" && /\/(sleep|wake)$/.test(r.url()))
+      out.posts.push({ path: new URL(r.url()).pathname.split("/").slice(-2).join("/"), body: r.postData() }); });
+    await page.goto(url);
+    await page.waitForSelector("#login:not([hidden])", { timeout: 10000 });
+    await page.fill("#token", token);
+    await page.click("#login button[type=submit]");
+    await page.waitForSelector(row("dozy"), { timeout: 10000 });
+    out.dozy = await seen(page, "dozy");
+    // The host bar beside the GPUs' (it needs the host's reading and the views).
+    await page.waitForFunction(() => document.querySelector("#gpus .hostmem .seg.asleep"), null, { timeout: 10000 });
+    out.host = await page.$eval("#gpus .hostmem", (d) => ({
+      aria: d.querySelector(".track").getAttribute("aria-label"), label: d.querySelector(".label").textContent,
+      who: d.querySelector(".who").textContent, reserve: !!d.querySelector(".track .reserve"),
+      asleep: [...d.querySelectorAll(".seg.asleep")].map((s) => s.title) }));
+    out.gpu_bars = await page.$$eval("#gpus .gpu", (gs) => gs.length);
+    out.gpu_asleep = await page.$$eval("#gpus .gpu .seg.asleep", (ss) => ss.map((s) => s.title));
+    // Sleep nappy from its button, at level 2.
+    await page.click(`${row("nappy")} button[aria-label="Sleep nappy"]`);
+    await page.waitForFunction(() => document.getElementById("sleep").open, null, { timeout: 5000 });
+    out.dialog = { level: await page.$eval("#s-level", (s) => s.value), note: await page.textContent("#sleep-note") };
+    await page.selectOption("#s-level", "2");
+    await page.click("#sleep-save");
+    await page.waitForFunction((sel) => { const tr = document.querySelector(sel);
+      return tr && tr.dataset.state === "asleep" && tr.querySelector(".badge").textContent.includes("level 2"); },
+      row("nappy"), { timeout: 15000 });
+    // The row follows the mark to asleep (the event stream); the dialog closes once the POST answers.
+    out.dialog.closed = await page.waitForFunction(() => !document.getElementById("sleep").open, null,
+                                                   { timeout: 15000 }).then(() => true, () => false);
+    out.nappy = await seen(page, "nappy");
+    // Wake dozy from its button.
+    await page.click(`${row("dozy")} button[aria-label="Wake dozy"]`);
+    await page.waitForFunction((sel) => document.querySelector(sel).dataset.state === "ready", row("dozy"),
+                               { timeout: 15000 });
+    out.woken = await seen(page, "dozy");
+    await page.click(`${row("dozy")} button[aria-label="Details dozy"]`);
+    out.info = await page.textContent("#info-list");
+    await page.keyboard.press("Escape");
+    // A new deployment's idle action, from the form, and back in the edit form.
+    await page.click("#add");
+    await page.fill("#f-name", "deep");
+    await page.fill("#f-command", "ondemand sim-engine --port {port} --model DEEP");
+    await page.selectOption("#f-mode", "on_demand");
+    await page.selectOption("#f-idle-action", "sleep2");
+    await page.click("#edit-save");
+    await page.waitForSelector(row("deep"), { timeout: 5000 });
+    out.deep = await seen(page, "deep");
+    await page.click(`${row("deep")} button[aria-label="Edit deep"]`);
+    out.deep.form = await page.$eval("#f-idle-action", (s) => s.value);
+    await page.click("#edit-cancel");
+  } finally {
+    await browser.close();
+  }
+  console.log(JSON.stringify(out));
+})().catch((e) => { console.error(e); process.exit(1); });
+"""
+
+
+async def test_the_page_shows_sleep_tiers_and_host_memory(tmp_path, browser_ready, fake_nvidia_smi):
+    """An asleep deployment shows its level and host memory, the host-memory bar renders beside
+    the GPUs' (the asleep engines' share, the reserve marked), the Sleep button asks for a level
+    and level 2 is what the row then says, and Wake wakes."""
+    fake_nvidia_smi(*(f"{80 * GIB_MIB}, 0" for _ in range(2)))
+    settings = {"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
+                "budget.host_reserve_gib": 0.5, "metrics_interval_s": 0.5, "ondemand_idle_timeout_s": 600,
+                "reap_interval_s": 3600}
+    async with run_app(tmp_path, **settings) as server:
+        deployer = server.deployer
+        dozy = (await deployer.create(dep("dozy", 2, "--host-mib", "64", "--sleep-gpu-mib", "512",
+                                          idle_action="sleep"))).id
+        nappy = (await deployer.create(dep("nappy", 2, idle_action="sleep"))).id
+        for d in (dozy, nappy):
+            await deployer.restart(d)
+        assert await deployer.sleep(dozy, 1) == 1
+        host_gib = deployer.get(dozy).host_gib
+        assert host_gib and host_gib > 0.06  # the simulator's 64 MiB of weights, and the process
+        script = tmp_path / "warmth_ui.js"
+        script.write_text(WARMTH_SCRIPT)
+        proc = await asyncio.create_subprocess_exec(
+            "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            pytest.fail("the page script did not finish")
+        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        assert (server.state(nappy), deployer.get(nappy).sleep_level) == ("asleep", 2)  # as its row said
+    assert result["errors"] == [], result
+    shown = f"{round(host_gib * 100) / 100:g} GiB host" if host_gib < 1 else f"{round(host_gib, 1):g} GiB host"
+    dozy_row = result["dozy"]
+    assert dozy_row["state"] == "asleep" and dozy_row["badge"] == "asleep · level 1", dozy_row
+    assert shown in dozy_row["detail"] and "0.5 GiB on its GPUs" in dozy_row["detail"], dozy_row
+    assert "when idle: sleep, level 1" in dozy_row["mode"], dozy_row
+    host = result["host"]
+    assert host["aria"].startswith("Host memory: ") and "GiB available" in host["label"], host
+    assert "asleep engines hold" in host["aria"] and "(dozy)" in host["aria"] and "reserve 0.5 GiB" in host["aria"]
+    assert host["reserve"] and len(host["asleep"]) == 1 and host["asleep"][0].startswith("dozy asleep (level 1)")
+    assert result["gpu_bars"] == 2 and any(t.startswith("dozy (asleep): 0.5 GiB") for t in result["gpu_asleep"])
+    assert result["dialog"]["level"] == "1" and "a level-1 sleep that would leave less" in result["dialog"]["note"]
+    assert result["dialog"]["closed"]
+    nappy_row = result["nappy"]
+    assert nappy_row["badge"] == "asleep · level 2" and "GiB host" in nappy_row["detail"], nappy_row
+    assert {"path": f"{nappy}/sleep", "body": '{"level":2}'} in result["posts"], result["posts"]
+    assert any(p["path"] == f"{dozy}/wake" for p in result["posts"]), result["posts"]
+    assert result["woken"]["state"] == "ready" and result["woken"]["badge"] == "ready"
+    assert "When idlesleep, level 1" in result["info"], result["info"]
+    assert "when idle: sleep, level 2" in result["deep"]["mode"] and result["deep"]["form"] == "sleep2", result["deep"]

@@ -119,10 +119,10 @@ async function loadHost() {
 function renderGpus(b) {
   const box = $("gpus");
   box.replaceChildren();
-  if (b.error) { box.textContent = b.error; return; }
+  if (b.error) box.append(el("p", {className: "gpu-error"}, b.error));
   const byName = new Map([...views.values()].map((v) => [v.name, v]));
-  for (const g of b.gpus || []) {
-    const div = el("div", {className: "gpu"});
+  for (const g of b.error ? [] : b.gpus || []) {
+    const div = el("div", {className: "gpu meter"});
     const title = b.per_gpu ? `GPU ${g.index}` : (b.source === "meminfo" ? "Unified memory" : "Memory");
     const label = el("div", {className: "label"}, el("strong", {}, title),
                      el("span", {}, `${fmt(g.used)} of ${fmt(g.capacity)} GiB used`));
@@ -131,8 +131,10 @@ function renderGpus(b) {
     for (const name of g.deployments) {
       const v = byName.get(name);
       const share = v ? shareOn(v, b) : 0;
+      const asleep = v && v.state === "asleep";
       ours += share;
-      track.append(el("div", {className: "seg", title: `${name}: ${fmt(share)} GiB`,
+      track.append(el("div", {className: asleep ? "seg asleep" : "seg",
+                              title: `${name}${asleep ? " (asleep)" : ""}: ${gib(share)} GiB`,
                               style: `width:${pct(share, g.capacity)}%`}));
     }
     const foreign = Math.max(0, g.used - ours);
@@ -147,13 +149,63 @@ function renderGpus(b) {
       (g.deployments.length ? " · " + g.deployments.join(", ") : "")));
     box.append(div);
   }
+  const hm = hostMemory();
+  if (hm) box.append(hm);
 }
 
 function shareOn(v, b) {
-  const size = Math.max(v.memory_gib || 0, v.measured_gib || 0);
+  let size = Math.max(v.memory_gib || 0, v.measured_gib || 0);
+  if (v.state === "asleep") size = Math.min(size, v.asleep_gib || 0);  // what it keeps asleep, as measured
   if (!b.per_gpu) return size;
   const n = (v.gpus || []).length || (b.gpus || []).length || 1;
   return size / n;
+}
+
+// Host memory (GET /api/host's host_memory, tiered warmth): the total, what is available, the
+// asleep engines' share (a level-1 sleeper's weights are there) and the reserve a level-1 sleep
+// must leave available (below it, a sleep goes to level 2). Nothing when the server says nothing.
+function hostMemory() {
+  const hm = host && host.host_memory;
+  if (!hm || typeof hm !== "object") return null;
+  const total = hm.total_gib, avail = hm.available_gib, reserve = hm.reserve_gib || 0;
+  const sleepers = [...views.values()].filter((v) => v.state === "asleep").sort((a, b) => a.id - b.id);
+  const known = sleepers.reduce((sum, v) => sum + (v.host_gib || 0), 0);
+  const asleep = hm.asleep_gib ?? known;
+  const readable = total > 0 && avail !== null && avail !== undefined;
+  const div = el("div", {className: "meter hostmem"});
+  const label = el("div", {className: "label"}, el("strong", {}, "Host memory"),
+                   el("span", {}, readable ? `${fmt(avail)} of ${fmt(total)} GiB available` : "not readable"));
+  const track = el("div", {className: "track", role: "img"});
+  if (readable) {
+    for (const v of sleepers) {
+      if (v.host_gib) {
+        track.append(el("div", {className: "seg asleep", title: `${v.name} asleep (level ${v.sleep_level ?? "?"}): ` +
+                                `${gib(v.host_gib)} GiB`, style: `width:${pct(v.host_gib, total)}%`}));
+      }
+    }
+    if (asleep - known > 0.005) {  // measured by the server, not (yet) in the views
+      track.append(el("div", {className: "seg asleep", title: `asleep engines: ${gib(asleep - known)} GiB`,
+                              style: `width:${pct(asleep - known, total)}%`}));
+    }
+    const other = Math.max(0, total - avail - Math.max(asleep, known));
+    track.append(el("div", {className: "seg foreign", title: `everything else: ${fmt(other)} GiB`,
+                            style: `width:${pct(other, total)}%`}));
+    if (reserve > 0) {
+      track.append(el("div", {className: "reserve", title: `reserve: ${gib(reserve)} GiB a level-1 sleep must leave available`,
+                              style: `width:${pct(reserve, total)}%`}));
+    }
+  }
+  const names = sleepers.filter((v) => v.host_gib).map((v) => v.name);
+  track.setAttribute("aria-label", "Host memory: " + (readable ? `${fmt(avail)} of ${fmt(total)} GiB available, ` : "not readable, ") +
+                     `asleep engines hold ${gib(asleep)} GiB` + (names.length ? ` (${names.join(", ")})` : "") +
+                     `, reserve ${gib(reserve)} GiB`);
+  const low = readable && avail < reserve;
+  const held = asleep > 0.005 || sleepers.length ?
+    `${gib(asleep)} GiB asleep engines` + (names.length ? ` (${names.join(", ")})` : "") : "no engine asleep";
+  const who = el("div", {className: low ? "who low" : "who"},
+                 `${held} · reserve ${gib(reserve)} GiB` + (low ? " · below it: a sleep goes to level 2" : ""));
+  div.append(label, track, who);
+  return div;
 }
 
 // --- deployments, live -------------------------------------------------------------------
@@ -258,8 +310,8 @@ function row(v) {
 }
 
 function badge(v) {
-  const b = el("span", {className: "badge " + v.state}, v.state);
-  return b;
+  const text = v.state === "asleep" && v.sleep_level ? `asleep · level ${v.sleep_level}` : v.state;
+  return el("span", {className: "badge " + v.state}, text);
 }
 
 function stateDetail(v) {
@@ -267,6 +319,10 @@ function stateDetail(v) {
   const now = Date.now() / 1000;
   if (v.state === "starting") {
     const elapsed = Math.max(0, now - v.updated_at);
+    if (v.sleep_level) {  // a wake: the cold starts' ETA says nothing of it
+      return `waking from level ${v.sleep_level} for ${dur(elapsed)}` +
+        (od.phase === "starting_for_request" ? " · for a request" : "");
+    }
     let s = `for ${dur(elapsed)}`;
     if (v.start_eta_s) s += ` · expected in about ${dur(Math.max(0, v.start_eta_s - elapsed))}`;
     if (od.phase === "starting_for_request") s += " · for a request";
@@ -277,21 +333,47 @@ function stateDetail(v) {
     if (od.backoff_until && od.backoff_until > now) s += ` · new starts refused for ${dur(od.backoff_until - now)}`;
     return s;
   }
+  if (v.state === "asleep") return asleepDetail(v);
   if (v.state === "ready" && v.last_start_s) return `started in ${dur(v.last_start_s)}`;
   if (od.phase === "queued") return "queued for memory";
   if (v.state === "planned") return "an administrator starts it";
   return "";
 }
 
+// What an asleep engine holds: host memory (a level-1 sleeper's weights), and on its GPUs.
+function asleepDetail(v) {
+  let s = v.host_gib !== null && v.host_gib !== undefined ? `${gib(v.host_gib)} GiB host` : "host memory not measured";
+  if (v.asleep_gib !== null && v.asleep_gib !== undefined) s += ` · ${gib(v.asleep_gib)} GiB on its GPUs`;
+  return s;
+}
+
+// The tier an idle engine goes to: 0 (a stop), 1 or 2; the view's idle_level when the server
+// gives it, else what idle_action names (auto: null, the server decides).
+function idleLevel(v) {
+  if (typeof v.idle_level === "number") return v.idle_level;
+  return {stop: 0, sleep: 1, sleep2: 2}[v.idle_action] ?? null;
+}
+
+function idleText(v) {
+  if (!v.idle_action) return null;  // a server without tiered warmth
+  const level = idleLevel(v);
+  const what = level === null ? "" : level === 0 ? "stop" : `sleep, level ${level}`;
+  return v.idle_action === "auto" ? "auto" + (what ? ` (${what})` : "") : what || v.idle_action;
+}
+
 function modeDetail(v) {
   const od = v.ondemand || {};
   const idle = v.idle_timeout_s ? `idle timeout ${dur(v.idle_timeout_s)}` : "default idle timeout";
   let s = v.mode === "on_demand" ? idle : "";
+  const when = idleText(v);
+  if (v.mode === "on_demand" && when) s += ` · when idle: ${when}`;
   if (v.priority && v.priority !== "normal") s += `${s ? " · " : ""}${v.priority} priority`;
   if (v.pending_mode) s = `switching to ${v.pending_mode.replace("_", " ")} at the start`;
   if (od.idle_until) {
+    // Asleep, the reaper's next step is a stop (sleep_timeout_s); awake, the idle action's.
+    const verb = v.state === "asleep" || idleLevel(v) === 0 ? "stops" : "sleeps";
     const left = od.idle_until - Date.now() / 1000;
-    s += left > 0 ? ` · sleeps in ${dur(left)}` : " · sleeps at the next look";
+    s += left > 0 ? ` · ${verb} in ${dur(left)}` : ` · ${verb} at the next look`;
   }
   return s;
 }
@@ -308,7 +390,7 @@ function buttons(v) {
   const st = v.state;
   if (["stopped", "failed", "planned"].includes(st)) add("Start", () => act(v, "start"));
   if (["ready", "starting", "asleep"].includes(st) || (st === "failed" && v.base_url)) add("Stop", () => act(v, "stop"));
-  if (st === "ready" && v.engine === "vllm") add("Sleep", () => act(v, "sleep"));
+  if (st === "ready" && ["vllm", "sglang"].includes(v.engine)) add("Sleep", () => openSleep(v));
   if (st === "asleep") add("Wake", () => act(v, "wake"));
   if (v.role === "model") add("Mode", () => openMode(v));
   if (["stopped", "failed", "planned"].includes(st)) add("Edit", () => openEdit(v));
@@ -324,6 +406,38 @@ async function act(v, verb) {
     await call("POST", `deployments/${v.id}/${verb}`);
   } catch (e) { if (e.status !== 401) showError(e); }
 }
+
+// The sleep asks for its level: 1 (weights kept in host memory) or 2 (weights dropped).
+let sleeping = null;
+$("sleep-cancel").addEventListener("click", () => $("sleep").close());
+
+function openSleep(v) {
+  sleeping = v;
+  $("sleep-error").textContent = "";
+  $("sleep-title").textContent = `Put ${v.name} to sleep`;
+  $("s-level").value = String(idleLevel(v) === 2 ? 2 : 1);
+  const hm = host && host.host_memory;
+  $("sleep-note").textContent = "Level 1 wakes in seconds; level 2 frees host memory too, and its wake reads " +
+    "the weights again." + (hm && hm.available_gib !== null && hm.available_gib !== undefined ?
+    ` Host memory: ${fmt(hm.available_gib)} GiB available, ${gib(hm.reserve_gib || 0)} GiB reserved; ` +
+    "a level-1 sleep that would leave less sleeps at level 2." : "");
+  $("sleep-save").disabled = false;
+  $("sleep").showModal();
+  $("s-level").focus();
+}
+
+$("sleep-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  $("sleep-save").disabled = true;  // the engine's sleep call takes a moment: one at a time
+  try {
+    await call("POST", `deployments/${sleeping.id}/sleep`, {level: Number($("s-level").value)});
+    $("sleep").close();
+  } catch (e) {
+    if (e.status !== 401) showError(e, "sleep-error");
+  } finally {
+    $("sleep-save").disabled = false;
+  }
+});
 
 // --- forms ---------------------------------------------------------------------------------
 
@@ -355,6 +469,7 @@ function openEdit(v) {
     f.idle_timeout_s.value = v.idle_timeout_s ?? "";
     f.priority.value = v.priority || "normal";
     f.max_inflight.value = v.max_inflight ?? "";
+    f.idle_action.value = v.idle_action || "auto";
   } else {
     // As the design's wizard: on demand when LiteLLM is there to route to it.
     f.mode.value = host && host.ondemand.litellm_ready ? "on_demand" : "always_on";
@@ -374,6 +489,8 @@ function editBody(f) {
     gpu_ids: f.gpu_ids.value.trim() ? f.gpu_ids.value.split(",").map((x) => Number(x.trim())) : null,
     priority: f.priority.value, max_inflight: num(f.max_inflight.value),
   };
+  // auto is the default: sent when chosen otherwise, or to a server whose views carry the field.
+  if (f.idle_action.value !== "auto" || (editing && "idle_action" in editing)) body.idle_action = f.idle_action.value;
   // A pin sets the count; a new one left empty gets the server's default (1 with a model).
   if (body.gpu_count === null && (body.gpu_ids || !editing)) delete body.gpu_count;
   if (!host || host.backend === "docker") {
@@ -442,6 +559,8 @@ function fillInfo(v) {
                             : `not derived: ${v.argv_error || "unknown"}`],
     ["Environment", (v.env_names || []).length || Object.keys(own).length ? env : "nothing of its own"],
     (v.volumes || []).length ? ["Volumes", el("ul", {}, ...v.volumes.map((x) => el("li", {}, el("code", {}, x))))] : null,
+    idleText(v) ? ["When idle", idleText(v)] : null,
+    v.state === "asleep" ? ["Asleep", (v.sleep_level ? `level ${v.sleep_level} · ` : "") + asleepDetail(v)] : null,
   ];
   const list = $("info-list");
   list.replaceChildren();
@@ -572,6 +691,7 @@ function el(tag, props, ...children) {
 }
 
 function fmt(x) { return x === null || x === undefined ? "–" : String(Math.round(x * 10) / 10); }
+function gib(x) { return x === null || x === undefined || x >= 1 ? fmt(x) : String(Math.round(x * 100) / 100); }
 function pct(part, whole) { return whole > 0 ? Math.min(100, (100 * part) / whole).toFixed(2) : 0; }
 function dur(s) {
   s = Math.round(s);
