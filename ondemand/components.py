@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from . import warmth
 from .accesslog import AccessLog
 from .admission import Admission
 from .config import Config
@@ -77,6 +78,7 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     dep_id = dep.id
     out.update(launch_fields(app[DEPLOYER], dep))
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
+    out["idle_level"] = warmth.idle_level(dep, app[DEPLOYER].budget.per_gpu)  # 0: an idle engine is stopped
     out["ondemand"] = app[CONTROLLER].status(dep_id)
     sync = app.get(SYNC)
     out["litellm"] = sync.status_of(dep_id) if sync is not None else None

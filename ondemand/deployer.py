@@ -60,7 +60,7 @@ from .budget import Budget, apps_gib
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, StateFileError
 from .events import DeploymentChanged, Slept, StopCause, Woken
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, State, plain
-from .recipes import Box, FieldError, Launch, is_secret, launch
+from .recipes import Box, FieldError, Launch, is_secret, launch, may_sleep
 from .store import Store
 from .tasks import TaskGroup
 
@@ -467,7 +467,10 @@ class Deployer:
             raise NameTaken(f"name: a deployment named {name!r} exists")
         old = {k: _shown(k, getattr(dep, k)) for k in changed}
         new = {k: _shown(k, v) for k, v in changed.items()}
-        extra = {"measured_gib": None} if set(changed) & _REMEASURE and dep.measured_gib is not None else {}
+        # Another engine: what the old one was measured to use, keep asleep and add to host memory
+        # asleep no longer holds (a stale small reading would let a big model's sleep swap).
+        extra = {k: None for k in ("measured_gib", "asleep_gib", "sleep_host_gib")
+                 if getattr(dep, k) is not None} if set(changed) & _REMEASURE else {}
         return await self.update(dep_id, actor=actor, user=user, audit="deployment_update",
                                  text=f"edited {', '.join(sorted(changed))}",
                                  detail={"old": old, "new": new}, **changed, **extra)
@@ -958,8 +961,19 @@ class Deployer:
         per_gpu = self.budget.per_gpu
         if not warmth.has_sleep_api(dep):
             raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
+        if dep.model is not None and not may_sleep(dep, per_gpu):
+            # Its recipe left the sleep flags out (idle_action stop, or auto where a wake is not
+            # reliable): the engine would refuse, and a failed sleep stops it.
+            raise DeployerError(f"{dep.name} was started without the sleep flags (idle_action "
+                                f"{dep.idle_action}): set idle_action sleep or sleep2, or stop it instead")
         want = level or warmth.idle_level(dep, per_gpu) or 1
-        if want not in warmth.LEVELS or want > warmth.deepest_level(dep, per_gpu):
+        deepest = warmth.deepest_level(dep, per_gpu)
+        if dep.engine == "sglang":
+            if level is not None and level != deepest:  # its start flags chose the level, not the call
+                raise DeployerError(f"{dep.name} sleeps at level {deepest} only: SGLang's level is set by its "
+                                    "start flags (idle_action sleep: level 1, sleep2: level 2)")
+            want = deepest
+        if want not in warmth.LEVELS or want > deepest:
             raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
                                 "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
         # From here to the mark, no await: the checks and the move are one step.

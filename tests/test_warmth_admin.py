@@ -196,11 +196,6 @@ async def test_host_memory_in_host(server, tmp_path):
     assert host["host_memory"] == {"total_gib": None, "available_gib": None, "asleep_gib": 0, "reserve_gib": 16.0}
 
 
-@pytest.mark.xfail(strict=True, reason="core defect (deployer.sleep): an SGLang engine started for level 2 "
-                                       "(idle_action sleep2: no --enable-weights-cpu-backup) asked to sleep at "
-                                       "level 1 is marked sleep_level 1, though SGLang drops its weights; the "
-                                       "wake then skips /update_weights_from_disk, answers garbage, and is "
-                                       "started cold (ondemand_wake_failed)")
 async def test_sglang_sleeps_at_the_level_its_flags_chose(server):
     _, view = await api(server, "POST", "/deployments",
                         sleeper("a", "--flavor", "sglang", engine="sglang", idle_action="sleep2"))
@@ -215,8 +210,6 @@ async def test_sglang_sleeps_at_the_level_its_flags_chose(server):
         assert not [r for r in await server.deployer.store.audit(i) if r["action"] == "ondemand_wake_failed"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs components.view to add idle_level (the views are built there, "
-                                       "not in admin.py); the dry run's answer has it already")
 async def test_views_say_the_effective_idle_level(server):
     _, a = await api(server, "POST", "/deployments", sleeper("a", idle_action="sleep2"))
     _, b = await api(server, "POST", "/deployments", sleeper("b", idle_action="auto"))
@@ -242,10 +235,6 @@ async def test_a_failed_wake_starts_cold(server, fail, result):
     assert row["detail"]["result"] == result and row["detail"]["level"] == 1 and row["actor"] == "ondemand"
 
 
-@pytest.mark.xfail(strict=True, reason="core defect (Deployer.edit): an edit that makes another engine "
-                                       "(_REMEASURE: model, memory_gib, command, ...) clears measured_gib but keeps "
-                                       "sleep_host_gib, the old engine's level-1 host memory, which "
-                                       "warmth.predicted_host_gib then uses for the new one's host reserve")
 async def test_an_edit_that_makes_another_engine_forgets_its_sleep_measurements(server):
     _, view = await api(server, "POST", "/deployments", sleeper("a"))
     i = view["id"]
