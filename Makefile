@@ -118,11 +118,12 @@ pyz: install
 pyz-all: install
 	for t in $(PYZ_TARGETS); do $(PY) scripts/build_pyz.py --target $$t || exit 1; done
 
-# The gateway's figures against a direct connection, then the cold path (its own section).
+# The gateway's figures against a direct connection, then the cold path and the wake path (their own sections).
 bench: install
 	bash $(HEAVY)/nginx.sh >/dev/null || echo "bench: no nginx here; the side-by-side leaves it out"
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_cold.py
+	$(PY) scripts/bench_wake.py
 
 # A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
 # the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.
