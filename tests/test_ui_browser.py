@@ -186,6 +186,12 @@ const seen = (page, name) => page.$eval(row(name), (tr) => ({
     out.dialog.closed = await page.waitForFunction(() => !document.getElementById("sleep").open, null,
                                                    { timeout: 15000 }).then(() => true, () => false);
     out.nappy = await seen(page, "nappy");
+    // SGLang's level is its start flags': the dialog offers that one only.
+    await page.click(`${row("sgl")} button[aria-label="Sleep sgl"]`);
+    await page.waitForFunction(() => document.getElementById("sleep").open, null, { timeout: 5000 });
+    out.sglang = await page.$eval("#s-level", (s) => ({ level: s.value,
+      disabled: [...s.options].filter((o) => o.disabled).map((o) => o.value) }));
+    await page.click("#sleep-cancel");
     // Wake dozy from its button.
     await page.click(`${row("dozy")} button[aria-label="Wake dozy"]`);
     await page.waitForFunction((sel) => document.querySelector(sel).dataset.state === "ready", row("dozy"),
@@ -227,7 +233,9 @@ async def test_the_page_shows_sleep_tiers_and_host_memory(tmp_path, browser_read
         dozy = (await deployer.create(dep("dozy", 2, "--host-mib", "64", "--sleep-gpu-mib", "512",
                                           idle_action="sleep"))).id
         nappy = (await deployer.create(dep("nappy", 2, idle_action="sleep"))).id
-        for d in (dozy, nappy):
+        sgl = (await deployer.create({**dep("sgl", 1, "--flavor", "sglang", idle_action="sleep"),
+                                      "engine": "sglang"})).id
+        for d in (dozy, nappy, sgl):
             await deployer.restart(d)
         assert await deployer.sleep(dozy, 1) == 1
         host_gib = deployer.get(dozy).host_gib
@@ -262,6 +270,7 @@ async def test_the_page_shows_sleep_tiers_and_host_memory(tmp_path, browser_read
     nappy_row = result["nappy"]
     assert nappy_row["badge"] == "asleep · level 2" and "GiB host" in nappy_row["detail"], nappy_row
     assert {"path": f"{nappy}/sleep", "body": '{"level":2}'} in result["posts"], result["posts"]
+    assert result["sglang"] == {"level": "1", "disabled": ["2"]}  # with idle_action sleep: level 1 only
     assert any(p["path"] == f"{dozy}/wake" for p in result["posts"]), result["posts"]
     assert result["woken"]["state"] == "ready" and result["woken"]["badge"] == "ready"
     assert "When idlesleep, level 1" in result["info"], result["info"]

@@ -390,7 +390,9 @@ function buttons(v) {
   const st = v.state;
   if (["stopped", "failed", "planned"].includes(st)) add("Start", () => act(v, "start"));
   if (["ready", "starting", "asleep"].includes(st) || (st === "failed" && v.base_url)) add("Stop", () => act(v, "stop"));
-  if (st === "ready" && ["vllm", "sglang"].includes(v.engine)) add("Sleep", () => openSleep(v));
+  // A recipe whose idle action is a stop was started without the sleep flags: it cannot sleep.
+  const canSleep = ["vllm", "sglang"].includes(v.engine) && !(v.model && idleLevel(v) === 0);
+  if (st === "ready" && canSleep) add("Sleep", () => openSleep(v));
   if (st === "asleep") add("Wake", () => act(v, "wake"));
   if (v.role === "model") add("Mode", () => openMode(v));
   if (["stopped", "failed", "planned"].includes(st)) add("Edit", () => openEdit(v));
@@ -415,10 +417,13 @@ function openSleep(v) {
   sleeping = v;
   $("sleep-error").textContent = "";
   $("sleep-title").textContent = `Put ${v.name} to sleep`;
-  $("s-level").value = String(idleLevel(v) === 2 ? 2 : 1);
+  // SGLang's level is the one its start flags chose (the CPU backup of the weights: level 1).
+  const fixed = v.engine === "sglang" ? (idleLevel(v) === 1 ? 1 : 2) : null;
+  for (const o of $("s-level").options) o.disabled = fixed !== null && Number(o.value) !== fixed;
+  $("s-level").value = String(fixed ?? (idleLevel(v) === 2 ? 2 : 1));
   const hm = host && host.host_memory;
-  $("sleep-note").textContent = "Level 1 wakes in seconds; level 2 frees host memory too, and its wake reads " +
-    "the weights again." + (hm && hm.available_gib !== null && hm.available_gib !== undefined ?
+  $("sleep-note").textContent = (fixed ? `SGLang sleeps at the level its start flags chose: ${fixed}. ` : "") +
+    "Level 1 wakes in seconds; level 2 frees host memory too, and its wake reads the weights again." + (hm && hm.available_gib !== null && hm.available_gib !== undefined ?
     ` Host memory: ${fmt(hm.available_gib)} GiB available, ${gib(hm.reserve_gib || 0)} GiB reserved; ` +
     "a level-1 sleep that would leave less sleeps at level 2." : "");
   $("sleep-save").disabled = false;
