@@ -103,8 +103,12 @@ def cli(ctx: click.Context, config_path: str | None) -> None:
 
 DEMO_DEPLOYMENTS = [
     # (name, GiB, simulator arguments): both do not fit in the demo's 24 GiB.
-    ("demo-small", 10, ["--startup-delay", "3", "--token-delay", "0.05", "--tokens", "40"]),
-    ("demo-large", 16, ["--startup-delay", "5", "--token-delay", "0.05", "--tokens", "40"]),
+    # A cold start of 3 or 5 s; asleep, a wake of half a second (the simulator's sleep mode; its
+    # weights "kept" in 64 MiB of host memory, really held).
+    ("demo-small", 10, ["--startup-delay", "3", "--wake-delay", "0.5", "--host-mib", "64",
+                        "--token-delay", "0.05", "--tokens", "40"]),
+    ("demo-large", 16, ["--startup-delay", "5", "--wake-delay", "0.5", "--host-mib", "64",
+                        "--token-delay", "0.05", "--tokens", "40"]),
 ]
 
 
@@ -929,17 +933,19 @@ def _who(dep_id: int | None, names: dict[int, str]) -> str | None:
 @json_option
 @pass_ctx
 def sync(ctx: Ctx, as_json: bool) -> None:
-    """Run a LiteLLM sync now and print what it added and deleted."""
+    """Run a LiteLLM sync now and print what it patched in place, added and deleted."""
     result = _call(ctx, "POST", "/sync")
     if as_json:
         _echo_json(result)
         return
+    for item in result.get("patched") or ():  # a change of warmth, in place (the same LiteLLM id)
+        click.echo(f"patched: {item.get('model_name')} order {item.get('order')} ({item.get('state')})")
     for what in ("added", "deleted"):
         for item in result.get(what) or ():
             click.echo(f"{what}: {item.get('model_name', item) if isinstance(item, dict) else item}")
     if result.get("error"):
         _fail(f"sync failed: {result['error']}")
-    if not result.get("added") and not result.get("deleted"):
+    if not result.get("added") and not result.get("deleted") and not result.get("patched"):
         click.echo("in sync: nothing to change")
 
 

@@ -74,13 +74,18 @@ async def test_readme_demo_as_printed(tmp_path):
             tables.append(rows)
         elif rows is not None and line[:1].isdigit():
             cols = line.split()
-            rows[cols[1]] = (cols[5], cols[6])  # state, phase (after mode and priority)
+            rows[cols[1]] = (cols[5], cols[6:8])  # state, then the tier (after mode and priority)
         else:
             rows = None
     assert len(tables) == 2, out
-    assert tables[0]["demo-small"] == ("stopped", "sleeping") and tables[0]["demo-large"][0] == "ready"
-    assert tables[1] == {"demo-small": ("stopped", "sleeping"), "demo-large": ("stopped", "sleeping")}
-    # The audit over the socket (the last line): two starts and two sleeps, by ondemand.
+    assert tables[0]["demo-small"] == ("asleep", ["(level", "1,"]) and tables[0]["demo-large"][0] == "ready"
+    assert {name: row[:2] for name, row in tables[1].items()} == {
+        "demo-small": ("asleep", ["(level", "1,"]), "demo-large": ("asleep", ["(level", "1,"])}, out
+    # 5. The wake: the same engine, in well under its 5 s cold start.
+    woken = next(line for line in lines if line.startswith("woken and answered in "))
+    assert float(woken.split()[-2]) < 3, woken
+    # The audit over the socket (the last line): two starts, two sleeps and a wake, by ondemand.
     audit = orjson.loads(lines[-1])
-    actions = [a["action"] for a in audit if a["actor"] == "ondemand" and a["user"] is None]
-    assert sorted(actions) == ["ondemand_sleep"] * 2 + ["ondemand_start"] * 2, audit
+    actions = [(a["action"], a["text"]) for a in audit if a["actor"] == "ondemand" and a["user"] is None]
+    assert sorted(a for a, _ in actions) == ["ondemand_sleep"] * 2 + ["ondemand_start"] * 3, audit
+    assert ("ondemand_start", "Woken for a request") in actions
