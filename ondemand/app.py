@@ -61,7 +61,7 @@ from .controller import Controller
 from .deployer import Deployer
 from .effects import DeployerEffects
 from .errors import BudgetError
-from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, ViewPublished
+from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, Slept, ViewPublished, Woken
 from .exchange import Exchange
 from .footprint import FootprintSampler
 from .gateway import Gateway
@@ -293,6 +293,8 @@ async def _observe(app: web.Application) -> AsyncIterator[None]:
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
                                            queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
+    app[BUS].subscribe(Slept, telemetry.on_slept)
+    app[BUS].subscribe(Woken, telemetry.on_woken)
     access = None
     if cfg.access_log != "off":
         access = app[ACCESS_LOG] = AccessLog(cfg.access_log, sys.stderr)

@@ -304,6 +304,11 @@ class Controller:
         if dep is None or not dep.on_demand or dep.state not in STOPPABLE_WHEN_IDLE or inflight \
                 or self.waiting(dep.id) or dep.id not in self._last_activity:
             return None
+        if dep.state is State.ASLEEP:  # the reaper stops it only after sleep_timeout_s asleep, if set
+            if self.sleep_timeout_s is None or dep.id not in self._asleep_since:
+                return None
+            left = self._asleep_since[dep.id] + self.sleep_timeout_s - self.clock()
+            return round(self.wall() + left, 3)
         left = self._last_activity[dep.id] + self.idle_timeout(dep) - self.clock()
         return round(self.wall() + left, 3)
 

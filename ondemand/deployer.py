@@ -998,9 +998,12 @@ class Deployer:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._sleeping[dep_id] = done
         try:
-            before = await self._host_gib(engine) if got == 1 else None
+            # Marked in memory: written before anything else is awaited, so a stop that comes
+            # during the measurement below is written after it (the row never says asleep
+            # for a stopped deployment).
             await self._persist(old, new, actor=actor, user=user, audit=audit, cause=None,
                                 text=f"{text} (sleep level {got}){why}", detail={"level": got})
+            before = await self._host_gib(engine) if got == 1 else None
             try:
                 await self._engine_call(engine, warmth.sleep_step(dep, got))
                 failure = None
@@ -1016,10 +1019,10 @@ class Deployer:
                                 text=f"the engine's sleep failed ({failure}): stopped")
                 return 0
             return None
+        self.publish(Slept(dep_id, dep.name, got, cause))  # it slept, even if a wake came meanwhile
         if now is None or now.state is not State.ASLEEP:
             return got  # a wake or a stop came during the call: it carries on from here
         await self._measure_sleeper(dep_id, engine, got, before)
-        self.publish(Slept(dep_id, dep.name, got, cause))
         return got
 
     async def _host_gib(self, engine: Engine) -> float | None:

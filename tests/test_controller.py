@@ -1417,3 +1417,12 @@ def test_a_wake_raced_by_a_stop_or_a_removal_gives_its_waiters_an_answer(world):
     fx.remove(2)
     assert r2.code() == "ondemand_stopped"
     assert c.waiting() == 0 and c.backoff_left(1) == 0
+
+
+def test_an_asleep_view_says_when_the_reaper_stops_it_only_with_a_sleep_timeout(world):
+    c, fx, clock = make(world, sleep_timeout_s=600)
+    fx.add(1, 10, idle_action="sleep", state=State.ASLEEP)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + clock.t + 600)
+    c2, fx2, clock2 = make((Clock(), Effects(Clock())))
+    fx2.add(1, 10, idle_action="sleep", state=State.ASLEEP)
+    assert c2.status(1)["idle_until"] is None  # no sleep_timeout_s: asleep until a request or make-room

@@ -159,8 +159,6 @@ async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(serve
 
 
 async def test_the_app_subscribes_the_telemetry_to_sleeps_and_wakes(server):
-    if not wired(server):
-        pytest.xfail("app.py's _observe does not subscribe telemetry.on_slept and telemetry.on_woken yet")
     assert wired(server)
 
 
