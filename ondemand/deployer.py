@@ -959,23 +959,7 @@ class Deployer:
         call to end. A failed sleep call stops the engine (its state is not known)."""
         dep = self._get(dep_id)
         per_gpu = self.budget.per_gpu
-        if not warmth.has_sleep_api(dep):
-            raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
-        if dep.model is not None and not may_sleep(dep, per_gpu):
-            # Its recipe left the sleep flags out (idle_action stop, or auto where a wake is not
-            # reliable): the engine would refuse, and a failed sleep stops it.
-            raise DeployerError(f"{dep.name} was started without the sleep flags (idle_action "
-                                f"{dep.idle_action}): set idle_action sleep or sleep2, or stop it instead")
-        want = level or warmth.idle_level(dep, per_gpu) or 1
-        deepest = warmth.deepest_level(dep, per_gpu)
-        if dep.engine == "sglang":
-            if level is not None and level != deepest:  # its start flags chose the level, not the call
-                raise DeployerError(f"{dep.name} sleeps at level {deepest} only: SGLang's level is set by its "
-                                    "start flags (idle_action sleep: level 1, sleep2: level 2)")
-            want = deepest
-        if want not in warmth.LEVELS or want > deepest:
-            raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
-                                "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
+        want = self._asked_level(dep, level)
         # From here to the mark, no await: the checks and the move are one step.
         engine = self._engines.get(dep_id)
         if dep.state is not State.READY or engine is None or dep_id in self._removing or \
@@ -994,24 +978,9 @@ class Deployer:
                                       text=f"{text}; stopped instead ({reserve})")
             return 0 if stopped else None
         why = f" (level {got}: {reserve})" if got != want else ""
-        old, new = self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._sleeping[dep_id] = done
-        try:
-            # Marked in memory: written before anything else is awaited, so a stop that comes
-            # during the measurement below is written after it (the row never says asleep
-            # for a stopped deployment).
-            await self._persist(old, new, actor=actor, user=user, audit=audit, cause=None,
-                                text=f"{text} (sleep level {got}){why}", detail={"level": got})
-            before = await self._host_gib(engine) if got == 1 else None
-            try:
-                await self._engine_call(engine, warmth.sleep_step(dep, got))
-                failure = None
-            except WakeFailed as exc:
-                failure = str(exc)
-        finally:
-            self._sleeping.pop(dep_id, None)
-            done.set_result(None)
+        marked = self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
+        failure, before = await self._sleep_call(engine, dep, got, marked, actor=actor, user=user, audit=audit,
+                                                 text=f"{text} (sleep level {got}){why}")
         now = self._deps.get(dep_id)
         if failure is not None:
             if now is not None and now.state is State.ASLEEP:  # not woken or stopped meanwhile
@@ -1024,6 +993,50 @@ class Deployer:
             return got  # a wake or a stop came during the call: it carries on from here
         await self._measure_sleeper(dep_id, engine, got, before)
         return got
+
+    async def _sleep_call(self, engine: Engine, dep: Deployment, level: int, marked: tuple[Deployment, Deployment],
+                          **persist: Any) -> tuple[str | None, float | None]:
+        """Write the mark to asleep, then call the engine's sleep; (why it failed or None, the
+        host memory before it, for a level 1). A wake meanwhile waits for the call to end."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._sleeping[dep.id] = done
+        try:
+            # Marked in memory: written before anything else is awaited, so a stop that comes
+            # during the measurement below is written after it (the row never says asleep
+            # for a stopped deployment).
+            await self._persist(*marked, cause=None, detail={"level": level}, **persist)
+            before = await self._host_gib(engine) if level == 1 else None
+            try:
+                await self._engine_call(engine, warmth.sleep_step(dep, level))
+            except WakeFailed as exc:
+                return str(exc), before
+            return None, before
+        finally:
+            self._sleeping.pop(dep.id, None)
+            done.set_result(None)
+
+    def _asked_level(self, dep: Deployment, level: int | None) -> int:
+        """The level ``dep`` is to sleep at when ``level`` is asked (None: its idle level, else
+        1), before the host reserve; raises DeployerError when its engine cannot sleep so."""
+        per_gpu = self.budget.per_gpu
+        if not warmth.has_sleep_api(dep):
+            raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
+        if dep.model is not None and not may_sleep(dep, per_gpu):
+            # Its recipe left the sleep flags out (idle_action stop, or auto where a wake is not
+            # reliable): the engine would refuse, and a failed sleep stops it.
+            raise DeployerError(f"{dep.name} was started without the sleep flags (idle_action "
+                                f"{dep.idle_action}): set idle_action sleep or sleep2, or stop it instead")
+        want = level or warmth.idle_level(dep, per_gpu) or 1
+        deepest = warmth.deepest_level(dep, per_gpu)
+        if dep.engine == "sglang":
+            if level is not None and level != deepest:  # its start flags chose the level, not the call
+                raise DeployerError(f"{dep.name} sleeps at level {deepest} only: SGLang's level is set by its "
+                                    "start flags (idle_action sleep: level 1, sleep2: level 2)")
+            want = deepest
+        if want not in warmth.LEVELS or want > deepest:
+            raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
+                                "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
+        return want
 
     async def _host_gib(self, engine: Engine) -> float | None:
         try:

@@ -22,15 +22,17 @@ ALLOWED = {
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
     # What an engine runs (command line, environment, mounts): derived from the deployment and the box.
-    "recipes": {"config", "model"},
+    "recipes": {"config", "model", "warmth"},
+    # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
+    "warmth": {"model"},
     "backends": {"errors", "model", "recipes"}, "backends.process": {"backends", "model", "recipes", "tasks"},
     "backends.docker": {"backends", "dockerapi", "model", "recipes"},
-    "deployer": {"backends", "budget", "errors", "events", "model", "recipes", "store", "tasks"},
+    "deployer": {"backends", "budget", "errors", "events", "model", "recipes", "store", "tasks", "warmth"},
     # The decision core sees the world only through its Effects protocol.
     "controller": {"errors", "eviction", "model", "placement", "queue"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
     "footprint": {"budget", "deployer", "model"},
-    "effects": {"budget", "controller", "deployer", "errors", "events", "metrics", "model", "tasks"},
+    "effects": {"budget", "controller", "deployer", "errors", "events", "metrics", "model", "tasks", "warmth"},
     "admission": {"controller", "deployer", "errors", "model"},
     "reaper": {"controller"},
     "gateway": {"admission", "notice", "controller", "deployer", "errors", "exchange", "forward", "http.cycle",
@@ -40,11 +42,11 @@ ALLOWED = {
     "exchange": set(), "telemetry": {"events", "exchange", "model"}, "accesslog": {"exchange"},
     "litellm": {"errors", "http.headers", "keys"}, "litellm_sync": {"litellm", "tasks"},
     "components": {"accesslog", "admission", "config", "controller", "deployer", "effects", "events", "footprint",
-                   "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "recipes", "starts", "store", "tasks",
+                   "gateway", "keys", "litellm_sync", "metrics", "model", "peers", "recipes", "starts", "store", "tasks", "warmth",
                    "telemetry"},
     "starts": {"model", "store", "tasks"},
     "admin": {"backends", "components", "keys", "config", "deployer", "errors", "events", "http.aio", "http.headers",
-              "http.server", "metrics", "model", "recipes", "telemetry"},
+              "http.server", "metrics", "model", "recipes", "telemetry", "warmth"},
     "sim": set(), "sim.engine": set(),
     # The command line's parts (cli itself may import everything).
     "adminclient": {"config", "store"},

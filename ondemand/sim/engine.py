@@ -992,6 +992,7 @@ async def sim_launch(request: web.Request) -> web.StreamResponse:
     return web.json_response({"argv": sys.argv, "env": dict(os.environ)})
 
 
+# Long: one declaration per flag the simulator takes, and their checks, read top to bottom.
 def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap = argparse.ArgumentParser(prog="python -m ondemand.sim.engine", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
