@@ -745,14 +745,7 @@ class Deployer:
                 await self.store.write_audit(action="ondemand_wake_failed", actor="ondemand", deployment_id=dep_id,
                                              text=text, detail=detail)
         if engine is not None:
-            try:
-                await self.backend.stop(engine, self.stop_timeout_s)
-            except BackendError as exc:
-                log.error("stopping %s after its failed wake: %s", dep.name, exc)
-            exited = self._exits.get(dep_id)
-            if exited is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s + 5)
+            await self._stop_engine(engine, dep, "after its failed wake")
         now = self._deps.get(dep_id)
         if now is None or now.state is not State.STARTING:
             return
@@ -932,18 +925,23 @@ class Deployer:
                     await start
         engine = self._engines.get(dep_id)
         if engine is not None:
-            try:
-                await self.backend.stop(engine, self.stop_timeout_s)
-            except BackendError as exc:
-                log.error("stopping %s: %s", dep.name, exc)
-            exited = self._exits.get(dep_id)
-            if exited is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s + 5)
+            await self._stop_engine(engine, dep)
         now = self._deps.get(dep_id)
         if now is not None and now.state is State.STOPPING:
             await self._transition(dep_id, State.STOPPED, actor=actor, user=user)
         return True
+
+    async def _stop_engine(self, engine: Engine, dep: Deployment, why: str = "") -> None:
+        """Stop the engine (SIGTERM, a kill after ``stop_timeout_s``) and wait for its exit to be
+        seen, so that what it held is free when this returns."""
+        try:
+            await self.backend.stop(engine, self.stop_timeout_s)
+        except BackendError as exc:
+            log.error("stopping %s%s: %s", dep.name, f" {why}" if why else "", exc)
+        exited = self._exits.get(engine.deployment_id)
+        if exited is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), self.stop_timeout_s + 5)
 
     async def sleep(self, dep_id: int, level: int | None = None, precheck: Precheck | None = None, *,
                     actor: str = "admin", user: str | None = None, text: str | None = None,
