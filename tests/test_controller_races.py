@@ -603,7 +603,9 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
                         json={**chat, "model": "R"}, headers=server.auth())
             await timed("stop", "POST", f"{server.url}/api/deployments/{other}/stop", headers=admin)
             assert server.state(victim) == "stopping", "the make-room was over before the checks"
-            assert max(timings.values()) < 0.1, timings
+            # Each far below the victim's 3 s: none waited for the make-room (a bound that holds on
+            # 2 loaded cores too; the stop of "o" is a real process's exit).
+            assert max(timings.values()) < 1.0, timings
             async with await cold as r:
                 assert r.status == 200
         assert server.state(x) == "ready" and server.state(victim) == "stopped"
