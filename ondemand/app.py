@@ -226,7 +226,9 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
 
     def measure_when_ready(e: DeploymentChanged) -> None:
         if e.dep is not None and e.dep.state is State.READY and (e.old is None or e.old.state is not State.READY):
-            footprints.engine_ready()
+            # A second later: the requests that waited for it are forwarded first, not beside a
+            # fork of nvidia-smi (the wake path's benchmark saw 10 to 20 ms of it).
+            asyncio.get_running_loop().call_later(1.0, footprints.engine_ready)
     app[BUS].subscribe(DeploymentChanged, measure_when_ready)
     await deployer.load()
     yield

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -139,6 +140,7 @@ class Budget:
         self.meminfo_path = meminfo_path
         self.host_reserve_gib = host_reserve_gib
         self._sizes: tuple[float, ...] | None = None  # each pool's total, as last measured
+        self._last: tuple[float, Reading] | None = None  # (monotonic time, the last reading)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Budget:
@@ -249,10 +251,20 @@ class Budget:
             raise BudgetError(f"{self.meminfo_path} has no MemTotal/MemAvailable")
         return Gpu(0, None, fields["MemTotal"] / GIB, (fields["MemTotal"] - fields["MemAvailable"]) / GIB)
 
-    async def read(self, deps: Iterable[Deployment]) -> Reading:
-        """Measure (the only await of a decision); raises BudgetError."""
+    async def read(self, deps: Iterable[Deployment], max_age_s: float = 0.0) -> Reading:
+        """Measure (the only await of a decision); raises BudgetError. ``max_age_s``: a reading
+        taken that recently is used again instead (a make-room's settle just read the GPUs,
+        and the admit that follows it need not fork nvidia-smi again). An older reading is
+        never optimistic: it names the engines that were starting then (counted by their
+        footprint), engines starting now are counted as well, and memory freed since only
+        makes it more cautious."""
+        now = time.monotonic()
+        if max_age_s > 0 and self._last is not None and now - self._last[0] <= max_age_s:
+            return self._last[1]
         starting = frozenset(d.id for d in deps if d.state is State.STARTING)
-        return Reading(await self.measure(), starting)
+        reading = Reading(await self.measure(), starting)
+        self._last = (now, reading)
+        return reading
 
     # --- counting (no await) -------------------------------------------------------------
 

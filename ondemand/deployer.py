@@ -74,6 +74,8 @@ _REMEASURE = frozenset({"engine", "model", "image", "args", "command", "memory_g
 # A refused start after ondemand's restart is tried again after this long, doubled each time up to the most.
 RESTART_RETRY_S = 10.0
 RESTART_RETRY_MAX_S = 300.0
+# A sleep for make-room is measured this long after it (once the request it was for has its memory).
+MEASURE_AFTER_MAKE_ROOM_S = 1.0
 # Read by the gateway and the controller only, never by an engine: editable in any state, so
 # a limit or a priority changes without a restart.
 LIVE_FIELDS = frozenset({"priority", "max_inflight"})
@@ -496,7 +498,7 @@ class Deployer:
     async def admit_start(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
                           text: str | None = None, audit: str | None = None,
                           held_for_others: Callable[[], Mapping[int, float]] | None = None,
-                          wanted: Callable[[], bool] | None = None) -> bool:
+                          wanted: Callable[[], bool] | None = None, reading_age_s: float = 0.0) -> bool:
         """The fit check and the move to ``starting``; the engine then starts in the
         background behind the start-up gate. Returns False when it is starting or
         ready already (nothing to do: wait for it). Raises InsufficientMemory,
@@ -505,10 +507,11 @@ class Deployer:
         kept in ``gpus`` while the engine holds them. ``held_for_others``: GiB per GPU
         the wait queue keeps for its head, asked in the same step as the fit check.
         ``wanted``: asked in that step too; False means nobody needs the start any more,
-        and nothing starts."""
+        and nothing starts. ``reading_age_s``: a budget reading that recent may serve
+        (``Budget.read``)."""
         if self._check_startable(dep_id) is None:
             return False
-        reading = await self.budget.read(self.all())
+        reading = await self.budget.read(self.all(), max_age_s=reading_age_s)
         # From here to the mark, no await: the check and the move are one step.
         dep = self._check_startable(dep_id)
         if dep is None or (wanted is not None and not wanted()):
@@ -989,8 +992,17 @@ class Deployer:
         self.publish(Slept(dep_id, dep.name, got, cause))  # it slept, even if a wake came meanwhile
         if now is None or now.state is not State.ASLEEP:
             return got  # a wake or a stop came during the call: it carries on from here
-        await self._measure_sleeper(dep_id, engine, got, before)
+        if cause is StopCause.MAKE_ROOM:
+            # A request waits for what this sleep frees: its settle and admit read the GPUs now,
+            # and a measurement (nvidia-smi, /proc) at the same time only slows them down.
+            self.tasks.spawn(self._measure_later(dep_id, engine, got, before), f"measure {dep.name}")
+        else:
+            await self._measure_sleeper(dep_id, engine, got, before)
         return got
+
+    async def _measure_later(self, dep_id: int, engine: Engine, level: int, before: float | None) -> None:
+        await asyncio.sleep(MEASURE_AFTER_MAKE_ROOM_S)
+        await self._measure_sleeper(dep_id, engine, level, before)
 
     async def _sleep_call(self, engine: Engine, dep: Deployment, level: int, marked: tuple[Deployment, Deployment],
                           **persist: Any) -> tuple[str | None, float | None]:

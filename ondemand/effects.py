@@ -31,12 +31,15 @@ log = logging.getLogger("ondemand.effects")
 
 class DeployerEffects:
     def __init__(self, deployer: Deployer, budget: Budget, sampler: MetricsSampler, *,
-                 publish: Callable[[object], None], settle_poll_s: float = 0.05):
+                 publish: Callable[[object], None], settle_poll_s: float = 0.05, reading_age_s: float = 0.2):
         self.deployer = deployer
         self.budget = budget
         self.sampler = sampler
         self.publish = publish
         self.settle_poll_s = settle_poll_s
+        # An admit may use a budget reading this recent (the settle's, just before it): one
+        # nvidia-smi fewer on a make-room's path (Budget.read says why that is never optimistic).
+        self.reading_age_s = reading_age_s
         self.tasks = TaskGroup("controller")
         self._controller: Controller | None = None
 
@@ -74,7 +77,8 @@ class DeployerEffects:
         try:
             started = await self.deployer.admit_start(
                 dep_id, actor=ACTOR, audit="ondemand_start", text=text,
-                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.wanted(dep_id))
+                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.wanted(dep_id),
+                reading_age_s=self.reading_age_s)
         except InsufficientMemory as exc:
             ctl.on_refused(dep_id, exc)
         except BudgetError as exc:
