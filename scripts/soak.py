@@ -1,14 +1,35 @@
-"""The soak: a real `ondemand serve` process (process backend, static budget, the engine
-simulator) under many clients and real faults, then the invariants that must hold.
+"""The soak: a real `ondemand serve` process (process backend, the nvidia-smi budget on a fake
+GPU box, the engine simulator) under many clients and real faults, then the invariants that
+must hold.
 
     python scripts/soak.py --seed 1 --requests 10000 [--clients 50] [--record bench/soak.md]
 
-Load: ``--requests`` requests from ``--clients`` clients over 4 deployments of which 2 fit
-at once; streaming and not; two deployments are "hot" at a time and the pair changes every
-250 requests, so models are put to sleep, started and made room for all the time. The
-deployments have priorities (alpha high, bravo and charlie normal, delta low) and charlie
-a ``max_inflight`` of 3, so requests queue by priority, make-room picks by class, and
-charlie's bursts are refused 429 ``ondemand_busy``.
+Load: ``--requests`` requests from ``--clients`` clients over 8 deployments (10 GiB each) on a
+fake GPU box (tests/fakes/nvidia-smi: one GPU of 34 GiB) where 3 fit awake at once; streaming
+and not; two deployments are "hot" at a time and the pair changes every 250 requests, so models
+are put to sleep, woken, started and made room for all the time. The deployments have priorities
+(alpha high, delta, foxtrot and hotel low, the others normal) and charlie a ``max_inflight`` of
+3, so requests queue by priority, make-room picks by class, and charlie's bursts are refused 429
+``ondemand_busy``.
+
+Tiered warmth: most deployments sleep when idle (``idle_action`` ``sleep``; bravo and foxtrot
+``sleep2``; delta and hotel ``stop``); echo is an SGLang engine, the others vLLM. An asleep
+engine keeps 1 GiB on its GPU (``--sleep-gpu-mib``) and, at level 1, 8 MiB more of host memory
+(``--host-mib``; ``budget.host_reserve_gib`` is 0 so that the box's memory never changes a
+level), so make-room puts awake engines to sleep and stops asleep ones. Some engines fail their
+wakes: charlie and foxtrot (``--fail wake-fails``: the wake call answers 500) and golf
+(``--fail wake-garbage``: it wakes, then answers garbage, which the wake check must catch);
+each such wake ends in a cold start, audited ``ondemand_wake_failed``. Wake probes (a request
+for one of them once it is asleep, one per 300 requests, at least 3) make sure each one's
+failing wake is seen even in a short run.
+
+What is checked about sleep and wake: from the engines' journal (``--journal``: ``req``/``end``
+of every request, ``sleep``, ``wake``, ``sigterm``), no engine was put to sleep with a
+generation request in flight, none reached an asleep engine, each slept at its deployment's
+level, every audited sleep reached its engine, and the ``ondemand_wake_failed`` rows are the
+failing wakes the journal shows (per deployment and kind); from the clients, none got an asleep
+engine's 503 or garbage; from the views, every deployment's state agrees with its engine's own
+(``/_sim/state``, ``/is_sleeping``); from the fake's processes, the GPU never overfilled.
 
 Faults, for real: client hang-ups at every stage (waiting in the queue, while the model
 starts, right as the answer begins, mid-stream); engines SIGKILLed mid-stream and while
@@ -22,8 +43,9 @@ The plan (which request goes where, how, and which hang-up; which fault after wh
 request) comes from ``--seed`` alone: the same seed replays the same plan. Timing, and so
 the outcome of each request, is the machine's.
 
-It prints one summary: requests by outcome, faults injected, invariants checked; the exit
-code is 1 when an invariant broke. ``--record FILE`` writes the summary there too.
+It prints one summary: requests by outcome, faults injected, tiered warmth (sleeps by level
+and cause, wakes by result, cold starts), invariants checked; the exit code is 1 when an
+invariant broke. ``--record FILE`` writes the summary there too.
 """
 from __future__ import annotations
 
@@ -48,16 +70,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soaklib  # noqa: E402
 from soaklib import Ondemand, sim_command, sim_processes  # noqa: E402
 
-NAMES = ("alpha", "bravo", "charlie", "delta")
+NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 QUEUE_TIMEOUT_S = 15
 DEADLINE_S = QUEUE_TIMEOUT_S + 10  # a client gives up here: past it a request hung
 PHASE = 250  # requests per pair of hot deployments
 FORBIDDEN = {"authorization", "cookie", "x-dgxmm-health-check", "x-forwarded-for", "forwarded", "x-real-ip"}
-SIM_ARGS = ("--startup-delay", "0.5", "--token-delay", "0.02", "--tokens", "24", "--shutdown-delay", "0.1")
-PRIORITIES = ("high", "normal", "normal", "low")  # per deployment, as NAMES
+GIB = 1024  # MiB
+GPU_MIB = 34 * GIB  # the fake box: one GPU; 3 engines of 10 GiB fit awake, with 4 asleep (1 GiB each)
+SIM_ARGS = ("--startup-delay", "0.5", "--token-delay", "0.02", "--tokens", "24", "--shutdown-delay", "0.1",
+            "--gpu-mib", str(10 * GIB), "--sleep-gpu-mib", str(GIB), "--host-mib", "8",
+            "--sleep-delay", "0.05", "--wake-delay", "0.2")
+# Per deployment, as NAMES:
+PRIORITIES = ("high", "normal", "normal", "low", "normal", "low", "normal", "low")
 RANK = {"low": 0, "normal": 1, "high": 2}
-LIMITS = (None, None, 3, None)  # max_inflight per deployment
-MAKE_ROOM = "Put to sleep to make room for "  # the audit text of a make-room stop
+LIMITS = (None, None, 3, None, None, None, None, None)  # max_inflight
+IDLE_ACTIONS = ("sleep", "sleep2", "sleep", "stop", "sleep", "sleep2", "sleep", "stop")
+LEVELS = {"sleep": 1, "sleep2": 2, "stop": 0}  # the level an idle engine of that idle_action sleeps at
+ENGINES = ("vllm", "vllm", "vllm", "vllm", "sglang", "vllm", "vllm", "vllm")
+ENGINE_ARGS = ((), (), ("--fail", "wake-fails"), (), ("--flavor", "sglang", "--enable-weights-cpu-backup"),
+               ("--fail", "wake-fails"), ("--fail", "wake-garbage"), ())
+# The audit texts of make-room (action ondemand_sleep): an awake engine put to sleep, or stopped
+# (idle_action stop); an asleep one stopped. Then the served name of the request it was for.
+MAKE_ROOM = ("Put to sleep to make room for ", "Stopped (asleep) to make room for ")
+SLEEPING = "The engine is sleeping"  # the simulator's 503 to generation while asleep
 
 
 @dataclass
@@ -74,8 +109,8 @@ class Plan:
 
 def plan_request(seed: int, i: int) -> Plan:
     rng = random.Random(f"{seed}:req:{i}")
-    hot = random.Random(f"{seed}:phase:{i // PHASE}").sample(range(4), 2)
-    dep = rng.choice(hot) if rng.random() < 0.85 else rng.randrange(4)
+    hot = random.Random(f"{seed}:phase:{i // PHASE}").sample(range(len(NAMES)), 2)
+    dep = rng.choice(hot) if rng.random() < 0.85 else rng.randrange(len(NAMES))
     r = rng.random()
     route, stream = (("chat/completions", True) if r < 0.4 else ("chat/completions", False) if r < 0.75 else
                      ("completions", True) if r < 0.85 else ("completions", False) if r < 0.95 else
@@ -86,8 +121,8 @@ def plan_request(seed: int, i: int) -> Plan:
                 rng.uniform(0.01, 3.0), rng.uniform(0, 0.05))
 
 
-FAULT_KINDS = ("kill_engine_streaming", "kill_engine_starting", "fail_start", "rotate_key", "mode_switch",
-               "admin_stop")
+FAULT_KINDS = ("kill_engine_streaming", "kill_engine_starting", "kill_engine_asleep", "fail_start", "rotate_key",
+               "mode_switch", "admin_stop")
 
 
 def plan_faults(seed: int, requests: int) -> list[tuple[int, str]]:
@@ -99,6 +134,43 @@ def plan_faults(seed: int, requests: int) -> list[tuple[int, str]]:
     rng.shuffle(kinds)
     at = sorted(rng.randrange(requests // 20, requests * 95 // 100) for _ in kinds)
     return sorted([*zip(at, kinds), (requests * 4 // 10, "kill_ondemand")])
+
+
+def plan_probes(requests: int) -> list[int]:
+    """After how many requests a wake probe goes (one per 300 requests, at least 3; one after the
+    other, each as long as it takes, up to 40 s): a request for an asleep deployment whose wakes
+    fail, in turn (charlie, foxtrot, golf), so that each one's failing wake is seen even in a
+    short run."""
+    count = max(3, requests // 300)
+    return [requests * k // (count + 1) for k in range(count)]
+
+
+def make_room_for(text: str) -> str:
+    """The served name a make-room audit text names ("... to make room for ALPHA (sleep level 1)")."""
+    prefix = next(p for p in MAKE_ROOM if text.startswith(p))
+    return text[len(prefix):].split()[0].rstrip(";,")
+
+
+def wake_failure(row: dict[str, Any]) -> str:
+    """An ondemand_wake_failed row's kind: refused (a wake call answered an error), mismatch
+    (the wake check answered otherwise), unreachable (the engine did not answer at all)."""
+    detail = row.get("detail") or {}
+    if detail.get("result") == "mismatch":
+        return "mismatch"
+    return "refused" if " answered " in str(detail.get("reason")) else "unreachable"
+
+
+WAKE_RESULTS = {
+    "ready": "woken, checked, then served or slept again",
+    "refused": "a wake call answered an error (--fail wake-fails): started cold",
+    "mismatch": "woke, its wake check differed (--fail wake-garbage): started cold",
+    "killed": "its engine SIGKILLed during the wake: started cold",
+    "killed before its first wake call": "its engine SIGKILLed as the wake began (no engine to wake): started cold",
+    "killed after": "its engine SIGKILLed once woken",
+    "stopped": "a stop during the wake",
+    "cut by the restart of ondemand": "",
+    "cut by deploy stop": "",
+}
 
 
 @dataclass
@@ -131,6 +203,13 @@ class Soak:
     always_on: dict[int, list[list[float]]] = field(default_factory=lambda: collections.defaultdict(list))
     rotations: list[float] = field(default_factory=list)
     down: list[tuple[float, float]] = field(default_factory=list)  # ondemand not there
+    left_behind: set[int] = field(default_factory=set)  # engine pids the killed ondemand left
+    killed_starting: set[int] = field(default_factory=set)  # engine pids SIGKILLed while starting (or waking)
+    killed_asleep: dict[int, tuple[int, float]] = field(default_factory=dict)  # pid: (deployment, when)
+    audit_rows: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # the state file's, once ondemand stopped
+    probes: list[tuple[str, Done]] = field(default_factory=list)  # (start | wake, the request)
+    warmth: list[tuple[str, int, str]] = field(default_factory=list)
     broken: dict[int, float] = field(default_factory=dict)
     switched: dict[int, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
@@ -139,17 +218,23 @@ class Soak:
     two_at_once: list[str] = field(default_factory=list)
     old_key_answers: list[str] = field(default_factory=list)
     inflight_peak: collections.Counter[int] = field(default_factory=collections.Counter)  # per deployment
+    gpu_peak: int = 0  # MiB the live engines held on the GPU at most (the fake's processes, every 0.2 s)
+    overfilled: list[str] = field(default_factory=list)
+    state_peak: collections.Counter[str] = field(default_factory=collections.Counter)  # most at once, by state
     up: asyncio.Event = field(default_factory=asyncio.Event)  # clear while ondemand restarts
 
     def __post_init__(self) -> None:
         self.journal = self.work / "journal.jsonl"
+        self.gpu_apps = self.work / "gpu-apps"
+        box = soaklib.fake_gpu_box(self.work, [GPU_MIB])
         # The reaper looks every 2 s: an idle model is often still there when a queued request
         # looks (just after an idle timeout runs out), so make-room, and its priority rule, runs.
         self.od = Ondemand(self.work, {
             "min_idle_timeout_s": 1, "ondemand_idle_timeout_s": 2, "ondemand_queue_timeout_s": QUEUE_TIMEOUT_S,
             "reap_interval_s": 2, "metrics_interval_s": 0.5, "shutdown_grace_s": 2, "log_level": "info"},
-            {"budget": {"source": "static", "capacity_gib": 20},
-             "deployer": {"backend": "process", "start_timeout_s": 10, "stop_timeout_s": 3}})
+            {"budget": {"source": "nvidia-smi", "nvidia_smi": str(soaklib.FAKE_NVIDIA_SMI), "host_reserve_gib": 0},
+             "deployer": {"backend": "process", "start_timeout_s": 10, "stop_timeout_s": 3, "wake_timeout_s": 10}},
+            env=box)
 
     def check(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append((name, "ok" if ok else "FAILED", detail))
@@ -157,7 +242,7 @@ class Soak:
             self.failures.append(f"{name}: {detail}")
 
     def command(self, dep: int, *extra: str) -> list[str]:
-        return sim_command(NAMES[dep].upper(), self.journal, *SIM_ARGS, *extra)
+        return sim_command(NAMES[dep].upper(), self.journal, *SIM_ARGS, *ENGINE_ARGS[dep], *extra)
 
     def mark(self, **fields: Any) -> None:
         """A line of ours in the simulators' journal (an administrator's stop, for the check of stops)."""
@@ -174,7 +259,7 @@ class Soak:
             status, view = await self.od.api("POST", "/deployments", {
                 "name": name, "served_name": name.upper(), "memory_gib": 10, "mode": "on_demand",
                 "idle_timeout_s": 1 + n % 3, "command": self.command(n), "priority": PRIORITIES[n],
-                "max_inflight": LIMITS[n]})
+                "max_inflight": LIMITS[n], "engine": ENGINES[n], "idle_action": IDLE_ACTIONS[n], "gpu_count": 1})
             assert status == 201, (status, view)
             self.ids.append(view["id"])
         self.baseline = {"fds_first": soaklib.fd_count(self.od.pid), "rss_first": soaklib.rss_kib(self.od.pid)}
@@ -234,12 +319,21 @@ class Soak:
                     return "hang-up as the answer began"
                 if r.status != 200:
                     data = await r.json(content_type=None)
-                    return f"{r.status} {(data.get('error') or {}).get('code')}"
+                    error = data.get("error") or {}
+                    if SLEEPING in str(error.get("message")):
+                        return f"{r.status} from an asleep engine"
+                    return f"{r.status} {error.get('code')}"
                 if plan.health:
                     await r.read()
                     return "200 health check (answered by the gateway)"
                 if not plan.stream:
-                    data = await r.json()
+                    raw = await r.read()
+                    try:
+                        data = json.loads(raw)
+                    except ValueError:
+                        return "200 but not JSON"
+                    if b"garbage" in raw:
+                        return "200 but garbage (the weights were not the model's)"
                     return "200" if data.get("data") or data.get("choices") else "200 but not an answer"
                 return await self.read_stream(r, plan)
         except aiohttp.ClientConnectorError:
@@ -261,7 +355,13 @@ class Soak:
                 queued = True
                 continue
             if data.startswith(b'{"error"'):
-                return f"stream error {json.loads(data)['error'].get('code')}"
+                error = json.loads(data)["error"]
+                if SLEEPING in str(error.get("message")):
+                    return "stream error from an asleep engine"
+                return f"stream error {error.get('code')}"
+            if b"garbage" in data:
+                r.close()
+                return "200 stream but garbage (the weights were not the model's)"
             chunks += 1
             if plan.hangup == "midstream" and chunks >= 2:
                 r.close()
@@ -271,22 +371,37 @@ class Soak:
     # --- watching ---------------------------------------------------------------------------
 
     async def poll(self) -> None:
-        """The views every 0.2 s (for the hang-up stages and the faults' targets), and every
-        second whether two engines of one deployment ever run at once."""
+        """The views every 0.2 s (for the hang-up stages and the faults' targets), what the
+        engines hold on the GPU (the fake nvidia-smi's processes) as often, and every second
+        whether two engines of one deployment ever run at once."""
         n = 0
         while True:
             with contextlib.suppress(Exception):
                 status, views = await self.od.api("GET", "/deployments")
                 if status == 200:
                     self.views = {v["id"]: v for v in views}
-                    for n, i in enumerate(self.ids):
+                    for d, i in enumerate(self.ids):
                         if i in self.views:
-                            self.inflight_peak[n] = max(self.inflight_peak[n], self.views[i]["ondemand"]["inflight"])
+                            self.inflight_peak[d] = max(self.inflight_peak[d], self.views[i]["ondemand"]["inflight"])
+                    for state, count in collections.Counter(v["state"] for v in views).items():
+                        self.state_peak[state] = max(self.state_peak[state], count)
+            self.look_at_gpus()
             n += 1
             if n % 5 == 0:
                 per_model = collections.Counter(p["model"] for p in sim_processes(self.journal).values())
                 self.two_at_once += [f"{m} x{c} at {time.time():.1f}" for m, c in per_model.items() if c > 1]
             await asyncio.sleep(0.2)
+
+    def look_at_gpus(self) -> None:
+        """The GPU is never overfilled: what the live engines hold (as the fake nvidia-smi
+        counts it) never exceeds its memory."""
+        for gpu, held in soaklib.gpu_claims(self.gpu_apps).items():
+            used = sum(held.values())
+            self.gpu_peak = max(self.gpu_peak, used)
+            if used > GPU_MIB:
+                models = {p: info["model"] for p, info in sim_processes(self.journal).items()}
+                self.overfilled.append(f"GPU {gpu}: {used} MiB at {time.time():.1f} ("
+                                       + ", ".join(f"{models.get(p, p)} {m}" for p, m in sorted(held.items())) + ")")
 
     # --- faults -----------------------------------------------------------------------------
 
@@ -337,11 +452,28 @@ class Soak:
             if n is not None and pid is not None and self.views[self.ids[n]]["state"] == "starting":
                 self.fault_times[n].append(time.time())
                 self.start_faults[n].append(time.time())
+                self.killed_starting.add(pid)
                 soaklib.kill_pid(pid)
                 self.faults["engine SIGKILL while starting"] += 1
                 return
             await asyncio.sleep(0.01)
         self.faults["engine SIGKILL while starting: no start found"] += 1
+
+    async def kill_engine_asleep(self) -> None:
+        """SIGKILL the engine of an asleep deployment (looked at again just before): ondemand must
+        see it exit (the deployment failed, BEHAVIOUR.md "Watchdog") and start it cold on the
+        next request, never leave it asleep with no engine."""
+        n = await self.wait_pick(lambda v: v["state"] == "asleep", 10)
+        pid = None if n is None else self.engine_pid(n)
+        if n is not None and pid is not None:
+            status, view = await self.od.api("GET", f"/deployments/{self.ids[n]}")
+            if status == 200 and view["state"] == "asleep":
+                self.fault_times[n].append(time.time())
+                self.killed_asleep[pid] = (n, time.time())
+                soaklib.kill_pid(pid)
+                self.faults["engine SIGKILL while asleep"] += 1
+                return
+        self.faults["engine SIGKILL while asleep: no asleep engine found"] += 1
 
     async def fail_start(self) -> None:
         n = await self.wait_pick(lambda v: v["state"] in ("stopped", "failed") and v["mode"] == "on_demand"
@@ -404,6 +536,7 @@ class Soak:
         await self.od.kill()
         self.faults["ondemand SIGKILL, then restart"] += 1
         left = sim_processes(self.journal)
+        self.left_behind |= set(left)
         await asyncio.sleep(0.5)
         await self.od.start()
         self.baseline.update(fds_restart=soaklib.fd_count(self.od.pid), rss_restart=soaklib.rss_kib(self.od.pid))
@@ -450,6 +583,62 @@ class Soak:
                 self.faults["deploy set --idle-timeout (clears a start backoff)" if rc == 0 else
                             f"deploy set --idle-timeout refused: {err.strip()[-60:]}"] += 1
 
+    async def probe_loop(self, plan: list[int]) -> None:
+        failing = [n for n, extra in enumerate(ENGINE_ARGS) if "--fail" in extra]
+        for k, at in enumerate(plan):
+            while self.next_i < at:
+                await asyncio.sleep(0.05)
+            # The one least often woken by a probe yet, in turn, but not one of the hot pair (busy,
+            # it would not fall asleep): up to 30 s for the pair to change when they all are.
+            woken = collections.Counter(d.dep for kind, d in self.probes if kind == "wake" and d.outcome == "200")
+            turn = sorted((failing[(k + j) % len(failing)] for j in range(len(failing))), key=lambda m: woken[m])
+            least = [m for m in turn if woken[m] == woken[turn[0]]]
+            deadline = time.monotonic() + 30
+            while True:
+                hot = set(random.Random(f"{self.seed}:phase:{self.next_i // PHASE}").sample(range(len(NAMES)), 2))
+                n = next((m for m in least if m not in hot), None)
+                if n is not None or time.monotonic() > deadline or len(self.done) >= self.requests:
+                    break
+                await asyncio.sleep(0.5)
+            n = least[0] if n is None else n
+            for _ in range(3):  # again when a fault cut it (the restart of ondemand): each probe is needed
+                try:
+                    if await self.wake_probe(n):
+                        break
+                except Exception as exc:
+                    self.faults[f"wake probe: could not ({type(exc).__name__}: {exc})"[:90]] += 1
+
+    async def wake_probe(self, n: int) -> bool:
+        """A request for ``n`` (whose wakes fail) once it is asleep: started first by a request
+        if it is stopped, then left idle until the reaper puts it to sleep. Its wake fails, and
+        the request must still be answered, by the engine started cold. Whether it was (200)."""
+        deadline, started = time.monotonic() + 40, False
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
+            while time.monotonic() < deadline:
+                await self.up.wait()
+                v = self.views.get(self.ids[n], {})
+                state = v.get("state")
+                if state == "asleep" and not v.get("pending_mode"):
+                    done = await self.probe(session, n)
+                    self.probes.append(("wake", done))
+                    self.faults[f"wake probe: a request for asleep {NAMES[n]} (its wakes fail)"] += 1
+                    return done.outcome == "200"
+                if state in ("stopped", "failed") and not started and v.get("mode") == "on_demand":
+                    started = True
+                    self.probes.append(("start", await self.probe(session, n)))
+                await asyncio.sleep(0.1)
+        self.faults[f"wake probe: {NAMES[n]} never asleep within 40 s"] += 1
+        return False
+
+    async def probe(self, session: aiohttp.ClientSession, n: int) -> Done:
+        plan = Plan(n, "chat/completions", False, False, False, None, 0.0, 0.0)
+        key, start = self.key, time.time()
+        try:
+            outcome = await asyncio.wait_for(self.exchange(session, plan, key), DEADLINE_S)
+        except asyncio.TimeoutError:
+            outcome = "HUNG past its deadline"
+        return Done(-1, n, outcome, start, time.time(), key)
+
     # --- the run ----------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -459,11 +648,13 @@ class Soak:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         tasks = [asyncio.ensure_future(self.poll()), asyncio.ensure_future(self.healer())]
         faults = asyncio.ensure_future(self.faults_loop(plan_faults(self.seed, self.requests)))
+        probes = asyncio.ensure_future(self.probe_loop(plan_probes(self.requests)))
         t0 = time.time()
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             await asyncio.gather(*(self.client(session) for _ in range(self.clients)))
             self.elapsed = time.time() - t0
             await faults
+            await probes
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -475,7 +666,8 @@ class Soak:
         o, lo, hi = d.outcome, d.start - 2, d.end + 2
         near = any(lo <= t <= hi for t in self.fault_times[d.dep])
         down = any(a <= hi and b >= lo for a, b in self.down)
-        if o.startswith(("200", "hang-up")) and "not an answer" not in o or "ondemand_queue_timeout" in o:
+        if o.startswith(("200", "hang-up")) and "not an answer" not in o and "not JSON" not in o \
+                or "ondemand_queue_timeout" in o:
             return True
         if o.startswith(("ondemand down", "connection lost")):
             return down
@@ -507,18 +699,36 @@ class Soak:
         odd = collections.Counter(d.outcome for d in self.done if not self.attributed(d))
         self.check("every answer is an answer, a hang-up, a queue timeout or explained by a fault",
                    not odd, ", ".join(f"{o} x{c}" for o, c in odd.most_common(6)))
+        asleep = collections.Counter(d.outcome for d in self.done if "asleep engine" in d.outcome)
+        self.check(f'no client got an asleep engine\'s 503 ("{SLEEPING}")', not asleep,
+                   ", ".join(f"{o} x{c}" for o, c in asleep.items()))
+        garbage = collections.Counter(NAMES[d.dep] for d in self.done if "garbage" in d.outcome)
+        answered = collections.Counter(NAMES[d.dep] for d in self.done if d.outcome.startswith("200"))
+        failing = [n for n, extra in enumerate(ENGINE_ARGS) if "--fail" in extra]
+        self.check("no client got garbage (a wake whose weights did not come back is caught by its check)",
+                   not garbage, str(dict(garbage)) if garbage else "answers of the engines whose wakes fail: "
+                   + ", ".join(f"{NAMES[n]} {answered[NAMES[n]]}" for n in failing))
+        wakes = [d for kind, d in self.probes if kind == "wake"]
+        odd_probes = collections.Counter(d.outcome for _, d in self.probes if not self.attributed(d))
+        self.check("every wake probe (a request for an asleep deployment whose wakes fail) answered",
+                   bool(wakes) and not odd_probes, ", ".join(f"{o} x{c}" for o, c in odd_probes.items()) or
+                   ", ".join(f"{NAMES[d.dep]} {d.outcome}" for d in wakes))
         self.check("a rotated-out key is refused (401, not counted for the rate limit)",
                    bool(self.old_key_answers) and all(a == "401 invalid_api_key" for a in self.old_key_answers),
                    ", ".join(collections.Counter(self.old_key_answers)))
         self.check("never two engines of one deployment at once (/proc, every second)", not self.two_at_once,
                    "; ".join(self.two_at_once[:3]))
+        self.check(f"the GPU never overfilled ({GPU_MIB // GIB} GiB; the fake nvidia-smi's processes every 0.2 s)",
+                   not self.overfilled, "; ".join(self.overfilled[:2]) or
+                   f"at most {self.gpu_peak / GIB:.0f} GiB held; at most {self.state_peak['ready']} ready and "
+                   f"{self.state_peak['asleep']} asleep at once")
         await self.quiet_checks()
         await self.priority_checks()
         rc = await self.od.stop()
         self.check("ondemand stops on SIGTERM with exit code 0", rc == 0, f"exit code {rc}")
         await asyncio.sleep(0.5)
         orphans = sim_processes(self.journal)
-        self.check("no engine process left after ondemand stops", not orphans, str(orphans)[:200])
+        self.check("no engine process left after ondemand stops (asleep ones too)", not orphans, str(orphans)[:200])
         for p in orphans:
             soaklib.kill_pid(p)
         verdict = soaklib.integrity(self.od.cfg.db_path)
@@ -533,8 +743,9 @@ class Soak:
         self.journal_checks()
 
     async def quiet_checks(self) -> None:
-        """With no client left: nothing in flight or queued, then (engines put to sleep) the
-        gateway's file descriptors and memory back near where they were."""
+        """With no client left: nothing in flight or queued; every deployment's state agrees
+        with its engine; then (engines put to sleep or stopped) again, and the gateway's file
+        descriptors and memory back near where they were."""
         deadline = time.monotonic() + 5
         while True:
             _, views = await self.od.api("GET", "/deployments")
@@ -546,28 +757,108 @@ class Soak:
             await asyncio.sleep(0.1)
         self.check("in flight and queued are 0 everywhere (deployment views, host)",
                    not busy and not host["ondemand"]["queued"], f"{busy} host queued {host['ondemand']['queued']}")
+        await self.agreement_check("as the clients end")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             _, views = await self.od.api("GET", "/deployments")
-            if all(v["state"] in ("stopped", "failed") for v in views):
+            if all(self.at_rest(v) for v in views):
                 break
             await asyncio.sleep(0.2)
-        states = collections.Counter(v["state"] for v in views)
-        self.check("every engine put to sleep by the reaper once idle", set(states) <= {"stopped", "failed"},
-                   str(dict(states)))
+        states = {v["name"]: v["state"] + (f" {v['sleep_level']}" if v["state"] == "asleep" else "") for v in views}
+        self.check("every idle engine put to sleep at its level (sleep, sleep2) or stopped by the reaper",
+                   all(self.at_rest(v) for v in views), ", ".join(f"{k} {v}" for k, v in states.items()))
+        await self.agreement_check("at rest")
         await asyncio.sleep(1)
         fds, rss = soaklib.fd_count(self.od.pid), soaklib.rss_kib(self.od.pid)
+        # Idle keep-alive connections to the engines still running (asleep) are no leak: they
+        # end with the engine, or when it closes them (the simulator, as aiohttp, after 75 s;
+        # vLLM's and SGLang's uvicorn after 5 s). They are counted apart.
+        # And each engine still running holds two: its output's pipe and its log file.
+        ports = {info["port"] for info in sim_processes(self.journal).values()}
+        kept = sum(1 for port in soaklib.tcp_peer_ports(self.od.pid) if port in ports)
         base_fds, base_rss = self.baseline["fds_restart"], self.baseline["rss_restart"]
-        self.check("open fds back near their value after the restart (+10)", fds <= base_fds + 10,
-                   f"{base_fds} after restart, {fds} at the end (first process: {self.baseline['fds_first']})")
+        kinds = ", ".join(f"{k} {c}" for k, c in sorted(soaklib.fd_kinds(self.od.pid).items(), key=lambda x: -x[1]))
+        self.check("open fds back near their value after the restart (+10), but what asleep engines hold",
+                   fds - kept - 2 * len(ports) <= base_fds + 10,
+                   f"{base_fds} after restart, {fds} at the end: {kept} idle connections to and 2 each for "
+                   f"{len(ports)} asleep engines (first process: {self.baseline['fds_first']}; at the end {kinds})")
         self.check("RSS back near its value after the restart (+64 MiB)", rss <= base_rss + 65536,
                    f"{base_rss // 1024} MiB after restart, {rss // 1024} MiB at the end")
         self.rss = (base_rss, rss)
 
+    def at_rest(self, view: dict[str, Any]) -> bool:
+        """Stopped or failed; or asleep at its deployment's level (never one that stops when idle)."""
+        if view["state"] in ("stopped", "failed"):
+            return True
+        level = LEVELS[IDLE_ACTIONS[NAMES.index(view["name"])]]
+        return view["state"] == "asleep" and level > 0 and view["sleep_level"] == level
+
+    async def agreement_check(self, when: str) -> None:
+        """Every deployment's state agrees with its engine: an asleep one's engine sleeps at its
+        level (``/_sim/state``; vLLM's ``/is_sleeping`` true), a ready one's is awake
+        (``/is_sleeping`` false), a stopped or failed one has no engine process. A view is
+        compared only when it did not change around the engine's answer (the reaper may act
+        meanwhile); a disagreement that lasts 10 s fails."""
+        checked: collections.Counter[str] = collections.Counter()
+        wrong: list[str] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            for n, dep_id in enumerate(self.ids):
+                deadline, last = time.monotonic() + 10, "no stable view"
+                while time.monotonic() < deadline:
+                    agrees, last = await self.agrees(http, n, dep_id)
+                    if agrees:
+                        checked[last] += 1
+                        break
+                    await asyncio.sleep(0.2)  # the view moved, or they disagree: look again
+                else:
+                    wrong.append(f"{NAMES[n]}: {last}")
+        self.check(f"every deployment's state agrees with its engine ({when})", not wrong,
+                   "; ".join(wrong[:3]) or ", ".join(f"{k} x{c}" for k, c in sorted(checked.items())))
+
+    async def agrees(self, http: aiohttp.ClientSession, n: int, dep_id: int) -> tuple[bool | None, str]:
+        """(None: the view moved, look again; or whether it agrees, and what was seen)."""
+        def view() -> Any:
+            return self.od.api("GET", "/deployments")
+        _, views = await view()
+        before = next(v for v in views if v["id"] == dep_id)
+        state = before["state"]
+        engines = [p for p, info in sim_processes(self.journal).items() if info["model"] == NAMES[n].upper()]
+        seen: str
+        if state in ("stopped", "failed"):
+            ok, seen = not engines, f"{state}, no engine" if not engines else f"{state} but engine pids {engines}"
+        elif state in ("ready", "asleep") and before.get("base_url"):
+            try:
+                async with http.get(before["base_url"] + "/_sim/state") as r:
+                    sim = await r.json()
+                sleeping = any(sim["sleeping"].values())
+                vllm = ENGINES[n] == "vllm"
+                if vllm:
+                    async with http.get(before["base_url"] + "/is_sleeping") as r:
+                        said = (await r.json())["is_sleeping"]
+                else:
+                    said = sleeping
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as exc:
+                return None, f"{state}, engine not answering ({type(exc).__name__})"
+            if state == "ready":
+                ok = not sleeping and not said
+                seen = "ready, awake" if ok else f"ready but the engine sleeps (level {sim['level']})"
+            else:
+                ok = sleeping and said and sim["level"] == before["sleep_level"]
+                seen = (f"asleep {sim['level']}, engine asleep" if ok else
+                        f"asleep {before['sleep_level']} but the engine says sleeping {said}, level {sim['level']}")
+        else:
+            return None, f"{state}: moving"
+        _, views = await view()
+        after = next(v for v in views if v["id"] == dep_id)
+        if (after["state"], after["updated_at"]) != (state, before["updated_at"]):
+            return None, seen
+        return ok, seen
+
     async def priority_checks(self) -> None:
-        """From the audit rows and the request log: no make-room stop ever took a deployment
-        of higher priority than the request it was made for, and each was made while a
-        request for that one waited; the limited deployment never served more than its limit."""
+        """From the audit rows and the request log: no make-room sleep or stop ever took a
+        deployment of higher priority than the request it was made for, and each was made
+        while a request for that one waited; the limited deployment never served more than its
+        limit."""
         rows: list[dict[str, Any]] = []
         before = ""
         while True:
@@ -576,24 +867,26 @@ class Soak:
                 break
             rows += page
             before = f"&before={page[-1]['id']}"
+        self.audit_rows = rows
         by_name = {name.upper(): n for n, name in enumerate(NAMES)}
         by_id = {i: n for n, i in enumerate(self.ids)}
         stops = [r for r in rows if r["action"] == "ondemand_sleep" and r["text"].startswith(MAKE_ROOM)]
+        asked = [*self.done, *(d for _, d in self.probes)]
         wrong, unasked = [], []
         for r in stops:
-            victim, requester = by_id[r["deployment_id"]], by_name[r["text"][len(MAKE_ROOM):]]
+            victim, requester = by_id[r["deployment_id"]], by_name[make_room_for(r["text"])]
             if RANK[PRIORITIES[victim]] > RANK[PRIORITIES[requester]]:
                 wrong.append(f"{NAMES[victim]} ({PRIORITIES[victim]}) for {NAMES[requester]} "
                              f"({PRIORITIES[requester]}) at {r['at']:.1f}")
-            if not any(d.dep == requester and d.start - 1 <= r["at"] <= d.end + 2 for d in self.done):
+            if not any(d.dep == requester and d.start - 1 <= r["at"] <= d.end + 2 for d in asked):
                 unasked.append(f"{NAMES[victim]} for {NAMES[requester]} at {r['at']:.1f}")
         classes = collections.Counter(f"{PRIORITIES[by_id[r['deployment_id']]]} for "
-                                      f"{PRIORITIES[by_name[r['text'][len(MAKE_ROOM):]]]}" for r in stops)
-        self.check("no make-room stop took a deployment of higher priority than its request (audit rows)",
+                                      f"{PRIORITIES[by_name[make_room_for(r['text'])]]}" for r in stops)
+        self.check("no make-room sleep or stop took a deployment of higher priority than its request (audit rows)",
                    bool(stops) and not wrong,
-                   "; ".join(wrong[:3]) or f"{len(stops)} make-room stops: "
+                   "; ".join(wrong[:3]) or f"{len(stops)} make-room sleeps and stops: "
                    + ", ".join(f"{k} x{c}" for k, c in sorted(classes.items())))
-        self.check("every make-room stop was made while a request for its model waited (request log)",
+        self.check("every make-room sleep or stop was made while a request for its model waited (request log)",
                    not unasked, "; ".join(unasked[:3]) or f"{len(stops)} matched")
         busy = sum(d.outcome.endswith("ondemand_busy") for d in self.done)
         over = {NAMES[n]: self.inflight_peak[n] for n, limit in enumerate(LIMITS)
@@ -618,17 +911,136 @@ class Soak:
                                   f"{len(unexcused)} otherwise {[(e['model'], e['inflight']) for e in unexcused][:4]}")
         self.boots = sum(e["ev"] == "boot" for e in events)
         self.engine_requests = len(reqs)
+        self.events = soaklib.rows(self.od.cfg.db_path, "SELECT at, deployment_id, text FROM events ORDER BY id")
+        self.warmth_checks(soaklib.WarmthJournal(events), stops)
+
+    def warmth_checks(self, wj: soaklib.WarmthJournal, admin_stops: list[dict[str, Any]]) -> None:
+        """Sleeps and wakes, from the engines' journal and the audit rows (BEHAVIOUR.md, "Tiered
+        warmth"); and the counts of the summary's warmth table."""
+        self.check("no engine put to sleep with a generation request in flight (journal: sleep call vs req/end)",
+                   not wj.busy_sleeps, "; ".join(wj.busy_sleeps[:3]) or f"{len(wj.sleeps)} sleeps")
+        self.check("no generation request reached an asleep engine (journal: between its sleep call and its wake)",
+                   not wj.asleep_served, "; ".join(wj.asleep_served[:3]) or f"{len(wj.sleeps)} sleeps")
+        levels = collections.Counter((model, level) for _, model, _, level in wj.sleeps)
+        off = [f"{m} at level {lv} x{c}" for (m, lv), c in sorted(levels.items())
+               if LEVELS[IDLE_ACTIONS[NAMES.index(m.lower())]] != lv]
+        self.check("every engine slept at its deployment's level (sleep 1, sleep2 2; stop never)", not off,
+                   "; ".join(off[:4]) or ", ".join(f"{m.lower()} {lv} x{c}" for (m, lv), c in sorted(levels.items())))
+        # Each audited sleep (ondemand_sleep into asleep) matched with the engine's sleep line of
+        # that level (within 5 s after); a sleep cut by the SIGKILL of ondemand needs none.
+        by_id = {i: NAMES[n].upper() for n, i in enumerate(self.ids)}
+        ordered = sorted((r["at"], by_id[r["deployment_id"]], r["detail"]["level"]) for r in self.audit_rows
+                         if r["action"] == "ondemand_sleep" and (r.get("detail") or {}).get("to") == "asleep")
+        lines = sorted((t, model, level) for _, model, t, level in wj.sleeps)
+        unmatched = []
+        for at, model, level in ordered:
+            hit = next((x for x in lines if x[1] == model and x[2] == level and at - 0.5 <= x[0] <= at + 5), None)
+            if hit is not None:
+                lines.remove(hit)
+            elif not any(a - 5 <= at <= b for a, b in self.down):
+                unmatched.append(f"{model.lower()} level {level} audited at {at:.1f}, no sleep line")
+        unmatched += [f"{model.lower()} level {level} at {t:.1f}, not audited" for t, model, level in lines]
+        self.check("every sleep ondemand audited reached its engine, and every engine's sleep was audited",
+                   not unmatched, "; ".join(unmatched[:3]) or f"{len(ordered)} audited, {len(wj.sleeps)} slept")
+        # The wakes: a wake cut by the SIGKILL of ondemand (its restart stops the engine) or by an
+        # administrator's deploy stop is no failed wake; every other failing one must be audited.
+        def cut(w: soaklib.Wake) -> str | None:
+            if w.pid in self.left_behind and (w.result in ("killed", "killed after", "stopped") or
+                                              any(w.end_t >= a - 0.5 for a, _ in self.down)):
+                return "cut by the restart of ondemand"
+            # The mark is written as the command line starts, a second or so before the stop.
+            if any(s["admin_stop"] == w.model and w.t - 3 <= s["t"] <= w.end_t for s in admin_stops):
+                return "cut by deploy stop"
+            return None
+        results = collections.Counter(cut(w) or w.result for w in wj.wakes)
+        failing = [w for w in wj.wakes if w.failed and cut(w) is None]
+        # An asleep engine SIGKILLed by the soak while its deployment was starting was being
+        # woken, before the wake's first call: the wake finds no engine, and fails. One killed
+        # asleep may have been too, if a request came between the last look and the kill.
+        for pid, model, t in wj.vanished_asleep:
+            waking = pid in self.killed_starting
+            if pid in self.killed_asleep:
+                n, when = self.killed_asleep[pid]
+                waking = any(r["action"] == "ondemand_wake_failed" and r["deployment_id"] == self.ids[n]
+                             and "no engine to wake" in str(r["detail"].get("reason"))
+                             and when - 1 <= r["at"] <= when + 10 for r in self.audit_rows)
+            if waking and pid not in self.left_behind:
+                w = soaklib.Wake(pid, model, t, 0)
+                w.close("killed", t)
+                failing.append(w)
+                results["killed before its first wake call"] += 1
+        # An asleep engine SIGKILLed: its deployment failed (exited while asleep), never left asleep.
+        seen_failed = []
+        for n, when in self.killed_asleep.values():
+            later = [e["text"] for e in self.events if e["deployment_id"] == self.ids[n] and e["at"] >= when]
+            if later and later[0].startswith("Woken for a request"):
+                later = later[1:]  # a request came as it was killed: the wake
+            seen_failed.append((NAMES[n], later[0] if later else "nothing"))
+        wrong = [f"{name}: {text}" for name, text in seen_failed
+                 if not text.startswith(("asleep → failed: engine exited", "wake from sleep"))]
+        self.check("an asleep engine SIGKILLed: its deployment failed (or its wake, just begun, failed)",
+                   not wrong, "; ".join(wrong[:3]) or
+                   ", ".join(f"{name}: {text[:40]}" for name, text in seen_failed) or "none was found asleep")
+        audited = [r for r in self.audit_rows if r["action"] == "ondemand_wake_failed"]
+        per_model_audit = collections.Counter(by_id[r["deployment_id"]] for r in audited)
+        per_model_journal = collections.Counter(w.model for w in failing)
+        kinds_audit = collections.Counter(wake_failure(r) for r in audited)
+        kinds_journal = collections.Counter({"refused": "refused", "mismatch": "mismatch", "killed": "unreachable"}
+                                            [w.result] for w in failing)
+        self.check("ondemand_wake_failed audit rows = the failing wakes the journal shows (per deployment, per kind)",
+                   per_model_audit == per_model_journal and kinds_audit == kinds_journal,
+                   f"audit {dict(sorted(per_model_audit.items()))} {dict(kinds_audit)}; journal "
+                   f"{dict(sorted(per_model_journal.items()))} {dict(kinds_journal)}")
+        expect = {NAMES[n].upper(): ("refused" if "wake-fails" in extra else "mismatch" if "wake-garbage" in extra
+                                     else "ready") for n, extra in enumerate(ENGINE_ARGS)}
+        odd = collections.Counter(f"{w.model} {w.result}" for w in wj.wakes if cut(w) is None
+                                  and w.result in ("ready", "refused", "mismatch") and w.result != expect[w.model])
+        tried = {m for m, r in expect.items() if r != "ready"}
+        self.check("every wake of a wake-fails engine was refused, of the wake-garbage one caught by its check; "
+                   "every other one woke", not odd and all(any(w.model == m for w in wj.wakes) for m in tried),
+                   "; ".join(f"{k} x{c}" for k, c in odd.items()) or "wakes of " + ", ".join(
+                       f"{m.lower()} {sum(w.model == m for w in wj.wakes)}" for m in sorted(tried)))
+        # The warmth table of the summary.
+        rows = [r for r in self.audit_rows if r["action"] == "ondemand_sleep"]
+
+        def count(pred: Any) -> int:
+            return sum(1 for r in rows if pred(r["text"], r.get("detail") or {}))
+        level_n = collections.Counter(level for *_, level in wj.sleeps)
+        after_failed = sum(1 for w in failing if any(b[1] == w.model and b[2] >= w.t for b in wj.boots))
+        self.warmth = [
+            ("sleeps at level 1 (engines' journal)", level_n[1], ""),
+            ("sleeps at level 2 (engines' journal)", level_n[2], ""),
+            ("put to sleep idle (reaper)", count(lambda t, d: t.startswith("Put to sleep after") and "level" in d), ""),
+            ("stopped idle (reaper; idle_action stop)",
+             count(lambda t, d: t.startswith("Put to sleep after") and "level" not in d), ""),
+            ("make-room: an awake engine put to sleep",
+             count(lambda t, d: t.startswith(MAKE_ROOM[0]) and "level" in d), ""),
+            ("make-room: an awake engine stopped (idle_action stop)",
+             count(lambda t, d: t.startswith(MAKE_ROOM[0]) and "level" not in d), ""),
+            ("make-room: an asleep engine stopped", count(lambda t, d: t.startswith(MAKE_ROOM[1])), ""),
+            *[(f"wakes: {k}", c, WAKE_RESULTS.get(k, "")) for k, c in sorted(results.items())],
+            ("wake failures audited (ondemand_wake_failed)", len(audited),
+             ", ".join(f"{k} {c}" for k, c in sorted(kinds_audit.items()))),
+            ("cold starts (engine processes started)", len(wj.boots),
+             f"{after_failed} after a failed wake"),
+        ]
 
     # --- the summary ------------------------------------------------------------------------
 
     def summary(self) -> str:
         by = collections.Counter(d.outcome for d in self.done)
+        deps = ", ".join(f"{name} ({PRIORITIES[n]}, {IDLE_ACTIONS[n]}"
+                         + (", sglang" if ENGINES[n] == "sglang" else "")
+                         + (f", {' '.join(ENGINE_ARGS[n][1:])}" if "--fail" in ENGINE_ARGS[n] else "")
+                         + (f", at most {LIMITS[n]} at once" if LIMITS[n] else "") + ")"
+                         for n, name in enumerate(NAMES))
         out = [f"Soak: seed {self.seed}, {len(self.done)} requests from {self.clients} clients over "
-               f"{len(NAMES)} deployments (2 fit at once; priorities {', '.join(PRIORITIES)}; charlie at most "
-               f"{LIMITS[2]} at once), {self.elapsed:.0f} s; {self.boots} engine starts, "
-               f"{self.engine_requests} requests reached engines.", ""]
+               f"{len(NAMES)} deployments of 10 GiB on one {GPU_MIB // GIB} GiB GPU (3 fit awake at once): {deps}; "
+               f"{self.elapsed:.0f} s; {self.boots} engine starts, {self.engine_requests} requests reached engines.",
+               ""]
         out.append(soaklib.table("Requests by outcome", by.most_common(), ("outcome", "requests")))
         out += ["", soaklib.table("Faults injected", sorted(self.faults.items()), ("fault", "times"))]
+        out += ["", soaklib.table("Tiered warmth", self.warmth, ("what", "times", "detail"))]
         out += ["", soaklib.table("Invariants", self.checks, ("invariant", "result", "detail"))]
         return "\n".join(out) + "\n"
 
@@ -649,7 +1061,8 @@ async def main_async(args: argparse.Namespace) -> int:
         print(text)
         if args.record:
             Path(args.record).write_text(
-                "# The soak's last full run\n\n`make soak` (scripts/soak.py); how it works: its docstring.\n\n"
+                "# The soak's last recorded run\n\n`make soak` (scripts/soak.py, 10,000 requests) records here; "
+                "how it works: its docstring.\n\n"
                 + text.replace("Soak: ", "", 1))
         if soak.failures:
             print("FAILED:\n  " + "\n  ".join(soak.failures), file=sys.stderr)

@@ -36,8 +36,10 @@ def toml_value(v: Any) -> str:
 class Ondemand:
     """One `python -m ondemand --config FILE serve` process, restartable on the same state dir."""
 
-    def __init__(self, work: Path, settings: dict[str, Any], tables: dict[str, dict[str, Any]]):
+    def __init__(self, work: Path, settings: dict[str, Any], tables: dict[str, dict[str, Any]],
+                 env: dict[str, str] | None = None):
         self.work = work
+        self.extra_env = dict(env or {})  # for ondemand and, through it, its engines
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/dgxmm"
         state = work / "state"
@@ -58,6 +60,7 @@ class Ondemand:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_")}
         env["PYTHONPATH"] = str(ROOT)
+        env.update(self.extra_env)
         return env
 
     def write_key(self) -> str:
@@ -131,7 +134,7 @@ def sim_command(model: str, journal: Path, *extra: str) -> list[str]:
 
 def sim_processes(journal: Path) -> dict[int, dict[str, Any]]:
     """The live engine simulators of this run (their command line names ``journal``), by pid:
-    ``model``, ``ppid``, ``sid`` (session), ``state`` (R, S, Z ...). Zombies are left out."""
+    ``model``, ``port``, ``ppid``, ``sid`` (session), ``state`` (R, S, Z ...). Zombies are left out."""
     marker = str(journal).encode()
     found: dict[int, dict[str, Any]] = {}
     for entry in os.listdir("/proc"):
@@ -145,7 +148,9 @@ def sim_processes(journal: Path) -> dict[int, dict[str, Any]]:
         if marker not in argv or b"sim-engine" not in argv or stat[0] == "Z":
             continue
         model = argv[argv.index(b"--model") + 1].decode() if b"--model" in argv else "?"
-        found[int(entry)] = {"model": model, "ppid": int(stat[1]), "sid": int(stat[3]), "state": stat[0]}
+        port = argv[argv.index(b"--port") + 1].decode() if b"--port" in argv else ""
+        found[int(entry)] = {"model": model, "port": int(port) if port.isdigit() else None, "ppid": int(stat[1]),
+                             "sid": int(stat[3]), "state": stat[0]}
     return found
 
 
@@ -166,6 +171,37 @@ def rss_kib(pid: int) -> int:
 
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_kinds(pid: int) -> dict[str, int]:
+    """``pid``'s open fds by kind: socket, pipe, anon_inode, or the file's name."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            kind = target.split(":")[0] if target.startswith(("socket:", "pipe:", "anon_inode:")) \
+                else Path(target).name
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def tcp_peer_ports(pid: int) -> list[int]:
+    """The remote ports of ``pid``'s established TCP connections (its socket fds, looked up in
+    /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if len(f) > 9 and f[3] == "01" and f[9] in inodes:  # 01: ESTABLISHED
+                    ports.append(int(f[2].rpartition(":")[2], 16))
+    return ports
 
 
 def integrity(db: Path) -> str:
@@ -221,3 +257,180 @@ def table(title: str, rows_: list[tuple[Any, ...]], header: tuple[str, ...]) -> 
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
     return "\n".join(lines)
+
+
+# --- the fake GPU box ------------------------------------------------------------------------
+
+FAKE_NVIDIA_SMI = ROOT / "tests" / "fakes" / "nvidia-smi"
+
+
+def fake_gpu_box(work: Path, gpus_mib: list[int]) -> dict[str, str]:
+    """A box of GPUs for the fake nvidia-smi (tests/fakes/nvidia-smi), nothing used on them
+    but by the engine simulators' ``--gpu-mib``; returns the environment ondemand (and so its
+    engines) must get: ``FAKE_NVIDIA_SMI_FILE`` and ``FAKE_NVIDIA_SMI_APPS``."""
+    gpus, apps = work / "gpus.csv", work / "gpu-apps"
+    apps.mkdir(parents=True, exist_ok=True)
+    gpus.write_text("".join(f"{mib}, 0\n" for mib in gpus_mib))
+    return {"FAKE_NVIDIA_SMI_FILE": str(gpus), "FAKE_NVIDIA_SMI_APPS": str(apps)}
+
+
+def gpu_claims(apps: Path) -> dict[int, dict[int, int]]:
+    """What the live engine simulators hold, as the fake nvidia-smi counts it: {gpu: {pid: MiB}}
+    (a dead or zombie pid's file is left out, as the fake leaves it out)."""
+    out: dict[int, dict[int, int]] = {}
+    try:
+        names = os.listdir(apps)
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            state = Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()[0]
+            text = (apps / name).read_text()
+        except (OSError, IndexError):
+            continue
+        if state in ("Z", "X"):
+            continue
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+                out.setdefault(int(parts[0]), {})[int(name)] = int(parts[1])
+    return out
+
+
+# --- what the engines' journal says about sleeps and wakes ----------------------------------
+
+# The simulator's generation routes (ondemand/sim/engine.py, GENERATION): what "a request in
+# flight" means for its journal's sigterm line, and what it refuses (503) while asleep.
+GENERATION = frozenset((
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+    "/v1/audio/transcriptions", "/v1/chat/completions/batch"))
+SLEEP_CALLS = frozenset(("/sleep", "/release_memory_occupation"))  # vLLM's, SGLang's
+WAKE_CALLS = frozenset(("/wake_up", "/resume_memory_occupation"))
+PARTS = frozenset(("weights", "kv_cache"))
+
+
+class Wake:
+    """One wake of one engine process, from its first wake call on, as its journal tells it.
+
+    ``result``: ``ready`` (woken, its wake check answered, then it served or slept again),
+    ``refused`` (a wake call ended without waking anything: the engine answered it with an
+    error), ``mismatch`` (it woke, its wake check was answered, and it was stopped before it
+    served anything: the check's answer differed), ``stopped`` (SIGTERM before the wake or its
+    check ended: a stop during the wake), ``killed`` (the process vanished without SIGTERM
+    before its check was answered), ``killed after`` (it vanished once the check was answered),
+    ``open`` (not ended yet)."""
+
+    def __init__(self, pid: int, model: str, t: float, level: int):
+        self.pid, self.model, self.t, self.level = pid, model, t, level
+        self.call: int | None = None  # the journal number of the wake call in flight
+        self.woke_in_call = False  # a ``wake`` line came during that call
+        self.awake = False  # every part woke (a ``wake`` line emptied them)
+        self.check_n: int | None = None  # the journal number of its wake check (the first generation after)
+        self.checked = False  # that check's ``end`` came
+        self.result = "open"
+        self.end_t = t
+
+    def close(self, result: str, t: float) -> None:
+        if self.result == "open":
+            self.result, self.end_t = result, t
+
+    @property
+    def failed(self) -> bool:
+        """A wake ondemand must see fail (and audit ``ondemand_wake_failed``)."""
+        return self.result in ("refused", "mismatch", "killed")
+
+
+class WarmthJournal:
+    """The engines' journal (``--journal``) read for tiered warmth, one process at a time, in
+    the file's order (each line one O_APPEND write: the order they happened in). Read it once
+    every engine has ended (a wake still open at the end of the journal is one whose process
+    vanished):
+
+    - ``sleeps``: (pid, model, t, level) of each ``sleep`` line;
+    - ``busy_sleeps``: a sleep call (``/sleep``, ``/release_memory_occupation``) that came while a
+      generation request of that process was in flight (``req`` without its ``end``);
+    - ``asleep_served``: a generation request that reached a process between its sleep call and
+      the ``wake`` line that woke its last part (it answers 503 "The engine is sleeping");
+    - ``wakes``: every ``Wake``;
+    - ``vanished_asleep``: (pid, model, t of its last line) of each process that vanished
+      without SIGTERM while asleep, before any wake call (SIGKILLed asleep; if ondemand was
+      waking it, its wake fails with "no engine to wake");
+    - ``boots``: (pid, model, t) of each process start (a cold start)."""
+
+    def __init__(self, events: list[dict[str, Any]]):
+        self.sleeps: list[tuple[int, str, float, int]] = []
+        self.busy_sleeps: list[str] = []
+        self.asleep_served: list[str] = []
+        self.wakes: list[Wake] = []
+        self.vanished_asleep: list[tuple[int, str, float]] = []
+        self.boots: list[tuple[int, str, float]] = []
+        procs: dict[int, dict[str, Any]] = {}
+        for e in events:
+            pid, ev, t = int(e.get("pid") or 0), e.get("ev"), float(e.get("t", 0.0))
+            if ev == "boot":
+                procs[pid] = {"model": e.get("model", "?"), "inflight": {}, "asleep": set(), "window": False,
+                              "level": 0, "wake": None, "last_t": t, "sigterm": False}
+                self.boots.append((pid, e.get("model", "?"), t))
+                continue
+            p = procs.get(pid)
+            if p is None:  # the soak's own lines, or a process whose boot line is not ours
+                continue
+            p["last_t"] = t
+            wake: Wake | None = p["wake"]
+            if ev == "req":
+                path, n = e.get("path", ""), e.get("n")
+                if path in GENERATION:
+                    if p["window"]:
+                        self.asleep_served.append(f"{p['model']} pid {pid} {path} at {t:.2f}")
+                    elif wake is not None and wake.awake and wake.check_n is None:
+                        wake.check_n = n
+                    elif wake is not None and wake.checked:
+                        wake.close("ready", t)  # it serves
+                        p["wake"] = None
+                    p["inflight"][n] = path
+                elif path in SLEEP_CALLS:
+                    if p["inflight"]:
+                        self.busy_sleeps.append(f"{p['model']} pid {pid} at {t:.2f} with "
+                                                f"{sorted(p['inflight'].values())} in flight")
+                    if wake is not None:
+                        wake.close("ready" if wake.checked else "stopped", t)  # asleep again
+                    p["window"], p["wake"] = True, None
+                elif path in WAKE_CALLS and p["window"]:
+                    if wake is None:
+                        wake = p["wake"] = Wake(pid, p["model"], t, p["level"])
+                        self.wakes.append(wake)
+                    wake.call, wake.woke_in_call = n, False
+            elif ev == "end":
+                n = e.get("n")
+                p["inflight"].pop(n, None)
+                if wake is not None and n == wake.call:
+                    wake.call = None
+                    if not wake.woke_in_call and p["asleep"]:
+                        wake.close("refused", t)  # answered, and nothing woke: an error
+                if wake is not None and wake.check_n is not None and n == wake.check_n:
+                    wake.checked = True
+            elif ev == "sleep":
+                level = int(e.get("level", 1))
+                p["asleep"], p["level"] = set(PARTS), level
+                self.sleeps.append((pid, p["model"], t, level))
+            elif ev == "wake":
+                p["asleep"] -= set(e.get("tags", ()))
+                if wake is not None:
+                    wake.woke_in_call = True
+                if not p["asleep"]:
+                    p["window"] = False
+                    if wake is not None:
+                        wake.awake = True
+            elif ev == "sigterm":
+                if wake is not None:
+                    wake.close("mismatch" if wake.checked else "stopped", t)
+                p["wake"], p["sigterm"] = None, True
+        for pid, p in procs.items():  # the journal ends: the process vanished without SIGTERM (a SIGKILL)
+            wake = p["wake"]
+            if wake is not None:
+                wake.close("killed after" if wake.checked else "killed", p["last_t"])
+            elif p["window"] and not p["sigterm"]:
+                self.vanished_asleep.append((pid, p["model"], p["last_t"]))
