@@ -329,7 +329,9 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     upstreams = Upstreams()
 
     def forget_removed(e: DeploymentChanged) -> None:
-        if e.removed:
+        # Removed, or put to sleep: its idle connections to the engine are closed (asleep it may
+        # sleep for hours; the wake's first request opens new ones).
+        if e.removed or e.new_state is State.ASLEEP:
             upstreams.forget(e.dep_id)
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,

@@ -223,7 +223,7 @@ class Crash:
             pending = v.get("pending_mode") == "always_on"  # a start to always on: the gateway entry until ready
             if (v["mode"] == "on_demand" or pending) and v["state"] not in ("failed", "planned"):
                 out.add((v["served_name"], f"{self.od.url}/ondemand/{i}/v1", key, i,
-                         1 if v["state"] == "ready" else 2))
+                         1 if v["state"] == "ready" else 2 if v["state"] == "asleep" else 3))  # warmth
             elif v["mode"] == "always_on" and v["state"] == "ready" and v.get("base_url"):
                 out.add((v["served_name"], f"{v['base_url']}/v1", "none", i, 1))
         return out
