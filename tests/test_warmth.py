@@ -233,3 +233,34 @@ async def test_an_engine_asleep_longer_than_sleep_timeout_s_is_stopped(fake_nvid
     assert any("min asleep (sleep_timeout_s)" in r["text"] for r in rows)
     assert claimed(fake_nvidia_smi.apps) == {}
 
+
+
+async def test_litellm_keeps_the_entrys_id_through_ready_asleep_ready(fake_nvidia_smi, tmp_path):
+    """Through the whole ondemand and the LiteLLM double: the entry of a deployment that sleeps
+    and wakes is patched in place (order 1 → 2 → 1, dgxmm_state ready → asleep → ready), never
+    replaced: its LiteLLM id, and with it LiteLLM's spend, cooldown and health state, stay."""
+    from helpers import run_app, two_pools
+    from litellm_double import litellm_double
+    box(fake_nvidia_smi, gpus=8)
+    async with litellm_double("sk-m") as double:
+        mk = tmp_path / "master.key"
+        mk.write_text("sk-m\n")
+        settings = {"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
+                    "reap_interval_s": 3600, "budget.host_reserve_gib": 0,
+                    "litellm.url": double.url, "litellm.master_key_file": str(mk)}
+        async with run_app(tmp_path, **settings) as server, two_pools() as http:
+            a = await sleeper(server, "a", 20)
+
+            def entry() -> tuple[str, int, str] | None:
+                mine = [m for m in double.models if m["model_info"].get("dgxmm_id") == a]
+                return (mine[0]["model_info"]["id"], mine[0]["litellm_params"]["order"],
+                        mine[0]["model_info"]["dgxmm_state"]) if len(mine) == 1 else None
+            first = await wait_for(entry, what="the cold entry")
+            assert first[1:] == (3, "cold")
+            assert await ask(server, http, a) == (200, "")
+            await wait_for(lambda: entry() == (first[0], 1, "ready"), what="ready, patched in place")
+            await admin(server, http, a, "sleep")
+            await wait_for(lambda: entry() == (first[0], 2, "asleep"), what="asleep, patched in place")
+            assert await ask(server, http, a) == (200, "")
+            await wait_for(lambda: entry() == (first[0], 1, "ready"), what="awake again, the same id")
+            assert not double.deletes  # never replaced
