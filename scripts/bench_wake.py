@@ -404,10 +404,12 @@ async def run(tmp: Path, procs: Procs, d: Delays, rounds: int, only: str | None,
     gpus = tmp / "gpus.csv"
     gpus.write_text(f"{20 * GIB_MIB}, 0\n")
     env.update(FAKE_NVIDIA_SMI_FILE=str(gpus), FAKE_NVIDIA_SMI_APPS=str(apps))
+    # Plenty of host memory (the tests' fake meminfo): a level-1 sleep stays level 1 whatever is free.
+    host = f'host_reserve_gib = 0\nmeminfo_path = "{ROOT / "tests" / "fakes" / "meminfo"}"\n'
     plans = {"static": ("Static budget (one pool of 20 GiB)",
-                        '[budget]\nsource = "static"\ncapacity_gib = 20\nhost_reserve_gib = 0\n', False),
+                        '[budget]\nsource = "static"\ncapacity_gib = 20\n' + host, False),
              "measured": ("Measured budget (nvidia-smi: the tests' fake, one GPU of 20 GiB)",
-                          f'[budget]\nsource = "nvidia-smi"\nnvidia_smi = "{smi}"\nhost_reserve_gib = 0\n',
+                          f'[budget]\nsource = "nvidia-smi"\nnvidia_smi = "{smi}"\n' + host,
                           True)}
     results: dict[str, list[Case]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:

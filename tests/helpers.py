@@ -258,6 +258,9 @@ async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides)
     settings = {"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{port}",
                 "ondemand_allowed_cidrs": ["127.0.0.0/8"], "deployer.backend": "process",
                 "budget.source": "static", "budget.capacity_gib": 24, "min_idle_timeout_s": 1,
+                # A host with plenty of memory: no sleep level depends on what this machine has
+                # free (a test of the host reserve gives a meminfo of its own).
+                "budget.meminfo_path": str(FAKES / "meminfo"),
                 "ondemand_idle_timeout_s": 60, "ondemand_queue_timeout_s": 30, "reap_interval_s": 0.2,
                 "metrics_interval_s": 0.2, "deployer.start_timeout_s": 20, "shutdown_grace_s": 1}
     settings.update(overrides)

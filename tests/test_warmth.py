@@ -5,14 +5,19 @@ holds; level 2 answers garbage until its weights are reloaded). BEHAVIOUR.md, "T
 from __future__ import annotations
 
 import asyncio
+import pathlib
 
 import pytest
 from helpers import wait_for
 from test_gpu_placement import FAKE, add, ask, box, claimed
 
+# A host with plenty of memory: a level-1 sleep is never made level 2 by what this machine has free
+# (the host reserve has its own test, with a meminfo of its own).
+FAKE_MEMINFO = str(pathlib.Path(__file__).parent / "fakes" / "meminfo")
+
 pytestmark = pytest.mark.server(**{"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
                                    "metrics_interval_s": 0.1, "reap_interval_s": 3600,
-                                   "budget.host_reserve_gib": 0})
+                                   "budget.host_reserve_gib": 0, "budget.meminfo_path": FAKE_MEMINFO})
 
 
 async def sleeper(server, name: str, gib: float, *extra: str, residue_gib: float = 2, **kw) -> int:
@@ -246,7 +251,7 @@ async def test_litellm_keeps_the_entrys_id_through_ready_asleep_ready(fake_nvidi
         mk = tmp_path / "master.key"
         mk.write_text("sk-m\n")
         settings = {"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
-                    "reap_interval_s": 3600, "budget.host_reserve_gib": 0,
+                    "reap_interval_s": 3600, "budget.host_reserve_gib": 0, "budget.meminfo_path": FAKE_MEMINFO,
                     "litellm.url": double.url, "litellm.master_key_file": str(mk)}
         async with run_app(tmp_path, **settings) as server, two_pools() as http:
             a = await sleeper(server, "a", 20)
