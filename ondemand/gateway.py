@@ -100,10 +100,10 @@ def _release_when_granted(task: asyncio.Future[Slot]) -> None:
 
 
 async def _pump(call: Call, up: UpstreamResponse) -> None:
-    """The engine's bytes to the client as they come, unbuffered: written from the engine's read
-    callback (``Call.splice``), with no task switch per chunk."""
+    """The engine's bytes to the client as they come, chunk by chunk, unbuffered."""
     try:
-        await call.splice(up.content)
+        async for chunk in up.content.iter_any():
+            await call.write(chunk)
         await call.end()  # a client gone after the last chunk fails here (found by the soak)
     except ConnectionResetError:
         return  # the client went away; the caller closes the engine connection

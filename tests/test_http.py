@@ -235,7 +235,7 @@ async def test_a_gateway_body_past_the_high_water_mark_pauses_reading(ready):
         await handle(call)
     gateway.handle = slow
     body = b'{"model": "A", "messages": [], "x": "' + b"a" * (4 * 2**20) + b'"}'
-    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server), limit=1 << 26)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
     try:
         writer.write(_gw(server, dep, body=body))
         await asyncio.sleep(0.5)  # the client writes what the kernel takes
@@ -298,86 +298,3 @@ def test_admin_listen_is_host_port_or_nothing():
     assert config.load(env={"ONDEMAND_ADMIN_LISTEN": "127.0.0.1:8091"}).admin_listen_host_port == ("127.0.0.1", 8091)
     with pytest.raises(ConfigError, match="admin_listen"):
         config.load(env={}, overrides={"admin_listen": "8091"})
-
-
-# --- a spliced engine body (Call.splice: the engine's bytes written from its read callback) -----
-
-class _Source:
-    def __init__(self) -> None:
-        self.paused = 0
-        self.resumed = 0
-
-    def pause_reading(self) -> None:
-        self.paused += 1
-
-    def resume_reading(self) -> None:
-        self.resumed += 1
-
-
-async def test_a_spliced_body_passes_what_arrived_first_then_each_read_at_once():
-    from ondemand.http.body import Body
-    source = _Source()
-    body = Body(source, low=64)
-    body.feed_data(b"early ")
-    got: list[bytes] = []
-    task = asyncio.ensure_future(body.splice(lambda data: got.append(data) is None))
-    await asyncio.sleep(0)
-    assert got == [b"early "]
-    body.feed_data(b"one")
-    body.feed_data(b"two")
-    assert got == [b"early ", b"one", b"two"]  # in the callback that brought them: no task switch
-    assert not task.done()
-    body.feed_eof()
-    await task
-    assert body.at_eof() and source.paused == 0  # read to the end: its connection goes back to the pool
-
-
-async def test_a_spliced_body_pauses_the_engine_while_its_sink_is_full_and_raises_what_broke_it():
-    from ondemand.http.body import Body, PayloadError
-    source = _Source()
-    body = Body(source, low=64)
-    full = [False]
-    task = asyncio.ensure_future(body.splice(lambda data: not full[0]))
-    await asyncio.sleep(0)
-    body.feed_data(b"a")
-    assert source.paused == 0
-    full[0] = True
-    body.feed_data(b"b")
-    assert source.paused == 1  # the client's transport is full: the engine's socket is not read
-    body.resume()
-    assert source.resumed == 1
-    body.set_exception(PayloadError("the engine broke off"))
-    with pytest.raises(PayloadError):
-        await task
-
-
-async def test_a_stream_to_a_client_that_stops_reading_pauses_the_engine_and_resumes(ready):
-    """Through the whole gateway: a long stream to a client that reads nothing for a while (the
-    engine is paused meanwhile), then reads: every event arrives, once, in order."""
-    server, _ = ready
-    dep = await server.add("long", 4, "--max-model-len", "200000")
-    await server.deployer.restart(dep)
-    body = orjson.dumps({"model": "LONG", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                         "max_tokens": 100000, "ignore_eos": True})  # about 10 MB: past every buffer
-    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server), limit=1 << 26)
-    try:
-        writer.write(_gw(server, dep, body=body))
-        await writer.drain()
-        await asyncio.sleep(1.0)  # not reading: the kernel buffers fill, the gateway pauses the engine
-        data = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 60)
-    finally:
-        writer.close()
-    head, _, rest = data.partition(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in head.lower()
-    body, at = bytearray(), 0
-    while True:  # the chunked framing off: the chunks need not end where the events do
-        eol = rest.index(b"\r\n", at)
-        n = int(rest[at:eol], 16)
-        if n == 0:
-            break
-        body += rest[eol + 2:eol + 2 + n]
-        at = eol + 2 + n + 2
-    events = [line for line in bytes(body).split(b"\n") if line.startswith(b"data: ")]
-    assert events[-1] == b"data: [DONE]"
-    tokens = [c for e in events[:-1] if (c := orjson.loads(e[6:])["choices"][0]["delta"].get("content"))]
-    assert tokens == ["tok0"] + [f" tok{i}" for i in range(1, 100000)]  # every one, once, in order

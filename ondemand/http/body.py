@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 __all__ = ["Body", "PayloadError"]
@@ -26,7 +26,7 @@ class _Source(Protocol):
 
 
 class Body:
-    __slots__ = ("_source", "_parts", "buffered", "_eof", "_exc", "_reader", "low", "high", "_sink", "_spliced")
+    __slots__ = ("_source", "_parts", "buffered", "_eof", "_exc", "_reader", "low", "high")
 
     def __init__(self, source: _Source, low: int):
         self._source = source
@@ -37,17 +37,11 @@ class Body:
         self._reader: asyncio.Future[None] | None = None
         self.low = low
         self.high = 2 * low
-        self._sink: Callable[[bytes], bool] | None = None
-        self._spliced: asyncio.Future[None] | None = None
 
     # --- from the connection ---
 
     def feed_data(self, data: bytes) -> None:
         if not data:
-            return
-        if self._sink is not None:
-            if not self._sink(data):
-                self._source.pause_reading()  # its reader is slow: resume() reads on
             return
         self._parts.append(data)
         self.buffered += len(data)
@@ -58,14 +52,10 @@ class Body:
     def feed_eof(self) -> None:
         self._eof = True
         self._wake()
-        if self._spliced is not None and not self._spliced.done():
-            self._spliced.set_result(None)
 
     def set_exception(self, exc: BaseException) -> None:
         self._exc = exc
         self._wake()
-        if self._spliced is not None and not self._spliced.done():
-            self._spliced.set_exception(exc)
 
     def _wake(self) -> None:
         waiter, self._reader = self._reader, None
@@ -162,32 +152,6 @@ class Body:
             if self._eof:
                 return self._take(-1) if self._parts else b""
             await self._wait()
-
-    async def splice(self, sink: Callable[[bytes], bool]) -> None:
-        """Pass the rest of the body to ``sink`` as it arrives, in the callback that brings it:
-        no task switch per chunk (a stream of small SSE events is the gateway's busiest path).
-        What arrived already goes first. ``sink`` returns False when its own reader is slow:
-        the engine's socket is then not read until :meth:`resume`. Returns at the end of the
-        body; raises what broke it off (:class:`PayloadError`), after what arrived before."""
-        if self._parts:
-            data = self._take(-1)
-            if not sink(data):
-                self._source.pause_reading()
-        if self._exc is not None:
-            raise self._exc
-        if self._eof:
-            return
-        self._spliced = asyncio.get_running_loop().create_future()
-        self._sink = sink
-        try:
-            await self._spliced
-        finally:
-            self._sink = None
-            self._spliced = None
-
-    def resume(self) -> None:
-        """A spliced body's sink drained: read the engine again."""
-        self._source.resume_reading()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         while True:

@@ -30,7 +30,6 @@ else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
     from async_timeout import timeout as _timeout
 
 if TYPE_CHECKING:
-    from .body import Body
     from .protocol import HttpProtocol
 
 __all__ = ["Call", "BodyTooLarge", "BodyMalformed"]
@@ -202,28 +201,6 @@ class Call:
         self._proto.write(data)
         self.bytes_out += len(data)
         await self._proto.flow.drain()
-
-    async def splice(self, body: Body) -> None:
-        """The rest of ``body`` to the client as it arrives, written from the engine's read
-        callback (``Body.splice``): one write per engine read, no task switch per chunk. While
-        the client's transport is full, the engine is not read (its kernel buffer and then the
-        engine hold the rest). A client gone meanwhile cancels the handler (a hang-up)."""
-        proto, flow, chunked = self._proto, self._proto.flow, self._chunked
-
-        def sink(data: bytes) -> bool:
-            if chunked:
-                data = b"%x\r\n%b\r\n" % (len(data), data)
-            try:
-                proto.write(data)
-            except ConnectionResetError:
-                return True  # the client is gone: its connection_lost cancels this handler
-            self.bytes_out += len(data)
-            if flow.write_paused:
-                flow.when_drained(body.resume)
-                return False
-            return True
-        if self.method != "HEAD":
-            await body.splice(sink)
 
     async def end(self) -> None:
         if self._chunked:

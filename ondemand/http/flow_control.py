@@ -13,7 +13,6 @@ Writing: the transport calls ``pause_writing`` past its own high-water mark; a w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 __all__ = ["FlowControl", "BODY", "PIPELINE"]
 
@@ -22,7 +21,7 @@ PIPELINE = 2   # a request waits for the answer to the one before it
 
 
 class FlowControl:
-    __slots__ = ("_transport", "_reasons", "write_paused", "_drained", "_lost", "_on_resume")
+    __slots__ = ("_transport", "_reasons", "write_paused", "_drained", "_lost")
 
     def __init__(self, transport: asyncio.Transport):
         self._transport = transport
@@ -30,7 +29,6 @@ class FlowControl:
         self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._lost = False
-        self._on_resume: list[Callable[[], None]] = []
 
     # --- reading ---
 
@@ -56,16 +54,9 @@ class FlowControl:
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        callbacks, self._on_resume = self._on_resume, []
-        for callback in callbacks:
-            callback()
         waiter, self._drained = self._drained, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    def when_drained(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once at the next ``resume_writing`` (a spliced body reads on then)."""
-        self._on_resume.append(callback)
 
     async def drain(self) -> None:
         if self._lost:
