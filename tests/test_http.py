@@ -298,3 +298,35 @@ def test_admin_listen_is_host_port_or_nothing():
     assert config.load(env={"ONDEMAND_ADMIN_LISTEN": "127.0.0.1:8091"}).admin_listen_host_port == ("127.0.0.1", 8091)
     with pytest.raises(ConfigError, match="admin_listen"):
         config.load(env={}, overrides={"admin_listen": "8091"})
+
+
+async def test_a_stream_to_a_client_that_stops_reading_pauses_the_engine_and_resumes(ready):
+    """Through the whole gateway: a long stream to a client that reads nothing for a while (the
+    engine is paused meanwhile), then reads: every event arrives, once, in order."""
+    server, _ = ready
+    dep = await server.add("long", 4, "--max-model-len", "200000")
+    await server.deployer.restart(dep)
+    body = orjson.dumps({"model": "LONG", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "max_tokens": 100000, "ignore_eos": True})  # about 10 MB: past every buffer
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server), limit=1 << 26)
+    try:
+        writer.write(_gw(server, dep, body=body))
+        await writer.drain()
+        await asyncio.sleep(1.0)  # not reading: the kernel buffers fill, the gateway pauses the engine
+        data = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 60)
+    finally:
+        writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    body, at = bytearray(), 0
+    while True:  # the chunked framing off: the chunks need not end where the events do
+        eol = rest.index(b"\r\n", at)
+        n = int(rest[at:eol], 16)
+        if n == 0:
+            break
+        body += rest[eol + 2:eol + 2 + n]
+        at = eol + 2 + n + 2
+    events = [line for line in bytes(body).split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    tokens = [c for e in events[:-1] if (c := orjson.loads(e[6:])["choices"][0]["delta"].get("content"))]
+    assert tokens == ["tok0"] + [f" tok{i}" for i in range(1, 100000)]  # every one, once, in order
