@@ -224,10 +224,11 @@ def section(res: dict[str, Any], quick: bool) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, out: Path) -> None:
+def write_section(text: str, out: Path, section: str = SECTION) -> None:
+    """Put ``text`` (which begins with ``section``) in ``out`` in place of that section."""
     old = out.read_text() if out.exists() else ""
-    if SECTION in old:
-        head, _, rest = old.partition(SECTION)
+    if section in old:
+        head, _, rest = old.partition(section)
         tail = rest.split("\n## ", 1)
         old = head + (("## " + tail[1]) if len(tail) > 1 else "")
     out.write_text(old.rstrip("\n") + "\n\n" + text)

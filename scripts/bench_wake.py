@@ -43,7 +43,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROOT, Procs, _env, chat_body, median, raise_nofile  # noqa: E402, I001
-from bench_cold import FAKE_SMI, Gateway  # noqa: E402
+from bench_cold import FAKE_SMI, Gateway, write_section  # noqa: E402
 
 OUT = ROOT / "bench" / "results.md"
 SECTION = "## Wake path"
@@ -380,15 +380,6 @@ def section(results: dict[str, list[Case]], d: Delays, rounds: int, quick: bool,
     return "\n".join(lines)
 
 
-def write_section(text: str, out: Path) -> None:
-    old = out.read_text() if out.exists() else ""
-    if SECTION in old:
-        head, _, rest = old.partition(SECTION)
-        tail = rest.split("\n## ", 1)
-        old = head + (("## " + tail[1]) if len(tail) > 1 else "")
-    out.write_text(old.rstrip("\n") + "\n\n" + text)
-
-
 async def run(tmp: Path, procs: Procs, d: Delays, rounds: int, only: str | None,
               trace: bool = False, metrics_s: float = 1.0) -> dict[str, list[Case]]:
     env = _env()
@@ -460,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(results, d, rounds, args.quick, (load_start, loadavg()))
     print(text)
     if not args.no_write and not args.trace:  # the wrapper's own cost is in a traced run's figures
-        write_section(text, args.out)
+        write_section(text, args.out, SECTION)
     return 0
 
 
