@@ -43,7 +43,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROOT, Procs, _env, chat_body, median, raise_nofile  # noqa: E402, I001
-from bench_cold import FAKE_SMI, Gateway, write_section  # noqa: E402
+import bench_cold  # noqa: E402
+from bench_cold import FAKE_SMI, Gateway  # noqa: E402
 
 OUT = ROOT / "bench" / "results.md"
 SECTION = "## Wake path"
@@ -380,6 +381,11 @@ def section(results: dict[str, list[Case]], d: Delays, rounds: int, quick: bool,
     return "\n".join(lines)
 
 
+def write_section(text: str, out: Path) -> None:
+    """This section of ``out`` replaced by ``text``, the others kept (``bench_cold.write_section``)."""
+    bench_cold.write_section(text, out, SECTION)
+
+
 async def run(tmp: Path, procs: Procs, d: Delays, rounds: int, only: str | None,
               trace: bool = False, metrics_s: float = 1.0) -> dict[str, list[Case]]:
     env = _env()
@@ -451,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(results, d, rounds, args.quick, (load_start, loadavg()))
     print(text)
     if not args.no_write and not args.trace:  # the wrapper's own cost is in a traced run's figures
-        write_section(text, args.out, SECTION)
+        write_section(text, args.out)
     return 0
 
 
