@@ -91,8 +91,9 @@ def ready_poll_s(elapsed: float) -> float:
 
 
 class WakeFailed(Exception):
-    """A wake did not bring the engine back: an engine call failed or timed out (``failed``),
-    or the wake check's answer differed (``mismatch``)."""
+    """An engine call of the sleep API failed (``_engine_call``: a sleep's, read as its reason),
+    or a wake did not bring the engine back: a call failed or timed out (``failed``), or the
+    wake check's answer differed (``mismatch``)."""
 
     def __init__(self, result: str, reason: str):
         super().__init__(reason)

@@ -96,33 +96,27 @@ class DeployerEffects:
             ctl.on_admitted(dep_id, started)
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        self.tasks.spawn(self._stop(dep_id, text, for_dep), f"stop {dep_id}")
-
-    async def _stop(self, dep_id: int, text: str, for_dep: int | None) -> None:
-        ctl = self.controller
-        stopped = False
-        try:
-            cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
-            stopped = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text,
-                                               cause=cause)
-        except Exception:
-            log.exception("stopping deployment %d failed", dep_id)
-        finally:
-            ctl.on_stopped(dep_id, stopped, for_dep)
+        self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=False), f"stop {dep_id}")
 
     def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        self.tasks.spawn(self._sleep(dep_id, text, for_dep), f"sleep {dep_id}")
+        self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=True), f"sleep {dep_id}")
 
-    async def _sleep(self, dep_id: int, text: str, for_dep: int | None) -> None:
+    async def _put_away(self, dep_id: int, text: str, for_dep: int | None, *, sleep: bool) -> None:
+        """Stop it, or put it to sleep (asleep, or stopped instead: the host reserve, a failed
+        sleep call), if ``is_idle`` still approves it; reports ``on_stopped`` whatever happens."""
         ctl = self.controller
         done = False
+        cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
         try:
-            cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
-            level = await self.deployer.sleep(dep_id, None, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
-                                              text=text, cause=cause, or_stop=True)
-            done = level is not None  # asleep, or stopped instead (the host reserve, a failed sleep)
+            if sleep:
+                level = await self.deployer.sleep(dep_id, None, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
+                                                  text=text, cause=cause, or_stop=True)
+                done = level is not None
+            else:
+                done = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text,
+                                                cause=cause)
         except Exception:
-            log.exception("putting deployment %d to sleep failed", dep_id)
+            log.exception("%s deployment %d failed", "putting to sleep" if sleep else "stopping", dep_id)
         finally:
             ctl.on_stopped(dep_id, done, for_dep)
 
