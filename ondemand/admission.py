@@ -38,6 +38,7 @@ class Admission:
         if slot is not None:
             return slot
         wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
         waiter = core.join(dep_id, arrival=core.clock() if arrival is None else arrival, notify=wake.set,
                            on_queued=on_queued)
         try:
@@ -48,10 +49,13 @@ class Admission:
                 if slot is not None:
                     return slot
                 wake.clear()
+                # A timer that sets the event (take() then raises the timeout), not wait_for,
+                # which would wrap the wait in a task of its own (Python < 3.12).
+                timer = loop.call_later(core.next_wake(waiter) + 0.001, wake.set)
                 try:
-                    await asyncio.wait_for(wake.wait(), core.next_wake(waiter) + 0.001)
-                except asyncio.TimeoutError:
-                    pass  # take() raises the timeout
+                    await wake.wait()
+                finally:
+                    timer.cancel()
         finally:
             core.leave(waiter)
 

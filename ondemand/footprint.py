@@ -16,7 +16,6 @@ measured and declared sizes stand: run it with ``--pid=host`` to measure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from .budget import Budget, BudgetError, apps_gib
@@ -60,9 +59,15 @@ class FootprintSampler:
         return found
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), self.interval_s)
+            # A timer that sets the event, not wait_for: wait_for wraps the wait in a new
+            # task each round (Python < 3.12), a stray task for anyone counting them.
+            timer = loop.call_later(self.interval_s, self._poke.set)
+            try:
+                await self._poke.wait()
+            finally:
+                timer.cancel()
             self._poke.clear()
             try:
                 await self.sample()
