@@ -24,6 +24,12 @@ class Admission:
         self.controller = controller
         self.deployer = deployer
 
+    def take_now(self, dep_id: int) -> Slot | None:
+        """A slot at once when ``dep_id`` is ready, else None (nothing joined, nothing waits);
+        raises ``ondemand_busy`` past its ``max_inflight``. The streaming path asks this first,
+        so that a ready model's stream makes no task of its own for the notice."""
+        return self.controller.try_take(dep_id)
+
     async def acquire(self, dep_id: int, *, arrival: float | None = None,
                       on_queued: Callable[[], None] | None = None) -> Slot:
         """A slot of ``dep_id``: at once when it is ready, else once the core says so.

@@ -17,48 +17,66 @@ The engines' connection pools are ``http/pool.py``'s.
 """
 from __future__ import annotations
 
-from multidict import CIMultiDict, CIMultiDictProxy, istr
+from collections.abc import Sequence
 
 from .http.headers import HEALTH_HEADER, ID_HEADER
 
-# Lower-case: names are compared as ``name.lower()``. (An ``istr`` hashes as its text: a set of
-# them finds "Host" but not "host", which httpx, the OpenAI SDK's client, sends.)
-HOP_BY_HOP = frozenset(h.lower() for h in (
+RawHeaders = Sequence[tuple[bytes, bytes]]  # as llhttp gave them
+
+# Lower-case bytes: names are compared as llhttp gave them, ``name.lower()``, never decoded.
+HOP_BY_HOP = frozenset(h.lower().encode() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection",
     "TE", "Trailer", "Trailers", "Transfer-Encoding", "Upgrade"))
-_DROP_REQUEST = HOP_BY_HOP | frozenset(h.lower() for h in (
+_DROP_REQUEST = HOP_BY_HOP | frozenset(h.lower().encode() for h in (
     "Authorization", "Cookie", "Host", "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto",
     "X-Forwarded-Port", "X-Forwarded-Prefix", "Forwarded", "X-Real-IP", "Content-Length",
-    "Accept-Encoding", "Expect", HEALTH_HEADER))
-# X-Request-Id: the gateway writes its own (the engine's would be a second one, issue 23).
-_DROP_RESPONSE = HOP_BY_HOP | frozenset(h.lower() for h in ("Server", "Date", "Content-Length", ID_HEADER))
-_IDENTITY = (istr("Accept-Encoding"), "identity")
-_DROP_PREFIXES = ("x-forwarded-", "sec-websocket-")
-
-def _named_in_connection(headers: CIMultiDictProxy[str]) -> frozenset[str]:
-    named = headers.getall("Connection", ())
-    if not named:
-        return frozenset()
-    return frozenset(t.strip().lower() for v in named for t in v.split(",") if t.strip())
+    "Accept-Encoding", "Expect", HEALTH_HEADER, ID_HEADER))
+# X-Request-Id: the gateway writes its own, to the engine and to the client (the engine's would
+# be a second one, issue 23).
+_DROP_RESPONSE = HOP_BY_HOP | frozenset(h.lower().encode() for h in ("Server", "Date", "Content-Length", ID_HEADER))
+# Sec-WebSocket-*: the gateway upgrades nothing, an engine must not see a handshake (issue 23).
+_DROP_PREFIXES = (b"x-forwarded-", b"sec-websocket-")
+_IDENTITY = b"Accept-Encoding: identity\r\n"
 
 
-def request_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    extra = _named_in_connection(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
+def _lines(raw: RawHeaders, drop: frozenset[bytes], prefixes: tuple[bytes, ...]) -> list[bytes]:
+    """The lines of the headers kept, in one pass (this runs twice a request); the names a
+    ``Connection`` header lists (hop-by-hop too) are taken out after it, when there is one."""
+    out = []
+    named: list[bytes] | None = None
+    for name, value in raw:
         lower = name.lower()
-        # Sec-WebSocket-*: the gateway upgrades nothing, an engine must not see a handshake (issue 23).
-        if lower not in _DROP_REQUEST and lower not in extra and not lower.startswith(_DROP_PREFIXES):
-            out.add(name, value)
-    out.add(*_IDENTITY)
+        if lower in drop:
+            if lower == b"connection":
+                named = (named or []) + [t.strip().lower() for t in value.split(b",") if t.strip()]
+            continue
+        if prefixes and lower.startswith(prefixes):
+            continue
+        out.append(b"%s: %s\r\n" % (name, value))
+    if named:
+        out = [line for line in out if line.partition(b":")[0].lower() not in named]
     return out
 
 
-def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    extra = _named_in_connection(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower not in _DROP_RESPONSE and lower not in extra:
-            out.add(name, value)
-    return out
+def _joined(lines: list[bytes]) -> bytes:
+    block = b"".join(lines)
+    # Names and values came through llhttp, which refuses CR and LF in them; a line break of
+    # their own would be a second header or request: count, never trust.
+    if block.count(b"\n") != len(lines) or block.count(b"\r") != len(lines):
+        raise ValueError("line break in a header")
+    return block
+
+
+def request_lines(raw: RawHeaders, rid: str) -> bytes:
+    """The client's headers as the engine gets them: the header lines (each ending CRLF),
+    ``Accept-Encoding: identity`` and ``X-Request-Id: rid`` (the engine logs it too; vLLM takes
+    it as its request id) among them; raises ValueError for a line break in a header."""
+    lines = _lines(raw, _DROP_REQUEST, _DROP_PREFIXES)
+    lines.append(_IDENTITY)
+    lines.append(b"X-Request-Id: %s\r\n" % rid.encode("ascii"))  # printable ASCII (exchange.valid_id)
+    return _joined(lines)
+
+
+def response_lines(raw: RawHeaders) -> bytes:
+    """The engine's headers as the client gets them: the header lines, each ending CRLF."""
+    return _joined(_lines(raw, _DROP_RESPONSE, ()))

@@ -33,9 +33,9 @@ from .controller import Slot
 from .deployer import Deployer
 from .errors import OndemandError
 from .exchange import Exchange, request_id
-from .forward import request_headers, response_headers
+from .forward import request_lines, response_lines
 from .http.cycle import BodyMalformed, BodyTooLarge, Call
-from .http.headers import HEALTH_HEADER, ID_HEADER, bearer
+from .http.headers import HEALTH_HEADER, bearer
 from .http.pool import PayloadError, UpstreamError, Upstreams
 from .http.pool import Response as UpstreamResponse
 from .keys import KeyWatcher
@@ -58,8 +58,10 @@ STATE_HEADER = "x-dgxmm-ondemand-state"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _JSON = "application/json"
 _JSON_UTF8 = {"Content-Type": "application/json; charset=utf-8"}  # as aiohttp's json_response says
+_ENGINES: dict[str, str] = {}  # an engine's answer: its own header lines only (forward.response_lines)
 _NO_NOTICE = object()  # _answer_with: no queued notice to prepend
 _EMPTY_BODY = frozenset({204, 304})
+ROUTES_REMEMBERED = 1024  # checked (method, path)s kept with their route and upstream target
 # A request whose client went away before its answer was written (nginx's code).
 CLIENT_GONE = 499
 
@@ -188,6 +190,7 @@ class Gateway:
         self.finished = finished
         self.start_eta = start_eta
         self.queue_place = queue_place
+        self._routes: dict[tuple[str, str], tuple[int, str, str, str]] = {}
 
     async def handle(self, call: Call) -> None:
         """Answer one gateway request."""
@@ -242,10 +245,27 @@ class Gateway:
             self.limiter.fail(peer)
         raise _err(401, "invalid_api_key", "Invalid API key for the on-demand gateway")
 
-    async def _handle(self, call: Call, ex: Exchange) -> None:
+    def _target(self, call: Call, peer: str) -> tuple[int, str, str, str]:
+        """Checks 2 to 4 (the path, the key, the route): the deployment id, the route, its
+        kind and the upstream target (the checked path rebuilt). A path that passed them
+        once is remembered with its method (LiteLLM sends a handful), so the next request on
+        it skips the parse; the key is checked every time, before the route is known."""
+        key = (call.method, call.raw_path)
+        known = self._routes.get(key)
+        if known is not None:
+            self._check_key(call, peer)
+            return known
         segs = split_checked(call.raw_path, self.prefix)
-        self._check_key(call, ex.peer or "?")
+        self._check_key(call, peer)
         dep_id, route, kind = _route(segs, call.method)
+        known = (dep_id, route, kind, rebuild(segs[1:]))
+        if len(self._routes) >= ROUTES_REMEMBERED:  # only a key's holder adds: bounded all the same
+            self._routes.clear()
+        self._routes[key] = known
+        return known
+
+    async def _handle(self, call: Call, ex: Exchange) -> None:
+        dep_id, route, kind, target = self._target(call, ex.peer or "?")
         ex.route = route
         length = call.content_length
         if length is not None and length > self.max_body:
@@ -266,7 +286,7 @@ class Gateway:
         if kind == "model":
             if dep.state is not State.READY:
                 raise _err(503, "ondemand_not_ready", f"{dep.served_name} is {dep.state}")
-            return await self._forward(call, dep, segs, None, route)
+            return await self._forward(call, dep, target, None, route)
 
         if HEALTH_HEADER in call.headers:
             ex.health = True
@@ -281,10 +301,10 @@ class Gateway:
         ex.bytes_in = len(body)
         parsed = None if route in MULTIPART else _json_object(body)
         if not on_demand:
-            return await self._forward(call, dep, segs, body, route)
+            return await self._forward(call, dep, target, body, route)
         how = notice.mode(route, parsed)
         if how == notice.STREAM_NOTICE:
-            return await self._stream_with_notice(call, ex, dep, segs, body, route)
+            return await self._stream_with_notice(call, ex, dep, target, body, route)
         # The wait as it stood when the request queued, as the streaming notice tells it.
         queued: list[notice.Wait] = []
 
@@ -293,7 +313,7 @@ class Gateway:
             queued.append(self._wait(dep_id))
         slot = await self._acquire(ex, dep_id, on_queued)
         try:
-            return await self._forward(call, dep, segs, body, route,
+            return await self._forward(call, dep, target, body, route,
                                        prepend=how == notice.PREPEND and ex.waited_memory,
                                        wait=queued[0] if queued else notice.UNKNOWN)
         finally:
@@ -342,8 +362,15 @@ class Gateway:
 
     # --- streaming with the queued notice -----------------------------------------
 
-    async def _stream_with_notice(self, call: Call, ex: Exchange, dep: Deployment, segs: list[str],
+    async def _stream_with_notice(self, call: Call, ex: Exchange, dep: Deployment, target: str,
                                   body: bytes, route: str) -> None:
+        # Ready (the common case): the slot at once, with no task and no wait for the notice.
+        slot = self.controller.take_now(dep.id)
+        if slot is not None:
+            try:
+                return await self._forward(call, dep, target, body, route)
+            finally:
+                slot.release()
         queued = asyncio.Event()
 
         def on_queued() -> None:
@@ -352,7 +379,7 @@ class Gateway:
         # A child task, awaited or cancelled below (not a background task): the notice
         # must go out while the acquire still waits.
         acq = asyncio.ensure_future(self._acquire(ex, dep.id, on_queued))  # noqa: TID251
-        slot: Slot | None = None
+        slot = None
         try:
             if not acq.done():
                 # A child too: asyncio.wait takes futures, and this one is cancelled just below.
@@ -363,7 +390,7 @@ class Gateway:
                     q.cancel()
             if acq.done():
                 slot = acq.result()  # raises the controller's error as a plain answer
-                return await self._forward(call, dep, segs, body, route)
+                return await self._forward(call, dep, target, body, route)
             # Queued for memory: tell the person now, then wait.
             await call.start(200, _SSE_HEADERS)
             await call.write(notice.queued_chunk(route, dep.served_name, self._wait(dep.id)))
@@ -372,7 +399,7 @@ class Gateway:
             except OndemandError as err:
                 await call.write(notice.error_events(err.envelope()))
                 return await call.end()
-            return await self._forward(call, dep, segs, body, route, started=True)
+            return await self._forward(call, dep, target, body, route, started=True)
         finally:
             if slot is not None:
                 slot.release()
@@ -384,7 +411,7 @@ class Gateway:
 
     # --- forwarding -----------------------------------------------------------------
 
-    async def _forward(self, call: Call, dep: Deployment, segs: list[str], body: bytes | None,
+    async def _forward(self, call: Call, dep: Deployment, target: str, body: bytes | None,
                        route: str, *, prepend: bool = False, wait: notice.Wait = notice.UNKNOWN,
                        started: bool = False) -> None:
         base = self.deployer.base_url(dep.id)
@@ -393,9 +420,8 @@ class Gateway:
         lease = self.upstreams.open(dep.id, base)
         try:
             try:
-                headers = request_headers(call.headers)
-                headers[ID_HEADER] = call.rid  # the engine logs it too (vLLM takes it as its request id)
-                up = await lease.request(call.method, rebuild(segs[1:]), headers, body)
+                lines = request_lines(call.raw_headers, call.rid)
+                up = await lease.request(call.method, target, lines, body)
             except (UpstreamError, ValueError) as exc:
                 return await self._upstream_failed(call, started, f"the engine did not answer: {exc}")
             try:
@@ -417,11 +443,13 @@ class Gateway:
             except PayloadError as exc:
                 return await self._upstream_failed(call, False, f"the engine broke off its answer: {exc}")
             data = notice.prepend(route, raw, dep.served_name, wait)  # type: ignore[arg-type]
-            return await call.send(200, response_headers(up.headers), data)
+            return await call.send(200, _ENGINES, data, lines=response_lines(up.raw_headers))
         if content.is_eof() and call.method != "HEAD" and up.status not in _EMPTY_BODY:
             # The whole answer is here already (a short one usually is): head and body in one write.
-            return await call.send(up.status, response_headers(up.headers), await content.read(), reason=up.reason)
-        await call.start(up.status, response_headers(up.headers), reason=up.reason, length=up.content_length)
+            return await call.send(up.status, _ENGINES, await content.read(), reason=up.reason,
+                                   lines=response_lines(up.raw_headers))
+        await call.start(up.status, _ENGINES, reason=up.reason, length=up.content_length,
+                         lines=response_lines(up.raw_headers))
         if call.method == "HEAD":
             return await call.end()
         await _pump(call, up)

@@ -142,23 +142,19 @@ class EngineConnection(asyncio.Protocol):
         status = self.status = parser.get_status_code()
         if status < 200:  # an interim answer (1xx): the real one follows
             return
-        headers: CIMultiDict[str] = CIMultiDict()
-        chunked = False
-        for name, value in self.raw_headers:
-            n = name.decode("utf-8", "surrogateescape")
-            v = value.decode("utf-8", "surrogateescape")
-            headers.add(n, v)
-            lower = n.lower()
-            if lower == "content-length" or (lower == "transfer-encoding" and "chunked" in v.lower()):
-                chunked = True
-        self.framed = chunked
+        raw = self.raw_headers
+        framed = False
+        for name, value in raw:
+            lower = name.lower()
+            if lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
+                framed = True
+        self.framed = framed
         if not parser.should_keep_alive():
             self.keep = False
         payload = self.payload = Body(self, READ_LIMIT)
         head = self.head
         if head is not None and not head.done():
-            head.set_result(Response(self, status, self.reason.decode("utf-8", "surrogateescape"),
-                                     CIMultiDictProxy(headers), payload))
+            head.set_result(Response(self, status, self.reason.decode("utf-8", "surrogateescape"), raw, payload))
         if self.head_only or status in (204, 304):
             self.answered = True
             payload.feed_eof()
@@ -263,24 +259,45 @@ class EngineConnection(asyncio.Protocol):
 
 
 class Response:
-    """An engine's answer: status, headers and ``content`` (a :class:`~.body.Body`)."""
-    __slots__ = ("status", "reason", "headers", "content", "_conn")
+    """An engine's answer: status, headers and ``content`` (a :class:`~.body.Body`).
+    ``raw_headers`` as llhttp gave them (the gateway passes them on undecoded); ``headers``
+    decoded, made when first asked for."""
+    __slots__ = ("status", "reason", "raw_headers", "content", "_conn", "_headers")
 
-    def __init__(self, conn: EngineConnection, status: int, reason: str, headers: CIMultiDictProxy[str], content: Body):
+    def __init__(self, conn: EngineConnection, status: int, reason: str, raw_headers: list[tuple[bytes, bytes]],
+                 content: Body):
         self.status = status
         self.reason = reason
-        self.headers = headers
+        self.raw_headers = raw_headers
         self.content = content
         self._conn: EngineConnection | None = conn
+        self._headers: CIMultiDictProxy[str] | None = None
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        if self._headers is None:
+            self._headers = CIMultiDictProxy(CIMultiDict(
+                (n.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
+                for n, v in self.raw_headers))
+        return self._headers
+
+    def _first(self, name: bytes) -> bytes | None:
+        for n, v in self.raw_headers:
+            if n.lower() == name:
+                return v
+        return None
 
     @property
     def content_length(self) -> int | None:
-        v = self.headers.get("Content-Length")
+        v = self._first(b"content-length")
         return int(v) if v is not None and v.isdigit() else None
 
     @property
     def content_type(self) -> str:
-        return self.headers.get("Content-Type", "application/octet-stream").partition(";")[0].strip().lower()
+        v = self._first(b"content-type")
+        if v is None:
+            return "application/octet-stream"
+        return v.partition(b";")[0].strip().lower().decode("latin-1")
 
     async def read(self) -> bytes:
         return await self.content.read()

@@ -49,16 +49,17 @@ class BodyMalformed(Exception):
 
 
 class _Date:
-    """The Date header's value, formatted once a second."""
+    """The Date and Server lines, formatted once a second."""
     second = -1
-    value = ""
+    lines = ""
 
     @classmethod
     def now(cls) -> str:
         t = int(time.time())
         if t != cls.second:
-            cls.second, cls.value = t, email.utils.formatdate(t, usegmt=True)
-        return cls.value
+            cls.second = t
+            cls.lines = f"Date: {email.utils.formatdate(t, usegmt=True)}\r\nServer: {SERVER_SOFTWARE}\r\n"
+        return cls.lines
 
 
 class Call:
@@ -66,14 +67,16 @@ class Call:
     the cycle is made; the body arrives through :meth:`feed` while the handler runs."""
     __slots__ = ("_proto", "method", "raw_path", "headers", "peer", "content_length", "rid", "status",
                  "version", "keep_alive", "expect", "started", "ended", "close", "bytes_out", "_chunked",
-                 "_continued", "parts", "size", "limit", "complete", "too_large", "failed", "_body_waiter")
+                 "_continued", "parts", "size", "limit", "complete", "too_large", "failed", "_body_waiter",
+                 "raw_headers")
 
     def __init__(self, proto: HttpProtocol, method: str, raw_path: str, headers: CIMultiDictProxy[str],
-                 version: str, keep_alive: bool, limit: int):
+                 version: str, keep_alive: bool, limit: int, raw_headers: list[tuple[bytes, bytes]]):
         self._proto = proto
         self.method = method
         self.raw_path = raw_path
         self.headers = headers
+        self.raw_headers = raw_headers  # as llhttp gave them: forwarded without decoding
         self.peer = proto.peer
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
@@ -152,35 +155,39 @@ class Call:
 
     # --- the answer ---
 
-    def _head(self, status: int, reason: str | None, headers: Mapping[str, str], length: int | None) -> bytes:
+    def _head(self, status: int, reason: str | None, headers: Mapping[str, str], length: int | None,
+              lines: bytes) -> bytes:
         version = self.version
-        lines = [f"HTTP/{version} {status} {reason or _REASONS.get(status, 'Unknown')}\r\n"]
-        lines.extend(f"{k}: {v}\r\n" for k, v in headers.items())
-        if self.rid:
-            lines.append(f"X-Request-Id: {self.rid}\r\n")
+        first = [f"HTTP/{version} {status} {reason or _REASONS.get(status, 'Unknown')}\r\n"]
+        first.extend(f"{k}: {v}\r\n" for k, v in headers.items())
+        last = [f"X-Request-Id: {self.rid}\r\n"] if self.rid else []
         if length is not None:
             if status >= 200 and status not in (204, 304):
-                lines.append(f"Content-Length: {length}\r\n")
+                last.append(f"Content-Length: {length}\r\n")
         elif version == "1.1" and status not in (204, 304) and self.method != "HEAD":
             self._chunked = True
-            lines.append("Transfer-Encoding: chunked\r\n")
+            last.append("Transfer-Encoding: chunked\r\n")
         else:
             self.close = True  # the answer's end is the connection's
         if self.close or not self.keep_alive or self._proto.closing:
             connection = "Connection: close\r\n"
         else:  # HTTP/1.1 keeps it without saying so; 1.0 only when told
             connection = "Connection: keep-alive\r\n" if version == "1.0" else ""
-        lines.append(f"Date: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n{connection}\r\n")
+        last.append(f"{_Date.now()}{connection}\r\n")
         self.status = status
         self.started = True
         # Our header names and values are constants or came through llhttp (which refuses CR
-        # and LF in them); the engine's through httptools' response parser, which does too.
-        return "".join(lines).encode("utf-8", "surrogateescape")
+        # and LF in them); ``lines``, the engine's, through httptools' response parser, which
+        # does too (``forward.response_lines`` counts them all the same).
+        return ("".join(first).encode("utf-8", "surrogateescape") + lines
+                + "".join(last).encode("utf-8", "surrogateescape"))
 
     async def send(self, status: int, headers: Mapping[str, str], body: bytes, *, reason: str | None = None,
-                   close: bool = False) -> None:
+                   close: bool = False, lines: bytes = b"") -> None:
+        """The whole answer in one write. ``lines``: more header lines, already encoded (the
+        engine's, ``forward.response_lines``), after ``headers``."""
         self.close = self.close or close
-        head = self._head(status, reason, headers, len(body))
+        head = self._head(status, reason, headers, len(body), lines)
         data = head if self.method == "HEAD" or status in (204, 304) else head + body
         self._proto.write(data)
         self.bytes_out += len(data)
@@ -188,8 +195,8 @@ class Call:
         await self._proto.flow.drain()
 
     async def start(self, status: int, headers: Mapping[str, str], *, reason: str | None = None,
-                    length: int | None = None) -> None:
-        head = self._head(status, reason, headers, length)
+                    length: int | None = None, lines: bytes = b"") -> None:
+        head = self._head(status, reason, headers, length, lines)
         self._proto.write(head)
         self.bytes_out += len(head)
 

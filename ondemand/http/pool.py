@@ -36,8 +36,6 @@ from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
-from multidict import CIMultiDict
-
 from .connection import EngineConnection as _Conn
 from .connection import PayloadError, Response, Stale, UpstreamError
 
@@ -69,6 +67,8 @@ class _Pool:
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")
         self.host_header = parts.netloc.rpartition("@")[2]
+        self.prefix_bytes = self.prefix.encode("utf-8", "surrogateescape")
+        self.host_bytes = self.host_header.encode("utf-8", "surrogateescape")
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.pool_timeout = pool_timeout
@@ -83,26 +83,21 @@ class _Pool:
 
     # --- requests ---
 
-    def _encode(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None) -> bytes | list[bytes]:
-        lines = [f"{method} {self.prefix}{target} HTTP/1.1\r\nHost: {self.host_header}\r\n"]
-        for name, value in headers.items():
-            lines.append(f"{name}: {value}\r\n")
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}\r\n")
-        lines.append("\r\n")
-        head = "".join(lines)
-        # Names and values came through llhttp, which refuses CR and LF in them; a line break
-        # of their own would be a second header or request: count, never trust.
-        if head.count("\n") != len(lines) + 1 or head.count("\r") != len(lines) + 1:
-            raise ValueError("line break in a request header")
-        raw = head.encode("utf-8", "surrogateescape")  # the bytes the client sent (decoded with surrogateescape)
+    def _encode(self, method: str, target: str, lines: bytes, body: bytes | None) -> bytes | list[bytes]:
+        """``lines``: the header lines, each ending CRLF, line breaks vetted by the caller
+        (``forward.request_lines``); ``target`` printable ASCII (``paths.rebuild``)."""
+        head = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n%s" % (
+            method.encode("ascii"), self.prefix_bytes, target.encode("ascii"), self.host_bytes, lines)
+        if body is None:
+            return head + b"\r\n"
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
         if not body:
-            return raw
-        return raw + body if len(body) <= 65536 else [raw, body]
+            return head
+        return head + body if len(body) <= 65536 else [head, body]
 
-    async def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None) -> Response:
+    async def request(self, method: str, target: str, lines: bytes, body: bytes | None) -> Response:
         """The answer's head; the caller must ``release()`` it. Raises :class:`UpstreamError`."""
-        data = self._encode(method, target, headers, body)
+        data = self._encode(method, target, lines, body)
         head_only = method == "HEAD"
         conn, reused = await self._acquire(fresh=False)
         try:
@@ -287,10 +282,11 @@ class _Lease:
     def base_url(self) -> str:
         return self._up.base_url
 
-    def request(self, method: str, target: str, headers: CIMultiDict[str], body: bytes | None
+    def request(self, method: str, target: str, lines: bytes, body: bytes | None
                 ) -> Coroutine[Any, Any, Response]:
-        """``await`` it for the answer's head (a :class:`Response`); raises :class:`UpstreamError`."""
-        return self._up.request(method, target, headers, body)
+        """``await`` it for the answer's head (a :class:`Response`); raises :class:`UpstreamError`.
+        ``lines``: the request's header lines, each ending CRLF (``forward.request_lines``)."""
+        return self._up.request(method, target, lines, body)
 
     def end(self) -> None:
         if not self._ended:

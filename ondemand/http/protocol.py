@@ -220,7 +220,8 @@ class HttpProtocol(asyncio.Protocol):
         self.raw = None  # a gateway request is never handed off: its bytes need not be kept
         cycle = self.cycle = Call(self, parser.get_method().decode("ascii", "replace"),
                                   self.url.decode("utf-8", "surrogateescape"), CIMultiDictProxy(headers),
-                                  parser.get_http_version(), parser.should_keep_alive(), self.front.max_body())
+                                  parser.get_http_version(), parser.should_keep_alive(), self.front.max_body(),
+                                  self.raw_headers)
         if self.current is None and not self.pipeline:
             self._start(cycle)
         else:
