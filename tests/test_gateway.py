@@ -149,6 +149,23 @@ async def test_key_checks(server, http):
         assert r.status == 401
 
 
+async def test_a_remembered_path_is_still_checked_every_time(server, http):
+    """The gateway remembers a checked (method, path) with its route: the key is checked on
+    every request all the same, and what one method may do another may not."""
+    a = await server.add("a")
+    chat = server.gw(a, "chat/completions")
+    async with http.post(chat, json=CHAT, headers=server.auth()) as r:
+        assert r.status == 200
+    for headers in ({}, {"Authorization": "Bearer " + server.key + "x"}, server.auth(server.token)):
+        async with http.post(chat, json=CHAT, headers=headers) as r:
+            assert await err(r) == (401, "invalid_api_key")
+    async with http.get(chat, headers=server.auth()) as r:  # remembered for POST only
+        assert await err(r) == (404, "not_found")
+    async with http.post(chat, json=CHAT, headers=server.auth()) as r:
+        assert r.status == 200
+    assert len(await recorded(server, a)) == 2  # the refused ones never reached the engine
+
+
 async def test_rate_limit_after_20_failures(server, http):
     a = await server.add("a")
     for _ in range(20):
