@@ -328,7 +328,9 @@ class Gateway:
         # Read in the same step as the controller's try_take (no await between): not ready
         # now means this request waits for a start.
         ex.waited_start = dep is None or dep.state is not State.READY
-        slot = await self.controller.acquire(dep_id, arrival=ex.arrival, on_queued=on_queued)
+        slot = None if ex.waited_start else self.controller.take_now(dep_id)  # no coroutine when ready
+        if slot is None:
+            slot = await self.controller.acquire(dep_id, arrival=ex.arrival, on_queued=on_queued)
         if ex.waited_start or ex.waited_memory:
             ex.queued_s = self.clock() - ex.arrival
         return slot
@@ -339,6 +341,9 @@ class Gateway:
     async def _read_body(self, call: Call) -> bytes:
         """Counted while it arrives (chunked too), and timed: the whole of it within
         ``body_timeout_s``, else 408 and the connection closes."""
+        body = call.body_now(self.max_body)
+        if body is not None:
+            return body
         try:
             return await call.body(self.max_body, self.body_timeout_s)
         except BodyTooLarge:
@@ -446,7 +451,7 @@ class Gateway:
             return await call.send(200, _ENGINES, data, lines=response_lines(up.raw_headers))
         if content.is_eof() and call.method != "HEAD" and up.status not in _EMPTY_BODY:
             # The whole answer is here already (a short one usually is): head and body in one write.
-            return await call.send(up.status, _ENGINES, await content.read(), reason=up.reason,
+            return await call.send(up.status, _ENGINES, content.read_now(), reason=up.reason,
                                    lines=response_lines(up.raw_headers))
         await call.start(up.status, _ENGINES, reason=up.reason, length=up.content_length,
                          lines=response_lines(up.raw_headers))

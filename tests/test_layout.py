@@ -209,3 +209,10 @@ def test_no_aiohttp_private_module_attribute_or_class_swap():
                             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                             and f.name.startswith("_") and not f.name.startswith("__")]
     assert bad == []
+
+
+def test_the_http_package_is_small_modules():
+    """http/: each module named after a noun and under 400 lines (issue 23), so that none
+    grows into the one room everything passes through again."""
+    big = {p.name: n for p in (PKG / "http").glob("*.py") if (n := len(p.read_text().splitlines())) >= 400}
+    assert big == {}, f"split these: {big}"

@@ -107,6 +107,13 @@ class Body:
             self._source.resume_reading()
         return data
 
+    def read_now(self) -> bytes:
+        """The whole body, once it all arrived (:meth:`is_eof`): no wait, no coroutine."""
+        assert self._eof, "read_now() before the whole body arrived"
+        if self._exc is not None:
+            raise self._exc
+        return self._take(-1) if self._parts else b""
+
     async def readany(self) -> bytes:
         """What has arrived (at least one byte), or b"" at the end. What arrived before the
         engine broke off is passed on first; the error comes after it."""

@@ -132,6 +132,14 @@ class Call:
         if self._body_waiter is not None and not self._body_waiter.done():
             self._body_waiter.set_result(None)
 
+    def body_now(self, limit: int) -> bytes | None:
+        """The whole body when it is here already and within ``limit`` (the usual: a request's
+        body comes in its head's read), else None: then :meth:`body` waits for it."""
+        if self.complete and not self.too_large and self.failed is None and self.size <= limit:
+            parts = self.parts
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        return None
+
     async def body(self, limit: int, timeout_s: float) -> bytes:
         """The whole body, at most ``limit`` bytes (else :class:`BodyTooLarge`), within
         ``timeout_s`` (else ``TimeoutError``)."""
@@ -192,7 +200,9 @@ class Call:
         self._proto.write(data)
         self.bytes_out += len(data)
         self.ended = True
-        await self._proto.flow.drain()
+        flow = self._proto.flow
+        if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
+            await flow.drain()
 
     async def start(self, status: int, headers: Mapping[str, str], *, reason: str | None = None,
                     length: int | None = None, lines: bytes = b"") -> None:
@@ -207,14 +217,18 @@ class Call:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         self._proto.write(data)
         self.bytes_out += len(data)
-        await self._proto.flow.drain()
+        flow = self._proto.flow
+        if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
+            await flow.drain()
 
     async def end(self) -> None:
         if self._chunked:
             self._proto.write(b"0\r\n\r\n")
             self.bytes_out += 5
         self.ended = True
-        await self._proto.flow.drain()
+        flow = self._proto.flow
+        if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
+            await flow.drain()
 
     def abort(self) -> None:
         self.close = True

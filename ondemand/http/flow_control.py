@@ -58,6 +58,11 @@ class FlowControl:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    @property
+    def writable(self) -> bool:
+        """Nothing to wait for: :meth:`drain` would return at once."""
+        return not (self.write_paused or self._lost)
+
     async def drain(self) -> None:
         if self._lost:
             raise ConnectionResetError("the client closed the connection")

@@ -99,7 +99,11 @@ class _Pool:
         """The answer's head; the caller must ``release()`` it. Raises :class:`UpstreamError`."""
         data = self._encode(method, target, lines, body)
         head_only = method == "HEAD"
-        conn, reused = await self._acquire(fresh=False)
+        conn = self._idle_conn()  # the usual: no coroutine to wait for one
+        if conn is not None:
+            reused = True
+        else:
+            conn, reused = await self._acquire(fresh=False)
         try:
             return await conn.exchange(data, head_only)
         except Stale:
@@ -116,13 +120,9 @@ class _Pool:
         if self.closed:
             raise UpstreamError("the engine's address changed")
         if not fresh:
-            now = self.loop.time()
-            while self.idle:
-                conn = self.idle.pop()
-                if conn.alive():
-                    if now - conn.idle_since <= IDLE_MAX:
-                        return conn, True
-                    conn.close()  # idle too long: the engine may close it any moment (its slot comes back)
+            conn = self._idle_conn()
+            if conn is not None:
+                return conn, True
         if self.size < self.limit:
             self.size += 1
             return await self._connect(), False
@@ -148,6 +148,21 @@ class _Pool:
         if fresh:  # a connection handed over straight from a finished answer never sat idle
             return got, False
         return got, True
+
+    def _idle_conn(self) -> _Conn | None:
+        """The most recently used idle connection that is alive and not idle too long."""
+        if self.closed:
+            return None
+        idle = self.idle
+        if idle:
+            now = self.loop.time()
+            while idle:
+                conn = idle.pop()
+                if conn.alive():
+                    if now - conn.idle_since <= IDLE_MAX:
+                        return conn
+                    conn.close()  # idle too long: the engine may close it any moment (its slot comes back)
+        return None
 
     async def _connect(self) -> _Conn:
         """Open a connection on a slot the caller holds; the slot is passed on when this fails."""

@@ -23,20 +23,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from .cycle import BodyMalformed, Call
 from .flow_control import BODY, PIPELINE, FlowControl
-from .refusals import refusal
+from .refusals import Refuse, check_head, refusal
 
 if TYPE_CHECKING:
     from .server import Front
 
 _log = logging.getLogger("ondemand.http")
-
-
-class _Refuse(Exception):
-    """Raised in a parser callback: answer this (after the answers owed) and close."""
-
-    def __init__(self, answer: bytes):
-        super().__init__()
-        self.answer = answer
 
 
 class _HandOff(Exception):
@@ -109,7 +101,7 @@ class HttpProtocol(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             why = exc.__context__
-            if isinstance(why, _Refuse):
+            if isinstance(why, Refuse):
                 self._refuse(why.answer)
             elif not isinstance(why, _HandOff):
                 raise
@@ -181,13 +173,13 @@ class HttpProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
         if len(self.url) > self.limits.max_line_size:
-            raise _Refuse(refusal(400, "invalid_request", "The request line is too long"))
+            raise Refuse(refusal(400, "invalid_request", "The request line is too long"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         headers = self.raw_headers
         headers.append((name, value))
         if len(name) + len(value) > self.limits.max_field_size or len(headers) > self.limits.max_headers:
-            raise _Refuse(refusal(400, "invalid_request",
+            raise Refuse(refusal(400, "invalid_request",
                                   f"A request header is over {self.limits.max_field_size} bytes, or there are "
                                   f"over {self.limits.max_headers} of them"))
 
@@ -195,21 +187,16 @@ class HttpProtocol(asyncio.Protocol):
         self.in_head = False
         self._head_done()
         parser = self.parser
-        if parser.should_upgrade():  # (issue 23) aiohttp lost what followed an Upgrade with a body
-            raise _Refuse(refusal(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"))
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in self.raw_headers:
             headers.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-        codings = headers.getall("Transfer-Encoding", ())
-        if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
-            # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.
-            raise _Refuse(refusal(400, "invalid_request", "Transfer-Encoding other than one chunked is not accepted"))
+        check_head(parser.should_upgrade(), headers)
         if not self.url.startswith(self.front.prefix):
             if not self.front.hand_off:
-                raise _Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
+                raise Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
                                       "(the admin API is on admin_listen)"))
             if self.raw is None:
-                raise _Refuse(refusal(421, "misdirected_request",
+                raise Refuse(refusal(421, "misdirected_request",
                                       "A request that is not the gateway's, pipelined behind a gateway request: "
                                       "send it on a connection of its own"))
             self.broken = True

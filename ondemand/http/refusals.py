@@ -7,6 +7,8 @@ import logging
 import time
 from http import HTTPStatus
 
+from multidict import MultiMapping
+
 from ..errors import OndemandError
 
 _log = logging.getLogger("ondemand.http")
@@ -18,6 +20,24 @@ def refusal(status: int, code: str, message: str) -> bytes:
     body = OndemandError(status, code, message).body()
     return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class Refuse(Exception):
+    """Raised in a parser callback: answer this (after the answers owed) and close."""
+
+    def __init__(self, answer: bytes):
+        super().__init__()
+        self.answer = answer
+
+
+def check_head(upgrade: bool, headers: MultiMapping[str]) -> None:
+    """A request head the lean front parsed but refuses: :class:`Refuse`."""
+    if upgrade:  # (issue 23) aiohttp lost what followed an Upgrade with a body
+        raise Refuse(refusal(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"))
+    codings = headers.getall("Transfer-Encoding", ())
+    if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
+        # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.
+        raise Refuse(refusal(400, "invalid_request", "Transfer-Encoding other than one chunked is not accepted"))
 
 
 class OnceAMinute:
