@@ -39,44 +39,74 @@ _DROP_PREFIXES = (b"x-forwarded-", b"sec-websocket-")
 _IDENTITY = b"Accept-Encoding: identity\r\n"
 
 
-def _lines(raw: RawHeaders, drop: frozenset[bytes], prefixes: tuple[bytes, ...]) -> list[bytes]:
-    """The lines of the headers kept, in one pass (this runs twice a request); the names a
-    ``Connection`` header lists (hop-by-hop too) are taken out after it, when there is one."""
-    out = []
-    named: list[bytes] | None = None
-    for name, value in raw:
+_CONNECTION = b"Connection"  # a cache entry's mark: this header names others to drop
+CACHE_MAX = 4096   # header lines remembered per direction (only key holders' requests add any)
+CACHE_BYTES = 512  # of headers at most this long (name and value): 4 MiB at worst
+
+
+class _Rule:
+    """One direction's headers rule, with the line of every (name, value) it has seen: LiteLLM
+    sends the same headers request after request, so most are a dict look-up (a third of the
+    work of lowering, matching and formatting each one, twice a request)."""
+
+    def __init__(self, drop: frozenset[bytes], prefixes: tuple[bytes, ...]):
+        self.drop = drop
+        self.prefixes = prefixes
+        self.seen: dict[tuple[bytes, bytes], bytes] = {}
+
+    def _line(self, pair: tuple[bytes, bytes]) -> bytes:
+        """The header's line, b"" when dropped, :data:`_CONNECTION` for a Connection header."""
+        name, value = pair
+        # Names and values came through llhttp, which refuses CR and LF in them; a line break
+        # of their own would be a second header or request: checked, never trusted.
+        if b"\n" in name or b"\r" in name or b"\n" in value or b"\r" in value:
+            raise ValueError("line break in a header")
         lower = name.lower()
-        if lower in drop:
-            if lower == b"connection":
-                named = (named or []) + [t.strip().lower() for t in value.split(b",") if t.strip()]
-            continue
-        if prefixes and lower.startswith(prefixes):
-            continue
-        out.append(b"%s: %s\r\n" % (name, value))
-    if named:
-        out = [line for line in out if line.partition(b":")[0].lower() not in named]
-    return out
+        if lower == b"connection":
+            return _CONNECTION
+        if lower in self.drop or (self.prefixes and lower.startswith(self.prefixes)):
+            return b""
+        return b"%s: %s\r\n" % pair
+
+    def lines(self, raw: RawHeaders) -> list[bytes]:
+        """The lines of the headers kept; the names a ``Connection`` header lists (hop-by-hop
+        too) are taken out after it, when there is one."""
+        seen = self.seen
+        out = []
+        connection = False
+        for pair in raw:
+            line = seen.get(pair)
+            if line is None:
+                line = self._line(pair)
+                if len(pair[0]) + len(pair[1]) <= CACHE_BYTES:
+                    if len(seen) >= CACHE_MAX:
+                        seen.clear()
+                    seen[pair] = line
+            if line is _CONNECTION:
+                connection = True
+            elif line:
+                out.append(line)
+        if connection:
+            named = {t.strip().lower() for name, value in raw if name.lower() == b"connection"
+                     for t in value.split(b",") if t.strip()}
+            out = [line for line in out if line.partition(b":")[0].lower() not in named]
+        return out
 
 
-def _joined(lines: list[bytes]) -> bytes:
-    block = b"".join(lines)
-    # Names and values came through llhttp, which refuses CR and LF in them; a line break of
-    # their own would be a second header or request: count, never trust.
-    if block.count(b"\n") != len(lines) or block.count(b"\r") != len(lines):
-        raise ValueError("line break in a header")
-    return block
+_REQUEST = _Rule(_DROP_REQUEST, _DROP_PREFIXES)
+_RESPONSE = _Rule(_DROP_RESPONSE, ())
 
 
 def request_lines(raw: RawHeaders, rid: str) -> bytes:
     """The client's headers as the engine gets them: the header lines (each ending CRLF),
     ``Accept-Encoding: identity`` and ``X-Request-Id: rid`` (the engine logs it too; vLLM takes
     it as its request id) among them; raises ValueError for a line break in a header."""
-    lines = _lines(raw, _DROP_REQUEST, _DROP_PREFIXES)
+    lines = _REQUEST.lines(raw)
     lines.append(_IDENTITY)
     lines.append(b"X-Request-Id: %s\r\n" % rid.encode("ascii"))  # printable ASCII (exchange.valid_id)
-    return _joined(lines)
+    return b"".join(lines)
 
 
 def response_lines(raw: RawHeaders) -> bytes:
     """The engine's headers as the client gets them: the header lines, each ending CRLF."""
-    return _joined(_lines(raw, _DROP_RESPONSE, ()))
+    return b"".join(_RESPONSE.lines(raw))

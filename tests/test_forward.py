@@ -135,11 +135,14 @@ def test_the_header_rule_on_raw_headers():
            (b"X-Request-Id", b"theirs"), (b"Connection", b"keep-alive, X-Private"), (b"x-private", b"1"),
            (b"Sec-WebSocket-Key", b"k"), (b"X-Forwarded-Host", b"h"), (b"x-dgxmm-health-check", b"1"),
            (b"Accept-Encoding", b"gzip"), (b"X-Custom", b"\xc3\xa9")]
-    assert request_lines(raw, "mine") == (b"Content-Type: application/json\r\nX-Custom: \xc3\xa9\r\n"
-                                          b"Accept-Encoding: identity\r\nX-Request-Id: mine\r\n")
     answer = [(b"Server", b"uvicorn"), (b"Date", b"x"), (b"Content-Length", b"2"), (b"x-request-id", b"e"),
               (b"Content-Type", b"application/json"), (b"Transfer-Encoding", b"chunked"), (b"X-Engine", b"1")]
-    assert response_lines(answer) == b"Content-Type: application/json\r\nX-Engine: 1\r\n"
+    for _ in range(2):  # the lines are remembered: the second time is the same
+        assert request_lines(raw, "mine") == (b"Content-Type: application/json\r\nX-Custom: \xc3\xa9\r\n"
+                                              b"Accept-Encoding: identity\r\nX-Request-Id: mine\r\n")
+        assert response_lines(answer) == b"Content-Type: application/json\r\nX-Engine: 1\r\n"
+    # without the Connection header, the header it named is an end-to-end one again
+    assert request_lines([p for p in raw if p[0] != b"Connection"], "r").count(b"x-private: 1") == 1
 
 
 async def test_one_connection_serves_sequential_requests(ups):
@@ -879,3 +882,10 @@ async def test_the_engines_own_request_id_is_replaced_not_duplicated(tmp_path):
     async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
         async with http.post(url, json={"model": "A"}, headers={**server.auth(), "X-Request-Id": "mine"}) as r:
             assert r.status == 200 and r.headers.getall("X-Request-Id") == ["mine"]
+
+
+def test_the_remembered_header_lines_are_bounded():
+    from ondemand import forward as rule
+    for i in range(rule.CACHE_MAX + 10):
+        assert request_lines([(b"X-Call", b"%d" % i)], "r").startswith(b"X-Call: %d\r\n" % i)
+    assert 0 < len(rule._REQUEST.seen) <= rule.CACHE_MAX

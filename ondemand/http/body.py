@@ -41,13 +41,22 @@ class Body:
     # --- from the connection ---
 
     def feed_data(self, data: bytes) -> None:
-        if not data:
-            return
+        if data:
+            self.append(data)
+            self.arrived()
+
+    def append(self, data: bytes) -> None:
+        """Part of the body, told to the reader by :meth:`arrived` (an engine's chunks come
+        many to a read: the reader is woken once for them all, not once a chunk)."""
         self._parts.append(data)
         self.buffered += len(data)
-        self._wake()
-        if self.buffered > self.high:
-            self._source.pause_reading()
+
+    def arrived(self) -> None:
+        """What was appended is there to read; reading pauses past the high-water mark."""
+        if self._parts:
+            self._wake()
+            if self.buffered > self.high:
+                self._source.pause_reading()
 
     def feed_eof(self) -> None:
         self._eof = True

@@ -86,6 +86,8 @@ class EngineConnection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
+            if self.payload is not None:
+                self.payload.arrived()  # once for every chunk of this read (on_body appends them)
         except httptools.HttpParserCallbackError as exc:
             why = exc.__context__
             if isinstance(why, _HeadOnly):
@@ -163,7 +165,7 @@ class EngineConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self.payload is not None:
-            self.payload.feed_data(body)
+            self.payload.append(body)
 
     def on_message_complete(self) -> None:
         if self.status < 200:

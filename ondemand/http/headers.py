@@ -21,3 +21,22 @@ def bearer(headers: Mapping[str, str]) -> str | None:
 def token_bytes(token: str) -> bytes:
     """A presented token's bytes, as they came (surrogates back to the bytes they stand for)."""
     return token.encode("utf-8", "surrogateescape")
+
+
+_DECODED: dict[tuple[bytes, bytes], tuple[str, str]] = {}  # short headers, as decoded before
+DECODED_MAX = 1024   # at most this many, of at most DECODED_BYTES each: half a MiB
+DECODED_BYTES = 256  # (any client adds to it: the head is decoded before any check)
+
+
+def decoded(pair: tuple[bytes, bytes]) -> tuple[str, str]:
+    """A header's name and value as text (``surrogateescape``: every byte as it came). Clients
+    send the same headers again and again: a short one is decoded once."""
+    got = _DECODED.get(pair)
+    if got is None:
+        name, value = pair
+        got = (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        if len(name) + len(value) <= DECODED_BYTES:
+            if len(_DECODED) >= DECODED_MAX:
+                _DECODED.clear()
+            _DECODED[pair] = got
+    return got

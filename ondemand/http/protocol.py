@@ -23,6 +23,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from .cycle import BodyMalformed, Call
 from .flow_control import BODY, PIPELINE, FlowControl
+from .headers import decoded
 from .refusals import Refuse, check_head, refusal
 
 if TYPE_CHECKING:
@@ -187,9 +188,7 @@ class HttpProtocol(asyncio.Protocol):
         self.in_head = False
         self._head_done()
         parser = self.parser
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in self.raw_headers:
-            headers.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        headers = CIMultiDict([decoded(pair) for pair in self.raw_headers])
         check_head(parser.should_upgrade(), headers)
         if not self.url.startswith(self.front.prefix):
             if not self.front.hand_off:
