@@ -16,7 +16,8 @@ ALLOWED = {
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
     "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.protocol"},
-    "http.protocol": {"http.cycle", "http.flow_control", "http.refusals", "http.server"},  # (for types only)
+    "http.protocol": {"http.cycle", "http.flow_control", "http.headers", "http.refusals",
+                      "http.server"},  # (server for types only)
     "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"}, "http.connection": {"http.body"},
     "http.server": {"http.aio", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "store": {"errors", "migrations"},
