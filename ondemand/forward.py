@@ -1,4 +1,4 @@
-"""Forwarding to an engine: a keep-alive connection pool per deployment, and the headers rule.
+"""Forwarding to an engine: the headers rule.
 
 Request headers: Authorization, Cookie, Host, forwarding headers, hop-by-hop
 headers (and any named in Connection), Content-Length, Expect and the
@@ -13,7 +13,8 @@ the body passed back) and X-Request-Id (the gateway's replaces the engine's). Se
 request headers are dropped too: nothing is upgraded. There is no cookie jar: nothing of one answer rides on
 another request.
 
-The engines' connection pools are ``http/pool.py``'s.
+Both directions work on the header bytes as llhttp gave them (never decoded here) and give
+the header lines ready to write. The engines' connection pools are ``http/pool.py``'s.
 """
 from __future__ import annotations
 
