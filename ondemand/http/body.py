@@ -40,11 +40,6 @@ class Body:
 
     # --- from the connection ---
 
-    def feed_data(self, data: bytes) -> None:
-        if data:
-            self.append(data)
-            self.arrived()
-
     def append(self, data: bytes) -> None:
         """Part of the body, told to the reader by :meth:`arrived` (an engine's chunks come
         many to a read: the reader is woken once for them all, not once a chunk)."""
