@@ -38,8 +38,6 @@ _DROP_RESPONSE = HOP_BY_HOP | frozenset(h.lower().encode() for h in ("Server", "
 # Sec-WebSocket-*: the gateway upgrades nothing, an engine must not see a handshake (issue 23).
 _DROP_PREFIXES = (b"x-forwarded-", b"sec-websocket-")
 _IDENTITY = b"Accept-Encoding: identity\r\n"
-
-
 _CONNECTION = b"Connection"  # a cache entry's mark: this header names others to drop
 CACHE_MAX = 4096   # header lines remembered per direction (only key holders' requests add any)
 CACHE_BYTES = 512  # of headers at most this long (name and value): 4 MiB at worst

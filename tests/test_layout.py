@@ -18,7 +18,7 @@ ALLOWED = {
     "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.protocol"},
     "http.protocol": {"http.cycle", "http.flow_control", "http.headers", "http.refusals",
                       "http.server"},  # (server for types only)
-    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"}, "http.connection": {"http.body"},
+    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"}, "http.connection": {"http.body", "http.headers"},
     "http.server": {"http.aio", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),

@@ -15,6 +15,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from .body import Body, PayloadError
+from .headers import decoded
 
 __all__ = ["EngineConnection", "Response", "UpstreamError", "Stale", "PayloadError"]
 
@@ -278,9 +279,7 @@ class Response:
     @property
     def headers(self) -> CIMultiDictProxy[str]:
         if self._headers is None:
-            self._headers = CIMultiDictProxy(CIMultiDict(
-                (n.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
-                for n, v in self.raw_headers))
+            self._headers = CIMultiDictProxy(CIMultiDict([decoded(pair) for pair in self.raw_headers]))
         return self._headers
 
     def _first(self, name: bytes) -> bytes | None:

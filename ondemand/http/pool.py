@@ -103,7 +103,7 @@ class _Pool:
         if conn is not None:
             reused = True
         else:
-            conn, reused = await self._acquire(fresh=False)
+            conn, reused = await self._acquire()  # a new connection, or a wait for one
         try:
             return await conn.exchange(data, head_only)
         except Stale:
@@ -111,18 +111,17 @@ class _Pool:
                 raise
         # The engine closed the idle connection while the request was on its way: once more,
         # on a connection that did not sit idle.
-        conn, _ = await self._acquire(fresh=True)
+        conn, _ = await self._acquire()
         return await conn.exchange(data, head_only)
 
     # --- connections ---
 
-    async def _acquire(self, fresh: bool) -> tuple[_Conn, bool]:
+    async def _acquire(self) -> tuple[_Conn, bool]:
+        """A connection when no idle one will do (the caller asked :meth:`_idle_conn` first):
+        a new one on a free slot (False: not reused), else one handed back by a finished answer
+        (True: it served before)."""
         if self.closed:
             raise UpstreamError("the engine's address changed")
-        if not fresh:
-            conn = self._idle_conn()
-            if conn is not None:
-                return conn, True
         if self.size < self.limit:
             self.size += 1
             return await self._connect(), False
@@ -145,8 +144,6 @@ class _Pool:
             raise
         if got is None:  # a slot: connect
             return await self._connect(), False
-        if fresh:  # a connection handed over straight from a finished answer never sat idle
-            return got, False
         return got, True
 
     def _idle_conn(self) -> _Conn | None:

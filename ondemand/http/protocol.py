@@ -181,8 +181,8 @@ class HttpProtocol(asyncio.Protocol):
         headers.append((name, value))
         if len(name) + len(value) > self.limits.max_field_size or len(headers) > self.limits.max_headers:
             raise Refuse(refusal(400, "invalid_request",
-                                  f"A request header is over {self.limits.max_field_size} bytes, or there are "
-                                  f"over {self.limits.max_headers} of them"))
+                                 f"A request header is over {self.limits.max_field_size} bytes, or there are "
+                                 f"over {self.limits.max_headers} of them"))
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -193,11 +193,11 @@ class HttpProtocol(asyncio.Protocol):
         if not self.url.startswith(self.front.prefix):
             if not self.front.hand_off:
                 raise Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
-                                      "(the admin API is on admin_listen)"))
+                                     "(the admin API is on admin_listen)"))
             if self.raw is None:
                 raise Refuse(refusal(421, "misdirected_request",
-                                      "A request that is not the gateway's, pipelined behind a gateway request: "
-                                      "send it on a connection of its own"))
+                                     "A request that is not the gateway's, pipelined behind a gateway request: "
+                                     "send it on a connection of its own"))
             self.broken = True
             self.handoff, self.raw = self.raw, None
             if self.current is not None or self.pipeline:
