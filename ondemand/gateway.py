@@ -102,9 +102,15 @@ def _release_when_granted(task: asyncio.Future[Slot]) -> None:
 
 
 async def _pump(call: Call, up: UpstreamResponse) -> None:
-    """The engine's bytes to the client as they come, chunk by chunk, unbuffered."""
+    """The engine's bytes to the client as they come, read by read, unbuffered: straight from
+    the engine connection's read while the client can take them (the pipe), else through here
+    (the client's buffer is full: write and wait for it to drain)."""
+    content = up.content
+    content.pipe(call.write_now)
     try:
-        async for chunk in up.content.iter_any():
+        async for chunk in content.iter_any():
+            if content.at_eof():  # the last of it: with the answer's end, in one write
+                return await call.end(chunk)
             await call.write(chunk)
         await call.end()  # a client gone after the last chunk fails here (found by the soak)
     except ConnectionResetError:
@@ -112,6 +118,8 @@ async def _pump(call: Call, up: UpstreamResponse) -> None:
     except PayloadError:
         # The engine broke off mid-answer: so do we, rather than end the answer cleanly.
         call.abort()
+    finally:
+        content.pipe(None)
 
 
 def health_answer(route: str, served: str) -> dict[str, Any] | None:
@@ -453,8 +461,9 @@ class Gateway:
             # The whole answer is here already (a short one usually is): head and body in one write.
             return await call.send(up.status, _ENGINES, content.read_now(), reason=up.reason,
                                    lines=response_lines(up.raw_headers))
+        # What came with the head goes out with ours (one write, not two); the rest as it comes.
         await call.start(up.status, _ENGINES, reason=up.reason, length=up.content_length,
-                         lines=response_lines(up.raw_headers))
+                         lines=response_lines(up.raw_headers), body=content.take_now())
         if call.method == "HEAD":
             return await call.end()
         await _pump(call, up)

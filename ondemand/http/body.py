@@ -2,7 +2,9 @@
 
 The pool's connection feeds it from httptools' callbacks; the gateway reads it. While more
 than ``high`` bytes wait for a slow client, the engine's socket is not read (the kernel and
-then the engine hold the rest); reading resumes below ``low``. It replaces aiohttp's
+then the engine hold the rest); reading resumes below ``low``. While its reader waits with
+nothing left to read, a read the reader's sink (:meth:`Body.pipe`) can take at once goes
+straight to it, with no wake-up of the reader. It replaces aiohttp's
 ``StreamReader``, which came with aiohttp's private response parser (issue 23), and keeps the
 part of its interface the gateway and the tests use. Imports nothing of ours.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 __all__ = ["Body", "PayloadError"]
@@ -26,7 +28,7 @@ class _Source(Protocol):
 
 
 class Body:
-    __slots__ = ("_source", "_parts", "buffered", "_eof", "_exc", "_reader", "low", "high")
+    __slots__ = ("_source", "_parts", "buffered", "_eof", "_exc", "_reader", "low", "high", "_sink")
 
     def __init__(self, source: _Source, low: int):
         self._source = source
@@ -37,21 +39,22 @@ class Body:
         self._reader: asyncio.Future[None] | None = None
         self.low = low
         self.high = 2 * low
+        self._sink: Callable[[bytes], bool] | None = None
 
     # --- from the connection ---
 
-    def append(self, data: bytes) -> None:
-        """Part of the body, told to the reader by :meth:`arrived` (an engine's chunks come
-        many to a read: the reader is woken once for them all, not once a chunk)."""
+    def arrived(self, chunks: list[bytes]) -> None:
+        """A read's worth of the body: its chunks as llhttp gave them (an engine's stream brings
+        a dozen a read), told to the reader once. Reading pauses past the high-water mark."""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        # The reader waits, so it took all that came before: this read is all there is.
+        if self._reader is not None and self._sink is not None and self._sink(data):
+            return
         self._parts.append(data)
         self.buffered += len(data)
-
-    def arrived(self) -> None:
-        """What was appended is there to read; reading pauses past the high-water mark."""
-        if self._parts:
-            self._wake()
-            if self.buffered > self.high:
-                self._source.pause_reading()
+        self._wake()
+        if self.buffered > self.high:
+            self._source.pause_reading()
 
     def feed_eof(self) -> None:
         self._eof = True
@@ -80,6 +83,13 @@ class Body:
         return self._eof and not self._parts
 
     # --- reading ---
+
+    def pipe(self, sink: Callable[[bytes], bool] | None) -> None:
+        """While the reader waits, hand each read to ``sink`` instead of waking the reader (a
+        stream relayed to a client costs one call a read, not a task's turn). ``sink`` says
+        whether it took the bytes; when it did not (the client cannot take more now, or is
+        gone), the reader is woken with them as without a sink. None: no sink."""
+        self._sink = sink
 
     async def _wait(self) -> None:
         waiter = self._reader = asyncio.get_running_loop().create_future()
@@ -110,6 +120,10 @@ class Body:
         if self.buffered < self.low:
             self._source.resume_reading()
         return data
+
+    def take_now(self) -> bytes:
+        """What has arrived and was not read yet (maybe b""): no wait, no error."""
+        return self._take(-1) if self._parts else b""
 
     def read_now(self) -> bytes:
         """The whole body, once it all arrived (:meth:`is_eof`): no wait, no coroutine."""

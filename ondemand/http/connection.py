@@ -48,11 +48,16 @@ class _HeadOnly(Exception):
 class EngineConnection(asyncio.Protocol):
     """One keep-alive connection; at most one exchange at a time."""
     __slots__ = ("pool", "transport", "parser", "active", "head", "payload", "got_bytes", "keep", "paused",
-                 "sent_at", "idle_since", "head_only", "answered", "status", "reason", "raw_headers", "framed")
+                 "sent_at", "idle_since", "head_only", "answered", "status", "reason", "raw_headers", "framed",
+                 "chunks", "on_body")
 
     def __init__(self, pool: Owner):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        # llhttp's body callback is this list's append (C to C: no Python call a chunk, and an
+        # engine's stream brings a dozen chunks a read); a read's chunks go to the body at once.
+        self.chunks: list[bytes] = []
+        self.on_body = self.chunks.append
         self.parser = httptools.HttpResponseParser(self)
         self.active = False           # an exchange runs
         self.head: asyncio.Future[Response] | None = None
@@ -87,18 +92,29 @@ class EngineConnection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-            if self.payload is not None:
-                self.payload.arrived()  # once for every chunk of this read (on_body appends them)
         except httptools.HttpParserCallbackError as exc:
             why = exc.__context__
             if isinstance(why, _HeadOnly):
                 self.parser = httptools.HttpResponseParser(self)  # this one stopped inside the answer
+                self.chunks.clear()
                 return
+            self._deliver()  # what came before the fault is passed on before it
             self._failed(f"malformed answer from the engine: {why or exc}")
             self.close()
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._deliver()
             self._failed(f"malformed answer from the engine: {exc!r}")
             self.close()
+        else:
+            if self.chunks:
+                self._deliver()
+
+    def _deliver(self) -> None:
+        """This read's body chunks to the body, at once (its reader is woken once for them all)."""
+        chunks = self.chunks
+        if chunks and self.payload is not None:
+            self.payload.arrived(chunks)
+        chunks.clear()
 
     def eof_received(self) -> None:
         return None  # close the transport: a half-closed engine connection is of no further use
@@ -163,10 +179,6 @@ class EngineConnection(asyncio.Protocol):
             payload.feed_eof()
             if self.head_only:
                 raise _HeadOnly()
-
-    def on_body(self, body: bytes) -> None:
-        if self.payload is not None:
-            self.payload.append(body)
 
     def on_message_complete(self) -> None:
         if self.status < 200:

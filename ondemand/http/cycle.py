@@ -205,8 +205,11 @@ class Call:
             await flow.drain()
 
     async def start(self, status: int, headers: Mapping[str, str], *, reason: str | None = None,
-                    length: int | None = None, lines: bytes = b"") -> None:
+                    length: int | None = None, lines: bytes = b"", body: bytes = b"") -> None:
+        """The head, and the start of the body when some is here already (in the same write)."""
         head = self._head(status, reason, headers, length, lines)
+        if body and self.method != "HEAD":
+            head += b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body
         self._proto.write(head)
         self.bytes_out += len(head)
 
@@ -221,10 +224,30 @@ class Call:
         if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
             await flow.drain()
 
-    async def end(self) -> None:
+    def write_now(self, data: bytes) -> bool:
+        """:meth:`write` when it would not wait: True when written (or dropped, for HEAD), False
+        when nothing was written because the client cannot take it now (or is gone)."""
+        if self.method == "HEAD":
+            return True
+        proto = self._proto
+        transport = proto.transport
+        if transport is None or transport.is_closing() or not proto.flow.writable:
+            return False
         if self._chunked:
-            self._proto.write(b"0\r\n\r\n")
-            self.bytes_out += 5
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        transport.write(data)
+        self.bytes_out += len(data)
+        return True
+
+    async def end(self, data: bytes = b"") -> None:
+        """The answer's end, after the last of its body (``data``, in the same write)."""
+        if self.method == "HEAD":
+            data = b""
+        if self._chunked:
+            data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if data:
+            self._proto.write(data)
+            self.bytes_out += len(data)
         self.ended = True
         flow = self._proto.flow
         if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
