@@ -685,6 +685,35 @@ async def test_gateway_passes_204_and_head_without_a_body(tmp_path):
         assert len({r["conn"] for r in gateway_requests(eng)}) == 1
 
 
+async def test_a_204_and_an_answer_to_head_keep_the_clients_connection(tmp_path):
+    """Neither has a body, so neither's end needs the connection's: the client's next request
+    goes on the same connection (they were answered with Connection: close)."""
+    async def answer(req, writer):
+        if await not_ours(req, writer):
+            return
+        if req["method"] == "HEAD":  # an engine's HEAD answer without a length
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+    async with Engine(answer) as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        host, port = url.split("/")[2].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            auth = f"Authorization: Bearer {server.key}\r\n"
+            for method, path, body in (("POST", f"/dgxmm/ondemand/{a}/v1/chat/completions", b"{}"),
+                                       ("HEAD", f"/dgxmm/ondemand/{a}/v1/models/A", b""),
+                                       ("POST", f"/dgxmm/ondemand/{a}/v1/chat/completions", b"{}")):
+                writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).lower()
+                assert head.startswith(b"http/1.1 204" if method == "POST" else b"http/1.1 200"), head
+                assert b"connection: close" not in head and b"transfer-encoding" not in head
+        finally:
+            writer.close()
+        assert len(gateway_requests(eng)) == 3
+
+
 async def test_an_answer_before_the_whole_request_was_sent_closes_the_connection(ups):
     """An engine that answers (say 413) without reading a large body: the rest of that body must
     never be read by the engine as the next request on a reused connection."""

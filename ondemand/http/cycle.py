@@ -172,7 +172,9 @@ class Call:
         if length is not None:
             if status >= 200 and status not in (204, 304):
                 last.append(f"Content-Length: {length}\r\n")
-        elif version == "1.1" and status not in (204, 304) and self.method != "HEAD":
+        elif status in (204, 304) or self.method == "HEAD":
+            pass  # no body follows, whatever its length: the connection can carry the next request
+        elif version == "1.1":
             self._chunked = True
             last.append("Transfer-Encoding: chunked\r\n")
         else:
