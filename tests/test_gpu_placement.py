@@ -34,7 +34,11 @@ def claimed(apps: pathlib.Path) -> dict[int, int]:
     out: dict[int, int] = {}
     for f in apps.iterdir():
         if f.name.isdigit() and pathlib.Path(f"/proc/{f.name}").exists():
-            for line in f.read_text().split("\n"):
+            try:
+                text = f.read_text()
+            except FileNotFoundError:  # the simulator exited between the listing and the read
+                continue
+            for line in text.split("\n"):
                 if line.strip():
                     gpu, mib = line.split()
                     out[int(gpu)] = out.get(int(gpu), 0) + int(mib) // GIB_MIB
