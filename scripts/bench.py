@@ -260,7 +260,7 @@ def median(values: list[float]) -> float:
 
 @dataclass
 class Target:
-    name: str        # "gateway", "direct", or another proxy beside them ("nginx", "bare aiohttp")
+    name: str        # "gateway", "direct", or another proxy beside them ("nginx", "bare aiohttp", "byte relay")
     url: str         # .../v1/chat/completions
     headers: dict[str, str]
     pid: int = 0     # the proxy process whose CPU a run counts (the gateway's for "direct": ~0)
@@ -560,8 +560,9 @@ class Bench:
         return res
 
     async def start_others(self, engine_url: str) -> list[Target]:
-        """nginx (when installed: ``scripts/heavy/nginx.sh``) and a bare aiohttp proxy, each in
-        front of the same engine, one worker each: what a proxy costs without ondemand's checks."""
+        """nginx (when installed: ``scripts/heavy/nginx.sh``), a bare aiohttp proxy and a relay of
+        bytes, each in front of the same engine, one worker each: what a proxy costs without
+        ondemand's checks, and (the relay) without HTTP at all."""
         out: list[Target] = []
         json_h = {"Content-Type": "application/json"}
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
@@ -583,6 +584,12 @@ class Bench:
                                 self.tmp / "bare.log", _env())
         await self.wait_port(port, bare)
         out.append(Target("bare aiohttp", f"http://127.0.0.1:{port}/v1/chat/completions", json_h, bare.pid))
+        port = free_port()
+        relay = self.procs.spawn("byte relay", [sys.executable, str(ROOT / "scripts" / "byte_relay.py"),
+                                                "--port", str(port), "--upstream", engine_url],
+                                 self.tmp / "relay.log", _env())
+        await self.wait_port(port, relay)
+        out.append(Target("byte relay", f"http://127.0.0.1:{port}/v1/chat/completions", json_h, relay.pid))
         return out
 
     async def wait_port(self, port: int, proc: subprocess.Popen) -> None:
@@ -919,11 +926,13 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
         "",
         *(f"- {'met' if ok else '**MISSED**'}: {what}" for what, ok in checks),
         "",
-        "## Beside nginx and a bare aiohttp proxy",
+        "## Beside nginx, a bare aiohttp proxy and a relay of bytes",
         "",
         "Each in front of the same engine with one worker, in the same interleaved rounds: what a proxy "
         "costs here without ondemand's checks (nginx: `scripts/heavy/nginx.sh`; the bare proxy: "
-        "`scripts/bare_proxy.py`, aiohttp's application and client with no middleware).",
+        "`scripts/bare_proxy.py`, aiohttp's application and client with no middleware), and what moving "
+        "the bytes alone costs in Python on uvloop, with no HTTP at all (`scripts/byte_relay.py`: a "
+        "connection to the engine for each client connection, bytes across as they come).",
         "",
         *others_table(),
         "",
