@@ -578,18 +578,12 @@ class Bench:
             worker = _children(master.pid)
             out.append(Target("nginx", f"http://127.0.0.1:{port}/v1/chat/completions", json_h,
                               worker[0] if worker else master.pid))
-        port = free_port()
-        bare = self.procs.spawn("bare aiohttp proxy", [sys.executable, str(ROOT / "scripts" / "bare_proxy.py"),
-                                                       "--port", str(port), "--upstream", engine_url],
-                                self.tmp / "bare.log", _env())
-        await self.wait_port(port, bare)
-        out.append(Target("bare aiohttp", f"http://127.0.0.1:{port}/v1/chat/completions", json_h, bare.pid))
-        port = free_port()
-        relay = self.procs.spawn("byte relay", [sys.executable, str(ROOT / "scripts" / "byte_relay.py"),
-                                                "--port", str(port), "--upstream", engine_url],
-                                 self.tmp / "relay.log", _env())
-        await self.wait_port(port, relay)
-        out.append(Target("byte relay", f"http://127.0.0.1:{port}/v1/chat/completions", json_h, relay.pid))
+        for name, script in (("bare aiohttp", "bare_proxy.py"), ("byte relay", "byte_relay.py")):
+            port = free_port()
+            proc = self.procs.spawn(name, [sys.executable, str(ROOT / "scripts" / script), "--port", str(port),
+                                           "--upstream", engine_url], self.tmp / f"{script[:-3]}.log", _env())
+            await self.wait_port(port, proc)
+            out.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", json_h, proc.pid))
         return out
 
     async def wait_port(self, port: int, proc: subprocess.Popen) -> None:
