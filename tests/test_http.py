@@ -19,8 +19,10 @@ def _port(server) -> int:
     return int(server.url.split(":")[2].split("/")[0])
 
 
-async def _talk(server, data: bytes, *, timeout: float = 10) -> bytes:
-    """Write ``data`` at once, then read until the server closes (or ``timeout``)."""
+async def _talk(server, data: bytes, *, timeout: float = 10, want: int | None = None) -> bytes:
+    """Write ``data`` at once, then read until the server closes (or ``timeout``), or, with
+    ``want``, until that many whole answers came (where the connection may stay open: a
+    keep-alive answer, or aiohttp reading an unread body for its lingering time)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
     try:
         writer.write(data)
@@ -29,6 +31,8 @@ async def _talk(server, data: bytes, *, timeout: float = 10) -> bytes:
         with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
             while chunk := await asyncio.wait_for(reader.read(65536), deadline - asyncio.get_running_loop().time()):
                 out += chunk
+                if want is not None and len(_answers(out)) >= want:
+                    break
         return out
     finally:
         writer.close()
@@ -44,6 +48,8 @@ def _answers(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
         lines = head.decode("latin-1").split("\r\n")
         headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
         n = int(headers.get("content-length", "0"))
+        if len(rest) < n:
+            break  # its body is still on the way
         out.append((int(lines[0].split()[1]), headers, rest[:n]))
         data = rest[n:]
     return out
@@ -84,7 +90,7 @@ async def test_a_non_utf8_admin_token_is_401_counted_without_a_traceback(server,
     failures = server.app[TELEMETRY]._auth_failures._value.get()  # noqa: SLF001 (prometheus_client's counter)
     raw = f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + b"Authorization: Bearer \xff\r\n\r\n"
     with caplog.at_level(logging.DEBUG):
-        [answer] = _answers(await _talk(server, raw, timeout=2))
+        [answer] = _answers(await _talk(server, raw, timeout=2, want=1))
     assert answer[0] == 401 and _code(answer) == "invalid_admin_token"
     assert server.app[TELEMETRY]._auth_failures._value.get() == failures + 1  # noqa: SLF001
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
@@ -185,7 +191,7 @@ async def test_an_admin_body_one_byte_over_16_mib_is_413(server):
     body = b"{" + b" " * (16 * 2**20 - 1) + b"}"
     head = _admin(server, "/dgxmm/api/deployments", "Content-Type: application/json", method="POST", body=b"")
     head = head.replace(b"Content-Length: 0", b"Content-Length: %d" % len(body))
-    answers = _answers(await _talk(server, head + body, timeout=20))
+    answers = _answers(await _talk(server, head + body, timeout=20, want=1))
     assert answers and answers[0][0] == 413 and _code(answers[0]) == "request_too_large", answers[:1]
 
 
@@ -197,7 +203,8 @@ async def test_an_admin_body_one_byte_over_16_mib_is_413(server):
 ])
 @pytest.mark.parametrize("after_admin", [False, True])
 async def test_refusals_are_the_documented_json(server, raw, after_admin):
-    answers = _answers(await _talk(server, (_admin(server) if after_admin else b"") + raw, timeout=5))
+    answers = _answers(await _talk(server, (_admin(server) if after_admin else b"") + raw, timeout=5,
+                                  want=1 + after_admin))
     assert len(answers) == 1 + after_admin and 400 <= answers[-1][0] < 500, answers
     assert _code(answers[-1])
 
@@ -206,7 +213,7 @@ async def test_an_authenticated_admin_body_has_a_time_limit(tmp_path):
     async with run_app(tmp_path, limits=Limits(body_timeout_s=0.5)) as server:
         head = _admin(server, "/dgxmm/api/deployments", "Content-Type: application/json", method="POST", body=b"")
         head = head.replace(b"Content-Length: 0", b"Content-Length: 100")
-        answers = _answers(await _talk(server, head + b'{"na', timeout=5))
+        answers = _answers(await _talk(server, head + b'{"na', timeout=5, want=1))
     assert answers and answers[0][0] == 408 and _code(answers[0]) == "request_timeout"
     assert answers[0][1]["connection"] == "close"
 
