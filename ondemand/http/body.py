@@ -130,7 +130,7 @@ class Body:
         assert self._eof, "read_now() before the whole body arrived"
         if self._exc is not None:
             raise self._exc
-        return self._take(-1) if self._parts else b""
+        return self.take_now()
 
     async def readany(self) -> bytes:
         """What has arrived (at least one byte), or b"" at the end. What arrived before the

@@ -211,15 +211,18 @@ class Call:
         """The head, and the start of the body when some is here already (in the same write)."""
         head = self._head(status, reason, headers, length, lines)
         if body and self.method != "HEAD":
-            head += b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body
+            head += self._framed(body)
         self._proto.write(head)
         self.bytes_out += len(head)
+
+    def _framed(self, data: bytes) -> bytes:
+        """Body bytes as they go out: one chunk of a chunked answer, else as they are."""
+        return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
 
     async def write(self, data: bytes) -> None:
         if not data or self.method == "HEAD":
             return
-        if self._chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
+        data = self._framed(data)
         self._proto.write(data)
         self.bytes_out += len(data)
         flow = self._proto.flow
@@ -235,18 +238,16 @@ class Call:
         transport = proto.transport
         if transport is None or transport.is_closing() or not proto.flow.writable:
             return False
-        if self._chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
+        data = self._framed(data)
         transport.write(data)
         self.bytes_out += len(data)
         return True
 
     async def end(self, data: bytes = b"") -> None:
         """The answer's end, after the last of its body (``data``, in the same write)."""
-        if self.method == "HEAD":
-            data = b""
+        data = self._framed(data) if data and self.method != "HEAD" else b""
         if self._chunked:
-            data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+            data += b"0\r\n\r\n"
         if data:
             self._proto.write(data)
             self.bytes_out += len(data)
