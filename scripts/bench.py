@@ -762,6 +762,28 @@ def scan_log(path: Path) -> tuple[int, list[tuple[int, str]]]:
     return errors, sorted(((n, m) for m, n in exc.items()), reverse=True)
 
 
+
+# The sections that scripts/bench_cold.py and scripts/bench_wake.py write into the same file: a run
+# of this script alone rewrites its own part and keeps theirs (one `make bench` writes all three).
+KEPT_SECTIONS = ("## Cold path", "## Wake path")
+
+
+def kept_sections(old: str) -> str:
+    """The sections of ``old`` named in KEPT_SECTIONS, each up to the next ``## `` heading."""
+    parts = []
+    for section in KEPT_SECTIONS:
+        if section in old:
+            body = old.split(section, 1)[1].split("\n## ", 1)[0]
+            parts.append(section + body.rstrip("\n") + "\n")
+    return "\n".join(parts)
+
+
+def write_keeping(text: str, out: Path) -> None:
+    """``out`` becomes ``text`` followed by the cold and wake sections it held."""
+    kept = kept_sections(out.read_text()) if out.exists() else ""
+    out.write_text(text.rstrip("\n") + "\n" + ("\n" + kept if kept else ""))
+
+
 def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
            log_scan: tuple[int, list[tuple[int, str]]]) -> tuple[str, bool]:
     ph = res["phases"]
@@ -1070,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_write:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_keeping(text, args.out)
         log(f"wrote {args.out}")
     failed = sum(r.errors for runs in res["phases"].values() for side in runs.values() for r in side)
     failed += len(res["held"]["errors"])
