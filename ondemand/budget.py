@@ -127,11 +127,34 @@ def apps_gib(apps: list[tuple[int, str, float]], pids: list[int]) -> float | Non
     return sum(used) if used else None
 
 
+def asleep_held(dep: Deployment, residue_gib: float, pools: int, per_gpu: bool) -> float:
+    """What an asleep ``dep`` keeps on its GPUs in all (``Budget.asleep_held``); ``residue_gib``
+    per GPU when nothing was read after its sleep."""
+    if dep.asleep_gib is not None:
+        return dep.residue_gib
+    if dep.gpu_count == 0:
+        return 0.0
+    gpus = len(placement.holdings(1.0, dep.gpu_count, dep.gpus, max(pools, 1), per_gpu)) or 1
+    return min(dep.footprint_gib, residue_gib * gpus)
+
+
+def residue_after_drop(held_gib: float, gpus: Sequence[int], before: Sequence[float],
+                       after: Sequence[float]) -> float | None:
+    """What a sleeper still holds when nvidia-smi lists none of its processes: what it held
+    before the sleep (``held_gib``, split evenly over ``gpus``) less, on each of its GPUs, the
+    drop of used memory across the sleep call (what the sleep did not free). None when the
+    GPUs' readings do not cover its GPUs."""
+    if not gpus or any(not 0 <= g < min(len(before), len(after)) for g in gpus):
+        return None
+    each = held_gib / len(gpus)
+    return sum(max(0.0, each - max(0.0, before[g] - after[g])) for g in gpus)
+
+
 class Budget:
     def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
                  gpu_capacity_gib: Sequence[float] | None = None, reserve_gib: float = 0.0,
                  nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo",
-                 host_reserve_gib: float = 16.0):
+                 host_reserve_gib: float = 16.0, asleep_residue_gib: float = 2.0):
         self.source = source
         self.capacity_gib = capacity_gib
         self.gpu_capacity_gib = tuple(gpu_capacity_gib) if gpu_capacity_gib else None
@@ -139,6 +162,9 @@ class Budget:
         self.nvidia_smi = nvidia_smi
         self.meminfo_path = meminfo_path
         self.host_reserve_gib = host_reserve_gib
+        self.asleep_residue_gib = asleep_residue_gib  # per GPU, for a sleeper nothing was read of
+        self._physical: tuple[float, ...] | None = None  # static per GPU: the totals nvidia-smi gave
+        self._physical_tried = False
         self._sizes: tuple[float, ...] | None = None  # each pool's total, as last measured
         self._last: tuple[float, Reading] | None = None  # (monotonic time, the last reading)
 
@@ -146,7 +172,8 @@ class Budget:
     def from_config(cls, cfg: Config) -> Budget:
         b = cfg.budget
         return cls(b.source, b.capacity_gib, gpu_capacity_gib=b.gpu_capacity_gib, reserve_gib=b.reserve_gib,
-                   nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path, host_reserve_gib=b.host_reserve_gib)
+                   nvidia_smi=b.nvidia_smi, meminfo_path=b.meminfo_path, host_reserve_gib=b.host_reserve_gib,
+                   asleep_residue_gib=b.asleep_residue_gib)
 
     @property
     def per_gpu(self) -> bool:
@@ -161,20 +188,38 @@ class Budget:
         elif self.source == "meminfo":
             gpus = (self._meminfo(),)
         else:
+            await self._read_physical()
             return None
         self._sizes = tuple(g.total for g in gpus)
         return gpus
 
+    async def _read_physical(self) -> None:
+        """Static per GPU: the GPUs' physical totals, once, when nvidia-smi can read them (for
+        the engines' memory shares); declared sizes stand otherwise."""
+        if self._physical_tried or self.gpu_capacity_gib is None:
+            return
+        self._physical_tried = True
+        try:
+            gpus = await self._nvidia_smi()
+        except BudgetError as exc:
+            log.debug("static budget: the GPUs' physical sizes cannot be read (%s): declared sizes stand", exc)
+            return
+        if len(gpus) == len(self.gpu_capacity_gib):
+            self._physical = tuple(g.total for g in gpus)
+
     def sizes(self) -> tuple[float, ...] | None:
-        """Each pool's total GiB (a GPU's, or the one pool's): declared for the static source,
-        else as last measured; None before the first reading. Recipes derive memory shares
-        from it, and new deployments are checked against it."""
+        """Each pool's total GiB (a GPU's, or the one pool's): declared for the static source
+        (per GPU: the physical totals when nvidia-smi could read them), else as last measured;
+        None before the first reading. Recipes derive memory shares from it, and new
+        deployments are checked against it."""
         if self.source == "static":
-            return self.gpu_capacity_gib or (float(self.capacity_gib or 0),)
+            return self._physical or self.gpu_capacity_gib or (float(self.capacity_gib or 0),)
         return self._sizes
 
     async def box_sizes(self) -> tuple[float, ...]:
         """``sizes()``, measured first when nothing was yet; raises BudgetError."""
+        if self.source == "static":
+            await self._read_physical()
         sizes = self.sizes()
         if sizes is None:
             await self.measure()
@@ -285,9 +330,17 @@ class Budget:
 
     def holdings(self, dep: Deployment, pools: int) -> dict[int, float]:
         """GiB per pool that ``dep``'s engine holds (or will, once started); asleep, what it
-        keeps there (``residue_gib``, as measured after the sleep)."""
-        gib = dep.residue_gib if dep.state is State.ASLEEP else dep.footprint_gib
+        keeps there (``asleep_held``)."""
+        gib = self.asleep_held(dep, pools) if dep.state is State.ASLEEP else dep.footprint_gib
         return placement.holdings(gib, dep.gpu_count, dep.gpus, pools, self.per_gpu)
+
+    def asleep_held(self, dep: Deployment, pools: int | None = None) -> float:
+        """GiB an asleep engine keeps on its GPUs, in all: as found after its sleep
+        (``asleep_gib``: nvidia-smi's per-process figure, else what it held before less the drop
+        across the sleep call), else ``asleep_residue_gib`` per GPU (nothing readable), at most
+        its footprint."""
+        return asleep_held(dep, self.asleep_residue_gib, pools if pools is not None else len(self.sizes() or ()),
+                           self.per_gpu)
 
     def snapshot_of(self, reading: Reading, deps: list[Deployment], exclude: int | None = None,
                     held_for_others: Mapping[int, float] | None = None) -> Snapshot:
@@ -347,7 +400,9 @@ class Budget:
             fit = Fit(dep.footprint_gib, tuple(free), tuple(p.ondemand_capacity for p in snap.pools), count,
                       allowed, self.per_gpu, sizes)
             message = None
-            if self.per_gpu:
+            if self.per_gpu and count > n:
+                message = f"needs {count} GPUs (gpu_count), but this box has {n}"
+            elif self.per_gpu:
                 where = f"GPUs {', '.join(map(str, allowed))}" if allowed is not None else f"{n} GPUs"
                 message = (f"needs {fit.describe()}; free on the {where}: "
                            + ", ".join(f"{free[i]:.1f}" for i in (allowed or range(n)) if 0 <= i < n) + " GiB")

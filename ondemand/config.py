@@ -39,6 +39,8 @@ class BudgetConfig:
     meminfo_path: str = "/proc/meminfo"
     # Host memory a level-1 sleep must leave available (warmth.host_level): else level 2, or a stop.
     host_reserve_gib: float = 16.0
+    # GPU memory per GPU an asleep engine is counted to keep when nothing can be read of it.
+    asleep_residue_gib: float = 2.0
 
 
 # The engine recipes' images (docker backend) and commands (process backend), by engine.
@@ -298,6 +300,8 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "budget.meminfo_path": (_str, bool, "the meminfo file (/proc/meminfo)"),
     "budget.host_reserve_gib": (_float, _between(0, 1e6),
                                 "GiB of host memory a level-1 sleep must leave available, 0 or more"),
+    "budget.asleep_residue_gib": (_float, _between(0, 1e6),
+                                  "GiB per GPU an asleep engine is counted to keep when nothing is read, 0 or more"),
     "deployer.backend": (_str, _one_of("docker", "process"), "docker or process"),
     "deployer.docker_url": (_opt_str, lambda s: True, "a Docker API URL (unix:///var/run/docker.sock)"),
     "deployer.network": (_str, bool, "a Docker network name"),

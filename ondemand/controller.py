@@ -50,6 +50,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .budget import asleep_held
 from .errors import InsufficientMemory, OndemandError
 from .eviction import Candidate, pick_victims
 from .model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, Mode, Role, State
@@ -176,6 +177,9 @@ class ModePlan:
 
 
 def _does_not_fit(dep: Deployment, fit: Fit, capacity: float) -> OndemandError:
+    if fit.per_gpu and fit.count > len(fit.ondemand):
+        return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.count} GPUs (gpu_count), "
+                                                  f"but this box has {len(fit.ondemand)}")
     if not fit.per_gpu:
         where = f"the {capacity:g} GiB that on-demand models can ever use here"
     else:
@@ -208,7 +212,8 @@ class Controller:
     def __init__(self, effects: Effects, *, clock: Callable[[], float], wall: Callable[[], float],
                  queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
                  min_idle_timeout_s: int = 60, make_room_wait_s: float = 20.0, recent_stop_s: float = 20.0,
-                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0, sleep_timeout_s: float | None = None):
+                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0, sleep_timeout_s: float | None = None,
+                 asleep_residue_gib: float = 2.0):
         self.effects = effects
         self.clock = clock
         self.wall = wall
@@ -221,6 +226,7 @@ class Controller:
         self.max_tick_s = max_tick_s
         self.publish_interval_s = publish_interval_s
         self.sleep_timeout_s = sleep_timeout_s
+        self.asleep_residue_gib = asleep_residue_gib  # budget.asleep_residue_gib: a sleeper nothing was read of
         self.queue = WaitQueue()
         self._inflight: dict[int, int] = {}
         self._last_activity: dict[int, float] = {}
@@ -717,7 +723,8 @@ class Controller:
         claimed = {v for dw in self._waits.values() for v in dw.victims}
         pools = len(fit.free)
         rank = requester.priority.rank
-        candidates = [Candidate(d.id, holdings(self._frees(d), d.gpu_count, d.gpus, pools, fit.per_gpu),
+        per_gpu = fit.per_gpu
+        candidates = [Candidate(d.id, holdings(self._frees(d, pools, per_gpu), d.gpu_count, d.gpus, pools, per_gpu),
                                 self._last_activity.get(d.id, now), d.priority.rank,
                                 0 if d.state is State.READY else 1)
                       for d in self.effects.deployments()
@@ -730,12 +737,14 @@ class Controller:
         dep = self.effects.deployment(dep_id)
         return dep is not None and self.effects.idle_level(dep) > 0
 
-    def _frees(self, dep: Deployment) -> float:
+    def _frees(self, dep: Deployment, pools: int, per_gpu: bool) -> float:
         """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what
         it kept asleep last time (as measured; nothing known, all); awake and stopped, all;
-        asleep and stopped, what it keeps."""
+        asleep and stopped, what it keeps (as found after its sleep, else
+        ``asleep_residue_gib`` per GPU: never nothing, so an asleep engine is always a victim
+        when its GPU is needed)."""
         if dep.state is State.ASLEEP:
-            return dep.residue_gib
+            return asleep_held(dep, self.asleep_residue_gib, pools, per_gpu)
         if self.effects.idle_level(dep) > 0:
             return dep.footprint_gib - dep.residue_gib
         return dep.footprint_gib

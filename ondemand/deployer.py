@@ -56,7 +56,7 @@ import aiohttp
 
 from . import warmth
 from .backends import Backend, BackendError, Engine
-from .budget import Budget, apps_gib
+from .budget import Budget, apps_gib, residue_after_drop
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, StateFileError
 from .events import DeploymentChanged, Slept, StopCause, Woken
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, State, plain
@@ -168,6 +168,11 @@ class Deployer:
         self._removing: set[int] = set()  # stopped for removal: nothing starts them again
         self._owed: set[int] = set()  # owed a start after ondemand's restart, not yet admitted
         self._sleeping: dict[int, asyncio.Future[None]] = {}  # a sleep's engine call is out: done when it ends
+        # Host memory the level-1 sleeps under way will take (predicted): reserved against the next.
+        self._host_reserved: dict[int, float] = {}
+        # Each GPU's used memory before and after a sleep call, for a sleeper nvidia-smi lists no
+        # process of (the drop across the call is what the sleep freed).
+        self._gpu_drop: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
         self._waking: set[int] = set()  # a wake's engine calls are out: a stop may cancel them
         self._exits: dict[int, asyncio.Future[int | None]] = {}
         self._changes: dict[int, list[asyncio.Future[None]]] = {}
@@ -969,7 +974,10 @@ class Deployer:
             if precheck is None:
                 raise DeployerError(f"{dep.name} is {dep.state}, not ready")
             return None
-        got = warmth.host_level(dep, want, self.budget.host_available_gib(), self.budget.host_reserve_gib, per_gpu)
+        available = self.budget.host_available_gib()
+        if available is not None:  # the level-1 sleeps under way have not moved their weights yet
+            available -= sum(gib for other, gib in self._host_reserved.items() if other != dep_id)
+        got = warmth.host_level(dep, want, available, self.budget.host_reserve_gib, per_gpu)
         text = text or "put to sleep by an administrator"
         reserve = f"host memory: a level-1 sleep would leave less than {self.budget.host_reserve_gib:g} GiB available"
         if got == 0:
@@ -981,6 +989,8 @@ class Deployer:
             return 0 if stopped else None
         why = f" (level {got}: {reserve})" if got != want else ""
         marked = self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
+        if got == 1:
+            self._host_reserved[dep_id] = warmth.predicted_host_gib(dep)  # until its call ends
         failure, before = await self._sleep_call(engine, dep, got, marked, actor=actor, user=user, audit=audit,
                                                  text=f"{text} (sleep level {got}){why}")
         now = self._deps.get(dep_id)
@@ -1017,13 +1027,18 @@ class Deployer:
             # for a stopped deployment).
             await self._persist(*marked, cause=None, detail={"level": level}, **persist)
             before = await self._host_gib(engine) if level == 1 else None
+            gpus_before = await self._gpus_used(dep)
             try:
                 await self._engine_call(engine, warmth.sleep_step(dep, level))
             except WakeFailed as exc:
                 return str(exc), before
+            gpus_after = await self._gpus_used(dep) if gpus_before is not None else None
+            if gpus_before is not None and gpus_after is not None:
+                self._gpu_drop[dep.id] = (gpus_before, gpus_after)
             return None, before
         finally:
             self._sleeping.pop(dep.id, None)
+            self._host_reserved.pop(dep.id, None)
             done.set_result(None)
 
     def _asked_level(self, dep: Deployment, level: int | None) -> int:
@@ -1049,6 +1064,17 @@ class Deployer:
                                 "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
         return want
 
+    async def _gpus_used(self, dep: Deployment) -> tuple[float, ...] | None:
+        """Each GPU's used memory now, for the drop across a sleep call: only for a deployment
+        nvidia-smi never listed a process of (measured, its residue is read per process)."""
+        if self.budget.source != "nvidia-smi" or dep.measured_gib is not None:
+            return None
+        try:
+            return tuple(g.used for g in await self.budget.measure() or ())
+        except BudgetError as exc:
+            log.debug("cannot read the GPUs across the sleep of %s: %s", dep.name, exc)
+            return None
+
     async def _host_gib(self, engine: Engine) -> float | None:
         try:
             return await self.backend.host_memory(engine)
@@ -1069,6 +1095,13 @@ class Deployer:
                 dep = self._deps.get(dep_id)
                 if residue is None and pids and dep is not None and dep.measured_gib is not None:
                     residue = 0.0  # its processes were listed awake: asleep they hold nothing
+        drop = self._gpu_drop.pop(dep_id, None)
+        dep = self._deps.get(dep_id)
+        if residue is None and drop is not None and dep is not None:
+            # No per-process rows (a container that cannot see the others' processes): what it
+            # held before (measured, else booked) less what the sleep call freed on its GPUs.
+            gpus = list(dep.gpus) or list(range(len(drop[0])))
+            residue = residue_after_drop(dep.footprint_gib, gpus, *drop)
         host = await self._host_gib(engine)
         dep = self._deps.get(dep_id)
         if dep is None or dep.state is not State.ASLEEP:

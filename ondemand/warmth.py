@@ -16,7 +16,8 @@ administrator may set them on a vLLM or SGLang row without a model.
 
 A level-1 sleep moves the weights to host memory. Before it, the host memory it
 will take is predicted (the last level-1 sleep of that deployment as measured,
-else ``memory_gib``, an upper bound); one that would leave less than
+else its booked size, an upper bound; the level-1 sleeps already under way are reserved
+against it); one that would leave less than
 ``budget.host_reserve_gib`` available sleeps at level 2 instead, or stops where
 level 2 is not possible (``host_level``): nothing may push the box into swap.
 
@@ -77,8 +78,9 @@ def deepest_level(dep: Deployment, per_gpu: bool) -> int:
 
 
 def predicted_host_gib(dep: Deployment) -> float:
-    """Host memory a level-1 sleep will take: the last one as measured, else ``memory_gib``."""
-    return dep.sleep_host_gib if dep.sleep_host_gib is not None else dep.memory_gib
+    """Host memory a level-1 sleep will take: the last one as measured, else its booked size
+    (``footprint_gib``: the booking, or what it was measured to use if more; an upper bound)."""
+    return dep.sleep_host_gib if dep.sleep_host_gib is not None else dep.footprint_gib
 
 
 def host_level(dep: Deployment, level: int, available_gib: float | None, reserve_gib: float,
