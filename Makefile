@@ -52,7 +52,7 @@ lint: install
 
 # Two workers (pytest-xdist), each test file on one of them: its module fixtures stay its own.
 test: lint
-	$(PYTEST) -q -n 2 --dist loadfile -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
+	$(PYTEST) -q -n 2 --dist loadfile --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
