@@ -336,7 +336,7 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
                            limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
-                           start_eta=app[STARTS].eta_s, queue_place=app[CONTROLLER].queue_place,
+                           start_eta=app[STARTS].notice_eta_s, queue_place=app[CONTROLLER].queue_place,
                            max_body=app[LIMITS].gateway_max_body, body_timeout_s=app[LIMITS].body_timeout_s)
     yield
     await upstreams.close()

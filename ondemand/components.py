@@ -20,7 +20,7 @@ from .gateway import Gateway
 from .keys import KeyWatcher
 from .litellm_sync import LiteLLMSync
 from .metrics import MetricsSampler
-from .model import Deployment
+from .model import Deployment, State
 from .peers import PeerPolicySource
 from .recipes import MASK, FieldError, is_secret
 from .starts import StartHistory
@@ -85,5 +85,6 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     sample = app[SAMPLER].as_dict(dep_id)
     out["engine_metrics"] = sample
     starts = app.get(STARTS)
-    out.update(starts.fields(dep_id) if starts is not None else {"last_start_s": None, "start_eta_s": None})
+    out.update(starts.fields(dep_id, dep.state is State.ASLEEP) if starts is not None
+               else {"last_start_s": None, "start_eta_s": None})
     return out

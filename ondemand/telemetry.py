@@ -118,9 +118,10 @@ class Telemetry:
         self._queue_wait = Histogram("ondemand_queue_wait_seconds",
                                      "From arrival to a slot, for the requests that waited for a start or memory",
                                      ["deployment"], buckets=REQUEST_BUCKETS, registry=r)
-        self._starts = Counter("ondemand_starts", "Engine starts (and wakes) that ended, by result",
+        self._starts = Counter("ondemand_starts", "Cold engine starts that ended, by result (wakes are "
+                               "ondemand_wakes_total)",
                                ["deployment", "result"], registry=r)
-        self._start_duration = Histogram("ondemand_start_duration_seconds", "From starting to ready",
+        self._start_duration = Histogram("ondemand_start_duration_seconds", "Cold starts, from starting to ready",
                                          ["deployment"], buckets=START_BUCKETS, registry=r)
         self._stops = Counter("ondemand_stops", "Engines stopped, by reason", ["deployment", "reason"], registry=r)
         self._sleeps = Counter("ondemand_sleeps", "Engines put to sleep (not stopped), by level (1: weights in host "
@@ -193,7 +194,9 @@ class Telemetry:
             self._starting_since[dep.id] = self._clock()
             return
         began = self._starting_since.pop(dep.id, None)
-        if old.state is State.STARTING and dep.state in (State.READY, State.FAILED):
+        # A wake keeps its sleep level through ``starting``; a failed wake's cold start has none.
+        # Wakes are counted and timed by on_woken, not here.
+        if old.state is State.STARTING and dep.state in (State.READY, State.FAILED) and old.sleep_level is None:
             self._starts.labels(dep.name, "ready" if dep.state is State.READY else "failed").inc()
             if dep.state is State.READY and began is not None:
                 self._start_duration.labels(dep.name).observe(self._clock() - began)
@@ -208,6 +211,8 @@ class Telemetry:
         self._wakes.labels(e.name, e.result).inc()
         if e.result == "ready":
             self._wake_duration.labels(e.name).observe(e.seconds)
+        else:  # a cold start follows in the same ``starting``: it is timed from here
+            self._starting_since[e.dep_id] = self._clock()
 
     # --- the scrape ---------------------------------------------------------------
 

@@ -86,7 +86,7 @@ async def test_failed_or_interrupted_starts_are_not_counted(store, end):
 async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_timed_from_its_row(store):
     h = StartHistory(store)
     try:
-        moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 2.0))
+        moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 2.0), sleep_level=1)
         assert h.last_start_s(1) is None  # a wake says nothing about a cold start
         # Adopted while starting: the first change seen is starting -> ready.
         h.on_change(2, dep(State.READY, 50.0, id=2), dep(State.STARTING, 20.0, id=2))
@@ -99,6 +99,36 @@ async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_tim
         assert h.last_start_s(2) is None
     finally:
         await h.close()
+
+
+async def test_wakes_have_an_eta_of_their_own_which_an_asleep_notice_gives(store):
+    """Issue 29: wake_eta_s is the median of the last five wakes (an asleep deployment's view
+    adds it); the queued notice of an asleep or waking deployment gives it, else the start's.
+    A wake keeps its sleep level through starting: a failed wake's cold start has none."""
+    h = StartHistory(store)
+    try:
+        moves(h, (State.STOPPED, 0.0), (State.STARTING, 0.0), (State.READY, 60.0))
+        for i, took in enumerate([9.0, 1.0, 2.0, 3.0, 4.0, 5.0]):
+            t = 1000.0 * (i + 1)
+            moves(h, (State.ASLEEP, t), (State.STARTING, t), (State.READY, t + took), sleep_level=1)
+        assert h.fields(1) == {"last_start_s": 60.0, "start_eta_s": 60.0}
+        assert h.fields(1, asleep=True) == {"last_start_s": 60.0, "start_eta_s": 60.0, "wake_eta_s": 3.0}
+        assert h.notice_eta_s(1) == 60.0  # ready: a start's
+        h.on_change(1, dep(State.ASLEEP, 9000.0, sleep_level=1), dep(State.READY, 8000.0))
+        assert h.notice_eta_s(1) == 3.0
+        h.on_change(1, dep(State.STARTING, 9001.0, sleep_level=1), dep(State.ASLEEP, 9000.0, sleep_level=1))
+        assert h.notice_eta_s(1) == 3.0  # waking
+        # The wake failed: a cold start in the same starting, without the level; it counts as a start.
+        h.on_change(1, dep(State.STARTING, 9002.0), dep(State.STARTING, 9001.0, sleep_level=1))
+        assert h.notice_eta_s(1) == 60.0
+        h.on_change(1, dep(State.READY, 9041.0), dep(State.STARTING, 9002.0))
+        assert h.last_start_s(1) == 39.0 and h.wake_eta_s(1) == 3.0
+        assert (await written(store, 1, 8))[-1] == ("start", 39.0)
+    finally:
+        await h.close()
+    again = StartHistory(store)
+    await again.load()
+    assert again.wake_eta_s(1) == 3.0 and again.eta_s(1) == 49.5
 
 
 async def test_the_state_file_keeps_a_bounded_history(store):

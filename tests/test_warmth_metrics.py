@@ -125,7 +125,7 @@ async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(serve
     assert v(m, "ondemand_host_memory_asleep_bytes") == pytest.approx(dep.host_gib * GIB)
     assert v(m, "ondemand_host_memory_asleep_bytes") > 32 * 1024 ** 2  # the weights' host copy, and the process
 
-    # A request wakes it: one wake, ready, timed; starts_total counts wakes too (README).
+    # A request wakes it: one wake, ready, timed; starts count cold starts only (issue 29).
     async with http.post(server.gw(a, "chat/completions"), headers=server.auth(),
                          json={"model": "A", "messages": [{"role": "user", "content": "hi"}]}) as r:
         assert r.status == 200
@@ -133,7 +133,8 @@ async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(serve
     assert series(m, "ondemand_wakes_total") == {(("deployment", "a"), ("result", "ready")): 1}
     assert v(m, "ondemand_wake_duration_seconds_count", deployment="a") == 1
     assert 0 < v(m, "ondemand_wake_duration_seconds_sum", deployment="a") < 10
-    assert v(m, "ondemand_starts_total", deployment="a", result="ready") == 2
+    assert v(m, "ondemand_starts_total", deployment="a", result="ready") == 1
+    assert v(m, "ondemand_start_duration_seconds_count", deployment="a") == 1
     assert v(m, "ondemand_host_memory_asleep_bytes") == 0 and series(m, "ondemand_stops_total") == {}
 
     # Asleep at level 2, then stopped asleep as the reaper stops an idle sleeper: that is a stop.
@@ -157,6 +158,9 @@ async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(serve
     assert ("ondemand_wake_duration_seconds_count", (("deployment", "b"),)) not in m
     assert v(m, "ondemand_sleeps_total", deployment="b", level="1", reason="admin") == 1
     assert v(m, "ondemand_stops_total", deployment="b", reason="admin") == 0  # the failed wake's stop is none
+    # The cold start after the failed wake is a start (its first, and its second: two in all).
+    assert v(m, "ondemand_starts_total", deployment="b", result="ready") == 2
+    assert v(m, "ondemand_start_duration_seconds_count", deployment="b") == 2
 
 
 async def test_the_app_subscribes_the_telemetry_to_sleeps_and_wakes(server):
