@@ -62,6 +62,15 @@ class _Round:
         return {"added": self.added, "patched": self.patched, "deleted": self.deleted, "error": error}
 
 
+def _warmth_view(dep: dict[str, Any]) -> dict[str, Any]:
+    """The deployment as its entry's warmth reads it: a wake (``starting`` with the sleep level
+    it keeps until ready; a failed wake's cold start has none) keeps the asleep rank (order 2,
+    ``dgxmm_state`` asleep) until it is ready, so a wake writes one change (to ready), not two."""
+    if dep.get("state") == "starting" and dep.get("sleep_level") is not None:
+        return {**dep, "state": "asleep"}
+    return dep
+
+
 def _empty(error: str) -> dict[str, Any]:
     return {"added": [], "patched": [], "deleted": [], "error": error}
 
@@ -87,7 +96,8 @@ class LiteLLMSync:
       treated as always on, i.e. a direct entry while ready, whatever its mode says.
       System deployments follow their mode like models.
     - An existing entry of a wanted id is kept when model name, model, api_base, instance,
-      both fingerprints and its warmth (order, dgxmm_state) match. When only the warmth
+      both fingerprints and its warmth (order, dgxmm_state; a wake keeps the asleep rank
+      until ready) match. When only the warmth
       differs it is patched in place (``PATCH /model/{id}/update``: it keeps its LiteLLM
       id, so its spend records, cooldown and health state carry over). Otherwise, and when
       LiteLLM has no PATCH route (404/405: remembered by the client, not tried again until
@@ -240,7 +250,7 @@ class LiteLLMSync:
                     left_alone.add(dep_id)
                     statuses[dep_id] = _status("error", "ondemand_not_configured")
                     continue
-                wanted[dep_id] = ondemand_entry(dep, key, self.internal_url, self.queue_timeout_s,
+                wanted[dep_id] = ondemand_entry(_warmth_view(dep), key, self.internal_url, self.queue_timeout_s,
                                                 instance=self.instance)
                 continue
             base = self._engine_base_url(dep) if dep.get("state") == "ready" else None

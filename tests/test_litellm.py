@@ -859,6 +859,29 @@ async def test_a_change_of_warmth_is_patched_in_place_and_keeps_the_litellm_id()
         await sync.close()
 
 
+async def test_a_wake_keeps_the_asleep_rank_until_ready_and_a_failed_wakes_cold_start_is_cold():
+    """Issue 29: while an asleep deployment wakes (starting, its sleep level kept) its entry
+    keeps order 2 and dgxmm_state asleep; ready is the one change written, in place. A cold
+    start after a failed wake (the level dropped) ranks cold."""
+    async with litellm_double(MASTER) as double:
+        world = World(dict(dep(1, "a", state="asleep"), sleep_level=1))
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        model_id = warmth(double)[0]
+        seen = []
+        for step, level in (("starting", 1), ("ready", None), ("asleep", 2), ("starting", 2),
+                            ("starting", None), ("ready", None)):
+            world.set(1, state=step, sleep_level=level)
+            result = await sync.sync_now()
+            assert result["error"] is None and result["added"] == [] and result["deleted"] == [], result
+            seen.append((step, level, warmth(double)[1:], len(result["patched"])))
+            assert warmth(double)[0] == model_id
+        assert seen == [("starting", 1, (2, "asleep"), 0), ("ready", None, (1, "ready"), 1),
+                        ("asleep", 2, (2, "asleep"), 1), ("starting", 2, (2, "asleep"), 0),
+                        ("starting", None, (3, "cold"), 1), ("ready", None, (1, "ready"), 1)]
+        await sync.close()
+
+
 async def test_a_key_change_still_replaces_even_with_a_change_of_warmth():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a", state="ready"), dep(2, "b", state="asleep"))
