@@ -237,3 +237,45 @@ async def test_a_recent_reading_may_serve_again_and_never_hides_a_start(fake_nvi
     fake_nvidia_smi("81920, 2048")
     b._last = (b._last[0] - 1.0, b._last[1])  # a second old
     assert (await b.read([], max_age_s=0.2)).gpus[0].used == 2.0
+
+
+# --- issue 29: what a sleeper holds, the static share's divisor, more GPUs than the box has ---
+
+
+def test_a_sleeper_nothing_was_read_of_holds_the_static_default_residue_per_gpu():
+    b = Budget("static", gpu_capacity_gib=[80, 80], asleep_residue_gib=2)
+    one = dep(1, 40, State.ASLEEP, gpu_count=1, gpus=(0,))
+    two = dep(2, 40, State.ASLEEP, gpu_count=2, gpus=(0, 1))
+    snap = b.snapshot_of(Reading(None), [one, two])
+    assert [p.used for p in snap.pools] == [4.0, 2.0]  # 2 per GPU each: one on GPU 0, two on both
+    assert b.asleep_held(one) == 2 and b.asleep_held(two) == 4
+    assert b.asleep_held(two.replace(asleep_gib=0.5)) == 0.5  # as found after its sleep, when it was
+    assert b.asleep_held(dep(3, 1, State.ASLEEP, gpu_count=1, gpus=(1,))) == 1  # at most its footprint
+    assert Budget("static", 24, asleep_residue_gib=3).asleep_held(dep(4, 10, State.ASLEEP, gpu_count=1)) == 3
+
+
+def test_the_residue_after_the_drop_across_the_sleep_call():
+    from ondemand.budget import residue_after_drop
+    # Held 40 on GPU 0 (booked); the sleep freed 37 there: it keeps 3. Another GPU's change is not its own.
+    assert residue_after_drop(40, [0], (50.0, 10.0), (13.0, 30.0)) == pytest.approx(3)
+    # Two GPUs, 20 each: one freed 18, the other all (and more, someone else's too): 2 + 0.
+    assert residue_after_drop(40, [0, 1], (30.0, 30.0), (12.0, 5.0)) == pytest.approx(2)
+    assert residue_after_drop(40, [2], (30.0,), (1.0,)) is None  # no reading of its GPU
+
+
+async def test_a_static_per_gpu_share_is_of_the_physical_total_when_nvidia_smi_reads_it(fake_nvidia_smi):
+    declared = Budget("static", gpu_capacity_gib=[70, 70], nvidia_smi="/nonexistent/nvidia-smi")
+    assert await declared.box_sizes() == (70, 70)  # nothing readable: the declared size
+    b = Budget("static", gpu_capacity_gib=[70, 70], nvidia_smi=fake_nvidia_smi("81920, 0", "81920, 0"))
+    assert await b.box_sizes() == (80.0, 80.0)
+    assert [p.capacity for p in b.snapshot_of(await b.read([]), []).pools] == [70, 70]  # what it may use stands
+    from ondemand.recipes import share
+    assert share(40, 1, b.sizes()[0]) == 0.5  # 40 of the physical 80, not of the declared 70
+
+
+def test_a_start_that_needs_more_gpus_than_the_box_has_says_both_numbers():
+    b = Budget("nvidia-smi")
+    big = dep(1, 40, State.STOPPED, gpu_count=4)
+    with pytest.raises(InsufficientMemory, match=r"needs 4 GPUs \(gpu_count\), but this box has 2") as exc:
+        b.check_fit(big, [big], gpus(0, 0))
+    assert exc.value.fit.never_fits()

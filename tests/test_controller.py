@@ -336,7 +336,7 @@ def test_make_room_stops_lru_idle_victims_then_waits_for_memory(world):
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 4, 24))
     assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)]  # 6 GiB short: one victim, the LRU one
-    assert c.attempt_phase(1) is Phase.STOPPING and r.queued == 1
+    assert c.attempt_phase(1) is Phase.STOPPING and r.queued == 0  # its victims free enough: no notice
     c.on_stopped(2, True, 1)
     assert fx.taken("settle") == [("settle", 1)]
     assert c.queue.reserved_for_others(99) == {0: 10}  # held for the head
@@ -412,7 +412,7 @@ def test_only_the_head_makes_room_and_later_entries_see_its_hold(world):
     assert admit[2] == 10  # its fit check keeps the head's 10 GiB out of reach
     c.on_refused(2, InsufficientMemory(10, 4, 24))
     assert c.queue.ids() == [1, 2] and fx.taken("stop") == []  # queued behind, makes no room
-    assert later.queued == 1 and head.queued == 1
+    assert later.queued == 1 and head.queued == 0  # the head found its victim: no notice
     head.leave()  # the head gives up: its hold goes, and the next one looks again
     assert c.queue.ids() == [2] and c.queue.reserved_for_others(2) == {}
     c.on_settled(1)
@@ -824,7 +824,7 @@ def test_make_room_on_a_two_gpu_box_stops_only_the_victim_on_the_chosen_gpu(worl
     r = Req(c, 1)
     fit = Fit(60, free=(40, 10), ondemand=(80, 80), count=1, allowed=None, per_gpu=True)
     c.on_refused(1, InsufficientMemory(60, 50, 160, fit=fit))
-    assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)] and r.queued == 1
+    assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)] and r.queued == 0
     c.on_stopped(2, True, 1)
     assert c.queue.reserved_for_others(99) == {0: 40}  # on GPU 0 only
     assert fx.taken("settle") == [("settle", 1)]
@@ -1426,3 +1426,56 @@ def test_an_asleep_view_says_when_the_reaper_stops_it_only_with_a_sleep_timeout(
     c2, fx2, clock2 = make((Clock(), Effects(Clock())))
     fx2.add(1, 10, idle_action="sleep", state=State.ASLEEP)
     assert c2.status(1)["idle_until"] is None  # no sleep_timeout_s: asleep until a request or make-room
+
+
+def test_the_queued_notice_only_for_the_queue_not_for_a_make_room_that_found_its_victims(world):
+    """Issue 29: the notice goes out when a request enters the queue because the idle models
+    make-room may take do not free enough; a make-room that found its victims, a start or a
+    wake tell nothing (nor one who joins meanwhile); a later refusal with no victims tells."""
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10)
+    fx.add(3, 10, state=State.ASLEEP, sleep_level=1)
+    idle_ready(fx, c, clock, 2)
+    cold = Req(c, 3)  # a wake only waits for its engine
+    assert cold.queued == 0
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    assert [s[1] for s in fx.taken("sleep") + fx.taken("stop")] == [2] and r.queued == 0
+    joined = Req(c, 1)  # joins while its victim is put away: no notice either
+    assert joined.queued == 0
+    fx.set(2, state=State.STOPPED)
+    c.on_stopped(2, True, 1)
+    c.on_settled(1)
+    assert [a[1] for a in fx.taken("admit")][-1] == 1
+    c.on_refused(1, InsufficientMemory(10, 8, 24))  # still short, and nothing idle is left
+    assert (r.queued, joined.queued) == (1, 1)
+    assert Req(c, 1).queued == 1  # told at once now
+
+
+# --- issue 29: an asleep engine always holds something; more GPUs than the box has ------------
+
+def test_an_asleep_engine_nothing_was_read_of_is_stopped_for_room_as_freeing_the_default_residue(world):
+    """A sleeper whose residue nvidia-smi could not give (no per-process rows, a static budget):
+    counted as keeping ``asleep_residue_gib`` per GPU, so stopping it frees that and it is a
+    victim, where counting 0 left the request waiting out its queue timeout."""
+    c, fx, clock = make(world, asleep_residue_gib=3)
+    fx.add(1, 20)
+    fx.add(2, 30, idle_action="sleep", gpu_count=1, gpus=(0,))
+    idle_ready(fx, c, clock, 2)
+    fx.set(2, state=State.ASLEEP)  # asleep_gib None: nothing read after its sleep
+    clock.advance(61)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(20, 18, 80, fit=Fit(20, (18.0,), (80.0,), 1, None, True)))  # 2 short
+    assert [s[1] for s in fx.taken("stop")] == [2]
+    assert c._waits[1].frees == {2: {0: 3.0}}  # what it keeps: 3 on its GPU
+
+
+def test_a_start_that_needs_more_gpus_than_the_box_has_fails_with_both_numbers(world):
+    c, fx, clock = make(world)
+    fx.add(1, 40, gpu_count=4)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(40, 160, 160, fit=Fit(40, (80.0, 80.0), (80.0, 80.0), 4, None, True)))
+    with pytest.raises(OndemandError, match=r"needs 4 GPUs \(gpu_count\), but this box has 2") as exc:
+        r.take()
+    assert exc.value.code == "does_not_fit"
