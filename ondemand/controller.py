@@ -154,6 +154,9 @@ class _DepWait:
     phase: Phase = Phase.IDLE
     starting_for_request: bool = False
     stopped_victim: bool = False  # this attempt stopped a victim: no does_not_fit now
+    # Its waiters were told they are queued (make-room's victims do not free enough, or it waits
+    # behind the head): a request that joins it while queued is told at once.
+    told: bool = False
     victims: set[int] = dataclasses.field(default_factory=set)  # stops out for this attempt
     # What each victim frees on the GPU set chosen for this attempt: held for it once stopped.
     frees: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
@@ -391,7 +394,7 @@ class Controller:
         dw.waiters.append(waiter)
         self._waiting += 1
         self._counters_changed(dep_id)
-        if dep_id in self.queue:
+        if dep_id in self.queue and dw.told:
             self._notify_queued(waiter)
         self._advance(dep_id)
         return waiter
@@ -601,6 +604,7 @@ class Controller:
             return  # its waiters heard it already
         self._enqueue(dep_id, dw, dep)
         if not self.queue.is_head_or_empty(dep_id):
+            self._tell_queued(dw)
             return  # only the head makes room
         try:
             if self._room_coming(dep_id):
@@ -608,6 +612,7 @@ class Controller:
                 return  # what the entries it overtook are freeing is held for it: wait for that
             victims, chosen = self._pick_victims(dep, fit)
             if not victims:
+                self._tell_queued(dw)
                 self._schedule_tick()
                 return  # queued until something changes
         finally:
@@ -706,10 +711,16 @@ class Controller:
         if self.queue.add(dep_id, first, dep.priority.rank):
             log.info("deployment %d queued for memory (%s priority)", dep_id, dep.priority)
             self._queue_changed()
-        for waiter in dw.waiters:
-            self._notify_queued(waiter)
         self._counters_changed(dep_id)
         self._schedule_tick()
+
+    def _tell_queued(self, dw: _DepWait) -> None:
+        """The queued notice, only for the queue: its waiters wait because the idle models
+        make-room may take do not free enough (or behind the head). A make-room that found its
+        victims, and a start or a wake, tell nothing: the answer is exactly the engine's."""
+        dw.told = True
+        for waiter in dw.waiters:
+            self._notify_queued(waiter)
 
     def _queue_changed(self) -> None:
         """Every queued entry's place may have moved: their views say so."""

@@ -2,8 +2,12 @@
 breaking any client that parses the answer.
 
 Who gets what (BEHAVIOUR.md, "The queued notice"):
-- a streaming chat/completions or completions request that waits for memory
-  gets one ``ondemand-queued`` chunk at once, then the engine's bytes;
+- only a request that enters the memory queue because the idle models make-room
+  may take do not free enough (or that waits behind the queue's head) is told:
+  one whose make-room found its victims, or that waits for a start or a wake,
+  gets nothing, and its answer is exactly the engine's (the controller decides);
+- a streaming chat/completions or completions request that is told gets one
+  ``ondemand-queued`` chunk at once, then the engine's bytes;
 - Responses and Anthropic messages streams never get one (their typed events
   must begin with response.created / message_start);
 - a non-streaming chat, completions or Responses answer of a request that
@@ -26,7 +30,7 @@ _STRUCTURED = ("response_format", "tools", "tool_choice", "functions", "function
 
 class Wait(NamedTuple):
     """What the notice tells of the wait, as it stood when the request queued."""
-    eta_s: float | None = None  # how long the model's starts take (its start history), when known
+    eta_s: float | None = None  # how long its start (or, asleep, its wake) takes, from its history, when known
     place: tuple[int, int] | None = None  # (the entry's place in the queue, from 1; the queue's length)
 
 
@@ -34,8 +38,9 @@ UNKNOWN = Wait()  # nothing known of the wait
 
 
 def notice_text(served_name: str, eta_s: float | None = None, place: tuple[int, int] | None = None) -> str:
-    """The notice: "[ondemand] NAME is waiting for GPU memory (place P of Q, about S s)"
-    (interfaces.md, "Priorities and limits"); each part only when known."""
+    """The notice: "[ondemand] NAME is waiting for GPU memory (place P of Q, about S s); your
+    answer follows." P of Q: the entry's place in the memory queue and the queue's length; S:
+    the expected start (a wake's estimate when it is asleep). Each part only when known."""
     parts = []
     if place is not None:
         parts.append(f"place {place[0]} of {place[1]}")

@@ -451,6 +451,32 @@ async def test_non_streaming_answer_of_a_queued_request_gets_the_notice(server, 
             assert not where(await r2.json()).startswith("[ondemand]"), route
 
 
+async def test_a_make_room_that_found_its_victim_sends_no_notice_streaming_or_not(server, http):
+    """Issue 29: the notice only for the queue. x needs big's memory and big is idle: its
+    make-room finds the victim at once, so neither a stream nor a plain answer gets a notice;
+    both are exactly the engine's."""
+    big = await server.add("big", 15)
+    x = await server.add("x", 12)
+    await server.deployer.restart(big)
+    server.controller._last_activity[big] = 0  # idle for its full timeout
+    from ondemand import app as app_mod
+    await server.app[app_mod.SAMPLER].sample_once()
+    stream = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    plain = {"model": "X", "messages": [{"role": "user", "content": "hi"}]}
+    tasks = [asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=b, headers=server.auth()))
+             for b in (stream, plain)]
+    async with await tasks[0] as r:
+        assert r.status == 200
+        data = await r.read()
+    assert b"ondemand-queued" not in data and b"[ondemand]" not in data and data.endswith(b"data: [DONE]\n\n")
+    assert orjson.loads(data.split(b"\n\n")[0][6:])["object"] == "chat.completion.chunk"
+    async with await tasks[1] as r:
+        assert r.status == 200
+        answer = await r.json()
+    assert not answer["choices"][0]["message"]["content"].startswith("[ondemand]")
+    assert server.state(big) in ("stopped", "asleep") and server.state(x) == "ready"
+
+
 @pytest.mark.uvloop
 async def test_hang_up_while_waiting_releases_everything(server, http):
     a = await server.add("a", 10, "--startup-delay", "0.5")  # a start long enough to hang up in
