@@ -507,3 +507,18 @@ async def test_priority_and_max_inflight_fields(server):
     assert status == 200 and view["max_inflight"] is None
     (row, *_) = [r for r in await server.deployer.store.audit(d["id"]) if r["action"] == "deployment_update"]
     assert row["detail"] == {"old": {"max_inflight": 2}, "new": {"max_inflight": None}}
+
+
+async def test_gpu_count_above_1_on_a_one_pool_budget_is_refused_at_create_and_at_edit(server):
+    """The default server's budget is static with capacity_gib: one pool, which cannot place an
+    engine on several GPUs (issue 29)."""
+    status, err = await api(server, "POST", "/deployments", new_dep("a", gpu_count=2))
+    assert status == 400 and err["error"]["code"] == "invalid_field"
+    assert err["error"]["message"].startswith("gpu_count:") and "one pool" in err["error"]["message"]
+    status, a = await api(server, "POST", "/deployments", new_dep("a", gpu_count=1))
+    assert status == 201, a
+    status, err = await api(server, "PATCH", f"/deployments/{a['id']}", {"gpu_count": 2})
+    assert status == 400 and err["error"]["message"].startswith("gpu_count:")
+    status, err = await api(server, "PATCH", f"/deployments/{a['id']}", {"gpu_ids": [0, 1]})
+    assert status == 400 and err["error"]["message"].startswith("gpu_count:")  # a pin of two sets the count
+    assert server.deployer.get(a["id"]).gpu_count == 1

@@ -269,3 +269,48 @@ async def test_litellm_keeps_the_entrys_id_through_ready_asleep_ready(fake_nvidi
             assert await ask(server, http, a) == (200, "")
             await wait_for(lambda: entry() == (first[0], 1, "ready"), what="awake again, the same id")
             assert not double.deletes  # never replaced
+
+
+# --- issue 29: a sleeper nvidia-smi lists no process of; sleeps under way and the host reserve ---
+
+
+async def test_a_sleeper_with_no_per_process_rows_is_stopped_for_room_and_the_request_served(fake_nvidia_smi,
+                                                                                            server, http,
+                                                                                            monkeypatch):
+    """As in a container that cannot see the others' processes: nvidia-smi lists none of a's.
+    Its residue is what it booked less the drop of GPU 0's used memory across its sleep call
+    (40 - 38 = 2), so make-room counts stopping it as freeing 2, and d (79 of 80, 78 free) is
+    served instead of waiting out its queue timeout."""
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_HIDE_APPS", "1")
+    box(fake_nvidia_smi, gpus=1)
+    a = await sleeper(server, "a", 40)
+    assert await ask(server, http, a) == (200, "")
+    await admin(server, http, a, "sleep")
+    dep = await wait_for(lambda: (d := server.deployer.get(a)).asleep_gib is not None and d, what="a's residue")
+    assert dep.measured_gib is None and dep.asleep_gib == pytest.approx(2, abs=0.01)
+    d = await add(server, "d", 79, gpu_count=1)
+    assert await asyncio.wait_for(ask(server, http, d), 20) == (200, "")
+    assert server.state(a) == "stopped" and server.state(d) == "ready"
+
+
+@pytest.mark.server(**{"budget.host_reserve_gib": 16, "reap_interval_s": 3600})
+async def test_sleeps_the_reaper_starts_together_reserve_host_memory_against_each_other(fake_nvidia_smi, server,
+                                                                                         http, tmp_path):
+    """30 GiB available, 16 kept: one level-1 sleep of 8 leaves 22, two leave 14. Each alone would
+    sleep at level 1; started together, the second counts the first's (still under way) and
+    sleeps at level 2. The prediction is the booked size when no level-1 sleep was measured."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 31457280 kB\n")  # 32 GiB, 30 available
+    server.deployer.budget.meminfo_path = str(meminfo)
+    box(fake_nvidia_smi, gpus=8)
+    a, b = [await sleeper(server, n, 8, "--sleep-delay", "0.3") for n in ("a", "b")]
+    for dep_id in (a, b):
+        assert await ask(server, http, dep_id) == (200, "")
+    await asyncio.sleep(1.2)
+    assert sorted(server.controller.reap()) == [a, b]
+    await wait_for(lambda: server.state(a) == server.state(b) == "asleep", what="both asleep")
+    assert sorted(server.deployer.get(i).sleep_level for i in (a, b)) == [1, 2]
+    # One at a time, each sleeps at level 1: the reservation ended with the call.
+    for dep_id in (a, b):
+        assert await ask(server, http, dep_id) == (200, "")
+        assert (await admin(server, http, dep_id, "sleep", {"level": 1}))["sleep_level"] == 1
