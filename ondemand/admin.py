@@ -521,7 +521,7 @@ async def action(request: web.Request) -> web.Response:
         elif verb == "stop":
             await deployer.stop(dep_id, actor="admin", user=user, text="stopped by an administrator")
         elif verb == "sleep":
-            await deployer.sleep(dep_id, await _sleep_level(request), actor="admin", user=user)
+            await _drain_and_sleep(app[app_mod.CONTROLLER], deployer, dep_id, *await _sleep_body(request), user=user)
         else:
             raise OndemandError(404, "not_found", f"no action {verb!r}")
     except DeployerError as exc:
@@ -535,18 +535,72 @@ async def action(request: web.Request) -> web.Response:
     return _json(app_mod.view(app, deployer.get(dep_id)))
 
 
-async def _sleep_level(request: web.Request) -> int | None:
-    """The sleep's optional body, ``{"level": 1|2}``: the level asked for, or None (the
-    deployment's idle level, else 1)."""
+DRAIN_S = 30.0  # how long a sleep waits for the requests in flight, unless its body says
+MAX_DRAIN_S = 3600.0
+
+
+async def _sleep_body(request: web.Request) -> tuple[int | None, float, bool]:
+    """The sleep's optional body, ``{"level": 1|2, "drain_s": S, "force": false}``: the level
+    asked for (None: the deployment's idle level, else 1), how long to wait for the requests
+    in flight, and whether to sleep at once."""
     data = await _body(request)
-    unknown = sorted(set(data) - {"level"})
+    unknown = sorted(set(data) - {"level", "drain_s", "force"})
     if unknown:
-        raise _field_error(unknown[0], "unknown field; known: level")
+        raise _field_error(unknown[0], "unknown field; known: level, drain_s, force")
     level = data.get("level")
     if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level not in warmth.LEVELS):
         raise _field_error("level", "1 (weights kept in host memory) or 2 (weights dropped), or null "
                                     "(its idle_action's level)")
-    return level
+    drain = data.get("drain_s", DRAIN_S)
+    if drain is None:
+        drain = DRAIN_S
+    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or not 0 <= drain <= MAX_DRAIN_S:
+        raise _field_error("drain_s", f"seconds to wait for the requests in flight, 0 to {MAX_DRAIN_S:g} "
+                                      f"(default {DRAIN_S:g})")
+    force = data.get("force", False)
+    if not isinstance(force, bool):
+        raise _field_error("force", "true (sleep at once: the engine aborts what it runs) or false")
+    return level, float(drain), force
+
+
+async def _drain_and_sleep(controller: Any, deployer: Any, dep_id: int, level: int | None, drain_s: float,
+                           force: bool, *, user: str | None) -> None:
+    """A sleep drains first: no new slot is given to the deployment while its requests in flight
+    end (at most ``drain_s``); then it sleeps, and the requests that came meanwhile wake it (the
+    drain ends in the step of the mark to asleep). Requests still in flight at the deadline: nothing
+    sleeps, 409 ``deployment_busy``, and it serves on. ``force`` sleeps at once (vLLM aborts what
+    its engine runs)."""
+    deployer.check_sleep(dep_id, level)  # a sleep that would be refused is refused before the wait
+    if force:
+        await deployer.sleep(dep_id, level, actor="admin", user=user,
+                             text="put to sleep by an administrator (force: at once)")
+        return
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def drained() -> None:
+        if not done.done():
+            done.set_result(None)
+    ended = False
+
+    def end() -> None:
+        nonlocal ended
+        if not ended:
+            ended = True
+            controller.undrain(dep_id, drained)
+    controller.drain(dep_id, drained)
+    try:
+        try:
+            await asyncio.wait_for(asyncio.shield(done), drain_s)
+        except asyncio.TimeoutError:
+            n = controller.inflight(dep_id)
+            name = getattr(deployer.get(dep_id), "name", f"deployment {dep_id}")
+            raise OndemandError(409, "deployment_busy",
+                                f"{name} still had {n} request{'s' if n != 1 else ''} in flight after {drain_s:g} s "
+                                "(drain_s): nothing slept, it serves on; force sleeps at once (the engine aborts "
+                                "what it runs)") from None
+        await deployer.sleep(dep_id, level, actor="admin", user=user, on_marked=end)
+    finally:
+        end()
 
 
 async def events(request: web.Request) -> web.StreamResponse:

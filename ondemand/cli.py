@@ -786,13 +786,26 @@ def deploy_stop(ctx: Ctx, dep_id: int, as_json: bool) -> None:
 @click.argument("dep_id", type=int)
 @click.option("--level", type=click.IntRange(1, 2), help="1: weights kept in host memory; 2: weights dropped "
                                                         "(default: its idle_action's level, else 1)")
+@click.option("--drain", "drain_s", type=click.FloatRange(0, 3600), default=None,
+              help="seconds to wait for its requests in flight before it sleeps (default 30)")
+@click.option("--force", is_flag=True, help="sleep at once: the engine aborts the requests it runs")
 @json_option
 @pass_ctx
-def deploy_sleep(ctx: Ctx, dep_id: int, level: int | None, as_json: bool) -> None:
-    """Put a ready vLLM or SGLang engine to sleep. A level-1 sleep that would leave less
-    than budget.host_reserve_gib of host memory sleeps at level 2: the answer says the level
-    it got."""
-    _action(ctx, dep_id, "sleep", as_json, body=None if level is None else {"level": level})
+def deploy_sleep(ctx: Ctx, dep_id: int, level: int | None, drain_s: float | None, force: bool,
+                 as_json: bool) -> None:
+    """Put a ready vLLM or SGLang engine to sleep. It drains first: no new request is given to
+    it, those in flight end (at most --drain seconds), then it sleeps, and requests that came
+    meanwhile wake it. Still busy at the deadline: nothing sleeps (409 deployment_busy) and it
+    serves on; --force sleeps at once. A level-1 sleep that would leave less than
+    budget.host_reserve_gib of host memory sleeps at level 2: the answer says the level it got."""
+    body: dict[str, object] = {}
+    if level is not None:
+        body["level"] = level
+    if drain_s is not None:
+        body["drain_s"] = drain_s
+    if force:
+        body["force"] = True
+    _action(ctx, dep_id, "sleep", as_json, body=body or None)
 
 
 @deploy.command("wake")

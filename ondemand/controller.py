@@ -245,6 +245,9 @@ class Controller:
         self._tick_timer: Timer | None = None
         self._tick_due = math.inf
         self._closing = False  # shutdown began: nothing starts or stops for waiters any more
+        # A sleep drains first: no new slot while it waits; each callback once its in-flight ended.
+        self._draining: dict[int, list[Callable[[], None]]] = {}
+        self._drains: dict[int, int] = {}  # drains out per deployment
         now = clock()
         for dep in effects.deployments():  # first seen after a restart: a full idle timeout
             self._last_activity[dep.id] = now
@@ -279,6 +282,7 @@ class Controller:
         return (dep.on_demand
                 and dep.state in STOPPABLE_WHEN_IDLE
                 and dep.pending_mode is None
+                and dep.id not in self._drains  # an administrator's sleep drains it
                 and not self._inflight.get(dep.id)
                 and not self.waiting(dep.id)
                 and now - self._last_activity.get(dep.id, now) >= self.idle_timeout(dep)
@@ -336,7 +340,7 @@ class Controller:
         """A slot at once when the deployment is ready (the fast path: no waiter); raises
         ``ondemand_busy`` when it serves its ``max_inflight`` already."""
         dep = self.effects.deployment(dep_id)
-        if dep is not None and dep.state is State.READY:
+        if dep is not None and dep.state is State.READY and dep_id not in self._drains:
             self._check_limit(dep)
             return self._grant(dep_id)
         return None
@@ -365,7 +369,34 @@ class Controller:
             self._last_activity[dep_id] = self.clock()
         self._counters_changed(dep_id)
         if n <= 0:
+            for drained in self._draining.pop(dep_id, ()):
+                drained()
             self._schedule_tick()  # its idle timeout now runs: a queued request may look sooner
+
+    def drain(self, dep_id: int, drained: Callable[[], None]) -> None:
+        """A sleep drains first: from now until ``undrain`` no new slot is given to ``dep_id``
+        (a request waits, and is served or wakes it afterwards); ``drained()`` is called once its
+        requests in flight have ended (at once when none is)."""
+        self._drains[dep_id] = self._drains.get(dep_id, 0) + 1
+        if self._inflight.get(dep_id):
+            self._draining.setdefault(dep_id, []).append(drained)
+        else:
+            drained()
+
+    def undrain(self, dep_id: int, drained: Callable[[], None]) -> None:
+        """The drain is over (it slept, or its deadline passed): slots again, and its waiters
+        move on: served when it is still ready, else they wake it."""
+        pending = self._draining.get(dep_id)
+        if pending is not None and drained in pending:
+            pending.remove(drained)
+            if not pending:
+                del self._draining[dep_id]
+        n = self._drains.get(dep_id, 0) - 1
+        if n > 0:
+            self._drains[dep_id] = n
+            return
+        self._drains.pop(dep_id, None)
+        self._advance(dep_id)
 
     # --- waiters ------------------------------------------------------------------
 
@@ -407,7 +438,7 @@ class Controller:
         dep = self.effects.deployment(waiter.dep_id)
         if dep is None:
             raise OndemandError(404, "not_found", f"deployment {waiter.dep_id} was removed")
-        if dep.state is State.READY:
+        if dep.state is State.READY and waiter.dep_id not in self._drains:
             self._check_limit(dep)  # it waited for a start, not for a slot: over the limit, 429 too
             return self._grant(waiter.dep_id)
         now = self.clock()
@@ -503,7 +534,8 @@ class Controller:
         if dep is None or self._closing:
             return
         if dep.state is State.READY:
-            self._wake_waiters(dep_id)
+            if dep_id not in self._drains:  # a drain's waiters wait for its end
+                self._wake_waiters(dep_id)
             return
         if dw.phase is not Phase.IDLE:
             return  # an effect of this attempt is out; its report decides

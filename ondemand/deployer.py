@@ -954,7 +954,8 @@ class Deployer:
 
     async def sleep(self, dep_id: int, level: int | None = None, precheck: Precheck | None = None, *,
                     actor: str = "admin", user: str | None = None, text: str | None = None,
-                    audit: str | None = None, cause: StopCause = StopCause.ADMIN, or_stop: bool = False) -> int | None:
+                    audit: str | None = None, cause: StopCause = StopCause.ADMIN, or_stop: bool = False,
+                    on_marked: Callable[[], None] | None = None) -> int | None:
         """Put the engine to sleep at ``level`` (None: its ``idle_action``'s, else 1). A level-1
         sleep that would leave less than ``budget.host_reserve_gib`` of host memory sleeps at
         level 2, or, with ``or_stop`` (the reaper, make-room), is a stop. Returns the level it
@@ -963,7 +964,9 @@ class Deployer:
 
         The precheck and the mark to ``asleep`` are one step, as for a stop: from then on no
         slot is given (a request waits for the wake), and a wake waits for this sleep's engine
-        call to end. A failed sleep call stops the engine (its state is not known)."""
+        call to end. A failed sleep call stops the engine (its state is not known). ``on_marked``
+        is called in the step of the mark (an administrator's drain ends there: its waiters wake it).
+        """
         dep = self._get(dep_id)
         per_gpu = self.budget.per_gpu
         want = self._asked_level(dep, level)
@@ -991,6 +994,8 @@ class Deployer:
         marked = self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
         if got == 1:
             self._host_reserved[dep_id] = warmth.predicted_host_gib(dep)  # until its call ends
+        if on_marked is not None:
+            on_marked()
         failure, before = await self._sleep_call(engine, dep, got, marked, actor=actor, user=user, audit=audit,
                                                  text=f"{text} (sleep level {got}){why}")
         now = self._deps.get(dep_id)
@@ -1010,6 +1015,14 @@ class Deployer:
         else:
             await self._measure_sleeper(dep_id, engine, got, before)
         return got
+
+    def check_sleep(self, dep_id: int, level: int | None) -> None:
+        """Raises DeployerError when ``sleep(dep_id, level)`` by an administrator would be refused
+        now (not ready, no sleep API, a level its engine cannot take): asked before a drain."""
+        dep = self._get(dep_id)
+        self._asked_level(dep, level)
+        if dep.state is not State.READY or dep_id not in self._engines or dep_id in self._removing:
+            raise DeployerError(f"{dep.name} is {dep.state}, not ready")
 
     async def _measure_later(self, dep_id: int, engine: Engine, level: int, before: float | None) -> None:
         await asyncio.sleep(MEASURE_AFTER_MAKE_ROOM_S)

@@ -28,7 +28,8 @@ answers.
 
 Sleep, as vLLM's sleep mode (``--flavor vllm``, and ``llamacpp`` as before): ``POST
 /sleep?level=1|2`` (default 1; another level is a 400) puts both parts, ``weights`` and
-``kv_cache``, to sleep and answers 200 after ``--sleep-delay S``; sleeping again changes
+``kv_cache``, to sleep (a stream it runs is cut short, as vLLM aborts its requests) and answers
+200 after ``--sleep-delay S``; sleeping again changes
 nothing unless deeper. ``POST /wake_up`` wakes both, ``?tags=weights`` or ``?tags=kv_cache``
 (the query may repeat) those only (another tag is a 400); the call that wakes the weights
 takes ``--wake-delay S``. ``GET /is_sleeping`` says true until both are awake. While either
@@ -416,6 +417,9 @@ class Sim:
             for i in range(n):
                 if delay:
                     await asyncio.sleep(delay)
+                if self.sleeping:  # as vLLM's sleep: what the engine runs is aborted, the stream cut short
+                    await resp.write_eof()
+                    return resp
                 if i == crash_at:
                     _die("crash mid-stream (--fail crash-mid-stream)")
                 await write(frame(i))

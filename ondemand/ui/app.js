@@ -426,6 +426,7 @@ function openSleep(v) {
     "Level 1 wakes in seconds; level 2 frees host memory too, and its wake reads the weights again." + (hm && hm.available_gib !== null && hm.available_gib !== undefined ?
     ` Host memory: ${fmt(hm.available_gib)} GiB available, ${gib(hm.reserve_gib || 0)} GiB reserved; ` +
     "a level-1 sleep that would leave less sleeps at level 2." : "");
+  $("s-force").checked = false;
   $("sleep-save").disabled = false;
   $("sleep").showModal();
   $("s-level").focus();
@@ -433,9 +434,11 @@ function openSleep(v) {
 
 $("sleep-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  $("sleep-save").disabled = true;  // the engine's sleep call takes a moment: one at a time
+  $("sleep-save").disabled = true;  // the drain and the engine's sleep call take a moment: one at a time
   try {
-    await call("POST", `deployments/${sleeping.id}/sleep`, {level: Number($("s-level").value)});
+    // A 409 deployment_busy (still busy after the drain) shows its message here: force sleeps at once.
+    await call("POST", `deployments/${sleeping.id}/sleep`,
+               {level: Number($("s-level").value), force: $("s-force").checked});
     $("sleep").close();
   } catch (e) {
     if (e.status !== 401) showError(e, "sleep-error");
