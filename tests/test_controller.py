@@ -1479,3 +1479,68 @@ def test_a_start_that_needs_more_gpus_than_the_box_has_fails_with_both_numbers(w
     with pytest.raises(OndemandError, match=r"needs 4 GPUs \(gpu_count\), but this box has 2") as exc:
         r.take()
     assert exc.value.code == "does_not_fit"
+
+
+# --- an administrator's sleep drains first (issue 29) -----------------------------------
+
+def test_a_drain_grants_nothing_and_reports_once_the_last_request_ends(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    a, b = c.try_take(1), c.try_take(1)
+    drained: list[int] = []
+
+    def on_drained() -> None:
+        drained.append(1)
+    c.drain(1, on_drained)
+    assert c.try_take(1) is None  # the fast path gives nothing while it drains
+    late = Req(c, 1)
+    assert late.take() is None and late.wakes == 0 and fx.taken("admit") == []  # it waits, starts nothing
+    a.release()
+    assert drained == []  # one still in flight
+    b.release()
+    b.release()  # a second release of one slot drains nothing twice
+    assert drained == [1] and c.inflight(1) == 0
+    fx.set(1, state=State.ASLEEP)  # the sleep call ended
+    c.undrain(1, on_drained)  # called and forgotten already: undrain only ends the drain
+    assert fx.taken("admit")[0][3] == "Woken for a request"  # the request that came meanwhile wakes it
+
+
+def test_a_drain_with_nothing_in_flight_reports_at_once(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    drained: list[int] = []
+    c.drain(1, lambda: drained.append(1))
+    assert drained == [1] and c.try_take(1) is None
+
+
+def test_a_drain_past_its_deadline_serves_on_and_its_waiters_get_slots(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    busy = c.try_take(1)
+    drained: list[int] = []
+
+    def on_drained() -> None:
+        drained.append(1)
+    c.drain(1, on_drained)
+    late = Req(c, 1)
+    assert late.take() is None
+    c.undrain(1, on_drained)  # the deadline: nothing slept
+    assert late.wakes and late.take() is not None  # served by the engine that stayed ready
+    late.leave()
+    busy.release()
+    assert drained == []  # the callback went with the deadline: no sleep after it
+    assert c.try_take(1) is not None and fx.taken("admit") == []
+
+
+def test_a_draining_deployment_is_nobody_s_victim(world):
+    c, fx, clock = make(world)
+    fx.add(1, state=State.READY)
+    idle_ready(fx, c, clock, 1)
+    assert c.is_idle(fx.deps[1])
+    c.drain(1, lambda: None)
+    assert not c.is_idle(fx.deps[1])  # the reaper and make-room leave an administrator's sleep alone
+    c.drain(1, lambda: None)  # two drains at once: slots only after both are over
+    c.undrain(1, lambda: None)
+    assert c.try_take(1) is None
+    c.undrain(1, lambda: None)
+    assert c.try_take(1) is not None
