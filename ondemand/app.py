@@ -147,7 +147,8 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     components in the cleanup contexts below, in start-up order."""
     from . import admin  # the admin API's routes
 
-    limits = Limits()  # no configuration key changes a bound yet: built here, once, for both stacks
+    # Built here, once, for both stacks; the connection caps are configuration keys.
+    limits = Limits(max_connections=cfg.max_connections, max_connections_per_peer=cfg.max_connections_per_peer)
     app = web.Application(client_max_size=limits.client_max_size())
     app[CONFIG] = cfg
     app[LIMITS] = limits
@@ -180,7 +181,8 @@ def _gateway_route(app: web.Application, guard: PeerGuard, prefix: str) -> Route
         if guard.refuses(call.headers, call.peer):
             return await call.send(404, {"Content-Type": "application/json"}, refused)
         await app[GATEWAY].handle(call)
-    return Route(prefix, handle, lambda: app[GATEWAY].max_body)
+    # A listener of the gateway's alone (admin_listen) closes a peer the policy refuses at the accept.
+    return Route(prefix, handle, lambda: app[GATEWAY].max_body, allows=guard.policy.allows)
 
 
 async def _shutting_down(app: web.Application) -> None:

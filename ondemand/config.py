@@ -69,6 +69,10 @@ class DeployerConfig:
     volume_roots: tuple[Path, ...] = ()
     sleep_flags: bool = True
     publish_host: str = "127.0.0.1"
+    # A recipe without memory_gib is booked its checkpoint's weights plus the KV cache of this many
+    # sequences of the model's context, at most max_model_len tokens (recipes.booking).
+    kv_sequences: int = 4
+    max_model_len: int = 32768
 
 
 
@@ -106,6 +110,9 @@ class Config:
     ondemand_idle_timeout_s: int = 600
     ondemand_queue_timeout_s: int = 900
     ondemand_max_queued: int = 256
+    # Open connections on one TCP listener, and from one client IP: over either, closed at the accept.
+    max_connections: int = 4096
+    max_connections_per_peer: int = 1024
     reap_interval_s: float = 15.0
     sleep_timeout_s: int | None = None  # an engine asleep this long is stopped; None: never
     min_idle_timeout_s: int = 60
@@ -278,6 +285,10 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "ondemand_idle_timeout_s": (_int, lambda x: True, "whole seconds, min_idle_timeout_s (60 unless set) to 86400"),
     "ondemand_queue_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
     "ondemand_max_queued": (_int, _between(1, 100000), "1 to 100000"),
+    "max_connections": (_int, _between(1, 1_000_000), "1 to 1000000 (open connections on one TCP listener)"),
+    # At most max_connections: checked once both are known (below).
+    "max_connections_per_peer": (_int, _between(1, 1_000_000),
+                                 "1 to 1000000, at most max_connections (open connections from one client IP)"),
     "reap_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
     "min_idle_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
     "sleep_timeout_s": (lambda v: None if v in (None, "", "none") else _int(v),
@@ -321,6 +332,10 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "deployer.volume_roots": (_paths, lambda ps: all(p.is_absolute() and str(p) != "/" for p in ps),
                               "a list of absolute host directories (not /) deployments may mount from"),
     "deployer.sleep_flags": (_bool, lambda x: True, "true or false (the recipes' sleep flags)"),
+    "deployer.kv_sequences": (_int, _between(1, 4096),
+                              "1 to 4096 (sequences of the model's context booked without memory_gib)"),
+    "deployer.max_model_len": (_int, _between(256, 16_777_216),
+                               "tokens, 256 to 16777216 (the context booked and passed without memory_gib)"),
     "deployer.publish_host": (_address, lambda s: True,
                               "one IP address (not 0.0.0.0 or ::) engine ports are published on (beside Docker)"),
     "litellm.url": (_opt_str, lambda s: s is None or s.startswith(("http://", "https://")), "an http(s) URL"),
@@ -392,6 +407,10 @@ def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None 
         raise ConfigError(
             f"configuration key ondemand_idle_timeout_s = {cfg.ondemand_idle_timeout_s} is not allowed: "
             f"whole seconds, {cfg.min_idle_timeout_s} (min_idle_timeout_s) to 86400")
+    if cfg.max_connections_per_peer > cfg.max_connections:
+        raise ConfigError(
+            f"configuration key max_connections_per_peer = {cfg.max_connections_per_peer} is not allowed: "
+            f"1 to {cfg.max_connections} (max_connections)")
     _check_budget(cfg)
     if _same_file(cfg.token_file, cfg.key_file):
         raise ConfigError(

@@ -229,15 +229,25 @@ async def test_slow_heads_are_closed_after_the_head_timeout(ready, short_head_ti
     assert await _forwarded(server, dep) == []
 
 
-async def test_idle_keep_alive_connections_outlive_the_head_timeout(ready, short_head_timeout):
-    """The head timeout counts from a head's first byte: a connection with no request yet, or
-    idle after an answer, is kept (LiteLLM reuses its connections)."""
+async def test_a_silent_connection_is_closed_after_the_head_timeout_an_idle_keep_alive_one_is_kept(
+        ready, short_head_timeout):
+    """Issue 29: the first request's head is timed from the accept, so a connection that sends
+    nothing is closed (without an answer: nothing was asked) after the head timeout, not held for
+    the keep-alive timeout; one idle after an answer is kept (LiteLLM reuses its connections)."""
     server, dep = ready
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
     try:
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert time.monotonic() - t0 >= 0.25  # the head timeout (0.3 s), not at once
+    finally:
+        writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    try:
         req = _head(dep, "Content-Type: application/json", f"Content-Length: {len(CHAT)}", key=server.key) + CHAT
-        for _ in range(2):
-            await asyncio.sleep(0.6)  # twice the head timeout, idle
+        for i in range(2):
+            if i:
+                await asyncio.sleep(0.6)  # twice the head timeout, idle after an answer
             writer.write(req)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert head.startswith(b"HTTP/1.1 200 ")
@@ -246,6 +256,106 @@ async def test_idle_keep_alive_connections_outlive_the_head_timeout(ready, short
             await reader.readexactly(length)
     finally:
         writer.close()
+
+
+async def _open(port: int, peer: str = "127.0.0.1"):
+    """A raw connection from ``peer`` (any 127/8 address is this host's)."""
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(peer, 0))
+
+
+async def _closed_at_once(reader: asyncio.StreamReader) -> bool:
+    """The server closed it without a byte, well before any timeout (the head timeout is 10 s)."""
+    try:
+        return await asyncio.wait_for(reader.read(), 3) == b""
+    except ConnectionError:
+        return True
+
+
+HEALTHZ = b"GET /dgxmm/healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.server(max_connections=8, max_connections_per_peer=3)
+async def test_one_peer_over_its_connection_cap_stops_no_other_peer(ready):
+    """Issue 29: a peer holding its cap of silent connections (max_connections_per_peer) has
+    every further one closed at the accept, and another peer's gateway requests and /healthz
+    are served meanwhile; past max_connections (all peers) a connection is closed at once too;
+    and the count is given back as they close."""
+    server, dep = ready
+    port, front = _port(server), server.http.front
+    held = [await _open(port, "127.0.0.2") for _ in range(3)]
+    await wait_for(lambda: front.open.by_peer.get("127.0.0.2") == 3, timeout=5)
+    over = [await _open(port, "127.0.0.2") for _ in range(3)]
+    for reader, _ in over:
+        assert await _closed_at_once(reader)
+    assert front.open.by_peer.get("127.0.0.2") == 3
+    req = _head(dep, "Content-Type: application/json", f"Content-Length: {len(CHAT)}", "Connection: close",
+                key=server.key) + CHAT
+    for _ in range(2):
+        data, closed = await _talk(port, req)
+        assert closed and _answers(data)[0][0] == 200, data[:200]
+        data, closed = await _talk(port, HEALTHZ)
+        assert closed and _answers(data)[0][0] == 200, data[:200]
+    # Three more peers fill max_connections (8): the next connection, from anyone, is closed at once.
+    held += [await _open(port, f"127.0.0.{3 + i // 2}") for i in range(5)]
+    await wait_for(lambda: front.open.total == 8, timeout=5)
+    reader, writer = await _open(port, "127.0.0.9")
+    assert await _closed_at_once(reader)
+    writer.close()
+    for _, w in held + over:
+        w.close()
+    await wait_for(lambda: (front.open.total, front.open.by_peer) == (0, {}), timeout=5)
+    data, closed = await _talk(port, req)
+    assert _answers(data)[0][0] == 200
+    await _quiet(server, dep)
+
+
+async def test_a_413_on_a_body_without_end_closes_at_once(ready):
+    """Issue 29: a chunked body past the gateway's limit that never ends is 413, and the
+    connection closes with it, instead of being read and dropped for the lingering window (10 s)."""
+    server, dep = ready
+    server.app[GATEWAY].max_body = 1000
+    chunked = _head(dep, "Content-Type: application/json", "Transfer-Encoding: chunked", key=server.key)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    try:
+        writer.write(chunked + b"7d0\r\n" + b" " * 2000 + b"\r\n")  # and no end
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in head
+        rest = await asyncio.wait_for(reader.read(), 3)  # the answer's body, then the close
+        assert orjson.loads(rest)["error"]["code"] == "request_too_large"
+    finally:
+        writer.close()
+    await _quiet(server, dep)
+    assert await _forwarded(server, dep) == []
+
+
+async def test_the_gateway_listener_closes_a_refused_peer_at_the_accept_and_the_admin_listener_is_capped(
+        tmp_path):
+    """With admin_listen, ``listen`` serves the gateway alone: a peer the policy refuses is
+    closed at the accept there. The admin listener (aiohttp's from the first byte) serves it,
+    closes a silent connection after the head timeout, and has its caps of its own."""
+    from helpers import free_port, run_app
+    admin_port = free_port()
+    async with run_app(tmp_path, admin_listen=f"127.0.0.1:{admin_port}", ondemand_allowed_cidrs=["127.0.0.1/32"],
+                       max_connections_per_peer=2) as server:
+        port = _port(server)
+        reader, writer = await _open(port, "127.0.0.2")
+        assert await _closed_at_once(reader)
+        writer.close()
+        assert server.http.gateway_only.open.total == 0
+        data, closed = await _talk(admin_port, HEALTHZ)  # _talk connects from 127.0.0.1
+        assert closed and _answers(data)[0][0] == 200
+        server.set_limits(head_timeout_s=0.3)
+        held = [await _open(admin_port, "127.0.0.2") for _ in range(2)]
+        await wait_for(lambda: server.http.admin_open.by_peer.get("127.0.0.2") == 2, timeout=5)
+        reader, writer = await _open(admin_port, "127.0.0.2")
+        assert await _closed_at_once(reader)  # over its cap
+        writer.close()
+        for r, w in held:  # silent: closed after the head timeout
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            w.close()
+        await wait_for(lambda: server.http.admin_open.total == 0, timeout=5)
+        data, closed = await _talk(admin_port, HEALTHZ)
+        assert closed and _answers(data)[0][0] == 200
 
 
 async def test_a_head_over_the_size_limit_is_431(ready):

@@ -19,7 +19,8 @@ ALLOWED = {
     "http.protocol": {"http.cycle", "http.flow_control", "http.headers", "http.refusals",
                       "http.server"},  # (server for types only)
     "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"}, "http.connection": {"http.body", "http.headers"},
-    "http.server": {"http.aio", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
+    "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
+    "http.caps": {"http.limits", "http.refusals"},
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
     # What an engine runs (command line, environment, mounts): derived from the deployment and the box.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -85,6 +86,15 @@ class AioConnection(web.RequestHandler):
         self.watch_in_body = False
         self.reading: web.BaseRequest | None = None  # a request whose body read_body awaits
         self.broken_body: BodyMalformedError | None = None  # the body being received broke
+        self.begun = False  # a request head began on this connection
+        self.release: Callable[[], None] | None = None  # gives the connection caps' count back
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """The first request's head is timed from the accept (a hand-off's is here already):
+        a connection that sends nothing is closed after ``head_timeout_s``, not kept alive."""
+        super().connection_made(transport)
+        if self.watch_timer is None:
+            self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self.head_late)
 
     def body_broke(self) -> None:
         """The first request whose body has not all arrived is the one whose body broke."""
@@ -126,6 +136,7 @@ class AioConnection(web.RequestHandler):
         super().data_received(data)
 
     def head_begins(self) -> None:
+        self.begun = True
         self.watch_head = True
         self.watch_bytes = 0
         if self.watch_timer is None:
@@ -143,6 +154,8 @@ class AioConnection(web.RequestHandler):
         if self.watch_head:
             self.head_refused(408, "request_timeout",
                                f"The request head did not arrive within {self.limits.head_timeout_s:g} s")
+        elif not self.begun and self.transport is not None:
+            self.transport.close()  # nothing came since the accept: no request to answer
 
     def head_refused(self, status: int, code: str, message: str) -> None:
         self.refuse_as = (status, code, message)
@@ -158,6 +171,9 @@ class AioConnection(web.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.unwatch()
+        release, self.release = self.release, None
+        if release is not None:
+            release()
         super().connection_lost(exc)
 
     # --- aiohttp's refusals, in the documented form ---

@@ -179,6 +179,10 @@ class Call:
             last.append("Transfer-Encoding: chunked\r\n")
         else:
             self.close = True  # the answer's end is the connection's
+        if status == 413 and not self.complete:
+            # The rest of a body over the limit (perhaps one that never ends: a huge length, chunks
+            # without end) is not read for the lingering window: the connection ends with this.
+            self.close = True
         if self.close or not self.keep_alive or self._proto.closing:
             connection = "Connection: close\r\n"
         else:  # HTTP/1.1 keeps it without saying so; 1.0 only when told

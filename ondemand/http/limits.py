@@ -20,13 +20,15 @@ class Limits:
     max_field_size: int = 65536        # one header, name and value
     max_headers: int = 128             # header lines (aiohttp's default)
     max_head_bytes: int = 128 * 1024   # request line and headers together, while they arrive
-    head_timeout_s: float = 10.0       # from the first byte of a request head to its end
+    head_timeout_s: float = 10.0       # a request head, from its first byte; a connection's first, from the accept
     keepalive_timeout_s: float = 300.0  # an idle keep-alive connection; LiteLLM's own is 120 s
     lingering_s: float = 10.0          # how long an unread body is read and dropped after an early answer
     gateway_max_body: int = 16 * MiB   # a gateway request's body
     admin_max_body: int = 16 * MiB     # an admin request's body
     body_timeout_s: float = 60.0       # a whole body, from the handler's first read (both stacks)
     high_water: int = 64 * 1024        # request body bytes buffered before reading pauses
+    max_connections: int = 4096        # open connections on one TCP listener (config: max_connections)
+    max_connections_per_peer: int = 1024  # of them from one client IP (config: max_connections_per_peer)
 
     def aiohttp_args(self) -> dict[str, Any]:
         """aiohttp's ``RequestHandler`` options for a connection handed to it."""

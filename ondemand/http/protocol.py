@@ -15,7 +15,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httptools
@@ -65,6 +65,8 @@ class HttpProtocol(asyncio.Protocol):
         self.broken = False                  # nothing more is parsed
         self.closing = False                 # the server is shutting down
         self.head_bytes = 0
+        self.begun = False                   # a request began on this connection
+        self.release: Callable[[], None] | None = None  # gives the front's count (the caps) back
         self.head_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
@@ -73,16 +75,13 @@ class HttpProtocol(asyncio.Protocol):
     # --- asyncio.Protocol ---
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.peer, self.release = self.front.accept(transport)
+        if self.release is None:  # over a cap, or a peer the gateway's listener refuses: closed
+            return
         self.transport = transport  # type: ignore[assignment]
         self.flow = FlowControl(self.transport)  # type: ignore[arg-type]
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0] if isinstance(peer, tuple) and peer else ""
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.front.connections.add(self)
-        self._idle()
+        self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_late)  # from the accept
 
     def data_received(self, data: bytes) -> None:
         if self.broken:
@@ -132,6 +131,8 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
         self._forget()
+        if self.release is not None:
+            self.release = self.release()  # gives the count back (and is None)
         if self.task is not None:  # the client went away: its handler is cancelled (a hang-up)
             self.task.cancel()
 
@@ -165,7 +166,7 @@ class HttpProtocol(asyncio.Protocol):
     # --- llhttp's callbacks ---
 
     def on_message_begin(self) -> None:
-        self.in_message = self.in_head = True
+        self.in_message = self.in_head = self.begun = True
         self.url = b""
         self.raw_headers = []
         if not self.fresh:  # a message ended earlier in this read: where this one begins is unknown
@@ -324,6 +325,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._head_pending() and not self.broken:
             self._refuse(refusal(408, "request_timeout",
                                  f"The request head did not arrive within {self.limits.head_timeout_s:g} s"))
+        elif not self.begun and self.transport is not None:
+            self.transport.close()  # nothing came since the accept: no request to answer
 
     def _refuse(self, answer: bytes) -> None:
         """Write ``answer`` and close, after the answers owed before it; nothing more is read."""
@@ -369,6 +372,7 @@ class HttpProtocol(asyncio.Protocol):
         if paused:  # for the requests before it: aiohttp's connection expects to read
             transport.resume_reading()
         aio = self.front.aiohttp_connection()
+        aio.release, self.release = self.release, None  # aiohttp's connection gives the count back
         aio.connection_made(transport)
         transport.set_protocol(aio)
         if data:

@@ -15,11 +15,15 @@ cleanup contexts. Imports nothing of ours but this package and ``errors``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import socket
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from .aio import AioConnection
+from .caps import OpenConnections, peer_of
 from .cycle import Call
 from .limits import Limits
 from .protocol import HttpProtocol
@@ -31,12 +35,16 @@ __all__ = ["Route", "ROUTE", "LIMITS", "HttpServer", "Front"]
 class Route:
     """What the lean front serves: requests whose target starts with ``prefix + "/"``, handed
     to ``handle(call)``; ``max_body()``: how much body a request may buffer before its
-    handler asks for it (the handler's own limit applies from then)."""
+    handler asks for it (the handler's own limit applies from then); ``allows(ip)``: whether the
+    peer policy lets a client IP reach the gateway (a listener of the gateway's alone closes one
+    it refuses at the accept)."""
 
-    def __init__(self, prefix: str, handle: Callable[[Call], Awaitable[None]], max_body: Callable[[], int]):
+    def __init__(self, prefix: str, handle: Callable[[Call], Awaitable[None]], max_body: Callable[[], int],
+                 allows: Callable[[str], bool] | None = None):
         self.prefix = (prefix.rstrip("/") + "/").encode()
         self.handle = handle
         self.max_body = max_body
+        self.allows = allows
 
 
 ROUTE = web.AppKey("http_route", Route)
@@ -45,7 +53,8 @@ LIMITS = web.AppKey("http_limits", Limits)
 
 class Front:
     """What the lean front's connections share: the route, the bounds, the set of open
-    connections (for the shutdown) and how to make aiohttp's connection for a hand-off."""
+    connections (for the shutdown), their count against the caps (one listener's) and how to
+    make aiohttp's connection for a hand-off."""
 
     def __init__(self, route: Route, limits: Limits, aiohttp_connection: Callable[[], AioConnection],
                  refusals: RefusalLog = REFUSALS, *, hand_off: bool = True):
@@ -58,9 +67,49 @@ class Front:
         self.aiohttp_connection = aiohttp_connection
         self.refusals = refusals
         self.connections: set[HttpProtocol] = set()
+        self.open = OpenConnections()
+        # The gateway's listener alone: a peer the policy refuses could reach nothing there.
+        self.allows = None if hand_off else route.allows
 
     def __call__(self) -> HttpProtocol:
         return HttpProtocol(self)
+
+    def accept(self, transport: asyncio.BaseTransport) -> tuple[str, Callable[[], None] | None]:
+        """A connection just accepted: its peer (``""``: the admin socket), and what gives its
+        count back when it closes, or None when it is closed at once: the peer policy refuses it
+        (on the gateway's listener alone), or it is over a cap. TCP_NODELAY on the others."""
+        peer = peer_of(transport)
+        if peer and self.allows is not None and not self.allows(peer):
+            self.open.refused(peer, "the peer policy refuses it")
+        elif self.open.admit(peer, self.limits):
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return peer, functools.partial(self.open.release, peer)
+        transport.close()
+        return peer, None
+
+
+class _AdminGate(asyncio.Protocol):
+    """The admin listener's accept: the caps, then aiohttp's connection takes the transport
+    (as a hand-off does) and gives the count back when it closes."""
+
+    def __init__(self, open_: OpenConnections, limits: Callable[[], Limits],
+                 aiohttp_connection: Callable[[], AioConnection]):
+        self.open = open_
+        self.limits = limits
+        self.aiohttp_connection = aiohttp_connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = peer_of(transport)
+        if not self.open.admit(peer, self.limits()):
+            transport.close()
+            return
+        aio = self.aiohttp_connection()
+        aio.release = functools.partial(self.open.release, peer)
+        aio.connection_made(transport)
+        transport.set_protocol(aio)
 
 
 class HttpServer:
@@ -75,6 +124,7 @@ class HttpServer:
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
         self.front: Front | None = None
         self.gateway_only: Front | None = None
+        self.admin_open = OpenConnections()  # the admin listener's own count: a flood on listen leaves it be
         self.listeners: list[asyncio.AbstractServer] = []
         app.on_shutdown.append(self._drain)  # after the application's own (signals run in order)
 
@@ -96,8 +146,10 @@ class HttpServer:
         """``serves``: "all" (the lean front, handing other connections to aiohttp), "gateway"
         (the gateway alone: anything else is 404) or "admin" (aiohttp's from the first byte)."""
         assert self.front is not None and self.gateway_only is not None
+        front = self.front
         factories: dict[str, Callable[[], asyncio.Protocol]] = {
-            "all": self.front, "gateway": self.gateway_only, "admin": self.front.aiohttp_connection}
+            "all": front, "gateway": self.gateway_only,
+            "admin": lambda: _AdminGate(self.admin_open, lambda: front.limits, front.aiohttp_connection)}
         factory = factories[serves]
         self.listeners.append(await asyncio.get_running_loop().create_server(
             factory, host, port, reuse_address=True, backlog=backlog))
