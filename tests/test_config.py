@@ -164,3 +164,12 @@ def test_instance_defaults_to_a_valid_host_name_and_is_validated():
         with pytest.raises(ConfigError) as exc:
             config.load(env={"ONDEMAND_INSTANCE": bad})
         assert "instance" in str(exc.value)
+
+
+def test_connection_caps_are_keys_and_per_peer_is_at_most_the_total():
+    cfg = config.load(env={"ONDEMAND_MAX_CONNECTIONS": "100", "ONDEMAND_MAX_CONNECTIONS_PER_PEER": "10"})
+    assert (cfg.max_connections, cfg.max_connections_per_peer) == (100, 10)
+    with pytest.raises(ConfigError, match="max_connections_per_peer = 200 .*1 to 100"):
+        config.load(env={}, overrides={"max_connections": 100, "max_connections_per_peer": 200})
+    with pytest.raises(ConfigError, match="max_connections = 0"):
+        config.load(env={}, overrides={"max_connections": 0})
