@@ -553,6 +553,8 @@ def _dry_run(ctx: Ctx, body: dict[str, Any], as_json: bool) -> None:
         image = f"image {view['engine_image']}; " if view.get("engine_image") else ""
         click.echo(f"dry run, nothing created: {image}environment {', '.join(view.get('env_names') or ()) or '-'}",
                    err=True)
+        if "memory_source" in view:
+            click.echo(f"booked {view.get('memory_gib') or 0:.1f} GiB ({view['memory_source']})", err=True)
     _warn_if_blind(view)
 
 

@@ -71,12 +71,20 @@ def launch_fields(deployer: Deployer, dep: Deployment) -> dict[str, Any]:
             "engine_image": how.image}
 
 
+def memory_fields(dep: Deployment) -> dict[str, Any]:
+    """``memory_gib``: what it is booked (declared, else derived: ``recipes.booking``);
+    ``memory_source``: ``declared``, ``checkpoint``, ``engine_default``, or ``measured`` when
+    its engine was measured to use more (fit checks count that); ``declared_gib``: as given."""
+    return {"memory_gib": dep.booked_gib, "memory_source": dep.memory_source, "declared_gib": dep.memory_gib}
+
+
 def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     """A deployment view: the row plus its on-demand status, its LiteLLM entry's status,
     its engine's load and how long its starts take."""
     out = dep.as_dict()
     dep_id = dep.id
     out.update(launch_fields(app[DEPLOYER], dep))
+    out.update(memory_fields(dep))
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
     out["idle_level"] = warmth.idle_level(dep, app[DEPLOYER].budget.per_gpu)  # 0: an idle engine is stopped
     out["ondemand"] = app[CONTROLLER].status(dep_id)

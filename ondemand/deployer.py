@@ -60,7 +60,7 @@ from .budget import Budget, apps_gib, residue_after_drop
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, StateFileError
 from .events import DeploymentChanged, Slept, StopCause, Woken
 from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, State, plain
-from .recipes import Box, FieldError, Launch, is_secret, launch, may_sleep
+from .recipes import Box, FieldError, Launch, booking, is_secret, launch, may_sleep
 from .store import Store
 from .tasks import TaskGroup
 
@@ -70,6 +70,8 @@ Precheck = Callable[[Deployment], bool]
 
 # An edit of these makes another engine: what the old one was measured to use no longer holds.
 _REMEASURE = frozenset({"engine", "model", "image", "args", "command", "memory_gib", "gpu_count", "gpu_ids"})
+# What a booking without memory_gib is derived from (recipes.booking).
+_REBOOK = frozenset({"engine", "model", "args", "memory_gib", "gpu_count", "gpu_ids"})
 
 # A refused start after ondemand's restart is tried again after this long, doubled each time up to the most.
 RESTART_RETRY_S = 10.0
@@ -205,6 +207,18 @@ class Deployer:
         return launch(dep, self.box, gpu_size_gib=size, box_gpus=len(sizes) if self.budget.per_gpu else 1,
                       per_gpu=self.budget.per_gpu, secrets=secrets)
 
+    def with_booking(self, dep: Deployment) -> Deployment:
+        """``dep`` with the booking a recipe without ``memory_gib`` gets on this box
+        (``recipes.booking``: reads the checkpoint's headers)."""
+        found = booking(dep, self.box, self.budget.sizes(), self.budget.per_gpu)
+        return dep if found == dep.booking else dep.replace(booking=found)
+
+    def _book_missing(self) -> None:
+        """Derive the bookings not derived yet (the GPUs' sizes were not known). No await."""
+        for dep_id, dep in list(self._deps.items()):
+            if dep.booking is None and dep.memory_gib <= 0 and dep.model is not None:
+                self._deps[dep_id] = self.with_booking(dep)
+
     def ready_engines(self) -> list[tuple[int, str]]:
         return self.engines_in((State.READY,))
 
@@ -245,7 +259,7 @@ class Deployer:
         except BudgetError as exc:
             log.warning("cannot read the GPUs' sizes yet (%s): running engines are taken back as they are", exc)
         for row in await self.store.deployments():
-            dep = Deployment.from_row(row)
+            dep = self.with_booking(Deployment.from_row(row))
             self._deps[dep.id] = dep
         for dep in list(self._deps.values()):
             await self._take_back(dep)
@@ -317,6 +331,8 @@ class Deployer:
         """Replace the live deployment (no await); returns (old, new)."""
         old = self._deps[dep_id]
         new = old.replace(updated_at=time.time(), **changes)
+        if set(changes) & _REBOOK:
+            new = self.with_booking(new)
         self._deps[dep_id] = new
         return old, new
 
@@ -402,7 +418,7 @@ class Deployer:
 
     async def create(self, fields: dict[str, Any], *, actor: str = "admin", user: str | None = None) -> Deployment:
         row = await self.store.insert_deployment(fields)
-        dep = Deployment.from_row(row)
+        dep = self.with_booking(Deployment.from_row(row))
         async with self.store.transaction():
             await self.store.write_event(actor=actor, user=user, deployment_id=dep.id, text=f"created ({dep.mode})")
         self._deps[dep.id] = dep
@@ -449,7 +465,8 @@ class Deployer:
         new = dep.replace(measured_gib=round(gib, 3))
         text = None
         if new.over_declared and not dep.over_declared:
-            text = (f"uses {gib:.1f} GiB of GPU memory, more than the {dep.memory_gib:g} GiB it declared: "
+            how = "declared" if dep.memory_gib > 0 else "was booked"
+            text = (f"uses {gib:.1f} GiB of GPU memory, more than the {dep.booked_gib:g} GiB it {how}: "
                     "fit checks count the measured size; raise memory_gib")
             log.warning("%s %s", dep.name, text)
         await self.update(dep_id, actor="ondemand", text=text, measured_gib=new.measured_gib)
@@ -519,6 +536,7 @@ class Deployer:
             return False
         reading = await self.budget.read(self.all(), max_age_s=reading_age_s)
         # From here to the mark, no await: the check and the move are one step.
+        self._book_missing()  # the GPUs' sizes are known now
         dep = self._check_startable(dep_id)
         if dep is None or (wanted is not None and not wanted()):
             return False

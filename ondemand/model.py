@@ -100,7 +100,7 @@ OVER_DECLARED = 1.10
 # Fields that are not the deployment's configuration: its life, not its make-up.
 _LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "gpus", "measured_gib",
                           "created_at", "updated_at", "sleep_level", "host_gib", "asleep_gib", "sleep_host_gib",
-                          "wake_check"})
+                          "wake_check", "booking"})
 
 
 # How a plain value (a stored row, a JSON body) becomes the field's type.
@@ -145,6 +145,16 @@ def plain(value: Any, field: str | None = None) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Booking:
+    """What a recipe without ``memory_gib`` is booked (``recipes.booking``; not stored): ``gib``
+    in all, from ``source`` (``checkpoint`` or ``engine_default``), and the context length the
+    recipe passes its engine when it capped the model's (None: the model's own)."""
+    gib: float
+    source: str
+    max_model_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Deployment:
     id: int
     name: str
@@ -179,6 +189,7 @@ class Deployment:
     wake_check: str | None = None  # the greedy one-token answer recorded after its engine's cold start
     created_at: float = 0.0
     updated_at: float = 0.0
+    booking: Booking | None = None  # derived when memory_gib is 0 (the deployer's; not stored)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Deployment:
@@ -192,7 +203,7 @@ class Deployment:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (enums as their strings, sequences as lists)."""
-        return {f.name: plain(getattr(self, f.name), f.name) for f in dataclasses.fields(self)}
+        return {f.name: plain(getattr(self, f.name), f.name) for f in dataclasses.fields(self) if f.name != "booking"}
 
     def config(self) -> tuple[Any, ...]:
         """Everything an administrator sets (not its state): a change of it (an edit,
@@ -200,9 +211,24 @@ class Deployment:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIFE_FIELDS)
 
     @property
+    def booked_gib(self) -> float:
+        """What it is booked before any measurement: ``memory_gib``, else its derived booking."""
+        if self.memory_gib > 0 or self.booking is None:
+            return self.memory_gib
+        return self.booking.gib
+
+    @property
+    def memory_source(self) -> str:
+        """Where ``footprint_gib`` comes from: ``declared``, ``checkpoint``, ``engine_default``
+        or ``measured`` (more than the booking)."""
+        if self.measured_gib is not None and self.measured_gib > self.booked_gib:
+            return "measured"
+        return "declared" if self.memory_gib > 0 or self.booking is None else self.booking.source
+
+    @property
     def footprint_gib(self) -> float:
-        """What a fit check counts for it: the larger of declared and measured."""
-        return max(self.memory_gib, self.measured_gib or 0.0)
+        """What a fit check counts for it: the larger of booked and measured."""
+        return max(self.booked_gib, self.measured_gib or 0.0)
 
     @property
     def residue_gib(self) -> float:
@@ -212,7 +238,7 @@ class Deployment:
     @property
     def over_declared(self) -> bool:
         """Its engine was measured to use more than 10 % beyond what it declared."""
-        return self.measured_gib is not None and self.measured_gib > self.memory_gib * OVER_DECLARED + 1e-9
+        return self.measured_gib is not None and self.measured_gib > self.booked_gib * OVER_DECLARED + 1e-9
 
     @property
     def on_demand(self) -> bool:

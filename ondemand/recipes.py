@@ -10,7 +10,11 @@ the rest (KServe's ServingRuntimes do this for Kubernetes). A deployment with
 - tensor parallelism from ``gpu_count``;
 - the memory share from ``memory_gib``: vLLM's ``--gpu-memory-utilization``
   (default 0.9 of each GPU it sees) would otherwise take memory the budget booked
-  for another engine on the same GPU, and that engine's start fails;
+  for another engine on the same GPU, and that engine's start fails. Without
+  ``memory_gib`` (vLLM, SGLang) the booking is derived (``booking``): the checkpoint's
+  weights and KV cache when it can be read on this host (``checkpoint.py``; the
+  context capped at ``deployer.max_model_len`` is passed as ``--max-model-len`` /
+  ``--context-length``), else the engine's default share, 0.90, passed explicitly;
 - the sleep flags, when the deployment may sleep;
 - then its own ``args``, last, so an admin may override any derived flag (the last
   flag wins in all three engines).
@@ -31,19 +35,27 @@ naming the field.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
-from . import warmth
+from . import checkpoint, warmth
 from .config import Config
-from .model import Deployment
+from .model import Booking, Deployment
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "sglang", "llamacpp", "custom")
 RECIPES = ("vllm", "sglang", "llamacpp")
 MAX_SHARE = 0.95
+ENGINE_DEFAULT_SHARE = 0.90  # vLLM's and SGLang's own default share of each GPU, booked without memory_gib
+GIB = 2**30
+# The engines' context-length and KV-cache dtype flags.
+_CONTEXT_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
+_KV_DTYPE_FLAG = "--kv-cache-dtype"
 # Where the images keep Hugging Face's cache (they run as root).
 HF_CACHE = "/root/.cache/huggingface"
 MASK = "***"
@@ -133,13 +145,16 @@ class Box:
     hf_token_file: Path | None = None
     volume_roots: tuple[Path, ...] = ()
     sleep_flags: bool = True
+    kv_sequences: int = 4
+    max_model_len: int = 32768
 
     @classmethod
     def from_config(cls, cfg: Config) -> Box:
         d = cfg.deployer
         return cls(backend=d.backend, images=dict(d.images), commands={k: tuple(v) for k, v in d.commands.items()},
                    model_cache=d.model_cache, hf_token_file=d.hf_token_file,
-                   volume_roots=tuple(d.volume_roots), sleep_flags=d.sleep_flags)
+                   volume_roots=tuple(d.volume_roots), sleep_flags=d.sleep_flags,
+                   kv_sequences=d.kv_sequences, max_model_len=d.max_model_len)
 
     @property
     def in_container(self) -> bool:
@@ -183,12 +198,15 @@ def _derived(dep: Deployment, box: Box, gpu_size_gib: float | None, box_gpus: in
     pooled = gpus if per_gpu else 1  # one pool (unified memory): the share is of the pool
     env: dict[str, str] = {}
     sleep = may_sleep(dep, per_gpu)
+    capped = dep.booking.max_model_len if dep.memory_gib <= 0 and dep.booking is not None else None
     if dep.engine == "vllm":
         args = [model, "--served-model-name", dep.served_name, "--host", host, "--port", port]
         if gpus > 1:
             args += ["--tensor-parallel-size", str(gpus)]
-        if gpus > 0 and dep.memory_gib > 0 and gpu_size_gib:
-            args += ["--gpu-memory-utilization", f"{share(dep.memory_gib, pooled, gpu_size_gib):.2f}"]
+        if gpus > 0 and dep.booked_gib > 0 and gpu_size_gib:
+            args += ["--gpu-memory-utilization", f"{share(dep.booked_gib, pooled, gpu_size_gib):.2f}"]
+        if capped is not None:
+            args += [_CONTEXT_FLAG["vllm"], str(capped)]
         if sleep:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # the /sleep and /wake_up routes
             if box.sleep_flags:
@@ -197,8 +215,10 @@ def _derived(dep: Deployment, box: Box, gpu_size_gib: float | None, box_gpus: in
         args = ["--model-path", model, "--served-model-name", dep.served_name, "--host", host, "--port", port]
         if gpus > 1:
             args += ["--tp", str(gpus)]
-        if gpus > 0 and dep.memory_gib > 0 and gpu_size_gib:
-            args += ["--mem-fraction-static", f"{share(dep.memory_gib, pooled, gpu_size_gib):.2f}"]
+        if gpus > 0 and dep.booked_gib > 0 and gpu_size_gib:
+            args += ["--mem-fraction-static", f"{share(dep.booked_gib, pooled, gpu_size_gib):.2f}"]
+        if capped is not None:
+            args += [_CONTEXT_FLAG["sglang"], str(capped)]
         args.append("--enable-metrics")  # /metrics: without it the sampler never sees the engine idle
         if sleep and box.sleep_flags:
             args.append("--enable-memory-saver")
@@ -251,6 +271,52 @@ def launch(dep: Deployment, box: Box, *, gpu_size_gib: float | None = None, box_
     if box.in_container:
         mounts.extend(parse_volume(v) for v in dep.volumes)
     return Launch(image, entrypoint, tuple(args), tuple(env.items()), tuple(mounts))
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value the last ``flag X`` or ``flag=X`` in ``args`` gives (the last flag wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def booking(dep: Deployment, box: Box, gpu_sizes: Sequence[float] | None, per_gpu: bool = True) -> Booking | None:
+    """What a recipe without ``memory_gib`` is booked (None: ``memory_gib`` given, not a vLLM or
+    SGLang recipe, no GPU, or the GPUs' sizes not known yet). Reads the checkpoint's headers
+    (``checkpoint.read``): its weights plus the KV cache of ``box.kv_sequences`` sequences of its
+    context (at most ``box.max_model_len``, then passed to the engine), plus 10 % and 1 GiB per
+    GPU; a checkpoint not on this host, or one that does not parse (logged), books the engine's
+    default share (``ENGINE_DEFAULT_SHARE`` of each of its GPUs, the smallest it may get)."""
+    if dep.memory_gib > 0 or dep.model is None or dep.engine not in _CONTEXT_FLAG:
+        return None
+    sizes = list(gpu_sizes or ())
+    if per_gpu and dep.gpu_ids:
+        sizes = [sizes[i] for i in dep.gpu_ids if i < len(sizes)]
+    gpus = (len(gpu_sizes or ()) if dep.gpu_count is None else dep.gpu_count) if per_gpu else 1
+    if gpus <= 0 or dep.gpu_count == 0:
+        return None
+    try:
+        found = checkpoint.read(dep.model, box.model_cache, flag_value(dep.args, _KV_DTYPE_FLAG))
+    except (checkpoint.Unreadable, OSError) as exc:
+        log.warning("%s: cannot size the checkpoint of %s (%s): booked the engine's default share %.2f",
+                    dep.name, dep.model, exc, ENGINE_DEFAULT_SHARE)
+        found = None
+    if found is not None:
+        given = flag_value(dep.args, _CONTEXT_FLAG[dep.engine])
+        context = min(found.context, box.max_model_len)
+        capped = context if context < found.context else None
+        if given is not None and given.isdigit() and int(given) > 0:
+            context, capped = int(given), None  # the admin's own flag: it is what the engine runs with
+        kv = box.kv_sequences * context * found.kv_bytes_per_token
+        gib = (found.weights_bytes + kv) * 1.1 / GIB + gpus
+        return Booking(math.ceil(gib * 1000) / 1000, "checkpoint", capped)
+    if not sizes:
+        return None
+    return Booking(ENGINE_DEFAULT_SHARE * min(sizes) * gpus, "engine_default")
 
 
 def read_token(path: Path) -> str:

@@ -472,7 +472,7 @@ function openEdit(v) {
     f.env.value = Object.entries(v.env || {}).map(([k, x]) => `${k}=${x}`).join("\n");
     f.volumes.value = (v.volumes || []).join("\n");
     f.command.value = (v.command || []).map(quote).join(" "); f.port.value = v.port;
-    f.memory_gib.value = v.memory_gib; f.gpu_count.value = v.gpu_count ?? "";
+    f.memory_gib.value = v.declared_gib ?? v.memory_gib; f.gpu_count.value = v.gpu_count ?? "";
     f.gpu_ids.value = (v.gpu_ids || []).join(","); f.role.value = v.role;
     f.idle_timeout_s.value = v.idle_timeout_s ?? "";
     f.priority.value = v.priority || "normal";
