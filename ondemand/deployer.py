@@ -986,7 +986,6 @@ class Deployer:
         is called in the step of the mark (an administrator's drain ends there: its waiters wake it).
         """
         dep = self._get(dep_id)
-        per_gpu = self.budget.per_gpu
         want = self._asked_level(dep, level)
         # From here to the mark, no await: the checks and the move are one step.
         engine = self._engines.get(dep_id)
@@ -995,10 +994,7 @@ class Deployer:
             if precheck is None:
                 raise DeployerError(f"{dep.name} is {dep.state}, not ready")
             return None
-        available = self.budget.host_available_gib()
-        if available is not None:  # the level-1 sleeps under way have not moved their weights yet
-            available -= sum(gib for other, gib in self._host_reserved.items() if other != dep_id)
-        got = warmth.host_level(dep, want, available, self.budget.host_reserve_gib, per_gpu)
+        got = self._host_level(dep, want)
         text = text or "put to sleep by an administrator"
         reserve = f"host memory: a level-1 sleep would leave less than {self.budget.host_reserve_gib:g} GiB available"
         if got == 0:
@@ -1033,6 +1029,13 @@ class Deployer:
         else:
             await self._measure_sleeper(dep_id, engine, got, before)
         return got
+
+    def _host_level(self, dep: Deployment, want: int) -> int:
+        """The level the host reserve lets ``dep`` sleep at (0: neither level fits it)."""
+        available = self.budget.host_available_gib()
+        if available is not None:  # the level-1 sleeps under way have not moved their weights yet
+            available -= sum(gib for other, gib in self._host_reserved.items() if other != dep.id)
+        return warmth.host_level(dep, want, available, self.budget.host_reserve_gib, self.budget.per_gpu)
 
     def check_sleep(self, dep_id: int, level: int | None) -> None:
         """Raises DeployerError when ``sleep(dep_id, level)`` by an administrator would be refused
