@@ -272,3 +272,29 @@ async def test_the_docker_backend_sends_the_device_ids(fake_nvidia_smi, tmp_path
             await backend.stop(engine, 5)
         finally:
             await backend.close()
+
+
+async def test_a_recipe_without_memory_gib_books_the_engine_default_and_never_overfills(fake_nvidia_smi, server,
+                                                                                          http):
+    # Issue 29: it booked 0 GiB while vLLM took 0.9 of the GPU, so the next model placed beside it failed.
+    box(fake_nvidia_smi, gpus=2)
+    other = await add(server, "other", 30, gpu_count=1)
+    assert await ask(server, http, other) == (200, "")
+    assert gpus(server, other) == (0,)
+    recipe = (await server.deployer.create({"name": "r", "served_name": "r", "engine": "vllm", "model": "org/none",
+                                            "memory_gib": 0, "gpu_count": 1, "mode": "on_demand"})).id
+    dep = server.deployer.get(recipe)
+    assert (dep.memory_source, dep.footprint_gib) == ("engine_default", pytest.approx(72.0))
+    async with http.get(f"{server.url}/api/deployments/{recipe}", headers=server.admin_headers()) as r:
+        view = await r.json()
+    assert view["memory_source"] == "engine_default" and view["memory_gib"] == pytest.approx(72.0)
+    assert view["argv"][view["argv"].index("--gpu-memory-utilization") + 1] == "0.90"
+    budget = server.deployer.budget
+    reading = await budget.read(server.deployer.all())
+    assert budget.check_fit(dep, server.deployer.all(), reading) == (1,)  # not beside "other" on GPU 0
+    third = await add(server, "third", 30, gpu_count=1, gpu_ids=[1])
+    assert await ask(server, http, third) == (200, "")
+    reading = await budget.read(server.deployer.all())
+    from ondemand.errors import InsufficientMemory
+    with pytest.raises(InsufficientMemory):  # 50 GiB free on each GPU: 72 fits on neither
+        budget.check_fit(server.deployer.get(recipe), server.deployer.all(), reading)
