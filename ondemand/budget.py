@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from . import placement
 from .errors import BudgetError, InsufficientMemory
 from .model import HOLDING, Deployment, Mode, Role, State
-from .placement import Fit
+from .placement import Fit, asleep_held
 
 log = logging.getLogger("ondemand.budget")
 
@@ -125,17 +125,6 @@ def apps_gib(apps: list[tuple[int, str, float]], pids: list[int]) -> float | Non
     mine = set(pids)
     used = [gib for pid, _uuid, gib in apps if pid in mine]
     return sum(used) if used else None
-
-
-def asleep_held(dep: Deployment, residue_gib: float, pools: int, per_gpu: bool) -> float:
-    """What an asleep ``dep`` keeps on its GPUs in all (``Budget.asleep_held``); ``residue_gib``
-    per GPU when nothing was read after its sleep."""
-    if dep.asleep_gib is not None:
-        return dep.residue_gib
-    if dep.gpu_count == 0:
-        return 0.0
-    gpus = len(placement.holdings(1.0, dep.gpu_count, dep.gpus, max(pools, 1), per_gpu)) or 1
-    return min(dep.footprint_gib, residue_gib * gpus)
 
 
 def residue_after_drop(held_gib: float, gpus: Sequence[int], before: Sequence[float],

@@ -50,11 +50,10 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .budget import asleep_held
 from .errors import InsufficientMemory, OndemandError
 from .eviction import Candidate, pick_victims
 from .model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, Mode, Role, State
-from .placement import Fit, holdings
+from .placement import Fit, asleep_held, holdings
 from .queue import WaitQueue
 
 log = logging.getLogger("ondemand.controller")

@@ -21,6 +21,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import Deployment
 
 EPS = 1e-9
 # GPUs whose totals differ by no more than this are of one size (nvidia-smi rounds to MiB).
@@ -125,3 +129,14 @@ class Fit:
         if not self.per_gpu or self.count <= 1:
             return f"{self.need:g} GiB" + (" on one GPU" if self.per_gpu and self.count == 1 else "")
         return f"{self.count} GPUs with {share(self.need, self.count):g} GiB each"
+
+
+def asleep_held(dep: Deployment, residue_gib: float, pools: int, per_gpu: bool) -> float:
+    """What an asleep ``dep`` keeps on its GPUs in all (``Budget.asleep_held``); ``residue_gib``
+    per GPU when nothing was read after its sleep."""
+    if dep.asleep_gib is not None:
+        return dep.residue_gib
+    if dep.gpu_count == 0:
+        return 0.0
+    gpus = len(holdings(1.0, dep.gpu_count, dep.gpus, max(pools, 1), per_gpu)) or 1
+    return min(dep.footprint_gib, residue_gib * gpus)

@@ -10,7 +10,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # What each module may import from the package. Only app (the composition) and
 # cli (the edge) may import everything.
 ALLOWED = {
-    "model": set(), "placement": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
+    "model": set(), "placement": {"model"}, "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     "paths": {"errors"}, "keys": {"errors", "events"}, "ratelimit": set(), "peers": {"dockerapi", "errors"},
     "dockerapi": set(), "notice": set(), "forward": {"http.headers"}, "migrations": set(),
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
@@ -24,7 +24,9 @@ ALLOWED = {
     "store": {"errors", "migrations"},
     "budget": {"config", "errors", "model", "placement"}, "metrics": {"model"}, "eviction": set(), "queue": set(),
     # What an engine runs (command line, environment, mounts): derived from the deployment and the box.
-    "recipes": {"config", "model", "warmth"},
+    "recipes": {"checkpoint", "config", "model", "warmth"},
+    # Reads a checkpoint's safetensors headers and config.json on this host: the standard library only.
+    "checkpoint": set(),
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
     "warmth": {"model"},
     "backends": {"errors", "model", "recipes"}, "backends.process": {"backends", "model", "recipes", "tasks"},
