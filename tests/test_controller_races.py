@@ -134,7 +134,7 @@ async def test_make_room_stops_lru_idle_victims(tmp_path, store):
         sleeps = [r for r in await store.audit() if r["action"] == "ondemand_sleep"]
         assert len(sleeps) == 1 and sleeps[0]["deployment_id"] == a
         assert sleeps[0]["text"] == "Put to sleep to make room for X" and sleeps[0]["user"] is None
-        assert queued == [1]  # it waited for memory once
+        assert queued == []  # make-room found its victim: no queued notice (only the queue gets one)
 
 
 async def test_victims_must_be_idle_for_their_full_timeout(tmp_path, store):
@@ -536,7 +536,8 @@ async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidi
     smi = fake_nvidia_smi("24576, 4096")
     async with controller_env(tmp_path, store, budget=Budget("nvidia-smi", nvidia_smi=smi),
                               queue_timeout_s=1) as env:
-        a = await env.add("a", 10)
+        # Its engine shows 10 GiB on the GPU awake and none asleep: the sleep is seen to free it.
+        a = await env.add("a", 10, "--gpu-mib", "10240")
         await env.start(a)
         await env.deployer.sleep(a)
         fake_nvidia_smi("24576, 20480")  # 4 GiB free now: someone else's memory
