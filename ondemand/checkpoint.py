@@ -86,12 +86,7 @@ def header_bytes(path: Path) -> int:
         raise Unreadable(f"{path}: {exc}") from exc
     if len(raw) != n:
         raise Unreadable(f"{path}: the header is cut short")
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise Unreadable(f"{path}: the header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise Unreadable(f"{path}: the header is not an object")
+    header = _json_object(raw, path, "the header is")
     total = 0
     for name, tensor in header.items():
         if name == "__metadata__":
@@ -128,12 +123,18 @@ def _json_file(path: Path) -> dict[str, Any]:
         raise Unreadable(f"{path}: {exc}") from exc
     if len(raw) > _CONFIG_MAX:
         raise Unreadable(f"{path}: larger than {_CONFIG_MAX} bytes")
+    return _json_object(raw, path, "")
+
+
+def _json_object(raw: bytes, path: Path, what: str) -> dict[str, Any]:
+    """``raw`` as a JSON object, else Unreadable naming ``path`` (``what``: "the header is")."""
+    lead = f"{path}: {what + ' ' if what else ''}"
     try:
         data = json.loads(raw)
     except ValueError as exc:
-        raise Unreadable(f"{path}: not JSON ({exc})") from exc
+        raise Unreadable(f"{lead}not JSON ({exc})") from exc
     if not isinstance(data, dict):
-        raise Unreadable(f"{path}: not an object")
+        raise Unreadable(f"{lead}not an object")
     return data
 
 
