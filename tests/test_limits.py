@@ -155,7 +155,9 @@ async def _flood(srv: Serve, dep: int, rss: list[float], model: str) -> tuple[li
 async def test_ten_thousand_queued_connections(tmp_path):
     _raise_own_nofile(N + 1000)
     timeout_s = 40
-    async with Serve(tmp_path, ondemand_max_queued=N + 100, ondemand_queue_timeout_s=timeout_s) as srv:
+    # The caps on open connections (4,096, 1,024 a peer) sized above the 10,000 this one peer holds.
+    async with Serve(tmp_path, ondemand_max_queued=N + 100, ondemand_queue_timeout_s=timeout_s,
+                     max_connections=N + 200, max_connections_per_peer=N + 200) as srv:
         base_rss = srv.rss_mib()
         # Deadlines: the engine never gets ready in time; every request gets 503
         # ondemand_queue_timeout at its own deadline, in the order the requests came.
