@@ -590,7 +590,7 @@ async def _drain_and_sleep(controller: Any, deployer: Any, dep_id: int, level: i
     controller.drain(dep_id, drained)
     try:
         try:
-            await asyncio.wait_for(asyncio.shield(done), drain_s)
+            await asyncio.wait_for(done, drain_s)  # cancelled at the deadline: drained() checks done()
         except asyncio.TimeoutError:
             n = controller.inflight(dep_id)
             name = getattr(deployer.get(dep_id), "name", f"deployment {dep_id}")
