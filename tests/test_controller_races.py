@@ -535,7 +535,7 @@ async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidi
     from ondemand.budget import Budget
     smi = fake_nvidia_smi("24576, 4096")
     async with controller_env(tmp_path, store, budget=Budget("nvidia-smi", nvidia_smi=smi),
-                              queue_timeout_s=1) as env:
+                              queue_timeout_s=3) as env:  # the wake after it needs room under load
         # Its engine shows 10 GiB on the GPU awake and none asleep: the sleep is seen to free it.
         a = await env.add("a", 10, "--gpu-mib", "10240")
         await env.start(a)
