@@ -269,7 +269,7 @@ async def test_the_page_shows_sleep_tiers_and_host_memory(tmp_path, browser_read
     assert result["dialog"]["closed"]
     nappy_row = result["nappy"]
     assert nappy_row["badge"] == "asleep · level 2" and "GiB host" in nappy_row["detail"], nappy_row
-    assert {"path": f"{nappy}/sleep", "body": '{"level":2}'} in result["posts"], result["posts"]
+    assert {"path": f"{nappy}/sleep", "body": '{"level":2,"force":false}'} in result["posts"], result["posts"]
     assert result["sglang"] == {"level": "1", "disabled": ["2"]}  # with idle_action sleep: level 1 only
     assert any(p["path"] == f"{dozy}/wake" for p in result["posts"]), result["posts"]
     assert result["woken"]["state"] == "ready" and result["woken"]["badge"] == "ready"
