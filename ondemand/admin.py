@@ -15,6 +15,7 @@ import logging
 import pathlib
 import re
 import socket
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -569,11 +570,13 @@ async def _drain_and_sleep(controller: Any, deployer: Any, dep_id: int, level: i
     end (at most ``drain_s``); then it sleeps, and the requests that came meanwhile wake it (the
     drain ends in the step of the mark to asleep). Requests still in flight at the deadline: nothing
     sleeps, 409 ``deployment_busy``, and it serves on. ``force`` sleeps at once (vLLM aborts what
-    its engine runs)."""
+    its engine runs). An administrator who hangs up during the drain ends it as its deadline
+    would (nothing sleeps, it serves on); one who hangs up once the sleep has begun leaves it to
+    finish."""
     deployer.check_sleep(dep_id, level)  # a sleep that would be refused is refused before the wait
     if force:
-        await deployer.sleep(dep_id, level, actor="admin", user=user,
-                             text="put to sleep by an administrator (force: at once)")
+        await _sleep_to_the_end(deployer, dep_id, level, user=user,
+                                text="put to sleep by an administrator (force: at once)")
         return
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -588,6 +591,7 @@ async def _drain_and_sleep(controller: Any, deployer: Any, dep_id: int, level: i
             ended = True
             controller.undrain(dep_id, drained)
     controller.drain(dep_id, drained)
+    sleeping = False
     try:
         try:
             await asyncio.wait_for(done, drain_s)  # cancelled at the deadline: drained() checks done()
@@ -598,9 +602,30 @@ async def _drain_and_sleep(controller: Any, deployer: Any, dep_id: int, level: i
                                 f"{name} still had {n} request{'s' if n != 1 else ''} in flight after {drain_s:g} s "
                                 "(drain_s): nothing slept, it serves on; force sleeps at once (the engine aborts "
                                 "what it runs)") from None
-        await deployer.sleep(dep_id, level, actor="admin", user=user, on_marked=end)
+        sleeping = True  # from here the sleep's task ends the drain: at its mark, else when it ends
+        await _sleep_to_the_end(deployer, dep_id, level, user=user, on_marked=end, ended=end)
     finally:
-        end()
+        if not sleeping:  # the deadline, or a hang-up during the drain: it serves on
+            end()
+
+
+async def _sleep_to_the_end(deployer: Any, dep_id: int, level: int | None, *, user: str | None,
+                            ended: Callable[[], None] | None = None, **kw: Any) -> None:
+    """``deployer.sleep`` as the deployer's own task, awaited through a shield: an administrator's
+    hang-up cancels the request, never the sleep (``ended`` is called when the sleep is over)."""
+    async def sleep() -> DeployerError | None:
+        try:
+            await deployer.sleep(dep_id, level, actor="admin", user=user, **kw)
+        except DeployerError as exc:  # the request's answer (409), when it is still there to get it
+            return exc
+        finally:
+            if ended is not None:
+                ended()
+        return None
+    # Shielded: a hang-up must not cut a sleep between its mark and its engine call's end (event, measurement, row).
+    refused = await asyncio.shield(deployer.tasks.spawn(sleep(), f"sleep {dep_id} by an administrator"))
+    if refused is not None:
+        raise refused
 
 
 async def events(request: web.Request) -> web.StreamResponse:
