@@ -440,7 +440,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     fields, start_now = validate_new(data, app[app_mod.CONFIG], deployer.all(), *await _box_sizes(deployer))
     if request.query.get("dry_run") not in (None, "0", "false"):
         # What it would be and run, with nothing written (deploy add --dry-run).
-        dep = deployer.with_booking(Deployment.from_row({**fields, "id": 0}))
+        dep = await deployer.book(Deployment.from_row({**fields, "id": 0}))  # its checkpoint read in a thread
         return _json({**dep.as_dict(), **components.launch_fields(deployer, dep), **components.memory_fields(dep),
                       "idle_level": warmth.idle_level(dep, deployer.budget.per_gpu), "dry_run": True})
     dep = await deployer.create(fields, actor="admin", user=_user(request))

@@ -59,7 +59,7 @@ from .backends import Backend, BackendError, Engine
 from .budget import Budget, apps_gib, residue_after_drop
 from .errors import BudgetError, DeployerError, DeploymentBusy, InsufficientMemory, NameTaken, StateFileError
 from .events import DeploymentChanged, Slept, StopCause, Woken
-from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Deployment, Mode, State, plain
+from .model import ADMIN_STARTABLE, EDITABLE, HOLDING, Booking, Deployment, Mode, State, plain
 from .recipes import Box, FieldError, Launch, booking, is_secret, launch, may_sleep
 from .store import Store
 from .tasks import TaskGroup
@@ -179,6 +179,9 @@ class Deployer:
         self._exits: dict[int, asyncio.Future[int | None]] = {}
         self._changes: dict[int, list[asyncio.Future[None]]] = {}
         self._gates: dict[int | None, asyncio.Lock] = {}  # per GPU index (None: the one pool)
+        # The booking each deployment's checkpoint gave when ``book`` last read it (in a thread),
+        # with what it was derived from: ``with_booking`` takes it when those are the same.
+        self._booked: dict[int, tuple[tuple[Any, ...], Booking | None]] = {}
         self._http: aiohttp.ClientSession | None = None
         self.tasks = TaskGroup("deployer")
 
@@ -209,15 +212,49 @@ class Deployer:
 
     def with_booking(self, dep: Deployment) -> Deployment:
         """``dep`` with the booking a recipe without ``memory_gib`` gets on this box
-        (``recipes.booking``: reads the checkpoint's headers)."""
-        found = booking(dep, self.box, self.budget.sizes(), self.budget.per_gpu)
+        (``recipes.booking``). No await: the booking ``book`` read for the same fields and GPUs,
+        else derived here (reading the checkpoint's headers on the event loop)."""
+        inputs = self._booking_inputs(dep)
+        read = self._booked.get(dep.id)
+        if read is not None and read[0] == inputs:
+            found = read[1]
+        else:
+            found = booking(dep, self.box, self.budget.sizes(), self.budget.per_gpu)
         return dep if found == dep.booking else dep.replace(booking=found)
+
+    async def book(self, dep: Deployment) -> Deployment:
+        """``with_booking``, the checkpoint read in a thread: its headers and config on slow
+        storage would hold up the event loop (every request). The async callers (load, create,
+        edit, a start's missing bookings, a dry run) call it before their step without an await,
+        whose ``with_booking`` then takes what was read."""
+        if dep.memory_gib > 0 or dep.model is None:
+            return self.with_booking(dep)  # nothing to read
+        inputs, sizes = self._booking_inputs(dep), self.budget.sizes()
+        found = await asyncio.to_thread(booking, dep, self.box, sizes, self.budget.per_gpu)
+        if dep.id:  # not a dry run's
+            self._booked[dep.id] = (inputs, found)
+        return dep if found == dep.booking else dep.replace(booking=found)
+
+    def _booking_inputs(self, dep: Deployment) -> tuple[Any, ...]:
+        """What ``recipes.booking`` derives a booking from, besides the box and the checkpoint."""
+        return (dep.engine, dep.model, dep.args, dep.memory_gib, dep.gpu_count, dep.gpu_ids,
+                tuple(self.budget.sizes() or ()))
+
+    def _unbooked(self) -> list[Deployment]:
+        return [dep for dep in self._deps.values() if dep.booking is None and dep.memory_gib <= 0
+                and dep.model is not None]
+
+    async def _read_missing(self) -> None:
+        """Read the checkpoints ``_book_missing`` will book from, each once for its GPUs' sizes."""
+        for dep in self._unbooked():
+            read = self._booked.get(dep.id)
+            if read is None or read[0] != self._booking_inputs(dep):
+                await self.book(dep)
 
     def _book_missing(self) -> None:
         """Derive the bookings not derived yet (the GPUs' sizes were not known). No await."""
-        for dep_id, dep in list(self._deps.items()):
-            if dep.booking is None and dep.memory_gib <= 0 and dep.model is not None:
-                self._deps[dep_id] = self.with_booking(dep)
+        for dep in self._unbooked():
+            self._deps[dep.id] = self.with_booking(dep)
 
     def ready_engines(self) -> list[tuple[int, str]]:
         return self.engines_in((State.READY,))
@@ -259,7 +296,7 @@ class Deployer:
         except BudgetError as exc:
             log.warning("cannot read the GPUs' sizes yet (%s): running engines are taken back as they are", exc)
         for row in await self.store.deployments():
-            dep = self.with_booking(Deployment.from_row(row))
+            dep = await self.book(Deployment.from_row(row))
             self._deps[dep.id] = dep
         for dep in list(self._deps.values()):
             await self._take_back(dep)
@@ -418,7 +455,7 @@ class Deployer:
 
     async def create(self, fields: dict[str, Any], *, actor: str = "admin", user: str | None = None) -> Deployment:
         row = await self.store.insert_deployment(fields)
-        dep = self.with_booking(Deployment.from_row(row))
+        dep = await self.book(Deployment.from_row(row))
         async with self.store.transaction():
             await self.store.write_event(actor=actor, user=user, deployment_id=dep.id, text=f"created ({dep.mode})")
         self._deps[dep.id] = dep
@@ -478,6 +515,8 @@ class Deployer:
         that differ. The checks and the in-memory change are one step (no await).
         Raises DeploymentBusy in another state or while its engine still runs (unless only
         ``LIVE_FIELDS`` change), NameTaken for another deployment's name."""
+        if set(changes) & _REBOOK:  # read before the step: ``update`` books from what was read
+            await self.book(self._get(dep_id).replace(**changes))
         dep = self._get(dep_id)
         if (dep.state not in EDITABLE or dep_id in self._engines) and not (changes and set(changes) <= LIVE_FIELDS):
             running = " and its engine still runs" if dep.state in EDITABLE else ""
@@ -514,6 +553,7 @@ class Deployer:
         finally:
             self._removing.discard(dep_id)
         old = self._deps.pop(dep_id, dep)
+        self._booked.pop(dep_id, None)
         self._notify(dep_id, None, old)
 
     # --- start and wake -------------------------------------------------------
@@ -535,8 +575,9 @@ class Deployer:
         if self._check_startable(dep_id) is None:
             return False
         reading = await self.budget.read(self.all(), max_age_s=reading_age_s)
+        await self._read_missing()  # the GPUs' sizes are known now (nothing to read, mostly)
         # From here to the mark, no await: the check and the move are one step.
-        self._book_missing()  # the GPUs' sizes are known now
+        self._book_missing()
         dep = self._check_startable(dep_id)
         if dep is None or (wanted is not None and not wanted()):
             return False

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
 from pathlib import Path
 
 import pytest
+from helpers import running_deployer
 
 from ondemand import checkpoint
+from ondemand.budget import Budget
 from ondemand.model import Deployment
 from ondemand.recipes import Box, booking, launch
 
@@ -169,3 +172,44 @@ def test_measured_beyond_the_booking_is_measured():
     assert d.replace(measured_gib=70.0).memory_source == "engine_default"
     m = d.replace(measured_gib=75.0)
     assert m.memory_source == "measured" and m.footprint_gib == 75.0 and not m.over_declared
+
+
+async def test_the_deployer_reads_checkpoints_in_a_thread_not_on_the_event_loop(tmp_path, store, monkeypatch):
+    # Its start-up, a creation, an edit, a dry run and a start's missing booking: each reads the
+    # headers and the config in a thread (a checkpoint on slow storage would hold up every request),
+    # and the step without an await then books what was read.
+    loop_thread, threads = threading.get_ident(), []
+    real_read = checkpoint.read
+
+    def read(*args, **kw):
+        threads.append(threading.get_ident())
+        return real_read(*args, **kw)
+    monkeypatch.setattr(checkpoint, "read", read)
+    path = str(model_dir(tmp_path / "llama"))
+    fields = dict(name="m", served_name="m", engine="vllm", model=path, memory_gib=0, gpu_count=1,
+                  mode="on_demand", state="stopped", role="model")
+    async with running_deployer(tmp_path, store) as d:
+        dep = await d.create(fields)
+        assert dep.memory_source == "checkpoint" and dep.booking.max_model_len == 32768
+        assert dep.footprint_gib == pytest.approx(expected_gib(16 * GIB, 32768), abs=0.001)
+        edited = await d.edit(dep.id, {"args": ("--max-model-len", "8192")})
+        assert edited.booking.max_model_len is None
+        assert edited.footprint_gib == pytest.approx(expected_gib(16 * GIB, 8192), abs=0.001)
+        dry = await d.book(Deployment.from_row({**fields, "name": "n", "id": 0}))
+        assert dry.memory_source == "checkpoint" and 0 not in d._booked  # a dry run keeps nothing
+        n = len(threads)
+        assert d.with_booking(edited) == edited and len(threads) == n  # the step without an await reads nothing
+    await store.insert_deployment({**fields, "name": "away", "model": "org/not-here"})
+    budget = Budget("static", 24)
+    monkeypatch.setattr(budget, "sizes", lambda: None)  # the GPUs not read yet at its start-up
+    async with running_deployer(tmp_path, store, budget=budget) as d:  # ondemand's next start
+        assert d.get(dep.id).footprint_gib == pytest.approx(edited.footprint_gib)
+        away = next(x for x in d.all() if x.name == "away")
+        assert away.booking is None and len(threads) == n + 2
+        monkeypatch.setattr(budget, "sizes", lambda: (24.0,))
+        assert not await d.admit_start(away.id, wanted=lambda: False)  # booked, then nothing starts
+        assert d.get(away.id).memory_source == "engine_default" and d.get(away.id).footprint_gib == pytest.approx(21.6)
+        assert len(threads) == n + 3
+        await d.admit_start(away.id, wanted=lambda: False)
+        assert len(threads) == n + 3  # booked now: nothing more to read
+    assert loop_thread not in threads, threads
