@@ -15,16 +15,19 @@ module (a start costs ~35 s and ~3 GiB on an idle machine), in this order:
    chunks its API server is late to send): the role chunk, the text, the finish,
    the usage chunk;
 4. the metrics sampler reading vLLM's real ``vllm:num_requests_running``;
-5. an administrator's level-1 sleep (``POST /api/deployments/{id}/sleep``: vLLM's
+5. an administrator's sleep asked while a stream runs: vLLM's own ``/sleep`` aborts what
+   its engine runs, so ondemand drains first (no new slot, the stream arrives whole, then
+   the sleep), and the next request wakes it;
+6. an administrator's level-1 sleep (``POST /api/deployments/{id}/sleep``: vLLM's
    ``/sleep?level=1``) and the wake a request makes (``/wake_up``, then the wake
    check), on the same process;
-6. the same at level 2: the wake makes vLLM's documented calls in order
+7. the same at level 2: the wake makes vLLM's documented calls in order
    (``/wake_up?tags=weights``, ``/collective_rpc`` ``reload_weights``,
    ``/wake_up?tags=kv_cache``, ``/reset_prefix_cache``), as the engine's own access
    log shows, and its wake check matches;
-7. the reaper putting it to sleep after its idle timeout, and a request waking it;
-8. asleep past ``sleep_timeout_s``, the reaper stopping it, every process of it gone;
-9. a second start whose ``--served-model-name`` override serves another name:
+8. the reaper putting it to sleep after its idle timeout, and a request waking it;
+9. asleep past ``sleep_timeout_s``, the reaper stopping it, every process of it gone;
+10. a second start whose ``--served-model-name`` override serves another name:
    the start fails with a reason naming both.
 
 vLLM on a CPU refuses ``--enable-sleep-mode`` ("Sleep mode is not supported on
@@ -43,6 +46,7 @@ Set but wrong (a setup script failed): failed, never skipped.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -339,7 +343,7 @@ async def test_sampler_reads_vllms_running_gauge(world, http):
     assert server.controller.inflight(d) == 0
 
 
-# --- 5, 6. sleep and wake ---------------------------------------------------------------
+# --- 5, 6, 7. sleep and wake ---------------------------------------------------------------
 
 async def is_sleeping(http, base: str) -> bool:
     async with http.get(base + "/is_sleeping") as r:
@@ -371,15 +375,106 @@ async def wake_seconds(server, d: int) -> float:
     raise AssertionError("no wake recorded in the events")
 
 
-async def admin_sleep(server, d: int, level: int) -> dict:
-    """``POST /api/deployments/{id}/sleep {"level": N}``, on a connection of its own (a
-    connection that carried an admin request does not carry a gateway request)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s, \
-            s.post(f"{server.url}/api/deployments/{d}/sleep", json={"level": level},
-                   headers=server.admin_headers()) as r:
+async def admin_sleep(server, d: int, level: int, drain_s: float | None = None) -> dict:
+    """``POST /api/deployments/{id}/sleep {"level": N}`` (and ``drain_s``, when given), on a
+    connection of its own (a connection that carried an admin request does not carry a
+    gateway request)."""
+    body = {"level": level} if drain_s is None else {"level": level, "drain_s": drain_s}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 + (drain_s or 0))) as s, \
+            s.post(f"{server.url}/api/deployments/{d}/sleep", json=body, headers=server.admin_headers()) as r:
         view = await r.json()
         assert r.status == 200, view
         return view
+
+
+# A stream long enough to be still running when the sleep is asked after its first tokens
+# (the tiny Llama writes a few hundred tokens a second on this CPU; the drain waits for the rest).
+DRAIN_TOKENS = 600
+
+
+async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wakes_it(world, http):
+    """vLLM's ``/sleep`` aborts the requests its engine runs (its ``mode`` "abort"), so an
+    administrator's sleep drains first (``drain_s``): asked while a stream runs, the sleep
+    waits, the stream arrives whole (every token asked for: ``ignore_eos``, its finish, its
+    ``[DONE]``), and only then does the engine sleep; the next request wakes it.
+
+    Tokens are counted by the chunks' logprobs, one entry a token: how many tokens one chunk
+    carries depends on timing (test 3), so the number of chunks does not tell."""
+    server, d = world.server, world.d
+    assert world.answer is not None and world.check is not None, "tests 1 and 2 record what a wake must repeat"
+    assert server.state(d) == "ready"
+    pid, base = server.deployer.engine(d).ref.pid, world.base
+    mark = engine_log(server).stat().st_size
+    body = chat("Tell a long story.", stream=True, max_tokens=DRAIN_TOKENS, ignore_eos=True, logprobs=True,
+                stream_options={"include_usage": True})
+    flowing = asyncio.Event()
+    ended: list[float] = []
+
+    async def read() -> bytes:
+        async with http.post(server.gw(d, "chat/completions"), json=body, headers=server.auth()) as r:
+            assert r.status == 200, await r.read()
+            raw = b""
+            async for piece in r.content.iter_any():
+                raw += piece
+                if raw.count(b"\n\n") >= 3:  # the role chunk and two of text
+                    flowing.set()
+            ended.append(time.monotonic())
+            return raw
+
+    stream = asyncio.ensure_future(read())
+    sleep: asyncio.Future | None = None
+    try:
+        await wait_for(lambda: flowing.is_set() or stream.done(), timeout=120, what="the stream's first tokens")
+        assert not stream.done(), f"the stream ended before the sleep was asked: {stream.result()[-300:]!r}"
+        t = time.monotonic()
+        sleep = asyncio.ensure_future(admin_sleep(server, d, 1, drain_s=300))
+        await wait_for(lambda: d in server.controller._drains or sleep.done(), timeout=30, interval=0.005,
+                       what="the sleep's drain")
+        assert not stream.done() and server.controller.inflight(d) == 1, (
+            "the stream had ended before the drain began: DRAIN_TOKENS too few to show anything")
+        assert server.state(d) == "ready"  # draining: not marked asleep while the stream runs
+        view = await sleep
+        slept = time.monotonic()
+        # The sleep answered once the engine's /sleep did, and the stream had ended before.
+        assert stream.done() and ended and ended[0] <= slept, "the sleep answered before the stream ended"
+        raw = await stream
+    finally:
+        for task in (stream, sleep):
+            if task is not None and not task.done():
+                task.cancel()
+    world.figures["drain: sleep asked until answered (the stream's rest, then /sleep), s"] = slept - t
+
+    events = sse_events(raw)
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    chunks = [orjson.loads(e[len(b"data: "):]) for e in events[:-1]]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"], choices[-3:]
+    tokens = sum(len((c.get("logprobs") or {}).get("content") or []) for c in choices)
+    assert tokens == DRAIN_TOKENS, (tokens, len(choices))
+    assert chunks[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS, chunks[-1]
+    assert "".join(c["delta"].get("content") or "" for c in choices)
+
+    # Then it slept, at the level asked, on the same engine.
+    dep = server.deployer.get(d)
+    assert (view["state"], view["sleep_level"]) == ("asleep", 1), view
+    assert (dep.state.value, dep.sleep_level) == ("asleep", 1)
+    assert await is_sleeping(http, base)
+    assert d not in server.controller._drains and server.controller.inflight(d) == 0
+
+    # The next request wakes it (no cold start) and is answered as test 2 was.
+    raw = await post_raw(http, server.gw(d, "chat/completions"), chat(), server.auth())
+    assert orjson.loads(raw)["choices"] == world.answer
+    assert server.state(d) == "ready" and not await is_sleeping(http, base)
+    assert server.deployer.engine(d).ref.pid == pid == engine_pid(server)
+    assert await audit(server, d, "ondemand_wake_failed") == []
+
+    async def answered():
+        posts = engine_posts(server, mark)
+        return posts if len(posts) >= 5 else None
+    # The stream (logged as its answer began), the sleep, the wake, its check, the request.
+    posts = await wait_for(answered, timeout=10, what="the chat in the engine's access log")
+    assert posts == [("/v1/chat/completions", 200), ("/sleep?level=1", 200), ("/wake_up", 200),
+                     ("/v1/completions", 200), ("/v1/chat/completions", 200)], posts
 
 
 async def sleep_then_a_request_wakes_it(world, http, level: int) -> list[tuple[str, int]]:
@@ -459,7 +554,7 @@ async def test_level_two_wake_reloads_the_weights_in_vllms_order(world, http):
                      ("/v1/chat/completions", 200)], posts
 
 
-# --- 7, 8. the reaper ---------------------------------------------------------------------
+# --- 8, 9. the reaper ---------------------------------------------------------------------
 
 async def test_the_reaper_puts_it_to_sleep_and_a_request_wakes_it(world, http):
     server, d = world.server, world.d
@@ -505,7 +600,7 @@ async def test_asleep_past_sleep_timeout_the_reaper_stops_it(world, http):
     assert server.deployer.base_url(d) is None
 
 
-# --- 9. another served name fails the start ----------------------------------------------
+# --- 10. another served name fails the start ----------------------------------------------
 
 async def test_a_mismatched_served_name_fails_the_start(world):
     server, d = world.server, world.d
