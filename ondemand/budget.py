@@ -23,6 +23,7 @@ in that on any allowed set of GPUs never will by stopping on-demand models
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -232,6 +233,11 @@ class Budget:
             proc.kill()
             await proc.wait()
             raise BudgetError(f"{self.nvidia_smi} did not answer within {NVIDIA_SMI_TIMEOUT_S} s") from None
+        except BaseException:  # cancelled (a shutdown, a deadline): the child is killed and reaped, not left running
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
         if proc.returncode != 0:
             raise BudgetError(f"{self.nvidia_smi} failed ({proc.returncode}): {err.decode(errors='replace').strip()}")
         return [[p.strip() for p in ln.split(",")] for ln in out.decode(errors="replace").splitlines() if ln.strip()]
