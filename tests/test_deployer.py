@@ -313,7 +313,9 @@ async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
         await d.restart(b)
         assert await d.stop(a, actor="admin")
         os.killpg(d._engines[b].ref.pid, 9)  # b's engine dies while it serves
-        await wait_for(lambda: d.get(b).state == "failed")
+        # Wait for the failure's change to be published, not just marked: a change carries the
+        # deployment as it is when published, so a restart between the two would show as starting.
+        await wait_for(lambda: any(c[2] is StopCause.FAILED for c in seen))
         await d.restart(b)
     assert [c for c in seen if c[2] is not None] == [
         ("ready", "stopping", StopCause.ADMIN), ("ready", "failed", StopCause.FAILED),
