@@ -28,13 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from . import __version__
-from . import keys as keys_mod
-from .accesslog import AccessLog
-from .admission import Admission
-from .backends import Backend
-from .backends.process import ProcessBackend
-from .budget import Budget
-from .components import (
+from .admin.components import (
     ACCESS_LOG,
     ADMISSION,
     BUS,
@@ -56,31 +50,37 @@ from .components import (
     TELEMETRY,
     view,
 )
+from .admin.telemetry import Telemetry
 from .config import Config
-from .controller import Controller
-from .deployer import Deployer
-from .effects import DeployerEffects
+from .control.admission import Admission
+from .control.budget import Budget
+from .control.controller import Controller
+from .control.effects import DeployerEffects
+from .control.footprint import FootprintSampler
+from .control.reaper import Reaper
+from .control.starts import StartHistory
+from .engines.backends import Backend
+from .engines.backends.process import ProcessBackend
+from .engines.deployer import Deployer
+from .engines.metrics import MetricsSampler
+from .engines.recipes import Box
 from .errors import BudgetError
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, Slept, ViewPublished, Woken
-from .exchange import Exchange
-from .footprint import FootprintSampler
-from .gateway import Gateway
+from .gateway import keys as keys_mod
+from .gateway.accesslog import AccessLog
+from .gateway.exchange import Exchange
+from .gateway.peers import PeerGuard, PeerPolicySource
+from .gateway.ratelimit import FailureLimiter
+from .gateway.routes import Gateway
 from .http.cycle import Call
 from .http.limits import Limits
 from .http.pool import Upstreams
 from .http.server import LIMITS, ROUTE, HttpServer, Route
-from .litellm import LiteLLMClient
-from .litellm_sync import LiteLLMSync
-from .metrics import MetricsSampler
+from .litellm.client import LiteLLMClient
+from .litellm.sync import LiteLLMSync
 from .model import SYNC_STATES, State
-from .peers import PeerGuard, PeerPolicySource
-from .ratelimit import FailureLimiter
-from .reaper import Reaper
-from .recipes import Box
-from .starts import StartHistory
-from .store import Store
+from .state.store import Store
 from .tasks import TaskGroup
-from .telemetry import Telemetry
 
 log = logging.getLogger("ondemand.app")
 
@@ -91,7 +91,7 @@ class StartupError(Exception):
 def make_backend(cfg: Config) -> Backend:
     if cfg.deployer.backend == "process":
         return ProcessBackend(cfg.state_dir)
-    from .backends.docker import DockerBackend
+    from .engines.backends.docker import DockerBackend
     return DockerBackend(docker_url=cfg.deployer.docker_url, network=cfg.deployer.network,
                          own_container_id=socket.gethostname(), gpus=cfg.deployer.gpus,
                          shm_size_gib=cfg.deployer.shm_size_gib, publish_host=cfg.deployer.publish_host)
@@ -145,7 +145,7 @@ def _ensure_token(path: Path) -> str:
 def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application:
     """The application: routes and middlewares now (aiohttp freezes them), the
     components in the cleanup contexts below, in start-up order."""
-    from . import admin  # the admin API's routes
+    from .admin import api as admin  # the admin API's routes
 
     # Built here, once, for both stacks; the connection caps are configuration keys.
     limits = Limits(max_connections=cfg.max_connections, max_connections_per_peer=cfg.max_connections_per_peer)

@@ -19,11 +19,12 @@ from typing import Any, NoReturn, TypeVar
 import click
 import orjson
 
-from . import __version__, adminclient
+from . import __version__
 from . import config as config_mod
+from .admin import client as adminclient
+from .engines.recipes import ENGINES, MASK, is_secret
 from .errors import ConfigError
 from .model import Deployment, IdleAction
-from .recipes import ENGINES, MASK, is_secret
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
 T = TypeVar("T")
@@ -114,8 +115,8 @@ DEMO_DEPLOYMENTS = [
 
 async def _seed_demo(cfg: config_mod.Config) -> list[str]:
     """The two on-demand demo deployments, unless they exist; and a key."""
-    from . import keys
-    from .store import Store
+    from .gateway import keys
+    from .state.store import Store
     made = []
     if keys.read_key_file(cfg.key_file) is None:
         cfg.key_file.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +174,7 @@ def key() -> None:
 
 
 def _write_new_key(cfg: config_mod.Config, must_exist: bool | None) -> str:
-    from . import keys
+    from .gateway import keys
     path = cfg.key_file
     exists = keys.read_key_file(path) is not None
     if must_exist is False and exists:
@@ -213,7 +214,7 @@ def key_rotate(ctx: Ctx, as_json: bool) -> None:
 @pass_ctx
 def key_show(ctx: Ctx, as_json: bool) -> None:
     """Print the key's fingerprint (never the key)."""
-    from . import keys
+    from .gateway import keys
     k = keys.read_key_file(ctx.cfg.key_file)
     if k is None:
         _fail(f"no key in {ctx.cfg.key_file}: run `ondemand key init`")
@@ -228,8 +229,8 @@ def key_show(ctx: Ctx, as_json: bool) -> None:
 @pass_ctx
 def migrate(ctx: Ctx, as_json: bool) -> None:
     """Apply the state file's migrations and print its schema version."""
-    from .migrations import SchemaTooNew
-    from .store import Store
+    from .state.migrations import SchemaTooNew
+    from .state.store import Store
 
     async def go() -> int:
         store = await Store.open(ctx.cfg.db_path)
@@ -329,8 +330,8 @@ def _idle_level(ctx: Ctx, view: dict[str, Any]) -> int:
     level = view.get("idle_level")
     if isinstance(level, int):
         return level
-    from . import warmth
-    from .budget import Budget
+    from .control.budget import Budget
+    from .engines import warmth
     return warmth.idle_level(Deployment.from_row(view), Budget.from_config(ctx.cfg).per_gpu)
 
 
@@ -893,7 +894,7 @@ def mode_set(ctx: Ctx, dep_id: int, new_mode: str, idle_timeout: str | None, as_
 
 
 def _warn_if_blind(view: dict[str, Any]) -> None:
-    from .metrics import BLIND_WARNING, blind
+    from .engines.metrics import BLIND_WARNING, blind
     if blind(Deployment.from_row(view)):
         click.echo(f"warning: {view['name']}: {BLIND_WARNING}", err=True)
 
@@ -973,7 +974,7 @@ def doctor(ctx: Ctx, as_json: bool) -> None:
     """Check the Docker socket, nvidia-smi, the key file, LiteLLM and the listener; and
     what the engine recipes need: the images on the Docker host, Docker's GPU runtime,
     the model cache, the token file, each deployment against the box's GPUs."""
-    from . import doctor as doctor_mod
+    from .admin import doctor as doctor_mod
     checks = _run(doctor_mod.run(ctx.cfg))
     if as_json:
         _echo_json(checks)

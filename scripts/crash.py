@@ -47,7 +47,7 @@ from soaklib import ROOT, Ondemand, sim_command, sim_processes  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from litellm_double import litellm_double  # noqa: E402
 
-from ondemand import keys  # noqa: E402
+from ondemand.gateway import keys  # noqa: E402
 
 NAMES = ("alpha", "bravo", "charlie", "delta")
 SIM_ARGS = ("--startup-delay", "0.6", "--shutdown-delay", "0.4", "--token-delay", "0.02", "--tokens", "20")

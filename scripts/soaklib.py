@@ -1,7 +1,7 @@
 """What the soak (scripts/soak.py) and the crash test (scripts/crash.py) share: a real
 `ondemand serve` process with the process backend and the engine simulator, found and
 killed through /proc, the way an operator would; nothing here reaches into ondemand's
-memory. The admin API is called over the admin socket (ondemand.adminclient, what the
+memory. The admin API is called over the admin socket (ondemand.admin.client, what the
 command line uses) and the command line itself as a child process."""
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ondemand import adminclient, config, keys  # noqa: E402
+from ondemand import config
+from ondemand.admin import client as adminclient
+from ondemand.gateway import keys  # noqa: E402
 
 
 def free_port() -> int:

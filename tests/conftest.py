@@ -19,7 +19,7 @@ except ModuleNotFoundError:
 
 from helpers import FAKES, run_app  # noqa: E402
 
-from ondemand.store import Store
+from ondemand.state.store import Store
 
 
 def pytest_configure(config):

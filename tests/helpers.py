@@ -7,9 +7,9 @@ import inspect
 import time
 from pathlib import Path
 
-from ondemand.backends.process import ProcessBackend
-from ondemand.budget import Budget
-from ondemand.deployer import Deployer
+from ondemand.control.budget import Budget
+from ondemand.engines.backends.process import ProcessBackend
+from ondemand.engines.deployer import Deployer
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = Path(__file__).resolve().parent / "fakes"
@@ -18,7 +18,7 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 async def serving(proc, cfg, what: str, log: Path, timeout: float = 30) -> None:
     """Wait until an ``ondemand serve`` child answers on its admin socket (``log``: its
     output, quoted when it exited first)."""
-    from ondemand import adminclient
+    from ondemand.admin import client as adminclient
 
     def output() -> str:
         return log.read_text(errors="replace")[-3000:]
@@ -45,7 +45,7 @@ async def terminate(proc, timeout: float = 15) -> None:
 
 async def admin_ok(cfg, method: str, path: str, body=None, who: str = ""):
     """An admin API call over the socket that must succeed; its JSON."""
-    from ondemand import adminclient
+    from ondemand.admin import client as adminclient
     status, data = await adminclient.request(cfg, method, path, body)
     assert status < 400, (who, method, path, status, data)
     return data
@@ -153,11 +153,11 @@ class Env:
 @contextlib.asynccontextmanager
 async def controller_env(tmp_path, store, capacity: float = 24, *, queue_timeout_s: float = 30,
                          max_queued: int = 256, idle_timeout_s: int = 1, **kw):
-    from ondemand.admission import Admission
-    from ondemand.controller import Controller
-    from ondemand.effects import DeployerEffects
+    from ondemand.control.admission import Admission
+    from ondemand.control.controller import Controller
+    from ondemand.control.effects import DeployerEffects
+    from ondemand.engines.metrics import MetricsSampler
     from ondemand.events import CountersChanged, DeploymentChanged, EventBus
-    from ondemand.metrics import MetricsSampler
     from ondemand.model import State
 
     bus = EventBus()
@@ -251,7 +251,8 @@ async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides)
     """Start ondemand (process backend, static budget) on 127.0.0.1 with a key and a token;
     ``limits``: the HTTP bounds (``ondemand.http.Limits``) instead of the defaults."""
     from ondemand import app as app_mod
-    from ondemand import config, keys
+    from ondemand import config
+    from ondemand.gateway import keys
     from ondemand.http.server import LIMITS, HttpServer
 
     port = int(overrides["listen"].rpartition(":")[2]) if "listen" in overrides else free_port()

@@ -7,8 +7,8 @@ import aiohttp
 import orjson
 from helpers import run_app
 
-from ondemand.accesslog import AccessLog, text_line
-from ondemand.exchange import Exchange
+from ondemand.gateway.accesslog import AccessLog, text_line
+from ondemand.gateway.exchange import Exchange
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -83,7 +83,7 @@ def test_access_log_writes_from_its_thread_and_flushes_at_close():
 def test_the_time_is_iso_8601_utc_with_milliseconds_as_datetime_would_write_it():
     import datetime
 
-    from ondemand.accesslog import _when
+    from ondemand.gateway.accesslog import _when
     for wall in (0.5, 1796057180.0, 1796057180.999, 1796057181.0425, 1796057181.0425, 1796057999.7):
         want = datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat(
             timespec="milliseconds").replace("+00:00", "Z")

@@ -10,7 +10,7 @@ import pytest
 from helpers import run_app, sim_command, two_pools, wait_for
 from litellm_double import litellm_double
 
-from ondemand import keys
+from ondemand.gateway import keys
 
 
 async def api(server, method, path, body=None, headers=None, unix=False):
@@ -341,7 +341,7 @@ async def test_litellm_sync_is_wired(tmp_path):
             entry = [m for m in double.models if m["model_name"] == "a"][0]
             assert entry["litellm_params"]["api_base"] == f"http://ondemand:8090/dgxmm/ondemand/{v['id']}/v1"
             _, host = await api(server, "GET", "/host")
-            await wait_for(lambda: server.app[__import__("ondemand.components").components.SYNC].last_ok)
+            await wait_for(lambda: server.app[__import__("ondemand.admin.components", fromlist=["SYNC"]).SYNC].last_ok)
             _, host = await api(server, "GET", "/host")
             assert host["ondemand"]["litellm_ready"] is True
             _, view = await api(server, "GET", f"/deployments/{v['id']}")
@@ -361,7 +361,7 @@ async def test_planned_deployment_is_registered_in_litellm_once_started(tmp_path
         mk = tmp_path / "master.key"
         mk.write_text("sk-m\n")
         async with run_app(tmp_path, **{"litellm.url": double.url, "litellm.master_key_file": str(mk)}) as server:
-            from ondemand import components
+            from ondemand.admin import components
             sync = server.app[components.SYNC]
             _, v = await api(server, "POST", "/deployments", new_dep("p", start=False))
             assert v["state"] == "planned"
@@ -374,7 +374,7 @@ async def test_planned_deployment_is_registered_in_litellm_once_started(tmp_path
 
 async def test_published_views_of_a_cold_start(server):
     """The view published with `starting` says starting_for_request; updated_at follows the file."""
-    from ondemand import components
+    from ondemand.admin import components
     _, v = await api(server, "POST", "/deployments", new_dep("a", command=sim_command("a", "--startup-delay", "0.3")))
     i = v["id"]
     seen = []
@@ -413,7 +413,7 @@ async def test_ui_page_is_served_without_data(server):
 
 
 async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_not_answer(server, monkeypatch):
-    from ondemand import admin
+    from ondemand.admin import api as admin
     async with two_pools() as s:
         async with s.get(f"{server.url}/healthz") as r:  # no token, no key
             assert r.status == 200 and await r.json() == {"status": "ok"}

@@ -1,4 +1,4 @@
-"""One contract for every engine backend (``ondemand/backends``: start, wait_exit, stop,
+"""One contract for every engine backend (``ondemand/engines/backends``: start, wait_exit, stop,
 remove, adopt, log_tail): the same tests, with the same assertions, against
 
 - ``process``: the process backend, each engine a child process;
@@ -25,9 +25,9 @@ import pytest
 from docker_double import DockerDouble
 from helpers import sim_command, wait_for
 
-from ondemand.backends import Backend, BackendError, Engine
-from ondemand.backends.docker import DockerBackend
-from ondemand.backends.process import ProcessBackend
+from ondemand.engines.backends import Backend, BackendError, Engine
+from ondemand.engines.backends.docker import DockerBackend
+from ondemand.engines.backends.process import ProcessBackend
 from ondemand.model import Deployment
 
 READY_S = 20.0
@@ -389,7 +389,7 @@ async def test_the_environment_mounts_and_shm_reach_the_engine(h, tmp_path):
     import json
     import subprocess
 
-    from ondemand.recipes import Mount
+    from ondemand.engines.recipes import Mount
     src = tmp_path / "models"
     src.mkdir()
     (src / "weights.txt").write_text("the weights\n")

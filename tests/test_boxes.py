@@ -16,8 +16,9 @@ import pytest
 from helpers import ROOT, admin_ok, free_port, serving, sim_command, terminate, wait_for
 from litellm_double import litellm_double
 
-from ondemand import config, keys
-from ondemand.litellm import entry_instance, entry_owned, ondemand_entry
+from ondemand import config
+from ondemand.gateway import keys
+from ondemand.litellm.client import entry_instance, entry_owned, ondemand_entry
 
 MASTER = "sk-master"
 

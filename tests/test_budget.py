@@ -2,7 +2,7 @@
 from a reading (BEHAVIOUR.md, "Deployer and memory budget", "GPU placement")."""
 import pytest
 
-from ondemand.budget import Budget, Gpu, Reading
+from ondemand.control.budget import Budget, Gpu, Reading
 from ondemand.errors import BudgetError, InsufficientMemory
 from ondemand.model import Deployment, Mode, Role, State
 
@@ -255,7 +255,7 @@ def test_a_sleeper_nothing_was_read_of_holds_the_static_default_residue_per_gpu(
 
 
 def test_the_residue_after_the_drop_across_the_sleep_call():
-    from ondemand.budget import residue_after_drop
+    from ondemand.control.budget import residue_after_drop
     # Held 40 on GPU 0 (booked); the sleep freed 37 there: it keeps 3. Another GPU's change is not its own.
     assert residue_after_drop(40, [0], (50.0, 10.0), (13.0, 30.0)) == pytest.approx(3)
     # Two GPUs, 20 each: one freed 18, the other all (and more, someone else's too): 2 + 0.
@@ -269,7 +269,7 @@ async def test_a_static_per_gpu_share_is_of_the_physical_total_when_nvidia_smi_r
     b = Budget("static", gpu_capacity_gib=[70, 70], nvidia_smi=fake_nvidia_smi("81920, 0", "81920, 0"))
     assert await b.box_sizes() == (80.0, 80.0)
     assert [p.capacity for p in b.snapshot_of(await b.read([]), []).pools] == [70, 70]  # what it may use stands
-    from ondemand.recipes import share
+    from ondemand.engines.recipes import share
     assert share(40, 1, b.sizes()[0]) == 0.5  # 40 of the physical 80, not of the declared 70
 
 

@@ -1,5 +1,5 @@
 """Bookings that match the engine (issue 29): a recipe without ``memory_gib`` is booked its
-checkpoint's weights and KV cache when the checkpoint can be read here (ondemand/checkpoint.py,
+checkpoint's weights and KV cache when the checkpoint can be read here (ondemand/engines/checkpoint.py,
 ``recipes.booking``), else the engine's default share of each GPU, passed explicitly."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import running_deployer
 
-from ondemand import checkpoint
-from ondemand.budget import Budget
+from ondemand.control.budget import Budget
+from ondemand.engines import checkpoint
+from ondemand.engines.recipes import Box, booking, launch
 from ondemand.model import Deployment
-from ondemand.recipes import Box, booking, launch
 
 GIB = 2**30
 # A Llama-like config: 32 layers, 8 KV heads of 128 (4096 / 32), bfloat16, 131072 tokens.
@@ -131,7 +131,7 @@ def test_a_broken_header_falls_back_to_the_engine_default_with_a_warning(tmp_pat
     path = model_dir(tmp_path / "broken")
     with open(path / "model.safetensors", "r+b") as f:
         f.write(struct.pack("<Q", 200_000_000))  # beyond the format's 100 MB bound
-    with caplog.at_level(logging.WARNING, logger="ondemand.recipes"):
+    with caplog.at_level(logging.WARNING, logger="ondemand.engines.recipes"):
         d = booked(dep(model=str(path)))
     assert d.memory_source == "engine_default" and d.footprint_gib == pytest.approx(72.0)
     assert "cannot size the checkpoint" in caplog.text
@@ -142,7 +142,7 @@ def test_a_broken_header_falls_back_to_the_engine_default_with_a_warning(tmp_pat
     safetensors(path / "model.safetensors", {"a": 10})
     (path / "config.json").write_text("{\"num_hidden_layers\": 2}")  # no heads
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="ondemand.recipes"):
+    with caplog.at_level(logging.WARNING, logger="ondemand.engines.recipes"):
         assert booked(dep(model=str(path))).memory_source == "engine_default"
     assert "num_attention_heads" in caplog.text
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from ondemand import warmth
-from ondemand.controller import BACKOFF_FIRST_S, BACKOFF_MAX_S, Controller, Phase
+from ondemand.control.controller import BACKOFF_FIRST_S, BACKOFF_MAX_S, Controller, Phase
+from ondemand.control.eviction import Candidate, pick_victims
+from ondemand.control.placement import Fit
+from ondemand.control.queue import WaitQueue
+from ondemand.engines import warmth
 from ondemand.errors import InsufficientMemory, OndemandError
-from ondemand.eviction import Candidate, pick_victims
 from ondemand.model import Deployment, Mode, Priority, Role, State
-from ondemand.placement import Fit
-from ondemand.queue import WaitQueue
 
 
 class Clock:

@@ -186,8 +186,8 @@ async def test_all_victims_not_enough_stops_none(tmp_path, store):
 async def test_queue_order_and_reservation(tmp_path, store, fake_nvidia_smi):
     """Memory freed for the head is reserved for it: a later entry that fits
     in what is free now, but not beside the reservation, must wait."""
-    from ondemand.budget import Budget
-    from ondemand.queue import WaitQueue
+    from ondemand.control.budget import Budget
+    from ondemand.control.queue import WaitQueue
     q = WaitQueue()
     assert q.add(2, 5.0) and q.add(1, 3.0) and not q.add(2, 1.0)
     assert q.ids() == [1, 2] and q.head() == 1
@@ -353,7 +353,7 @@ async def test_switch_of_a_ready_one_just_stores(tmp_path, store):
 
 
 async def test_reaper_and_idle_timer(tmp_path, store):
-    from ondemand.reaper import Reaper
+    from ondemand.control.reaper import Reaper
     async with controller_env(tmp_path, store) as env:
         c = env.controller
         a = await env.add("a", 10, idle_timeout_s=1)
@@ -397,7 +397,7 @@ async def test_hang_up_while_queued_removes_the_entry(tmp_path, store):
 
 def held_budget(release: asyncio.Event):
     """A static budget whose reading waits for ``release`` (an admit held in its one await)."""
-    from ondemand.budget import Budget
+    from ondemand.control.budget import Budget
 
     class HeldBudget(Budget):
         async def measure(self):
@@ -532,7 +532,7 @@ async def test_a_wake_that_fails_starts_the_engine_cold_and_is_no_failed_start(t
 
 async def test_background_wake_without_memory_queues(tmp_path, store, fake_nvidia_smi):
     """Asleep, its weights left the GPU; others took the memory: the wake queues."""
-    from ondemand.budget import Budget
+    from ondemand.control.budget import Budget
     smi = fake_nvidia_smi("24576, 4096")
     async with controller_env(tmp_path, store, budget=Budget("nvidia-smi", nvidia_smi=smi),
                               queue_timeout_s=3) as env:  # the wake after it needs room under load
@@ -615,7 +615,7 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
 async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path, store):
     """Cancelling the effects (shutdown) while an admit reads the budget reports back: the
     attempt is idle again, nothing was marked starting, and the waiter can still leave."""
-    from ondemand.controller import Phase
+    from ondemand.control.controller import Phase
     release = asyncio.Event()
     async with controller_env(tmp_path, store, budget=held_budget(release)) as env:
         a = await env.add("a")

@@ -5,7 +5,7 @@ import os
 import pytest
 from helpers import dep_fields, running_deployer, wait_for
 
-from ondemand.deployer import StartFailed, StartInterrupted
+from ondemand.engines.deployer import StartFailed, StartInterrupted
 from ondemand.errors import DeployerError, InsufficientMemory
 
 
@@ -112,7 +112,7 @@ async def test_watchdog_kills_an_engine_that_stops_answering_and_its_streams_end
 async def test_a_start_is_polled_quickly_and_holds_one_change_future(tmp_path, store):
     """Readiness is asked for every 20 ms at first, then every 50 ms; a long start keeps one
     future for the deployment's next change, not one per poll."""
-    from ondemand.deployer import ready_poll_s
+    from ondemand.engines.deployer import ready_poll_s
     assert ready_poll_s(0.0) == 0.02 and ready_poll_s(1.9) == 0.02 and ready_poll_s(2.0) == 0.05
     assert ready_poll_s(3600) == 0.05
     async with running_deployer(tmp_path, store) as d:
@@ -234,7 +234,7 @@ async def test_starts_pass_the_gate_one_at_a_time(tmp_path, store):
 async def test_starts_on_other_gpus_do_not_wait_for_each_other(tmp_path, store):
     """The gate is per GPU: two starts on two GPUs run together; two that share a GPU still
     go one at a time; an engine with no GPU passes no gate."""
-    from ondemand.budget import Budget
+    from ondemand.control.budget import Budget
     budget = Budget("static", gpu_capacity_gib=(80, 80))
     async with running_deployer(tmp_path, store, budget=budget) as d:
         # (Best fit would put both on GPU 0: the pins put them on one GPU each.)
@@ -357,12 +357,16 @@ async def test_always_on_engines_lost_with_ondemand_start_again_and_a_stop_stays
             assert (d.get(a).state, d.get(a).mode, d.get(a).pending_mode) == ("ready", "always_on", None)
             assert d.get(b).state == "stopped" and d.get(c).state == "stopped"
             if restart == "after a clean shutdown":
-                pid = d._engines[a].ref.pid
+                abandoned = d._engines[a].ref  # the "dead" ondemand's child process
+                pid = abandoned.pid
                 _as_if_ondemand_died(d)
         if restart == "after a clean shutdown":
             os.kill(pid, 0)  # left running by the "dead" ondemand
             row = await store.deployment(a)
             assert (row["state"], row["pending_mode"]) == ("ready", None)
+    # The next ondemand killed it; reaping it here closes its pipes before the test's loop does
+    # (else their finalizer runs on a closed loop, in whichever test comes next).
+    assert await asyncio.wait_for(abandoned.wait(), 10) is not None
     texts = [e["text"] for e in await store.events(a)]
     assert "engine gone after ondemand restarted; it will be started again" in texts
     assert texts.count("starting again after ondemand restarted") == 2
@@ -474,9 +478,9 @@ async def test_a_container_removed_while_ondemand_was_down_is_made_again(tmp_pat
     restarted); one removed while ondemand was down is made again and becomes ready."""
     from docker_double import DockerDouble
 
-    from ondemand.backends.docker import DockerBackend
-    from ondemand.budget import Budget
-    from ondemand.deployer import Deployer
+    from ondemand.control.budget import Budget
+    from ondemand.engines.backends.docker import DockerBackend
+    from ondemand.engines.deployer import Deployer
 
     image, network = "ondemand-sim-engine:latest", "ondemand-test"
     double = DockerDouble()
@@ -523,9 +527,9 @@ async def test_a_sleeper_outlives_a_crash_of_ondemand_and_is_woken_not_orphaned(
     sleep's level) wakes it again at start-up, since an asleep vLLM answers /health all the same."""
     from docker_double import DockerDouble
 
-    from ondemand.backends.docker import DockerBackend
-    from ondemand.budget import Budget
-    from ondemand.deployer import Deployer
+    from ondemand.control.budget import Budget
+    from ondemand.engines.backends.docker import DockerBackend
+    from ondemand.engines.deployer import Deployer
 
     image, network = "ondemand-sim-engine:latest", "ondemand-test"
     double = DockerDouble()

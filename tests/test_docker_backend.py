@@ -18,8 +18,8 @@ import pytest
 from docker_real import IMAGE, RUN, containers_named, deployment, inspect
 from docker_real import docker as _docker
 
-from ondemand.backends import BackendError
-from ondemand.backends.docker import LABEL_HASH, LABEL_ID, LABEL_MANAGED, LABEL_NAME, DockerBackend
+from ondemand.engines.backends import BackendError
+from ondemand.engines.backends.docker import LABEL_HASH, LABEL_ID, LABEL_MANAGED, LABEL_NAME, DockerBackend
 
 pytestmark = pytest.mark.docker
 
@@ -200,8 +200,8 @@ async def test_device_ids_reach_docker(docker_env, backends):
     the device request with exactly those IDs (starting it needs the NVIDIA runtime: where
     there is none, start says so and leaves nothing). With gpu_count 0 it asks for no GPU
     and starts anywhere."""
-    from ondemand import dockerapi
-    from ondemand.backends.docker import container_name
+    from ondemand.engines import dockerapi
+    from ondemand.engines.backends.docker import container_name
     backend = backends(gpus=True)
     dep = deployment(docker_env, gpu_count=2, gpus=[2, 5])
     config = await backend._container_config(dep, backend.as_given(dep), IMAGE)
@@ -263,9 +263,9 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
     """The deployer over the docker backend: a start through the start-up gate, and an
     ondemand restart that finds the container running and adopts it instead of starting
     a second one."""
-    from ondemand.budget import Budget
-    from ondemand.deployer import Deployer
-    from ondemand.store import Store
+    from ondemand.control.budget import Budget
+    from ondemand.engines.deployer import Deployer
+    from ondemand.state.store import Store
 
     store = await Store.open(tmp_path / "ondemand.db")
     try:

@@ -15,9 +15,9 @@ import pytest
 from docker_real import containers_named, deployment
 from helpers import ROOT, wait_for
 
-from ondemand.backends.docker import DockerBackend, container_name
-from ondemand.budget import Budget
-from ondemand.deployer import Deployer
+from ondemand.control.budget import Budget
+from ondemand.engines.backends.docker import DockerBackend, container_name
+from ondemand.engines.deployer import Deployer
 
 pytestmark = pytest.mark.docker
 PID_FILE = pathlib.Path("/var/run/docker.pid")

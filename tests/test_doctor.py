@@ -9,7 +9,8 @@ import os
 import pytest
 from docker_double import DockerDouble
 
-from ondemand import config, doctor
+from ondemand import config
+from ondemand.admin import doctor
 
 
 def make_cfg(tmp_path, **overrides):

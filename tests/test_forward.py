@@ -1,4 +1,4 @@
-"""The engine connection pool (ondemand.forward) against real loopback servers: raw asyncio
+"""The engine connection pool (ondemand.http.forward) against real loopback servers: raw asyncio
 engine doubles that count their connections and answer exactly as each test scripts."""
 import asyncio
 import contextlib
@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from helpers import wait_for
 
-from ondemand.forward import request_lines, response_lines
 from ondemand.http import pool as forward
+from ondemand.http.forward import request_lines, response_lines
 from ondemand.http.pool import PayloadError, UpstreamError, Upstreams
 
 JSON = b"Content-Type: application/json\r\n"  # the pool takes the header lines, encoded (forward.request_lines)
@@ -855,12 +855,12 @@ class _Out:
 def _gateway():
     from types import SimpleNamespace
 
-    from ondemand.gateway import Gateway
+    from ondemand.gateway.routes import Gateway
     return SimpleNamespace(_upstream_failed=lambda call, started, why: Gateway._upstream_failed(None, call, started, why))
 
 
 async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
-    from ondemand.gateway import Gateway
+    from ondemand.gateway.routes import Gateway
     err = b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
 
     async def answer(req, writer):
@@ -884,7 +884,7 @@ async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
 
 
 async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_error(ups):
-    from ondemand.gateway import Gateway
+    from ondemand.gateway.routes import Gateway
 
     async def answer(req, writer):
         writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\npartial")
@@ -916,7 +916,7 @@ async def test_the_engines_own_request_id_is_replaced_not_duplicated(tmp_path):
 
 
 def test_the_remembered_header_lines_are_bounded():
-    from ondemand import forward as rule
+    from ondemand.http import forward as rule
     for i in range(rule.CACHE_MAX + 10):
         assert request_lines([(b"X-Call", b"%d" % i)], "r").startswith(b"X-Call: %d\r\n" % i)
     assert 0 < len(rule._REQUEST.seen) <= rule.CACHE_MAX

@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ondemand.errors import OndemandError
-from ondemand.gateway import TRAFFIC, _route
+from ondemand.gateway.paths import rebuild, split_checked
+from ondemand.gateway.routes import TRAFFIC, _route
 from ondemand.http.limits import Limits
-from ondemand.paths import rebuild, split_checked
 
 MAX_LINE_SIZE = Limits().max_line_size
 

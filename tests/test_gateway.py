@@ -13,7 +13,7 @@ import orjson
 import pytest
 from helpers import two_pools, wait_for
 
-from ondemand import keys
+from ondemand.gateway import keys
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 

@@ -217,7 +217,7 @@ async def test_seeded_simulation_never_overfills_a_gpu(fake_nvidia_smi, server, 
 
 
 async def test_the_process_backend_shows_the_engine_only_its_gpus(fake_nvidia_smi, tmp_path):
-    from ondemand.backends.process import ProcessBackend
+    from ondemand.engines.backends.process import ProcessBackend
     from ondemand.model import Deployment
     box(fake_nvidia_smi)
     backend = ProcessBackend(tmp_path)
@@ -246,7 +246,7 @@ async def test_the_docker_backend_sends_the_device_ids(fake_nvidia_smi, tmp_path
     with exactly the chosen GPUs, and the engine (a host process there) uses only those."""
     from docker_double import DockerDouble
 
-    from ondemand.backends.docker import DockerBackend
+    from ondemand.engines.backends.docker import DockerBackend
     from ondemand.model import Deployment
     box(fake_nvidia_smi)
     double = DockerDouble()

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from ondemand.keys import KeyWatcher, fingerprint, generate_key, read_key_file, write_key_file
+from ondemand.gateway.keys import KeyWatcher, fingerprint, generate_key, read_key_file, write_key_file
 
 
 class Clock:
@@ -114,7 +114,7 @@ def test_watcher_stats_at_most_once_a_second(tmp_path, monkeypatch):
             stats.append(clock.t)
         return real_stat(p, *a, **kw)
 
-    import ondemand.keys as keys_mod
+    import ondemand.gateway.keys as keys_mod
     real_read = keys_mod.read_key_file
 
     def spy_read(p):
@@ -164,7 +164,7 @@ def test_watcher_rereads_on_same_size_rewrite_with_new_mtime(tmp_path):
 
 
 def test_missing_or_empty_file_fails_closed_and_logs_once(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="ondemand.keys")
+    caplog.set_level(logging.INFO, logger="ondemand.gateway.keys")
     path = tmp_path / "k"
     clock = Clock()
     changes = []
@@ -202,7 +202,7 @@ def test_missing_or_empty_file_fails_closed_and_logs_once(tmp_path, caplog):
 
 def test_unreadable_file_is_retried(tmp_path, monkeypatch):
     # A chmod changes no mtime: a file that was there but unreadable is re-read every second.
-    import ondemand.keys as keys_mod
+    import ondemand.gateway.keys as keys_mod
     path = tmp_path / "k"
     write_key_file(path, "key-a")
     monkeypatch.setattr(keys_mod, "read_key_file", lambda p: None)  # as if EACCES

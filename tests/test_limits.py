@@ -23,7 +23,8 @@ import orjson
 import pytest
 from helpers import ROOT, admin_ok, free_port, serving, sim_command, terminate, wait_for
 
-from ondemand import config, keys
+from ondemand import config
+from ondemand.gateway import keys
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import wait_for
 from litellm_double import litellm_double
 
-from ondemand.litellm import (
+from ondemand.litellm.client import (
     ORDER_ASLEEP,
     ORDER_COLD,
     ORDER_READY,
@@ -27,7 +27,7 @@ from ondemand.litellm import (
     params_fingerprint,
     warmth_order,
 )
-from ondemand.litellm_sync import LiteLLMSync
+from ondemand.litellm.sync import LiteLLMSync
 from ondemand.model import State
 
 MASTER = "sk-master"

@@ -134,7 +134,7 @@ class Timeline:
         self.server = server
         self.dep_id = dep_id
         self.events: list[tuple[float, str, str]] = []
-        from ondemand import components
+        from ondemand.admin import components
         from ondemand.events import DeploymentChanged
         server.app[components.BUS].subscribe(DeploymentChanged, self._on_change)
 

@@ -2,7 +2,7 @@ import logging
 
 from aiohttp import web
 
-from ondemand.metrics import MetricsSampler, parse
+from ondemand.engines.metrics import MetricsSampler, parse
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -60,7 +60,7 @@ async def test_engine_without_gauges_is_never_idle_and_says_so_once(caplog):
     runner, url = await serve(lambda r: web.Response(status=501, text="metrics not enabled"))
     sampler = MetricsSampler(lambda: [(7, url)])
     try:
-        with caplog.at_level(logging.WARNING, logger="ondemand.metrics"):
+        with caplog.at_level(logging.WARNING, logger="ondemand.engines.metrics"):
             for _ in range(3):
                 await sampler.sample_once()
         assert not sampler.idle(7)

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from ondemand import notice
+from ondemand.gateway import notice
 
 CHAT = {"model": "M", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -9,7 +9,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from ondemand.errors import OndemandError
-from ondemand.paths import _folds_to_bad, rebuild, split_checked
+from ondemand.gateway.paths import _folds_to_bad, rebuild, split_checked
 
 PREFIX = "/dgxmm/ondemand"
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from ondemand.errors import ConfigError
-from ondemand.peers import (
+from ondemand.gateway.peers import (
     AttachedNetwork,
     PeerGuard,
     PeerPolicy,
@@ -300,7 +300,7 @@ async def test_docker_failure_after_success_keeps_the_previous_policy(caplog):
         await src.refresh()
         good = src.policy
         d.fail_status = 500
-        caplog.set_level(logging.WARNING, logger="ondemand.peers")
+        caplog.set_level(logging.WARNING, logger="ondemand.gateway.peers")
         for _ in range(3):
             assert await src.refresh() is good
         assert src.allows("172.18.0.2")
@@ -311,7 +311,7 @@ async def test_docker_failure_after_success_keeps_the_previous_policy(caplog):
 
 
 async def test_one_warning_per_distinct_policy(caplog):
-    caplog.set_level(logging.INFO, logger="ondemand.peers")
+    caplog.set_level(logging.INFO, logger="ondemand.gateway.peers")
     d, cid = _double()
     async with d as sock:
         src = PeerPolicySource(["172.18.0.0/16"], container_id_hint=cid, docker_url=f"unix://{sock}",
@@ -336,7 +336,7 @@ async def test_one_warning_per_distinct_policy(caplog):
 
 
 async def test_auto_outside_docker_warns_once(caplog):
-    caplog.set_level(logging.WARNING, logger="ondemand.peers")
+    caplog.set_level(logging.WARNING, logger="ondemand.gateway.peers")
     src = PeerPolicySource("auto", proc_dir=None)
     for _ in range(4):
         await src.refresh()

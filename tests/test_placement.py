@@ -5,7 +5,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ondemand.placement import can_ever_fit, choose, share
+from ondemand.control.placement import can_ever_fit, choose, share
 
 EIGHT = [80.0] * 8
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ondemand.ratelimit import FailureLimiter
+from ondemand.gateway.ratelimit import FailureLimiter
 
 
 class Clock:

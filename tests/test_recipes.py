@@ -1,4 +1,4 @@
-"""Engine recipes (ondemand/recipes.py): the command line, environment and mounts an engine
+"""Engine recipes (ondemand/engines/recipes.py): the command line, environment and mounts an engine
 runs with, derived from the deployment and the box; the checks of an admin's fields; and,
 end to end, a recipe deployment on the engine simulator through a running ondemand."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from helpers import run_app, wait_for
 
-from ondemand import recipes
+from ondemand.engines import recipes
+from ondemand.engines.recipes import Box, FieldError, Mount, launch, share
 from ondemand.model import Deployment
-from ondemand.recipes import Box, FieldError, Mount, launch, share
 
 DOCKER = Box(backend="docker", images={"vllm": "vllm/vllm-openai:v1", "sglang": "lmsysorg/sglang:v2",
                                         "llamacpp": "ghcr.io/ggml-org/llama.cpp:server-cuda"})

@@ -3,7 +3,7 @@ returned on every answer of the gateway."""
 import aiohttp
 
 from ondemand import app as app_mod
-from ondemand.exchange import request_id, valid_id
+from ondemand.gateway.exchange import request_id, valid_id
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 

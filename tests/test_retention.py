@@ -87,7 +87,7 @@ async def test_a_backlog_is_deleted_in_several_short_passes(store, monkeypatch):
 async def test_the_server_runs_retention(tmp_path, monkeypatch):
     from helpers import run_app
 
-    from ondemand.components import STORE
+    from ondemand.admin.components import STORE
     monkeypatch.setattr(app_mod, "RETENTION_FIRST_S", 0.05)
     async with run_app(tmp_path, retention_days=2) as server:
         store = server.app[STORE]

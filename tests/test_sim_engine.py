@@ -425,8 +425,8 @@ def test_it_takes_the_flags_the_recipes_write_and_refuses_others():
     """The simulator stands in for the engines a recipe starts: their flags as
     recipes.launch writes them are accepted, the served name is vLLM's
     (--served-model-name, else the model), and an unknown flag exits 2 as vLLM does."""
+    from ondemand.engines.recipes import Box, launch
     from ondemand.model import Deployment
-    from ondemand.recipes import Box, launch
     for engine, model in (("vllm", "org/m"), ("sglang", "org/m"), ("llamacpp", "/srv/m.gguf")):
         dep = Deployment(id=1, name="d", served_name="served", engine=engine, model=model, memory_gib=8, gpu_count=2)
         argv = launch(dep, Box(backend="process", commands={engine: ()}), gpu_size_gib=80).args

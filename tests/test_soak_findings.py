@@ -7,7 +7,7 @@ import logging
 import aiohttp
 from helpers import dep_fields, running_deployer
 
-from ondemand import gateway
+from ondemand.gateway import routes as gateway
 from ondemand.http.body import Body
 from ondemand.model import Mode, State
 
@@ -52,7 +52,7 @@ async def test_a_switch_to_always_on_cut_by_a_crash_is_not_left_pending(tmp_path
     such a switch is cleared (as a refused start clears it): the deployment is on demand."""
     row = await store.insert_deployment(dep_fields("a", 10, "on_demand", state="stopped"))
     await store.update_deployment(row["id"], pending_mode=Mode.ALWAYS_ON)
-    caplog.set_level(logging.INFO, "ondemand.deployer")
+    caplog.set_level(logging.INFO, "ondemand.engines.deployer")
     async with running_deployer(tmp_path, store) as d:
         dep = d.get(row["id"])
         assert dep.state is State.STOPPED and dep.mode is Mode.ON_DEMAND and dep.pending_mode is None

@@ -1,4 +1,4 @@
-"""Start history (ondemand/starts.py): durations from the bus's DeploymentChanged, the
+"""Start history (ondemand/control/starts.py): durations from the bus's DeploymentChanged, the
 deployment view's last_start_s and start_eta_s, the state file's `starts` table
 (migration 4), and the ETA in the queued notice."""
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from helpers import wait_for
 
-from ondemand import migrations, notice
+from ondemand.control.starts import ETA_OF, StartHistory
+from ondemand.gateway import notice
 from ondemand.model import Deployment, State
-from ondemand.starts import ETA_OF, StartHistory
+from ondemand.state import migrations
 
 
 def dep(state: State, at: float, **kw) -> Deployment:

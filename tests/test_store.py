@@ -4,8 +4,8 @@ import sqlite3
 import aiosqlite
 import pytest
 
-from ondemand import migrations
-from ondemand.store import Store
+from ondemand.state import migrations
+from ondemand.state.store import Store
 
 
 async def test_fresh_file_is_wal_at_latest_version(tmp_path):

@@ -8,7 +8,7 @@ from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ondemand import app as app_mod
-from ondemand.telemetry import START_BUCKETS
+from ondemand.admin.telemetry import START_BUCKETS
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -159,7 +159,7 @@ async def test_gpu_memory_is_read_in_the_background_and_a_failure_forgets_it(ser
 
 
 def test_a_failing_gpu_memory_leaves_the_scrape_whole():
-    from ondemand.telemetry import Telemetry
+    from ondemand.admin.telemetry import Telemetry
 
     def broken():
         raise RuntimeError("no budget")

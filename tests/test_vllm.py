@@ -60,8 +60,8 @@ import pytest
 import pytest_asyncio
 from helpers import run_app, wait_for
 
-from ondemand import warmth
-from ondemand.deployer import StartFailed
+from ondemand.engines import warmth
+from ondemand.engines.deployer import StartFailed
 
 NAME = SERVED = "tiny"
 IDLE_S = 8  # the deployment's idle timeout: longer than any pause between two steps below

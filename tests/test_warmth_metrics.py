@@ -14,8 +14,8 @@ from helpers import FAKES, ROOT, wait_for
 from test_telemetry import GIB, scrape, v
 
 from ondemand import app as app_mod
+from ondemand.admin.telemetry import WAKE_BUCKETS
 from ondemand.events import Slept, StopCause, Woken
-from ondemand.telemetry import WAKE_BUCKETS
 
 pytestmark = pytest.mark.server(reap_interval_s=3600, **{"budget.host_reserve_gib": 0,
                                                          "budget.meminfo_path": str(FAKES / "meminfo")})

@@ -1,0 +1,997 @@
+"""The controller's decision core: slots, waiters, the wait queue, make-room,
+start failures, mode switches, the idle rule and the live counters.
+
+Every method here is a plain ``def``: no await, no I/O. On one event loop a
+method without an await is atomic, so the core needs no lock: each decision
+reads the in-memory state and acts on it in one step. What it decides is
+done through ``Effects`` (start, stop, wait for memory, audit, publish,
+timers), one narrow interface: the real one (``effects.py``) runs each
+effect as a named task and reports the result back by calling one of the
+``on_*`` methods below, which decide the next step. Tests drive the same
+methods with a fake clock and a recording fake of ``Effects``.
+
+Per deployment with waiters, one *attempt* moves through phases:
+
+    idle ──admit──▶ admitting ──refused, head, victims──▶ stopping victims
+      ▲                 │ started                              │ freed
+      │                 ▼                                      ▼
+      └──────────── (the start runs; ready / failed      settling (memory
+                     / stopped arrive as changes)         to show as free)
+
+At most one effect of an attempt is out at a time, so a burst of first
+requests starts the model once, and a waiter that hangs up never cancels an
+effect half-way (its task is not the waiter's).
+
+Invariants (each has a test that races it):
+- a slot is counted only when a waiter takes it, for state ``ready``, in the
+  same step as the read (``take``);
+- a stop by the controller goes through the deployer with ``is_idle`` as its
+  precheck, run in the same step as marking ``stopping``: a slot and a stop
+  never interleave;
+- a start is asked for only while someone waits, and the deployer asks again
+  (``wanted``) in the step that marks ``starting``;
+- only the head of the queue makes room; memory freed for it is held for it
+  until it starts or gives up (or for a head of higher priority that took
+  its place);
+- a victim is never of higher priority than the request it is stopped for;
+- a slot beyond ``max_inflight`` is refused (429) in the same step as the
+  count is read, so no two requests can both take the last one;
+- every waiter leaves through ``leave``: counts never drift, and the queue
+  entry of a deployment nobody waits for goes at once, its hold with it.
+Nothing is persisted: after a restart every deployment waits a full idle
+timeout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..errors import InsufficientMemory, OndemandError
+from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, Mode, Role, State
+from .eviction import Candidate, pick_victims
+from .placement import Fit, asleep_held, holdings
+from .queue import WaitQueue
+
+log = logging.getLogger("ondemand.control.controller")
+
+ACTOR = "ondemand"
+BACKOFF_FIRST_S = 60.0
+BACKOFF_MAX_S = 900.0
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Effects(Protocol):
+    """The core's whole window onto the world: reads of the deployer's state, and
+    actions that run in the background and report back through ``on_*``."""
+
+    def deployment(self, dep_id: int) -> Deployment | None: ...
+
+    def deployments(self) -> list[Deployment]: ...
+
+    def engine_idle(self, dep_id: int) -> bool:
+        """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
+
+    def idle_level(self, dep: Deployment) -> int:
+        """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
+
+    def admit(self, dep_id: int, *, text: str) -> None:
+        """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
+        step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or
+        ``on_start_error``."""
+
+    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        """Put ``dep_id`` to sleep at its idle level if ``is_idle`` still approves it (the host
+        reserve may make it level 2, or a stop); reports ``on_stopped``."""
+
+    def settle(self, dep_id: int, within_s: float) -> None:
+        """Wait until ``dep_id`` fits (the freed memory reads as free on its GPUs), or
+        ``within_s``; reports ``on_settled``."""
+
+    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None: ...
+
+    def counters_changed(self, dep_id: int) -> None: ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer: ...
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ADMITTING = "admitting"
+    STOPPING = "stopping victims"
+    SETTLING = "settling"
+
+
+class Slot:
+    """A granted slot; ``release()`` is idempotent, so a double release cannot drift the count."""
+    __slots__ = ("_controller", "dep_id", "_released")
+
+    def __init__(self, controller: Controller, dep_id: int):
+        self._controller = controller
+        self.dep_id = dep_id
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._controller.release(self.dep_id)
+
+    async def __aenter__(self) -> Slot:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Waiter:
+    """One request waiting for a slot. ``notify`` wakes its task (set by whoever waits)."""
+    __slots__ = ("dep_id", "arrival", "deadline", "on_queued", "notify", "notified", "verdict")
+
+    def __init__(self, dep_id: int, arrival: float, deadline: float,
+                 on_queued: Callable[[], None] | None, notify: Callable[[], None]):
+        self.dep_id = dep_id
+        self.arrival = arrival
+        self.deadline = deadline
+        self.on_queued = on_queued
+        self.notify = notify
+        self.notified = False  # the queued notice went out
+        self.verdict: OndemandError | None = None
+
+
+@dataclasses.dataclass
+class _DepWait:
+    waiters: list[Waiter] = dataclasses.field(default_factory=list)
+    phase: Phase = Phase.IDLE
+    starting_for_request: bool = False
+    stopped_victim: bool = False  # this attempt stopped a victim: no does_not_fit now
+    # Its waiters were told they are queued (make-room's victims do not free enough, or it waits
+    # behind the head): a request that joins it while queued is told at once.
+    told: bool = False
+    victims: set[int] = dataclasses.field(default_factory=set)  # stops out for this attempt
+    # What each victim frees on the GPU set chosen for this attempt: held for it once stopped.
+    frees: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
+    freed: float = 0.0
+
+
+@dataclasses.dataclass
+class _Backoff:
+    until: float
+    delay: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ModePlan:
+    """What a mode switch changes, decided in one step (``plan_mode``)."""
+    fields: dict[str, Any]
+    start: bool
+    text: str
+    detail: dict[str, Any]
+
+
+def _does_not_fit(dep: Deployment, fit: Fit, capacity: float) -> OndemandError:
+    if fit.per_gpu and fit.count > len(fit.ondemand):
+        return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.count} GPUs (gpu_count), "
+                                                  f"but this box has {len(fit.ondemand)}")
+    if not fit.per_gpu:
+        where = f"the {capacity:g} GiB that on-demand models can ever use here"
+    else:
+        best = max(fit.ondemand, default=0.0)
+        where = (f"what on-demand models can ever use on this box's {len(fit.ondemand)} GPUs "
+                 f"(at most {best:g} GiB on one GPU)")
+    return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.describe()}, more than {where}")
+
+
+def _shutting_down() -> OndemandError:
+    return OndemandError(503, "ondemand_shutting_down", "ondemand is shutting down; send the request again",
+                         headers={"Retry-After": "10"})
+
+
+def _busy(dep: Deployment) -> OndemandError:
+    # 429 with x-should-retry: LiteLLM cools the entry down and the OpenAI SDKs send it again
+    # after Retry-After, so the next try may land on another box (docs/several-boxes.md).
+    return OndemandError(429, "ondemand_busy",
+                         f"{dep.served_name} is answering its limit of {dep.max_inflight} requests at once "
+                         "(max_inflight); send the request again in a moment",
+                         headers={"Retry-After": "1", "x-should-retry": "true"})
+
+
+def _stopped_error(name: str) -> OndemandError:
+    return OndemandError(503, "ondemand_stopped",
+                         f"{name} was stopped while it was starting for this request; send it again to start it")
+
+
+class Controller:
+    def __init__(self, effects: Effects, *, clock: Callable[[], float], wall: Callable[[], float],
+                 queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
+                 min_idle_timeout_s: int = 60, make_room_wait_s: float = 20.0, recent_stop_s: float = 20.0,
+                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0, sleep_timeout_s: float | None = None,
+                 asleep_residue_gib: float = 2.0):
+        self.effects = effects
+        self.clock = clock
+        self.wall = wall
+        self.queue_timeout_s = queue_timeout_s
+        self.max_queued = max_queued
+        self.idle_timeout_s = idle_timeout_s
+        self.min_idle_timeout_s = min_idle_timeout_s
+        self.make_room_wait_s = make_room_wait_s
+        self.recent_stop_s = recent_stop_s
+        self.max_tick_s = max_tick_s
+        self.publish_interval_s = publish_interval_s
+        self.sleep_timeout_s = sleep_timeout_s
+        self.asleep_residue_gib = asleep_residue_gib  # budget.asleep_residue_gib: a sleeper nothing was read of
+        self.queue = WaitQueue()
+        self._inflight: dict[int, int] = {}
+        self._last_activity: dict[int, float] = {}
+        self._last_request_at: dict[int, float] = {}
+        self._asleep_since: dict[int, float] = {}  # for sleep_timeout_s (after a restart: from then)
+        self._waits: dict[int, _DepWait] = {}
+        self._waiting = 0
+        self._backoff: dict[int, _Backoff] = {}
+        self._busy: dict[int, int] = {}  # 429s for max_inflight, per deployment (a counter)
+        self._last_ondemand_stop = -math.inf
+        self._published_at: dict[int, float] = {}
+        self._publish_timers: dict[int, Timer] = {}
+        self._tick_timer: Timer | None = None
+        self._tick_due = math.inf
+        self._closing = False  # shutdown began: nothing starts or stops for waiters any more
+        # A sleep drains first: no new slot while it waits; each callback once its in-flight ended.
+        self._draining: dict[int, list[Callable[[], None]]] = {}
+        self._drains: dict[int, int] = {}  # drains out per deployment
+        now = clock()
+        for dep in effects.deployments():  # first seen after a restart: a full idle timeout
+            self._last_activity[dep.id] = now
+            if dep.state is State.ASLEEP:
+                self._asleep_since[dep.id] = now
+
+    # --- reads ----------------------------------------------------------------
+
+    def inflight(self, dep_id: int) -> int:
+        return self._inflight.get(dep_id, 0)
+
+    def waiting(self, dep_id: int | None = None) -> int:
+        if dep_id is None:
+            return self._waiting
+        dw = self._waits.get(dep_id)
+        return len(dw.waiters) if dw else 0
+
+    def busy_total(self, dep_id: int) -> int:
+        """Requests refused 429 ``ondemand_busy`` (over ``max_inflight``) so far."""
+        return self._busy.get(dep_id, 0)
+
+    def queue_place(self, dep_id: int) -> tuple[int, int] | None:
+        """(its place in the memory queue, from 1; the queue's length), or None."""
+        return self.queue.place(dep_id)
+
+    def idle_timeout(self, dep: Deployment) -> int:
+        return dep.idle_timeout_s or self.idle_timeout_s
+
+    def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
+        """May this deployment be stopped as idle (reaper, make-room)? The stop's precheck."""
+        now = self.clock() if now is None else now
+        return (dep.on_demand
+                and dep.state in STOPPABLE_WHEN_IDLE
+                and dep.pending_mode is None
+                and dep.id not in self._drains  # an administrator's sleep drains it
+                and not self._inflight.get(dep.id)
+                and not self.waiting(dep.id)
+                and now - self._last_activity.get(dep.id, now) >= self.idle_timeout(dep)
+                and self.effects.engine_idle(dep.id))
+
+    def status(self, dep_id: int) -> dict[str, Any]:
+        """The ``ondemand`` field of a deployment view."""
+        dep = self.effects.deployment(dep_id)
+        dw = self._waits.get(dep_id)
+        inflight = self._inflight.get(dep_id, 0)
+        starting = dep is not None and dep.state is State.STARTING
+        if dep_id in self.queue and not starting:
+            phase = "queued"
+        elif starting and dw is not None and dw.starting_for_request:
+            phase = "starting_for_request"
+        elif inflight:
+            phase = "serving"
+        elif dep is None or dep.state is State.FAILED:
+            phase = "failed"
+        elif dep.state in SLEEPING:
+            phase = "sleeping"
+        else:
+            phase = "idle"
+        place = self.queue.place(dep_id)
+        return {"inflight": inflight, "queued": len(dw.waiters) if dw else 0,
+                "queue_position": place[0] if place else None,
+                "last_request_at": self._last_request_at.get(dep_id), "phase": phase,
+                "idle_until": self._idle_until(dep, inflight), "backoff_until": self._backoff_until(dep_id)}
+
+    def _idle_until(self, dep: Deployment | None, inflight: int) -> float | None:
+        """Wall time at which the reaper may take it (its idle timeout runs), or None."""
+        if dep is None or not dep.on_demand or dep.state not in STOPPABLE_WHEN_IDLE or inflight \
+                or self.waiting(dep.id) or dep.id not in self._last_activity:
+            return None
+        if dep.state is State.ASLEEP:  # the reaper stops it only after sleep_timeout_s asleep, if set
+            if self.sleep_timeout_s is None or dep.id not in self._asleep_since:
+                return None
+            left = self._asleep_since[dep.id] + self.sleep_timeout_s - self.clock()
+            return round(self.wall() + left, 3)
+        left = self._last_activity[dep.id] + self.idle_timeout(dep) - self.clock()
+        return round(self.wall() + left, 3)
+
+    def _backoff_until(self, dep_id: int) -> float | None:
+        """Wall time at which the start backoff ends, or None."""
+        left = self.backoff_left(dep_id)
+        return round(self.wall() + left, 3) if left > 0 else None
+
+    def attempt_phase(self, dep_id: int) -> Phase | None:
+        dw = self._waits.get(dep_id)
+        return dw.phase if dw else None
+
+    # --- slots ------------------------------------------------------------------
+
+    def try_take(self, dep_id: int) -> Slot | None:
+        """A slot at once when the deployment is ready (the fast path: no waiter); raises
+        ``ondemand_busy`` when it serves its ``max_inflight`` already."""
+        dep = self.effects.deployment(dep_id)
+        if dep is not None and dep.state is State.READY and dep_id not in self._drains:
+            self._check_limit(dep)
+            return self._grant(dep_id)
+        return None
+
+    def _check_limit(self, dep: Deployment) -> None:
+        """Read in the step that grants: never two past the limit. Only granted slots
+        count (not health checks, not waiters); a refusal is no failed start."""
+        if dep.max_inflight is not None and self._inflight.get(dep.id, 0) >= dep.max_inflight:
+            self._busy[dep.id] = self._busy.get(dep.id, 0) + 1
+            raise _busy(dep)
+
+    def _grant(self, dep_id: int) -> Slot:
+        self._inflight[dep_id] = self._inflight.get(dep_id, 0) + 1
+        self._last_activity[dep_id] = self.clock()
+        self._last_request_at[dep_id] = self.wall()
+        self._counters_changed(dep_id)
+        return Slot(self, dep_id)
+
+    def release(self, dep_id: int) -> None:
+        n = self._inflight.get(dep_id, 0) - 1
+        if n > 0:
+            self._inflight[dep_id] = n
+        else:
+            self._inflight.pop(dep_id, None)
+        if dep_id in self._last_activity:
+            self._last_activity[dep_id] = self.clock()
+        self._counters_changed(dep_id)
+        if n <= 0:
+            for drained in self._draining.pop(dep_id, ()):
+                drained()
+            self._schedule_tick()  # its idle timeout now runs: a queued request may look sooner
+
+    def drain(self, dep_id: int, drained: Callable[[], None]) -> None:
+        """A sleep drains first: from now until ``undrain`` no new slot is given to ``dep_id``
+        (a request waits, and is served or wakes it afterwards); ``drained()`` is called once its
+        requests in flight have ended (at once when none is)."""
+        self._drains[dep_id] = self._drains.get(dep_id, 0) + 1
+        if self._inflight.get(dep_id):
+            self._draining.setdefault(dep_id, []).append(drained)
+        else:
+            drained()
+
+    def undrain(self, dep_id: int, drained: Callable[[], None]) -> None:
+        """The drain is over (it slept, or its deadline passed): slots again, and its waiters
+        move on: served when it is still ready, else they wake it."""
+        pending = self._draining.get(dep_id)
+        if pending is not None and drained in pending:
+            pending.remove(drained)
+            if not pending:
+                del self._draining[dep_id]
+        n = self._drains.get(dep_id, 0) - 1
+        if n > 0:
+            self._drains[dep_id] = n
+            return
+        self._drains.pop(dep_id, None)
+        self._advance(dep_id)
+
+    # --- waiters ------------------------------------------------------------------
+
+    def join(self, dep_id: int, *, arrival: float, notify: Callable[[], None],
+             on_queued: Callable[[], None] | None = None) -> Waiter:
+        """A request that found no ready engine starts waiting; raises the refusals
+        that need no wait (unknown, planned, backoff, queue full)."""
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
+        if self._closing:
+            raise _shutting_down()
+        if dep.state is State.PLANNED:
+            raise OndemandError(503, "ondemand_planned",
+                                f"{dep.served_name} is planned: an administrator has to start it first")
+        if dep.state in REQUEST_STARTABLE:  # a start by hand is waited for, backoff or not
+            self._check_backoff(dep)
+        if self._waiting >= self.max_queued:
+            raise OndemandError(503, "ondemand_queue_full",
+                                f"{self._waiting} requests are waiting already (ondemand_max_queued)",
+                                headers={"Retry-After": "60"})
+        waiter = Waiter(dep_id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            dw = self._waits[dep_id] = _DepWait()
+        dw.waiters.append(waiter)
+        self._waiting += 1
+        self._counters_changed(dep_id)
+        if dep_id in self.queue and dw.told:
+            self._notify_queued(waiter)
+        self._advance(dep_id)
+        return waiter
+
+    def take(self, waiter: Waiter) -> Slot | None:
+        """The waiter's turn: its slot when ready, its verdict raised, or None (wait on).
+        Raises ``ondemand_queue_timeout`` once its deadline has passed."""
+        if waiter.verdict is not None:
+            raise waiter.verdict
+        dep = self.effects.deployment(waiter.dep_id)
+        if dep is None:
+            raise OndemandError(404, "not_found", f"deployment {waiter.dep_id} was removed")
+        if dep.state is State.READY and waiter.dep_id not in self._drains:
+            self._check_limit(dep)  # it waited for a start, not for a slot: over the limit, 429 too
+            return self._grant(waiter.dep_id)
+        now = self.clock()
+        if now >= waiter.deadline:
+            waited = now - waiter.arrival
+            self.effects.audit("ondemand_queue_timeout", dep.id,
+                               f"a request for {dep.name} gave up after waiting {waited:.0f} s "
+                               "(ondemand_queue_timeout_s)",
+                               {"waited_s": round(waited, 1), "state": dep.state.value})
+            raise OndemandError(503, "ondemand_queue_timeout",
+                                f"{dep.served_name} was not ready within {self.queue_timeout_s:g} s; try again later",
+                                headers={"Retry-After": "60"})
+        return None
+
+    def leave(self, waiter: Waiter) -> None:
+        """A waiter is done (slot taken, verdict, timeout or hang-up)."""
+        dep_id = waiter.dep_id
+        dw = self._waits.get(dep_id)
+        if dw is None or waiter not in dw.waiters:
+            return
+        dw.waiters.remove(waiter)
+        self._waiting -= 1
+        if not dw.waiters:
+            if dw.phase is Phase.IDLE and not dw.starting_for_request:
+                del self._waits[dep_id]
+            if self.queue.remove(dep_id):  # nobody waits: it gives up its place and its hold
+                self._queue_changed()
+                self._advance_all()
+        self._counters_changed(dep_id)
+
+    def next_wake(self, waiter: Waiter) -> float:
+        """Seconds the waiter may sleep before it looks again (its deadline)."""
+        return max(0.0, waiter.deadline - self.clock())
+
+    def _notify_queued(self, waiter: Waiter) -> None:
+        if not waiter.notified:
+            waiter.notified = True
+            if waiter.on_queued is not None:
+                try:
+                    waiter.on_queued()
+                except Exception:
+                    log.exception("on_queued callback failed")
+
+    def _wake_waiters(self, dep_id: int) -> None:
+        dw = self._waits.get(dep_id)
+        for waiter in list(dw.waiters if dw else ()):
+            waiter.notify()
+
+    def _give_verdict(self, dep_id: int, err: OndemandError) -> None:
+        dw = self._waits.get(dep_id)
+        for waiter in list(dw.waiters if dw else ()):
+            if waiter.verdict is None:
+                waiter.verdict = err
+                waiter.notify()
+
+    # --- start failures -------------------------------------------------------
+
+    def _check_backoff(self, dep: Deployment) -> None:
+        b = self._backoff.get(dep.id)
+        if b is not None and self.clock() < b.until:
+            raise self._start_failed(dep, b)
+
+    def _start_failed(self, dep: Deployment, b: _Backoff) -> OndemandError:
+        left = max(1, int(b.until - self.clock()))
+        return OndemandError(503, "start_failed",
+                             f"{dep.served_name} failed to start: {b.reason}; new starts are refused for {left} s",
+                             headers={"Retry-After": str(left)})
+
+    def _record_failure(self, dep_id: int, reason: str) -> _Backoff:
+        prev = self._backoff.get(dep_id)
+        delay = BACKOFF_FIRST_S if prev is None else min(prev.delay * 2, BACKOFF_MAX_S)
+        b = self._backoff[dep_id] = _Backoff(self.clock() + delay, delay, reason)
+        return b
+
+    def backoff_left(self, dep_id: int) -> float:
+        b = self._backoff.get(dep_id)
+        return max(0.0, b.until - self.clock()) if b else 0.0
+
+    # --- the attempt ----------------------------------------------------------------
+
+    def _advance_all(self) -> None:
+        # The queue's order first: when memory frees, the head asks before the others.
+        queued = self.queue.ids()
+        for dep_id in [*queued, *(d for d in self._waits if d not in self.queue)]:
+            self._advance(dep_id)
+
+    def _advance(self, dep_id: int) -> None:
+        """Decide the next step of ``dep_id``'s attempt."""
+        dw = self._waits.get(dep_id)
+        if dw is None or not dw.waiters:
+            return
+        dep = self.effects.deployment(dep_id)
+        if dep is None or self._closing:
+            return
+        if dep.state is State.READY:
+            if dep_id not in self._drains:  # a drain's waiters wait for its end
+                self._wake_waiters(dep_id)
+            return
+        if dw.phase is not Phase.IDLE:
+            return  # an effect of this attempt is out; its report decides
+        if dep.state not in REQUEST_STARTABLE or dep.pending_mode is not None:
+            return  # starting (by hand or for us), stopping, or set_mode starts it: wait
+        if not dep.on_demand:
+            if dep.state is not State.ASLEEP:
+                self._give_verdict(dep_id, OndemandError(
+                    503, "not_on_demand", f"{dep.served_name} was switched to always on and is {dep.state}"))
+            return
+        b = self._backoff.get(dep_id)
+        if b is not None and self.clock() < b.until:
+            self._give_verdict(dep_id, self._start_failed(dep, b))
+            return
+        if self._head_asks_first(dep_id):
+            return  # the head's answer comes first; its report moves this one on
+        dw.phase = Phase.ADMITTING
+        # Set before the move to starting, whose view is published as the start is admitted.
+        dw.starting_for_request = True
+        waking = dep.state is State.ASLEEP
+        self.effects.admit(dep_id, text=("Woken" if waking else "Started") + " for a request")
+
+    def _head_asks_first(self, dep_id: int) -> bool:
+        """A queued entry of lower priority than the head waits while the head's own
+        admit is out, so that memory freed by a stop nobody made for the head (the
+        reaper, an administrator) goes to the higher request first."""
+        head = self.queue.head()
+        if head is None or head == dep_id or dep_id not in self.queue \
+                or self.queue.overtaken_by(dep_id) != head:
+            return False
+        hw = self._waits.get(head)
+        return hw is not None and hw.phase is Phase.ADMITTING
+
+    def _release_held(self, head: int) -> None:
+        """The head's admit has reported: the entries that let it ask first ask now."""
+        for dep_id in self.queue.ids():
+            if dep_id != head and self.queue.overtaken_by(dep_id) == head:
+                self._advance(dep_id)
+
+    def settle_target(self, dep_id: int) -> int:
+        """Whose fit a make-room's settle waits for: ``dep_id``, or the head of higher
+        priority that took its place (and what it freed)."""
+        taker = self.queue.overtaken_by(dep_id)
+        return dep_id if taker is None else taker
+
+    def held_for_others(self, dep_id: int) -> dict[int, float]:
+        """GiB per GPU the queue holds for entries other than ``dep_id`` (for the head, what
+        was freed for it): not free for ``dep_id``. The deployer asks it in the step of its fit
+        check, so a hold made while the check's reading was out still counts."""
+        return self.queue.reserved_for_others(dep_id)
+
+    def wanted(self, dep_id: int) -> bool:
+        """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)
+        Not once shutdown began: an admit already out starts nothing."""
+        return not self._closing and self.waiting(dep_id) > 0
+
+    def on_admitted(self, dep_id: int, started: bool) -> None:
+        """The admit effect's report: ``started`` False when it was starting or ready
+        already, or nobody wanted it any more."""
+        dw = self._waits.get(dep_id)
+        if dw is None:
+            return
+        dw.phase = Phase.IDLE
+        if not started:
+            # Starting or ready already, being removed, or nobody waits: the change that
+            # follows (or none is needed) moves it on. Never ask again from here: a loop.
+            dw.starting_for_request = False
+            self._forget_if_unused(dep_id)
+            self._release_held(dep_id)
+            return
+        if self.queue.remove(dep_id):
+            self._queue_changed()
+            self._advance_all()
+
+    def _admit_ended(self, dep_id: int) -> _DepWait | None:
+        """An admit that started nothing reported: the attempt is idle again."""
+        dw = self._waits.get(dep_id)
+        if dw is not None:
+            dw.phase = Phase.IDLE
+            dw.starting_for_request = False
+        return dw
+
+    def on_refused(self, dep_id: int, exc: InsufficientMemory) -> None:
+        """The fit check said no: does_not_fit, or queue, and the head makes room."""
+        dw = self._admit_ended(dep_id)
+        if dw is None:
+            return
+        dep = self.effects.deployment(dep_id)
+        if not dw.waiters or dep is None:
+            self._forget_if_unused(dep_id)
+            return
+        fit: Fit = exc.fit or Fit(exc.need, (exc.free,), (exc.capacity,), 1, None, False)
+        recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
+        if fit.never_fits() and not dw.stopped_victim and not recent_stop:
+            self._give_verdict(dep_id, _does_not_fit(dep, fit, exc.capacity))
+            return
+        if self._closing:
+            return  # its waiters heard it already
+        self._enqueue(dep_id, dw, dep)
+        if not self.queue.is_head_or_empty(dep_id):
+            self._tell_queued(dw)
+            return  # only the head makes room
+        try:
+            if self._room_coming(dep_id):
+                self._schedule_tick()
+                return  # what the entries it overtook are freeing is held for it: wait for that
+            victims, chosen = self._pick_victims(dep, fit)
+            if not victims:
+                self._tell_queued(dw)
+                self._schedule_tick()
+                return  # queued until something changes
+        finally:
+            self._release_held(dep_id)
+        dw.phase = Phase.STOPPING
+        dw.victims = {v.id for v in victims}
+        dw.frees = {v.id: {g: gib for g, gib in v.holds.items() if g in chosen} for v in victims}
+        dw.freed = 0.0
+        for v in victims:
+            if v.tier == 0 and self._sleeps(v.id):
+                self.effects.sleep(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
+            elif v.tier == 0:
+                self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
+            else:
+                self.effects.stop(v.id, text=f"Stopped (asleep) to make room for {dep.served_name}", for_dep=dep_id)
+
+    def on_budget_error(self, dep_id: int, reason: str) -> None:
+        """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""
+        dw = self._admit_ended(dep_id)
+        if dw is None:
+            return
+        dep = self.effects.deployment(dep_id)
+        name = dep.served_name if dep else f"deployment {dep_id}"
+        self._give_verdict(dep_id, OndemandError(
+            503, "budget_unavailable", f"cannot start {name} now: the GPU memory budget cannot be read ({reason})",
+            headers={"Retry-After": "10"}))
+        self._forget_if_unused(dep_id)
+        self._release_held(dep_id)
+
+    def on_start_error(self, dep_id: int, reason: str) -> None:
+        """The deployer refused the start (a state it cannot start from): a start failure."""
+        dw = self._admit_ended(dep_id)
+        if dw is None:
+            return
+        dep = self.effects.deployment(dep_id)
+        if dep is not None and dep.state in REQUEST_STARTABLE:
+            self._give_verdict(dep_id, self._start_failed(dep, self._record_failure(dep_id, reason)))
+        self._forget_if_unused(dep_id)
+        self._release_held(dep_id)
+
+    def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None) -> None:
+        """A stop effect's report (reaper or make-room)."""
+        if approved:
+            self._last_ondemand_stop = self.clock()
+        if for_dep is None:
+            return
+        dw = self._waits.get(for_dep)
+        if dw is None or dw.phase is not Phase.STOPPING or dep_id not in dw.victims:
+            return
+        dw.victims.discard(dep_id)
+        frees = dw.frees.pop(dep_id, {})
+        if approved:
+            dw.freed += sum(frees.values())
+            self.queue.reserve(for_dep, frees)  # held at once, per GPU: nobody else may take it meanwhile
+        if dw.victims:
+            return  # the others are still stopping
+        if not dw.waiters:
+            dw.phase = Phase.IDLE
+            self._forget_if_unused(for_dep)
+            return
+        if dw.freed <= 0:
+            dw.phase = Phase.IDLE  # they became busy: wait for the next change
+            self._schedule_tick()
+            return
+        names = self.effects.deployment(for_dep)
+        log.info("stopped idle models to make room for %s (%.1f GiB)", names.name if names else for_dep, dw.freed)
+        dw.stopped_victim = True
+        dw.phase = Phase.SETTLING
+        self.effects.settle(for_dep, self.make_room_wait_s)
+
+    def on_settled(self, dep_id: int) -> None:
+        """Freed memory shows (or the wait ran out): try again, and so does the head of
+        higher priority that took the freed memory over."""
+        taker = self.queue.overtaken_by(dep_id)
+        dw = self._waits.get(dep_id)
+        if dw is not None:
+            dw.phase = Phase.IDLE
+            self._forget_if_unused(dep_id)
+        if taker is not None:
+            self._advance(taker)  # first: this one then waits for the head's answer
+        self._advance(dep_id)
+
+    def _room_coming(self, head: int) -> bool:
+        """Entries this head overtook still stop victims or wait for their memory to
+        show: all of it is held for the head, which must not stop more meanwhile."""
+        return any(dw.phase in (Phase.STOPPING, Phase.SETTLING) and self.queue.overtaken_by(d) == head
+                   for d, dw in self._waits.items() if d != head)
+
+    def _forget_if_unused(self, dep_id: int) -> None:
+        dw = self._waits.get(dep_id)
+        if dw is not None and not dw.waiters and dw.phase is Phase.IDLE and not dw.starting_for_request:
+            del self._waits[dep_id]
+
+    def _enqueue(self, dep_id: int, dw: _DepWait, dep: Deployment) -> None:
+        first = min((w.arrival for w in dw.waiters), default=self.clock())
+        if self.queue.add(dep_id, first, dep.priority.rank):
+            log.info("deployment %d queued for memory (%s priority)", dep_id, dep.priority)
+            self._queue_changed()
+        self._counters_changed(dep_id)
+        self._schedule_tick()
+
+    def _tell_queued(self, dw: _DepWait) -> None:
+        """The queued notice, only for the queue: its waiters wait because the idle models
+        make-room may take do not free enough (or behind the head). A make-room that found its
+        victims, and a start or a wake, tell nothing: the answer is exactly the engine's."""
+        dw.told = True
+        for waiter in dw.waiters:
+            self._notify_queued(waiter)
+
+    def _queue_changed(self) -> None:
+        """Every queued entry's place may have moved: their views say so."""
+        for dep_id in self.queue.ids():
+            self._counters_changed(dep_id)
+
+    def _pick_victims(self, requester: Deployment, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
+        """Idle deployments of the requester's priority or lower: a higher one is never
+        put to sleep for it (the request waits instead)."""
+        now = self.clock()
+        claimed = {v for dw in self._waits.values() for v in dw.victims}
+        pools = len(fit.free)
+        rank = requester.priority.rank
+        per_gpu = fit.per_gpu
+        candidates = [Candidate(d.id, holdings(self._frees(d, pools, per_gpu), d.gpu_count, d.gpus, pools, per_gpu),
+                                self._last_activity.get(d.id, now), d.priority.rank,
+                                0 if d.state is State.READY else 1)
+                      for d in self.effects.deployments()
+                      if d.id != requester.id and d.id not in claimed and d.priority.rank <= rank
+                      and self.is_idle(d, now)]
+        return pick_victims(candidates, fit.free, fit.choose)
+
+    def _sleeps(self, dep_id: int) -> bool:
+        """Is an idle ``dep_id`` put to sleep (not stopped)?"""
+        dep = self.effects.deployment(dep_id)
+        return dep is not None and self.effects.idle_level(dep) > 0
+
+    def _frees(self, dep: Deployment, pools: int, per_gpu: bool) -> float:
+        """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what
+        it kept asleep last time (as measured; nothing known, all); awake and stopped, all;
+        asleep and stopped, what it keeps (as found after its sleep, else
+        ``asleep_residue_gib`` per GPU: never nothing, so an asleep engine is always a victim
+        when its GPU is needed)."""
+        if dep.state is State.ASLEEP:
+            return asleep_held(dep, self.asleep_residue_gib, pools, per_gpu)
+        if self.effects.idle_level(dep) > 0:
+            return dep.footprint_gib - dep.residue_gib
+        return dep.footprint_gib
+
+    # --- time -------------------------------------------------------------------------
+
+    def _schedule_tick(self) -> None:
+        """While something is queued, look again at most every ``max_tick_s``, and just
+        after the next idle timeout runs out (a victim may appear then); a timer already
+        set for later is brought forward."""
+        if not len(self.queue):
+            return
+        now = self.clock()
+        due = now + max(min(self.max_tick_s, self._next_idle_expiry(now)), 0.01)
+        if self._tick_timer is not None:
+            if due >= self._tick_due - 1e-3:
+                return
+            self._tick_timer.cancel()
+        self._tick_due = due
+        self._tick_timer = self.effects.call_later(due - now, self.tick)
+
+    def tick(self) -> None:
+        self._tick_timer = None
+        self._tick_due = math.inf
+        self._advance_all()
+        self._schedule_tick()
+
+    def _next_idle_expiry(self, now: float) -> float:
+        soonest = math.inf
+        for dep in self.effects.deployments():
+            if dep.on_demand and dep.state in STOPPABLE_WHEN_IDLE and not self._inflight.get(dep.id):
+                left = self._last_activity.get(dep.id, now) + self.idle_timeout(dep) - now
+                if left > 0:
+                    soonest = min(soonest, left + 0.05)
+        return soonest
+
+    # --- what the deployer reports ------------------------------------------------------
+
+    def on_deployment(self, dep_id: int, dep: Deployment | None, old: Deployment | None) -> None:
+        """Every creation, change, transition and removal of a deployment."""
+        now = self.clock()
+        if dep is None:
+            self._removed(dep_id)
+            return
+        if old is None:
+            self._last_activity[dep_id] = now  # a new deployment
+        else:
+            if old.config() != dep.config():
+                self._backoff.pop(dep_id, None)  # a changed model or configuration
+            if not old.on_demand and dep.on_demand:
+                self._last_activity[dep_id] = now  # switched to on demand
+            if old.priority is not dep.priority and dep_id in self.queue:
+                self.queue.rerank(dep_id, dep.priority.rank)  # an edit while it waits
+                self._queue_changed()
+        if dep.state is State.READY and (old is None or old.state is not State.READY):
+            self._last_activity[dep_id] = now
+            self._backoff.pop(dep_id, None)
+        if dep.state is State.ASLEEP:
+            if old is None or old.state is not State.ASLEEP:
+                self._asleep_since[dep_id] = now
+        else:
+            self._asleep_since.pop(dep_id, None)
+        if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
+            self._start_ended(dep)
+        self._advance_all()
+
+    def _start_ended(self, dep: Deployment) -> None:
+        dw = self._waits.get(dep.id)
+        if dw is None:
+            return
+        for_request, dw.starting_for_request = dw.starting_for_request, False
+        if dep.state is State.FAILED:
+            if for_request or dw.waiters:  # waiters hear it, and new starts wait for the backoff
+                b = self._record_failure(dep.id, dep.state_reason or "start failed")
+                self._give_verdict(dep.id, self._start_failed(dep, b))
+        elif dep.state is not State.READY and for_request:
+            self._give_verdict(dep.id, _stopped_error(dep.served_name))
+        self._forget_if_unused(dep.id)
+
+    def _removed(self, dep_id: int) -> None:
+        dw = self._waits.get(dep_id)
+        if dw is not None:
+            started_for_them = dw.starting_for_request and dw.phase is Phase.IDLE
+            err = _stopped_error(f"deployment {dep_id}") if started_for_them else \
+                OndemandError(404, "not_found", f"deployment {dep_id} was removed")
+            self._give_verdict(dep_id, err)
+            dw.phase = Phase.IDLE
+            dw.starting_for_request = False
+            self._forget_if_unused(dep_id)
+        if self.queue.remove(dep_id):
+            self._advance_all()
+        for table in (self._inflight, self._last_activity, self._last_request_at, self._backoff,
+                      self._published_at, self._busy, self._asleep_since):
+            table.pop(dep_id, None)
+        timer = self._publish_timers.pop(dep_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    # --- the reaper's step ----------------------------------------------------------------
+
+    def reap(self) -> list[int]:
+        """Ask to stop every on-demand deployment idle by the rules; returns their ids."""
+        if self._closing:
+            return []
+        now = self.clock()
+        asked = []
+        claimed = {v for dw in self._waits.values() for v in dw.victims}
+        for dep in self.effects.deployments():
+            if dep.id in claimed or not self.is_idle(dep, now):
+                continue
+            minutes = round(self.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
+            if dep.state is State.ASLEEP:
+                # Asleep it stays, until a request wakes it, make-room needs its memory, or
+                # it has slept sleep_timeout_s.
+                slept = now - self._asleep_since.get(dep.id, now)
+                if self.sleep_timeout_s is None or slept < self.sleep_timeout_s:
+                    continue
+                self.effects.stop(dep.id, text=f"Stopped after {round(slept / 60, 2):g} min asleep "
+                                               "(sleep_timeout_s)", for_dep=None)
+            elif self.effects.idle_level(dep) > 0:
+                self.effects.sleep(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
+            else:
+                self.effects.stop(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
+            asked.append(dep.id)
+        return asked
+
+    # --- mode switch ------------------------------------------------------------------------
+
+    def plan_mode(self, dep_id: int, mode: str, *, idle_timeout_s: int | None = None,
+                  set_idle_timeout: bool = False) -> ModePlan:
+        """Decide a switch (BEHAVIOUR.md, "Switch to always on"); resets the start backoff."""
+        if mode not in (Mode.ON_DEMAND.value, Mode.ALWAYS_ON.value):
+            raise OndemandError(400, "invalid_mode", "mode must be on_demand or always_on")
+        if set_idle_timeout and idle_timeout_s is not None and \
+                not self.min_idle_timeout_s <= idle_timeout_s <= 86400:
+            raise OndemandError(400, "invalid_idle_timeout",
+                                f"idle_timeout_s must be {self.min_idle_timeout_s} to 86400 seconds, or null")
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
+        if dep.role is not Role.MODEL and mode == Mode.ON_DEMAND:
+            raise OndemandError(400, "invalid_mode", f"a {dep.role} deployment is always always_on")
+        old = {"mode": dep.mode.value, "idle_timeout_s": dep.idle_timeout_s,
+               "pending_mode": dep.pending_mode.value if dep.pending_mode else None}
+        fields: dict[str, Any] = {}
+        if set_idle_timeout:
+            fields["idle_timeout_s"] = idle_timeout_s
+        start = False
+        if mode == Mode.ON_DEMAND:
+            fields.update(mode=Mode.ON_DEMAND, pending_mode=None)
+        elif dep.mode is Mode.ALWAYS_ON:
+            fields["pending_mode"] = None
+        elif dep.state in REQUEST_STARTABLE:
+            fields["pending_mode"] = Mode.ALWAYS_ON
+            start = True
+        elif dep.state is State.STARTING:
+            fields["pending_mode"] = Mode.ALWAYS_ON  # applied when the start ends
+        else:
+            fields.update(mode=Mode.ALWAYS_ON, pending_mode=None)
+        self._backoff.pop(dep_id, None)  # set_mode resets the start backoff
+        new = {**old, **{k: getattr(v, "value", v) for k, v in fields.items() if k in old}}
+        text = f"mode {old['mode']} → {mode}" + (" (pending the start)" if start else "")
+        return ModePlan(fields, start, text, {"old": old, "new": new})
+
+    def mode_switched(self, dep_id: int) -> None:
+        """The switch is stored: waiters look again (a start may be theirs to wait for now)."""
+        self._advance(dep_id)
+
+    # --- live counters ----------------------------------------------------------------------
+
+    def _counters_changed(self, dep_id: int) -> None:
+        """At most one publish a second per deployment: the first at once, later ones folded."""
+        if dep_id in self._publish_timers:
+            return
+        now = self.clock()
+        due = self._published_at.get(dep_id, -math.inf) + self.publish_interval_s
+        if now >= due:
+            self._publish(dep_id)
+        else:
+            self._publish_timers[dep_id] = self.effects.call_later(due - now, lambda: self._publish(dep_id))
+
+    def _publish(self, dep_id: int) -> None:
+        self._publish_timers.pop(dep_id, None)
+        self._published_at[dep_id] = self.clock()
+        if self.effects.deployment(dep_id) is not None:
+            self.effects.counters_changed(dep_id)
+
+    def shutdown(self) -> None:
+        """Shutdown began: from now on nothing is started or stopped for a waiter (no
+        make-room, no reaper), and every waiter, queued or waiting for a start, gets
+        ``ondemand_shutting_down`` at once instead of holding the shutdown up."""
+        self._closing = True
+        err = _shutting_down()
+        for dep_id in list(self._waits):
+            self._give_verdict(dep_id, err)
+        for dep_id in self.queue.ids():
+            self.queue.remove(dep_id)
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None
+
+    def close(self) -> None:
+        for timer in self._publish_timers.values():
+            timer.cancel()
+        self._publish_timers.clear()
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+            self._tick_timer = None

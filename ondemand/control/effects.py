@@ -1,0 +1,171 @@
+"""The controller's effects, for real: each action runs as a named task that
+calls the deployer or the budget, and reports its result back to the
+decision core through one of its ``on_*`` methods.
+
+The core never awaits; the slow work is here, and none of it holds a lock:
+a make-room that waits 20 s for a victim to stop or for freed memory to show
+is a task like any other, while ``mode set``, ``status``, other stops and
+requests for ready models go on. Every report is made in a ``finally`` or an
+``except`` that covers the whole call, so an attempt can never be left in a
+phase whose report never comes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..engines import warmth
+from ..engines.deployer import Deployer
+from ..engines.metrics import MetricsSampler
+from ..errors import BudgetError, DeployerError, InsufficientMemory
+from ..events import CountersChanged, StopCause
+from ..model import Deployment
+from ..tasks import TaskGroup
+from .budget import Budget
+from .controller import ACTOR, Controller, Timer
+
+log = logging.getLogger("ondemand.control.effects")
+
+
+class DeployerEffects:
+    def __init__(self, deployer: Deployer, budget: Budget, sampler: MetricsSampler, *,
+                 publish: Callable[[object], None], settle_poll_s: float = 0.05, reading_age_s: float = 0.2):
+        self.deployer = deployer
+        self.budget = budget
+        self.sampler = sampler
+        self.publish = publish
+        self.settle_poll_s = settle_poll_s
+        # An admit may use a budget reading this recent (the settle's, just before it): one
+        # nvidia-smi fewer on a make-room's path (Budget.read says why that is never optimistic).
+        self.reading_age_s = reading_age_s
+        self.tasks = TaskGroup("controller")
+        self._controller: Controller | None = None
+
+    def bind(self, controller: Controller) -> None:
+        """The core the reports go to (made after this object: it reads through it)."""
+        self._controller = controller
+        controller.asleep_residue_gib = self.deployer.budget.asleep_residue_gib  # what make-room counts
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            raise RuntimeError("effects are not bound to a controller")
+        return self._controller
+
+    # --- reads ------------------------------------------------------------------
+
+    def deployment(self, dep_id: int) -> Deployment | None:
+        return self.deployer.get(dep_id)
+
+    def deployments(self) -> list[Deployment]:
+        return self.deployer.all()
+
+    def engine_idle(self, dep_id: int) -> bool:
+        return self.sampler.idle(dep_id)
+
+    def idle_level(self, dep: Deployment) -> int:
+        return warmth.idle_level(dep, self.budget.per_gpu)
+
+    # --- actions ------------------------------------------------------------------
+
+    def admit(self, dep_id: int, *, text: str) -> None:
+        self.tasks.spawn(self._admit(dep_id, text), f"admit {dep_id}")
+
+    async def _admit(self, dep_id: int, text: str) -> None:
+        ctl = self.controller
+        try:
+            started = await self.deployer.admit_start(
+                dep_id, actor=ACTOR, audit="ondemand_start", text=text,
+                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.wanted(dep_id),
+                reading_age_s=self.reading_age_s)
+        except InsufficientMemory as exc:
+            ctl.on_refused(dep_id, exc)
+        except BudgetError as exc:
+            log.warning("cannot read the memory budget for deployment %d: %s", dep_id, exc)
+            ctl.on_budget_error(dep_id, str(exc))
+        except DeployerError as exc:
+            ctl.on_start_error(dep_id, str(exc))
+        except asyncio.CancelledError:  # shutdown: never leave the attempt in its phase
+            ctl.on_admitted(dep_id, False)
+            raise
+        except Exception as exc:  # a defect of ours: the waiters hear it as a failed start
+            log.exception("admitting deployment %d failed", dep_id)
+            ctl.on_start_error(dep_id, f"internal error: {exc!r}")
+        else:
+            ctl.on_admitted(dep_id, started)
+
+    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=False), f"stop {dep_id}")
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=True), f"sleep {dep_id}")
+
+    async def _put_away(self, dep_id: int, text: str, for_dep: int | None, *, sleep: bool) -> None:
+        """Stop it, or put it to sleep (asleep, or stopped instead: the host reserve, a failed
+        sleep call), if ``is_idle`` still approves it; reports ``on_stopped`` whatever happens."""
+        ctl = self.controller
+        done = False
+        cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
+        try:
+            if sleep:
+                level = await self.deployer.sleep(dep_id, None, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
+                                                  text=text, cause=cause, or_stop=True)
+                done = level is not None
+            else:
+                done = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text,
+                                                cause=cause)
+        except Exception:
+            log.exception("%s deployment %d failed", "putting to sleep" if sleep else "stopping", dep_id)
+        finally:
+            ctl.on_stopped(dep_id, done, for_dep)
+
+    def settle(self, dep_id: int, within_s: float) -> None:
+        self.tasks.spawn(self._settle(dep_id, within_s), f"settle {dep_id}")
+
+    async def _settle(self, dep_id: int, within_s: float) -> None:
+        """Freed memory may read as used for a while (nvidia-smi): look until the
+        deployment fits on some allowed GPU set, the fit check's own rule; 50 ms after
+        each reading (which itself takes nvidia-smi's time), so freed memory is seen soon
+        after it shows."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        try:
+            while loop.time() < deadline:
+                # The head of higher priority that took this one's place holds what it freed.
+                target = self.controller.settle_target(dep_id)
+                dep = self.deployer.get(target)
+                if dep is None:
+                    return
+                try:
+                    reading = await self.budget.read(self.deployer.all())
+                    self.budget.check_fit(dep, self.deployer.all(), reading,
+                                          self.controller.held_for_others(target))
+                    return
+                except BudgetError:
+                    return  # the next admit reads it again and says why
+                except InsufficientMemory:
+                    pass
+                await asyncio.sleep(self.settle_poll_s)
+        finally:
+            self.controller.on_settled(dep_id)
+
+    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None:
+        self.tasks.spawn(self._audit(action, dep_id, text, detail), f"audit {action}")
+
+    async def _audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None:
+        try:
+            await self.deployer.store.write_audit(action=action, actor=ACTOR, deployment_id=dep_id,
+                                                  text=text, detail=detail)
+        except Exception:
+            log.exception("cannot write the audit row %s", action)
+
+    def counters_changed(self, dep_id: int) -> None:
+        self.publish(CountersChanged(dep_id))
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_later(delay, callback)
+
+    async def close(self) -> None:
+        await self.tasks.close()

@@ -1,0 +1,121 @@
+"""Start history: how long each deployment's successful starts took, for its view
+(``last_start_s``, ``start_eta_s``; an asleep one's ``wake_eta_s``), the queued notice and
+``ondemand status``.
+
+Durations come from the bus, not from the deployer's start code: the deployer stamps
+``updated_at`` on every change, so a start is timed from the change that moved the
+deployment into ``starting`` to the one that moved it from ``starting`` to ``ready``.
+The moment it entered ``starting`` is noted here, because an edit made while it starts
+(a pending mode, ...) stamps ``updated_at`` too; a start that began before ondemand
+restarted is timed from the stored row's ``updated_at``. A wake (from ``asleep``: its sleep
+level stays through ``starting``; a failed wake's cold start has none) is kept apart: it says
+nothing of how long a cold start takes, and its own history gives ``wake_eta_s``.
+
+The views read memory only (no await); each new start is written to the state file
+(``starts``, the last ``KEEP`` per deployment) by a named task, and read back at start-up.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+
+from ..model import Deployment, State
+from ..state.store import Store
+from ..tasks import TaskGroup
+
+log = logging.getLogger("ondemand.control.starts")
+
+KEEP = 20  # starts kept per deployment in the state file
+ETA_OF = 5  # the ETA is the median of this many last starts (or wakes)
+
+
+class StartHistory:
+    def __init__(self, store: Store, *, keep: int = KEEP):
+        self.store = store
+        self.keep = keep
+        self.tasks = TaskGroup("starts")
+        self._durations: dict[int, list[float]] = {}  # cold starts, oldest first, at most ETA_OF
+        self._wakes: dict[int, list[float]] = {}  # wakes, the same way
+        self._began: dict[int, float] = {}  # entered starting: its updated_at
+        self._asleep: set[int] = set()  # asleep, or waking: a notice gives the wake's estimate
+
+    async def load(self) -> None:
+        for dep_id, rows in (await self.store.starts(self.keep)).items():
+            for kind, into in (("start", self._durations), ("wake", self._wakes)):
+                durations = [d for k, d in rows if k == kind][-ETA_OF:]
+                if durations:
+                    into[dep_id] = durations
+
+    async def close(self) -> None:
+        await self.tasks.close()
+
+    # --- the bus -------------------------------------------------------------------
+
+    def on_change(self, dep_id: int, dep: Deployment | None, old: Deployment | None) -> None:
+        """A DeploymentChanged: note a start's beginning, time its end (no await)."""
+        if dep is None:
+            self._durations.pop(dep_id, None)  # its stored rows go with retention's next pass
+            self._wakes.pop(dep_id, None)
+            self._began.pop(dep_id, None)
+            self._asleep.discard(dep_id)
+            return
+        if dep.state is State.ASLEEP or (dep.state is State.STARTING and dep.sleep_level is not None):
+            self._asleep.add(dep_id)
+        else:
+            self._asleep.discard(dep_id)
+        if dep.state is State.STARTING and (old is None or old.state is not State.STARTING or
+                                            (old.sleep_level is not None and dep.sleep_level is None)):
+            self._began[dep_id] = dep.updated_at  # a failed wake's cold start is timed from its own beginning
+            return
+        if old is None or old.state is not State.STARTING or dep.state is State.STARTING:
+            return
+        began = self._began.pop(dep_id, old.updated_at)
+        kind = "wake" if old.sleep_level is not None else "start"
+        if dep.state is not State.READY:
+            return  # failed or stopped: not a successful start
+        duration = dep.updated_at - began
+        if duration < 0:
+            log.warning("%s: ignoring a start that took %.1f s (the clock went back)", dep.name, duration)
+            return
+        self.record(dep_id, duration, kind, at=dep.updated_at)
+
+    def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float) -> None:
+        durations = (self._durations if kind == "start" else self._wakes).setdefault(dep_id, [])
+        durations.append(duration_s)
+        del durations[:-ETA_OF]
+        self.tasks.spawn(self._write(dep_id, duration_s, kind, at), f"write start {dep_id}")
+
+    async def _write(self, dep_id: int, duration_s: float, kind: str, at: float) -> None:
+        try:
+            await self.store.write_start(dep_id, at=at, duration_s=duration_s, kind=kind, keep=self.keep)
+        except Exception:  # the history is a courtesy: a failed write costs one entry
+            log.exception("cannot record the start of deployment %d", dep_id)
+
+    # --- reads (no await) --------------------------------------------------------------
+
+    def last_start_s(self, dep_id: int) -> float | None:
+        """How long its last successful start took, or None."""
+        durations = self._durations.get(dep_id)
+        return round(durations[-1], 1) if durations else None
+
+    def eta_s(self, dep_id: int) -> float | None:
+        """The median of its last ETA_OF successful starts, or None."""
+        durations = self._durations.get(dep_id)
+        return round(statistics.median(durations), 1) if durations else None
+
+    def wake_eta_s(self, dep_id: int) -> float | None:
+        """The median of its last ETA_OF successful wakes, or None."""
+        durations = self._wakes.get(dep_id)
+        return round(statistics.median(durations), 1) if durations else None
+
+    def notice_eta_s(self, dep_id: int) -> float | None:
+        """What the queued notice says to expect: the wake's estimate for an asleep (or
+        waking) deployment, else the cold start's."""
+        return self.wake_eta_s(dep_id) if dep_id in self._asleep else self.eta_s(dep_id)
+
+    def fields(self, dep_id: int, asleep: bool = False) -> dict[str, float | None]:
+        """The view's fields; an asleep deployment's (``asleep``) adds ``wake_eta_s``."""
+        out = {"last_start_s": self.last_start_s(dep_id), "start_eta_s": self.eta_s(dep_id)}
+        if asleep:
+            out["wake_eta_s"] = self.wake_eta_s(dep_id)
+        return out

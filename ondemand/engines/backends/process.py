@@ -1,0 +1,432 @@
+"""The process backend: each engine is a child process of ondemand.
+
+For installs beside DGXMM without Docker, the embedded default of ``make run``
+and the tests. ``command`` is an argv list whose ``{port}`` is replaced by a
+free loopback port; the engine is reached at ``http://127.0.0.1:{port}``. Stop is
+SIGTERM, then SIGKILL after the grace period.
+
+Its output (stdout and stderr, one pipe) is read by a copier task of ours and
+written to ``{state_dir}/logs/{name}.log``, which rotates at ``log_max_bytes``
+(10 MiB) keeping ``log_keep`` (3) older files, ``{name}.log.1`` newest. The
+copier is the file's only writer, so a rotation (a rename and a new file between
+two of its writes) can lose no line of a running engine, which a size check on a
+file the child writes itself could not promise: the child would keep writing to
+the renamed file. The copier also hands every chunk to the live followers of
+``logs(follow=True)``. The engine writes into a pipe: when ondemand dies, its next
+write fails (SIGPIPE) rather than filling a file nobody rotates. A pid file beside the log lets the next ondemand kill
+an engine it left behind when it died without stopping it: a child cannot be
+re-adopted (its exit status belongs to the dead parent), and an orphan would
+hold GPU memory the budget no longer counts.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ...model import Deployment
+from ...tasks import TaskGroup
+from ..recipes import Launch
+from . import Backend, BackendError, Engine, visible_gpus
+
+log = logging.getLogger("ondemand.engines.backends.process")
+
+# The first line of each run in an engine's log file.
+RUN_MARKER = "--- ondemand started this engine at"
+LOG_MAX_BYTES = 10 * 2**20
+LOG_KEEP = 3
+# A line longer than this past the size limit rotates the file mid-line.
+LONG_LINE = 2**20
+# A follower that falls this far behind (bytes not yet sent) is ended.
+FOLLOW_BACKLOG = 8 * 2**20
+# At most this much is read back for a tail.
+TAIL_MAX_BYTES = 4 * 2**20
+# How long wait_exit waits for the copier to write an exited engine's last lines.
+DRAIN_S = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def self_command() -> list[str]:
+    """How to run this very ondemand again: the zipapp, or the package."""
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", "") or ""
+    if ".pyz" in main_file or ".pyz" in (sys.argv[0] if sys.argv else ""):
+        return [sys.executable, os.path.abspath(sys.argv[0])]
+    return [sys.executable, "-m", "ondemand"]
+
+
+def _child_env(dep: Deployment, launch: Launch) -> dict[str, str]:
+    # `python -m ondemand` must find the package the same way we did.
+    env = dict(os.environ)
+    env.update(launch.env)  # the recipe's, the box's (HF_HOME, HF_TOKEN) and the deployment's own
+    root = str(Path(__file__).resolve().parents[3])  # the directory that holds the ondemand package
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    gpus = visible_gpus(dep)
+    if gpus is not None:
+        # The engine sees only its GPUs, numbered as nvidia-smi numbers them (PCI bus
+        # order; CUDA's default order is fastest first). Empty: no GPU at all.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc (an engine's workers are its children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks (/proc/PID/stat field 22), or ""."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+class RotatingLog:
+    """An engine's log file, written by one writer (the copier), rotated by size:
+    ``path`` is the newest, ``path.1`` … ``path.{keep}`` the older ones."""
+
+    def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP):
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._fh = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        self.size = self._fh.tell()
+        self._at_line_start = True
+        if self.size >= max_bytes:  # a new run never begins in a full file
+            self.rotate()
+
+    def rotated(self, n: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{n}")
+
+    def rotate(self) -> None:
+        self._fh.close()
+        self.rotated(self.keep).unlink(missing_ok=True)
+        for n in range(self.keep - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                self.rotated(n).rename(self.rotated(n + 1))
+        if self.keep:
+            self.path.rename(self.rotated(1))
+        else:
+            self.path.unlink(missing_ok=True)
+        self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (unbuffered: a reader sees it at once). The file is rotated at the
+        first line end at or past ``max_bytes``, so no line is cut in two unless it runs on
+        past the limit by LONG_LINE."""
+        while data:
+            if self.size >= self.max_bytes and (self._at_line_start or self.size >= self.max_bytes + LONG_LINE):
+                self.rotate()
+            room = self.max_bytes - self.size
+            if len(data) > room:
+                end = data.find(b"\n", max(0, room - 1))  # the line that reaches the limit ends here
+                if end >= 0:
+                    self._append(data[:end + 1])
+                    data = data[end + 1:]
+                    continue
+            self._append(data)
+            return
+
+    def _append(self, data: bytes) -> None:
+        self._fh.write(data)
+        self.size += len(data)
+        self._at_line_start = data.endswith(b"\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_tail(paths: list[Path], lines: int, max_bytes: int = TAIL_MAX_BYTES) -> bytes:
+    """The last ``lines`` lines of the files ``paths`` (newest first) taken as one log,
+    reading back at most ``max_bytes``."""
+    if lines <= 0:
+        return b""
+    data = b""
+    for path in paths:
+        try:
+            fh = open(path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            continue
+        with fh:
+            pos = fh.seek(0, os.SEEK_END)
+            while pos > 0 and data.count(b"\n") <= lines and len(data) < max_bytes:
+                step = min(65536, pos)
+                pos -= step
+                fh.seek(pos)
+                data = fh.read(step) + data
+        if data.count(b"\n") > lines or len(data) >= max_bytes:
+            break
+    return b"".join(data.splitlines(keepends=True)[-lines:])
+
+
+class Follower:
+    """One reader of a run's live output: chunks in order, then the end."""
+
+    def __init__(self) -> None:
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._backlog = 0
+        self._wake = asyncio.Event()
+        self.ended = False
+        self.overrun = False
+
+    def push(self, chunk: bytes) -> None:
+        if self.ended:
+            return
+        if self._backlog + len(chunk) > FOLLOW_BACKLOG:  # never hold the copier (nor the engine) up
+            self.overrun = True
+            self.end()
+            return
+        self._chunks.append(chunk)
+        self._backlog += len(chunk)
+        self._wake.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake.set()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            while self._chunks:
+                chunk = self._chunks.popleft()
+                self._backlog -= len(chunk)
+                yield chunk
+            if self.ended:
+                if self.overrun:
+                    yield b"\n[ondemand: this reader fell too far behind the engine's log; follow again]\n"
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+
+class LogRun:
+    """One engine run's output: the rotating file and the live followers."""
+
+    def __init__(self, log_file: RotatingLog):
+        self.file = log_file
+        self.followers: set[Follower] = set()
+        self.ended = False
+        self.copier: asyncio.Task[None] | None = None
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        for f in self.followers:
+            f.push(data)
+
+    def follow(self) -> Follower:
+        f = Follower()
+        self.followers.add(f)
+        return f
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.file.close()
+            for f in self.followers:
+                f.end()
+
+
+class ProcessBackend(Backend):
+    kind = "process"
+
+    def __init__(self, state_dir: Path, *, log_max_bytes: int = LOG_MAX_BYTES, log_keep: int = LOG_KEEP):
+        self.log_dir = Path(state_dir) / "logs"
+        self.log_max_bytes = log_max_bytes
+        self.log_keep = log_keep
+        self._runs: dict[str, LogRun] = {}  # by deployment name: the latest run's output
+        self._run_of: dict[asyncio.subprocess.Process, LogRun] = {}
+        self.tasks = TaskGroup("process logs")
+
+    def _paths(self, name: str) -> tuple[Path, Path]:
+        return self.log_dir / f"{name}.log", self.log_dir / f"{name}.pid"
+
+    def _log_paths(self, name: str) -> list[Path]:
+        """The log files of ``name``, newest first."""
+        path = self._paths(name)[0]
+        return [path] + [path.with_name(f"{path.name}.{n}") for n in range(1, self.log_keep + 1)]
+
+    async def start(self, dep: Deployment, launch: Launch | None = None) -> Engine:
+        launch = launch or self.as_given(dep)
+        command = list(launch.args)
+        if not command:
+            raise BackendError(f"deployment {dep.name} has no command (the process backend runs `command`)")
+        port = free_port()
+        argv = [str(a).replace("{port}", str(port)) for a in command]
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # the interpreter running us, venv or zipapp
+        elif argv[0] == "ondemand":
+            argv[:1] = self_command()  # e.g. the engine simulator of the embedded default
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path, pid_path = self._paths(dep.name)
+        await self._kill_leftover(dep.name)
+        self._end_run(dep.name)
+        run = LogRun(RotatingLog(log_path, self.log_max_bytes, self.log_keep))
+        # Every run appends to the one log; the marker lets log_tail quote this run only.
+        try:
+            run.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
+        except OSError as exc:  # a full disk loses the log, not the engine
+            log.warning("cannot write the log %s: %s", log_path, exc)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=_child_env(dep, launch),
+                start_new_session=True)  # our Ctrl-C is not the engine's
+        except OSError as exc:
+            run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
+            run.end()
+            raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
+        assert proc.stdout is not None
+        self._runs[dep.name] = self._run_of[proc] = run
+        run.copier = self.tasks.spawn(self._copy(proc.stdout, run), f"copy {dep.name}")
+        try:
+            pid_path.write_text(f"{proc.pid} {_start_time(proc.pid)}")
+        except OSError as exc:  # only a leftover after our own crash goes unnoticed then
+            log.warning("cannot write %s: %s", pid_path, exc)
+        log.info("started %s: pid %d on port %d", dep.name, proc.pid, port)
+        return Engine(dep.id, dep.name, f"http://127.0.0.1:{port}", ref=proc)
+
+    @staticmethod
+    async def _copy(pipe: asyncio.StreamReader, run: LogRun) -> None:
+        """The engine's output to its log file and followers, until the pipe closes."""
+        try:
+            while chunk := await pipe.read(65536):
+                try:
+                    run.write(chunk)
+                except OSError as exc:  # a full disk: keep draining, or the engine blocks on its pipe
+                    log.warning("cannot write the log %s: %s", run.file.path, exc)
+        finally:
+            run.end()
+
+    def _end_run(self, name: str) -> None:
+        """Stop copying an earlier run's output (a leftover that still holds its pipe)."""
+        run = self._runs.pop(name, None)
+        if run is not None and run.copier is not None and not run.copier.done():
+            run.copier.cancel("a new run of the engine")
+
+    async def close(self) -> None:
+        # The engines are stopped by now (the deployer stops them first): their copiers
+        # write the last lines and see the pipe close; one that does not is cancelled.
+        copiers = {run.copier for run in [*self._run_of.values(), *self._runs.values()]
+                   if run.copier is not None and not run.copier.done()}
+        if copiers:
+            await asyncio.wait(copiers, timeout=DRAIN_S)
+        await self.tasks.close()
+
+    async def wait_exit(self, engine: Engine) -> int | None:
+        code: int | None = await engine.ref.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self._paths(engine.name)[1].unlink()
+        run = self._run_of.pop(engine.ref, None)
+        if run is not None and run.copier is not None:
+            # Its last lines are in the file before anyone reads the tail for the reason.
+            await asyncio.wait({run.copier}, timeout=DRAIN_S)
+        return code
+
+    async def pids(self, engine: Engine) -> list[int]:
+        proc = engine.ref
+        if not isinstance(proc, asyncio.subprocess.Process) or proc.returncode is not None:
+            return []
+        return await asyncio.to_thread(_tree, proc.pid)  # a walk of /proc: off the loop
+
+    async def stop(self, engine: Engine, timeout: float) -> None:
+        proc: asyncio.subprocess.Process = engine.ref
+        if proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%s did not exit within %gs of SIGTERM: killing it", engine.name, timeout)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def remove(self, dep: Deployment) -> None:
+        await self._kill_leftover(dep.name)
+
+    async def adopt(self, dep: Deployment, launch: Launch | None = None, *, compare: bool = True) -> Engine | None:
+        await self._kill_leftover(dep.name)
+        return None
+
+    async def _kill_leftover(self, name: str) -> None:
+        pid_path = self._paths(name)[1]
+        try:
+            pid_text, started = pid_path.read_text().split()
+            pid = int(pid_text)
+        except (FileNotFoundError, ValueError):
+            return
+        pid_path.unlink(missing_ok=True)
+        if _start_time(pid) != started:
+            return  # gone, or the pid now belongs to someone else
+        try:
+            os.killpg(pid, signal.SIGKILL)  # a session leader: the group is the engine's
+            log.warning("killed engine %s (pid %d) left behind by an earlier ondemand", name, pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def log_tail(self, engine: Engine | None, dep: Deployment, lines: int = 40) -> str:
+        path = self._paths(dep.name)[0]
+        try:
+            # The last 16 KiB of a local file, once per failure: no need to move it off the loop.
+            with open(path, "rb") as fh:  # noqa: ASYNC230
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - 16384))
+                data = fh.read()
+        except FileNotFoundError:
+            return ""
+        text = data.decode("utf-8", "replace").splitlines()
+        starts = [i for i, line in enumerate(text) if line.startswith(RUN_MARKER)]
+        if starts:
+            text = text[starts[-1] + 1:]  # this run's lines, never an earlier run's
+        return "\n".join(text[-lines:])
+
+    async def logs(self, dep: Deployment, *, tail: int, follow: bool) -> AsyncIterator[bytes]:
+        # The tail is read and the follower added in one step (no await between them), and
+        # the copier writes in steps of its own: no chunk is missed, none is sent twice.
+        # A local file, at most TAIL_MAX_BYTES read back: no need to move it off the loop.
+        data = read_tail(self._log_paths(dep.name), tail)
+        run = self._runs.get(dep.name) if follow else None
+        follower = run.follow() if run is not None and not run.ended else None
+        try:
+            if data:
+                yield data
+            if follower is not None:
+                async for chunk in follower.chunks():
+                    yield chunk
+        finally:
+            if follower is not None and run is not None:
+                run.followers.discard(follower)

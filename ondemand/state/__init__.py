@@ -1,0 +1,1 @@
+"""The SQLite state file: the store and its migrations."""
