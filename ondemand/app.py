@@ -16,6 +16,7 @@ import fcntl
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -490,10 +491,30 @@ def _tune_gc() -> None:
     gc.set_threshold(10_000, 20, 20)
 
 
+def _raise_open_files(cfg: Config) -> None:
+    """Each connection is a file descriptor, and a service's soft limit is often 1,024
+    (systemd's default): raised toward the hard limit, so that the caps on open
+    connections, not the limit, decide who is refused; a warning when even the hard
+    limit is below them."""
+    want = 2 * cfg.max_connections + 1024  # both listeners full, and the engines, logs and state file
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
+    if soft != resource.RLIM_INFINITY and soft < cfg.max_connections + 256:
+        log.warning("the open-files limit is %d, below max_connections (%d): connections beyond it fail at the "
+                    "accept (raise LimitNOFILE, or ulimit -n, or lower max_connections)", soft, cfg.max_connections)
+
+
 async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT: stop accepting, let streams end within the
     grace period, then cancel what is left (uvicorn's order)."""
     setup_logging(cfg.log_level)
+    _raise_open_files(cfg)
     _ensure_token(cfg.token_file)
     app = build_app(cfg)
     server = HttpServer(app, shutdown_timeout=cfg.shutdown_grace_s)

@@ -112,7 +112,7 @@ class Config:
     ondemand_max_queued: int = 256
     # Open connections on one TCP listener, and from one client IP: over either, closed at the accept.
     max_connections: int = 4096
-    max_connections_per_peer: int = 1024
+    max_connections_per_peer: int = 2048
     reap_interval_s: float = 15.0
     sleep_timeout_s: int | None = None  # an engine asleep this long is stopped; None: never
     min_idle_timeout_s: int = 60
@@ -401,6 +401,9 @@ def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None 
             raise ConfigError(f"configuration key {key} = {value!r} is not allowed: {allowed}")
         values[key] = parsed
 
+    # An unset per-peer cap follows a lower total: one key for an admin who wants fewer connections.
+    if "max_connections" in values and "max_connections_per_peer" not in values:
+        values["max_connections_per_peer"] = min(Config.max_connections_per_peer, values["max_connections"])
     cfg = Config(**_tables(values))
 
     if not cfg.min_idle_timeout_s <= cfg.ondemand_idle_timeout_s <= 86400:

@@ -171,5 +171,8 @@ def test_connection_caps_are_keys_and_per_peer_is_at_most_the_total():
     assert (cfg.max_connections, cfg.max_connections_per_peer) == (100, 10)
     with pytest.raises(ConfigError, match="max_connections_per_peer = 200 .*1 to 100"):
         config.load(env={}, overrides={"max_connections": 100, "max_connections_per_peer": 200})
+    # Unset, the per-peer cap follows a total below its default (2,048), and stays put above it.
+    assert config.load(env={}, overrides={"max_connections": 100}).max_connections_per_peer == 100
+    assert config.load(env={}, overrides={"max_connections": 10_000}).max_connections_per_peer == 2048
     with pytest.raises(ConfigError, match="max_connections = 0"):
         config.load(env={}, overrides={"max_connections": 0})

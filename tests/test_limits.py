@@ -234,3 +234,20 @@ async def test_at_the_open_file_limit_it_refuses_then_recovers(tmp_path):
                 return False
         await wait_for(served, timeout=30, interval=0.5, what="a request served after the clients left")
         assert srv.proc.returncode is None
+
+
+def test_serve_raises_a_low_open_files_limit_toward_the_hard_one():
+    """A service started with systemd's soft limit (1,024) would fail its accepts long before
+    max_connections: serve raises the soft limit (2 x max_connections + 1,024, at most the hard)."""
+    import subprocess
+    import sys
+    code = (
+        "import resource\n"
+        "from ondemand import app, config\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "app._raise_open_files(config.load(env={}, overrides={'max_connections': 1000}))\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    soft, hard = int(out[0]), int(out[1])
+    assert soft == (3024 if hard == -1 or hard >= 3024 else hard), out
