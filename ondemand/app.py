@@ -16,7 +16,6 @@ import fcntl
 import gc
 import logging
 import os
-import resource
 import signal
 import socket
 import stat
@@ -76,7 +75,7 @@ from .gateway.routes import Gateway
 from .http.cycle import Call
 from .http.limits import Limits
 from .http.pool import Upstreams
-from .http.server import LIMITS, ROUTE, HttpServer, Route
+from .http.server import LIMITS, ROUTE, HttpServer, Route, raise_open_files
 from .litellm.client import LiteLLMClient
 from .litellm.sync import LiteLLMSync
 from .model import SYNC_STATES, State
@@ -482,39 +481,19 @@ def setup_logging(level: str) -> None:
 
 
 def _tune_gc() -> None:
-    """Start-up's objects (modules, the application, its state) leave the cyclic collector's
-    scans, and its youngest generation is collected every 10,000 allocations instead of
-    700: a request allocates a few hundred short-lived objects, almost none in cycles, and
-    with the defaults the collector took about a tenth of the gateway's CPU per request."""
+    """Start-up's objects leave the cyclic collector's scans, and its youngest generation is
+    collected every 10,000 allocations, not 700: a request allocates a few hundred short-lived
+    objects, almost none in cycles; with the defaults the collector took a tenth of its CPU."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
-
-
-def _raise_open_files(cfg: Config) -> None:
-    """Each connection is a file descriptor, and a service's soft limit is often 1,024
-    (systemd's default): raised toward the hard limit, so that the caps on open
-    connections, not the limit, decide who is refused; a warning when even the hard
-    limit is below them."""
-    want = 2 * cfg.max_connections + 1024  # both listeners full, and the engines, logs and state file
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
-    if soft != resource.RLIM_INFINITY and soft < cfg.max_connections + 256:
-        log.warning("the open-files limit is %d, below max_connections (%d): connections beyond it fail at the "
-                    "accept (raise LimitNOFILE, or ulimit -n, or lower max_connections)", soft, cfg.max_connections)
 
 
 async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT: stop accepting, let streams end within the
     grace period, then cancel what is left (uvicorn's order)."""
     setup_logging(cfg.log_level)
-    _raise_open_files(cfg)
+    raise_open_files(cfg.max_connections)
     _ensure_token(cfg.token_file)
     app = build_app(cfg)
     server = HttpServer(app, shutdown_timeout=cfg.shutdown_grace_s)

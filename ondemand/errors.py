@@ -52,6 +52,23 @@ def not_found(message: str = "Not found") -> OndemandError:
     return OndemandError(404, "not_found", message)
 
 
+def internal_error() -> OndemandError:
+    """The one 500 of both stacks: a defect of ours, its traceback in the log, not in the answer."""
+    return OndemandError(500, "internal_error", "ondemand failed on this request; see its log")
+
+
+def upgrade_refused() -> OndemandError:
+    """Nothing here switches protocols: an Upgrade is refused on either stack (what follows it
+    would be taken for the new protocol's, and the requests pipelined behind it lost)."""
+    return OndemandError(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)")
+
+
+def misdirected(what: str) -> OndemandError:
+    """RFC 9110's 421: a request for the other stack than its connection's (a connection
+    belongs to one stack); the client may retry it on a connection of its own."""
+    return OndemandError(421, "misdirected_request", f"{what}: send it on a connection of its own")
+
+
 class InsufficientMemory(Exception):
     """The deployer's fit check said no: ``need`` GiB does not fit in ``free`` (summed
     over the GPUs). ``fit`` (a ``placement.Fit``) says per GPU what make-room needs."""

@@ -15,10 +15,10 @@ ALLOWED = {
     "model": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
-    "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.protocol"},
-    "http.protocol": {"http.cycle", "http.flow_control", "http.headers", "http.refusals",
+    "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
+    "http.protocol": {"errors", "http.cycle", "http.flow_control", "http.headers", "http.refusals",
                       "http.server"},  # (server for types only)
-    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection"},
+    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
     "http.connection": {"http.body", "http.headers"},
     "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"},
@@ -26,7 +26,7 @@ ALLOWED = {
     "gateway": set(),
     "gateway.routes": {"control.admission", "control.controller", "engines.deployer", "errors", "gateway.exchange",
                        "gateway.keys", "gateway.notice", "gateway.paths", "gateway.ratelimit", "http.cycle",
-                       "http.forward", "http.headers", "http.pool", "model"},
+                       "http.forward", "http.headers", "http.limits", "http.pool", "model"},
     "gateway.paths": {"errors"}, "gateway.keys": {"errors", "events"}, "gateway.ratelimit": set(),
     "gateway.peers": {"engines.dockerapi", "errors"}, "gateway.notice": set(),
     # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
@@ -55,7 +55,7 @@ ALLOWED = {
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
     "engines.warmth": {"model"}, "engines.metrics": {"model"}, "engines.dockerapi": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
-    "engines.backends.process": {"engines.backends", "engines.recipes", "model", "tasks"},
+    "engines.backends.process": {"engines.backends", "engines.recipes", "http.limits", "model", "tasks"},
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),
@@ -84,7 +84,7 @@ ALLOWED = {
 FLOW = {
     "gateway": {"control", "engines", "http"},
     "control": {"engines", "state"},
-    "engines": {"state"},
+    "engines": {"http", "state"},  # http: the engine client (its pool, its bounds)
     "litellm": {"gateway", "http"},  # the key it registers with, the header parsers
     "admin": {"control", "engines", "gateway", "http", "litellm", "state"},
     "state": set(), "http": set(), "sim": set(),

@@ -243,10 +243,10 @@ def test_serve_raises_a_low_open_files_limit_toward_the_hard_one():
     import sys
     code = (
         "import resource\n"
-        "from ondemand import app, config\n"
+        "from ondemand.http import server\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
-        "app._raise_open_files(config.load(env={}, overrides={'max_connections': 1000}))\n"
+        "server.raise_open_files(1000)\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     soft, hard = int(out[0]), int(out[1])

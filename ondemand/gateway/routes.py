@@ -30,10 +30,11 @@ import orjson
 from ..control.admission import Admission
 from ..control.controller import Slot
 from ..engines.deployer import Deployer
-from ..errors import OndemandError
+from ..errors import OndemandError, internal_error
 from ..http.cycle import BodyMalformed, BodyTooLarge, Call
 from ..http.forward import request_lines, response_lines
 from ..http.headers import HEALTH_HEADER, bearer
+from ..http.limits import READ_SIZE
 from ..http.pool import PayloadError, UpstreamError, Upstreams
 from ..http.pool import Response as UpstreamResponse
 from ..model import Deployment, Role, State
@@ -233,7 +234,7 @@ class Gateway:
             log.exception("%s %s failed (request %s)", call.method, call.raw_path, ex.rid)
             if call.status or call.bytes_out:
                 raise
-            await send_error(call, _err(500, "internal_error", "ondemand failed on this request; see its log"))
+            await send_error(call, internal_error())
 
     # --- the checks -------------------------------------------------------------
 
@@ -474,8 +475,8 @@ class Gateway:
             raw = b""
             content = up.content
             try:
-                while len(raw) < 65536 and not content.at_eof():  # read() gives what arrived, not all
-                    raw += await content.read(65536 - len(raw))
+                while len(raw) < READ_SIZE and not content.at_eof():  # read() gives what arrived, not all
+                    raw += await content.read(READ_SIZE - len(raw))
             except PayloadError as exc:
                 return await self._upstream_failed(call, True, f"the engine broke off its answer: {exc}")
             try:

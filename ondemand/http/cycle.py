@@ -23,11 +23,7 @@ import aiohttp
 from multidict import CIMultiDictProxy
 
 from .flow_control import BODY
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
-    from async_timeout import timeout as _timeout
+from .limits import timeout as _timeout
 
 if TYPE_CHECKING:
     from .protocol import HttpProtocol

@@ -9,9 +9,19 @@ Imports nothing of ours.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
+    from async_timeout import timeout
+
+__all__ = ["Limits", "MiB", "READ_SIZE", "timeout"]
+
 MiB = 2 ** 20
+# The one size of a read, a write worth coalescing and a body's buffer before reading pauses.
+READ_SIZE = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +36,9 @@ class Limits:
     gateway_max_body: int = 16 * MiB   # a gateway request's body
     admin_max_body: int = 16 * MiB     # an admin request's body
     body_timeout_s: float = 60.0       # a whole body, from the handler's first read (both stacks)
-    high_water: int = 64 * 1024        # request body bytes buffered before reading pauses
+    high_water: int = READ_SIZE        # request body bytes buffered before reading pauses
     max_connections: int = 4096        # open connections on one TCP listener (config: max_connections)
-    max_connections_per_peer: int = 1024  # of them from one client IP (config: max_connections_per_peer)
+    max_connections_per_peer: int = 2048  # of them from one client IP (config: max_connections_per_peer)
 
     def aiohttp_args(self) -> dict[str, Any]:
         """aiohttp's ``RequestHandler`` options for a connection handed to it."""

@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import sys
 from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
 from .connection import EngineConnection as _Conn
 from .connection import PayloadError, Response, Stale, UpstreamError
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # Python 3.10 (DGX OS): aiohttp depends on async-timeout there
-    from async_timeout import timeout as _timeout
+from .limits import READ_SIZE
+from .limits import timeout as _timeout
 
 __all__ = ["Upstreams", "UpstreamError", "Response", "PayloadError"]
 
@@ -93,7 +89,7 @@ class _Pool:
         head += b"Content-Length: %d\r\n\r\n" % len(body)
         if not body:
             return head
-        return head + body if len(body) <= 65536 else [head, body]
+        return head + body if len(body) <= READ_SIZE else [head, body]
 
     async def request(self, method: str, target: str, lines: bytes, body: bytes | None) -> Response:
         """The answer's head; the caller must ``release()`` it. Raises :class:`UpstreamError`."""

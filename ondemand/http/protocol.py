@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ..errors import internal_error, misdirected, upgrade_refused
 from .cycle import BodyMalformed, Call
 from .flow_control import BODY, PIPELINE, FlowControl
 from .headers import decoded
-from .refusals import Refuse, check_head, refusal
+from .refusals import Refuse, check_head, refusal, refused
 
 if TYPE_CHECKING:
     from .server import Front
@@ -106,7 +107,7 @@ class HttpProtocol(asyncio.Protocol):
             elif not isinstance(why, _HandOff):
                 raise
         except httptools.HttpParserUpgrade:  # cannot be: on_headers_complete refuses upgrades
-            self._refuse(refusal(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"))
+            self._refuse(refused(upgrade_refused()))
         except httptools.HttpParserError as exc:
             self._malformed(exc)
         if self.broken:
@@ -196,9 +197,8 @@ class HttpProtocol(asyncio.Protocol):
                 raise Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
                                      "(the admin API is on admin_listen)"))
             if self.raw is None:
-                raise Refuse(refusal(421, "misdirected_request",
-                                     "A request that is not the gateway's, pipelined behind a gateway request: "
-                                     "send it on a connection of its own"))
+                raise Refuse(refused(misdirected("A request that is not the gateway's, pipelined behind a "
+                                                 "gateway request")))
             self.broken = True
             self.handoff, self.raw = self.raw, None
             if self.current is not None or self.pipeline:
@@ -245,7 +245,7 @@ class HttpProtocol(asyncio.Protocol):
             cycle.close = True
             if not cycle.started and self.transport is not None:
                 with contextlib.suppress(ConnectionError):
-                    self.write(refusal(500, "internal_error", "ondemand failed on this request; see its log"))
+                    self.write(refused(internal_error()))
                     cycle.ended = True
         finally:
             self.task = self.current = None

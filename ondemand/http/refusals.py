@@ -9,7 +9,7 @@ from http import HTTPStatus
 
 from multidict import MultiMapping
 
-from ..errors import OndemandError
+from ..errors import OndemandError, upgrade_refused
 
 _log = logging.getLogger("ondemand.http")
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
@@ -17,8 +17,13 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 def refusal(status: int, code: str, message: str) -> bytes:
     """A whole answer that closes the connection, with the error in the documented form."""
-    body = OndemandError(status, code, message).body()
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+    return refused(OndemandError(status, code, message))
+
+
+def refused(err: OndemandError) -> bytes:
+    """:func:`refusal` of an error already made (``errors.internal_error()``, say)."""
+    body = err.body()
+    return (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, 'Error')}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
@@ -33,7 +38,7 @@ class Refuse(Exception):
 def check_head(upgrade: bool, headers: MultiMapping[str]) -> None:
     """A request head the lean front parsed but refuses: :class:`Refuse`."""
     if upgrade:  # (issue 23) aiohttp lost what followed an Upgrade with a body
-        raise Refuse(refusal(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"))
+        raise Refuse(refused(upgrade_refused()))
     codings = headers.getall("Transfer-Encoding", ())
     if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
         # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.

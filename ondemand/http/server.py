@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import resource
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -28,6 +30,8 @@ from .cycle import Call
 from .limits import Limits
 from .protocol import HttpProtocol
 from .refusals import REFUSALS, RefusalLog
+
+_log = logging.getLogger("ondemand.http")
 
 __all__ = ["Route", "ROUTE", "LIMITS", "HttpServer", "Front"]
 
@@ -176,3 +180,22 @@ class HttpServer:
                              *([server.shutdown(self.shutdown_timeout)] if server is not None else []))
         if self.front is not None:
             self.front.connections.clear()
+
+
+def raise_open_files(max_connections: int) -> None:
+    """Each connection is a file descriptor, and a service's soft limit is often 1,024
+    (systemd's default): raised toward the hard limit, so that the caps on open
+    connections, not the limit, decide who is refused; a warning when even the hard
+    limit is below them."""
+    want = 2 * max_connections + 1024  # both listeners full, and the engines, logs and state file
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            _log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
+    if soft != resource.RLIM_INFINITY and soft < max_connections + 256:
+        _log.warning("the open-files limit is %d, below max_connections (%d): connections beyond it fail at the "
+                     "accept (raise LimitNOFILE, or ulimit -n, or lower max_connections)", soft, max_connections)

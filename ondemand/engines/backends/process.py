@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ...http.limits import READ_SIZE
 from ...model import Deployment
 from ...tasks import TaskGroup
 from ..recipes import Launch
@@ -183,7 +184,7 @@ def read_tail(paths: list[Path], lines: int, max_bytes: int = TAIL_MAX_BYTES) ->
         with fh:
             pos = fh.seek(0, os.SEEK_END)
             while pos > 0 and data.count(b"\n") <= lines and len(data) < max_bytes:
-                step = min(65536, pos)
+                step = min(READ_SIZE, pos)
                 pos -= step
                 fh.seek(pos)
                 data = fh.read(step) + data
@@ -321,7 +322,7 @@ class ProcessBackend(Backend):
     async def _copy(pipe: asyncio.StreamReader, run: LogRun) -> None:
         """The engine's output to its log file and followers, until the pipe closes."""
         try:
-            while chunk := await pipe.read(65536):
+            while chunk := await pipe.read(READ_SIZE):
                 try:
                     run.write(chunk)
                 except OSError as exc:  # a full disk: keep draining, or the engine blocks on its pipe
