@@ -148,7 +148,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     from .admin import api as admin  # the admin API's routes
 
     # Built here, once, for both stacks; the connection caps are configuration keys.
-    limits = Limits(max_connections=cfg.max_connections, max_connections_per_peer=cfg.max_connections_per_peer)
+    limits = Limits.of(cfg)
     app = web.Application(client_max_size=limits.client_max_size())
     app[CONFIG] = cfg
     app[LIMITS] = limits

@@ -113,6 +113,12 @@ class Config:
     # Open connections on one TCP listener, and from one client IP: over either, closed at the accept.
     max_connections: int = 4096
     max_connections_per_peer: int = 2048
+    # The bounds on what one client may make the server hold (http/limits.py), both stacks.
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 300.0
+    max_head_kib: int = 128
+    max_body_mib: int = 16
     reap_interval_s: float = 15.0
     sleep_timeout_s: int | None = None  # an engine asleep this long is stopped; None: never
     min_idle_timeout_s: int = 60
@@ -289,6 +295,12 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     # At most max_connections: checked once both are known (below).
     "max_connections_per_peer": (_int, _between(1, 1_000_000),
                                  "1 to 1000000, at most max_connections (open connections from one client IP)"),
+    "head_timeout_s": (_float, _between(0.5, 300), "seconds, 0.5 to 300 (a request head, from its first byte; a "
+                       "connection's first, from the accept)"),
+    "body_timeout_s": (_float, _between(1, 3600), "seconds, 1 to 3600 (a whole request body)"),
+    "keepalive_timeout_s": (_float, _between(1, 3600), "seconds, 1 to 3600 (an idle keep-alive connection)"),
+    "max_head_kib": (_int, _between(64, 1024), "KiB, 64 to 1024 (a request line and its headers)"),
+    "max_body_mib": (_int, _between(1, 1024), "MiB, 1 to 1024 (a gateway or admin request's body)"),
     "reap_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
     "min_idle_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
     "sleep_timeout_s": (lambda v: None if v in (None, "", "none") else _int(v),

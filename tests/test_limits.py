@@ -251,3 +251,41 @@ def test_serve_raises_a_low_open_files_limit_toward_the_hard_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     soft, hard = int(out[0]), int(out[1])
     assert soft == (3024 if hard == -1 or hard >= 3024 else hard), out
+
+
+async def test_the_http_bounds_come_from_the_configuration(tmp_path):
+    """head_timeout_s, keepalive_timeout_s, max_head_kib and max_body_mib are keys (validated as
+    every key), and the server keeps them: a silent connection is closed after the configured
+    head timeout, a body over max_body_mib is a 413 that names the size, on the gateway's path."""
+    from helpers import run_app
+
+    from ondemand.errors import ConfigError
+    from ondemand.http.limits import Limits
+    with pytest.raises(ConfigError, match="head_timeout_s = 0.1 .*0.5 to 300"):
+        config.load(env={}, overrides={"head_timeout_s": 0.1})
+    cfg = config.load(env={}, overrides={"head_timeout_s": 0.5, "body_timeout_s": 5, "keepalive_timeout_s": 2,
+                                         "max_head_kib": 64, "max_body_mib": 1})
+    limits = Limits.of(cfg)
+    assert (limits.head_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s) == (0.5, 5, 2)
+    assert (limits.max_head_bytes, limits.gateway_max_body, limits.admin_max_body) == (64 * 1024, 2**20, 2**20)
+    assert Limits.of(config.load(env={}, overrides={})) == Limits()  # the defaults are today's bounds
+    async with run_app(tmp_path, head_timeout_s=0.5, max_body_mib=1) as server:
+        port = int(server.url.rpartition(":")[2].split("/")[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert 0.4 <= time.monotonic() - t0 < 3
+        finally:
+            writer.close()
+        body = b'{"model": "x", "pad": "' + b"x" * (2**20) + b'"}'
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /dgxmm/ondemand/1/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + server.key.encode() + b"\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 413 "), head
+            assert b"larger than 1 MiB" in await asyncio.wait_for(reader.read(), 5)
+        finally:
+            writer.close()

@@ -40,6 +40,15 @@ class Limits:
     max_connections: int = 4096        # open connections on one TCP listener (config: max_connections)
     max_connections_per_peer: int = 2048  # of them from one client IP (config: max_connections_per_peer)
 
+    @classmethod
+    def of(cls, cfg: Any) -> Limits:
+        """The bounds the configuration sets (its keys of the same names); the rest as above."""
+        body = cfg.max_body_mib * MiB
+        return cls(head_timeout_s=cfg.head_timeout_s, body_timeout_s=cfg.body_timeout_s,
+                   keepalive_timeout_s=cfg.keepalive_timeout_s, max_head_bytes=cfg.max_head_kib * 1024,
+                   gateway_max_body=body, admin_max_body=body, max_connections=cfg.max_connections,
+                   max_connections_per_peer=cfg.max_connections_per_peer)
+
     def aiohttp_args(self) -> dict[str, Any]:
         """aiohttp's ``RequestHandler`` options for a connection handed to it."""
         return {"max_line_size": self.max_line_size, "max_field_size": self.max_field_size,
