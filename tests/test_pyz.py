@@ -38,7 +38,7 @@ SOURCE_VERSION = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""",
 # loop the CLI's runner gives a coroutine, and where the modules came from.
 PROBE = r"""
 import asyncio, json, sys
-import aiohttp, click, orjson, uvloop, ondemand, ondemand.cli as cli
+import aiohttp, click, orjson, uvloop, ondemand, ondemand.cli.shared as cli
 
 async def loop_type():
     loop = asyncio.get_running_loop()
@@ -272,7 +272,7 @@ def test_zip_holds_the_package_without_bytecode(native_pyz):
     assert env["entry_point"] == "ondemand.cli:main"
     assert env["reproducible"] is True
     assert "site-packages/ondemand/__init__.py" in names
-    assert "site-packages/ondemand/cli.py" in names
+    assert "site-packages/ondemand/cli/__init__.py" in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
 
 

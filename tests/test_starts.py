@@ -168,7 +168,7 @@ async def test_views_carry_the_history_of_real_starts(server, http):
 
 
 def test_status_says_when_a_starting_or_queued_model_is_expected():
-    from ondemand.cli import _dep_rows, _expected
+    from ondemand.cli.views import _dep_rows, _expected
     views = [
         {"name": "a", "state": "starting", "updated_at": 100.0, "start_eta_s": 40.0, "ondemand": {"phase": "idle"}},
         {"name": "b", "state": "stopped", "updated_at": 0.0, "start_eta_s": 12.0, "ondemand": {"phase": "queued"}},

@@ -1,0 +1,122 @@
+"""What every command shares: the root group and its context (the configuration, read once),
+the exit codes, the calls to the running server, and the output helpers."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any, NoReturn, TypeVar
+
+import click
+import orjson
+
+from .. import __version__
+from .. import config as config_mod
+from ..admin import client as adminclient
+from ..engines.recipes import MASK, is_secret
+from ..errors import ConfigError
+
+EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 1, 2, 3
+T = TypeVar("T")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        return asyncio.run(coro)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
+
+
+def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    click.echo(f"ondemand: {message}", err=True)
+    sys.exit(code)
+
+
+
+class Ctx:
+    def __init__(self, config_path: str | None):
+        self.config_path = config_path
+        self._cfg: config_mod.Config | None = None
+
+    @property
+    def cfg(self) -> config_mod.Config:
+        if self._cfg is None:
+            try:
+                self._cfg = config_mod.load(self.config_path)
+            except ConfigError as exc:
+                _fail(str(exc), EXIT_USAGE)
+        return self._cfg
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", metavar="FILE", envvar=None,
+              help="TOML configuration (default: $ONDEMAND_CONFIG, else built-in defaults)")
+@click.version_option(__version__, prog_name="ondemand")
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None) -> None:
+    """ondemand: the on-demand gateway for LLM deployments.
+
+    The first request for a stopped model starts its engine, requests wait in
+    a fair queue while it starts or while memory is freed, and idle models are
+    put to sleep.
+    """
+    ctx.obj = Ctx(config_path)
+
+
+# --- talking to the server ----------------------------------------------------
+
+def _call(ctx: Ctx, method: str, path: str, body: Any = None) -> Any:
+    """An admin call whose failure ends the command with the API's message."""
+    try:
+        status, data = _run(adminclient.request(ctx.cfg, method, path, body))
+    except adminclient.NoServer as exc:
+        _fail(f"{exc}; start it with `ondemand serve`", EXIT_NO_SERVER)
+    if status >= 400:
+        err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        _fail(f"{err.get('message', status)} ({err.get('code', status)})")
+    return data
+
+
+def _views(ctx: Ctx, path: str = "/deployments") -> tuple[Any, bool]:
+    try:
+        status, data = _run(adminclient.request(ctx.cfg, "GET", path))
+    except adminclient.NoServer:
+        rows = _run(adminclient.offline_views(ctx.cfg))
+        if rows is None:
+            _fail(f"no server runs and there is no state file at {ctx.cfg.db_path}", EXIT_NO_SERVER)
+        for row in rows:  # as a view shows them: no secret's value
+            if isinstance(row.get("env"), dict):
+                row["env"] = {k: MASK if is_secret(k) else v for k, v in row["env"].items()}
+        if path == "/deployments":
+            return rows, True
+        dep_id = int(path.rsplit("/", 1)[1])
+        for row in rows:
+            if row["id"] == dep_id:
+                return row, True
+        _fail(f"no deployment {dep_id}")
+    if status >= 400:
+        _fail(f"{data['error']['message']} ({data['error']['code']})")
+    return data, False
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    import time
+    s = max(0, int(time.time() - ts))
+    return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
