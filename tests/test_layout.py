@@ -77,6 +77,14 @@ ALLOWED = {
     "admin.doctor": {"admin.client", "config", "control.budget", "engines.dockerapi", "engines.metrics",
                      "engines.recipes", "gateway.keys", "litellm.client", "model"},
     "sim": {"sim.engine"}, "sim.engine": set(),
+    # cli/: the command line, an edge (it may import anything).
+    "cli.shared": {"admin.client", "config", "engines.recipes", "errors"},
+    "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.warmth", "model"},
+    "cli.serve": {"app", "cli.shared", "config", "gateway.keys", "sim.engine", "state.migrations", "state.store"},
+    "cli.deploy": {"admin.client", "cli.shared", "cli.views", "engines.recipes", "model"},
+    "cli.warmth": {"cli.deploy", "cli.shared", "cli.views"},
+    "cli.keys": {"cli.shared", "config", "gateway.keys"},
+    "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
 }
 
 # Which packages each package's modules may import (besides its own and the shared top: model,
@@ -168,7 +176,7 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "cli.py": 1008, "admin/api.py": 826,
+OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "admin/api.py": 826,
                 "app.py": 545, "litellm/client.py": 544, "sim/engine.py": 1096}
 
 
