@@ -18,7 +18,7 @@ from litellm_double import litellm_double
 
 from ondemand import config
 from ondemand.gateway import keys
-from ondemand.litellm.client import entry_instance, entry_owned, ondemand_entry
+from ondemand.litellm.entries import entry_instance, entry_owned, ondemand_entry
 
 MASTER = "sk-master"
 

@@ -11,12 +11,11 @@ import pytest
 from helpers import wait_for
 from litellm_double import litellm_double
 
-from ondemand.litellm.client import (
+from ondemand.litellm.client import LiteLLMClient, LiteLLMError
+from ondemand.litellm.entries import (
     ORDER_ASLEEP,
     ORDER_COLD,
     ORDER_READY,
-    LiteLLMClient,
-    LiteLLMError,
     always_on_entry,
     entry_change,
     entry_order,

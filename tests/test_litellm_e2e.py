@@ -36,7 +36,8 @@ import pytest_asyncio
 from helpers import free_port, run_app
 
 from ondemand import app as app_mod
-from ondemand.litellm.client import HEALTH_CHECK_HEADER, LiteLLMClient, LiteLLMError, ondemand_entry
+from ondemand.litellm.client import LiteLLMClient, LiteLLMError
+from ondemand.litellm.entries import HEALTH_CHECK_HEADER, ondemand_entry
 
 CLIENT = Path(__file__).resolve().parent / "clients" / "litellm_client.py"
 MASTER = "sk-ondemand-e2e-master"

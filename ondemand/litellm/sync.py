@@ -15,9 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..tasks import TaskGroup
-from .client import (
-    LiteLLMClient,
-    LiteLLMError,
+from .client import LiteLLMClient, LiteLLMError
+from .entries import (
     always_on_entry,
     entry_change,
     entry_dgxmm_id,
