@@ -60,17 +60,25 @@ ALLOWED = {
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),
     # litellm/: LiteLLM's admin API and the sync.
-    "litellm": set(), "litellm.client": {"errors", "gateway.keys", "http.headers"},
-    "litellm.sync": {"litellm.client", "tasks"},
+    "litellm": set(), "litellm.client": {"errors", "litellm.entries"},
+    "litellm.entries": {"gateway.keys", "http.headers"},
+    "litellm.sync": {"litellm.client", "litellm.entries", "tasks"},
     # admin/: an edge, as the command line is: the API, the page, the view, /metrics, the socket's client.
     "admin": set(),
     "admin.components": {"admin.telemetry", "config", "control.admission", "control.controller", "control.effects",
                          "control.footprint", "control.starts", "engines.deployer", "engines.metrics",
                          "engines.recipes", "engines.warmth", "events", "gateway.accesslog", "gateway.keys",
                          "gateway.peers", "gateway.routes", "litellm.sync", "model", "state.store", "tasks"},
-    "admin.api": {"admin.components", "admin.telemetry", "config", "engines.backends", "engines.deployer",
-                  "engines.metrics", "engines.recipes", "engines.warmth", "errors", "events", "gateway.keys",
-                  "http.aio", "http.headers", "http.server", "model"},
+    "admin.api": {"admin.actions", "admin.components", "admin.deployments", "admin.fields", "admin.streams",
+                  "admin.telemetry", "admin.wire", "config", "engines.deployer", "errors", "gateway.keys",
+                  "http.headers", "model"},
+    "admin.wire": {"admin.components", "errors", "http.aio", "http.server"},
+    "admin.fields": {"config", "engines.recipes", "engines.warmth", "errors", "model"},
+    "admin.deployments": {"admin.actions", "admin.components", "admin.fields", "admin.wire", "engines.deployer",
+                          "engines.metrics", "engines.warmth", "errors", "model"},
+    "admin.actions": {"admin.fields", "admin.wire", "engines.deployer", "engines.warmth", "errors", "model"},
+    "admin.streams": {"admin.fields", "admin.wire", "engines.backends", "engines.deployer", "errors", "events",
+                      "model"},
     "admin.telemetry": {"events", "gateway.exchange", "model"},
     "admin.client": {"config", "state.store"},
     # recipes: the images the deployments run, and the checks of a deployment against the box.
@@ -176,8 +184,8 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "admin/api.py": 826,
-                "app.py": 545, "litellm/client.py": 544, "sim/engine.py": 1096}
+OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "app.py": 545,
+                "sim/engine.py": 1096}
 
 
 def test_no_module_over_500_lines():
