@@ -71,7 +71,7 @@ ALLOWED = {
                          "gateway.peers", "gateway.routes", "litellm.sync", "model", "state.store", "tasks"},
     "admin.api": {"admin.actions", "admin.components", "admin.deployments", "admin.fields", "admin.streams",
                   "admin.telemetry", "admin.wire", "config", "engines.deployer", "errors", "gateway.keys",
-                  "http.headers", "model"},
+                  "http.headers", "http.limits", "http.server", "model"},
     "admin.wire": {"admin.components", "errors", "http.aio", "http.server"},
     "admin.fields": {"config", "engines.recipes", "engines.warmth", "errors", "model"},
     "admin.deployments": {"admin.actions", "admin.components", "admin.fields", "admin.wire", "engines.deployer",

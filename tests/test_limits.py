@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 
+import aiohttp
 import orjson
 import pytest
 from helpers import ROOT, admin_ok, free_port, serving, sim_command, terminate, wait_for
@@ -289,3 +290,7 @@ async def test_the_http_bounds_come_from_the_configuration(tmp_path):
             assert b"larger than 1 MiB" in await asyncio.wait_for(reader.read(), 5)
         finally:
             writer.close()
+        async with aiohttp.ClientSession() as http:  # the admin side keeps the same bound, and says it
+            async with http.post(f"{server.url}/api/deployments", data=body, headers={
+                    "Authorization": f"Bearer {server.token}", "Content-Type": "application/json"}) as r:
+                assert r.status == 413 and "larger than 1 MiB" in (await r.json())["error"]["message"]

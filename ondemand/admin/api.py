@@ -21,9 +21,11 @@ from aiohttp.typedefs import Handler, Middleware
 from .. import __version__
 from ..config import Config
 from ..engines.deployer import Deployer
-from ..errors import BudgetError, OndemandError, StateFileError
+from ..errors import BudgetError, OndemandError, StateFileError, internal_error, misdirected, upgrade_refused
 from ..gateway import keys as keys_mod
 from ..http.headers import bearer, token_bytes
+from ..http.limits import Limits
+from ..http.server import LIMITS
 from ..model import State
 from . import actions, components, deployments, streams
 from .fields import field_error
@@ -50,14 +52,11 @@ def auth_middleware(cfg: Config) -> Middleware:
         if "Upgrade" in request.headers and "upgrade" in request.headers.get("Connection", "").lower():
             # aiohttp would take what follows for the new protocol's, and lose the requests
             # pipelined behind it (issue 23): nothing here switches protocols.
-            return refusal(OndemandError(400, "invalid_request", "ondemand switches to no other protocol (Upgrade)"),
-                            close=True)
+            return refusal(upgrade_refused(), close=True)
         if request.raw_path.startswith(gateway + "/"):
             # This connection carries admin requests: the gateway serves only connections
             # that began with one of its own (RFC 9110's 421: retry on another connection).
-            return refusal(OndemandError(421, "misdirected_request",
-                                          "A gateway request on a connection that carries admin requests: "
-                                          "send it on a connection of its own"))
+            return refusal(misdirected("A gateway request on a connection that carries admin requests"))
         if request.path.startswith(gateway):
             return refusal(OndemandError(404, "not_found", "Not found"))  # ondemand%2F1, say
         if guarded(request.path) and not is_unix(request):
@@ -81,13 +80,12 @@ def auth_middleware(cfg: Config) -> Middleware:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return http_error(exc)
+            return http_error(exc, (request.app.get(LIMITS) or Limits()).admin_max_body)
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             if request.writer is None or request.writer.output_size:
                 raise  # an answer (an event stream) is under way: aiohttp cuts the connection
-            internal = OndemandError(500, "internal_error", "ondemand failed on this request; see its log")
-            return web.Response(status=500, body=internal.body(), content_type=JSON)
+            return web.Response(status=500, body=internal_error().body(), content_type=JSON)
     return admin_auth
 
 

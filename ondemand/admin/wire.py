@@ -32,10 +32,10 @@ def is_unix(request: web.BaseRequest) -> bool:
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def http_error(exc: web.HTTPException) -> web.Response:
+def http_error(exc: web.HTTPException, max_body: int) -> web.Response:
     code = _HTTP_CODES.get(exc.status, exc.reason.lower().replace(" ", "_"))
     allow = exc.headers.get("Allow")
-    message = {405: f"{exc.reason}; allowed: {allow}", 413: "The request body is larger than 16 MiB"}
+    message = {405: f"{exc.reason}; allowed: {allow}", 413: f"The request body is larger than {max_body // 2**20} MiB"}
     err = OndemandError(exc.status, code, message.get(exc.status, exc.reason))
     return web.Response(status=exc.status, body=err.body(), content_type=JSON,
                         headers={"Allow": allow} if allow else None)
