@@ -2,8 +2,8 @@
 
 The click commands, and nothing else. The configuration is read here, once,
 and passed down. Commands that read or change state talk to the running
-server over its admin socket (``adminclient``); read-only ones open the state
-file themselves when no server runs. ``doctor``'s checks live in ``doctor``.
+server over its admin socket (``admin.client``); read-only ones open the state
+file themselves when no server runs. ``doctor``'s checks live in ``admin.doctor``.
 ``--json`` prints machine-readable output; errors go to stderr with a non-zero
 exit: 1 for a refused or failed action, 2 for bad usage or configuration, 3 when
 the server is needed but not running.

@@ -1,6 +1,6 @@
 """LiteLLM's admin API as ondemand uses it: the HTTP client and its errors.
 
-This module owns everything ondemand says to LiteLLM's proxy (``litellm_sync`` decides
+This module owns everything ondemand says to LiteLLM's proxy (``litellm.sync`` decides
 when and what):
 
 - ``LiteLLMClient``: ``GET /model/info``, ``POST /model/new`` (verified by a read),

@@ -3,7 +3,7 @@
 It reconciles LiteLLM's list with the deployments, adds before deletes, never
 concurrently, on triggers and every ``interval_s``, and keeps each deployment's
 LiteLLM status for the deployment views and ``ondemand.litellm_ready``. What it
-says to LiteLLM, and the entries themselves, are ``litellm``'s.
+says to LiteLLM is ``litellm.client``'s; the entries themselves, ``litellm.entries``'.
 """
 from __future__ import annotations
 
