@@ -84,7 +84,13 @@ ALLOWED = {
     # recipes: the images the deployments run, and the checks of a deployment against the box.
     "admin.doctor": {"admin.client", "config", "control.budget", "engines.dockerapi", "engines.metrics",
                      "engines.recipes", "gateway.keys", "litellm.client", "model"},
-    "sim": {"sim.engine"}, "sim.engine": set(),
+    "sim": {"sim.engine"},
+    "sim.engine": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.record", "sim.replies",
+                   "sim.routes"},
+    "sim.options": set(), "sim.faults": set(), "sim.record": set(), "sim.replies": set(),
+    "sim.memory": {"sim.faults", "sim.options", "sim.record", "sim.replies"},
+    "sim.generation": {"sim.faults", "sim.memory", "sim.options", "sim.replies"},
+    "sim.routes": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.record", "sim.replies"},
     # cli/: the command line, an edge (it may import anything).
     "cli.shared": {"admin.client", "config", "engines.recipes", "errors"},
     "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.warmth", "model"},
@@ -184,8 +190,7 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "app.py": 545,
-                "sim/engine.py": 1096}
+OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "app.py": 545}
 
 
 def test_no_module_over_500_lines():

@@ -1,0 +1,36 @@
+"""The simulator's options (``SimOptions``), as the command line (``engine.parse_args``) or a
+test in the same process (``routes.build_app``) gives them, and the choices two of them take."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLAVORS = ("vllm", "llamacpp", "sglang")
+FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "wake-fails", "wake-hangs",
+            "wake-garbage")
+
+
+@dataclass
+class SimOptions:
+    """The command-line options, for in-process use with ``build_app``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "sim-model"
+    flavor: str = "vllm"
+    startup_delay: float = 0.0
+    token_delay: float = 0.0
+    tokens: int = 16
+    fail: str | None = None  # one of FAILURES
+    fail_after: float = 0.0  # seconds, for fail="exit-after"
+    max_model_len: int = 4096
+    max_running: int = 0  # 0: unlimited; above it requests wait (vllm:num_requests_waiting)
+    embedding_dim: int = 8
+    record_limit: int = 1000
+    shutdown_delay: float = 0.0  # seconds between SIGTERM and the exit (a large engine freeing memory)
+    gpu_mib: int = 0  # MiB per visible GPU reported to the fake nvidia-smi (0: none)
+    sleep_gpu_mib: int = 0  # the same while asleep
+    host_mib: int = 0  # host memory really held while asleep at level 1 (the weights' copy)
+    sleep_delay: float = 0.0  # seconds a sleep takes
+    wake_delay: float = 0.0  # seconds the wake of the weights takes
+    weights_cpu_backup: bool = False  # SGLang's --enable-weights-cpu-backup: it sleeps at level 1, else 2
+    journal: str | None = None  # a file to append one JSON line per event to (see engine's doc)
