@@ -1,8 +1,11 @@
 """deploy: add, set, list, show, rm, start, stop and logs (sleep and wake are in warmth)."""
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import click
@@ -352,6 +355,22 @@ def deploy_stop(ctx: Ctx, dep_id: int, as_json: bool) -> None:
     _action(ctx, dep_id, "stop", as_json)
 
 
+async def _until_ctrl_c(coro: Coroutine[Any, Any, None]) -> None:
+    """``coro`` until it ends or Ctrl-C, which ends it cleanly. The loop's own signal handler,
+    not the runner's Python one: uvloop, idle in its C loop (a followed log that says nothing),
+    may never run the Python handler, and Ctrl-C went unheard (uvloop #295, #335)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGINT, task.cancel)
+    try:
+        await coro
+    except asyncio.CancelledError:  # Ctrl-C (this handler's, or the runner's): nothing else cancels it
+        return
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
 @deploy.command("logs")
 @click.argument("dep_id", type=int)
 @click.option("-n", "--tail", default=100, show_default=True, type=click.IntRange(0, 10000),
@@ -368,7 +387,7 @@ def deploy_logs(ctx: Ctx, dep_id: int, tail: int, follow: bool) -> None:
         out.flush()
     path = f"/deployments/{dep_id}/logs?tail={tail}" + ("&follow=1" if follow else "")
     try:
-        _run(adminclient.stream(ctx.cfg, path, write))
+        _run(_until_ctrl_c(adminclient.stream(ctx.cfg, path, write)))
     except KeyboardInterrupt:  # Ctrl-C ends a follow: that is how it is meant to end
         pass
     except BrokenPipeError:  # | head: the reader has what it wanted
