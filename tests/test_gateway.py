@@ -368,7 +368,7 @@ async def test_streaming_chat_gets_the_queued_notice_then_the_engine(server, htt
         rest = await r.read()
     assert rest.endswith(b"data: [DONE]\n\n")
     events = [orjson.loads(l[6:]) for l in rest.split(b"\n\n") if l and l != b"data: [DONE]"]
-    assert all(e["object"] == "chat.completion.chunk" and e["id"] != "ondemand-queued" for e in events)
+    assert all(e.get("object") == "chat.completion.chunk" and e.get("id") != "ondemand-queued" for e in events), events
     assert server.state(big) == "stopped" and server.state(x) == "ready"
 
 
