@@ -56,6 +56,28 @@ async def test_an_nvidia_smi_that_cannot_run_is_a_budget_error(tmp_path):
         await Budget("nvidia-smi", nvidia_smi=str(tool)).measure()
 
 
+async def test_a_cancelled_nvidia_smi_read_kills_and_reaps_its_child(tmp_path):
+    """A read cancelled while nvidia-smi runs (a shutdown, a caller's deadline) leaves no child
+    running: it is killed and reaped before the cancellation goes on."""
+    import asyncio
+    import os
+    pid_file = tmp_path / "pid"
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 30\n")
+    tool.chmod(0o755)
+    read = asyncio.ensure_future(Budget("nvidia-smi", nvidia_smi=str(tool)).measure())
+    for _ in range(500):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        await asyncio.sleep(0.01)
+    pid = int(pid_file.read_text())
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    with pytest.raises(ProcessLookupError):  # gone, and reaped (a zombie would still take signal 0)
+        os.kill(pid, 0)
+
+
 async def test_meminfo_reads_available_memory(tmp_path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       131072000 kB\nMemFree:  1 kB\nMemAvailable:   65536000 kB\n")
