@@ -423,7 +423,7 @@ async def test_attempt_starts_nothing_when_nobody_waits(tmp_path, store):
         assert env.controller.attempt_phase(a) is None  # nothing left behind
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 2 else []) for s in range(20)])
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 1 else []) for s in range(20)])
 async def test_race_hang_ups_at_random_moments(tmp_path, store, seed):
     """200 acquires with random hang-ups against two deployments that do not
     fit together: counts return to 0, no stopped engine had a slot when its
@@ -629,7 +629,7 @@ async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path,
         assert env.controller.waiting() == 0 and env.controller.attempt_phase(a) is None
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 2 else []) for s in range(10)])
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 1 else []) for s in range(10)])
 async def test_race_the_limit_under_concurrent_acquires(tmp_path, store, seed):
     """300 acquires of a deployment with max_inflight 3, started cold (the first ones wait
     for the start), with random hang-ups and random holding times: the in-flight count

@@ -1,10 +1,13 @@
 """The zipapp: scripts/build_pyz.py builds what ondemand.pyz.spec says, and
 the result runs with nothing but a python3 of its version.
 
-The native build is not marked slow. Its wheels come from the build cache
-(${ONDEMAND_CACHE:-~/.cache/ondemand}/wheels/native) after the first build:
-about 15 s cold, about 4 s warm. The cross builds are marked slow: each
-downloads another platform's wheels on its first run (about 12-21 s).
+Every test here is marked slow (make test-all, CI): building the zipapp is
+the fast suite's largest single cost (about 15 s of a core on a fresh clone,
+twice for the byte-identical rebuild), and make test on two cores with one of
+them busy must stay within its three minutes. The native build's wheels come
+from the build cache (${ONDEMAND_CACHE:-~/.cache/ondemand}/wheels/native)
+after the first build; the cross builds download another platform's wheels on
+their first run (about 12-21 s).
 
 Each zipapp runs in a clean environment: a PATH holding only a `python3` (the
 base interpreter, outside any venv) and /usr/bin:/bin, no PYTHONPATH, HOME and
@@ -28,6 +31,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "scripts" / "build_pyz.py"
@@ -282,7 +287,6 @@ def test_rebuild_is_byte_identical(native_pyz, tmp_path_factory):
 
 # --- cross builds -------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_cross_build_for_dgx_spark_holds_aarch64_cp312_wheels(tmp_path_factory):
     pyz = build(tmp_path_factory, "py312-aarch64")
     names = so_names(pyz)
@@ -299,7 +303,6 @@ def test_cross_build_for_dgx_spark_holds_aarch64_cp312_wheels(tmp_path_factory):
     assert not [n for n in listing if n.startswith(("site-packages/tomli/", "site-packages/async_timeout/"))]
 
 
-@pytest.mark.slow
 def test_cross_build_for_python310_bundles_its_markers_and_runs(tmp_path_factory, tmp_path):
     """Built by this (newer) Python for 3.10: pip alone would drop tomli and
     async-timeout, whose markers it evaluates for the building interpreter."""
