@@ -28,7 +28,6 @@ Facts about LiteLLM relied on here are cited by file and function of BerriAI/lit
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import Any, Literal
 from urllib.parse import quote
@@ -38,8 +37,6 @@ import orjson
 
 from ..errors import OndemandError
 from .entries import entry_dgxmm_id, entry_id, entry_matches, entry_order
-
-log = logging.getLogger(__name__)
 
 # The text of LiteLLM's answers we recognise. add_new_model / delete_model
 # (management_endpoints/model_management_endpoints.py, older: proxy_server.py) raise
