@@ -197,7 +197,15 @@ async def test_start_answers_then_stop_ends_it_idempotently(h):
 
 
 def _cmdlines(pids: list[int]) -> list[bytes]:
-    return [p.read_bytes() for p in (pathlib.Path(f"/proc/{pid}/cmdline") for pid in pids) if p.exists()]
+    """The command lines of those of ``pids`` still alive. A process can be reaped between any
+    two reads of /proc (ENOENT or ESRCH then): it is simply not listed."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:
+            continue
+    return out
 
 
 async def test_pids_are_the_engines_processes_while_it_runs(h):
