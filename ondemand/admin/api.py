@@ -129,7 +129,7 @@ def host_memory(deployer: Deployer) -> dict[str, float | None]:
     engines were measured to hold, and the reserve a level-1 sleep must leave."""
     budget = deployer.budget
     try:
-        mem = budget._meminfo()
+        mem = budget.meminfo()
         total: float | None = round(mem.total, 3)
         available: float | None = round(mem.total - mem.used, 3)
     except BudgetError:

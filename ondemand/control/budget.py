@@ -176,7 +176,7 @@ class Budget:
         if self.source == "nvidia-smi":
             gpus = await self._nvidia_smi()
         elif self.source == "meminfo":
-            gpus = (self._meminfo(),)
+            gpus = (self.meminfo(),)
         else:
             await self._read_physical()
             return None
@@ -273,12 +273,14 @@ class Budget:
         reserve; None when it cannot be read (then nothing is held back). A read of a small
         file, no await: it is asked in the step that decides the sleep's level."""
         try:
-            host = self._meminfo()
+            host = self.meminfo()
         except BudgetError:
             return None
         return host.total - host.used
 
-    def _meminfo(self) -> Gpu:
+    def meminfo(self) -> Gpu:
+        """The host's memory as one pool (``MemTotal``, used = total − ``MemAvailable``), read
+        from ``meminfo_path``; raises BudgetError when it cannot be read."""
         fields = {}
         try:
             with open(self.meminfo_path) as fh:
