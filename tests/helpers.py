@@ -240,10 +240,10 @@ class Server:
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a test's server: the process backend's rule (below the ephemeral range, so no
+    outgoing connection or bind to 0 of another test takes it before the server binds)."""
+    from ondemand.engines.backends.process import free_port as engine_port
+    return engine_port()
 
 
 @contextlib.asynccontextmanager

@@ -434,3 +434,26 @@ async def test_the_environment_mounts_and_shm_reach_the_engine(h, tmp_path):
             assert info["HostConfig"]["ShmSize"] == 2**30
     finally:
         await b.stop(engine, 5)
+
+
+def test_engine_ports_are_drawn_below_the_kernels_ephemeral_range(tmp_path):
+    """The process backend's port for an engine binds, and lies below the ephemeral range, where
+    neither a bind to 0 nor an outgoing connection's local end can take it before the engine
+    binds it (a busy-core run lost a start to that: the engine's port answered as another's)."""
+    import random
+    import socket
+
+    from ondemand.engines.backends import process
+    top = process.ephemeral_start()
+    ports = {process.free_port(rng=random.Random(seed)) for seed in range(20)}
+    assert all(process.ENGINE_PORTS_FROM <= p < top for p in ports) and len(ports) > 1
+    held = socket.socket()
+    held.bind(("127.0.0.1", process.free_port(rng=random.Random(1))))  # taken: the pick goes on
+    try:
+        assert process.free_port(rng=random.Random(1)) != held.getsockname()[1]
+    finally:
+        held.close()
+    squeezed = tmp_path / "range"
+    squeezed.write_text("20100\t60999\n")  # the range as the kernel writes it
+    assert process.ephemeral_start(squeezed) == 20100
+    assert process.ephemeral_start(tmp_path / "missing") == 32768

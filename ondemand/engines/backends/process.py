@@ -25,6 +25,7 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -54,11 +55,39 @@ TAIL_MAX_BYTES = 4 * 2**20
 DRAIN_S = 5.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Engines' ports are drawn from below the kernel's ephemeral range: a port the kernel hands out
+# (bind to 0, or the local end of any outgoing connection) is never one an engine is about to
+# bind, so the window between this pick and the engine's own bind is open only to other pickers.
+ENGINE_PORTS_FROM = 20000
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_start(path: Path = EPHEMERAL) -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> int:
+    """A port free on ``host`` now, for an engine to bind: a random one below the ephemeral range
+    that binds (the first of 64 tries), else one the kernel picks."""
+    top = ephemeral_start()
+    pick = rng or random.SystemRandom()
+    if top - ENGINE_PORTS_FROM >= 1024:
+        for _ in range(64):
+            port = pick.randrange(ENGINE_PORTS_FROM, top)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        kernel: int = s.getsockname()[1]
+        return kernel
 
 
 def self_command() -> list[str]:
