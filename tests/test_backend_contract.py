@@ -267,6 +267,26 @@ async def test_adopt_after_a_restart(h):
     assert await h.backend().adopt(dep) is None  # it no longer runs: nothing to adopt
 
 
+async def test_an_engine_whose_pid_file_was_never_written_is_killed_at_the_take_back(tmp_path):
+    """ondemand killed between the fork and the pid file's write (the crash test's kill at a spawn)
+    left an engine no pid file names: the next ondemand finds it by the marker in its environment,
+    and only its own (another state directory's engine of the same name lives on)."""
+    mine, other = ProcessHarness(tmp_path / "mine"), ProcessHarness(tmp_path / "other")
+    dep = mine.dep()
+    try:
+        first, theirs = await mine.backend().start(dep), await other.backend().start(dep)
+        await until_answers(first)
+        await until_answers(theirs)
+        (tmp_path / "mine" / "logs" / f"{dep.name}.pid").unlink()  # as if never written
+        assert await mine.backend().adopt(dep) is None
+        assert await asyncio.wait_for(mine.made[0].wait_exit(first), 10) != 0
+        assert await answers(theirs.base_url)
+    finally:
+        await other.made[0].stop(theirs, 5)
+        await mine.close()
+        await other.close()
+
+
 async def test_an_exited_engine_is_not_adopted(h):
     b = h.backend()
     dep = h.dep("--fail", "exit-at-start")

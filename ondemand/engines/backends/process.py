@@ -16,7 +16,9 @@ the renamed file. The copier also hands every chunk to the live followers of
 write fails (SIGPIPE) rather than filling a file nobody rotates. A pid file beside the log lets the next ondemand kill
 an engine it left behind when it died without stopping it: a child cannot be
 re-adopted (its exit status belongs to the dead parent), and an orphan would
-hold GPU memory the budget no longer counts.
+hold GPU memory the budget no longer counts. An engine started just before that
+death may have no pid file yet; its environment's ``ONDEMAND_ENGINE`` (the pid
+file's path) names it to the next ondemand's take-back all the same.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 from ...http.limits import READ_SIZE
@@ -41,6 +43,9 @@ from . import Backend, BackendError, Engine, visible_gpus
 
 log = logging.getLogger("ondemand.engines.backends.process")
 
+# Set in each engine's environment to its pid file's path: an engine whose pid file was never
+# written (ondemand died right after the fork) is still found, and only by the ondemand it is of.
+MARKER = "ONDEMAND_ENGINE"
 # The first line of each run in an engine's log file.
 RUN_MARKER = "--- ondemand started this engine at"
 LOG_MAX_BYTES = 10 * 2**20
@@ -132,6 +137,28 @@ def _tree(pid: int) -> list[int]:
         out.append(p)
         todo.extend(children.get(p, ()))
     return out
+
+
+def _marked_leaders(variable: str) -> dict[str, list[tuple[int, str]]]:
+    """Session leaders whose environment sets ``variable``, by its value: (pid, start time)."""
+    prefix = variable.encode() + b"="
+    found: dict[str, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+            if fields[3] != entry:  # not a session leader: a worker of an engine, or not ours
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not readable by us
+        for item in env:
+            if item.startswith(prefix):
+                found.setdefault(item[len(prefix):].decode(errors="replace"), []).append((int(entry), fields[19]))
+    return found
 
 
 def _start_time(pid: int) -> str:
@@ -298,6 +325,8 @@ class ProcessBackend(Backend):
         self._runs: dict[str, LogRun] = {}  # by deployment name: the latest run's output
         self._run_of: dict[asyncio.subprocess.Process, LogRun] = {}
         self.tasks = TaskGroup("process logs")
+        # Engines a dead ondemand left behind, found by their marker: read once, at the first take-back.
+        self._left: dict[str, list[tuple[int, str]]] | None = None
 
     def _paths(self, name: str) -> tuple[Path, Path]:
         return self.log_dir / f"{name}.log", self.log_dir / f"{name}.pid"
@@ -331,7 +360,7 @@ class ProcessBackend(Backend):
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=_child_env(dep, launch),
+                stderr=asyncio.subprocess.STDOUT, env={**_child_env(dep, launch), MARKER: str(pid_path)},
                 start_new_session=True)  # our Ctrl-C is not the engine's
         except OSError as exc:
             run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
@@ -408,17 +437,30 @@ class ProcessBackend(Backend):
         await self._kill_leftover(dep.name)
 
     async def adopt(self, dep: Deployment, launch: Launch | None = None, *, compare: bool = True) -> Engine | None:
-        await self._kill_leftover(dep.name)
+        # An engine started just before our death may have no pid file yet (ondemand died between
+        # the fork and the write): its marker in its environment names it all the same.
+        if self._left is None:
+            self._left = await asyncio.to_thread(_marked_leaders, MARKER)
+        killed = set()
+        for pid, started in self._left.pop(str(self._paths(dep.name)[1]), []):
+            self._kill(dep.name, pid, started)
+            killed.add(pid)
+        await self._kill_leftover(dep.name, killed)
         return None
 
-    async def _kill_leftover(self, name: str) -> None:
+    async def _kill_leftover(self, name: str, killed: Collection[int] = ()) -> None:
         pid_path = self._paths(name)[1]
         try:
             pid_text, started = pid_path.read_text().split()
             pid = int(pid_text)
         except (FileNotFoundError, ValueError):
             return
-        pid_path.unlink(missing_ok=True)
+        if pid not in killed:
+            self._kill(name, pid, started)
+        pid_path.unlink(missing_ok=True)  # after the kill: a death between the two leaves the file to the next
+
+    @staticmethod
+    def _kill(name: str, pid: int, started: str) -> None:
         if _start_time(pid) != started:
             return  # gone, or the pid now belongs to someone else
         try:
