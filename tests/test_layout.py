@@ -55,7 +55,10 @@ ALLOWED = {
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
     "engines.warmth": {"model"}, "engines.metrics": {"model"}, "engines.dockerapi": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
-    "engines.backends.process": {"engines.backends", "engines.recipes", "http.limits", "model", "tasks"},
+    "engines.backends.process": {"engines.backends", "engines.backends.logs", "engines.recipes", "http.limits", "model",
+                                 "tasks"},
+    # A process engine's log file, its tail and its live followers.
+    "engines.backends.logs": {"http.limits"},
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),

@@ -7,7 +7,8 @@ import asyncio
 
 from helpers import wait_for
 
-from ondemand.engines.backends.process import RUN_MARKER, ProcessBackend, RotatingLog, read_tail
+from ondemand.engines.backends.logs import RUN_MARKER, RotatingLog, read_tail
+from ondemand.engines.backends.process import ProcessBackend
 from ondemand.model import Deployment
 
 # Numbered lines of 40 bytes each ("line 000123 " padded), then exit 0.
