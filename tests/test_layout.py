@@ -54,6 +54,8 @@ ALLOWED = {
     "engines.checkpoint": set(),
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
     "engines.warmth": {"model"}, "engines.metrics": {"model"}, "engines.dockerapi": set(),
+    # Adaptive warmth's decision core: a deployment's idle gaps and the plan they give (pure).
+    "engines.rhythm": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
     "engines.backends.process": {"engines.backends", "engines.backends.logs", "engines.recipes", "http.limits", "model",
                                  "tasks"},

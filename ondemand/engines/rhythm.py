@@ -1,0 +1,152 @@
+"""Adaptive warmth's decision core: a deployment's rhythm, learned from its idle gaps.
+
+A pure room beside ``warmth`` (no I/O, no clock, no state but the gaps): the deployer records
+each idle gap (from the moment the engine became idle to the next request's arrival) and asks,
+when an idle period begins, for a ``Plan``: how long the engine stays awake, the tier it then
+rests in, and when a pre-warm brings it back before the next request is expected.
+
+It starts from the hybrid-histogram policy of Shahrad et al. ("Serverless in the Wild", USENIX
+ATC '20): a histogram of idle times; when it shows a pattern (the coefficient of variation of
+its bin counts is high), unload after the execution and load again at the histogram's head (5th
+percentile, less a 10 % margin), keep loaded until its tail (99th percentile, plus 10 %); when it
+shows none, the fixed keep-alive. Where this differs, and why:
+
+- **The head is conditional on the idle time already passed.** A model called in bursts has two
+  kinds of gaps: seconds within a burst, half an hour between bursts. The plain head (5th
+  percentile of all gaps) is a few seconds, which would never let it rest; the policy instead
+  looks, for each moment ``t`` it could rest at, at the gaps longer than ``t``: once the burst's
+  short gaps are behind, their head is the next burst's.
+- **Unloading is a choice of tiers, not one.** A level-1 wake costs about a second, a level-2 wake
+  a few, a cold start a minute. A rest is taken only when it lasts at least ``WORTH`` times the
+  tier's cost to come back (and at least ``MIN_REST_S``), in the deepest tier that passes that
+  test, so a short quiet time rests lightly and a long one frees everything.
+- **Bounds from the configuration.** Awake idle no longer than ``idle_timeout_s`` and no shorter
+  than ``min_idle_timeout_s``; at most ``KEEP`` gaps, the newest (the paper keeps 4 hours of
+  1-minute bins, which loses both seconds-scale bursts and twice-a-day jobs).
+- **No ARIMA.** Where the gaps show no pattern the plan is ``None`` and the deployment behaves as
+  ``fixed``; so it is, too, before its ``LEARN_AFTER``-th gap.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+# The gaps kept per deployment (the newest) and how many before a plan is made.
+KEEP = 500
+LEARN_AFTER = 20
+# The histogram's bins, over [0, the 99th percentile]; a coefficient of variation of their counts
+# at or above PATTERN_CV is a pattern (the paper's threshold).
+BINS = 240
+PATTERN_CV = 2.0
+# The head and tail of the (conditional) gaps, and their margins (the paper's).
+HEAD_Q, TAIL_Q = 0.05, 0.99
+HEAD_MARGIN, TAIL_MARGIN = 0.9, 1.1
+# A rest must last WORTH times the tier's cost to come back, and at least MIN_REST_S.
+WORTH = 10.0
+MIN_REST_S = 30.0
+# The tiers, shallow to deep, as warmth names an idle engine's states.
+TIERS = ("asleep_1", "asleep_2", "stopped")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One idle period's decisions, in seconds from the moment the engine became idle."""
+
+    awake_for_s: float  # stays awake idle this long, then rests (or, with rest None, follows fixed)
+    rest: str | None  # the tier it rests in (TIERS); None: it does not rest early
+    prewarm_in_s: float | None  # woken or started again at this moment; None: no pre-warm
+    awake_until_s: float | None  # after a pre-warm, awake (idle) until this moment, then fixed
+
+
+def quantile(ordered: list[float], q: float, start: int = 0) -> float:
+    """The q-quantile of ``ordered[start:]`` (ordered, non-empty), linear between the closest
+    ranks; the suffix is not copied."""
+    pos = start + q * (len(ordered) - 1 - start)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def has_pattern(ordered: list[float]) -> bool:
+    """The hybrid histogram's test: the gaps up to their 99th percentile, in BINS equal bins,
+    concentrate in a few (the bin counts' coefficient of variation is at least PATTERN_CV)."""
+    top = quantile(ordered, TAIL_Q)
+    if top <= 0:
+        return True  # every gap (but outliers) is nil: the next request always comes at once
+    counts = [0] * BINS
+    for gap in ordered:
+        if gap > top:
+            break
+        counts[min(int(gap / top * BINS), BINS - 1)] += 1
+    mean = sum(counts) / BINS
+    var = sum((c - mean) ** 2 for c in counts) / BINS
+    return math.sqrt(var) / mean >= PATTERN_CV
+
+
+class Rhythm:
+    """A deployment's idle gaps (the newest KEEP) and the plan they give."""
+
+    def __init__(self, gaps: Iterable[float] = ()):
+        self._gaps: collections.deque[float] = collections.deque(maxlen=KEEP)
+        for gap in gaps:
+            self.add(gap)
+
+    def add(self, gap_s: float) -> None:
+        """Records one idle gap (a negative one, a clock's step back, counts as nil)."""
+        self._gaps.append(max(0.0, float(gap_s)))
+
+    @property
+    def gaps(self) -> list[float]:
+        """The gaps kept, oldest first (what the state file keeps)."""
+        return list(self._gaps)
+
+    def __len__(self) -> int:
+        return len(self._gaps)
+
+    def plan(self, *, idle_timeout_s: float, min_idle_timeout_s: float,
+             tiers: Mapping[str, float]) -> Plan | None:
+        """The plan for an idle period that begins now, or None to behave as ``fixed``.
+
+        ``tiers`` maps each tier this deployment can rest in (TIERS' names) to its measured
+        cost to come back from (a wake's or a cold start's seconds); the caller leaves out a tier
+        that is not possible (no sleep API, the host reserve)."""
+        if len(self._gaps) < LEARN_AFTER:
+            return None
+        ordered = sorted(self._gaps)
+        if not has_pattern(ordered):
+            return None
+        floor = float(min_idle_timeout_s)
+        ceiling = max(floor, float(idle_timeout_s))
+        early = self._rest_early(ordered, floor, ceiling, tiers)
+        if early is not None:
+            return early
+        tail = TAIL_MARGIN * quantile(ordered, TAIL_Q)
+        if tail <= ceiling:  # the next request almost always comes while it is awake: rest after the tail
+            return Plan(awake_for_s=max(floor, tail), rest=None, prewarm_in_s=None, awake_until_s=None)
+        return None
+
+    def _rest_early(self, ordered: list[float], floor: float, ceiling: float,
+                    tiers: Mapping[str, float]) -> Plan | None:
+        """The earliest moment in [floor, ceiling] at which, given the gaps longer than it, the
+        next request is far enough for a rest in some tier to pay: the deepest such tier."""
+        n = len(ordered)
+        candidates = sorted({floor} | {g for g in ordered if floor < g <= ceiling})
+        for t in candidates:
+            first = bisect.bisect_right(ordered, t)  # the gaps longer than t: ordered[first:]
+            # Too few gaps longer than t say nothing of the next request (under 5 % of them).
+            if n - first < max(LEARN_AFTER // 4, HEAD_Q * n):
+                break
+            head = t + HEAD_MARGIN * (quantile(ordered, HEAD_Q, first) - t)
+            for tier in reversed(TIERS):
+                cost = tiers.get(tier)
+                if cost is None:
+                    continue
+                rest_s = head - cost - t
+                if rest_s >= max(MIN_REST_S, WORTH * cost):
+                    tail = TAIL_MARGIN * quantile(ordered, TAIL_Q, first)
+                    until = min(max(tail, head + floor), head + ceiling)
+                    return Plan(awake_for_s=t, rest=tier, prewarm_in_s=head - cost, awake_until_s=until)
+        return None

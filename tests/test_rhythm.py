@@ -1,0 +1,122 @@
+"""Adaptive warmth's decision core (engines/rhythm.py): pure, so every case is a list of gaps."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ondemand.engines import rhythm
+from ondemand.engines.rhythm import Plan, Rhythm
+
+COSTS = {"asleep_1": 1.0, "asleep_2": 6.0, "stopped": 60.0}
+BOUNDS = {"idle_timeout_s": 600, "min_idle_timeout_s": 60}
+
+
+def bursts(n_bursts: int, *, every_s: float = 1800.0, jitter_s: float = 60.0, inside_s: float = 3.0,
+           per_burst: int = 5, seed: int = 1) -> list[float]:
+    """Gaps of a model called in bursts: a few seconds apart inside one, about every_s between."""
+    rng = random.Random(seed)
+    gaps: list[float] = []
+    for _ in range(n_bursts):
+        gaps += [rng.uniform(0.5, inside_s) for _ in range(per_burst - 1)]
+        gaps.append(every_s + rng.uniform(-jitter_s, jitter_s))
+    return gaps
+
+
+def test_no_plan_before_the_20th_gap():
+    r = Rhythm([5.0] * 19)
+    assert r.plan(**BOUNDS, tiers=COSTS) is None
+    r.add(5.0)
+    assert r.plan(**BOUNDS, tiers=COSTS) is not None
+
+
+def test_a_burst_pattern_rests_right_after_the_burst_and_is_back_before_the_next():
+    gaps = bursts(8)
+    r = Rhythm(gaps)
+    plan = r.plan(**BOUNDS, tiers=COSTS)
+    assert plan is not None
+    # The burst's gaps (seconds) are behind at the minimum idle time: it rests then, and deep
+    # (half an hour of quiet pays for a one-minute cold start many times over).
+    assert plan.awake_for_s == 60
+    assert plan.rest == "stopped"
+    # Started again so that it is ready before the next burst: ready by the head of the long gaps.
+    between = sorted(g for g in gaps if g > 60)
+    ready = plan.prewarm_in_s + COSTS["stopped"]
+    assert plan.prewarm_in_s > plan.awake_for_s + rhythm.MIN_REST_S
+    assert ready < between[0]
+    assert plan.awake_until_s is not None and plan.awake_until_s >= between[-1]
+
+
+def test_the_pattern_is_learned_as_the_gaps_come():
+    """Before the pattern: fixed. After enough bursts: the plan; an arriving gap is kept, the
+    oldest beyond KEEP dropped."""
+    r = Rhythm()
+    plans = []
+    for gap in bursts(10):
+        r.add(gap)
+        plans.append(r.plan(**BOUNDS, tiers=COSTS))
+    assert all(p is None for p in plans[:rhythm.LEARN_AFTER - 1])
+    assert plans[-1] is not None and plans[-1].rest == "stopped"
+    for _ in range(rhythm.KEEP + 10):
+        r.add(7.0)
+    assert len(r) == rhythm.KEEP and set(r.gaps) == {7.0}
+
+
+def test_only_the_tiers_given_are_chosen():
+    r = Rhythm(bursts(8))
+    plan = r.plan(**BOUNDS, tiers={"asleep_1": 1.0})
+    assert plan is not None and plan.rest == "asleep_1"
+    assert plan.prewarm_in_s is not None and plan.awake_until_s is not None
+    assert r.plan(**BOUNDS, tiers={}) is None  # nowhere to rest, and the tail is past the timeout
+
+
+def test_a_short_quiet_time_rests_lightly():
+    # Two minutes between bursts: too short for a one-minute cold start to pay, long enough for
+    # a level-2 wake.
+    r = Rhythm(bursts(10, every_s=150, jitter_s=5))
+    plan = r.plan(idle_timeout_s=600, min_idle_timeout_s=10, tiers=COSTS)
+    assert plan is not None and plan.awake_for_s == 10 and plan.rest == "asleep_2"
+
+
+def test_gaps_with_no_regularity_behave_as_fixed():
+    rng = random.Random(3)
+    uniform = Rhythm(rng.uniform(0, 7200) for _ in range(400))
+    memoryless = Rhythm(rng.expovariate(1 / 300) for _ in range(400))
+    assert uniform.plan(**BOUNDS, tiers=COSTS) is None
+    assert memoryless.plan(**BOUNDS, tiers=COSTS) is None
+
+
+def test_requests_that_always_come_soon_rest_after_the_tail_not_the_timeout():
+    rng = random.Random(4)
+    r = Rhythm(rng.uniform(5, 8) for _ in range(50))  # every 5 to 8 s: too soon to rest between
+    plan = r.plan(idle_timeout_s=600, min_idle_timeout_s=1, tiers=COSTS)
+    assert plan == Plan(awake_for_s=plan.awake_for_s, rest=None, prewarm_in_s=None, awake_until_s=None)
+    assert 8 <= plan.awake_for_s <= 8 * rhythm.TAIL_MARGIN
+    # ...and never shorter than the minimum idle time.
+    assert r.plan(idle_timeout_s=600, min_idle_timeout_s=60, tiers=COSTS).awake_for_s == 60
+
+
+def test_nil_gaps_are_a_pattern_and_negative_ones_count_as_nil():
+    r = Rhythm([-3.0] * 25)
+    assert r.gaps == [0.0] * 25
+    plan = r.plan(**BOUNDS, tiers=COSTS)
+    assert plan is not None and plan.awake_for_s == 60 and plan.rest is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.floats(min_value=0, max_value=86400, allow_nan=False), min_size=20, max_size=120),
+       floor=st.integers(1, 600), extra=st.integers(0, 3600),
+       costs=st.dictionaries(st.sampled_from(rhythm.TIERS), st.floats(0.1, 300), max_size=3))
+def test_every_plan_keeps_the_bounds(gaps, floor, extra, costs):
+    plan = Rhythm(gaps).plan(idle_timeout_s=floor + extra, min_idle_timeout_s=floor, tiers=costs)
+    if plan is None:
+        return
+    assert floor <= plan.awake_for_s <= floor + extra
+    if plan.rest is None:
+        assert plan.prewarm_in_s is None and plan.awake_until_s is None
+        return
+    cost = costs[plan.rest]
+    assert plan.prewarm_in_s is not None and plan.awake_until_s is not None
+    rest = plan.prewarm_in_s - plan.awake_for_s
+    assert rest >= max(rhythm.MIN_REST_S, rhythm.WORTH * cost) - 1e-6
+    ready = plan.prewarm_in_s + cost
+    assert ready + floor - 1e-6 <= plan.awake_until_s <= ready + floor + extra + 1e-6
