@@ -57,7 +57,7 @@ async def pressure(server):
 async def relieve(server, big, slot):
     """Let make-room stop big: no slot, idle for its full timeout, engine metrics say idle."""
     slot.release()
-    server.controller._last_activity[big] = 0
+    server.controller.record(big).last_activity = 0
     await server.app[app_mod.SAMPLER].sample_once()
 
 

@@ -1468,7 +1468,7 @@ def test_an_asleep_engine_nothing_was_read_of_is_stopped_for_room_as_freeing_the
     Req(c, 1)
     c.on_refused(1, InsufficientMemory(20, 18, 80, fit=Fit(20, (18.0,), (80.0,), 1, None, True)))  # 2 short
     assert [s[1] for s in fx.taken("stop")] == [2]
-    assert c._waits[1].frees == {2: {0: 3.0}}  # what it keeps: 3 on its GPU
+    assert c.record(1).attempt.frees == {2: {0: 3.0}}  # what it keeps: 3 on its GPU
 
 
 def test_a_start_that_needs_more_gpus_than_the_box_has_fails_with_both_numbers(world):

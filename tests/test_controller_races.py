@@ -280,20 +280,20 @@ async def test_start_failure_backoff(tmp_path, store):
         assert codes == ["start_failed"] * 3
         # refused at once, without a start, for 60 s
         assert await code_of(env.acquire(a)) == "start_failed"
-        assert c._backoff[a].delay == 60
+        assert c.record(a).backoff.delay == 60
         starts = [e for e in await store.events(a) if e["detail"].get("to") == "starting"]
         assert len(starts) == 1
         # doubling, capped at 900
-        c._backoff[a].until = 0
+        c.record(a).backoff.until = 0
         assert await code_of(env.acquire(a)) == "start_failed"
-        assert c._backoff[a].delay == 120
+        assert c.record(a).backoff.delay == 120
         for _ in range(5):
-            c._backoff[a].until = 0
+            c.record(a).backoff.until = 0
             await code_of(env.acquire(a))
-        assert c._backoff[a].delay == 900
+        assert c.record(a).backoff.delay == 900
         # a changed configuration resets it, and a good start works
         await env.deployer.update(a, command=["ondemand", "sim-engine", "--port", "{port}", "--model", "A"])
-        assert a not in c._backoff
+        assert c.record(a).backoff is None
         async with await env.acquire(a):
             pass
 
@@ -303,9 +303,9 @@ async def test_set_mode_resets_backoff(tmp_path, store):
         c = env.controller
         a = await env.add("a", 10, "--fail", "exit-at-start")
         await code_of(env.acquire(a))
-        assert a in c._backoff
+        assert c.record(a).backoff is not None
         await env.admission.set_mode(a, "on_demand", idle_timeout_s=120, set_idle_timeout=True)
-        assert a not in c._backoff
+        assert c.record(a).backoff is None
         assert env.deployer.get(a).idle_timeout_s == 120
         audit = (await store.audit(a))[0]
         assert audit["action"] == "ondemand_mode"
@@ -491,7 +491,7 @@ async def test_race_hang_ups_at_random_moments(tmp_path, store, seed):
         assert violations == []
         assert c.waiting() == 0 and c.inflight(a) == 0 and c.inflight(b) == 0
         assert c.status(a)["queued"] == 0 and c.status(b)["queued"] == 0 and len(c.queue) == 0
-        assert not c._waits
+        assert not c.attempts()
 
 
 async def test_too_big_is_not_refused_right_after_an_ondemand_stop(tmp_path, store):
@@ -524,7 +524,7 @@ async def test_a_wake_that_fails_starts_the_engine_cold_and_is_no_failed_start(t
             async with await w:
                 assert env.state(a) == "ready"
         assert env.deployer.engine(a).ref.pid != pid  # another engine: a cold start
-        assert a not in c._backoff
+        assert c.record(a).backoff is None
         audit = await store.audit(a)
         failed = [r for r in audit if r["action"] == "ondemand_wake_failed"]
         assert len(failed) == 1 and "500" in failed[0]["detail"]["reason"] and failed[0]["detail"]["result"] == "failed"
@@ -580,7 +580,7 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
         for dep_id in (victim, ready, other):
             await server.deployer.restart(dep_id)
         c = server.controller
-        c._last_activity[victim] = 0  # idle for its full timeout
+        c.record(victim).last_activity = 0  # idle for its full timeout
         await wait_for(lambda: c.is_idle(server.deployer.get(victim)), timeout=30, what="the victim idle by every rule")
         chat = {"model": "X", "messages": [{"role": "user", "content": "hi"}]}
         async with two_pools() as http:
@@ -642,8 +642,8 @@ async def test_race_the_limit_under_concurrent_acquires(tmp_path, store, seed):
         peaks, codes = [], []
         real_grant = c._grant
 
-        def spied_grant(dep_id):
-            slot = real_grant(dep_id)
+        def spied_grant(dep_id, *rest):
+            slot = real_grant(dep_id, *rest)
             peaks.append(c.inflight(dep_id))
             return slot
         c._grant = spied_grant
@@ -675,4 +675,4 @@ async def test_race_the_limit_under_concurrent_acquires(tmp_path, store, seed):
         assert peaks and max(peaks) <= 3
         assert codes and set(codes) == {"ondemand_busy"}
         assert c.busy_total(a) == len(codes) and c.backoff_left(a) == 0
-        assert c.inflight(a) == 0 and c.waiting() == 0 and not c._waits
+        assert c.inflight(a) == 0 and c.waiting() == 0 and not c.attempts()

@@ -337,7 +337,7 @@ async def test_upstream_unreachable_is_502(server, http):
 async def _relieve(server, big, slot):
     """Let the queued deployment through: the busy one becomes idle for its full timeout."""
     slot.release()
-    server.controller._last_activity[big] = 0
+    server.controller.record(big).last_activity = 0
     from ondemand import app as app_mod
     await server.app[app_mod.SAMPLER].sample_once()
 
@@ -363,7 +363,7 @@ async def test_streaming_chat_gets_the_queued_notice_then_the_engine(server, htt
         assert chunk["id"] == "ondemand-queued" and chunk["object"] == "chat.completion.chunk"
         assert chunk["model"] == "X" and "GPU memory" in chunk["choices"][0]["delta"]["content"]
         slot.release()
-        server.controller._last_activity[big] = 0  # idle for its full timeout now
+        server.controller.record(big).last_activity = 0  # idle for its full timeout now
         await server.app[__import__("ondemand.app").app.SAMPLER].sample_once()
         rest = await r.read()
     assert rest.endswith(b"data: [DONE]\n\n")
@@ -458,7 +458,7 @@ async def test_a_make_room_that_found_its_victim_sends_no_notice_streaming_or_no
     big = await server.add("big", 15)
     x = await server.add("x", 12)
     await server.deployer.restart(big)
-    server.controller._last_activity[big] = 0  # idle for its full timeout
+    server.controller.record(big).last_activity = 0  # idle for its full timeout
     from ondemand import app as app_mod
     await server.app[app_mod.SAMPLER].sample_once()
     stream = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}

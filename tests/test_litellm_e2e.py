@@ -438,7 +438,7 @@ async def test_library_stream_gets_the_queued_notice_first(tmp_path):
                 notice = first["content"]
                 slot.release()
                 released = True
-                server.controller._last_activity[big] = 0  # idle for its full timeout now
+                server.controller.record(big).last_activity = 0  # idle for its full timeout now
                 await server.app[app_mod.SAMPLER].sample_once()
                 events = await run.rest(60)
         finally:

@@ -22,7 +22,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 def idle_now(server, *dep_ids: int) -> None:
     """Idle for their full timeout (the clock is real: move their last use back)."""
     for dep_id in dep_ids:
-        server.controller._last_activity[dep_id] = 0.0
+        server.controller.record(dep_id).last_activity = 0.0
 
 
 async def chat(http, server, dep_id: int, **kw):

@@ -73,7 +73,7 @@ async def test_request_id_on_a_queued_stream(server, http):
         assert r.headers["x-request-id"] == "s-1"
         await r.content.readuntil(b"\n\n")  # the queued notice
         slot.release()
-        server.controller._last_activity[big] = 0
+        server.controller.record(big).last_activity = 0
         await server.app[app_mod.SAMPLER].sample_once()
         server.controller.tick()
         assert (await r.read()).endswith(b"data: [DONE]\n\n")

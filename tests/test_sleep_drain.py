@@ -37,7 +37,7 @@ async def test_a_stream_through_a_sleep_arrives_whole_and_a_request_meanwhile_wa
     stream = asyncio.ensure_future(read_stream(http, server, i))
     await wait_for(lambda: server.controller.inflight(i) == 1, what="the stream in flight")
     sleep = asyncio.ensure_future(api(server, "POST", f"/deployments/{i}/sleep", {"level": 1}))
-    await wait_for(lambda: i in server.controller._drains, what="the drain")
+    await wait_for(lambda: server.controller.draining(i), what="the drain")
     assert server.controller.try_take(i) is None  # no new slot while it drains
     late = asyncio.ensure_future(http.post(server.gw(i, "chat/completions"), json=PLAIN, headers=server.auth()))
     await wait_for(lambda: server.controller.waiting(i) == 1, what="the late request waiting")
@@ -56,7 +56,7 @@ async def test_still_busy_at_the_deadline_is_409_and_it_serves_on_and_force_slee
     await wait_for(lambda: server.controller.inflight(i) == 1, what="the stream in flight")
     status, err = await api(server, "POST", f"/deployments/{i}/sleep", {"drain_s": 0.2})
     assert status == 409 and err["error"]["code"] == "deployment_busy" and "in flight" in err["error"]["message"]
-    assert server.state(i) == "ready" and i not in server.controller._drains
+    assert server.state(i) == "ready" and not server.controller.draining(i)
     async with http.post(server.gw(i, "chat/completions"), json=PLAIN, headers=server.auth()) as r:
         assert r.status == 200  # it serves on
     data = await stream
@@ -97,13 +97,13 @@ async def test_an_admin_hang_up_during_the_drain_leaves_it_awake_undrained_and_s
 
     async def drained_with_a_waiter():
         nonlocal late
-        await wait_for(lambda: i in server.controller._drains, what="the drain")
+        await wait_for(lambda: server.controller.draining(i), what="the drain")
         late = asyncio.ensure_future(http.post(server.gw(i, "chat/completions"), json=PLAIN, headers=server.auth()))
         await wait_for(lambda: server.controller.waiting(i) == 1, what="the late request held by the drain")
     await hang_up_during(server, f"/deployments/{i}/sleep", b'{"level": 1, "drain_s": 60}', drained_with_a_waiter)
-    await wait_for(lambda: i not in server.controller._drains, timeout=2, what="the drain ended by the hang-up")
+    await wait_for(lambda: not server.controller.draining(i), timeout=2, what="the drain ended by the hang-up")
     assert not stream.done() and server.controller.inflight(i) >= 1  # ended by the hang-up, not by a sleep
-    assert i not in server.controller._draining  # its drained() callback went with it
+    assert not server.controller.record(i).drained  # its drained() callback went with it
     assert late is not None
     async with await late as r:  # held by the drain, then served: it was not held for 60 s
         assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"]
@@ -120,7 +120,7 @@ async def test_an_admin_hang_up_during_the_drain_leaves_it_awake_undrained_and_s
     server.controller.release(i)
     status, view = await api(server, "POST", f"/deployments/{i}/sleep", {"level": 1})  # a later sleep drains anew
     assert status == 200 and view["state"] == "asleep", view
-    assert i not in server.controller._drains and server.controller.inflight(i) == 0
+    assert not server.controller.draining(i) and server.controller.inflight(i) == 0
 
 
 async def test_an_admin_hang_up_once_the_sleep_began_leaves_the_sleep_to_finish(server, http):
@@ -138,7 +138,7 @@ async def test_an_admin_hang_up_once_the_sleep_began_leaves_the_sleep_to_finish(
     await wait_for(lambda: i not in server.deployer._sleeping, timeout=5, what="the sleep call's end")
     await wait_for(lambda: server.deployer.get(i).host_gib is not None, what="the sleeper measured")
     assert server.state(i) == "asleep" and server.deployer.get(i).sleep_level == 1
-    assert i not in server.controller._drains and server.controller.inflight(i) == 0
+    assert not server.controller.draining(i) and server.controller.inflight(i) == 0
     sim = await sim_state(server, i)
     assert sim["level"] == 1 and sim["sleeps"] == 1, sim
     async with http.post(server.gw(i, "chat/completions"), json=PLAIN, headers=server.auth()) as r:

@@ -198,6 +198,6 @@ async def test_the_queued_notice_of_the_gateway_carries_the_eta(server, http):
         assert chunk["id"] == "ondemand-queued"
         assert "(place 1 of 1, about 7 s)" in chunk["choices"][0]["delta"]["content"]
         slot.release()
-        server.controller._last_activity[big] = 0  # idle for its full timeout: x gets its memory
+        server.controller.record(big).last_activity = 0  # idle for its full timeout: x gets its memory
         await server.app[app_mod.SAMPLER].sample_once()
         assert (await r.read()).endswith(b"data: [DONE]\n\n")

@@ -64,14 +64,14 @@ async def test_the_metrics_are_what_happened(server, http):
     assert v(during, "ondemand_queued", deployment="x", priority="normal") == 1
     assert v(during, "ondemand_inflight", deployment="big") == 1
     slot.release()
-    server.controller._last_activity[big] = 0  # idle for its full timeout
+    server.controller.record(big).last_activity = 0  # idle for its full timeout
     await server.app[app_mod.SAMPLER].sample_once()
     server.controller.tick()
     async with await queued as r:
         assert r.status == 200
     assert server.state(big) == "stopped" and server.state(x) == "ready"
     # x idles out: the reaper's step, by hand.
-    server.controller._last_activity[x] = 0
+    server.controller.record(x).last_activity = 0
     await server.app[app_mod.SAMPLER].sample_once()
     assert server.controller.reap() == [x]
     await wait_for(lambda: server.state(x) == "stopped")

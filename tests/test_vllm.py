@@ -428,7 +428,7 @@ async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wake
         assert not stream.done(), f"the stream ended before the sleep was asked: {stream.result()[-300:]!r}"
         t = time.monotonic()
         sleep = asyncio.ensure_future(admin_sleep(server, d, 1, drain_s=300))
-        await wait_for(lambda: d in server.controller._drains or sleep.done(), timeout=30, interval=0.005,
+        await wait_for(lambda: server.controller.draining(d) or sleep.done(), timeout=30, interval=0.005,
                        what="the sleep's drain")
         assert not stream.done() and server.controller.inflight(d) == 1, (
             "the stream had ended before the drain began: DRAIN_TOKENS too few to show anything")
@@ -459,7 +459,7 @@ async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wake
     assert (view["state"], view["sleep_level"]) == ("asleep", 1), view
     assert (dep.state.value, dep.sleep_level) == ("asleep", 1)
     assert await is_sleeping(http, base)
-    assert d not in server.controller._drains and server.controller.inflight(d) == 0
+    assert not server.controller.draining(d) and server.controller.inflight(d) == 0
 
     # The next request wakes it (no cold start) and is answered as test 2 was.
     raw = await post_raw(http, server.gw(d, "chat/completions"), chat(), server.auth())

@@ -148,7 +148,7 @@ class Waiter:
 
 
 @dataclasses.dataclass
-class _DepWait:
+class Attempt:
     waiters: list[Waiter] = dataclasses.field(default_factory=list)
     phase: Phase = Phase.IDLE
     starting_for_request: bool = False
@@ -163,10 +163,46 @@ class _DepWait:
 
 
 @dataclasses.dataclass
-class _Backoff:
+class Backoff:
     until: float
     delay: float
     reason: str
+
+
+class Record:
+    """What the controller holds of one deployment: its slots, its activity, its attempt,
+    its start backoff, its drains and its publishing. Made when first needed; a field at its
+    default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
+    __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
+                 "published_at", "publish_timer", "drains", "drained")
+
+    def __init__(self) -> None:
+        self.inflight = 0  # granted slots
+        self.last_activity: float | None = None  # monotonic; None: none seen (removed, or never)
+        self.last_request_at: float | None = None  # wall time of the last slot
+        self.asleep_since: float | None = None  # for sleep_timeout_s (after a restart: from then)
+        self.attempt: Attempt | None = None  # while it has waiters or an effect of theirs is out
+        self.backoff: Backoff | None = None
+        self.busy = 0  # 429s for max_inflight (a counter)
+        self.published_at = -math.inf
+        self.publish_timer: Timer | None = None
+        # A sleep drains first: no new slot while one is out; each callback once its in-flight ended.
+        self.drains = 0
+        self.drained: list[Callable[[], None]] = []
+
+    def forget(self) -> None:
+        """The deployment is gone: all but its attempt and its drains (they end on their own)."""
+        self.inflight = 0
+        self.last_activity = self.last_request_at = self.asleep_since = None
+        self.backoff = None
+        self.busy = 0
+        self.published_at = -math.inf
+        if self.publish_timer is not None:
+            self.publish_timer.cancel()
+            self.publish_timer = None
+
+    def unused(self) -> bool:
+        return self.attempt is None and not self.drains and not self.drained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +212,9 @@ class ModePlan:
     start: bool
     text: str
     detail: dict[str, Any]
+
+
+_NOTHING = Record()  # what is read of a deployment the controller holds nothing of
 
 
 def _does_not_fit(dep: Deployment, fit: Fit, capacity: float) -> OndemandError:
@@ -230,43 +269,65 @@ class Controller:
         self.sleep_timeout_s = sleep_timeout_s
         self.asleep_residue_gib = asleep_residue_gib  # budget.asleep_residue_gib: a sleeper nothing was read of
         self.queue = WaitQueue()
-        self._inflight: dict[int, int] = {}
-        self._last_activity: dict[int, float] = {}
-        self._last_request_at: dict[int, float] = {}
-        self._asleep_since: dict[int, float] = {}  # for sleep_timeout_s (after a restart: from then)
-        self._waits: dict[int, _DepWait] = {}
+        # One record per deployment. A record moves to the end as an attempt begins, so the
+        # attempts are looked at in the order they began (``attempts``).
+        self._records: dict[int, Record] = {}
         self._waiting = 0
-        self._backoff: dict[int, _Backoff] = {}
-        self._busy: dict[int, int] = {}  # 429s for max_inflight, per deployment (a counter)
         self._last_ondemand_stop = -math.inf
-        self._published_at: dict[int, float] = {}
-        self._publish_timers: dict[int, Timer] = {}
         self._tick_timer: Timer | None = None
         self._tick_due = math.inf
         self._closing = False  # shutdown began: nothing starts or stops for waiters any more
-        # A sleep drains first: no new slot while it waits; each callback once its in-flight ended.
-        self._draining: dict[int, list[Callable[[], None]]] = {}
-        self._drains: dict[int, int] = {}  # drains out per deployment
         now = clock()
         for dep in effects.deployments():  # first seen after a restart: a full idle timeout
-            self._last_activity[dep.id] = now
+            rec = self._record(dep.id)
+            rec.last_activity = now
             if dep.state is State.ASLEEP:
-                self._asleep_since[dep.id] = now
+                rec.asleep_since = now
+
+    def _record(self, dep_id: int) -> Record:
+        rec = self._records.get(dep_id)
+        if rec is None:
+            rec = self._records[dep_id] = Record()
+        return rec
+
+    def _attempt(self, dep_id: int) -> Attempt | None:
+        rec = self._records.get(dep_id)
+        return rec.attempt if rec is not None else None
+
+    def _claimed(self) -> set[int]:
+        """The victims some attempt is stopping."""
+        return {v for rec in self._records.values() if rec.attempt is not None for v in rec.attempt.victims}
 
     # --- reads ----------------------------------------------------------------
 
+    def record(self, dep_id: int) -> Record | None:
+        """What the controller holds of ``dep_id`` (None: nothing yet)."""
+        return self._records.get(dep_id)
+
+    def attempts(self) -> list[int]:
+        """The deployments with an attempt (waiters, or an effect of theirs out), in the
+        order their attempts began."""
+        return [dep_id for dep_id, rec in self._records.items() if rec.attempt is not None]
+
     def inflight(self, dep_id: int) -> int:
-        return self._inflight.get(dep_id, 0)
+        rec = self._records.get(dep_id)
+        return rec.inflight if rec is not None else 0
 
     def waiting(self, dep_id: int | None = None) -> int:
         if dep_id is None:
             return self._waiting
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         return len(dw.waiters) if dw else 0
+
+    def draining(self, dep_id: int) -> bool:
+        """An administrator's sleep drains it: no new slot until it ends."""
+        rec = self._records.get(dep_id)
+        return rec is not None and rec.drains > 0
 
     def busy_total(self, dep_id: int) -> int:
         """Requests refused 429 ``ondemand_busy`` (over ``max_inflight``) so far."""
-        return self._busy.get(dep_id, 0)
+        rec = self._records.get(dep_id)
+        return rec.busy if rec is not None else 0
 
     def queue_place(self, dep_id: int) -> tuple[int, int] | None:
         """(its place in the memory queue, from 1; the queue's length), or None."""
@@ -278,20 +339,24 @@ class Controller:
     def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
         """May this deployment be stopped as idle (reaper, make-room)? The stop's precheck."""
         now = self.clock() if now is None else now
+        rec = self._records.get(dep.id)
+        if rec is None:
+            rec = _NOTHING
         return (dep.on_demand
                 and dep.state in STOPPABLE_WHEN_IDLE
                 and dep.pending_mode is None
-                and dep.id not in self._drains  # an administrator's sleep drains it
-                and not self._inflight.get(dep.id)
-                and not self.waiting(dep.id)
-                and now - self._last_activity.get(dep.id, now) >= self.idle_timeout(dep)
+                and not rec.drains  # an administrator's sleep drains it
+                and not rec.inflight
+                and not (rec.attempt is not None and rec.attempt.waiters)
+                and now - (now if rec.last_activity is None else rec.last_activity) >= self.idle_timeout(dep)
                 and self.effects.engine_idle(dep.id))
 
     def status(self, dep_id: int) -> dict[str, Any]:
         """The ``ondemand`` field of a deployment view."""
         dep = self.effects.deployment(dep_id)
-        dw = self._waits.get(dep_id)
-        inflight = self._inflight.get(dep_id, 0)
+        rec = self._records.get(dep_id) or _NOTHING
+        dw = rec.attempt
+        inflight = rec.inflight
         starting = dep is not None and dep.state is State.STARTING
         if dep_id in self.queue and not starting:
             phase = "queued"
@@ -308,20 +373,20 @@ class Controller:
         place = self.queue.place(dep_id)
         return {"inflight": inflight, "queued": len(dw.waiters) if dw else 0,
                 "queue_position": place[0] if place else None,
-                "last_request_at": self._last_request_at.get(dep_id), "phase": phase,
-                "idle_until": self._idle_until(dep, inflight), "backoff_until": self._backoff_until(dep_id)}
+                "last_request_at": rec.last_request_at, "phase": phase,
+                "idle_until": self._idle_until(dep, rec), "backoff_until": self._backoff_until(dep_id)}
 
-    def _idle_until(self, dep: Deployment | None, inflight: int) -> float | None:
+    def _idle_until(self, dep: Deployment | None, rec: Record) -> float | None:
         """Wall time at which the reaper may take it (its idle timeout runs), or None."""
-        if dep is None or not dep.on_demand or dep.state not in STOPPABLE_WHEN_IDLE or inflight \
-                or self.waiting(dep.id) or dep.id not in self._last_activity:
+        if dep is None or not dep.on_demand or dep.state not in STOPPABLE_WHEN_IDLE or rec.inflight \
+                or (rec.attempt is not None and rec.attempt.waiters) or rec.last_activity is None:
             return None
         if dep.state is State.ASLEEP:  # the reaper stops it only after sleep_timeout_s asleep, if set
-            if self.sleep_timeout_s is None or dep.id not in self._asleep_since:
+            if self.sleep_timeout_s is None or rec.asleep_since is None:
                 return None
-            left = self._asleep_since[dep.id] + self.sleep_timeout_s - self.clock()
+            left = rec.asleep_since + self.sleep_timeout_s - self.clock()
             return round(self.wall() + left, 3)
-        left = self._last_activity[dep.id] + self.idle_timeout(dep) - self.clock()
+        left = rec.last_activity + self.idle_timeout(dep) - self.clock()
         return round(self.wall() + left, 3)
 
     def _backoff_until(self, dep_id: int) -> float | None:
@@ -330,7 +395,7 @@ class Controller:
         return round(self.wall() + left, 3) if left > 0 else None
 
     def attempt_phase(self, dep_id: int) -> Phase | None:
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         return dw.phase if dw else None
 
     # --- slots ------------------------------------------------------------------
@@ -339,62 +404,62 @@ class Controller:
         """A slot at once when the deployment is ready (the fast path: no waiter); raises
         ``ondemand_busy`` when it serves its ``max_inflight`` already."""
         dep = self.effects.deployment(dep_id)
-        if dep is not None and dep.state is State.READY and dep_id not in self._drains:
-            self._check_limit(dep)
-            return self._grant(dep_id)
+        if dep is not None and dep.state is State.READY:
+            rec = self._record(dep_id)
+            if not rec.drains:
+                self._check_limit(dep, rec)
+                return self._grant(dep_id, rec)
         return None
 
-    def _check_limit(self, dep: Deployment) -> None:
+    def _check_limit(self, dep: Deployment, rec: Record) -> None:
         """Read in the step that grants: never two past the limit. Only granted slots
         count (not health checks, not waiters); a refusal is no failed start."""
-        if dep.max_inflight is not None and self._inflight.get(dep.id, 0) >= dep.max_inflight:
-            self._busy[dep.id] = self._busy.get(dep.id, 0) + 1
+        if dep.max_inflight is not None and rec.inflight >= dep.max_inflight:
+            rec.busy += 1
             raise _busy(dep)
 
-    def _grant(self, dep_id: int) -> Slot:
-        self._inflight[dep_id] = self._inflight.get(dep_id, 0) + 1
-        self._last_activity[dep_id] = self.clock()
-        self._last_request_at[dep_id] = self.wall()
-        self._counters_changed(dep_id)
+    def _grant(self, dep_id: int, rec: Record) -> Slot:
+        rec.inflight += 1
+        rec.last_activity = self.clock()
+        rec.last_request_at = self.wall()
+        self._counters_changed(dep_id, rec)
         return Slot(self, dep_id)
 
     def release(self, dep_id: int) -> None:
-        n = self._inflight.get(dep_id, 0) - 1
-        if n > 0:
-            self._inflight[dep_id] = n
-        else:
-            self._inflight.pop(dep_id, None)
-        if dep_id in self._last_activity:
-            self._last_activity[dep_id] = self.clock()
-        self._counters_changed(dep_id)
+        rec = self._record(dep_id)
+        n = rec.inflight - 1
+        rec.inflight = n if n > 0 else 0
+        if rec.last_activity is not None:
+            rec.last_activity = self.clock()
+        self._counters_changed(dep_id, rec)
         if n <= 0:
-            for drained in self._draining.pop(dep_id, ()):
-                drained()
+            if rec.drained:
+                drained, rec.drained = rec.drained, []
+                for callback in drained:
+                    callback()
             self._schedule_tick()  # its idle timeout now runs: a queued request may look sooner
 
     def drain(self, dep_id: int, drained: Callable[[], None]) -> None:
         """A sleep drains first: from now until ``undrain`` no new slot is given to ``dep_id``
         (a request waits, and is served or wakes it afterwards); ``drained()`` is called once its
         requests in flight have ended (at once when none is)."""
-        self._drains[dep_id] = self._drains.get(dep_id, 0) + 1
-        if self._inflight.get(dep_id):
-            self._draining.setdefault(dep_id, []).append(drained)
+        rec = self._record(dep_id)
+        rec.drains += 1
+        if rec.inflight:
+            rec.drained.append(drained)
         else:
             drained()
 
     def undrain(self, dep_id: int, drained: Callable[[], None]) -> None:
         """The drain is over (it slept, or its deadline passed): slots again, and its waiters
         move on: served when it is still ready, else they wake it."""
-        pending = self._draining.get(dep_id)
-        if pending is not None and drained in pending:
-            pending.remove(drained)
-            if not pending:
-                del self._draining[dep_id]
-        n = self._drains.get(dep_id, 0) - 1
+        rec = self._record(dep_id)
+        if drained in rec.drained:
+            rec.drained.remove(drained)
+        n = rec.drains - 1
+        rec.drains = n if n > 0 else 0
         if n > 0:
-            self._drains[dep_id] = n
             return
-        self._drains.pop(dep_id, None)
         self._advance(dep_id)
 
     # --- waiters ------------------------------------------------------------------
@@ -418,12 +483,15 @@ class Controller:
                                 f"{self._waiting} requests are waiting already (ondemand_max_queued)",
                                 headers={"Retry-After": "60"})
         waiter = Waiter(dep_id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
-        dw = self._waits.get(dep_id)
+        rec = self._record(dep_id)
+        dw = rec.attempt
         if dw is None:
-            dw = self._waits[dep_id] = _DepWait()
+            dw = rec.attempt = Attempt()
+            del self._records[dep_id]  # to the end: the attempts in the order they began
+            self._records[dep_id] = rec
         dw.waiters.append(waiter)
         self._waiting += 1
-        self._counters_changed(dep_id)
+        self._counters_changed(dep_id, rec)
         if dep_id in self.queue and dw.told:
             self._notify_queued(waiter)
         self._advance(dep_id)
@@ -437,9 +505,11 @@ class Controller:
         dep = self.effects.deployment(waiter.dep_id)
         if dep is None:
             raise OndemandError(404, "not_found", f"deployment {waiter.dep_id} was removed")
-        if dep.state is State.READY and waiter.dep_id not in self._drains:
-            self._check_limit(dep)  # it waited for a start, not for a slot: over the limit, 429 too
-            return self._grant(waiter.dep_id)
+        if dep.state is State.READY:
+            rec = self._record(waiter.dep_id)
+            if not rec.drains:
+                self._check_limit(dep, rec)  # it waited for a start, not for a slot: over the limit, 429 too
+                return self._grant(waiter.dep_id, rec)
         now = self.clock()
         if now >= waiter.deadline:
             waited = now - waiter.arrival
@@ -455,14 +525,15 @@ class Controller:
     def leave(self, waiter: Waiter) -> None:
         """A waiter is done (slot taken, verdict, timeout or hang-up)."""
         dep_id = waiter.dep_id
-        dw = self._waits.get(dep_id)
-        if dw is None or waiter not in dw.waiters:
+        rec = self._records.get(dep_id)
+        dw = rec.attempt if rec is not None else None
+        if rec is None or dw is None or waiter not in dw.waiters:
             return
         dw.waiters.remove(waiter)
         self._waiting -= 1
         if not dw.waiters:
             if dw.phase is Phase.IDLE and not dw.starting_for_request:
-                del self._waits[dep_id]
+                rec.attempt = None
             if self.queue.remove(dep_id):  # nobody waits: it gives up its place and its hold
                 self._queue_changed()
                 self._advance_all()
@@ -482,12 +553,12 @@ class Controller:
                     log.exception("on_queued callback failed")
 
     def _wake_waiters(self, dep_id: int) -> None:
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         for waiter in list(dw.waiters if dw else ()):
             waiter.notify()
 
     def _give_verdict(self, dep_id: int, err: OndemandError) -> None:
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         for waiter in list(dw.waiters if dw else ()):
             if waiter.verdict is None:
                 waiter.verdict = err
@@ -496,24 +567,34 @@ class Controller:
     # --- start failures -------------------------------------------------------
 
     def _check_backoff(self, dep: Deployment) -> None:
-        b = self._backoff.get(dep.id)
+        b = self._backoff(dep.id)
         if b is not None and self.clock() < b.until:
             raise self._start_failed(dep, b)
 
-    def _start_failed(self, dep: Deployment, b: _Backoff) -> OndemandError:
+    def _start_failed(self, dep: Deployment, b: Backoff) -> OndemandError:
         left = max(1, int(b.until - self.clock()))
         return OndemandError(503, "start_failed",
                              f"{dep.served_name} failed to start: {b.reason}; new starts are refused for {left} s",
                              headers={"Retry-After": str(left)})
 
-    def _record_failure(self, dep_id: int, reason: str) -> _Backoff:
-        prev = self._backoff.get(dep_id)
+    def _record_failure(self, dep_id: int, reason: str) -> Backoff:
+        rec = self._record(dep_id)
+        prev = rec.backoff
         delay = BACKOFF_FIRST_S if prev is None else min(prev.delay * 2, BACKOFF_MAX_S)
-        b = self._backoff[dep_id] = _Backoff(self.clock() + delay, delay, reason)
+        b = rec.backoff = Backoff(self.clock() + delay, delay, reason)
         return b
 
+    def _backoff(self, dep_id: int) -> Backoff | None:
+        rec = self._records.get(dep_id)
+        return rec.backoff if rec is not None else None
+
+    def _reset_backoff(self, dep_id: int) -> None:
+        rec = self._records.get(dep_id)
+        if rec is not None:
+            rec.backoff = None
+
     def backoff_left(self, dep_id: int) -> float:
-        b = self._backoff.get(dep_id)
+        b = self._backoff(dep_id)
         return max(0.0, b.until - self.clock()) if b else 0.0
 
     # --- the attempt ----------------------------------------------------------------
@@ -521,19 +602,19 @@ class Controller:
     def _advance_all(self) -> None:
         # The queue's order first: when memory frees, the head asks before the others.
         queued = self.queue.ids()
-        for dep_id in [*queued, *(d for d in self._waits if d not in self.queue)]:
+        for dep_id in [*queued, *(d for d in self.attempts() if d not in self.queue)]:
             self._advance(dep_id)
 
     def _advance(self, dep_id: int) -> None:
         """Decide the next step of ``dep_id``'s attempt."""
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         if dw is None or not dw.waiters:
             return
         dep = self.effects.deployment(dep_id)
         if dep is None or self._closing:
             return
         if dep.state is State.READY:
-            if dep_id not in self._drains:  # a drain's waiters wait for its end
+            if not self.draining(dep_id):  # a drain's waiters wait for its end
                 self._wake_waiters(dep_id)
             return
         if dw.phase is not Phase.IDLE:
@@ -545,7 +626,7 @@ class Controller:
                 self._give_verdict(dep_id, OndemandError(
                     503, "not_on_demand", f"{dep.served_name} was switched to always on and is {dep.state}"))
             return
-        b = self._backoff.get(dep_id)
+        b = self._backoff(dep_id)
         if b is not None and self.clock() < b.until:
             self._give_verdict(dep_id, self._start_failed(dep, b))
             return
@@ -565,7 +646,7 @@ class Controller:
         if head is None or head == dep_id or dep_id not in self.queue \
                 or self.queue.overtaken_by(dep_id) != head:
             return False
-        hw = self._waits.get(head)
+        hw = self._attempt(head)
         return hw is not None and hw.phase is Phase.ADMITTING
 
     def _release_held(self, head: int) -> None:
@@ -594,7 +675,7 @@ class Controller:
     def on_admitted(self, dep_id: int, started: bool) -> None:
         """The admit effect's report: ``started`` False when it was starting or ready
         already, or nobody wanted it any more."""
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         if dw is None:
             return
         dw.phase = Phase.IDLE
@@ -609,9 +690,9 @@ class Controller:
             self._queue_changed()
             self._advance_all()
 
-    def _admit_ended(self, dep_id: int) -> _DepWait | None:
+    def _admit_ended(self, dep_id: int) -> Attempt | None:
         """An admit that started nothing reported: the attempt is idle again."""
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         if dw is not None:
             dw.phase = Phase.IDLE
             dw.starting_for_request = False
@@ -690,7 +771,7 @@ class Controller:
             self._last_ondemand_stop = self.clock()
         if for_dep is None:
             return
-        dw = self._waits.get(for_dep)
+        dw = self._attempt(for_dep)
         if dw is None or dw.phase is not Phase.STOPPING or dep_id not in dw.victims:
             return
         dw.victims.discard(dep_id)
@@ -718,7 +799,7 @@ class Controller:
         """Freed memory shows (or the wait ran out): try again, and so does the head of
         higher priority that took the freed memory over."""
         taker = self.queue.overtaken_by(dep_id)
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         if dw is not None:
             dw.phase = Phase.IDLE
             self._forget_if_unused(dep_id)
@@ -729,15 +810,17 @@ class Controller:
     def _room_coming(self, head: int) -> bool:
         """Entries this head overtook still stop victims or wait for their memory to
         show: all of it is held for the head, which must not stop more meanwhile."""
-        return any(dw.phase in (Phase.STOPPING, Phase.SETTLING) and self.queue.overtaken_by(d) == head
-                   for d, dw in self._waits.items() if d != head)
+        return any(rec.attempt.phase in (Phase.STOPPING, Phase.SETTLING) and self.queue.overtaken_by(d) == head
+                   for d, rec in self._records.items() if rec.attempt is not None and d != head)
 
     def _forget_if_unused(self, dep_id: int) -> None:
-        dw = self._waits.get(dep_id)
-        if dw is not None and not dw.waiters and dw.phase is Phase.IDLE and not dw.starting_for_request:
-            del self._waits[dep_id]
+        rec = self._records.get(dep_id)
+        dw = rec.attempt if rec is not None else None
+        if rec is not None and dw is not None and not dw.waiters and dw.phase is Phase.IDLE \
+                and not dw.starting_for_request:
+            rec.attempt = None
 
-    def _enqueue(self, dep_id: int, dw: _DepWait, dep: Deployment) -> None:
+    def _enqueue(self, dep_id: int, dw: Attempt, dep: Deployment) -> None:
         first = min((w.arrival for w in dw.waiters), default=self.clock())
         if self.queue.add(dep_id, first, dep.priority.rank):
             log.info("deployment %d queued for memory (%s priority)", dep_id, dep.priority)
@@ -745,7 +828,7 @@ class Controller:
         self._counters_changed(dep_id)
         self._schedule_tick()
 
-    def _tell_queued(self, dw: _DepWait) -> None:
+    def _tell_queued(self, dw: Attempt) -> None:
         """The queued notice, only for the queue: its waiters wait because the idle models
         make-room may take do not free enough (or behind the head). A make-room that found its
         victims, and a start or a wake, tell nothing: the answer is exactly the engine's."""
@@ -762,17 +845,21 @@ class Controller:
         """Idle deployments of the requester's priority or lower: a higher one is never
         put to sleep for it (the request waits instead)."""
         now = self.clock()
-        claimed = {v for dw in self._waits.values() for v in dw.victims}
+        claimed = self._claimed()
         pools = len(fit.free)
         rank = requester.priority.rank
         per_gpu = fit.per_gpu
         candidates = [Candidate(d.id, holdings(self._frees(d, pools, per_gpu), d.gpu_count, d.gpus, pools, per_gpu),
-                                self._last_activity.get(d.id, now), d.priority.rank,
+                                self._last_active(d.id, now), d.priority.rank,
                                 0 if d.state is State.READY else 1)
                       for d in self.effects.deployments()
                       if d.id != requester.id and d.id not in claimed and d.priority.rank <= rank
                       and self.is_idle(d, now)]
         return pick_victims(candidates, fit.free, fit.choose)
+
+    def _last_active(self, dep_id: int, now: float) -> float:
+        rec = self._records.get(dep_id)
+        return now if rec is None or rec.last_activity is None else rec.last_activity
 
     def _sleeps(self, dep_id: int) -> bool:
         """Is an idle ``dep_id`` put to sleep (not stopped)?"""
@@ -817,8 +904,8 @@ class Controller:
     def _next_idle_expiry(self, now: float) -> float:
         soonest = math.inf
         for dep in self.effects.deployments():
-            if dep.on_demand and dep.state in STOPPABLE_WHEN_IDLE and not self._inflight.get(dep.id):
-                left = self._last_activity.get(dep.id, now) + self.idle_timeout(dep) - now
+            if dep.on_demand and dep.state in STOPPABLE_WHEN_IDLE and not self.inflight(dep.id):
+                left = self._last_active(dep.id, now) + self.idle_timeout(dep) - now
                 if left > 0:
                     soonest = min(soonest, left + 0.05)
         return soonest
@@ -831,30 +918,31 @@ class Controller:
         if dep is None:
             self._removed(dep_id)
             return
+        rec = self._record(dep_id)
         if old is None:
-            self._last_activity[dep_id] = now  # a new deployment
+            rec.last_activity = now  # a new deployment
         else:
             if old.config() != dep.config():
-                self._backoff.pop(dep_id, None)  # a changed model or configuration
+                rec.backoff = None  # a changed model or configuration
             if not old.on_demand and dep.on_demand:
-                self._last_activity[dep_id] = now  # switched to on demand
+                rec.last_activity = now  # switched to on demand
             if old.priority is not dep.priority and dep_id in self.queue:
                 self.queue.rerank(dep_id, dep.priority.rank)  # an edit while it waits
                 self._queue_changed()
         if dep.state is State.READY and (old is None or old.state is not State.READY):
-            self._last_activity[dep_id] = now
-            self._backoff.pop(dep_id, None)
+            rec.last_activity = now
+            rec.backoff = None
         if dep.state is State.ASLEEP:
             if old is None or old.state is not State.ASLEEP:
-                self._asleep_since[dep_id] = now
+                rec.asleep_since = now
         else:
-            self._asleep_since.pop(dep_id, None)
+            rec.asleep_since = None
         if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
             self._start_ended(dep)
         self._advance_all()
 
     def _start_ended(self, dep: Deployment) -> None:
-        dw = self._waits.get(dep.id)
+        dw = self._attempt(dep.id)
         if dw is None:
             return
         for_request, dw.starting_for_request = dw.starting_for_request, False
@@ -867,7 +955,7 @@ class Controller:
         self._forget_if_unused(dep.id)
 
     def _removed(self, dep_id: int) -> None:
-        dw = self._waits.get(dep_id)
+        dw = self._attempt(dep_id)
         if dw is not None:
             started_for_them = dw.starting_for_request and dw.phase is Phase.IDLE
             err = _stopped_error(f"deployment {dep_id}") if started_for_them else \
@@ -878,12 +966,11 @@ class Controller:
             self._forget_if_unused(dep_id)
         if self.queue.remove(dep_id):
             self._advance_all()
-        for table in (self._inflight, self._last_activity, self._last_request_at, self._backoff,
-                      self._published_at, self._busy, self._asleep_since):
-            table.pop(dep_id, None)
-        timer = self._publish_timers.pop(dep_id, None)
-        if timer is not None:
-            timer.cancel()
+        rec = self._records.get(dep_id)
+        if rec is not None:
+            rec.forget()
+            if rec.unused():
+                del self._records[dep_id]
 
     # --- the reaper's step ----------------------------------------------------------------
 
@@ -893,7 +980,7 @@ class Controller:
             return []
         now = self.clock()
         asked = []
-        claimed = {v for dw in self._waits.values() for v in dw.victims}
+        claimed = self._claimed()
         for dep in self.effects.deployments():
             if dep.id in claimed or not self.is_idle(dep, now):
                 continue
@@ -901,7 +988,8 @@ class Controller:
             if dep.state is State.ASLEEP:
                 # Asleep it stays, until a request wakes it, make-room needs its memory, or
                 # it has slept sleep_timeout_s.
-                slept = now - self._asleep_since.get(dep.id, now)
+                rec = self._records.get(dep.id)
+                slept = 0.0 if rec is None or rec.asleep_since is None else now - rec.asleep_since
                 if self.sleep_timeout_s is None or slept < self.sleep_timeout_s:
                     continue
                 self.effects.stop(dep.id, text=f"Stopped after {round(slept / 60, 2):g} min asleep "
@@ -946,7 +1034,7 @@ class Controller:
             fields["pending_mode"] = Mode.ALWAYS_ON  # applied when the start ends
         else:
             fields.update(mode=Mode.ALWAYS_ON, pending_mode=None)
-        self._backoff.pop(dep_id, None)  # set_mode resets the start backoff
+        self._reset_backoff(dep_id)  # set_mode resets the start backoff
         new = {**old, **{k: getattr(v, "value", v) for k, v in fields.items() if k in old}}
         text = f"mode {old['mode']} → {mode}" + (" (pending the start)" if start else "")
         return ModePlan(fields, start, text, {"old": old, "new": new})
@@ -957,20 +1045,23 @@ class Controller:
 
     # --- live counters ----------------------------------------------------------------------
 
-    def _counters_changed(self, dep_id: int) -> None:
+    def _counters_changed(self, dep_id: int, rec: Record | None = None) -> None:
         """At most one publish a second per deployment: the first at once, later ones folded."""
-        if dep_id in self._publish_timers:
+        if rec is None:
+            rec = self._record(dep_id)
+        if rec.publish_timer is not None:
             return
         now = self.clock()
-        due = self._published_at.get(dep_id, -math.inf) + self.publish_interval_s
+        due = rec.published_at + self.publish_interval_s
         if now >= due:
             self._publish(dep_id)
         else:
-            self._publish_timers[dep_id] = self.effects.call_later(due - now, lambda: self._publish(dep_id))
+            rec.publish_timer = self.effects.call_later(due - now, lambda: self._publish(dep_id))
 
     def _publish(self, dep_id: int) -> None:
-        self._publish_timers.pop(dep_id, None)
-        self._published_at[dep_id] = self.clock()
+        rec = self._record(dep_id)
+        rec.publish_timer = None
+        rec.published_at = self.clock()
         if self.effects.deployment(dep_id) is not None:
             self.effects.counters_changed(dep_id)
 
@@ -980,7 +1071,7 @@ class Controller:
         ``ondemand_shutting_down`` at once instead of holding the shutdown up."""
         self._closing = True
         err = _shutting_down()
-        for dep_id in list(self._waits):
+        for dep_id in self.attempts():
             self._give_verdict(dep_id, err)
         for dep_id in self.queue.ids():
             self.queue.remove(dep_id)
@@ -989,9 +1080,10 @@ class Controller:
             self._tick_timer = None
 
     def close(self) -> None:
-        for timer in self._publish_timers.values():
-            timer.cancel()
-        self._publish_timers.clear()
+        for rec in self._records.values():
+            if rec.publish_timer is not None:
+                rec.publish_timer.cancel()
+                rec.publish_timer = None
         if self._tick_timer is not None:
             self._tick_timer.cancel()
             self._tick_timer = None
