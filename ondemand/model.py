@@ -56,6 +56,16 @@ _RANK = {Priority.LOW: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
 MAX_INFLIGHT = 10000
 
 
+class KeepWarm(str, enum.Enum):
+    """How long an idle engine stays awake: ``fixed``, its idle timeout; ``adaptive``, what its
+    learned rhythm says (engines/rhythm.py), within that timeout."""
+    FIXED = "fixed"
+    ADAPTIVE = "adaptive"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class IdleAction(str, enum.Enum):
     """What an idle engine becomes (BEHAVIOUR.md, "Tiered warmth"): ``auto`` is ``sleep`` for a
     vLLM or SGLang recipe on discrete GPUs and ``stop`` otherwise (``warmth.idle_level``)."""
@@ -122,6 +132,7 @@ _COERCE: dict[str, Callable[[Any], Any]] = {
     "priority": lambda v: Priority(v or Priority.NORMAL),
     "max_inflight": lambda v: None if v is None else int(v),
     "idle_action": lambda v: IdleAction(v or IdleAction.AUTO),
+    "keep_warm": lambda v: KeepWarm(v or KeepWarm.FIXED),
     "sleep_level": lambda v: None if v is None else int(v),
     "host_gib": lambda v: None if v is None else float(v),
     "asleep_gib": lambda v: None if v is None else float(v),
@@ -180,6 +191,7 @@ class Deployment:
     priority: Priority = Priority.NORMAL
     max_inflight: int | None = None  # requests served at once through the gateway; None: no limit
     idle_action: IdleAction = IdleAction.AUTO
+    keep_warm: KeepWarm = KeepWarm.FIXED
     gpus: tuple[int, ...] = ()  # the GPUs its engine holds (set at the start, cleared when it stops)
     measured_gib: float | None = None  # what its engine was last measured to use
     sleep_level: int | None = None  # 1 or 2 while asleep

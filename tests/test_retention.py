@@ -32,9 +32,9 @@ async def test_prune_deletes_only_rows_older_than_the_cut_in_batches(store):
     now = 1_000_000_000.0
     await add_rows(store, now - 40 * DAY, 5)
     await add_rows(store, now - 29 * DAY, 2)
-    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 3, "audit": 3, "starts": 0}
-    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 2, "audit": 2, "starts": 0}
-    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 0, "audit": 0, "starts": 0}
+    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 3, "audit": 3, "starts": 0, "idle_gaps": 0}
+    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 2, "audit": 2, "starts": 0, "idle_gaps": 0}
+    assert await store.prune(now - 30 * DAY, limit=3) == {"events": 0, "audit": 0, "starts": 0, "idle_gaps": 0}
     assert await count(store, "events") == await count(store, "audit") == 2
 
 

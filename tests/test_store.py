@@ -248,3 +248,37 @@ async def test_recipes_migration_widens_engines_and_keeps_rows_and_ids(tmp_path)
             await store.insert_deployment(dict(name="t", served_name="T", engine="tgi", state="stopped"))
     finally:
         await store.close()
+
+
+async def test_adaptive_warmth_migration_keeps_rows_fixed_and_the_idle_gaps_their_newest(tmp_path):
+    """Migration 8: old rows read keep_warm 'fixed'; a deployment's idle gaps are kept, the newest
+    ``keep``, across a reopen (a restart keeps what was learned), and go with the deployment."""
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await migrations.upgrade(db, target=7)
+    await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                     "VALUES ('a', 'A', 'vllm', 'stopped', 0, 0)")
+    await db.close()
+
+    store = await Store.open(path)
+    try:
+        assert await store.version() == migrations.LATEST >= 8
+        (old,) = await store.deployments()
+        assert old["keep_warm"] == "fixed"
+        with pytest.raises(sqlite3.IntegrityError):
+            await store.update_deployment(old["id"], keep_warm="sometimes")
+        other = await store.insert_deployment(dict(name="b", served_name="B", engine="vllm", state="stopped"))
+        for i in range(7):
+            await store.write_idle_gap(old["id"], at=100.0 + i, gap_s=float(i), keep=5)
+        await store.write_idle_gap(other["id"], at=200.0, gap_s=-1.0, keep=5)  # a clock's step back: nil
+    finally:
+        await store.close()
+
+    store = await Store.open(path)
+    try:
+        assert await store.idle_gaps() == {old["id"]: [2.0, 3.0, 4.0, 5.0, 6.0], other["id"]: [0.0]}
+        await store.delete_deployment(other["id"])
+        assert (await store.prune(0.0, 10))["idle_gaps"] == 1
+        assert await store.idle_gaps() == {old["id"]: [2.0, 3.0, 4.0, 5.0, 6.0]}
+    finally:
+        await store.close()

@@ -9,7 +9,7 @@ from typing import Any
 from ..config import Config
 from ..engines import recipes, warmth
 from ..errors import OndemandError
-from ..model import MAX_INFLIGHT, Deployment, IdleAction, Priority
+from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Priority
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
 
@@ -33,7 +33,7 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
                   gpu_sizes: tuple[float, ...] | None, per_gpu: bool) -> tuple[dict[str, Any], bool]:
     allowed = {"name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
                "gpu_count", "gpu_ids", "env", "volumes", "role", "mode", "idle_timeout_s", "start",
-               "priority", "max_inflight", "idle_action"}
+               "priority", "max_inflight", "idle_action", "keep_warm"}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise field_error(unknown[0], f"unknown field; known: {', '.join(sorted(allowed))}")
@@ -84,6 +84,7 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
             "memory_gib": float(memory), "gpu_count": gpu_count, "gpu_ids": gpu_ids,
             "role": role, "mode": mode, "idle_timeout_s": idle, **_validate_limits(data),
             "idle_action": _validate_idle_action(data.get("idle_action", "auto"), run["engine"]),
+            "keep_warm": _validate_keep_warm(data.get("keep_warm", "fixed")),
             "state": state}, start and mode == "always_on"
 
 
@@ -128,6 +129,16 @@ def _validate_idle_action(action: Any, engine: str) -> str:
     return str(action)
 
 
+def _validate_keep_warm(value: Any) -> str:
+    """``keep_warm``: ``fixed`` (the idle timeout). ``adaptive`` is named and refused until the
+    reaper and the pre-warm act on engines/rhythm.py's plans."""
+    if value == KeepWarm.ADAPTIVE.value:
+        raise field_error("keep_warm", "adaptive is not available in this release; use fixed")
+    if value != KeepWarm.FIXED.value:
+        raise field_error("keep_warm", "fixed or adaptive")
+    return str(value)
+
+
 def _validate_limits(data: dict[str, Any]) -> dict[str, Any]:
     """``priority`` (low, normal, high) and ``max_inflight`` (null: no limit, else 1..10000)."""
     priority, max_inflight = data.get("priority", "normal"), data.get("max_inflight")
@@ -160,7 +171,7 @@ def _validate_gpus(count: Any, ids: Any) -> tuple[int | None, list[int] | None]:
 # deployment and is audited ondemand_mode, which an edit of the record must not bypass.
 EDITABLE = ("name", "served_name", "engine", "model", "image", "args", "command", "port", "memory_gib",
             "gpu_count", "gpu_ids", "env", "volumes", "role", "idle_timeout_s", "priority", "max_inflight",
-            "idle_action")
+            "idle_action", "keep_warm")
 
 
 def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment, existing: list[Deployment],

@@ -80,7 +80,7 @@ RESTART_RETRY_MAX_S = 300.0
 MEASURE_AFTER_MAKE_ROOM_S = 1.0
 # Read by the gateway and the controller only, never by an engine: editable in any state, so
 # a limit or a priority changes without a restart.
-LIVE_FIELDS = frozenset({"priority", "max_inflight"})
+LIVE_FIELDS = frozenset({"priority", "max_inflight", "keep_warm"})
 
 
 def ready_poll_s(elapsed: float) -> float:

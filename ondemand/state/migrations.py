@@ -171,6 +171,23 @@ async def _v7_tiered_warmth(db: aiosqlite.Connection) -> None:
             await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
 
 
+async def _v8_adaptive_warmth(db: aiosqlite.Connection) -> None:
+    # Adaptive warmth: every existing row keeps its fixed idle timeout; the idle gaps (from the
+    # moment its engine became idle to the next request's arrival) of each deployment, the newest
+    # few hundred (write_idle_gap's keep), so that a restart keeps what was learned.
+    if "keep_warm" not in await _columns(db, "deployments"):
+        await db.execute("ALTER TABLE deployments ADD COLUMN keep_warm TEXT NOT NULL DEFAULT 'fixed' "
+                         "CHECK (keep_warm IN ('fixed', 'adaptive'))")
+    await db.execute("""
+        CREATE TABLE IF NOT EXISTS idle_gaps (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            deployment_id INTEGER NOT NULL,
+            at REAL NOT NULL,
+            gap_s REAL NOT NULL CHECK (gap_s >= 0)
+        )""")
+    await db.execute("CREATE INDEX IF NOT EXISTS idle_gaps_deployment ON idle_gaps (deployment_id, id)")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
@@ -179,6 +196,7 @@ MIGRATIONS: list[Migration] = [
     Migration(5, "deployments: engine recipes (sglang and custom engines; model, env, volumes)", _v5_engine_recipes),
     Migration(6, "deployments: priority and max_inflight", _v6_priorities_and_limits),
     Migration(7, "deployments: tiered warmth (idle_action; sleep level, host memory, wake check)", _v7_tiered_warmth),
+    Migration(8, "deployments: adaptive warmth (keep_warm); idle_gaps", _v8_adaptive_warmth),
 ]
 
 LATEST = MIGRATIONS[-1].version

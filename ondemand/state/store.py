@@ -35,6 +35,7 @@ DEPLOYMENT_FIELDS = (
     "model", "env", "volumes",
     "priority", "max_inflight",
     "idle_action", "sleep_level", "host_gib", "asleep_gib", "sleep_host_gib", "wake_check",
+    "keep_warm",
 )
 _JSON_FIELDS = ("args", "command", "gpus", "volumes")  # lists, stored as JSON ([] when empty)
 _NULLABLE_JSON = ("gpu_ids",)  # lists or NULL
@@ -244,6 +245,27 @@ class Store:
                 out.setdefault(row[0], []).append((row[1], row[2]))
         return {dep_id: rows[-limit:] for dep_id, rows in out.items()}
 
+    # --- idle gaps (adaptive warmth) -------------------------------------------
+
+    async def write_idle_gap(self, deployment_id: int, *, at: float, gap_s: float, keep: int) -> None:
+        """One idle gap that ended at ``at``; only the deployment's last ``keep`` are kept."""
+        async with self.transaction() as db:
+            await db.execute("INSERT INTO idle_gaps (deployment_id, at, gap_s) VALUES (?, ?, ?)",
+                             (deployment_id, at, max(0.0, gap_s)))
+            await db.execute(
+                "DELETE FROM idle_gaps WHERE deployment_id = ? AND id NOT IN "
+                "(SELECT id FROM idle_gaps WHERE deployment_id = ? ORDER BY id DESC LIMIT ?)",
+                (deployment_id, deployment_id, keep))
+
+    async def idle_gaps(self) -> dict[int, list[float]]:
+        """Each deployment's kept idle gaps, oldest first."""
+        out: dict[int, list[float]] = {}
+        async with self._reading() as db, db.execute(
+                "SELECT deployment_id, gap_s FROM idle_gaps ORDER BY id") as cur:
+            for row in await cur.fetchall():
+                out.setdefault(row[0], []).append(row[1])
+        return out
+
     # --- retention -------------------------------------------------------------
 
     async def prune(self, before: float, limit: int) -> dict[str, int]:
@@ -257,6 +279,7 @@ class Store:
                     f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE at < ? ORDER BY at LIMIT ?)",
                     (before, limit))
                 counts[table] = cur.rowcount
-            cur = await db.execute("DELETE FROM starts WHERE deployment_id NOT IN (SELECT id FROM deployments)")
-            counts["starts"] = cur.rowcount
+            for table in ("starts", "idle_gaps"):  # the histories of deployments that are gone
+                cur = await db.execute(f"DELETE FROM {table} WHERE deployment_id NOT IN (SELECT id FROM deployments)")
+                counts[table] = cur.rowcount
         return counts
