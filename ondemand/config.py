@@ -65,6 +65,8 @@ class DeployerConfig:
     images: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_IMAGES))
     commands: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(DEFAULT_COMMANDS))
     model_cache: Path | None = None
+    # vLLM's torch.compile and CUDA-graph artifacts, one directory per configuration (compile_cache.py).
+    compile_cache: Path | None = None
     hf_token_file: Path | None = None
     volume_roots: tuple[Path, ...] = ()
     sleep_flags: bool = True
@@ -340,6 +342,8 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
        for e in DEFAULT_COMMANDS},
     "deployer.model_cache": (_opt_path, lambda p: p is None or p.is_absolute(),
                              "an absolute host directory, mounted at the images' Hugging Face cache"),
+    "deployer.compile_cache": (_opt_path, lambda p: p is None or p.is_absolute(),
+                               "an absolute host directory (a compile cache per configuration), or empty"),
     "deployer.hf_token_file": (_opt_path, lambda p: True, "a file holding the Hugging Face token (mode 0600)"),
     "deployer.volume_roots": (_paths, lambda ps: all(p.is_absolute() and str(p) != "/" for p in ps),
                               "a list of absolute host directories (not /) deployments may mount from"),

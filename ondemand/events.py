@@ -89,6 +89,24 @@ class Woken:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StartPhase:
+    """A cold start entered ``phase`` (container, process, weights, compile or serving)."""
+    dep_id: int
+    name: str
+    phase: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartTimed:
+    """A cold start ended ready: how long each of its phases took, and the error of the ETA
+    given at its beginning (|estimate - actual| / actual; None when none was given)."""
+    dep_id: int
+    name: str
+    phases: dict[str, float]
+    eta_error: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class CountersChanged:
     """The controller's in-flight or queued counts of a deployment changed (already throttled)."""
     dep_id: int

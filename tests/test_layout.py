@@ -46,10 +46,19 @@ ALLOWED = {
     # engines/: the deployer and how engines run.
     "engines": set(),
     # (control.budget: the start gate's fit check, the one import against the flow; see BACKWARD.)
-    "engines.deployer": {"control.budget", "engines.backends", "engines.recipes", "engines.warmth", "errors", "events",
-                         "model", "state.store", "tasks"},
+    "engines.deployer": {"control.budget", "engines.backends", "engines.recipes", "engines.startwatch", "engines.warmth",
+                         "errors", "events", "model", "state.store", "tasks"},
+    # Around a cold start: the compile cache, the weights read ahead, the phases in the engine's log.
+    "engines.startwatch": {"engines.backends", "engines.backends.logs", "engines.compile_cache", "engines.phases",
+                           "engines.readahead", "engines.recipes", "events", "model", "tasks"},
+    # Pure: a start's phases from its log lines, and their ETA.
+    "engines.phases": set(),
+    # One directory per configuration under deployer.compile_cache: the standard library only.
+    "engines.compile_cache": set(),
+    # A recipe's checkpoint files read into the page cache before its cold start.
+    "engines.readahead": {"engines.checkpoint", "model", "tasks"},
     # What an engine runs (command line, environment, mounts): derived from the deployment and the box.
-    "engines.recipes": {"config", "engines.checkpoint", "engines.warmth", "model"},
+    "engines.recipes": {"config", "engines.checkpoint", "engines.compile_cache", "engines.warmth", "model"},
     # Reads a checkpoint's safetensors headers and config.json on this host: the standard library only.
     "engines.checkpoint": set(),
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.

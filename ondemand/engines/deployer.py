@@ -63,6 +63,7 @@ from ..tasks import TaskGroup
 from . import warmth
 from .backends import Backend, BackendError, Engine
 from .recipes import Box, FieldError, Launch, booking, is_secret, launch, may_sleep
+from .startwatch import StartHooks
 
 log = logging.getLogger("ondemand.engines.deployer")
 
@@ -114,10 +115,6 @@ class StartInterrupted(Exception):
         self.state = state
 
 
-def _no_publish(event: object) -> None:
-    pass
-
-
 def _shown(field: str, value: Any) -> Any:
     """A field's value as an audit row keeps it: a secret's value in ``env`` masked."""
     out = plain(value, field)
@@ -144,8 +141,9 @@ def _checks_name(dep: Deployment) -> bool:
 
 
 class Deployer:
+    start_hooks = StartHooks()  # the app's: the compile cache, the read-ahead, the start's phases
     def __init__(self, store: Store, backend: Backend, budget: Budget, *,
-                 publish: Callable[[object], None] = _no_publish,
+                 publish: Callable[[object], None] = lambda event: None,
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
                  watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, box: Box | None = None,
@@ -683,6 +681,7 @@ class Deployer:
             what = f"deployer.hf_token_file: {exc}" if not isinstance(exc, FieldError) else str(exc)
             await self._transition(dep_id, State.FAILED, reason=f"cannot make its command line: {what}")
             return
+        self.start_hooks.before(dep, how)
         try:
             engine = await self.backend.start(dep, how)
         except Exception as exc:  # a BackendError, or a defect: the start failed, it is not stuck
@@ -692,6 +691,7 @@ class Deployer:
             await self._transition(dep_id, State.FAILED, reason=str(exc) or repr(exc), log_tail=tail)
             return
         self._attach(engine)
+        self.start_hooks.after(dep, engine)
         await self._finish_start(dep_id, engine)
 
     async def _finish_start(self, dep_id: int, engine: Engine) -> None:

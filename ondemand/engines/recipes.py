@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 
 from ..config import Config
 from ..model import Booking, Deployment
-from . import checkpoint, warmth
+from . import checkpoint, compile_cache, warmth
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,12 @@ _CONTEXT_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
 _KV_DTYPE_FLAG = "--kv-cache-dtype"
 # Where the images keep Hugging Face's cache (they run as root).
 HF_CACHE = "/root/.cache/huggingface"
+# Where a recipe's compile cache goes (``deployer.compile_cache``, one directory per configuration):
+# vLLM's cache root in its images (VLLM_CACHE_ROOT for a child process); SGLang's torch.compile
+# (inductor) and Triton caches, as its "Enabling cache for torch.compile" says. llama.cpp builds its
+# kernels ahead of time: nothing to keep.
+VLLM_CACHE = "/root/.cache/vllm"
+SGLANG_CACHE = "/root/.cache/ondemand-compile"
 MASK = "***"
 # Names an admin's env may not set: the GPUs are the budget's choice, the token is the box's.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HF_TOKEN"})
@@ -113,6 +119,7 @@ class Launch:
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[Mount, ...] = ()
+    compile_key: str | None = None  # its directory under deployer.compile_cache (compile_cache.key)
 
     @property
     def argv(self) -> list[str]:
@@ -142,6 +149,7 @@ class Box:
     images: Mapping[str, str] = dataclasses.field(default_factory=dict)
     commands: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     model_cache: Path | None = None
+    compile_cache: Path | None = None
     hf_token_file: Path | None = None
     volume_roots: tuple[Path, ...] = ()
     sleep_flags: bool = True
@@ -152,7 +160,7 @@ class Box:
     def from_config(cls, cfg: Config) -> Box:
         d = cfg.deployer
         return cls(backend=d.backend, images=dict(d.images), commands={k: tuple(v) for k, v in d.commands.items()},
-                   model_cache=d.model_cache, hf_token_file=d.hf_token_file,
+                   model_cache=d.model_cache, compile_cache=d.compile_cache, hf_token_file=d.hf_token_file,
                    volume_roots=tuple(d.volume_roots), sleep_flags=d.sleep_flags,
                    kv_sequences=d.kv_sequences, max_model_len=d.max_model_len)
 
@@ -265,12 +273,34 @@ def launch(dep: Deployment, box: Box, *, gpu_size_gib: float | None = None, box_
             env["HF_HOME"] = str(box.model_cache)
         if dep.engine == "llamacpp":  # llama.cpp's -hf downloads go here
             env["LLAMA_CACHE"] = (HF_CACHE if box.in_container else str(box.model_cache)) + "/llama.cpp"
+    cache_key = _compile_cache(dep, box, image, args, env, mounts) if recipe else None
     if box.hf_token_file is not None and recipe:
         env["HF_TOKEN"] = read_token(box.hf_token_file) if secrets else MASK
     env.update(dep.env)
     if box.in_container:
         mounts.extend(parse_volume(v) for v in dep.volumes)
-    return Launch(image, entrypoint, tuple(args), tuple(env.items()), tuple(mounts))
+    return Launch(image, entrypoint, tuple(args), tuple(env.items()), tuple(mounts), cache_key)
+
+
+def _compile_cache(dep: Deployment, box: Box, image: str | None, args: Sequence[str], env: dict[str, str],
+                   mounts: list[Mount]) -> str | None:
+    """The compile cache's key for a vLLM or SGLang recipe (None: no ``deployer.compile_cache``, or
+    llama.cpp), its directory given to the engine: mounted in a container, by path to a process."""
+    if box.compile_cache is None or dep.engine not in ("vllm", "sglang") or dep.model is None:
+        return None
+    runs = [image or ""] if box.in_container else list(box.commands.get(dep.engine, ()))
+    own = args if box.in_container else args[len(box.commands.get(dep.engine, ())):]
+    cache_key = compile_cache.key(dep.engine, runs, dep.model, own, dep.env)
+    host = str(compile_cache.directory(box.compile_cache, cache_key))
+    root = (VLLM_CACHE if dep.engine == "vllm" else SGLANG_CACHE) if box.in_container else host
+    if box.in_container:
+        mounts.append(Mount(host, root))
+    if dep.engine == "vllm":
+        env["VLLM_CACHE_ROOT"] = root
+    else:
+        env["TORCHINDUCTOR_CACHE_DIR"] = root + "/inductor"
+        env["TRITON_CACHE_DIR"] = root + "/triton"
+    return cache_key
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
