@@ -33,7 +33,12 @@ ALLOWED = {
     "gateway.exchange": set(), "gateway.accesslog": {"gateway.exchange"},
     # control/: the decision core sees the world only through its Effects protocol.
     "control": set(),
-    "control.controller": {"control.eviction", "control.placement", "control.queue", "errors", "model"},
+    "control.controller": {"control.eviction", "control.modes", "control.placement", "control.protocol",
+                           "control.queue", "control.record", "control.verdicts", "errors", "model"},
+    # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
+    # its refusals, and the mode switch's plan.
+    "control.record": {"control.protocol", "errors"}, "control.protocol": {"model"},
+    "control.verdicts": {"control.placement", "errors", "model"}, "control.modes": {"errors", "model"},
     "control.placement": {"model"}, "control.eviction": set(), "control.queue": set(),
     "control.reaper": {"control.controller"},
     "control.admission": {"control.controller", "engines.deployer", "errors", "model"},
@@ -204,7 +209,7 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 997, "app.py": 545}
+OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 872, "app.py": 545}
 
 
 def test_no_module_over_500_lines():

@@ -43,210 +43,29 @@ timeout.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ..errors import InsufficientMemory, OndemandError
-from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, Mode, Role, State
+from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, State
+from . import modes, verdicts
 from .eviction import Candidate, pick_victims
+from .modes import ModePlan
 from .placement import Fit, asleep_held, holdings
+from .protocol import Effects, Timer
 from .queue import WaitQueue
+from .record import NOTHING, Attempt, Backoff, Phase, Record, Slot, Waiter
+
+__all__ = ["ACTOR", "BACKOFF_FIRST_S", "BACKOFF_MAX_S", "Controller", "Effects", "ModePlan", "Phase", "Slot",
+           "Timer", "Waiter"]
 
 log = logging.getLogger("ondemand.control.controller")
 
 ACTOR = "ondemand"
 BACKOFF_FIRST_S = 60.0
 BACKOFF_MAX_S = 900.0
-
-
-class Timer(Protocol):
-    def cancel(self) -> None: ...
-
-
-class Effects(Protocol):
-    """The core's whole window onto the world: reads of the deployer's state, and
-    actions that run in the background and report back through ``on_*``."""
-
-    def deployment(self, dep_id: int) -> Deployment | None: ...
-
-    def deployments(self) -> list[Deployment]: ...
-
-    def engine_idle(self, dep_id: int) -> bool:
-        """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
-
-    def idle_level(self, dep: Deployment) -> int:
-        """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
-
-    def admit(self, dep_id: int, *, text: str) -> None:
-        """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
-        step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or
-        ``on_start_error``."""
-
-    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
-
-    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        """Put ``dep_id`` to sleep at its idle level if ``is_idle`` still approves it (the host
-        reserve may make it level 2, or a stop); reports ``on_stopped``."""
-
-    def settle(self, dep_id: int, within_s: float) -> None:
-        """Wait until ``dep_id`` fits (the freed memory reads as free on its GPUs), or
-        ``within_s``; reports ``on_settled``."""
-
-    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None: ...
-
-    def counters_changed(self, dep_id: int) -> None: ...
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer: ...
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    ADMITTING = "admitting"
-    STOPPING = "stopping victims"
-    SETTLING = "settling"
-
-
-class Slot:
-    """A granted slot; ``release()`` is idempotent, so a double release cannot drift the count."""
-    __slots__ = ("_controller", "dep_id", "_released")
-
-    def __init__(self, controller: Controller, dep_id: int):
-        self._controller = controller
-        self.dep_id = dep_id
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._controller.release(self.dep_id)
-
-    async def __aenter__(self) -> Slot:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-
-class Waiter:
-    """One request waiting for a slot. ``notify`` wakes its task (set by whoever waits)."""
-    __slots__ = ("dep_id", "arrival", "deadline", "on_queued", "notify", "notified", "verdict")
-
-    def __init__(self, dep_id: int, arrival: float, deadline: float,
-                 on_queued: Callable[[], None] | None, notify: Callable[[], None]):
-        self.dep_id = dep_id
-        self.arrival = arrival
-        self.deadline = deadline
-        self.on_queued = on_queued
-        self.notify = notify
-        self.notified = False  # the queued notice went out
-        self.verdict: OndemandError | None = None
-
-
-@dataclasses.dataclass
-class Attempt:
-    waiters: list[Waiter] = dataclasses.field(default_factory=list)
-    phase: Phase = Phase.IDLE
-    starting_for_request: bool = False
-    stopped_victim: bool = False  # this attempt stopped a victim: no does_not_fit now
-    # Its waiters were told they are queued (make-room's victims do not free enough, or it waits
-    # behind the head): a request that joins it while queued is told at once.
-    told: bool = False
-    victims: set[int] = dataclasses.field(default_factory=set)  # stops out for this attempt
-    # What each victim frees on the GPU set chosen for this attempt: held for it once stopped.
-    frees: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
-    freed: float = 0.0
-
-
-@dataclasses.dataclass
-class Backoff:
-    until: float
-    delay: float
-    reason: str
-
-
-class Record:
-    """What the controller holds of one deployment: its slots, its activity, its attempt,
-    its start backoff, its drains and its publishing. Made when first needed; a field at its
-    default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
-    __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
-                 "published_at", "publish_timer", "drains", "drained")
-
-    def __init__(self) -> None:
-        self.inflight = 0  # granted slots
-        self.last_activity: float | None = None  # monotonic; None: none seen (removed, or never)
-        self.last_request_at: float | None = None  # wall time of the last slot
-        self.asleep_since: float | None = None  # for sleep_timeout_s (after a restart: from then)
-        self.attempt: Attempt | None = None  # while it has waiters or an effect of theirs is out
-        self.backoff: Backoff | None = None
-        self.busy = 0  # 429s for max_inflight (a counter)
-        self.published_at = -math.inf
-        self.publish_timer: Timer | None = None
-        # A sleep drains first: no new slot while one is out; each callback once its in-flight ended.
-        self.drains = 0
-        self.drained: list[Callable[[], None]] = []
-
-    def forget(self) -> None:
-        """The deployment is gone: all but its attempt and its drains (they end on their own)."""
-        self.inflight = 0
-        self.last_activity = self.last_request_at = self.asleep_since = None
-        self.backoff = None
-        self.busy = 0
-        self.published_at = -math.inf
-        if self.publish_timer is not None:
-            self.publish_timer.cancel()
-            self.publish_timer = None
-
-    def unused(self) -> bool:
-        return self.attempt is None and not self.drains and not self.drained
-
-
-@dataclasses.dataclass(frozen=True)
-class ModePlan:
-    """What a mode switch changes, decided in one step (``plan_mode``)."""
-    fields: dict[str, Any]
-    start: bool
-    text: str
-    detail: dict[str, Any]
-
-
-_NOTHING = Record()  # what is read of a deployment the controller holds nothing of
-
-
-def _does_not_fit(dep: Deployment, fit: Fit, capacity: float) -> OndemandError:
-    if fit.per_gpu and fit.count > len(fit.ondemand):
-        return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.count} GPUs (gpu_count), "
-                                                  f"but this box has {len(fit.ondemand)}")
-    if not fit.per_gpu:
-        where = f"the {capacity:g} GiB that on-demand models can ever use here"
-    else:
-        best = max(fit.ondemand, default=0.0)
-        where = (f"what on-demand models can ever use on this box's {len(fit.ondemand)} GPUs "
-                 f"(at most {best:g} GiB on one GPU)")
-    return OndemandError(503, "does_not_fit", f"{dep.served_name} needs {fit.describe()}, more than {where}")
-
-
-def _shutting_down() -> OndemandError:
-    return OndemandError(503, "ondemand_shutting_down", "ondemand is shutting down; send the request again",
-                         headers={"Retry-After": "10"})
-
-
-def _busy(dep: Deployment) -> OndemandError:
-    # 429 with x-should-retry: LiteLLM cools the entry down and the OpenAI SDKs send it again
-    # after Retry-After, so the next try may land on another box (docs/several-boxes.md).
-    return OndemandError(429, "ondemand_busy",
-                         f"{dep.served_name} is answering its limit of {dep.max_inflight} requests at once "
-                         "(max_inflight); send the request again in a moment",
-                         headers={"Retry-After": "1", "x-should-retry": "true"})
-
-
-def _stopped_error(name: str) -> OndemandError:
-    return OndemandError(503, "ondemand_stopped",
-                         f"{name} was stopped while it was starting for this request; send it again to start it")
 
 
 class Controller:
@@ -341,7 +160,7 @@ class Controller:
         now = self.clock() if now is None else now
         rec = self._records.get(dep.id)
         if rec is None:
-            rec = _NOTHING
+            rec = NOTHING
         return (dep.on_demand
                 and dep.state in STOPPABLE_WHEN_IDLE
                 and dep.pending_mode is None
@@ -354,7 +173,7 @@ class Controller:
     def status(self, dep_id: int) -> dict[str, Any]:
         """The ``ondemand`` field of a deployment view."""
         dep = self.effects.deployment(dep_id)
-        rec = self._records.get(dep_id) or _NOTHING
+        rec = self._records.get(dep_id) or NOTHING
         dw = rec.attempt
         inflight = rec.inflight
         starting = dep is not None and dep.state is State.STARTING
@@ -416,7 +235,7 @@ class Controller:
         count (not health checks, not waiters); a refusal is no failed start."""
         if dep.max_inflight is not None and rec.inflight >= dep.max_inflight:
             rec.busy += 1
-            raise _busy(dep)
+            raise verdicts.busy(dep)
 
     def _grant(self, dep_id: int, rec: Record) -> Slot:
         rec.inflight += 1
@@ -470,18 +289,15 @@ class Controller:
         that need no wait (unknown, planned, backoff, queue full)."""
         dep = self.effects.deployment(dep_id)
         if dep is None:
-            raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
+            raise verdicts.unknown(dep_id)
         if self._closing:
-            raise _shutting_down()
+            raise verdicts.shutting_down()
         if dep.state is State.PLANNED:
-            raise OndemandError(503, "ondemand_planned",
-                                f"{dep.served_name} is planned: an administrator has to start it first")
+            raise verdicts.planned(dep)
         if dep.state in REQUEST_STARTABLE:  # a start by hand is waited for, backoff or not
             self._check_backoff(dep)
         if self._waiting >= self.max_queued:
-            raise OndemandError(503, "ondemand_queue_full",
-                                f"{self._waiting} requests are waiting already (ondemand_max_queued)",
-                                headers={"Retry-After": "60"})
+            raise verdicts.queue_full(self._waiting)
         waiter = Waiter(dep_id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
         rec = self._record(dep_id)
         dw = rec.attempt
@@ -504,7 +320,7 @@ class Controller:
             raise waiter.verdict
         dep = self.effects.deployment(waiter.dep_id)
         if dep is None:
-            raise OndemandError(404, "not_found", f"deployment {waiter.dep_id} was removed")
+            raise verdicts.removed(waiter.dep_id)
         if dep.state is State.READY:
             rec = self._record(waiter.dep_id)
             if not rec.drains:
@@ -517,9 +333,7 @@ class Controller:
                                f"a request for {dep.name} gave up after waiting {waited:.0f} s "
                                "(ondemand_queue_timeout_s)",
                                {"waited_s": round(waited, 1), "state": dep.state.value})
-            raise OndemandError(503, "ondemand_queue_timeout",
-                                f"{dep.served_name} was not ready within {self.queue_timeout_s:g} s; try again later",
-                                headers={"Retry-After": "60"})
+            raise verdicts.queue_timeout(dep, self.queue_timeout_s)
         return None
 
     def leave(self, waiter: Waiter) -> None:
@@ -573,9 +387,7 @@ class Controller:
 
     def _start_failed(self, dep: Deployment, b: Backoff) -> OndemandError:
         left = max(1, int(b.until - self.clock()))
-        return OndemandError(503, "start_failed",
-                             f"{dep.served_name} failed to start: {b.reason}; new starts are refused for {left} s",
-                             headers={"Retry-After": str(left)})
+        return verdicts.start_failed(dep, b.reason, left)
 
     def _record_failure(self, dep_id: int, reason: str) -> Backoff:
         rec = self._record(dep_id)
@@ -623,8 +435,7 @@ class Controller:
             return  # starting (by hand or for us), stopping, or set_mode starts it: wait
         if not dep.on_demand:
             if dep.state is not State.ASLEEP:
-                self._give_verdict(dep_id, OndemandError(
-                    503, "not_on_demand", f"{dep.served_name} was switched to always on and is {dep.state}"))
+                self._give_verdict(dep_id, verdicts.switched_to_always_on(dep))
             return
         b = self._backoff(dep_id)
         if b is not None and self.clock() < b.until:
@@ -710,7 +521,7 @@ class Controller:
         fit: Fit = exc.fit or Fit(exc.need, (exc.free,), (exc.capacity,), 1, None, False)
         recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
         if fit.never_fits() and not dw.stopped_victim and not recent_stop:
-            self._give_verdict(dep_id, _does_not_fit(dep, fit, exc.capacity))
+            self._give_verdict(dep_id, verdicts.does_not_fit(dep, fit, exc.capacity))
             return
         if self._closing:
             return  # its waiters heard it already
@@ -748,9 +559,7 @@ class Controller:
             return
         dep = self.effects.deployment(dep_id)
         name = dep.served_name if dep else f"deployment {dep_id}"
-        self._give_verdict(dep_id, OndemandError(
-            503, "budget_unavailable", f"cannot start {name} now: the GPU memory budget cannot be read ({reason})",
-            headers={"Retry-After": "10"}))
+        self._give_verdict(dep_id, verdicts.budget_unavailable(name, reason))
         self._forget_if_unused(dep_id)
         self._release_held(dep_id)
 
@@ -951,15 +760,14 @@ class Controller:
                 b = self._record_failure(dep.id, dep.state_reason or "start failed")
                 self._give_verdict(dep.id, self._start_failed(dep, b))
         elif dep.state is not State.READY and for_request:
-            self._give_verdict(dep.id, _stopped_error(dep.served_name))
+            self._give_verdict(dep.id, verdicts.stopped(dep.served_name))
         self._forget_if_unused(dep.id)
 
     def _removed(self, dep_id: int) -> None:
         dw = self._attempt(dep_id)
         if dw is not None:
             started_for_them = dw.starting_for_request and dw.phase is Phase.IDLE
-            err = _stopped_error(f"deployment {dep_id}") if started_for_them else \
-                OndemandError(404, "not_found", f"deployment {dep_id} was removed")
+            err = verdicts.stopped(f"deployment {dep_id}") if started_for_them else verdicts.removed(dep_id)
             self._give_verdict(dep_id, err)
             dw.phase = Phase.IDLE
             dw.starting_for_request = False
@@ -1006,38 +814,13 @@ class Controller:
     def plan_mode(self, dep_id: int, mode: str, *, idle_timeout_s: int | None = None,
                   set_idle_timeout: bool = False) -> ModePlan:
         """Decide a switch (BEHAVIOUR.md, "Switch to always on"); resets the start backoff."""
-        if mode not in (Mode.ON_DEMAND.value, Mode.ALWAYS_ON.value):
-            raise OndemandError(400, "invalid_mode", "mode must be on_demand or always_on")
-        if set_idle_timeout and idle_timeout_s is not None and \
-                not self.min_idle_timeout_s <= idle_timeout_s <= 86400:
-            raise OndemandError(400, "invalid_idle_timeout",
-                                f"idle_timeout_s must be {self.min_idle_timeout_s} to 86400 seconds, or null")
+        modes.check(mode, idle_timeout_s, set_idle_timeout, self.min_idle_timeout_s)
         dep = self.effects.deployment(dep_id)
         if dep is None:
-            raise OndemandError(404, "not_found", f"deployment {dep_id} does not exist")
-        if dep.role is not Role.MODEL and mode == Mode.ON_DEMAND:
-            raise OndemandError(400, "invalid_mode", f"a {dep.role} deployment is always always_on")
-        old = {"mode": dep.mode.value, "idle_timeout_s": dep.idle_timeout_s,
-               "pending_mode": dep.pending_mode.value if dep.pending_mode else None}
-        fields: dict[str, Any] = {}
-        if set_idle_timeout:
-            fields["idle_timeout_s"] = idle_timeout_s
-        start = False
-        if mode == Mode.ON_DEMAND:
-            fields.update(mode=Mode.ON_DEMAND, pending_mode=None)
-        elif dep.mode is Mode.ALWAYS_ON:
-            fields["pending_mode"] = None
-        elif dep.state in REQUEST_STARTABLE:
-            fields["pending_mode"] = Mode.ALWAYS_ON
-            start = True
-        elif dep.state is State.STARTING:
-            fields["pending_mode"] = Mode.ALWAYS_ON  # applied when the start ends
-        else:
-            fields.update(mode=Mode.ALWAYS_ON, pending_mode=None)
+            raise verdicts.unknown(dep_id)
+        plan = modes.plan(dep, mode, idle_timeout_s, set_idle_timeout)
         self._reset_backoff(dep_id)  # set_mode resets the start backoff
-        new = {**old, **{k: getattr(v, "value", v) for k, v in fields.items() if k in old}}
-        text = f"mode {old['mode']} → {mode}" + (" (pending the start)" if start else "")
-        return ModePlan(fields, start, text, {"old": old, "new": new})
+        return plan
 
     def mode_switched(self, dep_id: int) -> None:
         """The switch is stored: waiters look again (a start may be theirs to wait for now)."""
@@ -1070,7 +853,7 @@ class Controller:
         make-room, no reaper), and every waiter, queued or waiting for a start, gets
         ``ondemand_shutting_down`` at once instead of holding the shutdown up."""
         self._closing = True
-        err = _shutting_down()
+        err = verdicts.shutting_down()
         for dep_id in self.attempts():
             self._give_verdict(dep_id, err)
         for dep_id in self.queue.ids():

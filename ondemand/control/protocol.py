@@ -1,0 +1,50 @@
+"""The decision core's whole window onto the world (``Effects``): reads of the deployer's
+state, and actions that run in the background and report back through the controller's
+``on_*`` methods. The real one is ``effects.DeployerEffects``; the tests' is a recording fake."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..model import Deployment
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Effects(Protocol):
+    """The core's whole window onto the world: reads of the deployer's state, and
+    actions that run in the background and report back through ``on_*``."""
+
+    def deployment(self, dep_id: int) -> Deployment | None: ...
+
+    def deployments(self) -> list[Deployment]: ...
+
+    def engine_idle(self, dep_id: int) -> bool:
+        """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
+
+    def idle_level(self, dep: Deployment) -> int:
+        """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
+
+    def admit(self, dep_id: int, *, text: str) -> None:
+        """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
+        step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or
+        ``on_start_error``."""
+
+    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        """Put ``dep_id`` to sleep at its idle level if ``is_idle`` still approves it (the host
+        reserve may make it level 2, or a stop); reports ``on_stopped``."""
+
+    def settle(self, dep_id: int, within_s: float) -> None:
+        """Wait until ``dep_id`` fits (the freed memory reads as free on its GPUs), or
+        ``within_s``; reports ``on_settled``."""
+
+    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None: ...
+
+    def counters_changed(self, dep_id: int) -> None: ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer: ...

@@ -1,0 +1,125 @@
+"""What the controller holds of each deployment (one ``Record``), of each attempt to start
+one for its waiters (``Attempt``), of each waiting request (``Waiter``) and of each granted
+slot (``Slot``). Plain state: the decisions are the controller's."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+from ..errors import OndemandError
+from .protocol import Timer
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ADMITTING = "admitting"
+    STOPPING = "stopping victims"
+    SETTLING = "settling"
+
+
+class _Releases(Protocol):
+    def release(self, dep_id: int) -> None: ...
+
+
+class Slot:
+    """A granted slot; ``release()`` is idempotent, so a double release cannot drift the count."""
+    __slots__ = ("_controller", "dep_id", "_released")
+
+    def __init__(self, controller: _Releases, dep_id: int):
+        self._controller = controller
+        self.dep_id = dep_id
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._controller.release(self.dep_id)
+
+    async def __aenter__(self) -> Slot:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Waiter:
+    """One request waiting for a slot. ``notify`` wakes its task (set by whoever waits)."""
+    __slots__ = ("dep_id", "arrival", "deadline", "on_queued", "notify", "notified", "verdict")
+
+    def __init__(self, dep_id: int, arrival: float, deadline: float,
+                 on_queued: Callable[[], None] | None, notify: Callable[[], None]):
+        self.dep_id = dep_id
+        self.arrival = arrival
+        self.deadline = deadline
+        self.on_queued = on_queued
+        self.notify = notify
+        self.notified = False  # the queued notice went out
+        self.verdict: OndemandError | None = None
+
+
+@dataclasses.dataclass
+class Attempt:
+    """A deployment's waiters and the one effect out for them (its phase)."""
+    waiters: list[Waiter] = dataclasses.field(default_factory=list)
+    phase: Phase = Phase.IDLE
+    starting_for_request: bool = False
+    stopped_victim: bool = False  # this attempt stopped a victim: no does_not_fit now
+    # Its waiters were told they are queued (make-room's victims do not free enough, or it waits
+    # behind the head): a request that joins it while queued is told at once.
+    told: bool = False
+    victims: set[int] = dataclasses.field(default_factory=set)  # stops out for this attempt
+    # What each victim frees on the GPU set chosen for this attempt: held for it once stopped.
+    frees: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
+    freed: float = 0.0
+
+
+@dataclasses.dataclass
+class Backoff:
+    until: float
+    delay: float
+    reason: str
+
+
+class Record:
+    """What the controller holds of one deployment: its slots, its activity, its attempt,
+    its start backoff, its drains and its publishing. Made when first needed; a field at its
+    default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
+    __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
+                 "published_at", "publish_timer", "drains", "drained")
+
+    def __init__(self) -> None:
+        self.inflight = 0  # granted slots
+        self.last_activity: float | None = None  # monotonic; None: none seen (removed, or never)
+        self.last_request_at: float | None = None  # wall time of the last slot
+        self.asleep_since: float | None = None  # for sleep_timeout_s (after a restart: from then)
+        self.attempt: Attempt | None = None  # while it has waiters or an effect of theirs is out
+        self.backoff: Backoff | None = None
+        self.busy = 0  # 429s for max_inflight (a counter)
+        self.published_at = -math.inf
+        self.publish_timer: Timer | None = None
+        # A sleep drains first: no new slot while one is out; each callback once its in-flight ended.
+        self.drains = 0
+        self.drained: list[Callable[[], None]] = []
+
+    def waiters(self) -> int:
+        return len(self.attempt.waiters) if self.attempt is not None else 0
+
+    def forget(self) -> None:
+        """The deployment is gone: all but its attempt and its drains (they end on their own)."""
+        self.inflight = 0
+        self.last_activity = self.last_request_at = self.asleep_since = None
+        self.backoff = None
+        self.busy = 0
+        self.published_at = -math.inf
+        if self.publish_timer is not None:
+            self.publish_timer.cancel()
+            self.publish_timer = None
+
+    def unused(self) -> bool:
+        return self.attempt is None and not self.drains and not self.drained
+
+
+NOTHING = Record()  # what is read of a deployment the controller holds nothing of (never written)
