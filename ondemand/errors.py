@@ -52,9 +52,10 @@ def not_found(message: str = "Not found") -> OndemandError:
     return OndemandError(404, "not_found", message)
 
 
-def internal_error() -> OndemandError:
-    """The one 500 of both stacks: a defect of ours, its traceback in the log, not in the answer."""
-    return OndemandError(500, "internal_error", "ondemand failed on this request; see its log")
+def internal_error(status: int = 500) -> OndemandError:
+    """The one 500 of both stacks: a defect of ours, its traceback in the log, not in the answer
+    (``status``: aiohttp's 504 for a handler that timed out says the same)."""
+    return OndemandError(status, "internal_error", "ondemand failed on this request; see its log")
 
 
 def upgrade_refused() -> OndemandError:

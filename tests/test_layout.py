@@ -19,7 +19,7 @@ ALLOWED = {
     "http.protocol": {"errors", "http.cycle", "http.flow_control", "http.headers", "http.refusals",
                       "http.server"},  # (server for types only)
     "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
-    "http.connection": {"http.body", "http.headers"},
+    "http.connection": {"http.body", "http.flow_control", "http.headers", "http.limits"},
     "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"},
     # gateway/: the routes and their checks.

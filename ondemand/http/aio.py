@@ -24,7 +24,7 @@ from typing import Any
 import httptools
 from aiohttp import web
 
-from ..errors import OndemandError
+from ..errors import OndemandError, internal_error
 from .limits import Limits
 from .refusals import REFUSALS
 
@@ -193,15 +193,15 @@ class AioConnection(web.RequestHandler):
         if self.refuse_as is not None:
             status, code, text = self.refuse_as
             REFUSALS.note(peer, text, status)
+            err = OndemandError(status, code, text)
         elif status >= 500:
             _log.error("%s %s failed", request.method, request.path, exc_info=exc)
-            code, text = "internal_error", "ondemand failed on this request; see its log"
+            err = internal_error(status)
         else:
-            code = "invalid_request"
             first = str(message or exc or "Bad Request").strip().splitlines()
             text = f"Malformed HTTP request: {first[0] if first else 'Bad Request'}"
             REFUSALS.note(peer, text, status)
-        resp = web.Response(status=status, body=OndemandError(status, code, text).body(),
-                            content_type="application/json")
+            err = OndemandError(status, "invalid_request", text)
+        resp = web.Response(status=status, body=err.body(), content_type="application/json")
         resp.force_close()
         return resp

@@ -1,7 +1,8 @@
 """One keep-alive connection to an engine (:class:`EngineConnection`) and its answer
 (:class:`Response`): a request is one write; the answer's head and chunked framing are parsed
 by llhttp through httptools' public response parser (aiohttp's private ``HttpResponseParser``
-before issue 23), and its body arrives through a :class:`~.body.Body`. The pool
+before issue 23), and its body arrives through a :class:`~.body.Body`, which pauses reading
+the engine through the connection's :class:`~.flow_control.FlowControl`. The pool
 (``pool.py``) owns the connections; a connection tells it when it closes. Imports nothing of
 ours but this package.
 """
@@ -15,12 +16,12 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from .body import Body, PayloadError
+from .flow_control import BODY, FlowControl
 from .headers import decoded
+from .limits import READ_SIZE
 
 __all__ = ["EngineConnection", "Response", "UpstreamError", "Stale", "PayloadError"]
 
-READ_LIMIT = 2 ** 16     # the body's low-water mark; reading pauses at twice this
-_FLOW_CONTROL_ERRORS = (AttributeError, NotImplementedError, RuntimeError)  # as aiohttp's BaseProtocol
 
 
 class Owner(Protocol):
@@ -47,7 +48,7 @@ class _HeadOnly(Exception):
 
 class EngineConnection(asyncio.Protocol):
     """One keep-alive connection; at most one exchange at a time."""
-    __slots__ = ("pool", "transport", "parser", "active", "head", "payload", "got_bytes", "keep", "paused",
+    __slots__ = ("pool", "transport", "parser", "active", "head", "payload", "got_bytes", "keep", "flow",
                  "sent_at", "idle_since", "head_only", "answered", "status", "reason", "raw_headers", "framed",
                  "chunks", "on_body")
 
@@ -64,7 +65,7 @@ class EngineConnection(asyncio.Protocol):
         self.payload: Body | None = None   # the body once the head arrived
         self.got_bytes = False
         self.keep = True              # False once anything rules out another exchange
-        self.paused = False
+        self.flow: FlowControl = None  # type: ignore[assignment]  # set in connection_made
         self.sent_at = 0.0            # loop time of the current exchange's request
         self.idle_since = 0.0         # loop time it went back to the pool
         self.head_only = False
@@ -78,6 +79,7 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.flow = FlowControl(self.transport)  # type: ignore[arg-type]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -121,6 +123,8 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
+        if self.flow is not None:
+            self.flow.connection_lost()
         self.keep = False
         self.pool.lost(self)
         if not self.active:
@@ -170,7 +174,8 @@ class EngineConnection(asyncio.Protocol):
         self.framed = framed
         if not parser.should_keep_alive():
             self.keep = False
-        payload = self.payload = Body(self, READ_LIMIT)
+        # The body's low-water mark: its reading pauses at twice this, resumes below it.
+        payload = self.payload = Body(self.flow, READ_SIZE)
         head = self.head
         if head is not None and not head.done():
             head.set_result(Response(self, status, self.reason.decode("utf-8", "surrogateescape"), raw, payload))
@@ -186,25 +191,6 @@ class EngineConnection(asyncio.Protocol):
         self.answered = True
         if self.payload is not None:
             self.payload.feed_eof()
-
-    # --- flow control, called by the body ---
-
-    def pause_reading(self) -> None:
-        if not self.paused and self.transport is not None:
-            self.paused = True
-            try:
-                self.transport.pause_reading()
-            except _FLOW_CONTROL_ERRORS:  # a closing transport: nothing more to read anyway
-                pass
-
-    def resume_reading(self) -> None:
-        if self.paused:
-            self.paused = False
-            if self.transport is not None:
-                try:
-                    self.transport.resume_reading()
-                except _FLOW_CONTROL_ERRORS:
-                    pass
 
     # --- ours ---
 
@@ -267,7 +253,7 @@ class EngineConnection(asyncio.Protocol):
                 and not transport.get_write_buffer_size():
             self.active = False
             self.head = self.payload = None
-            self.resume_reading()  # an idle connection must notice the engine closing it
+            self.flow.resume_reading(BODY)  # an idle connection must notice the engine closing it
             self.pool.put_back(self)
         else:
             self.close()

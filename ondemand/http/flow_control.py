@@ -1,9 +1,12 @@
-"""Flow control for one connection, both ways (uvicorn's ``flow_control.py``).
+"""Flow control for one connection, both ways (uvicorn's ``flow_control.py``): the one of
+the lean front's client connections and of the pool's engine connections.
 
 Reading: the protocol pauses the transport when it holds more than the high-water mark of a
 request's body that the handler has not taken yet (before issue 23 the lean front buffered up
 to the whole 16 MiB body limit without pausing), and while a pipelined request waits for the
 one before it; it resumes when the handler takes what is buffered, or the next request starts.
+An engine connection pauses while its answer's body (``body.Body``) holds more than its
+high-water mark that the gateway has not relayed to a slow client yet.
 Several reasons may hold the pause at once: reading resumes only when none is left.
 
 Writing: the transport calls ``pause_writing`` past its own high-water mark; a writer awaits
@@ -16,7 +19,7 @@ import asyncio
 
 __all__ = ["FlowControl", "BODY", "PIPELINE"]
 
-BODY = 1       # a request body past the high-water mark, not yet taken by its handler
+BODY = 1       # a body past the high-water mark, not yet taken by its reader (the default reason)
 PIPELINE = 2   # a request waits for the answer to the one before it
 
 
@@ -36,12 +39,12 @@ class FlowControl:
     def read_paused(self) -> bool:
         return self._reasons != 0
 
-    def pause_reading(self, reason: int) -> None:
+    def pause_reading(self, reason: int = BODY) -> None:
         if not self._reasons and not self._lost:
-            self._transport.pause_reading()
+            self._transport.pause_reading()  # a closing transport's (asyncio's, uvloop's) does nothing
         self._reasons |= reason
 
-    def resume_reading(self, reason: int) -> None:
+    def resume_reading(self, reason: int = BODY) -> None:
         if self._reasons & reason:
             self._reasons &= ~reason
             if not self._reasons and not self._lost:
