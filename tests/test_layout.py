@@ -34,7 +34,8 @@ ALLOWED = {
     # control/: the decision core sees the world only through its Effects protocol.
     "control": set(),
     "control.controller": {"control.eviction", "control.modes", "control.placement", "control.protocol",
-                           "control.queue", "control.record", "control.verdicts", "errors", "model"},
+                           "control.record", "control.slots", "control.verdicts", "errors", "model"},
+    "control.slots": {"control.protocol", "control.queue", "control.record", "control.verdicts", "errors", "model"},
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
     # its refusals, and the mode switch's plan.
     "control.record": {"control.protocol", "errors"}, "control.protocol": {"model"},
@@ -42,7 +43,7 @@ ALLOWED = {
     "control.placement": {"model"}, "control.eviction": set(), "control.queue": set(),
     "control.reaper": {"control.controller"},
     "control.admission": {"control.controller", "engines.deployer", "errors", "model"},
-    "control.effects": {"control.budget", "control.controller", "engines.deployer", "engines.metrics", "engines.warmth",
+    "control.effects": {"control.budget", "control.controller", "control.protocol", "engines.deployer", "engines.metrics", "engines.warmth",
                         "errors", "events", "model", "tasks"},
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
@@ -209,7 +210,7 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190, "control/controller.py": 872, "app.py": 545}
+OVER_THE_CAP = {"engines/deployer.py": 1190, "app.py": 545}
 
 
 def test_no_module_over_500_lines():

@@ -24,7 +24,8 @@ from ..events import CountersChanged, StopCause
 from ..model import Deployment
 from ..tasks import TaskGroup
 from .budget import Budget
-from .controller import ACTOR, Controller, Timer
+from .controller import ACTOR, Controller
+from .protocol import Timer
 
 log = logging.getLogger("ondemand.control.effects")
 
