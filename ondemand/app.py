@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import __version__
+from . import __version__, events
 from .admin.components import (
     ACCESS_LOG,
     ADMISSION,
@@ -48,8 +48,10 @@ from .admin.components import (
     SYNC,
     TASKS,
     TELEMETRY,
+    WATCH,
     view,
 )
+from .admin.gpu_memory import GpuMemory
 from .admin.telemetry import Telemetry
 from .config import Config
 from .control.admission import Admission
@@ -64,7 +66,7 @@ from .engines.backends.process import ProcessBackend
 from .engines.deployer import Deployer
 from .engines.metrics import MetricsSampler
 from .engines.recipes import Box
-from .errors import BudgetError
+from .engines.startwatch import StartWatch
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, Slept, ViewPublished, Woken
 from .gateway import keys as keys_mod
 from .gateway.accesslog import AccessLog
@@ -232,9 +234,14 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
             # fork of nvidia-smi (the wake path's benchmark saw 10 to 20 ms of it).
             asyncio.get_running_loop().call_later(1.0, footprints.engine_ready)
     app[BUS].subscribe(DeploymentChanged, measure_when_ready)
+    # Around each cold start: the compile cache, the weights read ahead, the phases in its log.
+    watch = deployer.start_hooks = app[WATCH] = StartWatch.of(cfg, backend, deployer.budget.host_available_gib,
+                                                             publish=app[BUS].publish, estimates=app[STARTS])
+    app[BUS].subscribe(DeploymentChanged, lambda e: watch.on_change(e.dep_id, e.dep, e.old))
     await deployer.load()
     yield
     await deployer.close(stop_engines=deployer.backend.kind == "process")
+    await watch.close()
     await app[SAMPLER].close()
 
 
@@ -253,52 +260,17 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     await effects.close()
 
 
-class _GpuMemory:
-    """``gpu_memory()`` for the metrics: (GPU, capacity GiB, free GiB) of each GPU (one
-    pool, GPU 0, for unified memory or a one-pool budget) from the budget's last
-    snapshot. A scrape never
-    waits for nvidia-smi: it reads the last snapshot and, when that is older than
-    ``max_age_s``, has a new one read in the background. No samples while the budget
-    cannot be read."""
-
-    def __init__(self, deployer: Deployer, max_age_s: float = 5.0):
-        self._deployer = deployer
-        self._max_age_s = max_age_s
-        self._tasks = TaskGroup("gpu memory")
-        self._last: list[tuple[int, float, float]] = []
-        self._read_at = -float("inf")
-        self._reading: asyncio.Task[None] | None = None
-
-    def __call__(self) -> list[tuple[int, float, float]]:
-        if time.monotonic() - self._read_at >= self._max_age_s and (self._reading is None or self._reading.done()):
-            self._reading = self._tasks.spawn(self._read(), "read")
-        return self._last
-
-    async def _read(self) -> None:
-        deployer = self._deployer
-        try:
-            snap = await deployer.budget.snapshot(deployer.all())
-            self._last = [(p.index, p.capacity, p.free) for p in snap.pools]
-        except BudgetError as exc:
-            log.debug("GPU memory for the metrics: %s", exc)
-            self._last = []
-        finally:
-            self._read_at = time.monotonic()
-
-    async def close(self) -> None:
-        await self._tasks.close()
-
-
 async def _observe(app: web.Application) -> AsyncIterator[None]:
     """The metrics (``/metrics``) and the access log."""
     cfg, deployer, controller = app[CONFIG], app[DEPLOYER], app[CONTROLLER]
-    gpu = _GpuMemory(deployer)
+    gpu = GpuMemory(deployer)
     gpu()  # the first reading, so that the first scrape has one
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
                                            queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
     app[BUS].subscribe(Slept, telemetry.on_slept)
     app[BUS].subscribe(Woken, telemetry.on_woken)
+    app[BUS].subscribe(events.StartTimed, telemetry.on_start_timed)
     access = None
     if cfg.access_log != "off":
         access = app[ACCESS_LOG] = AccessLog(cfg.access_log, sys.stderr)
@@ -338,7 +310,8 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
                            limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
-                           start_eta=app[STARTS].notice_eta_s, queue_place=app[CONTROLLER].queue_place,
+                           start_eta=app[WATCH].notice_eta_s, start_phase=app[WATCH].notice_phase,
+                           queue_place=app[CONTROLLER].queue_place,
                            max_body=app[LIMITS].gateway_max_body, body_timeout_s=app[LIMITS].body_timeout_s)
     yield
     await upstreams.close()
@@ -398,6 +371,7 @@ async def _views(app: web.Application) -> AsyncIterator[None]:
 
     bus.subscribe(DeploymentChanged, lambda e: publish(e.dep_id))
     bus.subscribe(CountersChanged, lambda e: publish(e.dep_id))
+    bus.subscribe(events.StartPhase, lambda e: publish(e.dep_id))  # a start's phase: its bar on the page
     yield
 
 

@@ -55,7 +55,7 @@ ALLOWED = {
     "engines.deployer": {"control.budget", "engines.backends", "engines.recipes", "engines.startwatch", "engines.warmth",
                          "errors", "events", "model", "state.store", "tasks"},
     # Around a cold start: the compile cache, the weights read ahead, the phases in the engine's log.
-    "engines.startwatch": {"engines.backends", "engines.backends.logs", "engines.compile_cache", "engines.phases",
+    "engines.startwatch": {"config", "engines.backends", "engines.backends.logs", "engines.compile_cache", "engines.phases",
                            "engines.readahead", "engines.recipes", "events", "model", "tasks"},
     # Pure: a start's phases from its log lines, and their ETA.
     "engines.phases": set(),
@@ -87,7 +87,7 @@ ALLOWED = {
     "admin": set(),
     "admin.components": {"admin.telemetry", "config", "control.admission", "control.controller", "control.effects",
                          "control.footprint", "control.starts", "engines.deployer", "engines.metrics",
-                         "engines.recipes", "engines.warmth", "events", "gateway.accesslog", "gateway.keys",
+                         "engines.recipes", "engines.startwatch", "engines.warmth", "events", "gateway.accesslog", "gateway.keys",
                          "gateway.peers", "gateway.routes", "litellm.sync", "model", "state.store", "tasks"},
     "admin.api": {"admin.actions", "admin.components", "admin.deployments", "admin.fields", "admin.streams",
                   "admin.telemetry", "admin.wire", "config", "engines.deployer", "errors", "gateway.keys",
@@ -100,6 +100,8 @@ ALLOWED = {
     "admin.streams": {"admin.fields", "admin.wire", "engines.backends", "engines.deployer", "errors", "events",
                       "model"},
     "admin.telemetry": {"events", "gateway.exchange", "model"},
+    # The GPU memory the metrics show, read in the background from the budget's snapshot.
+    "admin.gpu_memory": {"engines.deployer", "errors", "tasks"},
     "admin.client": {"config", "state.store"},
     # recipes: the images the deployments run, and the checks of a deployment against the box.
     "admin.doctor": {"admin.client", "config", "control.budget", "engines.dockerapi", "engines.metrics",
@@ -107,10 +109,11 @@ ALLOWED = {
     "sim": {"sim.engine"},
     "sim.engine": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.record", "sim.replies",
                    "sim.routes"},
-    "sim.options": set(), "sim.faults": set(), "sim.record": set(), "sim.replies": set(),
+    "sim.options": set(), "sim.phases": {"sim.options"}, "sim.faults": set(), "sim.record": set(), "sim.replies": set(),
     "sim.memory": {"sim.faults", "sim.options", "sim.record", "sim.replies"},
     "sim.generation": {"sim.faults", "sim.memory", "sim.options", "sim.replies"},
-    "sim.routes": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.record", "sim.replies"},
+    "sim.routes": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.phases", "sim.record",
+                   "sim.replies"},
     # cli/: the command line, an edge (it may import anything).
     "cli.shared": {"admin.client", "config", "engines.recipes", "errors"},
     "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.warmth", "model"},

@@ -8,6 +8,7 @@ from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ondemand import app as app_mod
+from ondemand.admin.gpu_memory import GpuMemory
 from ondemand.admin.telemetry import START_BUCKETS
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
@@ -148,7 +149,7 @@ async def test_an_unreadable_budget_leaves_out_the_gpu_samples_only(server, http
 @pytest.mark.server(**{"budget.source": "nvidia-smi"})
 async def test_gpu_memory_is_read_in_the_background_and_a_failure_forgets_it(server, fake_nvidia_smi, monkeypatch):
     server.deployer.budget.nvidia_smi = fake_nvidia_smi("24576, 1024")
-    gpu = app_mod._GpuMemory(server.deployer, max_age_s=0)
+    gpu = GpuMemory(server.deployer, max_age_s=0)
     try:
         assert gpu() == []  # nothing read yet, and the caller does not wait for it
         assert await wait_for(gpu) == [(0, 24.0, 23.0)]

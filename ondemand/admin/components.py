@@ -17,6 +17,7 @@ from ..engines import warmth
 from ..engines.deployer import Deployer
 from ..engines.metrics import MetricsSampler
 from ..engines.recipes import MASK, FieldError, is_secret
+from ..engines.startwatch import StartWatch
 from ..events import EventBus
 from ..gateway.accesslog import AccessLog
 from ..gateway.keys import KeyWatcher
@@ -46,6 +47,7 @@ TASKS = web.AppKey("tasks", TaskGroup)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 ACCESS_LOG = web.AppKey("access_log", AccessLog)  # only when access_log is text or json
 STARTS = web.AppKey("starts", StartHistory)
+WATCH = web.AppKey("start_watch", StartWatch)
 
 
 class PolicyHolder(Protocol):
@@ -68,7 +70,7 @@ def launch_fields(deployer: Deployer, dep: Deployment) -> dict[str, Any]:
                 "env_names": [k for k, _ in dep.env]}
     shown = how.shown_env()
     return {"argv": how.argv, "env": {k: MASK if is_secret(k) else v for k, v in dep.env}, "env_names": sorted(shown),
-            "engine_image": how.image}
+            "engine_image": how.image, "compile_key": how.compile_key}
 
 
 def memory_fields(dep: Deployment) -> dict[str, Any]:
@@ -95,4 +97,7 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     starts = app.get(STARTS)
     out.update(starts.fields(dep_id, dep.state is State.ASLEEP) if starts is not None
                else {"last_start_s": None, "start_eta_s": None})
+    compile_key, watch = out.pop("compile_key", None), app.get(WATCH)
+    if watch is not None:  # the start's phases (and, while it starts, what is left of it), its caches
+        out.update(watch.fields(dep_id, compile_key))
     return out

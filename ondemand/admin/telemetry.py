@@ -8,6 +8,8 @@ one (the tests run several apps in one process). Four sources feed it:
 - the deployer's ``DeploymentChanged`` events (``on_deployment``): starts (to
   ready or failed, and how long from ``starting`` to ``ready``) and stops by
   their ``StopCause``;
+- the start watch's ``StartTimed`` (``on_start_timed``): each phase of a cold start, and the
+  error of the ETA given at its beginning;
 - the deployer's ``Slept`` and ``Woken`` events (``on_slept``, ``on_woken``):
   sleeps by level and reason, wakes by result and how long a wake took. A sleep
   is no stop: the change to ``asleep`` carries no cause, so ``ondemand_stops_total``
@@ -32,7 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..events import DeploymentChanged, Slept, Woken
+from ..events import DeploymentChanged, Slept, StartTimed, Woken
 from ..gateway.exchange import Exchange
 from ..model import Deployment, State
 
@@ -49,6 +51,11 @@ REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 # A wake takes 50 ms (level 1, a small model) to a couple of minutes (level 2: the weights are
 # read again from disk); one that hangs ends at deployer.wake_timeout_s (300 s: +Inf).
 WAKE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+# A start's phase: a second (a container's creation) to tens of minutes (a large model's compile).
+PHASE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+# The start ETA's error, |estimate - actual| / actual: issue 33 asks a median at most 0.2, p90 at most 0.4.
+ETA_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1.0, 2.0)
 
 GpuMemory = Callable[[], list[tuple[int, float, float]]]
 
@@ -123,6 +130,12 @@ class Telemetry:
                                ["deployment", "result"], registry=r)
         self._start_duration = Histogram("ondemand_start_duration_seconds", "Cold starts, from starting to ready",
                                          ["deployment"], buckets=START_BUCKETS, registry=r)
+        self._phase = Histogram("ondemand_start_phase_seconds", "Cold starts that ended ready, by phase (container, "
+                                "process, weights, compile, serving; from the engine's log)", ["deployment", "phase"],
+                                buckets=PHASE_BUCKETS, registry=r)
+        self._eta_error = Histogram("ondemand_start_eta_error_ratio", "Cold starts that ended ready: |the ETA given at "
+                                    "the start's beginning - its duration| / its duration", buckets=ETA_ERROR_BUCKETS,
+                                    registry=r)
         self._stops = Counter("ondemand_stops", "Engines stopped, by reason", ["deployment", "reason"], registry=r)
         self._sleeps = Counter("ondemand_sleeps", "Engines put to sleep (not stopped), by level (1: weights in host "
                                "memory, 2: weights dropped) and why: idle, make_room or admin",
@@ -213,6 +226,13 @@ class Telemetry:
             self._wake_duration.labels(e.name).observe(e.seconds)
         else:  # a cold start follows in the same ``starting``: it is timed from here
             self._starting_since[e.dep_id] = self._clock()
+
+    def on_start_timed(self, e: StartTimed) -> None:
+        """A cold start ended ready: its phases' durations, and its ETA's error when one was given."""
+        for phase, seconds in e.phases.items():
+            self._phase.labels(e.name, phase).observe(seconds)
+        if e.eta_error is not None:
+            self._eta_error.observe(e.eta_error)
 
     # --- the scrape ---------------------------------------------------------------
 

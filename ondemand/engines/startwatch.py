@@ -21,13 +21,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from ..config import Config
 from ..events import StartPhase, StartTimed
 from ..model import Deployment, State
 from ..tasks import TaskGroup
 from . import compile_cache
-from .backends import Engine
+from .backends import Backend, Engine
 from .backends.logs import RUN_MARKER
 from .phases import PhaseHistory, PhaseReader, Timeline
 from .readahead import ReadAhead
@@ -39,6 +40,19 @@ PRUNE_EVERY_S = 3600.0  # the compile cache's unused keys are looked for at most
 # What the queued notice says of each phase.
 SAYS = {"container": "creating its engine", "process": "starting its engine", "weights": "loading weights",
         "compile": "compiling", "serving": "starting its server"}
+
+
+# The lines of the engine's log read back when its start's phases begin to be followed: a process
+# engine's first lines may be written before the follower is added (the run marker sorts them).
+LOG_TAIL = 200
+
+
+class Estimates(Protocol):
+    """The start history's estimates (control/starts.py): the single ETA, and the notice's."""
+
+    def eta_s(self, dep_id: int) -> float | None: ...
+
+    def notice_eta_s(self, dep_id: int) -> float | None: ...
 
 
 class StartHooks:
@@ -53,12 +67,13 @@ class StartHooks:
 
 class StartWatch(StartHooks):
     def __init__(self, logs: Callable[[Deployment], AsyncIterator[bytes]], *, publish: Callable[[object], None],
-                 single_eta: Callable[[int], float | None], compile_root: Path | None = None,
+                 estimates: Estimates, compile_root: Path | None = None,
                  readahead: ReadAhead | None = None, retention_days: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
         self.logs = logs
         self.publish = publish
-        self.single_eta = single_eta
+        self.estimates = estimates
+        self.single_eta = estimates.eta_s
         self.compile_root = compile_root
         self.readahead = readahead
         self.retention_days = retention_days
@@ -71,9 +86,22 @@ class StartWatch(StartHooks):
         self._caches: dict[int, tuple[str, bool | None]] = {}  # the last start's key, and whether it was warm
         self._pruned_at = -float("inf")
 
+    @classmethod
+    def of(cls, cfg: Config, backend: Backend, available_gib: Callable[[], float | None], *,
+           publish: Callable[[object], None], estimates: Estimates) -> StartWatch:
+        """The app's: its backend's logs, the configured compile cache and read-ahead."""
+        ahead = ReadAhead(model_cache=cfg.deployer.model_cache, available_gib=available_gib,
+                          reserve_gib=cfg.budget.host_reserve_gib)
+        return cls(lambda dep: backend.logs(dep, tail=LOG_TAIL, follow=True), publish=publish, estimates=estimates,
+                   compile_root=cfg.deployer.compile_cache, readahead=ahead, retention_days=cfg.retention_days)
+
     # --- the deployer's hooks --------------------------------------------------------
 
     def before(self, dep: Deployment, how: Launch) -> None:
+        if dep.id not in self._timelines and dep.sleep_level is None:
+            # The start task may run before the change to starting is published (the deployer
+            # writes the row first): the timeline begins here then, and that change keeps it.
+            self._begin(dep)
         if how.compile_key is not None and self.compile_root is not None:
             warm: bool | None = None
             try:
@@ -105,14 +133,14 @@ class StartWatch(StartHooks):
             return
         cold = dep.state is State.STARTING and dep.sleep_level is None
         if cold and (old is None or old.state is not State.STARTING or old.sleep_level is not None):
-            self._begin(dep)  # a start, or a failed wake's cold start in the same ``starting``
+            if dep_id not in self._timelines:  # begun by ``before`` already: the same start
+                self._begin(dep)  # a start, or a failed wake's cold start in the same ``starting``
         elif dep.state is not State.STARTING and dep_id in self._timelines:
             timeline = self._end(dep_id)
             if dep.state is State.READY and timeline is not None:
                 self._timed(dep, timeline)
 
     def _begin(self, dep: Deployment) -> None:
-        self._end(dep.id)
         now = self.clock()
         estimate = self.history.eta_s(dep.id, None, now)
         if estimate is None:
@@ -179,13 +207,17 @@ class StartWatch(StartHooks):
             eta = max(0.0, single - (now - timeline.began))
         return round(eta, 1)
 
-    def notice(self, dep_id: int, single: float | None) -> tuple[str | None, float | None]:
-        """What the queued notice says: the phase in words and what is left (``single``, the
-        history's estimate, when the deployment is not starting)."""
+    def notice_eta_s(self, dep_id: int) -> float | None:
+        """What the queued notice expects: what is left of a cold start under way, else the
+        history's (a wake's estimate for an asleep deployment)."""
+        if dep_id in self._timelines:
+            return self.eta_s(dep_id)
+        return self.estimates.notice_eta_s(dep_id)
+
+    def notice_phase(self, dep_id: int) -> str | None:
+        """The phase of a cold start under way, in the notice's words."""
         timeline = self._timelines.get(dep_id)
-        if timeline is None:
-            return None, single
-        return SAYS.get(timeline.phase), self.eta_s(dep_id)
+        return SAYS.get(timeline.phase) if timeline is not None else None
 
     def fields(self, dep_id: int, compile_key: str | None) -> dict[str, Any]:
         """The view's: ``start_phase``, ``start_phases`` (a bar per phase), ``compile_cache``

@@ -32,18 +32,24 @@ class Wait(NamedTuple):
     """What the notice tells of the wait, as it stood when the request queued."""
     eta_s: float | None = None  # how long its start (or, asleep, its wake) takes, from its history, when known
     place: tuple[int, int] | None = None  # (the entry's place in the queue, from 1; the queue's length)
+    phase: str | None = None  # what its start is doing, in words ("loading weights"), while it starts
 
 
 UNKNOWN = Wait()  # nothing known of the wait
 
 
-def notice_text(served_name: str, eta_s: float | None = None, place: tuple[int, int] | None = None) -> str:
-    """The notice: "[ondemand] NAME is waiting for GPU memory (place P of Q, about S s); your
-    answer follows." P of Q: the entry's place in the memory queue and the queue's length; S:
-    the expected start (a wake's estimate when it is asleep). Each part only when known."""
+def notice_text(served_name: str, eta_s: float | None = None, place: tuple[int, int] | None = None,
+                phase: str | None = None) -> str:
+    """The notice: "[ondemand] NAME is waiting for GPU memory (place P of Q, PHASE, about S s);
+    your answer follows." P of Q: the entry's place in the memory queue and the queue's length;
+    PHASE: what its start is doing ("loading weights"), while it starts; S: the expected start
+    (what is left of it while it starts; a wake's estimate when it is asleep). Each part only
+    when known."""
     parts = []
     if place is not None:
         parts.append(f"place {place[0]} of {place[1]}")
+    if phase is not None:
+        parts.append(phase)
     if eta_s is not None:
         parts.append(f"about {max(1, round(eta_s))} s")
     where = f" ({', '.join(parts)})" if parts else ""

@@ -181,12 +181,14 @@ class Gateway:
                  limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
                  clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer,
                  start_eta: Callable[[int], float | None] = lambda dep_id: None,
+                 start_phase: Callable[[int], str | None] = lambda dep_id: None,
                  queue_place: Callable[[int], tuple[int, int] | None] = lambda dep_id: None,
                  body_timeout_s: float = BODY_TIMEOUT_S):
         """``finished(exchange)`` hears of every request once its answer's last byte is
         written (or its client went away): the metrics and the access log. ``start_eta``:
-        how long a deployment's start takes (its history), and ``queue_place``, its place in
-        the memory queue, for the queued notice."""
+        how long a deployment's start takes (its history; while it starts, what is left),
+        ``start_phase``, that start's phase in words, and ``queue_place``, its place in the
+        memory queue, for the queued notice."""
         self.controller = controller
         self.deployer = deployer
         self.keys = keys
@@ -197,7 +199,7 @@ class Gateway:
         self.body_timeout_s = body_timeout_s
         self.clock = clock
         self.finished = finished
-        self.start_eta = start_eta
+        self.start_eta, self.start_phase = start_eta, start_phase
         self.queue_place = queue_place
         self._routes: dict[tuple[str, str], tuple[int, str, str, str]] = {}
 
@@ -329,7 +331,7 @@ class Gateway:
             slot.release()
 
     def _wait(self, dep_id: int) -> notice.Wait:
-        return notice.Wait(self.start_eta(dep_id), self.queue_place(dep_id))
+        return notice.Wait(self.start_eta(dep_id), self.queue_place(dep_id), self.start_phase(dep_id))
 
     async def _acquire(self, ex: Exchange, dep_id: int, on_queued: Callable[[], None]) -> Slot:
         """The controller's slot, noting whether (and how long) the request waited for it."""

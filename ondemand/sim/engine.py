@@ -20,7 +20,10 @@ llama.cpp's metric names and, like llama.cpp, serves whatever model is asked.
 SGLang's metric names (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``) and serves
 whatever model is asked.
 
-While loading (``--startup-delay S``, or forever with ``--fail never-ready``) the
+While loading (``--startup-delay S``, or forever with ``--fail never-ready``) it prints its
+flavor's start phase lines (``sim/phases.py``: vLLM's "Starting to load model", "Loading weights
+took", "Graph capturing finished", "Starting vLLM API server"; SGLang's and llama.cpp's own) at
+``--weights-delay`` and ``--compile-delay``, and the
 socket listens at once and every engine route, ``/health`` and ``/v1/models``
 included, answers 503 ``Loading model`` (llama.cpp's behaviour; vLLM would not
 answer at all, which a gateway cannot tell from a hang). ``/_sim/*`` always
@@ -181,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                          "sleep; without it, level 2)")
     ap.add_argument("--flavor", choices=FLAVORS, default="vllm")
     ap.add_argument("--startup-delay", type=float, default=0.0, metavar="S", help="answer 503 for S seconds")
+    ap.add_argument("--weights-delay", type=float, default=None, metavar="S",
+                    help="the weights' load lines S seconds after the start (default 0.3 of --startup-delay)")
+    ap.add_argument("--compile-delay", type=float, default=None, metavar="S",
+                    help="then the compile's, S seconds later (default 0.5 of --startup-delay)")
     ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
     ap.add_argument("--tokens", type=int, default=16, metavar="N", help="length of an answer")
     ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
@@ -222,6 +229,11 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     for flag in ("gpu_mib", "sleep_gpu_mib", "host_mib", "sleep_delay", "wake_delay"):
         if getattr(a, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} must not be negative")
+    for flag in ("weights_delay", "compile_delay"):
+        if (getattr(a, flag) or 0.0) < 0:
+            ap.error(f"--{flag.replace('_', '-')} must not be negative")
+    if (a.weights_delay or 0.0) + (a.compile_delay or 0.0) > a.startup_delay:
+        ap.error("--weights-delay and --compile-delay are parts of --startup-delay: together at most it")
     if not 0 < a.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
     model = a.served or a.model or a.model_path or a.model_flag or "sim-model"
@@ -230,7 +242,8 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
                       record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
                       sleep_gpu_mib=a.sleep_gpu_mib, host_mib=a.host_mib, sleep_delay=a.sleep_delay,
-                      wake_delay=a.wake_delay, weights_cpu_backup=a.enable_weights_cpu_backup, journal=a.journal)
+                      wake_delay=a.wake_delay, weights_cpu_backup=a.enable_weights_cpu_backup, journal=a.journal,
+                      weights_delay=a.weights_delay, compile_delay=a.compile_delay)
 
 
 def main(argv: list[str] | None = None) -> int:

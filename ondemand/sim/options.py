@@ -18,6 +18,10 @@ class SimOptions:
     model: str = "sim-model"
     flavor: str = "vllm"
     startup_delay: float = 0.0
+    # While it loads, the start phases' lines (sim/phases.py): the weights' load takes this long from
+    # the start, then the compile this long (None: 0.3 and 0.5 of startup_delay); together at most it.
+    weights_delay: float | None = None
+    compile_delay: float | None = None
     token_delay: float = 0.0
     tokens: int = 16
     fail: str | None = None  # one of FAILURES

@@ -18,6 +18,7 @@ from .faults import exit_later
 from .generation import GENERATION, Generation
 from .memory import Memory
 from .options import FAILURES, FLAVORS, SimOptions
+from .phases import print_phases
 from .record import Journal, Recorded, listing
 from .replies import SimError, answer, error
 
@@ -63,6 +64,7 @@ class Sim:
             # As an engine's log says it is loading, then that it is ready (a log to follow live).
             print(f"loading {self.opts.model} ({self.opts.startup_delay:g} s)", file=sys.stderr, flush=True)
             self.tasks.append(asyncio.ensure_future(self._say_ready()))  # noqa: TID251
+            self.tasks.append(asyncio.ensure_future(print_phases(self.opts, self.opts.port)))  # noqa: TID251
 
     async def _say_ready(self) -> None:
         await asyncio.sleep(self.opts.startup_delay)
