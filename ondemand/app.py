@@ -80,7 +80,8 @@ from .http.pool import Upstreams
 from .http.server import LIMITS, ROUTE, HttpServer, Route, raise_open_files
 from .litellm.client import LiteLLMClient
 from .litellm.sync import LiteLLMSync
-from .model import SYNC_STATES, State
+from .model import State
+from .state.retention import prune_old_rows
 from .state.store import Store
 from .tasks import TaskGroup
 
@@ -327,18 +328,6 @@ def _litellm_client(cfg: Config) -> LiteLLMClient | None:
     return LiteLLMClient(cfg.litellm.url, master)
 
 
-def _sync_needed(e: DeploymentChanged) -> bool:
-    """A change that changes what LiteLLM should list: created, removed, an edit of
-    what its entry shows (mode or pending mode, names, role), or entering or leaving
-    ready, failed or planned."""
-    if e.dep is None or e.old is None:
-        return True
-    if (e.old.mode, e.old.pending_mode, e.old.name, e.old.served_name, e.old.role) != \
-            (e.dep.mode, e.dep.pending_mode, e.dep.name, e.dep.served_name, e.dep.role):
-        return True
-    return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
-
-
 async def _litellm(app: web.Application) -> AsyncIterator[None]:
     cfg, bus, deployer = app[CONFIG], app[BUS], app[DEPLOYER]
 
@@ -351,10 +340,7 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
         current_key=app[KEYS].current, engine_base_url=lambda d: deployer.base_url(d["id"]),
         instance=cfg.instance, on_result=app[TELEMETRY].litellm_synced)
 
-    def sync_if_needed(e: DeploymentChanged) -> None:
-        if _sync_needed(e):
-            sync.trigger()
-    bus.subscribe(DeploymentChanged, sync_if_needed)
+    bus.subscribe(DeploymentChanged, sync.on_deployment)
     bus.subscribe(KeyRotated, lambda e: sync.trigger())
     yield
     await sync.close()
@@ -416,34 +402,6 @@ async def _watch_key(watcher: keys_mod.KeyWatcher) -> None:
     while True:
         watcher.current()
         await asyncio.sleep(1.0)
-
-
-# Retention: the first pass shortly after the start, then one an hour. A pass deletes at most
-# RETENTION_BATCH rows of each table in one transaction, so the state file's lock is never held
-# for long; when it had more to delete, the next pass follows after RETENTION_AGAIN_S.
-RETENTION_FIRST_S = 60.0
-RETENTION_INTERVAL_S = 3600.0
-RETENTION_BATCH = 10_000
-RETENTION_AGAIN_S = 1.0
-
-
-async def prune_old_rows(store: Store, retention_days: int, *, clock: Callable[[], float] = time.time,
-                         first_s: float | None = None, interval_s: float | None = None) -> None:
-    """Delete events and audit rows older than ``retention_days``, forever (a background task).
-    The audit rows of queue timeouts, written on every one, are among them."""
-    await asyncio.sleep(RETENTION_FIRST_S if first_s is None else first_s)
-    while True:
-        counts = {"events": 0, "audit": 0}
-        try:
-            counts = await store.prune(clock() - retention_days * 86400.0, RETENTION_BATCH)
-        except Exception:
-            log.exception("retention: cannot delete old rows")
-        if any(counts.values()):
-            log.info("retention: deleted %d events, %d audit rows older than %d days", counts["events"],
-                     counts["audit"], retention_days)
-        more = max(counts["events"], counts["audit"]) >= RETENTION_BATCH
-        await asyncio.sleep(RETENTION_AGAIN_S if more else
-                            RETENTION_INTERVAL_S if interval_s is None else interval_s)
 
 
 # --- running -------------------------------------------------------------------

@@ -79,10 +79,11 @@ ALLOWED = {
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),
+    "state.retention": {"state.store"},
     # litellm/: LiteLLM's admin API and the sync.
     "litellm": set(), "litellm.client": {"errors", "litellm.entries"},
     "litellm.entries": {"gateway.keys", "http.headers"},
-    "litellm.sync": {"litellm.client", "litellm.entries", "tasks"},
+    "litellm.sync": {"events", "litellm.client", "litellm.entries", "model", "tasks"},
     # admin/: an edge, as the command line is: the API, the page, the view, /metrics, the socket's client.
     "admin": set(),
     "admin.components": {"admin.telemetry", "config", "control.admission", "control.controller", "control.effects",
@@ -213,7 +214,7 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190, "app.py": 545}
+OVER_THE_CAP = {"engines/deployer.py": 1190}
 
 
 def test_no_module_over_500_lines():

@@ -1,5 +1,5 @@
 """Retention: events and audit rows older than retention_days are deleted once an hour
-(app.prune_old_rows, Store.prune), the queue-timeout audit rows with them."""
+(state.retention.prune_old_rows, Store.prune), the queue-timeout audit rows with them."""
 from __future__ import annotations
 
 import asyncio
@@ -8,9 +8,9 @@ import time
 import pytest
 from helpers import wait_for
 
-from ondemand import app as app_mod
 from ondemand import config
 from ondemand.errors import ConfigError
+from ondemand.state import retention
 
 DAY = 86400.0
 
@@ -50,7 +50,7 @@ async def test_the_background_task_runs_soon_then_every_interval(store):
     clock = [1_000_000_000.0]
     await add_rows(store, clock[0] - 31 * DAY, 3)
     await store.write_audit(action="ondemand_queue_timeout", actor="ondemand", deployment_id=1, text="now")
-    task = asyncio.ensure_future(app_mod.prune_old_rows(store, 30, clock=lambda: clock[0], first_s=0.01,
+    task = asyncio.ensure_future(retention.prune_old_rows(store, 30, clock=lambda: clock[0], first_s=0.01,
                                                         interval_s=0.05))
     try:
         await wait_for(lambda: count_is(store, "audit", 1), what="the old audit rows gone at the first pass")
@@ -72,10 +72,10 @@ async def count_is(store, table, n):
 
 
 async def test_a_backlog_is_deleted_in_several_short_passes(store, monkeypatch):
-    monkeypatch.setattr(app_mod, "RETENTION_BATCH", 10)
-    monkeypatch.setattr(app_mod, "RETENTION_AGAIN_S", 0.01)
+    monkeypatch.setattr(retention, "RETENTION_BATCH", 10)
+    monkeypatch.setattr(retention, "RETENTION_AGAIN_S", 0.01)
     await add_rows(store, time.time() - 100 * DAY, 35)
-    task = asyncio.ensure_future(app_mod.prune_old_rows(store, 30, first_s=0, interval_s=3600))
+    task = asyncio.ensure_future(retention.prune_old_rows(store, 30, first_s=0, interval_s=3600))
     try:
         await wait_for(lambda: count_is(store, "audit", 0), what="the backlog gone without the hourly wait")
     finally:
@@ -88,7 +88,7 @@ async def test_the_server_runs_retention(tmp_path, monkeypatch):
     from helpers import run_app
 
     from ondemand.admin.components import STORE
-    monkeypatch.setattr(app_mod, "RETENTION_FIRST_S", 0.05)
+    monkeypatch.setattr(retention, "RETENTION_FIRST_S", 0.05)
     async with run_app(tmp_path, retention_days=2) as server:
         store = server.app[STORE]
         await add_rows(store, time.time() - 3 * DAY, 2)

@@ -48,7 +48,7 @@ async def edit_deployment(request: web.Request) -> web.Response:
         raise OndemandError(409, "name_taken", str(exc)) from exc
     except DeployerError as exc:  # removed while the edit waited for the deployer
         raise OndemandError(404, "not_found", str(exc)) from exc
-    # (the LiteLLM sync follows the change on its own: app.py, _sync_needed)
+    # (the LiteLLM sync follows the change on its own: litellm.sync.sync_needed)
     if changes and metrics.blind(dep):
         log.warning("%s: %s", dep.name, metrics.BLIND_WARNING)
     return json_answer(app_mod.view(app, dep))

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..events import DeploymentChanged
+from ..model import SYNC_STATES
 from ..tasks import TaskGroup
 from .client import LiteLLMClient, LiteLLMError
 from .entries import (
@@ -72,6 +74,18 @@ def _warmth_view(dep: dict[str, Any]) -> dict[str, Any]:
 
 def _empty(error: str) -> dict[str, Any]:
     return {"added": [], "patched": [], "deleted": [], "error": error}
+
+
+def sync_needed(e: DeploymentChanged) -> bool:
+    """A change that changes what LiteLLM should list: created, removed, an edit of
+    what its entry shows (mode or pending mode, names, role), or entering or leaving
+    ready, failed or planned."""
+    if e.dep is None or e.old is None:
+        return True
+    if (e.old.mode, e.old.pending_mode, e.old.name, e.old.served_name, e.old.role) != \
+            (e.dep.mode, e.dep.pending_mode, e.dep.name, e.dep.served_name, e.dep.role):
+        return True
+    return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
 
 
 class LiteLLMSync:
@@ -158,6 +172,12 @@ class LiteLLMSync:
         return names_view(await self._client.list_models(), self.instance)
 
     # -- scheduling ---------------------------------------------------------
+
+    def on_deployment(self, e: DeploymentChanged) -> None:
+        """The event bus's ``DeploymentChanged``: a sync when the change changes what LiteLLM
+        should list (:func:`sync_needed`)."""
+        if sync_needed(e):
+            self.trigger()
 
     def trigger(self) -> None:
         """Ask for a sync soon. Triggers while one runs fold into exactly one more."""
