@@ -254,6 +254,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
         max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
         min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s)
     effects.bind(controller)
+    controller.learn(await deployer.store.idle_gaps())  # adaptive warmth: a restart keeps what was learned
     app[ADMISSION] = Admission(controller, deployer)
     bus.subscribe(DeploymentChanged, lambda e: controller.on_deployment(e.dep_id, e.dep, e.old))
     yield

@@ -96,6 +96,9 @@ class Effects:
     def counters_changed(self, dep_id: int) -> None:
         self.calls.append(("counters", dep_id, self.clock.t))
 
+    def idle_gap(self, dep_id: int, gap_s: float) -> None:
+        self.calls.append(("idle_gap", dep_id, gap_s))
+
     def call_later(self, delay: float, callback: Callable[[], None]) -> FakeTimer:
         timer = FakeTimer(self.clock.t + delay, callback)
         self.clock.timers.append(timer)

@@ -27,3 +27,28 @@ async def test_keep_warm_is_fixed_and_adaptive_is_refused_by_name(server, http):
     async with http.post(f"{server.url}/api/deployments", headers=server.admin_headers(),
                          json={"name": "b", "command": ["true", "{port}"], "keep_warm": "adaptive"}) as r:
         assert r.status == 400 and (await r.json())["error"]["message"].startswith("keep_warm:")
+
+
+async def test_idle_gaps_are_learned_from_requests_kept_in_the_state_file_and_back_after_a_restart(tmp_path):
+    """Two requests 1.5 s apart through the gateway: one gap, in the controller and in the state
+    file; a restart on the same state file learns it back."""
+    import asyncio
+
+    import aiohttp
+    from helpers import run_app, wait_for
+
+    chat = {"model": "G", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with run_app(tmp_path, reap_interval_s=3600) as srv, aiohttp.ClientSession() as http:
+        dep = await srv.add("g", 4)
+        for pause in (0, 1.5):
+            await asyncio.sleep(pause)
+            async with http.post(srv.gw(dep, "chat/completions"), json=chat, headers=srv.auth()) as r:
+                assert r.status == 200, await r.text()
+        (gap,) = srv.controller.rhythm(dep).gaps
+        assert 1.5 <= gap < 5
+
+        async def kept():  # written by a task of the controller's effects, not by the request
+            return await srv.deployer.store.idle_gaps() == {dep: [gap]}
+        await wait_for(kept, what="the gap in the state file")
+    async with run_app(tmp_path, reap_interval_s=3600) as srv:
+        assert srv.controller.rhythm(dep).gaps == [gap]

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engines import warmth
+from ..engines import rhythm, warmth
 from ..engines.deployer import Deployer
 from ..engines.metrics import MetricsSampler
 from ..errors import BudgetError, DeployerError, InsufficientMemory
@@ -161,6 +162,15 @@ class DeployerEffects:
                                                   text=text, detail=detail)
         except Exception:
             log.exception("cannot write the audit row %s", action)
+
+    def idle_gap(self, dep_id: int, gap_s: float) -> None:
+        self.tasks.spawn(self._idle_gap(dep_id, gap_s), f"idle gap {dep_id}")
+
+    async def _idle_gap(self, dep_id: int, gap_s: float) -> None:
+        try:
+            await self.deployer.store.write_idle_gap(dep_id, at=time.time(), gap_s=gap_s, keep=rhythm.KEEP)
+        except Exception:  # a gap not kept is a little less learned, never a failed request
+            log.exception("cannot keep an idle gap of deployment %d", dep_id)
 
     def counters_changed(self, dep_id: int) -> None:
         self.publish(CountersChanged(dep_id))

@@ -47,4 +47,7 @@ class Effects(Protocol):
 
     def counters_changed(self, dep_id: int) -> None: ...
 
+    def idle_gap(self, dep_id: int, gap_s: float) -> None:
+        """One idle gap learned (adaptive warmth): kept in the state file, the newest KEEP."""
+
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer: ...

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
+from ..engines.rhythm import Rhythm
 from ..errors import OndemandError
 from .protocol import Timer
 
@@ -88,7 +89,7 @@ class Record:
     its start backoff, its drains and its publishing. Made when first needed; a field at its
     default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
     __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
-                 "published_at", "publish_timer", "drains", "drained")
+                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm")
 
     def __init__(self) -> None:
         self.inflight = 0  # granted slots
@@ -103,6 +104,10 @@ class Record:
         # A sleep drains first: no new slot while one is out; each callback once its in-flight ended.
         self.drains = 0
         self.drained: list[Callable[[], None]] = []
+        # Adaptive warmth: since when it has had no slot (None: a request came since, or none
+        # ended yet), and the idle gaps learned (on-demand deployments only).
+        self.idle_since: float | None = None
+        self.rhythm: Rhythm | None = None
 
     def waiters(self) -> int:
         return len(self.attempt.waiters) if self.attempt is not None else 0
@@ -110,7 +115,8 @@ class Record:
     def forget(self) -> None:
         """The deployment is gone: all but its attempt and its drains (they end on their own)."""
         self.inflight = 0
-        self.last_activity = self.last_request_at = self.asleep_since = None
+        self.last_activity = self.last_request_at = self.asleep_since = self.idle_since = None
+        self.rhythm = None
         self.backoff = None
         self.busy = 0
         self.published_at = -math.inf

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..engines.rhythm import Rhythm
 from ..errors import OndemandError
 from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, State
 from . import verdicts
@@ -21,6 +22,8 @@ from .record import NOTHING, Attempt, Backoff, Phase, Record, Slot, Waiter
 
 log = logging.getLogger("ondemand.control.controller")  # the core's one logger
 
+# An idle gap shorter than this is a busy model between two requests: not learned, not stored.
+MIN_GAP_S = 1.0
 BACKOFF_FIRST_S = 60.0
 BACKOFF_MAX_S = 900.0
 
@@ -182,6 +185,8 @@ class Slots:
         dep = self.effects.deployment(dep_id)
         if dep is not None and dep.state is State.READY:
             rec = self._record(dep_id)
+            if rec.idle_since is not None:
+                self._arrived(dep, rec)
             if not rec.drains:
                 self._check_limit(dep, rec)
                 return self._grant(dep_id, rec)
@@ -209,11 +214,37 @@ class Slots:
             rec.last_activity = self.clock()
         self._counters_changed(dep_id, rec)
         if n <= 0:
+            rec.idle_since = self.clock()  # an idle gap begins (adaptive warmth learns them)
             if rec.drained:
                 drained, rec.drained = rec.drained, []
                 for callback in drained:
                     callback()
             self._schedule_tick()  # its idle timeout now runs: a queued request may look sooner
+
+    # --- adaptive warmth: the idle gaps ---------------------------------------------------
+
+    def _arrived(self, dep: Deployment, rec: Record) -> None:
+        """The first request since it became idle ends the gap: learned when it is on demand and
+        was idle for at least MIN_GAP_S (shorter is a busy model's breath). Every slot follows an
+        arrival, so none is out while ``idle_since`` is set."""
+        gap = self.clock() - rec.idle_since if rec.idle_since is not None else 0.0
+        rec.idle_since = None
+        if gap >= MIN_GAP_S and dep.on_demand:
+            if rec.rhythm is None:
+                rec.rhythm = Rhythm()
+            rec.rhythm.add(gap)
+            self.effects.idle_gap(dep.id, gap)
+
+    def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
+        """The idle gaps kept in the state file (after a restart): what was learned stays."""
+        for dep_id, kept in gaps.items():
+            if self.effects.deployment(dep_id) is not None:
+                self._record(dep_id).rhythm = Rhythm(kept)
+
+    def rhythm(self, dep_id: int) -> Rhythm | None:
+        """The idle gaps learned of ``dep_id`` (None: none yet)."""
+        rec = self._records.get(dep_id)
+        return rec.rhythm if rec is not None else None
 
     def drain(self, dep_id: int, drained: Callable[[], None]) -> None:
         """A sleep drains first: from now until ``undrain`` no new slot is given to ``dep_id``
@@ -257,6 +288,8 @@ class Slots:
             raise verdicts.queue_full(self._waiting)
         waiter = Waiter(dep_id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
         rec = self._record(dep_id)
+        if rec.idle_since is not None:
+            self._arrived(dep, rec)
         dw = rec.attempt
         if dw is None:
             dw = rec.attempt = Attempt()
