@@ -83,6 +83,28 @@ def test_model_cache_read_only(tmp_path):
     assert c["ok"] is False and "not writable" in c["detail"]
 
 
+def test_compile_cache_unset_to_be_made_a_file_and_writable(tmp_path):
+    assert doctor.check_compile_cache(make_cfg(tmp_path))["ok"] is None
+    cache = tmp_path / "cc"
+    cfg = make_cfg(tmp_path, **{"deployer.compile_cache": str(cache)})
+    c = doctor.check_compile_cache(cfg)
+    assert c["ok"] is True and "made at the first start" in c["detail"]
+    cache.write_text("")
+    assert "not a directory" in doctor.check_compile_cache(cfg)["detail"]
+    cache.unlink()
+    (cache / "0123456789ab").mkdir(parents=True)
+    assert doctor.check_compile_cache(cfg) == {"check": "compile cache", "ok": True,
+                                               "detail": f"{cache} is writable (1 configuration(s) cached)"}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_compile_cache_read_only(tmp_path):
+    cache = tmp_path / "cc"
+    cache.mkdir(mode=0o555)
+    c = doctor.check_compile_cache(make_cfg(tmp_path, **{"deployer.compile_cache": str(cache)}))
+    assert c["ok"] is False and "not writable" in c["detail"]
+
+
 # --- the box's GPUs ----------------------------------------------------------------------
 
 def test_each_deployment_against_the_box():
@@ -169,7 +191,7 @@ async def test_run_has_the_new_checks_in_order(tmp_path):
         cfg = make_cfg(tmp_path, **{"deployer.docker_url": double.url, "deployer.model_cache": str(cache)})
         checks = await doctor.run(cfg)
     names = [c["check"] for c in checks]
-    assert names[:7] == ["docker", "budget", "key", "files", "hf-token", "cache", "litellm"]
+    assert names[:8] == ["docker", "budget", "key", "files", "hf-token", "cache", "compile cache", "litellm"]
     by = {c["check"]: c for c in checks}
     assert by["docker"]["ok"] and by["cache"]["ok"] and by["hf-token"]["ok"] is None
     assert by["runtime"]["ok"] is False  # the double's Docker has no NVIDIA toolkit

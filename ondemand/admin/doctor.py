@@ -188,6 +188,27 @@ def check_model_cache(cfg: Config) -> Check:
     return _check("cache", True, f"{path} is writable")
 
 
+def check_compile_cache(cfg: Config) -> Check:
+    """deployer.compile_cache: a directory ondemand (and the engines) can write the per-configuration
+    caches to, or make (it is made at the first start that uses it)."""
+    path = cfg.deployer.compile_cache
+    if path is None:
+        return _check("compile cache", None, "deployer.compile_cache is not set: every vLLM cold start compiles "
+                                             "again (set it to a host directory: one cache per configuration)")
+    if not path.exists():
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and os.access(parent, os.W_OK | os.X_OK):
+            return _check("compile cache", True, f"{path} does not exist yet: it is made at the first start")
+        return _check("compile cache", False, f"{path} does not exist and cannot be made here: mkdir -p {path}")
+    if not path.is_dir():
+        return _check("compile cache", False, f"{path} is not a directory: set deployer.compile_cache to one")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return _check("compile cache", False, f"{path} is not writable here: chown it to the user ondemand and "
+                                              "the engines run as, or chmod u+w it")
+    keys = sum(1 for p in path.iterdir() if p.is_dir())
+    return _check("compile cache", True, f"{path} is writable ({keys} configuration(s) cached)")
+
+
 def check_fits(rows: list[dict[str, Any]] | None, sizes: tuple[float, ...] | None, per_gpu: bool) -> Check | None:
     """Each deployment's GPU count, pin and memory share against the box's GPUs (``sizes``:
     each GPU's total, or the one pool's); None when either is unknown."""
@@ -318,7 +339,7 @@ async def check_listener(cfg: Config, server_runs: bool) -> Check:
 async def run(cfg: Config) -> list[Check]:
     """Every check, in the order they are printed."""
     out = [await check_docker(cfg), await check_budget(cfg), check_key(cfg), check_modes(cfg),
-           check_hf_token(cfg), check_model_cache(cfg), await check_litellm(cfg)]
+           check_hf_token(cfg), check_model_cache(cfg), check_compile_cache(cfg), await check_litellm(cfg)]
     rows = await _deployments(cfg)
     out.extend(await check_docker_host(cfg, rows))
     out.extend(c for c in (check_engines(rows), check_footprints(rows), check_fits(rows, *await _box_sizes(cfg)))

@@ -75,8 +75,10 @@ def _expected(views: list[dict[str, Any]], now: float) -> list[str]:
         if eta is None:
             continue
         if v["state"] == "starting":
-            left = max(1, round(eta - (now - v["updated_at"])))
-            lines.append(f"{v['name']}: starting, expected in about {left} s")
+            # A cold start's phase: start_eta_s is then what is left of it, counted down already.
+            phase = v.get("start_phase")
+            left = max(1, round(eta if phase else eta - (now - v["updated_at"])))
+            lines.append(f"{v['name']}: starting{f' ({phase})' if phase else ''}, expected in about {left} s")
         elif (v.get("ondemand") or {}).get("phase") == "queued":
             lines.append(f"{v['name']}: queued for GPU memory; once it starts, expected in about {round(eta)} s")
     return lines

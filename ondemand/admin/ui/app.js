@@ -223,7 +223,7 @@ async function follow() {
       // Catch up: the whole list, so deployments removed meanwhile go from the page.
       const all = await call("GET", "deployments");
       views.clear();
-      for (const v of all) views.set(v.id, v);
+      for (const v of all) views.set(v.id, stamped(v));
       render();
       loadHost().catch(() => {});
       if (!auditPages.length) loadAudit();
@@ -254,7 +254,7 @@ async function readEvents(reader) {
       const data = block.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
       if (!data) continue;
       const v = JSON.parse(data);
-      if (v.removed) views.delete(v.id); else views.set(v.id, v);
+      if (v.removed) views.delete(v.id); else views.set(v.id, stamped(v));
       render();
       refreshHost();  // the budget follows the states
     }
@@ -285,7 +285,8 @@ function row(v) {
   const name = el("td", {"data-label": "Deployment"}, el("strong", {className: "name"}, v.name),
                   el("span", {className: "sub"}, `${v.served_name} · ${v.engine}` + (v.model ? ` · ${v.model}` : "") +
                      (v.role !== "model" ? ` · ${v.role}` : "")));
-  const state = el("td", {"data-label": "State", className: "state"}, badge(v), el("span", {className: "sub detail"}, stateDetail(v)));
+  const state = el("td", {"data-label": "State", className: "state"}, badge(v), el("span", {className: "sub detail"}, stateDetail(v)),
+                   ...phaseBars(v));
   const mode = el("td", {"data-label": "Mode", className: "mode"},
                   v.mode === "on_demand" ? "on demand" : "always on",
                   el("span", {className: "sub"}, modeDetail(v)));
@@ -309,6 +310,33 @@ function row(v) {
   return tr;
 }
 
+// When a view arrived: a start's phases and what is left of it run on from there.
+function stamped(v) {
+  v._at = Date.now() / 1000;
+  return v;
+}
+
+const PHASE_WORDS = {container: "creating its engine", process: "starting its engine", weights: "loading weights",
+                     compile: "compiling", serving: "starting its server"};
+
+// A cold start's progress: a bar per phase, filled by its time so far against its median.
+function phaseBars(v) {
+  if (v.state !== "starting" || !v.start_phase || !(v.start_phases || []).length) return [];
+  const now = Date.now() / 1000;
+  const bars = el("span", {className: "phases"});
+  for (const p of v.start_phases) {
+    const current = p.phase === v.start_phase;
+    const elapsed = p.elapsed_s + (current ? Math.max(0, now - v._at) : 0);
+    const share = p.done ? 1 : p.expected_s ? Math.min(1, elapsed / p.expected_s) : 0;
+    const fill = el("span", {className: "fill"});
+    fill.style.width = `${Math.round(share * 100)}%`;
+    const title = `${p.phase}: ${dur(elapsed)}` + (p.expected_s !== null ? ` of about ${dur(p.expected_s)}` : "");
+    bars.append(el("span", {className: "phase" + (current ? " current" : "") + (p.done ? " done" : ""), title},
+                   el("span", {className: "bar"}, fill), el("span", {className: "label"}, p.phase)));
+  }
+  return [bars];
+}
+
 function badge(v) {
   const text = v.state === "asleep" && v.sleep_level ? `asleep · level ${v.sleep_level}` : v.state;
   return el("span", {className: "badge " + v.state}, text);
@@ -324,7 +352,10 @@ function stateDetail(v) {
         (od.phase === "starting_for_request" ? " · for a request" : "");
     }
     let s = `for ${dur(elapsed)}`;
-    if (v.start_eta_s) s += ` · expected in about ${dur(Math.max(0, v.start_eta_s - elapsed))}`;
+    // With a start_phase the view's start_eta_s is what was left when it was published.
+    const left = v.start_phase ? v.start_eta_s - (now - v._at) : v.start_eta_s - elapsed;
+    if (v.start_phase) s += ` · ${PHASE_WORDS[v.start_phase] || v.start_phase}`;
+    if (v.start_eta_s) s += ` · expected in about ${dur(Math.max(0, left))}`;
     if (od.phase === "starting_for_request") s += " · for a request";
     return s;
   }
