@@ -34,7 +34,7 @@ from ..errors import OndemandError, internal_error
 from ..http.cycle import BodyMalformed, BodyTooLarge, Call
 from ..http.forward import request_lines, response_lines
 from ..http.headers import HEALTH_HEADER, bearer
-from ..http.limits import READ_SIZE
+from ..http.limits import READ_SIZE, Limits
 from ..http.pool import PayloadError, UpstreamError, Upstreams
 from ..http.pool import Response as UpstreamResponse
 from ..model import Deployment, Role, State
@@ -46,11 +46,9 @@ from .ratelimit import FailureLimiter
 
 log = logging.getLogger("ondemand.gateway.routes")
 
-MAX_BODY = 16 * 1024 * 1024
-# The whole body must arrive within this of the handler starting to read it: a body trickled
-# byte by byte (or a chunked body the parser gave up on, which aiohttp never ends) would hold
-# its connection and handler for ever. Read before a slot is taken, so it never holds a slot.
-BODY_TIMEOUT_S = 60.0
+# The body's bounds are Limits' (http/limits.py): the whole body within body_timeout_s of the handler
+# starting to read it (one trickled byte by byte, or a chunked one the parser gave up on, would hold its
+# connection and handler for ever); read before a slot is taken, so it never holds a slot.
 TRAFFIC = frozenset({
     "chat/completions", "completions", "embeddings", "responses", "messages", "chat/completions/batch",
     "audio/transcriptions", "audio/translations", "rerank", "score"})
@@ -178,12 +176,12 @@ def _json_object(body: bytes) -> dict[str, Any]:
 
 class Gateway:
     def __init__(self, *, controller: Admission, deployer: Deployer, keys: KeyWatcher,
-                 limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = MAX_BODY,
+                 limiter: FailureLimiter, upstreams: Upstreams, base_path: str, max_body: int = Limits.gateway_max_body,
                  clock: Callable[[], float] = time.monotonic, finished: Callable[[Exchange], None] = _no_observer,
                  start_eta: Callable[[int], float | None] = lambda dep_id: None,
                  start_phase: Callable[[int], str | None] = lambda dep_id: None,
                  queue_place: Callable[[int], tuple[int, int] | None] = lambda dep_id: None,
-                 body_timeout_s: float = BODY_TIMEOUT_S):
+                 body_timeout_s: float = Limits.body_timeout_s):
         """``finished(exchange)`` hears of every request once its answer's last byte is
         written (or its client went away): the metrics and the access log. ``start_eta``:
         how long a deployment's start takes (its history; while it starts, what is left),
