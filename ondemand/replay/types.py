@@ -1,0 +1,121 @@
+"""The replay's values, shared by its rooms: a request of the trace, what a deployment's engine
+costs, the box, a policy, and what one policy's replay gave.
+
+The trace's rooms (``trace``, ``deployments``) make ``Request``, ``Replayed`` and ``Box``; the
+run (``run``) turns them and a ``Policy`` into a ``PolicyResult``; the report (``report``) writes
+the results as a table, JSON and a page."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..model import Deployment
+
+POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "fixed", "adaptive")
+# The ones that take seconds: "ttl=300".
+TIMED_KINDS = frozenset({"ttl", "sleep-ttl", "fixed"})
+WAITED = ("ready", "wake", "cold", "queue")  # the longest thing a request waited for
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """One request of the trace. ``model`` is the deployment's name once the trace is read
+    (a row without one is assigned by weight, seeded); ``line`` is its line in the file."""
+    at_s: float  # seconds since the trace's first request
+    model: str
+    input_tokens: int
+    output_tokens: int
+    stream: bool = True
+    line: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Costs:
+    """What a deployment's engine costs (interfaces.md's defaults for one without a record)."""
+    cold_start_s: float = 60.0
+    wake_s: float = 3.0  # from level 1
+    wake2_s: float = 10.0  # from level 2
+    sleep_s: float = 2.0
+    prefill_tokens_per_s: float = 5000.0
+    decode_tokens_per_s: float = 50.0
+    max_concurrency: int = 16  # requests the engine runs at once; more wait inside it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replayed:
+    """A deployment in the replay: its fields (ids 1..n, on demand and stopped unless it says
+    ``mode = "always_on"``), its engine's costs and its share of the rows without a model."""
+    deployment: Deployment
+    costs: Costs = Costs()
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Box:
+    """The box the replay runs on: each GPU's GiB, the host's memory, and the configuration's
+    keys the decisions read (their defaults are config.py's)."""
+    gpus: tuple[float, ...]
+    host_gib: float
+    queue_timeout_s: float = 900.0
+    max_queued: int = 256
+    reap_interval_s: float = 15.0
+    min_idle_timeout_s: float = 60.0
+    host_reserve_gib: float = 16.0
+    asleep_residue_gib: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Policy:
+    """A policy as typed (``name``, e.g. "ttl=300"): its kind and, for a timed one, seconds."""
+    name: str
+    kind: str
+    seconds: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """``current``, ``always-on``, ``adaptive``, ``ttl=S``, ``sleep-ttl=S``, ``fixed=S``
+        (S whole seconds ≥ 1); ValueError naming the policy otherwise."""
+        kind, sep, value = text.strip().partition("=")
+        if kind not in POLICY_KINDS:
+            raise ValueError(f"unknown policy {text!r}: one of current, always-on, ttl=S, sleep-ttl=S, "
+                             "fixed=S, adaptive")
+        if (kind in TIMED_KINDS) != bool(sep):
+            raise ValueError(f"policy {text!r}: {kind} takes seconds ({kind}=S)" if kind in TIMED_KINDS
+                             else f"policy {text!r}: {kind} takes no value")
+        if not sep:
+            return cls(text.strip(), kind)
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"policy {text!r}: S must be whole seconds, 1 or more")
+        return cls(text.strip(), kind, int(value))
+
+
+@dataclasses.dataclass(slots=True)
+class Tally:
+    """What a policy gave, for the box or one deployment (the JSON's fields, before the
+    percentiles: ``ttfts`` holds each served request's TTFT in arrival order)."""
+    requests: int = 0
+    served: int = 0
+    failed: int = 0
+    slo_met: int = 0  # a count here; the JSON's is the fraction of requests
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    waited: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(WAITED, 0))
+    cold_starts: int = 0
+    wakes: int = 0
+    sleeps: int = 0
+    stops: int = 0
+    prewarms: int = 0
+    prewarm_hits: int = 0
+    gpu_seconds: float = 0.0  # summed over GPUs: the time some engine held memory there
+    gpu_gib_seconds: float = 0.0  # the GiB held times the time
+
+
+@dataclasses.dataclass(slots=True)
+class PolicyResult:
+    """One policy's replay: the box's tally, each deployment's (by name), the end of the last
+    request, and the timelines the page draws: ``memory`` is (t, gpu, deployment, GiB held from
+    then on; 0 when it let go) at each change, ``queue`` is (t, requests queued for memory)."""
+    policy: Policy
+    total: Tally
+    per_deployment: dict[str, Tally]
+    end_s: float = 0.0
+    memory: list[tuple[float, int, str, float]] = dataclasses.field(default_factory=list)
+    queue: list[tuple[float, int]] = dataclasses.field(default_factory=list)
