@@ -375,21 +375,45 @@ async def wake_seconds(server, d: int) -> float:
     raise AssertionError("no wake recorded in the events")
 
 
-async def admin_sleep(server, d: int, level: int, drain_s: float | None = None) -> dict:
+async def admin_sleep(server, d: int, level: int, drain_s: float | None = None,
+                      session: aiohttp.ClientSession | None = None) -> dict:
     """``POST /api/deployments/{id}/sleep {"level": N}`` (and ``drain_s``, when given), on a
     connection of its own (a connection that carried an admin request does not carry a
-    gateway request)."""
+    gateway request): ``session``'s, when the caller opened one for the admin API, else a new one."""
     body = {"level": level} if drain_s is None else {"level": level, "drain_s": drain_s}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 + (drain_s or 0))) as s, \
-            s.post(f"{server.url}/api/deployments/{d}/sleep", json=body, headers=server.admin_headers()) as r:
-        view = await r.json()
-        assert r.status == 200, view
-        return view
+    async with contextlib.AsyncExitStack() as stack:
+        if session is None:
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120 + (drain_s or 0))))
+        async with session.post(f"{server.url}/api/deployments/{d}/sleep", json=body,
+                                headers=server.admin_headers()) as r:
+            view = await r.json()
+            assert r.status == 200, view
+            return view
 
 
-# A stream long enough to be still running when the sleep is asked after its first tokens
-# (the tiny Llama writes a few hundred tokens a second on this CPU; the drain waits for the rest).
-DRAIN_TOKENS = 600
+async def ready_again(world, http) -> None:
+    """Each test below begins with the engine ready, as the test before it left it. When that test
+    failed half-way (asleep, or stopped), bring it back first, so that one failure is reported
+    once and not again by every test after it."""
+    server, d = world.server, world.d
+    await wait_for(lambda: server.state(d) in ("ready", "asleep", "stopped", "failed"), timeout=120,
+                   what="a settled state")
+    state = server.state(d)
+    if state != "ready":
+        verb = "wake" if state == "asleep" else "start"
+        async with aiohttp.ClientSession() as s, \
+                s.post(f"{server.url}/api/deployments/{d}/{verb}?wait=1", headers=server.admin_headers()) as r:
+            assert r.status == 200, await r.text()
+        print(f"\n  ({state} after the test before: {verb} first)")
+    assert server.state(d) == "ready"
+
+
+# A stream long enough to be still running when the sleep is asked after its first tokens,
+# whatever the CPU's speed: close to the tiny Llama's whole context (2,048 positions, the chat
+# prompt ~20). At the few hundred tokens a second it writes here that is ~5 s of stream; CI once
+# ran 600 tokens out before the drain began (the drain then had nothing to wait for).
+DRAIN_TOKENS = 1900
 
 
 async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wakes_it(world, http):
@@ -402,7 +426,7 @@ async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wake
     carries depends on timing (test 3), so the number of chunks does not tell."""
     server, d = world.server, world.d
     assert world.answer is not None and world.check is not None, "tests 1 and 2 record what a wake must repeat"
-    assert server.state(d) == "ready"
+    await ready_again(world, http)
     pid, base = server.deployer.engine(d).ref.pid, world.base
     mark = engine_log(server).stat().st_size
     body = chat("Tell a long story.", stream=True, max_tokens=DRAIN_TOKENS, ignore_eos=True, logprobs=True,
@@ -413,28 +437,41 @@ async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wake
     async def read() -> bytes:
         async with http.post(server.gw(d, "chat/completions"), json=body, headers=server.auth()) as r:
             assert r.status == 200, await r.read()
-            raw = b""
+            pieces: list[bytes] = []
+            events = 0
             async for piece in r.content.iter_any():
-                raw += piece
-                if raw.count(b"\n\n") >= 3:  # the role chunk and two of text
-                    flowing.set()
+                pieces.append(piece)
+                if not flowing.is_set():
+                    events += piece.count(b"\n\n")
+                    if events >= 3:  # the role chunk and two of text
+                        flowing.set()
             ended.append(time.monotonic())
-            return raw
+            return b"".join(pieces)
 
+    # The admin API's connection is open before the stream begins, so the sleep reaches the
+    # drain within one request's time of the stream's first tokens.
+    admin = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=420))
     stream = asyncio.ensure_future(read())
     sleep: asyncio.Future | None = None
     try:
-        await wait_for(lambda: flowing.is_set() or stream.done(), timeout=120, what="the stream's first tokens")
-        assert not stream.done(), f"the stream ended before the sleep was asked: {stream.result()[-300:]!r}"
-        t = time.monotonic()
-        sleep = asyncio.ensure_future(admin_sleep(server, d, 1, drain_s=300))
-        await wait_for(lambda: server.controller.draining(d) or sleep.done(), timeout=30, interval=0.005,
-                       what="the sleep's drain")
-        assert not stream.done() and server.controller.inflight(d) == 1, (
-            "the stream had ended before the drain began: DRAIN_TOKENS too few to show anything")
-        assert server.state(d) == "ready"  # draining: not marked asleep while the stream runs
-        view = await sleep
-        slept = time.monotonic()
+        async with admin:
+            async with admin.get(f"{server.url}/api/host", headers=server.admin_headers()) as r:
+                assert r.status == 200
+            await wait_for(lambda: flowing.is_set() or stream.done(), timeout=120, interval=0.005,
+                           what="the stream's first tokens")
+            assert not stream.done(), f"the stream ended before the sleep was asked: {stream.result()[-300:]!r}"
+            t = time.monotonic()
+            sleep = asyncio.ensure_future(admin_sleep(server, d, 1, drain_s=300, session=admin))
+            await wait_for(lambda: server.controller.draining(d) or sleep.done(), timeout=30, interval=0.005,
+                           what="the sleep's drain")
+            drain_began = time.monotonic()
+            assert not stream.done() and server.controller.inflight(d) == 1, (
+                f"the stream had ended before the drain began ({drain_began - t:.3f} s after it was asked): "
+                f"DRAIN_TOKENS too few to show anything (inflight {server.controller.inflight(d)}, "
+                f"stream done {stream.done()}, sleep done {sleep.done()})")
+            assert server.state(d) == "ready"  # draining: not marked asleep while the stream runs
+            view = await sleep
+            slept = time.monotonic()
         # The sleep answered once the engine's /sleep did, and the stream had ended before.
         assert stream.done() and ended and ended[0] <= slept, "the sleep answered before the stream ended"
         raw = await stream
@@ -442,6 +479,8 @@ async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wake
         for task in (stream, sleep):
             if task is not None and not task.done():
                 task.cancel()
+    world.figures["drain: sleep asked until the drain began, s"] = drain_began - t
+    world.figures["drain: the drain began until the stream ended, s"] = ended[0] - drain_began
     world.figures["drain: sleep asked until answered (the stream's rest, then /sleep), s"] = slept - t
 
     events = sse_events(raw)
@@ -483,7 +522,7 @@ async def sleep_then_a_request_wakes_it(world, http, level: int) -> list[tuple[s
     Returns the POSTs the engine answered from the sleep on."""
     server, d = world.server, world.d
     assert world.answer is not None and world.check is not None, "tests 1 and 2 record what a wake must repeat"
-    assert server.state(d) == "ready"
+    await ready_again(world, http)
     pid, base = server.deployer.engine(d).ref.pid, world.base
     assert pid == engine_pid(server)
     mark = engine_log(server).stat().st_size
@@ -558,7 +597,7 @@ async def test_level_two_wake_reloads_the_weights_in_vllms_order(world, http):
 
 async def test_the_reaper_puts_it_to_sleep_and_a_request_wakes_it(world, http):
     server, d = world.server, world.d
-    assert server.state(d) == "ready"
+    await ready_again(world, http)
     pid, base = server.deployer.engine(d).ref.pid, world.base
     t = time.monotonic()  # the last request ended a moment ago
     await wait_for(lambda: server.state(d) == "asleep", timeout=IDLE_S + 60, interval=0.05,
@@ -584,7 +623,7 @@ async def test_the_reaper_puts_it_to_sleep_and_a_request_wakes_it(world, http):
 
 async def test_asleep_past_sleep_timeout_the_reaper_stops_it(world, http):
     server, d = world.server, world.d
-    assert server.state(d) == "ready"
+    await ready_again(world, http)
     pid = engine_pid(server)
     await wait_for(lambda: server.state(d) == "asleep", timeout=IDLE_S + 60, interval=0.05,
                    what="the reaper putting the idle vLLM to sleep again")
