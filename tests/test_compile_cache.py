@@ -19,7 +19,7 @@ from helpers import wait_for
 from ondemand.engines import compile_cache
 from ondemand.engines.backends.docker import DockerBackend
 from ondemand.engines.backends.process import ProcessBackend
-from ondemand.engines.recipes import VLLM_CACHE, Box, Mount, launch
+from ondemand.engines.recipes import SGLANG_CACHE, VLLM_CACHE, Box, Mount, launch
 from ondemand.model import Deployment
 
 SIM = ("ondemand", "sim-engine")
@@ -91,10 +91,19 @@ def test_what_each_engine_gets(tmp_path):
     assert dict(proc.env)["VLLM_CACHE_ROOT"] == str(tmp_path / "cc" / proc.compile_key) and proc.mounts == ()
     docker = launch(dep(), box(tmp_path, "docker"))
     assert dict(docker.env)["VLLM_CACHE_ROOT"] == VLLM_CACHE
-    sglang = dict(launch(dep(engine="sglang"), box(tmp_path)).env)
-    assert sglang["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor") and sglang["TRITON_CACHE_DIR"].endswith("/triton")
+    # SGLang: its own cache root (its torch.compile cache, DeepGEMM's kernels) and the Inductor and
+    # Triton caches its docs name, all in the one directory.
+    sg = launch(dep(engine="sglang"), box(tmp_path, "docker"))
+    assert sg.mounts == (Mount(str(tmp_path / "cc" / sg.compile_key), SGLANG_CACHE),)
+    assert {k: v for k, v in sg.env if k != "HF_TOKEN"} == {
+        "SGLANG_CACHE_DIR": SGLANG_CACHE, "SGLANG_DG_CACHE_DIR": SGLANG_CACHE + "/deep_gemm",
+        "TORCHINDUCTOR_CACHE_DIR": SGLANG_CACHE + "/inductor", "TRITON_CACHE_DIR": SGLANG_CACHE + "/triton"}
+    # llama.cpp on a GPU: the CUDA driver's JIT cache (its images carry PTX only for A100 and H100).
     llama = launch(dep(engine="llamacpp", model="/m/x.gguf"), box(tmp_path))
-    assert llama.compile_key is None and "VLLM_CACHE_ROOT" not in dict(llama.env)
+    assert dict(llama.env)["CUDA_CACHE_PATH"] == str(tmp_path / "cc" / llama.compile_key / "nv")
+    assert dict(llama.env)["CUDA_CACHE_MAXSIZE"] == str(4 * 2**30)
+    cpu = launch(dep(engine="llamacpp", model="/m/x.gguf", gpu_count=0, memory_gib=0), box(tmp_path))
+    assert cpu.compile_key is None and "CUDA_CACHE_PATH" not in dict(cpu.env)  # nothing compiled at start
     assert launch(dep(), Box(backend="process", commands={"vllm": SIM})).compile_key is None  # not configured
     assert launch(dep(model=None, command=SIM), box(tmp_path)).compile_key is None  # no recipe: as given
 

@@ -59,11 +59,16 @@ _KV_DTYPE_FLAG = "--kv-cache-dtype"
 # Where the images keep Hugging Face's cache (they run as root).
 HF_CACHE = "/root/.cache/huggingface"
 # Where a recipe's compile cache goes (``deployer.compile_cache``, one directory per configuration):
-# vLLM's cache root in its images (VLLM_CACHE_ROOT for a child process); SGLang's torch.compile
-# (inductor) and Triton caches, as its "Enabling cache for torch.compile" says. llama.cpp builds its
-# kernels ahead of time: nothing to keep.
+# vLLM's cache root in its images (VLLM_CACHE_ROOT for a child process: torch.compile's and Triton's
+# artifacts). SGLang's cache root (SGLANG_CACHE_DIR: its torch.compile cache, DeepGEMM's JIT kernels,
+# and in recent releases Triton's, Inductor's and the CUDA driver's), with the per-component
+# variables its docs name for older releases ("Enabling cache for torch.compile": the Inductor
+# cache; SGLANG_DG_CACHE_DIR). llama.cpp's images build its CUDA kernels as PTX only for A100 and
+# H100 (ggml-cuda's default architectures: 80-virtual, 90-virtual), which the CUDA driver compiles
+# at the first run into its JIT cache (CUDA_CACHE_PATH): lost with each container, kept here.
 VLLM_CACHE = "/root/.cache/vllm"
-SGLANG_CACHE = "/root/.cache/ondemand-compile"
+SGLANG_CACHE = LLAMACPP_CACHE = "/root/.cache/ondemand-compile"
+CUDA_CACHE_MAX = str(4 * 2**30)  # the most the CUDA driver's JIT cache takes (its default keeps less)
 MASK = "***"
 # Names an admin's env may not set: the GPUs are the budget's choice, the token is the box's.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HF_TOKEN"})
@@ -273,7 +278,7 @@ def launch(dep: Deployment, box: Box, *, gpu_size_gib: float | None = None, box_
             env["HF_HOME"] = str(box.model_cache)
         if dep.engine == "llamacpp":  # llama.cpp's -hf downloads go here
             env["LLAMA_CACHE"] = (HF_CACHE if box.in_container else str(box.model_cache)) + "/llama.cpp"
-    cache_key = _compile_cache(dep, box, image, args, env, mounts) if recipe else None
+    cache_key = _compile_cache(dep, box, image, args, env, mounts, _gpus(dep, box_gpus)) if recipe else None
     if box.hf_token_file is not None and recipe:
         env["HF_TOKEN"] = read_token(box.hf_token_file) if secrets else MASK
     env.update(dep.env)
@@ -283,24 +288,32 @@ def launch(dep: Deployment, box: Box, *, gpu_size_gib: float | None = None, box_
 
 
 def _compile_cache(dep: Deployment, box: Box, image: str | None, args: Sequence[str], env: dict[str, str],
-                   mounts: list[Mount]) -> str | None:
-    """The compile cache's key for a vLLM or SGLang recipe (None: no ``deployer.compile_cache``, or
-    llama.cpp), its directory given to the engine: mounted in a container, by path to a process."""
-    if box.compile_cache is None or dep.engine not in ("vllm", "sglang") or dep.model is None:
+                   mounts: list[Mount], gpus: int) -> str | None:
+    """The compile cache's key for a recipe (None: no ``deployer.compile_cache``, or a llama.cpp
+    without a GPU: nothing it runs is compiled at start), its directory given to the engine:
+    mounted in a container, by path to a process."""
+    if box.compile_cache is None or dep.model is None or (dep.engine == "llamacpp" and gpus <= 0):
         return None
     runs = [image or ""] if box.in_container else list(box.commands.get(dep.engine, ()))
     own = args if box.in_container else args[len(box.commands.get(dep.engine, ())):]
     cache_key = compile_cache.key(dep.engine, runs, dep.model, own, dep.env)
     host = str(compile_cache.directory(box.compile_cache, cache_key))
-    root = (VLLM_CACHE if dep.engine == "vllm" else SGLANG_CACHE) if box.in_container else host
+    inside = {"vllm": VLLM_CACHE, "sglang": SGLANG_CACHE}.get(dep.engine, LLAMACPP_CACHE)
+    root = inside if box.in_container else host
     if box.in_container:
         mounts.append(Mount(host, root))
-    if dep.engine == "vllm":
-        env["VLLM_CACHE_ROOT"] = root
-    else:
-        env["TORCHINDUCTOR_CACHE_DIR"] = root + "/inductor"
-        env["TRITON_CACHE_DIR"] = root + "/triton"
+    env.update(cache_env(dep.engine, root))
     return cache_key
+
+
+def cache_env(engine: str, root: str) -> dict[str, str]:
+    """The variables that put ``engine``'s compile caches under ``root``."""
+    if engine == "vllm":
+        return {"VLLM_CACHE_ROOT": root}
+    if engine == "sglang":
+        return {"SGLANG_CACHE_DIR": root, "SGLANG_DG_CACHE_DIR": root + "/deep_gemm",
+                "TORCHINDUCTOR_CACHE_DIR": root + "/inductor", "TRITON_CACHE_DIR": root + "/triton"}
+    return {"CUDA_CACHE_PATH": root + "/nv", "CUDA_CACHE_MAXSIZE": CUDA_CACHE_MAX}
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
