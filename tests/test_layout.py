@@ -125,7 +125,8 @@ ALLOWED = {
     "cli.keys": {"cli.shared", "config", "gateway.keys"},
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
-    "replay": set(), "replay.types": {"model"},
+    "replay": set(), "replay.types": {"model"}, "replay.trace": {"replay.types"},
+    "replay.deployments": {"config", "control.placement", "model", "replay.types", "state.store"},
 }
 
 # Which packages each package's modules may import (besides its own and the shared top: model,

@@ -51,14 +51,19 @@ class Replayed:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Box:
-    """The box the replay runs on: each GPU's GiB, the host's memory, and the configuration's
-    keys the decisions read (their defaults are config.py's)."""
+    """The box the replay runs on: each GPU's GiB (one pool when ``per_gpu`` is False: unified
+    memory, or a static ``capacity_gib``), the host's memory, and the configuration's keys the
+    decisions read (their defaults are config.py's)."""
     gpus: tuple[float, ...]
     host_gib: float
+    per_gpu: bool = True
+    reserve_gib: float = 0.0
     queue_timeout_s: float = 900.0
     max_queued: int = 256
     reap_interval_s: float = 15.0
-    min_idle_timeout_s: float = 60.0
+    idle_timeout_s: int = 600  # ondemand_idle_timeout_s: for deployments that set none
+    min_idle_timeout_s: int = 60
+    sleep_timeout_s: int | None = None
     host_reserve_gib: float = 16.0
     asleep_residue_gib: float = 2.0
 

@@ -44,7 +44,9 @@ _NULLABLE_JSON = ("gpu_ids",)  # lists or NULL
 _in_tx: contextvars.ContextVar[bool] = contextvars.ContextVar("ondemand_in_tx", default=False)
 
 
-def _row_to_deployment(row: aiosqlite.Row) -> dict[str, Any]:
+def deployment_fields(row: aiosqlite.Row | sqlite3.Row) -> dict[str, Any]:
+    """A ``deployments`` row as a deployment's fields (its lists decoded), for
+    ``Deployment.from_row``; a replay reads the file read only with ``sqlite3`` and the same rule."""
     # Row.keys(), not the Row: iterating a sqlite3.Row gives its values.
     dep = {k: row[k] for k in row.keys() if k in DEPLOYMENT_FIELDS}  # noqa: SIM118
     for k in _JSON_FIELDS:
@@ -141,12 +143,12 @@ class Store:
 
     async def deployments(self) -> list[dict[str, Any]]:
         async with self._reading() as db, db.execute("SELECT * FROM deployments ORDER BY id") as cur:
-            return [_row_to_deployment(r) for r in await cur.fetchall()]
+            return [deployment_fields(r) for r in await cur.fetchall()]
 
     async def deployment(self, dep_id: int) -> dict[str, Any] | None:
         async with self._reading() as db, db.execute("SELECT * FROM deployments WHERE id = ?", (dep_id,)) as cur:
             row = await cur.fetchone()
-        return _row_to_deployment(row) if row else None
+        return deployment_fields(row) if row else None
 
     async def insert_deployment(self, fields: dict[str, Any]) -> dict[str, Any]:
         now = time.time()

@@ -1,0 +1,315 @@
+"""The deployments a replay runs, and the box it runs them on.
+
+- **A TOML file** of ``[[deployment]]`` tables: deployment fields (``name``, ``served_name``,
+  ``engine``, ``model``, ``memory_gib``, ``gpu_count``, ``gpu_ids``, ``mode``, ``idle_timeout_s``,
+  ``idle_action``, ``priority``, ``max_inflight``, ``keep_warm``), its engine's costs
+  (``cold_start_s``, ``wake_s``, ``wake2_s``, ``sleep_s``, ``prefill_tokens_per_s``,
+  ``decode_tokens_per_s``, ``max_concurrency``) and ``weight``. A deployment is on demand unless
+  it says ``mode = "always_on"``; ``engine`` is ``vllm`` and ``model`` its served name unless
+  given (a vLLM recipe: ``idle_action = "auto"`` sleeps at level 1 on discrete GPUs); one GPU.
+- **The state file**, opened read only (``mode=ro``, and ``immutable`` when no write-ahead log
+  is there, so that not even its side files are made): the box's own deployments, their engines'
+  costs from the recorded history (the median cold start and wake), else ``Costs``' defaults.
+
+Every deployment starts the replay at rest (on demand: stopped; always on: placed at the start).
+Bad input is ``DeploymentError``: ``FILE:LINE: what is wrong``, naming the deployment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sqlite3
+import statistics
+import sys
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..control import placement
+from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Mode, Priority, Role, State
+from ..state.store import deployment_fields
+from .types import Box, Costs, Replayed
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+ENGINES = ("vllm", "sglang", "llamacpp", "custom")
+ENGINE_DEFAULT_SHARE = 0.90  # a recipe's booking with nothing to read (BEHAVIOUR.md): of each GPU
+
+
+class DeploymentError(ValueError):
+    """A deployment that cannot be replayed: ``FILE:LINE: what is wrong``."""
+
+
+def _one_of(*names: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in names:
+            raise ValueError(f"{v!r} is not one of {', '.join(names)}")
+        return str(v)
+    return check
+
+
+def _number(lo: float, strict: bool = True) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > lo if strict else v >= lo):
+            raise ValueError(f"{v!r} is not a number {'above' if strict else 'of at least'} {lo:g}")
+        return float(v)
+    return check
+
+
+def _whole(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"{v!r} is not a whole number from {lo} to {hi}")
+        return v
+    return check
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"{v!r} is not a non-empty string")
+    return v
+
+
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not NAME.fullmatch(v):
+        raise ValueError(f"{v!r} is not a name ([a-z0-9][a-z0-9._-]*)")
+    return v
+
+
+def _gpu_ids(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v) \
+            or len(set(v)) != len(v):
+        raise ValueError(f"{v!r} is not a list of distinct GPU indices")
+    return tuple(v)
+
+
+def _keep_warm(v: Any) -> str:
+    if v == KeepWarm.ADAPTIVE.value:
+        raise ValueError("'adaptive' arrives with adaptive warmth; until then fixed")
+    return _one_of(KeepWarm.FIXED.value)(v)
+
+
+def fields_checks(box: Box) -> dict[str, Callable[[Any], Any]]:
+    """Each deployment field a file may give, and its check (ValueError says what is wrong)."""
+    return {
+        "name": _name, "served_name": _text, "engine": _one_of(*ENGINES), "model": _text,
+        "memory_gib": _number(0), "gpu_count": _whole(0, len(box.gpus)), "gpu_ids": _gpu_ids,
+        "mode": _one_of(*(m.value for m in Mode)), "idle_timeout_s": _whole(box.min_idle_timeout_s, 86400),
+        "idle_action": _one_of(*(a.value for a in IdleAction)), "priority": _one_of(*(p.value for p in Priority)),
+        "max_inflight": _whole(1, MAX_INFLIGHT), "keep_warm": _keep_warm,
+    }
+
+
+COSTS: dict[str, Callable[[Any], Any]] = {
+    "cold_start_s": _number(0, strict=False), "wake_s": _number(0, strict=False),
+    "wake2_s": _number(0, strict=False), "sleep_s": _number(0, strict=False),
+    "prefill_tokens_per_s": _number(0), "decode_tokens_per_s": _number(0), "max_concurrency": _whole(1, 1_000_000),
+}
+
+
+class _Lines:
+    """Where each ``[[deployment]]`` table and its keys are in the file's text (tomllib gives
+    no positions), for the errors' line numbers."""
+
+    def __init__(self, text: str):
+        self.lines = text.splitlines()
+        self.tables = [i + 1 for i, ln in enumerate(self.lines) if re.match(r"\s*\[\[\s*deployment\s*\]\]", ln)]
+
+    def of(self, table: int, key: str | None = None) -> int:
+        if table >= len(self.tables):
+            return 1
+        start = self.tables[table]
+        if key is None:
+            return start
+        end = self.tables[table + 1] if table + 1 < len(self.tables) else len(self.lines) + 1
+        pattern = re.compile(rf"\s*[\"']?{re.escape(key)}[\"']?\s*=")
+        return next((n for n in range(start + 1, end) if pattern.match(self.lines[n - 1])), start)
+
+
+def from_file(path: str, box: Box) -> list[Replayed]:
+    """The ``[[deployment]]`` tables of a TOML file, checked; raises DeploymentError."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        text = raw.decode("utf-8")
+        data = tomllib.loads(text)
+    except OSError as exc:
+        raise DeploymentError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise DeploymentError(f"{path}:1: not UTF-8 text ({exc.reason})") from None
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"\(at line (\d+), column \d+\)", str(exc))
+        what = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(exc))
+        raise DeploymentError(f"{path}:{m.group(1) if m else 1}: not valid TOML: {what}") from None
+    lines = _Lines(text)
+    unknown = sorted(set(data) - {"deployment"})
+    if unknown:
+        raise DeploymentError(f"{path}:1: unknown key {unknown[0]!r}: the file holds [[deployment]] tables")
+    tables = data.get("deployment")
+    if not isinstance(tables, list) or not tables:
+        raise DeploymentError(f"{path}:1: no [[deployment]] table")
+    out: list[Replayed] = []
+    for i, table in enumerate(tables):
+        out.append(_one(path, lines, i, table, box))
+    _check_unique(path, lines, out)
+    return out
+
+
+def _one(path: str, lines: _Lines, i: int, table: dict[str, Any], box: Box) -> Replayed:
+    checks = fields_checks(box)
+    where = f"{path}:{lines.of(i)}"
+    name = table.get("name")
+    label = f"deployment {name!r}" if isinstance(name, str) else f"deployment {i + 1}"
+    fields: dict[str, Any] = {}
+    costs: dict[str, Any] = {}
+    weight = 1.0
+    for key, value in table.items():
+        at = f"{path}:{lines.of(i, key)}"
+        check = checks.get(key) or COSTS.get(key) or (_number(0, strict=False) if key == "weight" else None)
+        if check is None:
+            known = ", ".join([*checks, *COSTS, "weight"])
+            raise DeploymentError(f"{at}: {label}: unknown field {key!r} (known: {known})")
+        try:
+            typed = check(value)
+        except ValueError as exc:
+            raise DeploymentError(f"{at}: {label}: {key}: {exc}") from None
+        if key in COSTS:
+            costs[key] = typed
+        elif key == "weight":
+            weight = typed
+        else:
+            fields[key] = typed
+    for key in ("name", "memory_gib"):
+        if key not in fields:
+            raise DeploymentError(f"{where}: {label}: {key} is required")
+    fields.setdefault("served_name", fields["name"])
+    fields.setdefault("model", fields["served_name"])
+    fields.setdefault("gpu_count", 1)
+    fields.setdefault("mode", Mode.ON_DEMAND.value)
+    ids = fields.get("gpu_ids")
+    if ids is not None and (len(ids) != fields["gpu_count"] or any(g >= len(box.gpus) for g in ids)):
+        raise DeploymentError(f"{path}:{lines.of(i, 'gpu_ids')}: {label}: gpu_ids {list(ids)}: "
+                              f"{fields['gpu_count']} of the box's GPUs 0 to {len(box.gpus) - 1} (gpu_count)")
+    dep = Deployment(id=i + 1, name=fields.pop("name"), served_name=fields.pop("served_name"), role=Role.MODEL,
+                     state=State.STOPPED).replace(**fields)
+    return Replayed(dep, Costs(**costs), weight)
+
+
+def _check_unique(path: str, lines: _Lines, out: Sequence[Replayed]) -> None:
+    seen: dict[str, int] = {}
+    for i, r in enumerate(out):
+        for key in ("name", "served_name"):
+            value = getattr(r.deployment, key)
+            if value in seen and seen[value] != i:
+                raise DeploymentError(f"{path}:{lines.of(i, key)}: deployment {r.deployment.name!r}: {key} "
+                                      f"{value!r} is another deployment's already")
+            seen[value] = i
+
+
+def check_fits(deps: Sequence[Replayed], box: Box, where: str) -> None:
+    """Each deployment fits on the box when nothing else runs; raises DeploymentError naming the
+    first that cannot (``where``: the file it came from)."""
+    capacity = [max(0.0, g - box.reserve_gib) for g in box.gpus]
+    for r in deps:
+        d = r.deployment
+        count, allowed = placement.demand(d.gpu_count, d.gpu_ids, len(box.gpus), box.per_gpu)
+        sizes = box.gpus if box.per_gpu else None
+        if placement.choose(capacity, d.footprint_gib, count, allowed, sizes) is None:
+            need = (f"{count} GPUs with {placement.share(d.footprint_gib, count):g} GiB each" if count > 1
+                    else f"{d.footprint_gib:g} GiB")
+            box_has = ", ".join(f"{g:g}" for g in capacity)
+            raise DeploymentError(f"{where}: deployment {d.name!r} cannot fit on this box at all: it needs "
+                                  f"{need}, the box's GPUs offer {box_has} GiB")
+
+
+def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
+    """The box's own deployments from the state file, read only (never written), with their
+    engines' costs from the recorded starts and wakes; raises DeploymentError."""
+    path = os.fspath(db_path)
+    if not os.path.exists(path):
+        raise DeploymentError(f"{path}: no state file here (give --deployments FILE)")
+    # With no write-ahead log beside it the file holds everything, and immutable opens it
+    # without making the log's side files; with one (a server runs), the log must be read.
+    query = "mode=ro" + ("" if os.path.exists(path + "-wal") else "&immutable=1")
+    try:
+        con = sqlite3.connect(f"file:{urllib.parse.quote(path)}?{query}", uri=True)
+        try:
+            con.row_factory = sqlite3.Row
+            rows = [deployment_fields(r) for r in con.execute("SELECT * FROM deployments ORDER BY id")]
+            starts = con.execute("SELECT deployment_id, kind, duration_s FROM starts ORDER BY id").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
+        raise DeploymentError(f"{path}: cannot read the state file: {exc}") from None
+    history: dict[tuple[int, str], list[float]] = {}
+    for dep_id, kind, duration in starts:
+        history.setdefault((dep_id, kind), []).append(float(duration))
+    out = []
+    for row in rows:
+        dep = _at_rest(Deployment.from_row(row), box)
+        cold, wake = history.get((dep.id, "start")), history.get((dep.id, "wake"))
+        costs = Costs()
+        if cold:
+            costs = dataclasses.replace(costs, cold_start_s=statistics.median(cold))
+        if wake:
+            costs = dataclasses.replace(costs, wake_s=statistics.median(wake))
+        out.append(Replayed(dep, costs))
+    if not out:
+        raise DeploymentError(f"{path}: the state file holds no deployment (give --deployments FILE)")
+    return out
+
+
+def _at_rest(dep: Deployment, box: Box) -> Deployment:
+    """A stored deployment as the replay begins it: nothing running (planned stays planned);
+    a recipe booked with nothing to read gets the engine's default share of its GPUs."""
+    state = State.PLANNED if dep.state is State.PLANNED else State.STOPPED
+    dep = dep.replace(state=state, state_reason=None, gpus=(), sleep_level=None, host_gib=None,
+                      pending_mode=None, wake_check=None)
+    if dep.footprint_gib <= 0 and dep.gpu_count != 0:
+        count, _ = placement.demand(dep.gpu_count, dep.gpu_ids, len(box.gpus), box.per_gpu)
+        dep = dep.replace(memory_gib=round(ENGINE_DEFAULT_SHARE * min(box.gpus) * max(count, 1), 3))
+    return dep
+
+
+def parse_gpus(text: str) -> tuple[float, ...]:
+    """``--gpus``: ``NxGIB`` (``8x80``), or several joined by commas (``4x80,4x40``)."""
+    out: list[float] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+(?:\.\d+)?)\s*", part)
+        if m is None or int(m.group(1)) < 1 or float(m.group(2)) <= 0:
+            raise ValueError(f"--gpus {text!r}: how many GPUs and the GiB of each, as NxGIB (8x80)")
+        out += [float(m.group(2))] * int(m.group(1))
+    if len(out) > 64:
+        raise ValueError(f"--gpus {text!r}: at most 64 GPUs")
+    return tuple(out)
+
+
+def box_of(cfg: Config, host_gib: float, gpus: tuple[float, ...] | None = None,
+           measured: tuple[float, ...] | None = None) -> Box:
+    """The box from the configuration: its budget's GPUs (``static``: declared; ``nvidia-smi``
+    and ``meminfo``: ``measured``, each GPU or the one pool), unless ``gpus`` (``--gpus``) says
+    otherwise, and the keys the decisions read. Raises ValueError when the GPUs are not known."""
+    b = cfg.budget
+    per_gpu = True
+    if gpus is None:
+        if b.source == "static":
+            per_gpu = b.gpu_capacity_gib is not None
+            gpus = tuple(b.gpu_capacity_gib) if b.gpu_capacity_gib else (float(b.capacity_gib or 0),)
+        elif measured:
+            per_gpu = b.source == "nvidia-smi"
+            gpus = measured
+        else:
+            raise ValueError(f"the box's GPUs cannot be read (budget.source {b.source}): give --gpus NxGIB")
+    return Box(tuple(gpus), host_gib, per_gpu, reserve_gib=b.reserve_gib,
+               queue_timeout_s=cfg.ondemand_queue_timeout_s, max_queued=cfg.ondemand_max_queued,
+               reap_interval_s=cfg.reap_interval_s, idle_timeout_s=cfg.ondemand_idle_timeout_s,
+               min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s,
+               host_reserve_gib=b.host_reserve_gib, asleep_residue_gib=b.asleep_residue_gib)
