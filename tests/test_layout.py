@@ -127,6 +127,11 @@ ALLOWED = {
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
     "replay": set(), "replay.types": {"model"}, "replay.trace": {"replay.types"},
     "replay.deployments": {"config", "control.placement", "model", "replay.types", "state.store"},
+    "replay.clock": set(),
+    "replay.world": {"control.budget", "control.controller", "control.placement", "engines.warmth", "errors", "model",
+                     "replay.clock", "replay.types"},
+    "replay.flights": {"control.controller", "errors", "model", "replay.clock", "replay.types", "replay.world"},
+    "replay.run": {"control.controller", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
 }
 
 # Which packages each package's modules may import (besides its own and the shared top: model,

@@ -96,7 +96,7 @@ class Policy:
 @dataclasses.dataclass(slots=True)
 class Tally:
     """What a policy gave, for the box or one deployment (the JSON's fields, before the
-    percentiles: ``ttfts`` holds each served request's TTFT in arrival order)."""
+    percentiles: ``ttfts`` holds each served request's TTFT, in the order they ended)."""
     requests: int = 0
     served: int = 0
     failed: int = 0

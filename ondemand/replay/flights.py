@@ -1,0 +1,173 @@
+"""A replay's requests as the gateway's edge holds them, on the virtual clock.
+
+Each request arrives at its time and takes a slot at once when its deployment is ready
+(``Controller.try_take``); else it waits exactly as ``control/admission.py`` waits: ``join``,
+then ``take`` each time the controller wakes it (``notify``, heard one event later, as a task
+wakes) or its deadline passes, and ``leave`` once it has its slot or its verdict. With its slot
+it enters its engine; the slot is released when its last token is out.
+
+Per request: its TTFT (arrival to first token at the client: the wait, then inside the engine,
+then the prefill; a request that does not stream gets its first token with its last), what it
+waited for, the deepest of ``ready`` (nothing), ``wake``, ``cold`` (a start), ``queue`` (it
+queued for memory), and whether it was served or refused; tallied for its deployment and the
+box. The count of requests queued for memory at each change is the page's queue timeline.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..control.controller import Controller, Slot, Waiter
+from ..errors import OndemandError
+from ..model import State
+from .clock import Timer, VirtualClock
+from .types import Request, Tally
+from .world import World
+
+RANK = {"ready": 0, "wake": 1, "cold": 2, "queue": 3}
+
+
+class Flight:
+    """One request, from its arrival to its last token or its refusal (the world's ``Job``)."""
+    __slots__ = ("edge", "req", "dep_id", "arrival", "waiter", "timer", "poked", "waited", "queued", "slot",
+                 "ttft", "done")
+
+    def __init__(self, edge: Flights, req: Request, dep_id: int, arrival: float):
+        self.edge = edge
+        self.req = req
+        self.dep_id = dep_id
+        self.arrival = arrival
+        self.waiter: Waiter | None = None
+        self.timer: Timer | None = None
+        self.poked = False
+        self.waited = "ready"
+        self.queued = False
+        self.slot: Slot | None = None
+        self.ttft = 0.0
+        self.done = False
+
+    @property
+    def input_tokens(self) -> int:
+        return self.req.input_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return self.req.output_tokens
+
+    def wait_for(self, kind: str) -> None:
+        if RANK[kind] > RANK[self.waited]:
+            self.waited = kind
+
+    def poke(self) -> None:
+        """The controller's ``notify``: the waiting task runs again one event later."""
+        if not self.poked and not self.done:
+            self.poked = True
+            self.edge.clock.call_later(0, lambda: self.edge.look(self))
+
+    def on_queued(self) -> None:
+        self.edge.queued(self, True)
+
+    def began(self, first_token: float, end: float) -> None:
+        self.ttft = (first_token if self.req.stream else end) - self.arrival
+
+    def ended(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+        self.edge.finished(self, served=True)
+
+
+class Flights:
+    """The edge: arrivals, waits and ends; the tallies (per deployment, by name, and ``total``)."""
+
+    def __init__(self, world: World, controller: Controller, clock: VirtualClock, tallies: Mapping[str, Tally],
+                 total: Tally, slo_s: float):
+        self.world = world
+        self.controller = controller
+        self.clock = clock
+        self.tallies = tallies
+        self.total = total
+        self.slo_s = slo_s
+        self.ids = {d.name: d.id for d in world.deployments()}
+        self.names = {d.id: d.name for d in world.deployments()}
+        self.open = 0  # requests arrived and not yet ended or refused
+        self.waiting_for_memory = 0
+        self.timeline: list[tuple[float, int]] = [(0.0, 0)]
+
+    def arrive(self, req: Request) -> None:
+        f = Flight(self, req, self.ids[req.model], self.clock.now)
+        self.open += 1
+        ctl = self.controller
+        try:
+            slot = ctl.try_take(f.dep_id)
+            if slot is None:
+                dep = self.world.deployment(f.dep_id)
+                if dep is not None and dep.state is not State.READY and (dep.on_demand or dep.state is State.ASLEEP):
+                    waking = dep.state is State.ASLEEP or (dep.state is State.STARTING and dep.sleep_level is not None)
+                    f.wait_for("wake" if waking else "cold")
+                f.waiter = ctl.join(f.dep_id, arrival=f.arrival, notify=f.poke, on_queued=f.on_queued)
+        except OndemandError:  # over max_inflight, the queue full, planned, a start's backoff
+            self.finished(f, served=False)
+            return
+        if slot is not None:
+            self._serve(f, slot)
+        else:
+            self.look(f)  # as admission takes right after joining
+
+    def look(self, f: Flight) -> None:
+        """The waiter's turn (admission's loop): its slot, its verdict, or wait on."""
+        f.poked = False
+        if f.done or f.waiter is None:
+            return
+        if f.timer is not None:
+            f.timer.cancel()
+            f.timer = None
+        ctl = self.controller
+        try:
+            slot = ctl.take(f.waiter)
+        except OndemandError:  # a verdict, or its deadline passed
+            self._leave(f)
+            self.finished(f, served=False)
+            return
+        if slot is None:
+            f.timer = self.clock.call_later(ctl.next_wake(f.waiter) + 0.001, lambda: self.look(f))
+            return
+        self._leave(f)
+        f.wait_for(self.world.ready_kind.get(f.dep_id, "cold"))
+        self._serve(f, slot)
+
+    def _leave(self, f: Flight) -> None:
+        if f.waiter is not None:
+            self.controller.leave(f.waiter)
+            f.waiter = None
+        if f.queued:
+            self.queued(f, False)
+
+    def _serve(self, f: Flight, slot: Slot) -> None:
+        f.slot = slot
+        self.world.engines[f.dep_id].enter(f)
+
+    def queued(self, f: Flight, now_queued: bool) -> None:
+        if f.queued == now_queued:
+            return
+        f.queued = now_queued
+        if now_queued:
+            f.wait_for("queue")
+        self.waiting_for_memory += 1 if now_queued else -1
+        t = self.clock.now
+        if self.timeline[-1][0] == t:
+            self.timeline[-1] = (t, self.waiting_for_memory)
+        else:
+            self.timeline.append((t, self.waiting_for_memory))
+
+    def finished(self, f: Flight, *, served: bool) -> None:
+        f.done = True
+        self.open -= 1
+        met = served and f.ttft <= self.slo_s + 1e-9
+        for t in (self.tallies[self.names[f.dep_id]], self.total):
+            t.requests += 1
+            t.waited[f.waited] += 1
+            if served:
+                t.served += 1
+                t.ttfts.append(f.ttft)
+                t.slo_met += met
+            else:
+                t.failed += 1

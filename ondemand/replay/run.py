@@ -1,0 +1,113 @@
+"""The replay: a trace's requests through ondemand's own decisions under each policy, in
+virtual time.
+
+A policy is ondemand configured to behave like it, not a scheduler of its own (``configure``):
+
+- ``current``: the deployments as given;
+- ``always-on``: every deployment always on, placed and ready when the trace begins (those that
+  do not fit beside the others fail: their requests are refused);
+- ``ttl=S``: ``idle_timeout_s`` S and ``idle_action`` stop for the on-demand ones: stopped S
+  seconds after their last request ended, never put to sleep (llama-swap's ``ttl``, Ollama's
+  ``keep_alive``);
+- ``sleep-ttl=S``: the same, put to sleep at level 1 instead (llama-swap with a vLLM sleep
+  wrapper);
+- ``fixed=S``: ondemand's tiered warmth with ``idle_timeout_s`` S for all;
+- ``adaptive``: refused by name until adaptive warmth acts.
+
+One ``Run`` per policy: its own virtual clock, world (``world.py``), controller and requests'
+edge (``flights.py``), and the reaper's step every ``reap_interval_s``. ``replay`` reads the
+trace once and hands each request to every run in turn (each runs its clock up to the arrival
+first), so nothing of the trace is held, and memory does not grow with the policies.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+from ..control.controller import Controller
+from ..model import IdleAction, KeepWarm, Mode, Role, State
+from .clock import VirtualClock
+from .flights import Flights
+from .types import TIMED_KINDS, Box, Policy, PolicyResult, Replayed, Request, Tally
+from .world import World
+
+
+def check_policy(policy: Policy, box: Box) -> None:
+    """Raises ValueError, naming the policy, for one the replay cannot run on this box."""
+    if policy.kind == "adaptive":
+        raise ValueError(f"policy {policy.name!r} arrives with adaptive warmth: it cannot be replayed yet")
+    if policy.kind in TIMED_KINDS and (policy.seconds or 0) < box.min_idle_timeout_s:
+        raise ValueError(f"policy {policy.name!r}: {policy.seconds} s is below the box's min_idle_timeout_s "
+                         f"({box.min_idle_timeout_s} s), the shortest idle timeout a deployment may have")
+
+
+def configure(replayed: Sequence[Replayed], policy: Policy, box: Box) -> list[Replayed]:
+    """The deployments as ``policy`` sets them (module doc)."""
+    check_policy(policy, box)
+    out = []
+    for r in replayed:
+        dep = r.deployment
+        if dep.role is Role.MODEL and dep.state is not State.PLANNED:
+            if policy.kind == "always-on":
+                dep = dep.replace(mode=Mode.ALWAYS_ON)
+            elif dep.on_demand and policy.kind in TIMED_KINDS:
+                dep = dep.replace(idle_timeout_s=policy.seconds, keep_warm=KeepWarm.FIXED)
+                if policy.kind == "ttl":
+                    dep = dep.replace(idle_action=IdleAction.STOP)
+                elif policy.kind == "sleep-ttl":
+                    dep = dep.replace(idle_action=IdleAction.SLEEP)
+        out.append(dataclasses.replace(r, deployment=dep))
+    return out
+
+
+class Run:
+    """One policy's replay (module doc)."""
+
+    def __init__(self, policy: Policy, replayed: Sequence[Replayed], box: Box, slo_s: float):
+        self.policy = policy
+        self.box = box
+        self.clock = clock = VirtualClock()
+        self.tallies = {r.deployment.name: Tally() for r in replayed}
+        self.total = Tally()
+        self.world = World(replayed, box, clock, self.tallies, self.total)
+        self.refused = self.world.place_always_on()
+        self.controller = Controller(
+            self.world, clock=clock, wall=clock, queue_timeout_s=box.queue_timeout_s, max_queued=box.max_queued,
+            idle_timeout_s=box.idle_timeout_s, min_idle_timeout_s=box.min_idle_timeout_s,
+            sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib)
+        self.world.bind(self.controller)
+        self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)
+        clock.call_later(box.reap_interval_s, self._reap)
+
+    def _reap(self) -> None:
+        """The reaper's clock (control/reaper.py): a step every ``reap_interval_s``."""
+        self.controller.reap()
+        self.clock.call_later(self.box.reap_interval_s, self._reap)
+
+    def arrive(self, req: Request) -> None:
+        self.clock.run_until(req.at_s)
+        self.flights.arrive(req)
+
+    def finish(self) -> PolicyResult:
+        """Run on until the last request has ended; what is awake then stays (no stop)."""
+        self.clock.run_while(lambda: self.flights.open > 0)
+        self.world.ledger.close()
+        for key in ("cold_starts", "wakes", "sleeps", "stops", "prewarms", "prewarm_hits"):
+            setattr(self.total, key, sum(getattr(t, key) for t in self.tallies.values()))
+        return PolicyResult(self.policy, self.total, self.tallies, end_s=self.clock.now,
+                            memory=self.world.ledger.timeline, queue=self.flights.timeline)
+
+
+def replay(requests: Iterable[Request], replayed: Sequence[Replayed], box: Box, policies: Sequence[Policy], *,
+           slo_s: float = 5.0, progress: Callable[[int], None] | None = None) -> list[PolicyResult]:
+    """Each policy's result, in the order given; ``progress(n)`` after every 256th request."""
+    runs = [Run(p, configure(replayed, p, box), box, slo_s) for p in policies]
+    n = 0
+    for n, req in enumerate(requests, 1):
+        for run in runs:
+            run.arrive(req)
+        if progress is not None and n % 256 == 0:
+            progress(n)
+    if progress is not None:
+        progress(n)
+    return [run.finish() for run in runs]

@@ -1,0 +1,411 @@
+"""The world a replay's controller lives in, simulated on a virtual clock: the box (its GPUs as
+a ``static`` budget, its host memory), the deployer behind ``Effects``, and the engines.
+
+The decisions are ondemand's own, unchanged: the ``Controller`` (slots, queue, make-room, the
+reaper's rule, priorities, limits) decides, and this world does what the real effects
+(``control/effects.py``) and deployer (``engines/deployer.py``) do with what it asks, and reports
+back through the same ``on_*`` calls, each in its own event as their tasks do:
+
+- ``admit``: the real fit check (``Budget.check_fit``, with the queue's holds asked in the same
+  step) picks the GPUs; the deployment is marked ``starting`` and its engine starts behind the
+  start-up gates of its GPUs (one start at a time per GPU, taken in index order), taking
+  ``cold_start_s``, or wakes in ``wake_s`` (level 1) or ``wake2_s`` (level 2), after its sleep's
+  own call has ended;
+- ``sleep``: with ``is_idle`` as the precheck, marked ``asleep`` at its idle level (the host
+  reserve may make a level 1 a level 2, or a stop; a level-1 sleeper holds its predicted host
+  memory), ``sleep_s`` for the engine's call, after which it keeps ``asleep_residue_gib`` per GPU
+  (the ``static`` budget's rule: nothing is measured);
+- ``stop``: with the same precheck, ``stopping`` then ``stopped`` (an engine's exit costs no time
+  here);
+- ``settle``: the fit check polled every ``SETTLE_POLL_S`` until it passes or the wait runs out.
+
+Every transition reaches the controller as the bus brings it (``on_deployment``), and each is
+counted (cold starts, wakes, sleeps, stops) and its memory booked in the ``Ledger``: what each
+engine holds on each GPU over time (starting, awake, asleep: its residue once the sleep's call
+has freed the rest), for GPU-hours, GiB-hours and the page's timeline.
+
+An engine (``Engine``) runs ``max_concurrency`` requests at once, more wait inside it; a request
+is prefilled at ``prefill_tokens_per_s``, then decodes at ``decode_tokens_per_s``.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from ..control import placement
+from ..control.budget import Budget, Reading
+from ..control.controller import Controller
+from ..engines import warmth
+from ..errors import InsufficientMemory
+from ..model import ADMIN_STARTABLE, HOLDING, Deployment, Mode, Role, State
+from .clock import Timer, VirtualClock
+from .types import Box, Costs, Replayed, Tally
+
+SETTLE_POLL_S = 0.05  # as the real effects' settle
+READING = Reading(None)  # a static budget measures nothing: the deployments' bookings are the reading
+
+
+class Job(Protocol):
+    """A request inside an engine."""
+
+    @property
+    def input_tokens(self) -> int: ...
+
+    @property
+    def output_tokens(self) -> int: ...
+
+    def began(self, first_token: float, end: float) -> None: ...
+
+    def ended(self) -> None: ...
+
+
+class Engine:
+    """A simulated engine: ``max_concurrency`` requests at once, the rest wait inside it in order."""
+    __slots__ = ("costs", "clock", "running", "waiting")
+
+    def __init__(self, costs: Costs, clock: VirtualClock):
+        self.costs = costs
+        self.clock = clock
+        self.running = 0
+        self.waiting: collections.deque[Job] = collections.deque()
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def enter(self, job: Job) -> None:
+        if self.running < self.costs.max_concurrency:
+            self._begin(job)
+        else:
+            self.waiting.append(job)
+
+    def _begin(self, job: Job) -> None:
+        self.running += 1
+        prefill = job.input_tokens / self.costs.prefill_tokens_per_s
+        decode = job.output_tokens / self.costs.decode_tokens_per_s
+        now = self.clock.now
+        job.began(now + prefill, now + prefill + decode)
+        self.clock.call_later(prefill + decode, lambda: self._end(job))
+
+    def _end(self, job: Job) -> None:
+        self.running -= 1
+        if self.waiting:
+            self._begin(self.waiting.popleft())
+        job.ended()
+
+
+class Ledger:
+    """What each engine holds on each GPU over virtual time: per deployment its GPU-seconds (the
+    GPUs it holds memory on, times the time) and GiB-seconds, for the box the seconds each GPU
+    had some engine's memory on it, and the timeline (t, GPU, deployment, GiB from then on)."""
+
+    def __init__(self, gpus: int, clock: VirtualClock, tallies: Mapping[str, Tally], box: Tally):
+        self.clock = clock
+        self.tallies = tallies
+        self.box = box
+        self.timeline: list[tuple[float, int, str, float]] = []
+        self._held: dict[str, dict[int, float]] = {}
+        self._since: dict[str, float] = {}
+        self._total = [0.0] * gpus
+        self._total_since = [0.0] * gpus
+
+    def hold(self, name: str, holdings: Mapping[int, float]) -> None:
+        now = self.clock.now
+        old = self._held.get(name, {})
+        self._accrue(name, now)
+        for gpu in sorted(set(old) | set(holdings)):
+            before, after = old.get(gpu, 0.0), holdings.get(gpu, 0.0)
+            if abs(before - after) > 1e-9:
+                self._accrue_gpu(gpu, now)
+                self._total[gpu] += after - before
+                self.timeline.append((now, gpu, name, round(after, 3)))
+        self._held[name] = dict(holdings)
+
+    def _accrue(self, name: str, now: float) -> None:
+        held, since = self._held.get(name), self._since.get(name, now)
+        self._since[name] = now
+        if held:
+            t = self.tallies[name]
+            t.gpu_seconds += (now - since) * sum(1 for g in held.values() if g > 1e-9)
+            t.gpu_gib_seconds += (now - since) * sum(held.values())
+
+    def _accrue_gpu(self, gpu: int, now: float) -> None:
+        if self._total[gpu] > 1e-9:
+            self.box.gpu_seconds += now - self._total_since[gpu]
+        self._total_since[gpu] = now
+
+    def close(self) -> None:
+        """Book everything held up to now (the replay's end)."""
+        now = self.clock.now
+        for name in self._held:
+            self._accrue(name, now)
+        for gpu in range(len(self._total)):
+            self._accrue_gpu(gpu, now)
+        self.box.gpu_gib_seconds = sum(self.tallies[n].gpu_gib_seconds for n in self._held)
+
+
+class _Gate:
+    __slots__ = ("held", "waiters")
+
+    def __init__(self) -> None:
+        self.held = False
+        self.waiters: collections.deque[Callable[[], None]] = collections.deque()
+
+
+class World:
+    """The box, the deployer and the engines (module doc); the controller's ``Effects``."""
+
+    def __init__(self, replayed: Sequence[Replayed], box: Box, clock: VirtualClock, tallies: Mapping[str, Tally],
+                 total: Tally):
+        self.clock = clock
+        self.box = box
+        self.tallies = tallies
+        self.budget = Budget("static", None if box.per_gpu else box.gpus[0],
+                             gpu_capacity_gib=box.gpus if box.per_gpu else None, reserve_gib=box.reserve_gib,
+                             host_reserve_gib=box.host_reserve_gib, asleep_residue_gib=box.asleep_residue_gib)
+        self.pools = len(box.gpus)
+        self.ledger = Ledger(self.pools, clock, tallies, total)
+        self._deps = {r.deployment.id: r.deployment for r in replayed}
+        self._costs = {r.deployment.id: r.costs for r in replayed}
+        self.engines: dict[int, Engine] = {}
+        self.ready_kind: dict[int, str] = {}  # how it last became ready: "cold" or "wake"
+        self._gates: dict[int | None, _Gate] = {}
+        self._sleep_ends: dict[int, float] = {}  # a sleep's engine call is out until then
+        self._host: dict[int, float] = {}  # host GiB of each level-1 sleeper (from its mark)
+        self._controller: Controller | None = None
+
+    def bind(self, controller: Controller) -> None:
+        self._controller = controller
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            raise RuntimeError("the world is not bound to a controller")
+        return self._controller
+
+    def place_always_on(self) -> list[str]:
+        """Before the trace: every always-on deployment (and the system's) ready, placed in the
+        file's order by the fit check; those that do not fit beside the others fail (their
+        requests are refused). Returns the names of those."""
+        refused = []
+        for dep in list(self._deps.values()):
+            if dep.state is State.PLANNED or (dep.mode is not Mode.ALWAYS_ON and dep.role is Role.MODEL):
+                continue
+            try:
+                gpus = self.budget.check_fit(dep, self.deployments(), READING)
+            except InsufficientMemory as exc:
+                self._mark(dep.id, State.FAILED, state_reason=f"does not fit beside the others: {exc}")
+                refused.append(dep.name)
+                continue
+            self.engines[dep.id] = Engine(self._costs[dep.id], self.clock)
+            self.ready_kind[dep.id] = "ready"
+            self._mark(dep.id, State.READY, gpus=gpus)
+        return refused
+
+    # --- reads (Effects) ------------------------------------------------------------------
+
+    def deployment(self, dep_id: int) -> Deployment | None:
+        return self._deps.get(dep_id)
+
+    def deployments(self) -> list[Deployment]:
+        return list(self._deps.values())
+
+    def engine_idle(self, dep_id: int) -> bool:
+        engine = self.engines.get(dep_id)
+        return engine is None or engine.idle()
+
+    def idle_level(self, dep: Deployment) -> int:
+        return warmth.idle_level(dep, self.budget.per_gpu)
+
+    def host_available_gib(self, but: int | None = None) -> float:
+        """The host memory left beside the level-1 sleepers' (those under way included)."""
+        return self.box.host_gib - sum(gib for d, gib in self._host.items() if d != but)
+
+    # --- actions (Effects): each runs as its own event, as the real ones run as tasks ------
+
+    def admit(self, dep_id: int, *, text: str) -> None:
+        self.clock.call_later(0, lambda: self._admit(dep_id))
+
+    def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.clock.call_later(0, lambda: self._stop(dep_id, for_dep))
+
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
+        self.clock.call_later(0, lambda: self._sleep(dep_id, for_dep))
+
+    def settle(self, dep_id: int, within_s: float) -> None:
+        deadline = self.clock.now + within_s
+        self.clock.call_later(0, lambda: self._settle(dep_id, deadline))
+
+    def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None:
+        pass  # the replay's record is its tallies
+
+    def counters_changed(self, dep_id: int) -> None:
+        pass
+
+    def idle_gap(self, dep_id: int, gap_s: float) -> None:
+        pass  # learned by the controller itself (Record.rhythm); nothing is kept in a file
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        return self.clock.call_later(delay, callback)
+
+    # --- the deployer -----------------------------------------------------------------------
+
+    def _mark(self, dep_id: int, state: State, **changes: Any) -> Deployment:
+        """A transition as the real deployer's ``_mark`` makes it, booked and told (the bus)."""
+        old = self._deps[dep_id]
+        fields: dict[str, Any] = {"state": state, "state_reason": None}
+        if state not in (State.ASLEEP, State.STARTING):
+            fields["sleep_level"] = fields["host_gib"] = None
+        if state not in HOLDING:
+            fields["gpus"] = ()
+        fields.update(changes)
+        new = self._deps[dep_id] = old.replace(**fields)
+        self._hold(new)
+        if self._controller is not None:
+            self._controller.on_deployment(dep_id, new, old)
+        return new
+
+    def _hold(self, dep: Deployment) -> None:
+        if dep.state is State.ASLEEP and dep.id not in self._sleep_ends:
+            gib = placement.asleep_held(dep, self.box.asleep_residue_gib, self.pools, self.budget.per_gpu)
+        else:
+            gib = dep.footprint_gib if dep.state in HOLDING else 0.0
+        held = placement.holdings(gib, dep.gpu_count, dep.gpus, self.pools, self.budget.per_gpu) if gib else {}
+        self.ledger.hold(dep.name, held)
+
+    def _admit(self, dep_id: int) -> None:
+        """``Deployer.admit_start`` and the effect's report."""
+        ctl = self.controller
+        dep = self._deps.get(dep_id)
+        if dep is None or dep.state in (State.STARTING, State.READY):
+            ctl.on_admitted(dep_id, False)
+            return
+        if dep.state is not State.ASLEEP and dep.state not in ADMIN_STARTABLE:
+            ctl.on_start_error(dep_id, f"{dep.name} is {dep.state}: it cannot be started now")
+            return
+        if not ctl.wanted(dep_id):
+            ctl.on_admitted(dep_id, False)
+            return
+        try:
+            gpus = self.budget.check_fit(dep, self.deployments(), READING, ctl.held_for_others(dep_id))
+        except InsufficientMemory as exc:
+            ctl.on_refused(dep_id, exc)
+            return
+        self._start(dep, gpus)
+        ctl.on_admitted(dep_id, True)
+
+    def _start(self, dep: Deployment, gpus: tuple[int, ...]) -> None:
+        waking = dep.state is State.ASLEEP
+        costs = self._costs[dep.id]
+        if waking:
+            self.tallies[dep.name].wakes += 1
+            took = costs.wake_s if (dep.sleep_level or 1) == 1 else costs.wake2_s
+        else:
+            self.tallies[dep.name].cold_starts += 1
+            took = costs.cold_start_s
+        dep = self._mark(dep.id, State.STARTING, gpus=gpus)
+        keys: list[int | None] = [*sorted(dep.gpus)] if self.budget.per_gpu else [None]
+        self._through_gates(keys, lambda release: self._run_start(dep.id, took, waking, release))
+
+    def _through_gates(self, keys: Sequence[int | None], then: Callable[[Callable[[], None]], None]) -> None:
+        """The start-up gates of ``keys``, taken one after the other in order (asyncio's locks:
+        first come, first served), then ``then(release)``."""
+        def take(i: int) -> None:
+            if i == len(keys):
+                then(lambda: self._release(keys))
+                return
+            gate = self._gates.setdefault(keys[i], _Gate())
+            if gate.held:
+                gate.waiters.append(lambda: take(i + 1))
+            else:
+                gate.held = True
+                take(i + 1)
+        take(0)
+
+    def _release(self, keys: Sequence[int | None]) -> None:
+        for key in keys:
+            gate = self._gates[key]
+            if gate.waiters:  # handed on: its next holder runs as the lock's waiter would, later
+                self.clock.call_later(0, gate.waiters.popleft())
+            else:
+                gate.held = False
+
+    def _run_start(self, dep_id: int, took: float, waking: bool, release: Callable[[], None]) -> None:
+        dep = self._deps.get(dep_id)
+        if dep is None or dep.state is not State.STARTING:
+            release()
+            return
+        now = self.clock.now
+        begin = max(now, self._sleep_ends.get(dep_id, now))  # a wake waits for its sleep's own call to end
+        self.clock.call_later(begin - now + took, lambda: self._started(dep_id, waking, release))
+
+    def _started(self, dep_id: int, waking: bool, release: Callable[[], None]) -> None:
+        dep = self._deps.get(dep_id)
+        if dep is not None and dep.state is State.STARTING:
+            self._host.pop(dep_id, None)  # awake: its weights are back on the GPUs
+            if dep_id not in self.engines:
+                self.engines[dep_id] = Engine(self._costs[dep_id], self.clock)
+            self.ready_kind[dep_id] = "wake" if waking else "cold"
+            self._mark(dep_id, State.READY)
+        release()
+
+    def _stop(self, dep_id: int, for_dep: int | None) -> None:
+        """``Deployer.stop`` with ``is_idle`` as its precheck, and the effect's report."""
+        dep = self._deps.get(dep_id)
+        if dep is None or not self.controller.is_idle(dep) or dep.state in (State.STOPPED, State.PLANNED,
+                                                                            State.STOPPING, State.FAILED):
+            self.controller.on_stopped(dep_id, False, for_dep)
+            return
+        self._mark(dep_id, State.STOPPING)
+        self.clock.call_later(0, lambda: self._stopped(dep_id, for_dep))
+
+    def _stopped(self, dep_id: int, for_dep: int | None) -> None:
+        dep = self._deps.get(dep_id)
+        if dep is not None and dep.state is State.STOPPING:
+            self.tallies[dep.name].stops += 1
+            self._host.pop(dep_id, None)
+            self.engines.pop(dep_id, None)
+            self._mark(dep_id, State.STOPPED)
+        self.controller.on_stopped(dep_id, True, for_dep)
+
+    def _sleep(self, dep_id: int, for_dep: int | None) -> None:
+        """``Deployer.sleep`` (its idle level, ``or_stop``) with ``is_idle`` as its precheck."""
+        ctl = self.controller
+        dep = self._deps.get(dep_id)
+        if dep is None or dep.state is not State.READY or not ctl.is_idle(dep):
+            ctl.on_stopped(dep_id, False, for_dep)
+            return
+        per_gpu = self.budget.per_gpu
+        want = warmth.deepest_level(dep, per_gpu) if dep.engine == "sglang" else (
+            warmth.idle_level(dep, per_gpu) or 1)
+        got = warmth.host_level(dep, want, self.host_available_gib(but=dep_id), self.box.host_reserve_gib, per_gpu)
+        if got == 0:
+            self._stop(dep_id, for_dep)  # the host reserve leaves no level it can sleep at
+            return
+        took = self._costs[dep_id].sleep_s
+        self._sleep_ends[dep_id] = self.clock.now + took
+        if got == 1:
+            self._host[dep_id] = warmth.predicted_host_gib(dep)
+        self.tallies[dep.name].sleeps += 1
+        self._mark(dep_id, State.ASLEEP, sleep_level=got)
+        self.clock.call_later(took, lambda: self._slept(dep_id, for_dep))
+
+    def _slept(self, dep_id: int, for_dep: int | None) -> None:
+        self._sleep_ends.pop(dep_id, None)
+        dep = self._deps.get(dep_id)
+        if dep is not None and dep.state is State.ASLEEP:
+            self._hold(dep)  # the call freed all but what it keeps
+        self.controller.on_stopped(dep_id, True, for_dep)
+
+    def _settle(self, dep_id: int, deadline: float) -> None:
+        """The real settle's loop: until the deployment (or the head that took its place) fits."""
+        ctl = self.controller
+        target = ctl.settle_target(dep_id)
+        dep = self._deps.get(target)
+        if dep is not None and self.clock.now < deadline:
+            try:
+                self.budget.check_fit(dep, self.deployments(), READING, ctl.held_for_others(target))
+            except InsufficientMemory:
+                self.clock.call_later(SETTLE_POLL_S, lambda: self._settle(dep_id, deadline))
+                return
+        ctl.on_settled(dep_id)

@@ -1,0 +1,215 @@
+"""The replay in virtual time (ondemand/replay/run.py, world.py, flights.py): cases whose answers
+follow by hand, each through ondemand's own controller. The costs are the defaults unless a case
+says otherwise: a cold start 60 s, a level-1 wake 3 s, level 2 10 s, a sleep 2 s, prefill 5000
+and decode 50 tokens/s, 16 at once. A request of 1000 tokens in and 100 out is therefore 0.2 s of
+prefill and 2 s of decode; the reaper looks every 15 s."""
+from __future__ import annotations
+
+import pytest
+
+from ondemand.model import Deployment, Mode, State
+from ondemand.replay.clock import VirtualClock
+from ondemand.replay.run import configure, replay
+from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
+
+BOX = Box(gpus=(80.0,), host_gib=512)
+DEFAULTS = Costs()
+
+
+def dep(i: int, name: str, gib: float, *, costs: Costs = DEFAULTS, **kw) -> Replayed:
+    d = Deployment(id=i, name=name, served_name=name.upper(), engine="vllm", model=f"org/{name}", memory_gib=gib,
+                   gpu_count=1, mode=Mode.ON_DEMAND, state=State.STOPPED).replace(**kw)
+    return Replayed(d, costs)
+
+
+def run(deps, reqs, policy="current", box=BOX, slo_s=5.0):
+    [result] = replay(reqs, deps, box, [Policy.parse(policy)], slo_s=slo_s)
+    return result
+
+
+def req(at: float, model: str = "a", tokens_in: int = 1000, tokens_out: int = 100, stream: bool = True) -> Request:
+    return Request(at, model, tokens_in, tokens_out, stream)
+
+
+THREE = [req(0), req(10), req(1000)]
+
+
+def test_current_cold_start_then_asleep_then_a_wake():
+    """The first request starts it (60 s + 0.2 s of prefill); the second, at 10 s, waits for the
+    same start. Their ends at 62.2 s begin the 600 s idle timeout; the reaper's step at 675 s puts
+    it to sleep (level 1: a vLLM recipe on discrete GPUs), the call takes 2 s; at 1000 s a request
+    wakes it in 3 s. It held 40 GiB until 677 s, then the 2 GiB residue, then 40 GiB again."""
+    r = run([dep(1, "a", 40)], THREE)
+    t = r.total
+    assert t.ttfts == pytest.approx([60.2, 50.2, 3.2])
+    assert (t.requests, t.served, t.failed, t.slo_met) == (3, 3, 0, 1)
+    assert t.waited == {"ready": 0, "wake": 1, "cold": 2, "queue": 0}
+    assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (1, 1, 1, 0)
+    assert r.end_s == pytest.approx(1005.2)
+    assert t.gpu_seconds == pytest.approx(1005.2)
+    assert t.gpu_gib_seconds == pytest.approx(40 * 677 + 2 * (1000 - 677) + 40 * 5.2)
+    assert r.per_deployment["a"].ttfts == t.ttfts
+    assert [(round(at, 3), gpu, name, gib) for at, gpu, name, gib in r.memory] == [
+        (0.0, 0, "a", 40.0), (677.0, 0, "a", 2.0), (1000.0, 0, "a", 40.0)]
+
+
+def test_ttl_stops_and_starts_cold_again():
+    """ttl=300: stopped at the reaper's step after 362.2 s (375 s), never asleep; the third
+    request starts it cold again."""
+    r = run([dep(1, "a", 40)], THREE, "ttl=300")
+    t = r.total
+    assert t.ttfts == pytest.approx([60.2, 50.2, 60.2])
+    assert t.waited == {"ready": 0, "wake": 0, "cold": 3, "queue": 0}
+    assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (2, 0, 0, 1)
+    assert t.gpu_seconds == pytest.approx(375 + 62.2)
+    assert t.gpu_gib_seconds == pytest.approx(40 * (375 + 62.2))
+
+
+def test_sleep_ttl_sleeps_after_its_seconds():
+    r = run([dep(1, "a", 40)], THREE, "sleep-ttl=300")
+    t = r.total
+    assert t.ttfts == pytest.approx([60.2, 50.2, 3.2])
+    assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (1, 1, 1, 0)
+    assert t.gpu_gib_seconds == pytest.approx(40 * 377 + 2 * (1000 - 377) + 40 * 5.2)
+
+
+def test_always_on_is_ready_when_the_trace_begins():
+    r = run([dep(1, "a", 40)], THREE, "always-on")
+    t = r.total
+    assert t.ttfts == pytest.approx([0.2, 0.2, 0.2])
+    assert t.waited == {"ready": 3, "wake": 0, "cold": 0, "queue": 0}
+    assert (t.cold_starts, t.wakes, t.sleeps, t.stops, t.slo_met) == (0, 0, 0, 0, 3)
+    assert t.gpu_gib_seconds == pytest.approx(40 * 1002.2)
+
+
+def test_always_on_refuses_what_does_not_fit_beside_the_others():
+    """50 + 50 GiB on one 80 GiB GPU: the first in the file is placed, the second fails and
+    every request for it is refused (failed, no TTFT), counted against the SLO."""
+    r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(1, "b"), req(2, "b")], "always-on")
+    assert (r.total.requests, r.total.served, r.total.failed, r.total.slo_met) == (3, 1, 2, 1)
+    assert (r.per_deployment["b"].failed, r.per_deployment["b"].ttfts) == (2, [])
+
+
+def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
+    r = run([dep(1, "a", 40)], THREE, "fixed=60")
+    assert r.total.ttfts == pytest.approx([60.2, 50.2, 3.2])  # asleep at the step after 122.2 s: 135 s
+    assert r.total.gpu_gib_seconds == pytest.approx(40 * 137 + 2 * (1000 - 137) + 40 * 5.2)
+    d = configure([dep(1, "a", 40), dep(2, "b", 40, mode="always_on")], Policy.parse("fixed=60"), BOX)
+    assert [(x.deployment.idle_timeout_s, x.deployment.mode) for x in d] == [(60, Mode.ON_DEMAND),
+                                                                             (None, Mode.ALWAYS_ON)]
+
+
+def test_the_host_reserve_makes_a_level_two_sleep_whose_wake_is_longer():
+    """40 GiB of weights would leave 512 - 40 < 500 GiB of host memory: level 2, a 10 s wake."""
+    r = run([dep(1, "a", 40)], THREE, box=Box(gpus=(80.0,), host_gib=512, host_reserve_gib=500))
+    assert r.total.ttfts == pytest.approx([60.2, 50.2, 10.2])
+
+
+def test_an_engine_that_cannot_sleep_at_level_two_is_stopped_instead():
+    """SGLang started for level 1 (idle_action sleep) cannot sleep at level 2: the host reserve
+    makes the reaper's sleep a stop."""
+    r = run([dep(1, "a", 40, engine="sglang", idle_action="sleep")], THREE,
+            box=Box(gpus=(80.0,), host_gib=512, host_reserve_gib=500))
+    assert (r.total.sleeps, r.total.stops, r.total.cold_starts) == (0, 1, 2)
+
+
+def test_a_wake_waits_for_its_sleeps_own_call():
+    """Asleep at 675 s, its sleep call out until 677 s: a request at 676 s wakes it after that."""
+    r = run([dep(1, "a", 40)], [req(0), req(676)])
+    assert r.total.ttfts == pytest.approx([60.2, 677 + 3 + 0.2 - 676])
+
+
+def test_two_models_that_cannot_share_the_gpu():
+    """b (50 GiB) arrives at 100 s while a (50 GiB) holds the GPU, idle for only 37.8 s: b queues
+    for memory. The queue looks again every 15 s and just after a's idle timeout runs out (62.2 +
+    600 + 0.05 s): make-room puts a to sleep (2 s), the freed memory settles, b starts cold (60 s)."""
+    r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(100, "b")])
+    b = r.per_deployment["b"]
+    assert b.ttfts == pytest.approx([662.25 + 2 + 60 + 0.2 - 100])
+    assert b.waited == {"ready": 0, "wake": 0, "cold": 0, "queue": 1}
+    assert (r.total.sleeps, r.total.cold_starts, r.total.stops) == (1, 2, 0)
+    assert r.queue == [(0.0, 0), (100.0, 1), (pytest.approx(724.25), 0)]  # out of the queue with its slot
+
+
+def test_a_request_queues_for_memory_behind_a_busy_model():
+    """a's one request decodes 5000 tokens (100 s); b needs the GPU: it waits until a is idle for
+    its full timeout after that (a: 60 + 0.2 + 100 = 160.2 s, then 600 s)."""
+    r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0, tokens_out=5000), req(70, "b")])
+    assert r.per_deployment["b"].ttfts == pytest.approx([760.25 + 2 + 60 + 0.2 - 70])
+
+
+def test_inside_a_busy_engine_requests_wait_their_turn():
+    """One at a time in the engine: the second waits for the first's 2.2 s; it waited for nothing
+    at the gateway (ready), its wait is inside the engine."""
+    r = run([dep(1, "a", 40, costs=Costs(max_concurrency=1))], [req(0), req(0), req(0.5)], "always-on")
+    assert r.total.ttfts == pytest.approx([0.2, 2.4, 4.6 - 0.5])
+    assert r.total.waited["ready"] == 3
+
+
+def test_max_inflight_refuses_at_once():
+    r = run([dep(1, "a", 40, max_inflight=1)], [req(0), req(0.1)], "always-on")
+    assert (r.total.served, r.total.failed) == (1, 1)
+
+
+def test_a_non_streamed_request_gets_its_first_token_with_its_last():
+    r = run([dep(1, "a", 40)], [req(0, stream=False)], "always-on")
+    assert r.total.ttfts == pytest.approx([2.2])
+
+
+def test_starts_on_one_gpu_pass_its_start_up_gate_one_at_a_time():
+    """a and b fit together on the GPU, but one engine starts there at a time: b's start begins
+    when a is ready."""
+    r = run([dep(1, "a", 30), dep(2, "b", 30)], [req(0), req(1, "b")])
+    assert r.per_deployment["b"].ttfts == pytest.approx([120.2 - 1])
+    two = run([dep(1, "a", 30), dep(2, "b", 30)], [req(0), req(1, "b")], box=Box(gpus=(40.0, 40.0), host_gib=512))
+    assert two.per_deployment["b"].ttfts == pytest.approx([60.2])  # another GPU: its own gate
+
+
+def test_a_request_never_puts_a_model_of_higher_priority_away():
+    """a (40 GiB, high) sleeps from 675 s, keeping 2 GiB; b (80 GiB, low) needs the whole GPU,
+    which only stopping a would give: b waits until its deadline (900 s) and fails. The other way
+    round (b high, a low), make-room stops the sleeper and b starts at once."""
+    low_waits = run([dep(1, "a", 40, priority="high"), dep(2, "b", 80, priority="low")], [req(0), req(1000, "b")])
+    b = low_waits.per_deployment["b"]
+    assert (b.failed, b.waited["queue"], low_waits.total.stops) == (1, 1, 0)
+    assert low_waits.end_s == pytest.approx(1900, abs=0.01)
+    high_takes = run([dep(1, "a", 40, priority="low"), dep(2, "b", 80, priority="high")], [req(0), req(1000, "b")])
+    assert (high_takes.per_deployment["b"].served, high_takes.total.stops) == (1, 1)
+    assert high_takes.per_deployment["b"].ttfts == pytest.approx([60.2])
+
+
+def test_an_asleep_model_is_stopped_to_make_room():
+    """a sleeps (2 GiB kept); b needs the whole 80 GiB GPU: make-room stops the sleeper."""
+    r = run([dep(1, "a", 40), dep(2, "b", 80)], [req(0), req(1000, "b")])
+    assert (r.total.sleeps, r.total.stops, r.total.cold_starts) == (1, 1, 2)
+    assert r.per_deployment["b"].ttfts == pytest.approx([60.2])
+    assert r.per_deployment["b"].waited["queue"] == 0  # make-room found its victim: no notice, no queue
+
+
+def test_the_same_inputs_give_the_same_results():
+    deps = [dep(1, "a", 50), dep(2, "b", 50), dep(3, "c", 20)]
+    reqs = [req(i * 37.5 % 900, "abc"[i % 3]) for i in range(60)]
+    reqs.sort(key=lambda r: r.at_s)
+    one, two = (replay(reqs, deps, BOX, [Policy.parse("current"), Policy.parse("ttl=60")]) for _ in range(2))
+    assert [(r.total, r.per_deployment, r.memory, r.queue, r.end_s) for r in one] == [
+        (r.total, r.per_deployment, r.memory, r.queue, r.end_s) for r in two]
+
+
+def test_a_policy_the_replay_cannot_run_is_named():
+    with pytest.raises(ValueError, match="policy 'adaptive' arrives with adaptive warmth"):
+        configure([dep(1, "a", 40)], Policy.parse("adaptive"), BOX)
+    with pytest.raises(ValueError, match=r"policy 'ttl=30': 30 s is below the box's min_idle_timeout_s \(60 s\)"):
+        configure([dep(1, "a", 40)], Policy.parse("ttl=30"), BOX)
+
+
+def test_the_virtual_clock_fires_in_time_order_and_same_times_in_the_order_set():
+    clock, fired = VirtualClock(), []
+    clock.call_later(5, lambda: fired.append(("b", clock())))
+    clock.call_later(1, lambda: fired.append(("a", clock())))
+    clock.call_later(5, lambda: fired.append(("c", clock())))
+    clock.call_later(3, lambda: fired.append(("never", clock()))).cancel()
+    clock.call_later(1, lambda: clock.call_later(0, lambda: fired.append(("a2", clock()))))
+    clock.run_until(4)
+    assert (fired, clock()) == ([("a", 1), ("a2", 1)], 4)
+    clock.run_while(lambda: len(fired) < 3)
+    assert (fired[2:], clock()) == ([("b", 5)], 5)
