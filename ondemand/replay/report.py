@@ -1,0 +1,106 @@
+"""What a replay says: the table (one row a policy, on stdout or in Markdown) and the JSON.
+
+The JSON's shape: ``{"trace": {"requests", "duration_s", "models"}, "box": {"gpus"},
+"policies": {NAME: {"requests", "served", "failed", "slo_met", "ttft_s": {"p50", "p90", "p99",
+"max"}, "waited": {"ready", "wake", "cold", "queue"}, "cold_starts", "wakes", "sleeps", "stops",
+"prewarms", "gpu_hours", "gpu_gib_hours", "per_deployment": {NAME: {the same but
+per_deployment}}}}}``. ``slo_met`` is the fraction of requests whose TTFT met the SLO (a refused
+request never does); a percentile is linear between the two nearest ranks, null with nothing
+served; ``trace.duration_s`` runs from the first arrival to the end of the last request (the
+longest of the policies'); ``trace.models`` counts the deployments the trace's requests went to.
+Numbers are rounded (seconds and hours to 3 decimals, fractions to 4), so the same inputs give
+the same bytes.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from .types import WAITED, Box, PolicyResult, Tally
+
+
+def percentile(ordered: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of sorted values, linear between the nearest ranks; None if empty."""
+    if not ordered:
+        return None
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _r(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits) + 0.0  # + 0.0: never a -0.0
+
+
+def tally_json(t: Tally) -> dict[str, Any]:
+    ordered = sorted(t.ttfts)
+    return {
+        "requests": t.requests, "served": t.served, "failed": t.failed,
+        "slo_met": _r(t.slo_met / t.requests if t.requests else 0.0, 4),
+        "ttft_s": {"p50": _r(percentile(ordered, 0.5)), "p90": _r(percentile(ordered, 0.9)),
+                   "p99": _r(percentile(ordered, 0.99)), "max": _r(ordered[-1] if ordered else None)},
+        "waited": {k: t.waited[k] for k in WAITED},
+        "cold_starts": t.cold_starts, "wakes": t.wakes, "sleeps": t.sleeps, "stops": t.stops,
+        "prewarms": t.prewarms,
+        "gpu_hours": _r(t.gpu_seconds / 3600), "gpu_gib_hours": _r(t.gpu_gib_seconds / 3600),
+    }
+
+
+def to_json(results: Sequence[PolicyResult], box: Box, requests: int, models: int) -> dict[str, Any]:
+    return {
+        "trace": {"requests": requests, "duration_s": _r(max((r.end_s for r in results), default=0.0)),
+                  "models": models},
+        "box": {"gpus": list(box.gpus)},
+        "policies": {r.policy.name: {**tally_json(r.total),
+                                     "per_deployment": {name: tally_json(t) for name, t in r.per_deployment.items()}}
+                     for r in results},
+    }
+
+
+def json_bytes(doc: dict[str, Any]) -> bytes:
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"
+
+
+HEADER = ["policy", "requests", "failed", "SLO met", "TTFT p50", "p99", "ready", "wake", "cold", "queue",
+          "cold starts", "wakes", "sleeps", "stops", "GPU-h", "GiB-h"]
+
+
+def rows(results: Sequence[PolicyResult], slo_s: float) -> list[list[str]]:
+    out = []
+    for r in results:
+        j = tally_json(r.total)
+        ttft = j["ttft_s"]
+        out.append([r.policy.name, str(j["requests"]), str(j["failed"]), f"{100 * j['slo_met']:.1f} %",
+                    _seconds(ttft["p50"]), _seconds(ttft["p99"]),
+                    *(str(j["waited"][k]) for k in WAITED),
+                    str(j["cold_starts"]), str(j["wakes"]), str(j["sleeps"]), str(j["stops"]),
+                    f"{j['gpu_hours']:.2f}", f"{j['gpu_gib_hours']:.0f}"])
+    return out
+
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f} s" if x < 100 else f"{x:.0f} s"
+
+
+def table(results: Sequence[PolicyResult], slo_s: float) -> str:
+    """One row a policy, aligned for a terminal; the SLO column counts TTFT ≤ ``slo_s``."""
+    header = [f"SLO ≤{slo_s:g} s" if h == "SLO met" else h for h in HEADER]
+    cells = [header, *rows(results, slo_s)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: Sequence[PolicyResult], slo_s: float) -> str:
+    header = [f"SLO ≤{slo_s:g} s" if h == "SLO met" else h for h in HEADER]
+    rule = "|".join(" --- " if i == 0 else " ---: " for i in range(len(header)))
+    out = ["| " + " | ".join(header) + " |", f"|{rule}|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows(results, slo_s)]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,95 @@
+"""What a replay says (ondemand/replay/report.py, page.py): the JSON in exactly its documented
+shape and the same bytes for the same inputs, the table, and one self-contained page."""
+from __future__ import annotations
+
+import re
+
+import orjson
+import pytest
+
+from ondemand.model import Deployment, Mode, State
+from ondemand.replay import page, report
+from ondemand.replay.run import replay
+from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
+
+BOX = Box(gpus=(80.0, 80.0), host_gib=512)
+POLICIES = [Policy.parse(p) for p in ("current", "ttl=300", "always-on")]
+FIELDS = {"requests", "served", "failed", "slo_met", "ttft_s", "waited", "cold_starts", "wakes", "sleeps", "stops",
+          "prewarms", "gpu_hours", "gpu_gib_hours"}
+
+
+def deps() -> list[Replayed]:
+    return [Replayed(Deployment(id=i + 1, name=n, served_name=n.upper(), engine="vllm", model=n, memory_gib=gib,
+                                gpu_count=1, mode=Mode.ON_DEMAND, state=State.STOPPED), Costs())
+            for i, (n, gib) in enumerate([("a", 60), ("b", 60), ("c", 60)])]
+
+
+def results():
+    reqs = [Request(0, "a", 1000, 100), Request(10, "b", 1000, 100), Request(20, "c", 1000, 100),
+            Request(1000, "a", 1000, 100)]
+    return replay(reqs, deps(), BOX, POLICIES)
+
+
+def test_percentiles_are_linear_between_the_nearest_ranks():
+    assert report.percentile([], 0.5) is None
+    assert report.percentile([3.0], 0.99) == 3.0
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert report.percentile([float(i) for i in range(101)], 0.99) == pytest.approx(99.0)
+
+
+def test_the_json_has_exactly_the_documented_shape():
+    """Under current, c (at 20 s) waits for a's idle timeout and takes a's GPU; a, asleep there,
+    wakes on its own GPU only (a wake keeps its GPUs), so at 1000 s it waits for c's idle timeout
+    in turn: c ends at 726.65 s, is put to sleep at 1326.7 s (2 s), a wakes (3 s): its first token at
+    1331.7 s, its last at 1333.7 s, the longest of the three policies'."""
+    doc = report.to_json(results(), BOX, requests=4, models=3)
+    assert set(doc) == {"trace", "box", "policies"}
+    assert doc["trace"] == {"requests": 4, "duration_s": 1333.7, "models": 3}
+    assert doc["box"] == {"gpus": [80.0, 80.0]}
+    assert list(doc["policies"]) == ["current", "ttl=300", "always-on"]  # as typed, in their order
+    for body in doc["policies"].values():
+        assert set(body) == FIELDS | {"per_deployment"}
+        assert set(body["ttft_s"]) == {"p50", "p90", "p99", "max"}
+        assert set(body["waited"]) == {"ready", "wake", "cold", "queue"}
+        assert list(body["per_deployment"]) == ["a", "b", "c"]
+        for one in body["per_deployment"].values():
+            assert set(one) == FIELDS
+    always = doc["policies"]["always-on"]
+    # Two of the three 60 GiB models fit on 2 x 80 GiB: c's request is refused.
+    assert (always["requests"], always["served"], always["failed"], always["slo_met"]) == (4, 3, 1, 0.75)
+    assert always["per_deployment"]["c"]["ttft_s"] == {"p50": None, "p90": None, "p99": None, "max": None}
+    current = doc["policies"]["current"]
+    assert (current["cold_starts"], current["wakes"], current["sleeps"]) == (3, 1, 3)
+    assert current["per_deployment"]["a"]["ttft_s"] == {"p50": 195.95, "p90": 304.55, "p99": 328.985, "max": 331.7}
+    # GPU 0 held from 0 s, GPU 1 from 10 s, both to the end; a held 60 GiB until its sleep's call
+    # ended, then 2, and 60 again from its wake.
+    assert current["gpu_hours"] == round((1333.7 + 1323.7) / 3600, 3)
+    assert current["per_deployment"]["a"]["gpu_gib_hours"] == round(
+        (60 * 664.25 + 2 * (1328.5 - 664.25) + 60 * (1333.7 - 1328.5)) / 3600, 3)
+
+
+def test_the_same_inputs_give_the_same_bytes():
+    one = report.json_bytes(report.to_json(results(), BOX, 4, 3))
+    assert one == report.json_bytes(report.to_json(results(), BOX, 4, 3))
+    assert orjson.loads(one)["policies"]["ttl=300"]["stops"] == 3
+
+
+def test_the_table_has_a_row_a_policy():
+    text = report.table(results(), 5.0)
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["policy", "requests", "failed", "SLO"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["current", "ttl=300", "always-on"]
+    assert "75.0 %" in lines[3]
+    md = report.markdown(results(), 5.0).splitlines()
+    assert md[0].startswith("| policy | requests |") and md[1].startswith("| --- | ---: |") and len(md) == 5
+
+
+def test_the_page_is_self_contained_with_its_charts():
+    res = results()
+    html = page.document("replay", [page.section(res, BOX, title="a trace", slo_s=5.0)])
+    assert html.startswith("<!doctype html>") and html.endswith("</html>\n")
+    assert not re.search(r"""(src|href)\s*=|url\(|https?://(?!www\.w3\.org)|@import""", html)
+    assert html.count('aria-label="TTFT distribution"') == 1
+    assert html.count('aria-label="GPU 0"') == html.count('aria-label="GPU 1"') == len(POLICIES)
+    assert html.count('aria-label="queued for memory"') == len(POLICIES)
+    assert "<title>a: 60 GiB</title>" in html  # a deployment's band names it and what it holds
