@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -662,3 +663,53 @@ async def test_sleep_gpu_mib_and_the_journal(tmp_path):
     marks = [(e["ev"], e.get("level"), e.get("tags")) for e in lines if e["ev"] in ("sleep", "wake")]
     assert marks == [("sleep", 2, None), ("wake", None, ["weights"]), ("wake", None, ["kv_cache"])]
     assert all(e["pid"] == proc.pid and "t" in e for e in lines)
+
+
+async def test_load_weights_reads_the_checkpoint_and_is_ready_only_after(tmp_path, capfd):
+    """--load-weights: the load lasts at least the read of the weight files. The one file here is
+    a FIFO the test holds open: until it closes it, the read goes on and the engine answers 503;
+    the lines after the load, and readiness, come after the read."""
+    model = tmp_path / "tiny"
+    model.mkdir()
+    fifo = model / "model.safetensors"
+    os.mkfifo(fifo)
+    opts = parse_args(["--load-weights", str(model), "--served-model-name", "demo", "--startup-delay", "0.3",
+                       "--weights-delay", "0.1", "--compile-delay", "0.1"])
+    assert opts.weights_path == str(model) and opts.model == "demo"
+    runner = web.AppRunner(build_app(dataclasses.replace(opts, port=0)), access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    writer = None
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as s:
+            writer = await asyncio.to_thread(open, fifo, "wb")  # the reader has opened it: the load began
+            writer.write(b"\0" * 4096)
+            await asyncio.sleep(0.6)  # past the whole --startup-delay: still loading, the read goes on
+            async with s.get("/v1/models") as r:
+                assert r.status == 503
+            assert "Loading weights took" not in capfd.readouterr().err
+            writer.close()
+            began = time.monotonic()
+            while True:
+                async with s.get("/v1/models") as r:
+                    if r.status == 200:
+                        break
+                assert time.monotonic() - began < 5
+                await asyncio.sleep(0.02)
+            # Ready the startup delay after the start, moved by the read's excess over --weights-delay.
+            assert time.monotonic() - began >= 0.1
+            err = capfd.readouterr().err
+            assert "Loading weights took" in err and err.index("Loading weights took") < err.index("Starting vLLM API")
+    finally:
+        if writer is not None and not writer.closed:
+            writer.close()
+        await runner.cleanup()
+
+
+def test_load_weights_needs_a_local_model(tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--load-weights", "org/not-here"])
+    assert exit_.value.code == 2
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert parse_args(["--load-weights", "-m", str(gguf)]).weights_path == str(gguf)

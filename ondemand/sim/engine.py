@@ -23,7 +23,8 @@ whatever model is asked.
 While loading (``--startup-delay S``, or forever with ``--fail never-ready``) it prints its
 flavor's start phase lines (``sim/phases.py``: vLLM's "Starting to load model", "Loading weights
 took", "Graph capturing finished", "Starting vLLM API server"; SGLang's and llama.cpp's own) at
-``--weights-delay`` and ``--compile-delay``, and the
+``--weights-delay`` and ``--compile-delay`` (with ``--load-weights`` it really reads the
+model's weight files when the load begins, and is ready that much later), and the
 socket listens at once and every engine route, ``/health`` and ``/v1/models``
 included, answers 503 ``Loading model`` (llama.cpp's behaviour; vLLM would not
 answer at all, which a gateway cannot tell from a hang). ``/_sim/*`` always
@@ -188,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                     help="the weights' load lines S seconds after the start (default 0.3 of --startup-delay)")
     ap.add_argument("--compile-delay", type=float, default=None, metavar="S",
                     help="then the compile's, S seconds later (default 0.5 of --startup-delay)")
+    ap.add_argument("--load-weights", action="store_true",
+                    help="read the model's weight files (a local directory's *.safetensors, or the file) while "
+                         "loading, as an engine does: the load lasts at least the read")
     ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
     ap.add_argument("--tokens", type=int, default=16, metavar="N", help="length of an answer")
     ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
@@ -237,13 +241,18 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     if not 0 < a.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
     model = a.served or a.model or a.model_path or a.model_flag or "sim-model"
+    weights_path = None
+    if a.load_weights:
+        weights_path = a.model_path or a.model_flag or a.model
+        if not weights_path or not os.path.exists(weights_path):
+            ap.error(f"--load-weights: the model {weights_path!r} is not a local directory or file")
     return SimOptions(host=a.host, port=a.port, model=model, flavor=a.flavor, startup_delay=a.startup_delay,
                       token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
                       record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
                       sleep_gpu_mib=a.sleep_gpu_mib, host_mib=a.host_mib, sleep_delay=a.sleep_delay,
                       wake_delay=a.wake_delay, weights_cpu_backup=a.enable_weights_cpu_backup, journal=a.journal,
-                      weights_delay=a.weights_delay, compile_delay=a.compile_delay)
+                      weights_delay=a.weights_delay, compile_delay=a.compile_delay, weights_path=weights_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ class SimOptions:
     # the start, then the compile this long (None: 0.3 and 0.5 of startup_delay); together at most it.
     weights_delay: float | None = None
     compile_delay: float | None = None
+    weights_path: str | None = None  # --load-weights: the weight files read while loading (sim/phases.py)
     token_delay: float = 0.0
     tokens: int = 16
     fail: str | None = None  # one of FAILURES

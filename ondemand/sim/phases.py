@@ -2,11 +2,18 @@
 SGLang's, llama.cpp's), at the moments ``--weights-delay`` and ``--compile-delay`` say: weights
 load from the start, compilation follows, the API server starts after both, and the startup is
 complete at ``--startup-delay``. ondemand reads a start's phases from these lines
-(ondemand/engines/phases.py), so ``make run`` and the tests show them as a real engine's."""
+(ondemand/engines/phases.py), so ``make run`` and the tests show them as a real engine's.
+
+With ``--load-weights`` the weights' load is real: the model's weight files (a directory's
+``*.safetensors``, or the file itself) are read from disk once the load begins, as an engine's
+loader reads them, and the load lasts at least that long; the lines after it, and the moment
+the engine is ready, move by what the read took beyond ``--weights-delay``."""
 from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from .options import SimOptions
 
@@ -44,15 +51,39 @@ def delays(opts: SimOptions) -> tuple[float, float]:
     return weights, compile_s
 
 
-async def print_phases(opts: SimOptions, port: int) -> None:
-    """Print the flavor's phase lines on stderr at their moments (a task of the simulator's)."""
+CHUNK = 8 * 2**20
+
+
+def read_weights(path: str) -> int:
+    """Read the weight files at ``path`` (a directory's safetensors, or one file); the bytes read."""
+    where = Path(path)
+    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where]
+    done = 0
+    buf = bytearray(CHUNK)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                done += n
+    return done
+
+
+async def print_phases(opts: SimOptions, port: int, loaded: Callable[[float], None] = lambda shift: None) -> None:
+    """Print the flavor's phase lines on stderr at their moments (a task of the simulator's);
+    with ``opts.weights_path``, read the weights when their load begins and tell ``loaded`` by
+    how much the read moved what follows."""
     weights, compile_s = delays(opts)
     loop = asyncio.get_running_loop()
     began = loop.time()
+    shift = 0.0
+    pending = opts.weights_path
     for w_share, c_share, line in LINES[opts.flavor]:
-        at = w_share * weights + c_share * compile_s
+        if pending is not None and w_share > 0:  # the load began with the lines before this one
+            await asyncio.to_thread(read_weights, pending)
+            shift, pending = max(0.0, loop.time() - began - weights), None
+            loaded(shift)
+        at = w_share * weights + c_share * compile_s + (shift if w_share > 0 else 0.0)
         wait = began + at - loop.time()
         if wait > 0:
             await asyncio.sleep(wait)
-        print(line.format(model=opts.model, w=weights, c=compile_s, host=opts.host, port=port),
+        print(line.format(model=opts.model, w=weights + shift, c=compile_s, host=opts.host, port=port),
               file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ class Sim:
         self.model = opts.model
         self.ready = False
         self.ready_at = float("inf")
+        self.began = 0.0
         self.record: collections.deque[Recorded] = collections.deque(maxlen=opts.record_limit)
         self.journal = Journal(opts.journal, opts.model)
         self.seq = 0
@@ -54,20 +55,31 @@ class Sim:
     # -- plumbing -------------------------------------------------------------------
 
     async def on_startup(self, app: web.Application) -> None:
-        self.ready_at = time.monotonic() + self.opts.startup_delay
+        self.began = time.monotonic()
+        self.weights_read = asyncio.Event()
+        # With --load-weights, ready once the weights are read (``_loaded`` says when).
+        self.ready_at = self.began + self.opts.startup_delay if self.opts.weights_path is None else float("inf")
         if self.opts.fail == "exit-after":
             # The simulator is a program of its own and imports nothing of ondemand
             # (tests/test_layout.py); the task is kept in self.tasks and cancelled at cleanup.
             self.tasks.append(asyncio.ensure_future(  # noqa: TID251
                 exit_later(self.opts.startup_delay, self.opts.fail_after)))
-        if self.opts.startup_delay > 0 and self.opts.fail != "never-ready":
+        loads = self.opts.startup_delay > 0 or self.opts.weights_path is not None
+        if loads and self.opts.fail != "never-ready":
             # As an engine's log says it is loading, then that it is ready (a log to follow live).
             print(f"loading {self.opts.model} ({self.opts.startup_delay:g} s)", file=sys.stderr, flush=True)
             self.tasks.append(asyncio.ensure_future(self._say_ready()))  # noqa: TID251
-            self.tasks.append(asyncio.ensure_future(print_phases(self.opts, self.opts.port)))  # noqa: TID251
+            self.tasks.append(asyncio.ensure_future(  # noqa: TID251
+                print_phases(self.opts, self.opts.port, self._loaded)))
+
+    def _loaded(self, shift: float) -> None:
+        self.ready_at = self.began + self.opts.startup_delay + shift
+        self.weights_read.set()
 
     async def _say_ready(self) -> None:
-        await asyncio.sleep(self.opts.startup_delay)
+        if self.opts.weights_path is not None:
+            await self.weights_read.wait()
+        await asyncio.sleep(max(0.0, self.ready_at - time.monotonic()))
         print(f"{self.opts.model} loaded: application startup complete", file=sys.stderr, flush=True)
 
     async def on_cleanup(self, app: web.Application) -> None:
