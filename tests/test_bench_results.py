@@ -1,5 +1,7 @@
 """One `make bench` writes every section of bench/results.md: scripts/bench.py rewrites its own
-part and keeps the cold-path and wake-path sections that bench_cold.py and bench_wake.py wrote."""
+part and keeps the sections the other benchmarks wrote: the cold path (bench_cold.py), the wake
+path (bench_wake.py), the start phases (bench_phases.py) and the real vLLM's warm compile cache
+(tests/test_vllm_cache.py, under make test-vllm)."""
 import importlib.util
 import sys
 
@@ -24,14 +26,20 @@ def test_the_proxy_bench_keeps_the_cold_and_wake_sections(tmp_path):
     bench.write_keeping("# ondemand gateway benchmark\n\n## Targets\nold figures\n", out)
     cold.write_section("## Cold path\ncold table\n", out)
     cold.write_section("## Wake path\nwake table\n", out, "## Wake path")
+    cold.write_section("## Start phases\nphase table\n", out, "## Start phases")
+    cold.write_section("## Warm compile cache, a real vLLM\nvllm table\n```\nINFO a line\n```\n", out,
+                       "## Warm compile cache, a real vLLM")
     bench.write_keeping("# ondemand gateway benchmark\n\n## Targets\nnew figures\n\n## Set-up\nmachine\n", out)
     text = out.read_text()
     assert "old figures" not in text and "new figures" in text and "machine" in text
     assert text.count("## Cold path") == 1 and "cold table" in text
     assert text.count("## Wake path") == 1 and "wake table" in text
+    assert text.count("## Start phases") == 1 and "phase table" in text
+    assert text.count("## Warm compile cache, a real vLLM") == 1 and "INFO a line" in text
     bench.write_keeping("# ondemand gateway benchmark\n", out)  # again: still one of each
     text = out.read_text()
-    assert text.count("## Cold path") == 1 and text.count("## Wake path") == 1
+    for section in ("## Cold path", "## Wake path", "## Start phases", "## Warm compile cache, a real vLLM"):
+        assert text.count(section) == 1, section
     assert text.index("## Cold path") > text.index("# ondemand gateway benchmark")
 
 
