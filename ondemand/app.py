@@ -310,7 +310,7 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
         if e.removed or e.new_state is State.ASLEEP:
             upstreams.forget(e.dep_id)
     bus.subscribe(DeploymentChanged, forget_removed)
-    app[GATEWAY] = Gateway(controller=app[ADMISSION], deployer=app[DEPLOYER], keys=watcher,
+    app[GATEWAY] = Gateway(controller=app[ADMISSION], keys=watcher,
                            limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
                            start_eta=app[WATCH].notice_eta_s, start_phase=app[WATCH].notice_phase,
                            queue_place=app[CONTROLLER].queue_place,

@@ -334,7 +334,7 @@ def test_make_room_stops_lru_idle_victims_then_waits_for_memory(world):
     fx.add(2, 10)
     fx.add(3, 10)
     idle_ready(fx, c, clock, 2, 3)
-    c.release(c.try_take(3).dep_id)  # 3 used just now: 2 is least recently used...
+    c.try_take(3).release()  # 3 used just now: 2 is least recently used...
     clock.advance(61)  # ...and both idle for their full timeout
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 4, 24))
@@ -456,7 +456,7 @@ def test_a_queued_entry_looks_again_when_an_idle_timeout_runs_out(world):
     c, fx, clock = make(world)
     fx.add(1, 10)
     fx.add(2, 10, state=State.READY)
-    c.release(c.try_take(2).dep_id)  # used just now: idle in 60 s
+    c.try_take(2).release()  # used just now: idle in 60 s
     Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     assert fx.taken("stop") == []
@@ -636,7 +636,7 @@ def test_the_idle_timer_restarts_on_grant_release_ready_and_the_switch(world):
     fx.add(1, state=State.READY)
     fx.add(2)
     clock.advance(59)
-    c.release(c.try_take(1).dep_id)
+    c.try_take(1).release()
     clock.advance(59)
     assert c.reap() == []
     clock.advance(1)
@@ -822,7 +822,7 @@ def test_make_room_on_a_two_gpu_box_stops_only_the_victim_on_the_chosen_gpu(worl
     fx.add(2, 40, gpu_count=1, gpus=(0,))
     fx.add(3, 70, gpu_count=1, gpus=(1,))
     idle_ready(fx, c, clock, 2, 3)
-    c.release(c.try_take(3).dep_id)
+    c.try_take(3).release()
     clock.advance(61)
     r = Req(c, 1)
     fit = Fit(60, free=(40, 10), ondemand=(80, 80), count=1, allowed=None, per_gpu=True)

@@ -498,7 +498,6 @@ async def test_too_big_is_not_refused_right_after_an_ondemand_stop(tmp_path, sto
     """Within ~20 s of an on-demand stop freed memory may still read as used, so a model
     bigger than the capacity waits instead of failing at once; later it fails at once."""
     async with controller_env(tmp_path, store, capacity=24, queue_timeout_s=1) as env:
-        c = env.controller
         a = await env.add("a", 10)
         big = await env.add("big", 30)
         await env.start(a)
@@ -506,7 +505,7 @@ async def test_too_big_is_not_refused_right_after_an_ondemand_stop(tmp_path, sto
         await env.fresh_metrics()
         assert await env.reap() == [a]
         assert await code_of(env.acquire(big)) == "ondemand_queue_timeout"  # waited, not refused
-        c._last_ondemand_stop -= 21
+        env.skip(21)  # the stop is no longer recent
         assert await code_of(env.acquire(big)) == "does_not_fit"
 
 
@@ -633,23 +632,22 @@ async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path,
 async def test_race_the_limit_under_concurrent_acquires(tmp_path, store, seed):
     """300 acquires of a deployment with max_inflight 3, started cold (the first ones wait
     for the start), with random hang-ups and random holding times: the in-flight count
-    never passes 3 at any moment (a spy on every grant), every refusal is 429 ondemand_busy,
+    never passes 3 at any moment (read in the step of every grant), every refusal is 429 ondemand_busy,
     and the counts return to 0. The limit is read in the step that grants, as the slots are."""
     rng = random.Random(seed)
     async with controller_env(tmp_path, store, queue_timeout_s=8, max_queued=1000) as env:
         c = env.controller
         a = await env.add("a", 10, "--startup-delay", "0.2", max_inflight=3)
         peaks, codes = [], []
-        real_grant = c._grant
 
-        def spied_grant(dep_id, *rest):
-            slot = real_grant(dep_id, *rest)
-            peaks.append(c.inflight(dep_id))
-            return slot
-        c._grant = spied_grant
+        async def granted():
+            ticket = await env.acquire(a)
+            # The step of the grant still: a coroutine that returns resumes its caller at once.
+            peaks.append(c.inflight(a))
+            return ticket
 
         async def one():
-            task = asyncio.ensure_future(env.acquire(a))
+            task = asyncio.ensure_future(granted())
             if rng.random() < 0.2:
                 await asyncio.sleep(rng.random() * 0.3)
                 task.cancel()

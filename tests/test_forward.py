@@ -840,7 +840,7 @@ async def test_a_connection_lost_in_the_turn_it_was_handed_over_leaves_no_stray_
 
 
 class _Out:
-    """What _into_started writes to (a Call): the client's answer, already begun by the queued notice."""
+    """What answers.into_stream writes to (a Call): the client's answer, already begun by the queued notice."""
 
     def __init__(self):
         self.data = b""
@@ -852,15 +852,8 @@ class _Out:
         self.data += b"<eof>"
 
 
-def _gateway():
-    from types import SimpleNamespace
-
-    from ondemand.gateway.routes import Gateway
-    return SimpleNamespace(_upstream_failed=lambda call, started, why: Gateway._upstream_failed(None, call, started, why))
-
-
 async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
-    from ondemand.gateway.routes import Gateway
+    from ondemand.gateway import answers
     err = b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
 
     async def answer(req, writer):
@@ -875,7 +868,7 @@ async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
         up = await lease.request("POST", "/v1/chat/completions", JSON, b"{}")
         out = _Out()
         try:
-            await Gateway._into_started(_gateway(), out, up)
+            await answers.into_stream(out, up)
         finally:
             up.release()
             lease.end()
@@ -884,7 +877,7 @@ async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
 
 
 async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_error(ups):
-    from ondemand.gateway.routes import Gateway
+    from ondemand.gateway import answers
 
     async def answer(req, writer):
         writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\npartial")
@@ -895,7 +888,7 @@ async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_
         up = await lease.request("POST", "/v1/chat/completions", JSON, b"{}")
         out = _Out()
         try:
-            await Gateway._into_started(_gateway(), out, up)
+            await answers.into_stream(out, up)
         finally:
             up.release()
             lease.end()

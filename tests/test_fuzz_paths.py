@@ -27,6 +27,7 @@ import orjson
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from ondemand.control.ticket import Want
 from ondemand.errors import OndemandError
 from ondemand.gateway.paths import rebuild, split_checked
 from ondemand.gateway.routes import TRAFFIC, _route
@@ -92,7 +93,7 @@ def classify(raw: str, method: str, dep: int) -> tuple[str, str | None]:
         return "refuse", None
     if dep_id != dep:
         return "refuse", None
-    if kind == "models":
+    if kind is Want.LIST:
         return "answer", None
     return "forward", rebuild(segs[1:])
 

@@ -248,7 +248,7 @@ async def test_a_defect_of_ours_is_a_json_500_and_leaves_no_trace(server, http, 
 
     async def broken(*args, **kw):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(server.admission, "acquire", broken)
+    monkeypatch.setattr(server.admission, "wait", broken)
     async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
         assert await err(r) == (500, "internal_error")
     assert "a bug" in caplog.text  # the traceback is in the log, not in the answer
@@ -666,25 +666,25 @@ async def _connectable(port):
 
 @pytest.mark.uvloop
 async def test_slot_granted_at_the_moment_of_the_hang_up_is_released(server, http):
-    """On the notice path acquire runs in a task of its own; when the grant and the
+    """On the notice path the wait runs in a task of its own; when the grant and the
     hang-up land in the same turn of the loop, the handler never takes the slot, and
     a done callback must release it."""
     big, x, slot = await _queued_setup(server)()
     c = server.controller
     adm = server.admission
-    real_acquire = adm.acquire
+    real_wait = adm.wait
 
-    def acquire(dep_id, **kw):
+    def wait(dep_id, **kw):
         handler = asyncio.current_task()  # the request's handler creates this coroutine
 
         async def granted_then_hang_up():
-            s = await real_acquire(dep_id, **kw)
+            s = await real_wait(dep_id, **kw)
             # The client goes away in the same turn of the loop as the grant: the handler
             # is cancelled before it resumes to take the slot.
             asyncio.get_running_loop().call_soon(handler.cancel)
             return s
         return granted_then_hang_up()
-    adm.acquire = acquire
+    adm.wait = wait
     body = {"model": "X", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     task = asyncio.ensure_future(http.post(server.gw(x, "chat/completions"), json=body, headers=server.auth()))
     await wait_for(lambda: x in c.queue)

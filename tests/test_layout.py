@@ -24,9 +24,13 @@ ALLOWED = {
     "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"},
     # gateway/: the routes and their checks.
     "gateway": set(),
-    "gateway.routes": {"control.admission", "control.controller", "engines.deployer", "errors", "gateway.exchange",
+    # The pipeline (checks, body, admission, answer): the deployments it knows are the admission's.
+    "gateway.routes": {"control.admission", "errors", "gateway.answers", "gateway.exchange",
                        "gateway.keys", "gateway.notice", "gateway.paths", "gateway.ratelimit", "http.cycle",
-                       "http.forward", "http.headers", "http.limits", "http.pool", "model"},
+                       "http.headers", "http.limits", "http.pool", "model"},
+    # The answer kinds, each with its exchange with the engine.
+    "gateway.answers": {"control.admission", "errors", "gateway.notice", "http.cycle", "http.forward", "http.limits",
+                        "http.pool"},
     "gateway.paths": {"errors"}, "gateway.keys": {"errors", "events"}, "gateway.ratelimit": set(),
     "gateway.peers": {"engines.dockerapi", "errors"}, "gateway.notice": set(),
     # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
@@ -34,16 +38,20 @@ ALLOWED = {
     # control/: the decision core sees the world only through its Effects protocol.
     "control": set(),
     "control.controller": {"control.eviction", "control.modes", "control.placement", "control.protocol",
-                           "control.record", "control.slots", "control.verdicts", "errors", "model"},
-    "control.slots": {"control.protocol", "control.queue", "control.record", "control.verdicts", "engines.rhythm",
-                      "errors", "model"},
+                           "control.record", "control.slots", "control.ticket", "control.verdicts", "errors",
+                           "model"},
+    "control.slots": {"control.protocol", "control.queue", "control.record", "control.ticket", "control.verdicts",
+                      "engines.rhythm", "errors", "model"},
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
     # its refusals, and the mode switch's plan.
     "control.record": {"control.protocol", "engines.rhythm", "errors"}, "control.protocol": {"model"},
-    "control.verdicts": {"control.placement", "errors", "model"}, "control.modes": {"errors", "model"},
+    "control.verdicts": {"control.placement", "control.ticket", "errors", "model"}, "control.modes": {"errors", "model"},
+    # What a request is given: its ticket (deployment, upstream target, slot) and the words of its verdict.
+    "control.ticket": {"model"},
     "control.placement": {"model"}, "control.eviction": set(), "control.queue": set(),
     "control.reaper": {"control.controller"},
-    "control.admission": {"control.controller", "engines.deployer", "errors", "model"},
+    "control.admission": {"control.controller", "control.ticket", "control.verdicts", "engines.deployer", "errors",
+                          "model"},
     "control.effects": {"control.budget", "control.controller", "control.protocol", "engines.deployer", "engines.metrics",
                         "engines.rhythm", "engines.warmth", "errors", "events", "model", "tasks"},
     "control.budget": {"config", "control.placement", "errors", "model"},

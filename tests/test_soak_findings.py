@@ -7,7 +7,7 @@ import logging
 import aiohttp
 from helpers import dep_fields, running_deployer
 
-from ondemand.gateway import routes as gateway
+from ondemand.gateway import answers
 from ondemand.http.body import Body
 from ondemand.model import Mode, State
 
@@ -40,7 +40,7 @@ async def test_a_client_gone_after_the_last_chunk_is_no_internal_error():
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
 
     out = Out()
-    await gateway._pump(out, Up())  # type: ignore[arg-type]  # returns: no exception out of it
+    await answers.pump(out, Up())  # type: ignore[arg-type]  # returns: no exception out of it
     assert out.offered == [b"data: [DONE]\n\n"]  # the last chunk went with the end
 
 

@@ -1,7 +1,9 @@
-"""The controller's async edge: a request waiting for its slot, and an
-administrator's mode switch. Everything decided here is decided by the core
-(``controller.py``) in plain ``def`` calls; the only awaits are a waiter's
-sleep until the core wakes it, and the deployer's writes of a mode switch.
+"""The controller's async edge: a request's admission, and an administrator's mode switch.
+
+Everything decided here is decided by the core (``controller.py``) in plain ``def`` calls:
+``admit`` is the core's step (a ticket or a refusal, at once) with the engine's address read in
+it; the only awaits are a waiter's sleep until the core wakes it (``wait``), and the deployer's
+writes of a mode switch.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from collections.abc import Callable
 from ..engines.deployer import Deployer
 from ..errors import BudgetError, DeployerError, InsufficientMemory, OndemandError
 from ..model import Deployment
-from .controller import Controller, Slot
+from .controller import Controller
+from .ticket import Ticket, Waits, Want
+from .verdicts import Refusal
 
 log = logging.getLogger("ondemand.control.admission")
 
-__all__ = ["Admission", "Slot"]
+__all__ = ["Admission", "Refusal", "Ticket", "Waits", "Want"]  # what a request meets here
 
 
 class Admission:
@@ -24,15 +28,34 @@ class Admission:
         self.controller = controller
         self.deployer = deployer
 
-    def take_now(self, dep_id: int) -> Slot | None:
-        """A slot at once when ``dep_id`` is ready, else None (nothing joined, nothing waits);
-        raises ``ondemand_busy`` past its ``max_inflight``. The streaming path asks this first,
-        so that a ready model's stream makes no task of its own for the notice."""
-        return self.controller.try_take(dep_id)
+    def admit(self, dep_id: int, want: Want) -> Ticket:
+        """A request's verdict in one step (the core's ``admit``: a refusal raised, or a ticket),
+        and the engine's address of a ticket that goes on to it, read in that same step (no
+        await between): a deployment removed or started on another address before this step
+        gives its new state, never a stale target."""
+        ticket = self.controller.admit(dep_id, want)
+        if ticket.waits is None and (want is Want.TRAFFIC or want is Want.MODEL):
+            ticket.base = self.deployer.base_url(dep_id)
+        return ticket
+
+    def screen(self, dep_id: int, want: Want) -> Deployment:
+        """The refusals that need no wait (``verdicts.screen``), for a request whose body is still
+        on its way: they come before it is read. Returns the deployment as read now."""
+        return self.controller.screen(dep_id, want)
 
     async def acquire(self, dep_id: int, *, arrival: float | None = None,
-                      on_queued: Callable[[], None] | None = None) -> Slot:
-        """A slot of ``dep_id``: at once when it is ready, else once the core says so.
+                      on_queued: Callable[[], None] | None = None) -> Ticket:
+        """A traffic request's ticket of ``dep_id``: at once when it is ready, else once the core
+        says so (``wait``). Raises the core's refusals."""
+        ticket = self.admit(dep_id, Want.TRAFFIC)
+        if ticket.waits is None:
+            return ticket
+        return await self.wait(dep_id, arrival=arrival, on_queued=on_queued)
+
+    async def wait(self, dep_id: int, *, arrival: float | None = None,
+                   on_queued: Callable[[], None] | None = None) -> Ticket:
+        """The ticket of a traffic request that has to wait: with its slot, the deployment and
+        its engine's base URL as read in the step that grants it.
 
         ``arrival``: when the request arrived (its deadline counts from it).
         ``on_queued`` is called once, the first time the request waits for memory.
@@ -40,9 +63,9 @@ class Admission:
         (cancellation) leaves the queue at once and never takes a slot.
         """
         core = self.controller
-        slot = core.try_take(dep_id)
-        if slot is not None:
-            return slot
+        ticket = self.admit(dep_id, Want.TRAFFIC)  # a turn of the loop may have passed: ready now?
+        if ticket.waits is None:
+            return ticket
         wake = asyncio.Event()
         loop = asyncio.get_running_loop()
         waiter = core.join(dep_id, arrival=core.clock() if arrival is None else arrival, notify=wake.set,
@@ -51,9 +74,10 @@ class Admission:
             while True:
                 # take() counts the slot in the same step as it reads ready: the count and the
                 # grant are one, and a waiter cancelled before this line has taken nothing.
-                slot = core.take(waiter)
-                if slot is not None:
-                    return slot
+                granted = core.take(waiter)
+                if granted is not None:
+                    granted.base = self.deployer.base_url(dep_id)  # its engine's, as of the grant
+                    return granted
                 wake.clear()
                 # A timer that sets the event (take() then raises the timeout), not wait_for,
                 # which would wrap the wait in a task of its own (Python < 3.12).

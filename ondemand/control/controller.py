@@ -52,11 +52,14 @@ from .eviction import Candidate, pick_victims
 from .modes import ModePlan
 from .placement import Fit, asleep_held, holdings
 from .protocol import Effects, Timer
-from .record import Attempt, Phase, Slot, Waiter
+from .record import Attempt, Phase, Waiter
 from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
+from .ticket import Ticket
 
 __all__ = ["ACTOR", "BACKOFF_FIRST_S", "BACKOFF_MAX_S", "Controller", "Effects", "ModePlan", "Phase", "Slot",
            "Timer", "Waiter"]
+
+Slot = Ticket  # a granted slot is the ticket that holds it (``release()``)
 
 log = logging.getLogger("ondemand.control.controller")
 

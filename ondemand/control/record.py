@@ -1,13 +1,12 @@
 """What the controller holds of each deployment (one ``Record``), of each attempt to start
-one for its waiters (``Attempt``), of each waiting request (``Waiter``) and of each granted
-slot (``Slot``). Plain state: the decisions are the controller's."""
+one for its waiters (``Attempt``) and of each waiting request (``Waiter``); a granted slot is
+a request's ``ticket.Ticket``. Plain state: the decisions are the controller's."""
 from __future__ import annotations
 
 import dataclasses
 import enum
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 from ..engines.rhythm import Rhythm
 from ..errors import OndemandError
@@ -19,31 +18,6 @@ class Phase(enum.Enum):
     ADMITTING = "admitting"
     STOPPING = "stopping victims"
     SETTLING = "settling"
-
-
-class _Releases(Protocol):
-    def release(self, dep_id: int) -> None: ...
-
-
-class Slot:
-    """A granted slot; ``release()`` is idempotent, so a double release cannot drift the count."""
-    __slots__ = ("_controller", "dep_id", "_released")
-
-    def __init__(self, controller: _Releases, dep_id: int):
-        self._controller = controller
-        self.dep_id = dep_id
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._controller.release(self.dep_id)
-
-    async def __aenter__(self) -> Slot:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Waiter:

@@ -1,7 +1,8 @@
-"""The request side of the controller's decision core: what it holds of each deployment
-(its ``Record``), the slots, the waiters, the start backoff, the idle rule, the live
-counters and the clock of the queue. ``Controller`` (``controller.py``) adds the start side:
-each deployment's attempt, make-room, the deployer's reports, the reaper's step.
+"""The request side of the controller's decision core: a request's verdict (``admit``: a
+refusal, or its ``Ticket``), what it holds of each deployment (its ``Record``), the slots,
+the waiters, the start backoff, the idle rule, the live counters and the clock of the queue.
+``Controller`` (``controller.py``) adds the start side: each deployment's attempt, make-room,
+the deployer's reports, the reaper's step.
 
 Plain ``def`` methods, no await, no I/O, as the whole core (``controller.py``, at the top).
 """
@@ -18,7 +19,8 @@ from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment
 from . import verdicts
 from .protocol import Effects, Timer
 from .queue import WaitQueue
-from .record import NOTHING, Attempt, Backoff, Phase, Record, Slot, Waiter
+from .record import NOTHING, Attempt, Backoff, Phase, Record, Waiter
+from .ticket import Ticket, Waits, Want
 
 log = logging.getLogger("ondemand.control.controller")  # the core's one logger
 
@@ -179,18 +181,41 @@ class Slots:
 
     # --- slots ------------------------------------------------------------------
 
-    def try_take(self, dep_id: int) -> Slot | None:
-        """A slot at once when the deployment is ready (the fast path: no waiter); raises
-        ``ondemand_busy`` when it serves its ``max_inflight`` already."""
+    def screen(self, dep_id: int, want: Want) -> Deployment:
+        """The refusals that need no wait (``verdicts.screen``) on the deployment as read now."""
+        return verdicts.screen(self.effects.deployment(dep_id), want)
+
+    def admit(self, dep_id: int, want: Want) -> Ticket:
+        """A request's verdict, in one step: the deployment read once, refused (the refusals that
+        need no wait, ``verdicts.screen``, and ``ondemand_busy`` past its ``max_inflight``) or let
+        in: a ticket with the deployment as read, holding a slot when it is on demand and ready.
+        A ticket whose ``waits`` is set holds nothing: the request waits (``join``) for a start, a
+        wake, or the end of a drain. (The edge gives a ticket that goes on its engine's address.)"""
+        dep = verdicts.screen(self.effects.deployment(dep_id), want)
+        if want is Want.TRAFFIC and (dep.on_demand or dep.pending_mode is not None):
+            if dep.state is not State.READY:
+                return Ticket(dep, waits=Waits.START)
+            return self._take_ready(dep) or Ticket(dep, waits=Waits.DRAIN)
+        return Ticket(dep)  # always on and ready, a model's route, the list, a health check: no slot
+
+    def try_take(self, dep_id: int) -> Ticket | None:
+        """A slot at once when the deployment is ready, whatever its mode (no waiter), else None;
+        raises ``ondemand_busy`` past its ``max_inflight``. The replay's edge asks this; the
+        gateway's asks ``admit``."""
         dep = self.effects.deployment(dep_id)
         if dep is not None and dep.state is State.READY:
-            rec = self._record(dep_id)
-            if rec.idle_since is not None:
-                self._arrived(dep, rec)
-            if not rec.drains:
-                self._check_limit(dep, rec)
-                return self._grant(dep_id, rec)
+            return self._take_ready(dep)
         return None
+
+    def _take_ready(self, dep: Deployment) -> Ticket | None:
+        """A ready deployment's slot, or None while an administrator's sleep drains it."""
+        rec = self._record(dep.id)
+        if rec.idle_since is not None:
+            self._arrived(dep, rec)
+        if rec.drains:
+            return None
+        self._check_limit(dep, rec)
+        return self._grant(dep, rec)
 
     def _check_limit(self, dep: Deployment, rec: Record) -> None:
         """Read in the step that grants: never two past the limit. Only granted slots
@@ -199,12 +224,12 @@ class Slots:
             rec.busy += 1
             raise verdicts.busy(dep)
 
-    def _grant(self, dep_id: int, rec: Record) -> Slot:
+    def _grant(self, dep: Deployment, rec: Record) -> Ticket:
         rec.inflight += 1
         rec.last_activity = self.clock()
         rec.last_request_at = self.wall()
-        self._counters_changed(dep_id, rec)
-        return Slot(self, dep_id)
+        self._counters_changed(dep.id, rec)
+        return Ticket(dep, slot=self)
 
     def release(self, dep_id: int) -> None:
         rec = self._record(dep_id)
@@ -303,8 +328,8 @@ class Slots:
         self._advance(dep_id)
         return waiter
 
-    def take(self, waiter: Waiter) -> Slot | None:
-        """The waiter's turn: its slot when ready, its verdict raised, or None (wait on).
+    def take(self, waiter: Waiter) -> Ticket | None:
+        """The waiter's turn: its ticket (with its slot) when ready, its verdict raised, or None (wait on).
         Raises ``ondemand_queue_timeout`` once its deadline has passed."""
         if waiter.verdict is not None:
             raise waiter.verdict
@@ -315,7 +340,7 @@ class Slots:
             rec = self._record(waiter.dep_id)
             if not rec.drains:
                 self._check_limit(dep, rec)  # it waited for a start, not for a slot: over the limit, 429 too
-                return self._grant(waiter.dep_id, rec)
+                return self._grant(dep, rec)
         now = self.clock()
         if now >= waiter.deadline:
             waited = now - waiter.arrival
