@@ -85,19 +85,20 @@ def litellm_env() -> dict[str, str]:
 
 
 class GatewaySpy:
-    """Every request that reached the gateway's key check: method, path, headers."""
+    """Every request that reached the gateway (past the peer guard): method, path, headers."""
 
     def __init__(self, server):
         self.hits: list[dict] = []
         gateway = server.app[app_mod.GATEWAY]
-        original = gateway._check_key
+        handle = gateway.handle
 
-        def check_key(request, *rest):
-            self.hits.append({"method": request.method, "path": request.path,
-                              "headers": {k.lower(): v for k, v in request.headers.items()}})
-            return original(request, *rest)
+        async def spied(call):
+            self.hits.append({"method": call.method, "path": call.path,
+                              "headers": {k.lower(): v for k, v in call.headers.items()}})
+            await handle(call)
 
-        gateway._check_key = check_key  # the instance's attribute: ondemand/ is not touched
+        # The instance's attribute (the gateway's route looks it up per request): ondemand/ is not touched.
+        gateway.handle = spied
 
     def to(self, server, dep_id: int, route: str = "chat/completions", *, health: bool | None = None) -> list[dict]:
         path = server.gw(dep_id, route).split("://", 1)[1].split("/", 1)[1]
