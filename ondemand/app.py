@@ -221,12 +221,22 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
     cfg = app[CONFIG]
     backend = backend or make_backend(cfg)
     box = dataclasses.replace(Box.from_config(cfg), backend=backend.kind)  # a test's backend may be another kind
+    # The engines' pools: the gateway forwards on them, and every call of ondemand's own to an
+    # engine (the deployer's, the sampler's) is made by them too, on connections of its own.
+    upstreams = Upstreams()
+
+    def forget_removed(e: DeploymentChanged) -> None:
+        # Removed, or put to sleep: its idle connections to the engine are closed (asleep it may
+        # sleep for hours; the wake's first request opens new ones).
+        if e.removed or e.new_state is State.ASLEEP:
+            upstreams.forget(e.dep_id)
+    app[BUS].subscribe(DeploymentChanged, forget_removed)
     deployer = Deployer(app[STORE], backend, Budget.from_config(cfg), publish=app[BUS].publish,
                         start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s,
-                        wake_timeout_s=cfg.deployer.wake_timeout_s, box=box)
+                        wake_timeout_s=cfg.deployer.wake_timeout_s, box=box, upstreams=upstreams)
     app[DEPLOYER] = deployer
     app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in((State.READY, State.ASLEEP)),
-                                  interval_s=cfg.metrics_interval_s)
+                                  interval_s=cfg.metrics_interval_s, client=deployer.client)
     footprints = app[FOOTPRINTS] = FootprintSampler(deployer, deployer.budget, interval_s=cfg.metrics_interval_s)
 
     def measure_when_ready(e: DeploymentChanged) -> None:
@@ -244,6 +254,7 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
     await deployer.close(stop_engines=deployer.backend.kind == "process")
     await watch.close()
     await app[SAMPLER].close()
+    await upstreams.close()
 
 
 async def _control(app: web.Application) -> AsyncIterator[None]:
@@ -302,21 +313,13 @@ async def _gateway(app: web.Application) -> AsyncIterator[None]:
     limiter = FailureLimiter()
     bus.subscribe(KeyRotated, lambda e: limiter.clear())  # failed-attempt counts cleared at rotation
     watcher.current()
-    upstreams = Upstreams()
-
-    def forget_removed(e: DeploymentChanged) -> None:
-        # Removed, or put to sleep: its idle connections to the engine are closed (asleep it may
-        # sleep for hours; the wake's first request opens new ones).
-        if e.removed or e.new_state is State.ASLEEP:
-            upstreams.forget(e.dep_id)
-    bus.subscribe(DeploymentChanged, forget_removed)
     app[GATEWAY] = Gateway(controller=app[ADMISSION], keys=watcher,
-                           limiter=limiter, upstreams=upstreams, base_path=cfg.base_path, finished=_finished(app),
+                           limiter=limiter, upstreams=app[DEPLOYER].client.upstreams, base_path=cfg.base_path,
+                           finished=_finished(app),
                            start_eta=app[WATCH].notice_eta_s, start_phase=app[WATCH].notice_phase,
                            queue_place=app[CONTROLLER].queue_place,
                            max_body=app[LIMITS].gateway_max_body, body_timeout_s=app[LIMITS].body_timeout_s)
     yield
-    await upstreams.close()
 
 
 def _litellm_client(cfg: Config) -> LiteLLMClient | None:

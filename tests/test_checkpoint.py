@@ -196,7 +196,8 @@ async def test_the_deployer_reads_checkpoints_in_a_thread_not_on_the_event_loop(
         assert edited.booking.max_model_len is None
         assert edited.footprint_gib == pytest.approx(expected_gib(16 * GIB, 8192), abs=0.001)
         dry = await d.book(Deployment.from_row({**fields, "name": "n", "id": 0}))
-        assert dry.memory_source == "checkpoint" and 0 not in d._booked  # a dry run keeps nothing
+        assert dry.memory_source == "checkpoint" and d.unit(0) is None  # a dry run keeps nothing
+        assert d.unit(dep.id).booked is not None  # the deployment's read is kept, for its next step
         n = len(threads)
         assert d.with_booking(edited) == edited and len(threads) == n  # the step without an await reads nothing
     await store.insert_deployment({**fields, "name": "away", "model": "org/not-here"})

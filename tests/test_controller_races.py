@@ -92,7 +92,7 @@ async def test_states_that_wait_without_starting(tmp_path, store, how):
             await env.deployer.update(a, pending_mode="always_on")
         elif how == "stopping":
             await env.start(a)
-            env.deployer._replace(a, state=State.STOPPING)  # as mid-stop
+            env.deployer.amend(a, state=State.STOPPING)  # as mid-stop
         waiter = asyncio.ensure_future(env.acquire(a))
         await asyncio.sleep(0.3)  # a window in which nothing may start it
         assert not waiter.done()

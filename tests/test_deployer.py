@@ -1,5 +1,6 @@
 import asyncio
 import contextlib
+import json
 import os
 
 import pytest
@@ -20,7 +21,7 @@ async def test_start_ready_stop(tmp_path, store):
         assert d.get(dep.id).state == "ready"
         url = d.base_url(dep.id)
         assert url.startswith("http://127.0.0.1:")
-        proc = d._engines[dep.id].ref
+        proc = d.engine(dep.id).ref
         assert await d.stop(dep.id, actor="admin")
         assert d.get(dep.id).state == "stopped"
         assert proc.returncode is not None  # the process is gone
@@ -69,7 +70,7 @@ async def test_watchdog_engine_exit_while_ready_is_failed(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
         await d.restart(dep.id)
-        os.killpg(d._engines[dep.id].ref.pid, 9)
+        os.killpg(d.engine(dep.id).ref.pid, 9)
         await wait_for(lambda: d.get(dep.id).state == "failed", what="failed")
         assert "exited" in d.get(dep.id).state_reason
         events = await store.events(dep.id)
@@ -87,7 +88,7 @@ async def test_watchdog_kills_an_engine_that_stops_answering_and_its_streams_end
                                 stop_timeout_s=30) as d:
         dep = await d.create(dep_fields("a", 4, "on_demand", "--token-delay", "0.05", "--tokens", "400"))
         await d.restart(dep.id)
-        engine = d._engines[dep.id]
+        engine = d.engine(dep.id)
         async with aiohttp.ClientSession() as http:
             body = {"model": "A", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
             async with http.post(engine.base_url + "/v1/chat/completions", json=body) as r:
@@ -112,7 +113,7 @@ async def test_watchdog_kills_an_engine_that_stops_answering_and_its_streams_end
 async def test_a_start_is_polled_quickly_and_holds_one_change_future(tmp_path, store):
     """Readiness is asked for every 20 ms at first, then every 50 ms; a long start keeps one
     future for the deployment's next change, not one per poll."""
-    from ondemand.engines.deployer import ready_poll_s
+    from ondemand.engines.unit import ready_poll_s
     assert ready_poll_s(0.0) == 0.02 and ready_poll_s(1.9) == 0.02 and ready_poll_s(2.0) == 0.05
     assert ready_poll_s(3600) == 0.05
     async with running_deployer(tmp_path, store) as d:
@@ -120,7 +121,7 @@ async def test_a_start_is_polled_quickly_and_holds_one_change_future(tmp_path, s
         await d.admit_start(dep.id)
         most = 0
         while d.get(dep.id).state == "starting":
-            most = max(most, len(d._changes.get(dep.id, [])))
+            most = max(most, d.unit(dep.id).listeners)
             await asyncio.sleep(0.05)
         assert d.get(dep.id).state == "ready" and most <= 2
 
@@ -203,7 +204,7 @@ async def test_stop_while_starting_interrupts_waiters(tmp_path, store):
         dep = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "5"))
         await d.admit_start(dep.id)
         waiter = asyncio.ensure_future(d.wait_started(dep.id))
-        await wait_for(lambda: dep.id in d._engines, what="engine started")
+        await wait_for(lambda: d.engine(dep.id) is not None, what="engine started")
         await d.stop(dep.id)
         with pytest.raises(StartInterrupted):
             await waiter
@@ -216,8 +217,8 @@ async def test_starts_pass_the_gate_one_at_a_time(tmp_path, store):
         b = await d.create(dep_fields("b", 10, "on_demand", "--startup-delay", "0.5"))
         await d.admit_start(a.id)
         await d.admit_start(b.id)
-        await wait_for(lambda: a.id in d._engines, what="a's engine started")
-        assert b.id not in d._engines and b.id not in d._gated  # b waits at the gate
+        await wait_for(lambda: d.engine(a.id) is not None, what="a's engine started")
+        assert d.engine(b.id) is None and not d.unit(b.id).gated  # b waits at the gate
         await d.wait_started(a.id)
         await d.wait_started(b.id)
         # stop while waiting at the gate cancels nothing half-way
@@ -227,7 +228,7 @@ async def test_starts_pass_the_gate_one_at_a_time(tmp_path, store):
         await d.admit_start(c.id)
         await d.admit_start(e.id)
         await d.stop(e.id)
-        assert d.get(e.id).state == "stopped" and e.id not in d._engines
+        assert d.get(e.id).state == "stopped" and d.engine(e.id) is None
         await d.wait_started(c.id)
 
 
@@ -243,7 +244,7 @@ async def test_starts_on_other_gpus_do_not_wait_for_each_other(tmp_path, store):
         await d.admit_start(a.id)
         await d.admit_start(b.id)
         assert (d.get(a.id).gpus, d.get(b.id).gpus) == ((0,), (1,))
-        await wait_for(lambda: a.id in d._engines and b.id in d._engines, what="both engines started together")
+        await wait_for(lambda: d.engine(a.id) is not None and d.engine(b.id) is not None, what="both engines started together")
         assert d.get(a.id).state == d.get(b.id).state == "starting"
         await d.wait_started(a.id)
         await d.wait_started(b.id)
@@ -255,8 +256,8 @@ async def test_starts_on_other_gpus_do_not_wait_for_each_other(tmp_path, store):
         await d.admit_start(c.id)
         await d.admit_start(e.id)
         await d.admit_start(cpu.id)
-        await wait_for(lambda: c.id in d._engines, what="c's engine started")
-        assert e.id not in d._engines  # same GPU: waits at its gate
+        await wait_for(lambda: d.engine(c.id) is not None, what="c's engine started")
+        assert d.engine(e.id) is None  # same GPU: waits at its gate
         await d.wait_started(cpu.id)  # no GPU: no gate, ready while c still loads
         assert d.get(c.id).state == "starting"
         await d.wait_started(c.id)
@@ -281,7 +282,7 @@ async def test_remove_stops_and_forgets(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
         await d.restart(dep.id)
-        proc = d._engines[dep.id].ref
+        proc = d.engine(dep.id).ref
         await d.remove(dep.id)
         assert d.get(dep.id) is None and await store.deployment(dep.id) is None
         assert proc.returncode is not None
@@ -291,9 +292,8 @@ async def test_restart_of_ondemand_kills_orphans_and_marks_stopped(tmp_path, sto
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
         await d.restart(dep.id)
-        pid = d._engines[dep.id].ref.pid
-        d.tasks._tasks.clear()  # as if ondemand died: nothing stops the engine
-        d._engines.clear()
+        pid = d.engine(dep.id).ref.pid
+        _as_if_ondemand_died(d)
     os.kill(pid, 0)  # still running
     async with running_deployer(tmp_path, store) as d2:
         assert d2.get(dep.id).state == "stopped"
@@ -322,7 +322,7 @@ async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
         await d.restart(a)
         await d.restart(b)
         assert await d.stop(a, actor="admin")
-        os.killpg(d._engines[b].ref.pid, 9)  # b's engine dies while it serves
+        os.killpg(d.engine(b).ref.pid, 9)  # b's engine dies while it serves
         # Wait for the failure's change to be published, not just marked: a change carries the
         # deployment as it is when published, so a restart between the two would show as starting.
         await wait_for(lambda: any(c[2] is StopCause.FAILED for c in seen))
@@ -338,7 +338,8 @@ async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
 def _as_if_ondemand_died(d) -> None:
     """Nothing stops the engines: the next ondemand finds them (the process backend kills them)."""
     d.tasks._tasks.clear()
-    d._engines.clear()
+    for unit in d.units():
+        unit.engine = None
 
 
 async def test_always_on_engines_lost_with_ondemand_start_again_and_a_stop_stays_a_stop(tmp_path, store):
@@ -367,7 +368,7 @@ async def test_always_on_engines_lost_with_ondemand_start_again_and_a_stop_stays
             assert (d.get(a).state, d.get(a).mode, d.get(a).pending_mode) == ("ready", "always_on", None)
             assert d.get(b).state == "stopped" and d.get(c).state == "stopped"
             if restart == "after a clean shutdown":
-                abandoned = d._engines[a].ref  # the "dead" ondemand's child process
+                abandoned = d.engine(a).ref  # the "dead" ondemand's child process
                 pid = abandoned.pid
                 _as_if_ondemand_died(d)
         if restart == "after a clean shutdown":
@@ -476,7 +477,7 @@ async def test_an_admin_stop_while_the_owed_start_reads_the_budget_cancels_it(tm
         await asyncio.gather(*tasks)
         now = d.get(i)
         assert (now.state, now.mode, now.pending_mode) == ("stopped", "always_on", None)
-        assert i not in d._engines and d._starts.get(i) is None
+        assert d.engine(i) is None and d.unit(i).task is None
     row = await store.deployment(i)
     assert (row["state"], row["pending_mode"]) == ("stopped", None)
     async with running_deployer(tmp_path, store) as d:
@@ -557,8 +558,9 @@ async def test_a_sleeper_outlives_a_crash_of_ondemand_and_is_woken_not_orphaned(
             await d.close(stop_engines=False)  # as a crash leaves docker engines: running
 
     async def sleeping(d, dep_id) -> bool:
-        async with d.http.get(d.base_url(dep_id) + "/is_sleeping") as r:
-            return (await r.json())["is_sleeping"]
+        status, body = await d.client.call(dep_id, d.base_url(dep_id), "GET", "/is_sleeping", timeout=5)
+        assert status == 200
+        return json.loads(body)["is_sleeping"]
 
     sim = ["python3", "-m", "ondemand", "sim-engine", "--host", "127.0.0.1", "--port", "8000", "--model", "A"]
     async with double:

@@ -275,7 +275,7 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
         await d1.load()
         dep = await d1.create({**fields, "state": "stopped"})
         await d1.restart(dep.id)
-        first = d1._engines[dep.id].ref
+        first = d1.engine(dep.id).ref
         assert d1.get(dep.id).state == "ready"
         await d1.close(stop_engines=False)  # ondemand goes away; the container stays
 
@@ -283,7 +283,7 @@ async def test_deployer_with_docker_starts_and_adopts_after_a_restart(docker_env
         await d2.load()
         try:
             assert d2.get(dep.id).state == "ready"
-            assert d2._engines[dep.id].ref == first and d2._engines[dep.id].adopted
+            assert d2.engine(dep.id).ref == first and d2.engine(dep.id).adopted
             assert await answers(d2.base_url(dep.id)) == 200
             assert containers_named(f"ondemand-{row.name}") == [first]
             await d2.remove(dep.id)

@@ -474,6 +474,85 @@ async def test_forget_and_close(ups):
         await wait_for(lambda: eng.open == 0, what="every connection closed")
 
 
+async def test_a_call_of_ondemands_own_reads_the_whole_answer_within_its_timeout(ups):
+    """``Upstreams.call`` (the deployer's and the sampler's calls): the answer read whole, however
+    big (past the body's high-water mark, which pauses reading until it is read); a JSON body sent
+    with its length; a call the engine does not answer ends at its timeout, its connection closed."""
+    big = b"x" * (600 * 1024)
+
+    async def answer(req, writer):
+        if req["target"] == "/stall":
+            await asyncio.sleep(30)
+        await ok_answer(req, writer, body=big if req["target"] == "/metrics" else req["body"])
+    async with Engine(answer) as eng:
+        assert await ups.call(1, eng.url, "GET", "/metrics", timeout=5) == (200, big)
+        assert await ups.call(1, eng.url, "POST", "/sleep?level=1", body=b'{"a": 1}', lines=JSON,
+                              timeout=5) == (200, b'{"a": 1}')
+        sent = eng.requests[-1]
+        assert sent["target"] == "/sleep?level=1" and ("Content-Length", "8") in sent["headers"]
+        assert eng.accepted == 1  # one keep-alive connection served both
+        with pytest.raises(asyncio.TimeoutError):
+            await ups.call(1, eng.url, "GET", "/stall", timeout=0.2)
+        calls = ups._calls[1]
+        await wait_for(lambda: not calls.conns and calls.size == 0, what="the timed-out call's connection closed")
+
+
+async def test_a_call_never_waits_behind_the_traffic_and_forget_closes_both_pools():
+    """ondemand's own calls have pools of their own: with every traffic connection busy (a long
+    generation each), the watchdog's probe still answers at once; ``forget`` (removed, asleep)
+    closes both."""
+    hold = asyncio.Event()
+
+    async def answer(req, writer):
+        if req["target"] != "/health":
+            await hold.wait()
+        await ok_answer(req, writer)
+    ups = Upstreams(limit=1)
+    try:
+        async with Engine(answer) as eng:
+            busy = asyncio.ensure_future(fetch(ups, eng.url))
+            await wait_for(lambda: len(eng.requests) == 1, what="the traffic's one connection busy")
+            assert (await ups.call(1, eng.url, "GET", "/health", timeout=1))[0] == 200
+            assert eng.accepted == 2 and pool(ups).size == 1 and not busy.done()
+            hold.set()
+            await busy
+            ups.forget(1)
+            await wait_for(lambda: eng.open == 0, what="both pools' connections closed")
+    finally:
+        await ups.close()
+
+
+async def test_the_engine_client_says_what_failed():
+    """``engines/client.py`` on those calls: an unreachable engine is not answering (the probe),
+    not yet serving (readiness), a CallFailed with no status (a sleep call); an answer other
+    than 200 is a CallFailed with its status and text."""
+    from ondemand.engines.backends import Engine as Handle
+    from ondemand.engines.client import CallFailed, EngineClient
+
+    async def answer(req, writer):
+        if req["target"] == "/v1/models":
+            await ok_answer(req, writer, body=b'{"data": [{"id": "A"}]}')
+        else:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 7\r\n\r\nloading")
+            await writer.drain()
+    ups = Upstreams()
+    client = EngineClient(ups, probe_timeout_s=1)
+    try:
+        async with Engine(answer) as eng:
+            up, down = Handle(1, "a", eng.url), Handle(2, "b", "http://127.0.0.1:1")
+            assert await client.served_names(up, checks_name=True) == ["A"]
+            assert not await client.answers(up, "/health")  # 503
+            with pytest.raises(CallFailed, match="answered 503: loading") as exc:
+                await client.post(up, "/sleep")
+            assert exc.value.status == 503
+            assert not await client.answers(down) and await client.served_names(down, checks_name=True) is None
+            with pytest.raises(CallFailed) as exc:
+                await client.post(down, "/sleep")
+            assert exc.value.status == 0
+    finally:
+        await ups.close()
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_race_cancelled_requests_leak_nothing(seed):
     """Requests cancelled at random moments (waiting for a connection, connecting, waiting for
@@ -609,7 +688,7 @@ async def gateway_to(tmp_path, engine):
         # started as a stand-in that is ready at once (the simulator's start is most of a test)
         a = await server.add("a", command=["python", str(FAKES / "ready_engine.py"), "{port}"])
         await server.deployer.restart(a)
-        server.deployer._engines[a].base_url = engine.url
+        server.deployer.engine(a).base_url = engine.url
         async with aiohttp.ClientSession() as http:
             yield server, http, server.gw(a, "chat/completions"), a
 

@@ -323,9 +323,9 @@ async def test_queue_full(server, http):
 async def test_upstream_unreachable_is_502(server, http):
     a = await server.add("a")
     await server.deployer.restart(a)
-    proc = server.deployer._engines[a].ref
+    proc = server.deployer.engine(a).ref
     os.killpg(proc.pid, 19)  # frozen: accepts nothing new ... then gone
-    server.deployer._engines[a].base_url = "http://127.0.0.1:1"
+    server.deployer.engine(a).base_url = "http://127.0.0.1:1"
     try:
         async with http.post(server.gw(a, "chat/completions"), json=CHAT, headers=server.auth()) as r:
             assert await err(r) == (502, "ondemand_upstream_error")

@@ -60,9 +60,22 @@ ALLOWED = {
     "control.starts": {"model", "state.store", "tasks"},
     # engines/: the deployer and how engines run.
     "engines": set(),
-    # (control.budget: the start gate's fit check, the one import against the flow; see BACKWARD.)
-    "engines.deployer": {"control.budget", "engines.backends", "engines.recipes", "engines.startwatch", "engines.warmth",
-                         "errors", "events", "model", "state.store", "tasks"},
+    # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the
+    # watchdog). (control.budget: the start gate's fit check, and what a sleeper still holds; the
+    # one import against the flow, see BACKWARD.)
+    "engines.deployer": {"control.budget", "engines.backends", "engines.client", "engines.recipes",
+                         "engines.registry", "engines.sleeper", "engines.startwatch", "engines.unit", "engines.warmth",
+                         "errors", "events", "http.pool", "model", "state.store", "tasks"},
+    # The units and the one writer of their rows (row + event + audit in one transaction); bookings.
+    "engines.registry": {"engines.backends", "engines.recipes", "engines.unit", "errors", "events", "model",
+                         "state.store"},
+    # One deployment: its engine, its start, wake, stop, exit and take-back; writes through its owner.
+    "engines.unit": {"engines.backends", "engines.client", "engines.recipes", "engines.sleeper", "engines.startwatch",
+                     "engines.warmth", "events", "model", "tasks"},
+    # The engine calls of a sleep and a wake, and the wake check, beside warmth's rules.
+    "engines.sleeper": {"engines.backends", "engines.client", "engines.recipes", "engines.warmth", "errors", "model"},
+    # The one client to the engines: the traffic's pools (http.pool).
+    "engines.client": {"engines.backends", "http.pool"},
     # Around a cold start: the compile cache, the weights read ahead, the phases in the engine's log.
     "engines.startwatch": {"config", "engines.backends", "engines.backends.logs", "engines.compile_cache", "engines.phases",
                            "engines.readahead", "engines.recipes", "events", "model", "tasks"},
@@ -77,7 +90,7 @@ ALLOWED = {
     # Reads a checkpoint's safetensors headers and config.json on this host: the standard library only.
     "engines.checkpoint": set(),
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
-    "engines.warmth": {"model"}, "engines.metrics": {"model"}, "engines.dockerapi": set(),
+    "engines.warmth": {"model"}, "engines.metrics": {"engines.client", "http.pool", "model"}, "engines.dockerapi": set(),
     # Adaptive warmth's decision core: a deployment's idle gaps and the plan they give (pure).
     "engines.rhythm": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
@@ -233,7 +246,7 @@ def test_packages_import_along_the_flow():
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.
-OVER_THE_CAP = {"engines/deployer.py": 1190}
+OVER_THE_CAP: dict[str, int] = {}
 
 
 def test_no_module_over_500_lines():

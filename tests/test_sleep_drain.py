@@ -133,9 +133,9 @@ async def test_an_admin_hang_up_once_the_sleep_began_leaves_the_sleep_to_finish(
 
     async def marked():
         await wait_for(lambda: server.state(i) == "asleep", what="the mark to asleep")
-        assert i in server.deployer._sleeping  # the engine's sleep call under way
+        assert server.deployer.unit(i).sleeping  # the engine's sleep call under way
     await hang_up_during(server, f"/deployments/{i}/sleep", b'{"level": 1}', marked)
-    await wait_for(lambda: i not in server.deployer._sleeping, timeout=5, what="the sleep call's end")
+    await wait_for(lambda: not server.deployer.unit(i).sleeping, timeout=5, what="the sleep call's end")
     await wait_for(lambda: server.deployer.get(i).host_gib is not None, what="the sleeper measured")
     assert server.state(i) == "asleep" and server.deployer.get(i).sleep_level == 1
     assert not server.controller.draining(i) and server.controller.inflight(i) == 0

@@ -96,17 +96,17 @@ async def test_the_host_memory_gauge_sums_what_the_asleep_engines_hold(server, h
     b = await server.add("b", 4)
     c = await server.add("c", 4)
     deployer = server.deployer
-    deployer._replace(a, state="asleep", sleep_level=1, host_gib=1.5)
-    deployer._replace(b, state="asleep", sleep_level=2, host_gib=0.25)
-    deployer._replace(c, state="starting", sleep_level=1, host_gib=7.0)  # waking: no longer asleep
+    deployer.amend(a, state="asleep", sleep_level=1, host_gib=1.5)
+    deployer.amend(b, state="asleep", sleep_level=2, host_gib=0.25)
+    deployer.amend(c, state="starting", sleep_level=1, host_gib=7.0)  # waking: no longer asleep
     m = await scrape(server, http)
     assert v(m, "ondemand_host_memory_asleep_bytes") == 1.75 * GIB
     assert v(m, "ondemand_deployment_state", deployment="a", state="asleep") == 1
-    deployer._replace(b, host_gib=None)  # not measured: nothing known, counted as nothing
+    deployer.amend(b, host_gib=None)  # not measured: nothing known, counted as nothing
     m = await scrape(server, http)
     assert v(m, "ondemand_host_memory_asleep_bytes") == 1.5 * GIB
     for dep_id in (a, b, c):
-        deployer._replace(dep_id, state="stopped", sleep_level=None, host_gib=None)
+        deployer.amend(dep_id, state="stopped", sleep_level=None, host_gib=None)
 
 
 async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(server, http):

@@ -7,6 +7,8 @@ give a sample (running, waiting, taken at). The controller asks
 ``idle(id)``: a sample under 60 s old with nothing running or waiting. A
 request that reached the engine some other way (an always-on client, a
 direct curl) therefore keeps an on-demand model from being stopped.
+
+It reads through the engine client (``client.py``), on the pools the gateway forwards on.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-
+from ..http.pool import Upstreams
 from ..model import Deployment, Mode
+from .client import CallFailed, EngineClient
 
 log = logging.getLogger("ondemand.engines.metrics")
 
@@ -76,17 +78,24 @@ def blind(dep: Deployment) -> bool:
             and "--metrics" not in (*dep.command, *dep.args))
 
 
+# How long one reading of an engine's /metrics may take.
+READ_TIMEOUT_S = 5.0
+
+
 class MetricsSampler:
     def __init__(self, targets: Callable[[], list[tuple[int, str]]], *, interval_s: float = 10.0,
-                 max_age_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
-        """``targets()`` lists (deployment id, engine base URL) of the ready engines."""
+                 max_age_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 client: EngineClient | None = None):
+        """``targets()`` lists (deployment id, engine base URL) of the ready engines. ``client``:
+        the deployer's engine client (the app's); without one, its own (closed with it)."""
         self._targets = targets
+        self._own_client = client is None
+        self._client = client or EngineClient(Upstreams())
         self.interval_s = interval_s
         self.max_age_s = max_age_s
         self._clock = clock
         self._samples: dict[int, Sample] = {}
         self._warned: set[int] = set()
-        self._session: aiohttp.ClientSession | None = None
 
     def sample(self, dep_id: int) -> Sample | None:
         return self._samples.get(dep_id)
@@ -101,8 +110,6 @@ class MetricsSampler:
         self._samples.pop(dep_id, None)
 
     async def sample_once(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         targets = self._targets()
         live = {dep_id for dep_id, _ in targets}
         for dep_id in list(self._samples):
@@ -112,9 +119,8 @@ class MetricsSampler:
 
     async def _read(self, dep_id: int, base_url: str) -> None:
         try:
-            async with self._session.get(base_url + "/metrics") as resp:  # type: ignore[union-attr]
-                text = await resp.text() if resp.status == 200 else ""
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            text = await self._client.metrics(dep_id, base_url, READ_TIMEOUT_S)
+        except CallFailed as exc:
             log.debug("metrics of deployment %d unreadable: %s", dep_id, exc)
             return
         parsed = parse(text)
@@ -137,9 +143,8 @@ class MetricsSampler:
             await asyncio.sleep(self.interval_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._own_client:
+            await self._client.upstreams.close()
 
     def as_dict(self, dep_id: int) -> dict[str, Any] | None:
         s = self._samples.get(dep_id)

@@ -22,6 +22,12 @@ a generation must not run twice. A connection closed with part of its request un
 engine comes back on a new address, the old pool is closed only when its last stream ends: a
 long generation must not be cut by a restart of a neighbour's engine on the same deployment id.
 
+ondemand's own calls to an engine (readiness, the watchdog's probe, the sleep API, the wake
+check, ``/metrics``) are made by the same client (:meth:`Upstreams.call`), each bounded by a
+timeout of its own, on pools of their own beside the traffic's (at most 8 connections an
+engine): a probe must never wait behind 256 long generations for a connection (the watchdog
+would fail a busy engine), and an engine put to sleep keeps no traffic connection open.
+
 No locks or shields: all of it runs on the event loop, and every await that a cancellation
 (the client hanging up) can interrupt closes the connection or gives its slot back; a
 connection or slot handed to a waiter that is cancelled in the same turn of the loop is passed
@@ -48,6 +54,7 @@ POOL_TIMEOUT = 60.0      # seconds to wait for a free connection when all are bu
 IDLE_MAX = 4.0           # seconds an idle connection is reused: below the 5 s keep-alive of uvicorn (vLLM)
                          # and of llama.cpp's server, so the engine hardly ever closes one we are about to use
 STALE_WINDOW = 1.0       # a reused connection closed within this of the request, with no answer, was stale
+CALLS_LIMIT = 8          # connections per engine for ondemand's own calls (probes, the sleep API, /metrics)
 
 
 class _Pool:
@@ -238,14 +245,18 @@ class Upstreams:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self._current: dict[int, _Pool] = {}
+        self._calls: dict[int, _Pool] = {}  # ondemand's own calls' pools
         self._retired: set[_Pool] = set()
 
     def open(self, dep_id: int, base_url: str) -> _Lease:
-        up = self._current.get(dep_id)
+        return self._lease(self._current, dep_id, base_url, self.limit)
+
+    def _lease(self, pools: dict[int, _Pool], dep_id: int, base_url: str, limit: int) -> _Lease:
+        up = pools.get(dep_id)
         if up is None or up.base_url != base_url:
             if up is not None:
                 self._retire(up)
-            up = self._current[dep_id] = _Pool(base_url, self.limit)
+            up = pools[dep_id] = _Pool(base_url, limit)
         up.streams += 1
         return _Lease(self, up)
 
@@ -262,15 +273,36 @@ class Upstreams:
             self._retired.discard(up)
             up.close()
 
+    async def call(self, dep_id: int, base_url: str, method: str, target: str, *, body: bytes | None = None,
+                   lines: bytes = b"", timeout: float | None = None) -> tuple[int, bytes]:
+        """One small exchange of ondemand's own with an engine, on its calls' pool, its answer
+        read whole: (status, body). ``timeout`` bounds all of it, the wait for a connection too
+        (None: nothing does; a sleep call may take minutes). Raises :class:`UpstreamError`,
+        :class:`PayloadError` or ``asyncio.TimeoutError``."""
+        lease = self._lease(self._calls, dep_id, base_url, CALLS_LIMIT)
+        try:
+            async with _timeout(timeout):
+                resp = await lease.request(method, target, lines, body)
+                try:
+                    # Read as it comes: a body past the high-water mark would pause a whole read.
+                    parts = [part async for part in resp.content.iter_any()]
+                finally:
+                    resp.release()
+        finally:
+            lease.end()
+        return resp.status, b"".join(parts)
+
     def forget(self, dep_id: int) -> None:
-        """The deployment was removed: close its pool once idle."""
-        up = self._current.pop(dep_id, None)
-        if up is not None:
-            self._retire(up)
+        """The deployment was removed (or put to sleep): close its pools once idle."""
+        for pools in (self._current, self._calls):
+            up = pools.pop(dep_id, None)
+            if up is not None:
+                self._retire(up)
 
     async def close(self) -> None:
-        ups = list(self._current.values()) + list(self._retired)
+        ups = [*self._current.values(), *self._calls.values(), *self._retired]
         self._current.clear()
+        self._calls.clear()
         self._retired.clear()
         for up in ups:
             up.close()

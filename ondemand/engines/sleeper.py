@@ -1,0 +1,122 @@
+"""The engine side of tiered warmth: the calls that put an engine to sleep and wake it, and the
+wake check.
+
+``warmth.py`` holds the rules (which level, which calls, in which order); this module makes the
+calls, through the engine client (``client.py``), and says what a level asked for comes to on
+this box. The deployer decides when, marks the state and writes what came of it.
+
+- A sleep is one call (``warmth.sleep_step``: vLLM ``/sleep?level=N``, SGLang
+  ``/release_memory_occupation``); one that fails is reported, and the deployer stops the engine
+  (its state is not known).
+- A wake is the calls of its level in the engines' order (``warmth.wake_steps``), then the wake
+  check: the greedy one-token completion recorded after the engine's cold start must come back
+  the same (torch_memory_saver #71: a wake can answer garbage). An engine with no check recorded
+  (not a completion model) must answer ``/health``. A failure is :class:`WakeFailed`, with
+  ``failed`` or ``mismatch``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from ..errors import DeployerError
+from ..model import Deployment
+from . import warmth
+from .backends import Engine
+from .client import CallFailed, EngineClient
+from .recipes import may_sleep
+
+log = logging.getLogger("ondemand.engines.sleeper")
+
+
+class WakeFailed(Exception):
+    """An engine call of the sleep API failed (a sleep's, read as its reason), or a wake did not
+    bring the engine back: a call failed or timed out (``failed``), or the wake check's answer
+    differed (``mismatch``)."""
+
+    def __init__(self, result: str, reason: str):
+        super().__init__(reason)
+        self.result = result
+
+
+def asked_level(dep: Deployment, level: int | None, per_gpu: bool) -> int:
+    """The level ``dep`` is to sleep at when ``level`` is asked (None: its idle level, else 1),
+    before the host reserve; raises DeployerError when its engine cannot sleep so."""
+    if not warmth.has_sleep_api(dep):
+        raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
+    if dep.model is not None and not may_sleep(dep, per_gpu):
+        # Its recipe left the sleep flags out (idle_action stop, or auto where a wake is not
+        # reliable): the engine would refuse, and a failed sleep stops it.
+        raise DeployerError(f"{dep.name} was started without the sleep flags (idle_action "
+                            f"{dep.idle_action}): set idle_action sleep or sleep2, or stop it instead")
+    want = level or warmth.idle_level(dep, per_gpu) or 1
+    deepest = warmth.deepest_level(dep, per_gpu)
+    if dep.engine == "sglang":
+        if level is not None and level != deepest:  # its start flags chose the level, not the call
+            raise DeployerError(f"{dep.name} sleeps at level {deepest} only: SGLang's level is set by its "
+                                "start flags (idle_action sleep: level 1, sleep2: level 2)")
+        want = deepest
+    if want not in warmth.LEVELS or want > deepest:
+        raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
+                            "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
+    return want
+
+
+class Sleeper:
+    """Makes the sleep API's calls and the wake check on the engine client."""
+
+    def __init__(self, client: EngineClient, wake_timeout_s: float = 300.0):
+        self.client = client
+        self.wake_timeout_s = wake_timeout_s  # a whole wake's calls; and the wake check's completion
+
+    async def call(self, engine: Engine, step: warmth.Step) -> None:
+        """One POST of the sleep API; raises WakeFailed unless it answers 200. No timeout of its
+        own: a level-1 sleep copies the weights to host memory (a wake is bounded as a whole)."""
+        path, query, body = step
+        try:
+            await self.client.post(engine, path, query=query, body=body)
+        except CallFailed as exc:
+            raise WakeFailed("failed", f"POST {path} {exc}" if exc.status else f"POST {path} failed: {exc}") from exc
+
+    async def sleep(self, engine: Engine, dep: Deployment, level: int) -> str | None:
+        """The engine's sleep call; why it failed, or None."""
+        try:
+            await self.call(engine, warmth.sleep_step(dep, level))
+        except WakeFailed as exc:
+            return str(exc)
+        return None
+
+    async def wake(self, engine: Engine, dep: Deployment, level: int) -> None:
+        """The engine calls that wake it from ``level``, in order, then the wake check; raises
+        WakeFailed. The caller bounds it (``wake_timeout_s``)."""
+        for step in warmth.wake_steps(dep, level):
+            await self.call(engine, step)
+        if dep.wake_check is None:
+            if not await self.client.answers(engine, "/health"):
+                raise WakeFailed("failed", "the engine does not answer /health after its wake")
+            return
+        try:
+            got = await self.completion(engine, dep)
+        except (CallFailed, ValueError) as exc:
+            raise WakeFailed("failed", f"the wake check's completion failed: {exc}") from exc
+        if got != dep.wake_check:
+            raise WakeFailed("mismatch", f"the wake check answered {got!r}, not {dep.wake_check!r} as after its "
+                                         "start: its weights did not come back whole")
+
+    async def completion(self, engine: Engine, dep: Deployment) -> str | None:
+        """The greedy one-token completion's text (None: not a completion); raises CallFailed
+        for no answer or one that is not 200, ValueError for one that is not JSON."""
+        data = await self.client.post(engine, "/v1/completions", body=warmth.check_body(dep),
+                                      timeout=self.wake_timeout_s)
+        return warmth.check_text(json.loads(data))
+
+    async def record_check(self, engine: Engine, dep: Deployment) -> str | None:
+        """The wake check's answer after a cold start, or None (not a completion model: an
+        embedding model's wakes are checked by /health only)."""
+        try:
+            return await self.completion(engine, dep)
+        except (CallFailed, ValueError, asyncio.TimeoutError) as exc:
+            log.info("%s: no wake check recorded (/v1/completions: %s); its wakes are checked by /health",
+                     dep.name, exc)
+            return None
