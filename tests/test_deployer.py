@@ -546,11 +546,16 @@ async def test_a_sleeper_outlives_a_crash_of_ondemand_and_is_woken_not_orphaned(
     double = DockerDouble()
     double.add_network(network, [("172.30.0.0/16", "172.30.0.1")])
     double.add_image(image, [])
+    # Host memory to spare for a level-1 sleep whatever this machine's (a small test box under a
+    # loaded suite has less than the 16 GiB reserve left, and the host reserve would make it a 2).
+    plenty = tmp_path / "meminfo"
+    plenty.write_text("MemTotal: 67108864 kB\nMemFree: 1000 kB\nMemAvailable: 62914560 kB\n")
 
     @contextlib.asynccontextmanager
     async def ondemand():
         backend = DockerBackend(docker_url=double.url, network=network, gpus=False, in_container=False)
-        d = Deployer(store, backend, Budget("static", 24), start_timeout_s=20, stop_timeout_s=5)
+        d = Deployer(store, backend, Budget("static", 24, meminfo_path=str(plenty)), start_timeout_s=20,
+                     stop_timeout_s=5)
         await d.load()
         try:
             yield d
