@@ -260,7 +260,7 @@ class LiteLLMSync:
                 statuses[dep_id] = _status("pending", "deployment_planned")
                 continue
             # A pending start to always on keeps the gateway entry, not a direct one: the switch's
-            # rule, reused for a start after ondemand's restart (deployer._owe_start) rather than a
+            # rule, reused for a start after ondemand's restart (the registry's owe_start) rather than a
             # second one, so both hold the name the same way.
             on_demand = ((dep.get("mode") or "always_on") == "on_demand" or dep.get("pending_mode") == "always_on") \
                 and dep.get("role") != "decision"
