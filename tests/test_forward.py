@@ -706,6 +706,18 @@ def gateway_requests(eng):
     return [r for r in eng.requests if r["target"].startswith("/v1/")]
 
 
+async def test_one_engine_client_for_the_gateway_the_deployer_and_the_sampler(tmp_path):
+    """The app builds one set of engine pools (issue 30): the gateway forwards on them, and the
+    deployer's and the metrics sampler's calls go through one client on them, the deployer's."""
+    from ondemand import app as app_mod
+    async with Engine() as eng, gateway_to(tmp_path, eng) as (server, http, url, a):
+        sampler = server.app[app_mod.SAMPLER]
+        assert server.deployer.client.upstreams is server.app[app_mod.GATEWAY].upstreams
+        assert sampler.client is server.deployer.client
+        await sampler.sample_once()
+        assert "/metrics" in [r["target"] for r in eng.requests]  # the sampler's read, at the engine it forwards to
+
+
 async def test_gateway_client_hang_up_mid_stream_closes_the_engine_connection(tmp_path):
     async def answer(req, writer):
         if await not_ours(req, writer):

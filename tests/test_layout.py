@@ -270,6 +270,20 @@ def test_aiodocker_is_used_in_dockerapi_only():
         assert "aiodocker" not in used, f"{path.relative_to(PKG)} imports aiodocker: use ondemand.engines.dockerapi"
 
 
+def test_the_engines_are_called_through_one_client():
+    """Every call of ondemand's own to an engine goes through engines/client.py, on http/pool.py's
+    pools, the ones the gateway forwards on (issue 30): no aiohttp in engines/ but for Docker's
+    API (dockerapi, and the docker backend's errors and timeouts)."""
+    for path in (PKG / "engines").rglob("*.py"):
+        name = path.relative_to(PKG).as_posix()
+        if name in ("engines/dockerapi.py", "engines/backends/docker.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        used = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        used |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "aiohttp" not in used, f"{name} imports aiohttp: call engines through engines.client"
+
+
 def test_only_the_composition_reads_the_environment():
     for path in PKG.rglob("*.py"):
         # config reads it once; the simulator (sim/) is a program of its own; the process

@@ -90,7 +90,7 @@ class MetricsSampler:
         the deployer's engine client (the app's); without one, its own (closed with it)."""
         self._targets = targets
         self._own_client = client is None
-        self._client = client or EngineClient(Upstreams())
+        self.client = client or EngineClient(Upstreams())
         self.interval_s = interval_s
         self.max_age_s = max_age_s
         self._clock = clock
@@ -119,7 +119,7 @@ class MetricsSampler:
 
     async def _read(self, dep_id: int, base_url: str) -> None:
         try:
-            text = await self._client.metrics(dep_id, base_url, READ_TIMEOUT_S)
+            text = await self.client.metrics(dep_id, base_url, READ_TIMEOUT_S)
         except CallFailed as exc:
             log.debug("metrics of deployment %d unreadable: %s", dep_id, exc)
             return
@@ -144,7 +144,7 @@ class MetricsSampler:
 
     async def close(self) -> None:
         if self._own_client:
-            await self._client.upstreams.close()
+            await self.client.upstreams.close()
 
     def as_dict(self, dep_id: int) -> dict[str, Any] | None:
         s = self._samples.get(dep_id)
