@@ -144,6 +144,8 @@ ALLOWED = {
     "cli.deploy": {"admin.client", "cli.shared", "cli.views", "engines.recipes", "model"},
     "cli.warmth": {"cli.deploy", "cli.shared", "cli.views"},
     "cli.keys": {"cli.shared", "config", "gateway.keys"},
+    "cli.replay": {"cli.shared", "config", "control.budget", "errors", "replay.deployments", "replay.page",
+                   "replay.report", "replay.run", "replay.trace", "replay.types"},
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
     "replay": set(), "replay.types": {"model"}, "replay.trace": {"replay.types"},

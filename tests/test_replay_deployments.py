@@ -95,12 +95,14 @@ def test_a_file_without_tables_or_not_there(tmp_path):
 
 
 def test_a_deployment_that_cannot_fit_on_the_box_at_all_is_named(tmp_path):
-    deps = from_file(write(tmp_path, GOOD), BOX)
-    check_fits(deps, BOX, "deps.toml")  # 4 x 60 GiB on 4 x 80: it fits
+    path = write(tmp_path, GOOD)
+    deps = from_file(path, BOX)
+    check_fits(deps, BOX, str)  # 4 x 60 GiB on 4 x 80: it fits
     small_box = Box(gpus=(80.0, 80.0, 40.0, 40.0), host_gib=512)
-    with pytest.raises(DeploymentError, match="deps.toml: deployment 'giant' cannot fit on this box at all: it "
-                                              "needs 4 GPUs with 60 GiB each, the box's GPUs offer 80, 80, 40, 40"):
-        check_fits(deps, small_box, "deps.toml")
+    with pytest.raises(DeploymentError) as e:
+        from_file(path, small_box)
+    assert str(e.value) == (f"{path}:9: deployment 'giant' cannot fit on this box at all: it needs 4 GPUs with "
+                            "60 GiB each, the box's GPUs offer 80, 80, 40, 40 GiB")
 
 
 def test_gpus_and_the_box_from_the_configuration(tmp_path):

@@ -11,12 +11,13 @@ the server is needed but not running.
 The commands by what they are about: ``serve`` (serve and its demo, migrate, the engine
 simulator), ``deploy`` (a deployment's add, set, list, show, rm, start, stop, logs),
 ``warmth`` (mode, sleep and wake), ``keys`` (the key and the LiteLLM sync), ``status``
-(status, audit, doctor); ``views`` renders a deployment's view, and ``shared`` holds the
-root group, its context, the exit codes, the admin calls and the output helpers.
+(status, audit, doctor), ``replay`` (a trace replayed under policies, in virtual time);
+``views`` renders a deployment's view, and ``shared`` holds the root group, its context, the
+exit codes, the admin calls and the output helpers.
 """
 from __future__ import annotations
 
-from . import deploy, keys, serve, status, warmth  # noqa: F401 (each adds its commands to the group)
+from . import deploy, keys, replay, serve, status, warmth  # noqa: F401 (each adds its commands to the group)
 from .shared import cli
 
 

@@ -160,6 +160,7 @@ def from_file(path: str, box: Box) -> list[Replayed]:
     for i, table in enumerate(tables):
         out.append(_one(path, lines, i, table, box))
     _check_unique(path, lines, out)
+    check_fits(out, box, lambda i: f"{path}:{lines.of(i)}")
     return out
 
 
@@ -214,11 +215,11 @@ def _check_unique(path: str, lines: _Lines, out: Sequence[Replayed]) -> None:
             seen[value] = i
 
 
-def check_fits(deps: Sequence[Replayed], box: Box, where: str) -> None:
+def check_fits(deps: Sequence[Replayed], box: Box, where: Callable[[int], str]) -> None:
     """Each deployment fits on the box when nothing else runs; raises DeploymentError naming the
-    first that cannot (``where``: the file it came from)."""
+    first that cannot (``where(i)``: where the i-th was read, ``FILE`` or ``FILE:LINE``)."""
     capacity = [max(0.0, g - box.reserve_gib) for g in box.gpus]
-    for r in deps:
+    for i, r in enumerate(deps):
         d = r.deployment
         count, allowed = placement.demand(d.gpu_count, d.gpu_ids, len(box.gpus), box.per_gpu)
         sizes = box.gpus if box.per_gpu else None
@@ -226,7 +227,7 @@ def check_fits(deps: Sequence[Replayed], box: Box, where: str) -> None:
             need = (f"{count} GPUs with {placement.share(d.footprint_gib, count):g} GiB each" if count > 1
                     else f"{d.footprint_gib:g} GiB")
             box_has = ", ".join(f"{g:g}" for g in capacity)
-            raise DeploymentError(f"{where}: deployment {d.name!r} cannot fit on this box at all: it needs "
+            raise DeploymentError(f"{where(i)}: deployment {d.name!r} cannot fit on this box at all: it needs "
                                   f"{need}, the box's GPUs offer {box_has} GiB")
 
 
@@ -264,6 +265,7 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
         out.append(Replayed(dep, costs))
     if not out:
         raise DeploymentError(f"{path}: the state file holds no deployment (give --deployments FILE)")
+    check_fits(out, box, lambda _i: path)
     return out
 
 

@@ -1,0 +1,165 @@
+"""replay: a trace of requests against this box's deployments under one or more policies, in
+virtual time (ondemand/replay/), and what each policy gives: a table on stdout, ``--json FILE``,
+``--html FILE``. Bad input stops it before it starts: one line on stderr, exit 2."""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import NoReturn, TextIO
+
+import click
+
+from .. import config as config_mod
+from ..control.budget import Budget
+from ..errors import BudgetError
+from ..replay import page, report
+from ..replay.deployments import DeploymentError, box_of, from_file, from_state, parse_gpus
+from ..replay.run import check_policy
+from ..replay.run import replay as run_replay
+from ..replay.trace import Trace, TraceError
+from ..replay.types import Box, Policy, Replayed
+from .shared import EXIT_FAILED, EXIT_USAGE, Ctx, _fail, _run, cli, pass_ctx
+
+
+def _bad(message: str) -> NoReturn:
+    """Bad input: the one line (``FILE:LINE: what is wrong``, a deployment's or a policy's name)."""
+    click.echo(message, err=True)
+    sys.exit(EXIT_USAGE)
+
+
+class Progress:
+    """A bar on stderr, drawn only on a terminal and once the replay has run ``delay_s``; redrawn
+    at most every ``every_s``, and wiped at the end (the table follows on stdout)."""
+    WIDTH = 30
+
+    def __init__(self, total: int, what: str, stream: TextIO | None = None, *, delay_s: float = 2.0,
+                 every_s: float = 0.1, clock: Callable[[], float] = time.monotonic):
+        self.total = max(total, 1)
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        self.delay_s = delay_s
+        self.every_s = every_s
+        self.clock = clock
+        self.began = clock()
+        self.drawn = -float("inf")
+        self.shown = 0  # the width of what is on the line
+
+    def __call__(self, done: int) -> None:
+        now = self.clock()
+        if now - self.began < self.delay_s or now - self.drawn < self.every_s or not self.stream.isatty():
+            return
+        self.drawn = now
+        filled = round(self.WIDTH * min(done, self.total) / self.total)
+        line = f"replaying [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done:,}/{self.total:,} {self.what}"
+        self.stream.write("\r" + line.ljust(self.shown))
+        self.stream.flush()
+        self.shown = len(line)
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.stream.flush()
+            self.shown = 0
+
+
+def _policies(given: tuple[str, ...]) -> list[Policy]:
+    out: list[Policy] = []
+    for text in given or ("current",):
+        try:
+            policy = Policy.parse(text)
+        except ValueError as exc:
+            _bad(str(exc))
+        if any(p.name == policy.name for p in out):
+            _bad(f"policy {policy.name!r} is given twice")
+        out.append(policy)
+    return out
+
+
+def _box(cfg: config_mod.Config, gpus: str | None, host_gib: float | None) -> Box:
+    """The box: --gpus, else the configuration's budget (measured when it measures); its host
+    memory: --host-gib, else this host's MemTotal."""
+    try:
+        declared = parse_gpus(gpus) if gpus else None
+    except ValueError as exc:
+        _bad(str(exc))
+    budget = Budget.from_config(cfg)
+    if host_gib is None:
+        try:
+            host_gib = budget.meminfo().total
+        except BudgetError as exc:
+            _bad(f"cannot read this host's memory ({exc}): give --host-gib G")
+    elif host_gib <= 0:
+        _bad(f"--host-gib {host_gib:g}: GiB above 0")
+    measured = None
+    if declared is None and cfg.budget.source != "static":
+        try:
+            measured = tuple(g.total for g in _run(budget.measure()) or ())
+        except BudgetError as exc:
+            _bad(f"the box's GPUs cannot be read ({exc}): give --gpus NxGIB")
+    try:
+        return box_of(cfg, host_gib, declared, measured)
+    except ValueError as exc:
+        _bad(str(exc))
+
+
+def _deployments(ctx: Ctx, path: str | None, box: Box) -> list[Replayed]:
+    try:
+        return from_file(path, box) if path else from_state(ctx.cfg.db_path, box)
+    except DeploymentError as exc:
+        _bad(str(exc))
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+
+
+@cli.command()
+@click.argument("trace_file", metavar="TRACE")
+@click.option("--deployments", "deployments_file", metavar="FILE",
+              help="a TOML file of [[deployment]] tables (default: the state file's deployments, read only)")
+@click.option("--policy", "policies", multiple=True, metavar="P",
+              help="current, always-on, ttl=S, sleep-ttl=S or fixed=S; repeatable (default: current)")
+@click.option("--gpus", metavar="NxGIB", help="the box's GPUs, e.g. 8x80 (default: the configuration's budget)")
+@click.option("--host-gib", type=float, metavar="G", help="the box's host memory (default: this host's)")
+@click.option("--slo-s", type=float, default=5.0, show_default=True, metavar="S",
+              help="a request meets the SLO when its TTFT is at most this")
+@click.option("--seed", type=int, default=0, show_default=True, help="for the model of rows that name none")
+@click.option("--json", "json_file", metavar="FILE", help="write the results as JSON")
+@click.option("--html", "html_file", metavar="FILE", help="write one self-contained page of charts")
+@pass_ctx
+def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tuple[str, ...], gpus: str | None,
+           host_gib: float | None, slo_s: float, seed: int, json_file: str | None, html_file: str | None) -> None:
+    """Replay TRACE (a CSV file, or the JSON access log) against the deployments under each
+    policy, in virtual time through ondemand's own decisions: who waited for what, for how
+    long, and what the box held. The state file is never written."""
+    parsed = _policies(policies)
+    if slo_s <= 0:
+        _bad(f"--slo-s {slo_s:g}: seconds above 0")
+    box = _box(ctx.cfg, gpus, host_gib)
+    for policy in parsed:
+        try:
+            check_policy(policy, box)
+        except ValueError as exc:
+            _bad(str(exc))
+    replayed = _deployments(ctx, deployments_file, box)
+    trace = Trace(trace_file, replayed, seed)
+    try:
+        summary = trace.check()
+    except TraceError as exc:
+        _bad(str(exc))
+    progress = Progress(summary.requests, f"requests x {len(parsed)} {'policy' if len(parsed) == 1 else 'policies'}")
+    try:
+        results = run_replay(trace, replayed, box, parsed, slo_s=slo_s, progress=progress)
+    finally:
+        progress.close()
+    click.echo(report.table(results, slo_s), nl=False)
+    if json_file:
+        _write(json_file, report.json_bytes(report.to_json(results, box, summary.requests, len(summary.models))))
+    if html_file:
+        title = f"ondemand replay: {trace_file}"
+        _write(html_file, page.document(title, [page.section(results, box, title=title, slo_s=slo_s)]).encode())

@@ -1,0 +1,174 @@
+"""``ondemand replay`` as an admin runs it: a real process, the files it reads and writes, the
+state file left as it was, and every bad input stopped before the replay with one line (exit 2)."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+from ondemand.cli.replay import Progress
+from ondemand.state.store import Store
+
+DEPLOYMENTS = """\
+[[deployment]]
+name = "a"
+served_name = "Org/A"
+memory_gib = 50
+weight = 3
+
+[[deployment]]
+name = "b"
+memory_gib = 50
+cold_start_s = 30
+"""
+TRACE = "timestamp,model,input_tokens,output_tokens\n" + "".join(
+    f"2023-11-16 18:{m:02d}:{s:02d}.5,{'Org/A' if (m + s) % 3 else 'b'},1000,{50 + s}\n"
+    for m in range(10) for s in range(0, 60, 20))
+POLICIES = ["--policy", "current", "--policy", "ttl=60", "--policy", "always-on"]
+
+
+def replay(*args: str, config: str | None = None, cwd=None) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "ondemand", *(["--config", config] if config else []), "replay", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONDEMAND_")}
+    return subprocess.run(argv, cwd=cwd or ROOT, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "deps.toml").write_text(DEPLOYMENTS)
+    (tmp_path / "trace.csv").write_text(TRACE)
+    return tmp_path
+
+
+def test_a_replay_prints_its_table_and_writes_its_json_and_page(inputs):
+    out = inputs / "out.json"
+    r = replay(str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80",
+               "--host-gib", "512", *POLICIES, "--json", str(out), "--html", str(inputs / "out.html"))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # no bar: stderr is not a terminal
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:3] == ["policy", "requests", "failed"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["current", "ttl=60", "always-on"]
+    doc = json.loads(out.read_text())
+    assert doc["trace"]["requests"] == 30 and doc["trace"]["models"] == 2 and doc["box"] == {"gpus": [80.0]}
+    assert list(doc["policies"]) == ["current", "ttl=60", "always-on"]
+    assert doc["policies"]["always-on"]["per_deployment"]["b"]["failed"] == 10  # 50 + 50 GiB on one 80 GiB GPU
+    assert doc["policies"]["current"]["cold_starts"] >= 2
+    html = (inputs / "out.html").read_text()
+    assert html.startswith("<!doctype html>") and html.count('aria-label="GPU 0"') == 3
+    again = inputs / "again.json"
+    replay(str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80",
+           "--host-gib", "512", *POLICIES, "--json", str(again))
+    assert again.read_bytes() == out.read_bytes()  # the same inputs, the same bytes
+
+
+def test_rows_without_a_model_follow_the_seed(inputs):
+    (inputs / "nomodel.csv").write_text("timestamp,input_tokens,output_tokens\n" +
+                                        "".join(f"{i * 7},100,10\n" for i in range(60)))
+    runs = [replay(str(inputs / "nomodel.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "2x80",
+                   "--host-gib", "512", "--seed", seed, "--json", str(inputs / f"{n}.json"))
+            for n, seed in enumerate(["1", "1", "2"])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    one, same, other = (json.loads((inputs / f"{n}.json").read_text()) for n in range(3))
+    assert one == same and one != other
+    assert one["policies"]["current"]["per_deployment"]["a"]["requests"] > 30  # weight 3 of 4
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--policy", "bogus"], "unknown policy 'bogus'"),
+    (["--policy", "adaptive"], "policy 'adaptive' arrives with adaptive warmth"),
+    (["--policy", "ttl=30"], "policy 'ttl=30': 30 s is below the box's min_idle_timeout_s (60 s)"),
+    (["--policy", "current", "--policy", "current"], "policy 'current' is given twice"),
+    (["--gpus", "eight"], "--gpus 'eight': how many GPUs and the GiB of each, as NxGIB (8x80)"),
+    (["--gpus", "1x40"], "deps.toml:1: deployment 'a' cannot fit on this box at all"),
+    (["--slo-s", "0"], "--slo-s 0: seconds above 0"),
+])
+def test_bad_input_is_one_line_and_exit_2(inputs, args, says):
+    argv = [str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--host-gib", "512"]
+    if "--gpus" not in args:
+        argv += ["--gpus", "1x80"]
+    r = replay(*argv, *args)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+def test_bad_files_are_named_with_their_line(inputs):
+    (inputs / "bad.csv").write_text(TRACE + "2023-11-16 18:30:00,Org/C,10,10\n")
+    r = replay(str(inputs / "bad.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80",
+               "--host-gib", "512")
+    assert r.returncode == 2 and r.stderr == f"{inputs / 'bad.csv'}:32: model 'Org/C' is served by no deployment\n"
+    (inputs / "bad.toml").write_text(DEPLOYMENTS.replace("cold_start_s = 30", "cold_start_s = -1"))
+    r = replay(str(inputs / "trace.csv"), "--deployments", str(inputs / "bad.toml"), "--gpus", "1x80",
+               "--host-gib", "512")
+    assert r.returncode == 2 and r.stderr.startswith(f"{inputs / 'bad.toml'}:10: deployment 'b': cold_start_s: ")
+
+
+def test_without_gpus_a_measured_budget_must_be_read(inputs):
+    """The default budget reads nvidia-smi: without it (and without --gpus) the box is not known."""
+    (inputs / "smi.toml").write_text('[budget]\nnvidia_smi = "/nonexistent/nvidia-smi"\n')
+    r = replay(str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--host-gib", "512",
+               config=str(inputs / "smi.toml"))
+    assert r.returncode == 2 and "give --gpus NxGIB" in r.stderr and r.stderr.count("\n") == 1
+
+
+async def _state_file(state_dir) -> None:
+    store = await Store.open(state_dir / "ondemand.db")
+    try:
+        for name in ("a", "b"):
+            await store.insert_deployment(dict(name=name, served_name=name.upper(), engine="vllm",
+                                               model=f"org/{name}", memory_gib=50, gpu_count=1, mode="on_demand",
+                                               state="ready", role="model"))
+        await store.write_start(1, at=1.0, duration_s=20.0, kind="start", keep=20)
+    finally:
+        await store.close()
+
+
+def test_the_box_and_deployments_from_the_configuration_and_the_state_file(tmp_path):
+    """The configuration's static budget is the box; the state file's deployments are replayed,
+    with a's cold start from its history (20 s), and the state file is not written."""
+    state = tmp_path / "state"
+    asyncio.run(_state_file(state))
+    (tmp_path / "ondemand.toml").write_text(f'state_dir = "{state}"\n[budget]\nsource = "static"\n'
+                                            "gpu_capacity_gib = [80, 80]\n")
+    (tmp_path / "t.csv").write_text("timestamp,model,input_tokens,output_tokens\n0,A,1000,100\n1,B,1000,100\n")
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()}
+    r = replay(str(tmp_path / "t.csv"), "--host-gib", "512", "--json", str(tmp_path / "o.json"),
+               config=str(tmp_path / "ondemand.toml"))
+    assert r.returncode == 0, r.stderr
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in state.iterdir()} == before
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["box"] == {"gpus": [80.0, 80.0]}
+    per = doc["policies"]["current"]["per_deployment"]
+    assert per["a"]["ttft_s"]["max"] == 20.2 and per["b"]["ttft_s"]["max"] == 60.2
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_shows_on_a_terminal_after_a_few_seconds_and_is_wiped():
+    now = [0.0]
+    term = Terminal()
+    bar = Progress(1000, "requests", term, clock=lambda: now[0])
+    bar(100)
+    assert term.getvalue() == ""  # too soon
+    now[0] = 2.5
+    bar(500)
+    assert term.getvalue().startswith("\rreplaying [###############...............] 500/1,000 requests")
+    now[0] = 2.55
+    bar(600)
+    assert "600" not in term.getvalue()  # redrawn at most every 0.1 s
+    bar.close()
+    assert term.getvalue().endswith("\r")
+    piped = io.StringIO()
+    quiet = Progress(1000, "requests", piped, clock=lambda: 10.0)
+    quiet(500)
+    assert piped.getvalue() == ""  # not a terminal: nothing
