@@ -153,7 +153,7 @@ ALLOWED = {
     "replay.clock": set(),
     "replay.world": {"control.budget", "control.controller", "control.placement", "engines.warmth", "errors", "model",
                      "replay.clock", "replay.types"},
-    "replay.flights": {"control.controller", "errors", "model", "replay.clock", "replay.types", "replay.world"},
+    "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types", "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
     "replay.run": {"control.controller", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
 }

@@ -147,8 +147,13 @@ def test_inside_a_busy_engine_requests_wait_their_turn():
 
 
 def test_max_inflight_refuses_at_once():
-    r = run([dep(1, "a", 40, max_inflight=1)], [req(0), req(0.1)], "always-on")
-    assert (r.total.served, r.total.failed) == (1, 1)
+    """One request at a time through the gateway: the second, while the first decodes 5000
+    tokens (100 s), is refused at once (429, counted failed); an always-on deployment's requests
+    take no slot, so its limit never refuses (the gateway's rule)."""
+    r = run([dep(1, "a", 40, max_inflight=1)], [req(0, tokens_out=5000), req(70)])
+    assert (r.total.served, r.total.failed, r.total.waited["ready"]) == (1, 1, 1)
+    r = run([dep(1, "a", 40, max_inflight=1)], [req(0, tokens_out=5000), req(70)], "always-on")
+    assert (r.total.served, r.total.failed) == (2, 0)
 
 
 def test_a_non_streamed_request_gets_its_first_token_with_its_last():

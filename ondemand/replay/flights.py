@@ -1,10 +1,11 @@
 """A replay's requests as the gateway's edge holds them, on the virtual clock.
 
-Each request arrives at its time and takes a slot at once when its deployment is ready
-(``Controller.try_take``); else it waits exactly as ``control/admission.py`` waits: ``join``,
+Each request arrives at its time and gets the controller's verdict as the gateway does
+(``Controller.admit``: a refusal, or a ticket, holding a slot when the deployment is on demand
+and ready); a ticket that waits then waits exactly as ``control/admission.py`` waits: ``join``,
 then ``take`` each time the controller wakes it (``notify``, heard one event later, as a task
-wakes) or its deadline passes, and ``leave`` once it has its slot or its verdict. With its slot
-it enters its engine; the slot is released when its last token is out.
+wakes) or its deadline passes, and ``leave`` once it has its ticket or its verdict. With its
+ticket it enters its engine; the ticket is released when its last token is out.
 
 Per request: its TTFT (arrival to first token at the client: the wait, then inside the engine,
 then the prefill; a request that does not stream gets its first token with its last), what it
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..control.controller import Controller, Slot, Waiter
+from ..control.controller import Controller, Waiter
+from ..control.ticket import Ticket, Want
 from ..errors import OndemandError
 from ..model import State
 from .clock import Timer, VirtualClock
@@ -28,7 +30,7 @@ RANK = {"ready": 0, "wake": 1, "cold": 2, "queue": 3}
 
 class Flight:
     """One request, from its arrival to its last token or its refusal (the world's ``Job``)."""
-    __slots__ = ("edge", "req", "dep_id", "arrival", "waiter", "timer", "poked", "waited", "queued", "slot",
+    __slots__ = ("edge", "req", "dep_id", "arrival", "waiter", "timer", "poked", "waited", "queued", "ticket",
                  "ttft", "done")
 
     def __init__(self, edge: Flights, req: Request, dep_id: int, arrival: float):
@@ -41,7 +43,7 @@ class Flight:
         self.poked = False
         self.waited = "ready"
         self.queued = False
-        self.slot: Slot | None = None
+        self.ticket: Ticket | None = None
         self.ttft = 0.0
         self.done = False
 
@@ -70,8 +72,8 @@ class Flight:
         self.ttft = (first_token if self.req.stream else end) - self.arrival
 
     def ended(self) -> None:
-        if self.slot is not None:
-            self.slot.release()
+        if self.ticket is not None:
+            self.ticket.release()
         self.edge.finished(self, served=True)
 
 
@@ -97,23 +99,23 @@ class Flights:
         self.open += 1
         ctl = self.controller
         try:
-            slot = ctl.try_take(f.dep_id)
-            if slot is None:
-                dep = self.world.deployment(f.dep_id)
-                if dep is not None and dep.state is not State.READY and (dep.on_demand or dep.state is State.ASLEEP):
+            ticket = ctl.admit(f.dep_id, Want.TRAFFIC)
+            if ticket.waits is not None:
+                dep = ticket.dep
+                if dep.state is not State.READY:
                     waking = dep.state is State.ASLEEP or (dep.state is State.STARTING and dep.sleep_level is not None)
                     f.wait_for("wake" if waking else "cold")
                 f.waiter = ctl.join(f.dep_id, arrival=f.arrival, notify=f.poke, on_queued=f.on_queued)
-        except OndemandError:  # over max_inflight, the queue full, planned, a start's backoff
+        except OndemandError:  # a refusal: over max_inflight, the queue full, planned, a start's backoff
             self.finished(f, served=False)
             return
-        if slot is not None:
-            self._serve(f, slot)
+        if ticket.waits is None:
+            self._serve(f, ticket)
         else:
             self.look(f)  # as admission takes right after joining
 
     def look(self, f: Flight) -> None:
-        """The waiter's turn (admission's loop): its slot, its verdict, or wait on."""
+        """The waiter's turn (admission's loop): its ticket, its verdict, or wait on."""
         f.poked = False
         if f.done or f.waiter is None:
             return
@@ -122,17 +124,17 @@ class Flights:
             f.timer = None
         ctl = self.controller
         try:
-            slot = ctl.take(f.waiter)
+            ticket = ctl.take(f.waiter)
         except OndemandError:  # a verdict, or its deadline passed
             self._leave(f)
             self.finished(f, served=False)
             return
-        if slot is None:
+        if ticket is None:
             f.timer = self.clock.call_later(ctl.next_wake(f.waiter) + 0.001, lambda: self.look(f))
             return
         self._leave(f)
         f.wait_for(self.world.ready_kind.get(f.dep_id, "cold"))
-        self._serve(f, slot)
+        self._serve(f, ticket)
 
     def _leave(self, f: Flight) -> None:
         if f.waiter is not None:
@@ -141,8 +143,8 @@ class Flights:
         if f.queued:
             self.queued(f, False)
 
-    def _serve(self, f: Flight, slot: Slot) -> None:
-        f.slot = slot
+    def _serve(self, f: Flight, ticket: Ticket) -> None:
+        f.ticket = ticket
         self.world.engines[f.dep_id].enter(f)
 
     def queued(self, f: Flight, now_queued: bool) -> None:
