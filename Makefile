@@ -128,6 +128,7 @@ bench: install
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_cold.py
 	$(PY) scripts/bench_wake.py
+	$(PY) scripts/bench_phases.py
 	$(PY) scripts/replay_bench.py --speed
 
 # The Azure LLM inference traces of 2023 (bench/traces/) over bench/box-mix.toml on a DGX H100, in
@@ -135,7 +136,6 @@ bench: install
 # its markers), the page into bench/replay.html. About 10 s of CPU.
 replay: install
 	$(PY) scripts/replay_bench.py
-	$(PY) scripts/bench_phases.py
 
 # A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
 # the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.

@@ -178,7 +178,11 @@ async def test_the_second_start_finds_the_firsts_compile_cache(tmp_path, monkeyp
                              "phases": timed[-1].phases, "answer": orjson.loads(raw)["choices"],
                              "log": last_run(server.cfg.state_dir / "logs" / f"{NAME}.log")})
                 await server.deployer.stop(d)
-                assert not _group_alive(pid), "a process of the engine survived its stop"
+                # The backend's stop waits for the API server (the group's leader); its engine core
+                # and worker, SIGTERMed with it, may take a moment longer. The next start must not
+                # share the machine with them.
+                await wait_for(lambda pid=pid: not _group_alive(pid), timeout=60, interval=0.1,
+                               what="every process of the stopped engine gone")
     finally:
         for pid in pids:  # never leave a vLLM behind, whatever failed
             with contextlib.suppress(ProcessLookupError, PermissionError):
