@@ -259,7 +259,8 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
 
 async def _control(app: web.Application) -> AsyncIterator[None]:
     cfg, bus, deployer = app[CONFIG], app[BUS], app[DEPLOYER]
-    effects = app[EFFECTS] = DeployerEffects(deployer, deployer.budget, app[SAMPLER], publish=bus.publish)
+    effects = app[EFFECTS] = DeployerEffects(deployer, deployer.budget, app[SAMPLER], publish=bus.publish,
+                                             starts=app[STARTS])
     controller = app[CONTROLLER] = Controller(
         effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
         max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
@@ -279,7 +280,8 @@ async def _observe(app: web.Application) -> AsyncIterator[None]:
     gpu = GpuMemory(deployer)
     gpu()  # the first reading, so that the first scrape has one
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
-                                           queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total)
+                                           queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total,
+                                           prewarms=controller.prewarms)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
     app[BUS].subscribe(Slept, telemetry.on_slept)
     app[BUS].subscribe(Woken, telemetry.on_woken)

@@ -61,6 +61,7 @@ class Effects:
         self.calls: list[tuple[Any, ...]] = []
         self.busy_engines: set[int] = set()
         self.controller: Controller | None = None
+        self.rest_costs: dict[str, float] = {"asleep_1": 1.0, "asleep_2": 6.0, "stopped": 60.0}
 
     # reads
     def deployment(self, dep_id: int) -> Deployment | None:
@@ -75,6 +76,9 @@ class Effects:
     def idle_level(self, dep: Deployment) -> int:
         return warmth.idle_level(dep, per_gpu=True)  # discrete GPUs: a vLLM recipe sleeps at level 1
 
+    def tiers(self, dep: Deployment) -> dict[str, float]:
+        return dict(self.rest_costs)  # what the test says the tiers cost (test_keepwarm sets them)
+
     # actions
     def admit(self, dep_id: int, *, text: str) -> None:
         assert self.controller is not None  # what the deployer would hold back, as of now
@@ -84,8 +88,12 @@ class Effects:
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         self.calls.append(("stop", dep_id, for_dep, text))
 
-    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        self.calls.append(("sleep", dep_id, for_dep, text))
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None, level: int | None = None) -> None:
+        self.calls.append(("sleep", dep_id, for_dep, text) if level is None else ("sleep", dep_id, for_dep, text, level))
+
+    def prewarm(self, dep_id: int, *, text: str) -> None:
+        assert self.controller is not None  # what the deployer would hold back, as of now
+        self.calls.append(("prewarm", dep_id, sum(self.controller.held_for_others(dep_id).values()), text))
 
     def settle(self, dep_id: int, within_s: float) -> None:
         self.calls.append(("settle", dep_id))

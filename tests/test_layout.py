@@ -37,11 +37,13 @@ ALLOWED = {
     "gateway.exchange": set(), "gateway.accesslog": {"gateway.exchange"},
     # control/: the decision core sees the world only through its Effects protocol.
     "control": set(),
-    "control.controller": {"control.eviction", "control.modes", "control.placement", "control.protocol",
-                           "control.record", "control.slots", "control.ticket", "control.verdicts", "errors",
-                           "model"},
+    "control.controller": {"control.eviction", "control.keepwarm", "control.modes", "control.placement",
+                           "control.protocol", "control.record", "control.slots", "control.ticket", "control.verdicts",
+                           "errors", "model"},
     "control.slots": {"control.protocol", "control.queue", "control.record", "control.ticket", "control.verdicts",
                       "engines.rhythm", "errors", "model"},
+    # Adaptive warmth in the core: each idle period's plan (engines.rhythm's), the pre-warm.
+    "control.keepwarm": {"control.record", "control.slots", "engines.rhythm", "engines.warmth", "model"},
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
     # its refusals, and the mode switch's plan.
     "control.record": {"control.protocol", "engines.rhythm", "errors"}, "control.protocol": {"model"},
@@ -52,8 +54,9 @@ ALLOWED = {
     "control.reaper": {"control.controller"},
     "control.admission": {"control.controller", "control.ticket", "control.verdicts", "engines.deployer", "errors",
                           "model"},
-    "control.effects": {"control.budget", "control.controller", "control.protocol", "engines.deployer", "engines.metrics",
-                        "engines.rhythm", "engines.warmth", "errors", "events", "model", "tasks"},
+    "control.effects": {"control.budget", "control.controller", "control.keepwarm", "control.protocol",
+                        "control.starts", "engines.deployer", "engines.metrics", "engines.rhythm", "engines.warmth",
+                        "errors", "events", "model", "tasks"},
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
     "control.footprint": {"control.budget", "engines.deployer", "model"},
@@ -151,9 +154,10 @@ ALLOWED = {
     "replay": set(), "replay.types": {"model"}, "replay.trace": {"replay.types"},
     "replay.deployments": {"config", "control.placement", "model", "replay.types", "state.store"},
     "replay.clock": set(),
-    "replay.world": {"control.budget", "control.controller", "control.placement", "engines.warmth", "errors", "model",
-                     "replay.clock", "replay.types"},
-    "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types", "replay.world"},
+    "replay.world": {"control.budget", "control.controller", "control.keepwarm", "control.placement", "engines.warmth",
+                     "errors", "model", "replay.clock", "replay.types"},
+    "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",
+                       "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
     "replay.run": {"control.controller", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
 }

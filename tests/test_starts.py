@@ -132,6 +132,25 @@ async def test_wakes_have_an_eta_of_their_own_which_an_asleep_notice_gives(store
     assert again.wake_eta_s(1) == 3.0 and again.eta_s(1) == 49.5
 
 
+async def test_a_wakes_eta_by_the_level_it_woke_from(store):
+    """Adaptive warmth's rest tiers cost what their wakes took: by level once a wake's level was
+    seen since ondemand started; the state file keeps no level, so until then all wakes'."""
+    h = StartHistory(store)
+    try:
+        for i, (level, took) in enumerate([(1, 0.5), (2, 8.0), (1, 0.7), (2, 12.0), (1, 0.6)]):
+            t = 100.0 * i
+            moves(h, (State.ASLEEP, t), (State.STARTING, t), (State.READY, t + took), sleep_level=level)
+        assert h.wake_eta_s(1, 1) == 0.6 and h.wake_eta_s(1, 2) == 10.0 and h.wake_eta_s(1) == 0.7
+        moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 1.0), sleep_level=1, id=2)
+        assert h.wake_eta_s(2, 1) == 1.0 and h.wake_eta_s(2, 2) is None  # never woken from level 2
+        await written(store, 1, 5)
+    finally:
+        await h.close()
+    again = StartHistory(store)
+    await again.load()
+    assert again.wake_eta_s(1, 1) == again.wake_eta_s(1, 2) == again.wake_eta_s(1) == 0.7
+
+
 async def test_the_state_file_keeps_a_bounded_history(store):
     for i in range(30):
         await store.write_start(7, at=float(i), duration_s=float(i), kind="start", keep=20)

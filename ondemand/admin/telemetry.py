@@ -17,7 +17,8 @@ one (the tests run several apps in one process). Four sources feed it:
   ``stopping`` carries the cause);
 - at scrape time only, a collector that reads the live state (in flight,
   queued, each deployment's state, GPU memory, the host memory asleep engines
-  hold): nothing is kept up to date on the forwarding path for them.
+  hold) and the controller's counters (429s, pre-warms' results): nothing is
+  kept up to date on the forwarding path for them.
 
 ``gpu_memory()`` gives ``(gpu index, capacity GiB, free GiB)`` per GPU and must
 not block; when it raises, the GPU samples are left out of that scrape.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -36,7 +37,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from ..events import DeploymentChanged, Slept, StartTimed, Woken
 from ..gateway.exchange import Exchange
-from ..model import Deployment, State
+from ..model import Deployment, KeepWarm, State
 
 log = logging.getLogger("ondemand.admin.telemetry")
 
@@ -64,12 +65,14 @@ class _Live:
     """The gauges that mirror live state, computed when scraped."""
 
     def __init__(self, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
-                 queued: Callable[[int], int], gpu_memory: GpuMemory, busy: Callable[[int], int]):
+                 queued: Callable[[int], int], gpu_memory: GpuMemory, busy: Callable[[int], int],
+                 prewarms: Callable[[int], Mapping[str, int]]):
         self._deployments = deployments
         self._inflight = inflight
         self._queued = queued
         self._gpu_memory = gpu_memory
         self._busy = busy
+        self._prewarms = prewarms
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily("ondemand_inflight", "Requests being answered by the engine, per deployment",
@@ -79,6 +82,9 @@ class _Live:
         # Kept by the controller, which refuses them: read here like the gauges.
         busy = CounterMetricFamily("ondemand_busy", "Requests refused 429 ondemand_busy: the deployment served "
                                    "its max_inflight already", labels=["deployment"])
+        prewarms = CounterMetricFamily("ondemand_prewarms", "Adaptive warmth's pre-warms that ended, by result: hit "
+                                       "(a request came while the pre-warmed engine was awake, or waking) or miss (it "
+                                       "went idle again unused)", labels=["deployment", "result"])
         state = GaugeMetricFamily("ondemand_deployment_state", "1 for the deployment's current state, else 0",
                                   labels=["deployment", "state"])
         host_asleep = 0.0
@@ -88,6 +94,10 @@ class _Live:
             inflight.add_metric([dep.name], self._inflight(dep.id))
             queued.add_metric([dep.name, dep.priority.value], self._queued(dep.id))
             busy.add_metric([dep.name], self._busy(dep.id))
+            results = self._prewarms(dep.id)
+            if dep.keep_warm is KeepWarm.ADAPTIVE or any(results.values()):
+                for result in ("hit", "miss"):
+                    prewarms.add_metric([dep.name, result], results.get(result, 0))
             for s in State:
                 state.add_metric([dep.name, s.value], 1.0 if dep.state is s else 0.0)
         capacity = GaugeMetricFamily("ondemand_gpu_memory_capacity_bytes", "Usable GPU memory",
@@ -105,13 +115,14 @@ class _Live:
         host = GaugeMetricFamily("ondemand_host_memory_asleep_bytes", "Host memory the asleep engines hold, "
                                  "as measured after their sleep (a level-1 sleeper's weights are there)",
                                  value=host_asleep * GIB)
-        return [inflight, queued, busy, state, capacity, free, host]
+        return [inflight, queued, busy, prewarms, state, capacity, free, host]
 
 
 class Telemetry:
     def __init__(self, *, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
                  queued: Callable[[int], int], gpu_memory: GpuMemory, clock: Callable[[], float] = time.monotonic,
-                 busy: Callable[[int], int] = lambda dep_id: 0):
+                 busy: Callable[[int], int] = lambda dep_id: 0,
+                 prewarms: Callable[[int], Mapping[str, int]] = lambda dep_id: {}):
         # No *_created series: they double the counters' series for a value nobody here reads.
         # (prometheus_client reads this switch when it writes a scrape; nothing else uses it.)
         disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client)
@@ -153,7 +164,7 @@ class Telemetry:
         self._health = Counter("ondemand_health_checks", "Health checks answered by the gateway, never forwarded",
                                ["deployment"], registry=r)
         self._syncs = Counter("ondemand_litellm_syncs", "LiteLLM syncs, by result", ["result"], registry=r)
-        r.register(_Live(deployments, inflight, queued, gpu_memory, busy))
+        r.register(_Live(deployments, inflight, queued, gpu_memory, busy, prewarms))
         # Label children by key: the forwarding path looks one up instead of building it.
         self._by_code: dict[tuple[str, int], Counter] = {}
         self._by_dep: dict[str, tuple[Histogram, Histogram]] = {}

@@ -49,11 +49,12 @@ from ..errors import InsufficientMemory
 from ..model import REQUEST_STARTABLE, Deployment, State
 from . import modes, verdicts
 from .eviction import Candidate, pick_victims
+from .keepwarm import AdaptiveWarmth
 from .modes import ModePlan
 from .placement import Fit, asleep_held, holdings
 from .protocol import Effects, Timer
 from .record import Attempt, Phase, Waiter
-from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
+from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S
 from .ticket import Ticket
 
 __all__ = ["ACTOR", "BACKOFF_FIRST_S", "BACKOFF_MAX_S", "Controller", "Effects", "ModePlan", "Phase", "Slot",
@@ -66,9 +67,10 @@ log = logging.getLogger("ondemand.control.controller")
 ACTOR = "ondemand"
 
 
-class Controller(Slots):
+class Controller(AdaptiveWarmth):
     """The decision core: the request side (``Slots``: records, slots, waiters, backoff,
-    counters) and, here, the start side: each deployment's attempt, make-room, what the
+    counters), adaptive warmth (``AdaptiveWarmth``: each idle period's plan, the pre-warm) and,
+    here, the start side: each deployment's attempt, make-room, what the
     deployer reports, the reaper's step, the mode switch and the shutdown."""
 
     # --- the attempt ----------------------------------------------------------------
@@ -361,6 +363,7 @@ class Controller(Slots):
                 rec.asleep_since = now
         else:
             rec.asleep_since = None
+        self._warmth_changed(dep, rec)
         if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
             self._start_ended(dep)
         self._advance_all()
@@ -405,7 +408,7 @@ class Controller(Slots):
         asked = []
         claimed = self._claimed()
         for dep in self.effects.deployments():
-            if dep.id in claimed or not self.is_idle(dep, now):
+            if dep.id in claimed or not self.is_idle(dep, now) or self._held_awake(dep, now):
                 continue
             minutes = round(self.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
             if dep.state is State.ASLEEP:
@@ -417,6 +420,8 @@ class Controller(Slots):
                     continue
                 self.effects.stop(dep.id, text=f"Stopped after {round(slept / 60, 2):g} min asleep "
                                                "(sleep_timeout_s)", for_dep=None)
+            elif self._rest_by_plan(dep, now):
+                pass  # adaptive warmth's plan chose its tier (keepwarm.py)
             elif self.effects.idle_level(dep) > 0:
                 self.effects.sleep(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
             else:
@@ -457,6 +462,8 @@ class Controller(Slots):
 
     def close(self) -> None:
         for rec in self._records.values():
+            if rec.adaptive is not None:
+                rec.adaptive.end()  # its pre-warm's timer
             if rec.publish_timer is not None:
                 rec.publish_timer.cancel()
                 rec.publish_timer = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..engines import rhythm, warmth
@@ -26,17 +26,21 @@ from ..model import Deployment
 from ..tasks import TaskGroup
 from .budget import Budget
 from .controller import ACTOR, Controller
+from .keepwarm import rest_levels, tier_costs
 from .protocol import Timer
+from .starts import StartHistory
 
 log = logging.getLogger("ondemand.control.effects")
 
 
 class DeployerEffects:
     def __init__(self, deployer: Deployer, budget: Budget, sampler: MetricsSampler, *,
-                 publish: Callable[[object], None], settle_poll_s: float = 0.05, reading_age_s: float = 0.2):
+                 publish: Callable[[object], None], settle_poll_s: float = 0.05, reading_age_s: float = 0.2,
+                 starts: StartHistory | None = None):
         self.deployer = deployer
         self.budget = budget
         self.sampler = sampler
+        self.starts = starts  # the measured wakes and cold starts: the rest tiers' costs
         self.publish = publish
         self.settle_poll_s = settle_poll_s
         # An admit may use a budget reading this recent (the settle's, just before it): one
@@ -70,6 +74,15 @@ class DeployerEffects:
     def idle_level(self, dep: Deployment) -> int:
         return warmth.idle_level(dep, self.budget.per_gpu)
 
+    def tiers(self, dep: Deployment) -> Mapping[str, float]:
+        """Its sleep levels as the deployer would take them now (``keepwarm.rest_levels``), and
+        stopped; the costs from the start history."""
+        levels = rest_levels(dep, self.budget.per_gpu, self.budget.host_available_gib(), self.budget.host_reserve_gib)
+        starts = self.starts
+        if starts is None:
+            return tier_costs(levels, lambda level: None, None)
+        return tier_costs(levels, lambda level: starts.wake_eta_s(dep.id, level), starts.eta_s(dep.id))
+
     # --- actions ------------------------------------------------------------------
 
     def admit(self, dep_id: int, *, text: str) -> None:
@@ -98,13 +111,36 @@ class DeployerEffects:
         else:
             ctl.on_admitted(dep_id, started)
 
+    def prewarm(self, dep_id: int, *, text: str) -> None:
+        self.tasks.spawn(self._prewarm(dep_id, text), f"prewarm {dep_id}")
+
+    async def _prewarm(self, dep_id: int, text: str) -> None:
+        """The deployer's start (or wake) with its fit check and no make-room: memory free now
+        or nothing; the queue's holds out of reach; ``prewarm_wanted`` asked as it marks."""
+        ctl = self.controller
+        started = False
+        try:
+            started = await self.deployer.admit_start(
+                dep_id, actor=ACTOR, audit="ondemand_prewarm", text=text,
+                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.prewarm_wanted(dep_id),
+                reading_age_s=self.reading_age_s)
+        except InsufficientMemory as exc:
+            log.info("no pre-warm of deployment %d: %s", dep_id, exc)
+        except (BudgetError, DeployerError) as exc:
+            log.warning("no pre-warm of deployment %d: %s", dep_id, exc)
+        except Exception:  # a defect of ours: no pre-warm, and the next request starts it as ever
+            log.exception("pre-warming deployment %d failed", dep_id)
+        finally:  # cancelled too (shutdown): reported, so the period never waits on it
+            ctl.on_prewarmed(dep_id, started)
+
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=False), f"stop {dep_id}")
 
-    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=True), f"sleep {dep_id}")
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None, level: int | None = None) -> None:
+        self.tasks.spawn(self._put_away(dep_id, text, for_dep, sleep=True, level=level), f"sleep {dep_id}")
 
-    async def _put_away(self, dep_id: int, text: str, for_dep: int | None, *, sleep: bool) -> None:
+    async def _put_away(self, dep_id: int, text: str, for_dep: int | None, *, sleep: bool,
+                        level: int | None = None) -> None:
         """Stop it, or put it to sleep (asleep, or stopped instead: the host reserve, a failed
         sleep call), if ``is_idle`` still approves it; reports ``on_stopped`` whatever happens."""
         ctl = self.controller
@@ -112,9 +148,9 @@ class DeployerEffects:
         cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
         try:
             if sleep:
-                level = await self.deployer.sleep(dep_id, None, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
+                slept = await self.deployer.sleep(dep_id, level, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
                                                   text=text, cause=cause, or_stop=True)
-                done = level is not None
+                done = slept is not None
             else:
                 done = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text,
                                                 cause=cause)

@@ -3,7 +3,7 @@ state, and actions that run in the background and report back through the contro
 ``on_*`` methods. The real one is ``effects.DeployerEffects``; the tests' is a recording fake."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..model import Deployment
@@ -27,6 +27,12 @@ class Effects(Protocol):
     def idle_level(self, dep: Deployment) -> int:
         """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
 
+    def tiers(self, dep: Deployment) -> Mapping[str, float]:
+        """The tiers ``dep``'s idle engine may rest in now (``engines.rhythm.TIERS``' names:
+        ``asleep_1`` and ``asleep_2`` as far as its engine, its ``idle_action`` and the host
+        reserve allow, and ``stopped``), each with its cost to come back in seconds (the median
+        of its measured wakes, or cold starts, else a default): adaptive warmth's plan."""
+
     def admit(self, dep_id: int, *, text: str) -> None:
         """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
         step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or
@@ -35,9 +41,20 @@ class Effects(Protocol):
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
 
-    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        """Put ``dep_id`` to sleep at its idle level if ``is_idle`` still approves it (the host
-        reserve may make it level 2, or a stop); reports ``on_stopped``."""
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None, level: int | None = None) -> None:
+        """Put ``dep_id`` to sleep at ``level`` (None: its idle level; adaptive warmth's plan
+        names one of ``tiers``') if ``is_idle`` still approves it (the host reserve may make it
+        level 2, or a stop); reports ``on_stopped``."""
+
+    def prewarm(self, dep_id: int, *, text: str) -> None:
+        """Adaptive warmth's pre-warm: wake or start ``dep_id`` (asleep or stopped, nobody
+        waiting) only with memory free now: the fit check keeps ``held_for_others(dep_id)`` out
+        of reach, and nothing is put to sleep or stopped for it (no make-room). Asks
+        ``prewarm_wanted(dep_id)`` in the step that would mark it starting (False: nothing
+        starts). Reports ``on_prewarmed(dep_id, started)`` once, whatever happens: ``started``
+        True when it was marked starting (a wake or a cold start runs, whose end arrives as a
+        change like any start's), False when it did not fit, the budget could not be read, it
+        was not wanted any more or its state could not start."""
 
     def settle(self, dep_id: int, within_s: float) -> None:
         """Wait until ``dep_id`` fits (the freed memory reads as free on its GPUs), or

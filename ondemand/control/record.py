@@ -8,7 +8,7 @@ import enum
 import math
 from collections.abc import Callable
 
-from ..engines.rhythm import Rhythm
+from ..engines.rhythm import Plan, Rhythm
 from ..errors import OndemandError
 from .protocol import Timer
 
@@ -63,7 +63,7 @@ class Record:
     its start backoff, its drains and its publishing. Made when first needed; a field at its
     default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
     __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
-                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm")
+                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm", "adaptive")
 
     def __init__(self) -> None:
         self.inflight = 0  # granted slots
@@ -82,6 +82,7 @@ class Record:
         # ended yet), and the idle gaps learned (on-demand deployments only).
         self.idle_since: float | None = None
         self.rhythm: Rhythm | None = None
+        self.adaptive: Adaptive | None = None  # keep_warm adaptive: its idle period, its pre-warms
 
     def waiters(self) -> int:
         return len(self.attempt.waiters) if self.attempt is not None else 0
@@ -91,6 +92,9 @@ class Record:
         self.inflight = 0
         self.last_activity = self.last_request_at = self.asleep_since = self.idle_since = None
         self.rhythm = None
+        if self.adaptive is not None:
+            self.adaptive.end()
+            self.adaptive = None
         self.backoff = None
         self.busy = 0
         self.published_at = -math.inf
@@ -100,6 +104,42 @@ class Record:
 
     def unused(self) -> bool:
         return self.attempt is None and not self.drains and not self.drained
+
+
+class Prewarm(enum.Enum):
+    NONE = "none"  # not asked (yet), or it found no free memory
+    OUT = "out"  # the effect is out
+    STARTED = "started"  # it woke or started the engine: a request's arrival is a hit, its rest a miss
+
+
+@dataclasses.dataclass(eq=False)
+class Period:
+    """One idle period of an adaptive deployment: from its last slot's release to the next
+    arrival. Its plan is made once, when first asked (``keepwarm``), not on the request's path."""
+    began: float  # monotonic: the release of its last slot
+    planned: bool = False
+    plan: Plan | None = None  # None (once planned): it behaves as fixed
+    cost_s: float = 0.0  # its rest tier's cost to come back (ready at prewarm_in_s + cost_s)
+    prewarm: Prewarm = Prewarm.NONE
+    timer: Timer | None = None  # the pre-warm's
+
+
+@dataclasses.dataclass(eq=False)
+class Adaptive:
+    """What adaptive warmth holds of one deployment: its idle period, the results of its
+    pre-warms (``ondemand_prewarms_total``) and the view's plan, made again only when what it
+    was made of changes."""
+    period: Period | None = None
+    hits: int = 0
+    misses: int = 0
+    learned: int = 0  # gaps learned since made: the view's plan is made again after one
+    shown: tuple[object, Plan | None] | None = None  # (what the view's plan was made of, the plan)
+
+    def end(self) -> None:
+        """The idle period is over (an arrival, a new one, a removal): its pre-warm's timer goes."""
+        if self.period is not None and self.period.timer is not None:
+            self.period.timer.cancel()
+        self.period = None
 
 
 NOTHING = Record()  # what is read of a deployment the controller holds nothing of (never written)

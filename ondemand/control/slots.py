@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from ..engines.rhythm import Rhythm
 from ..errors import OndemandError
 from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, State
 from . import verdicts
@@ -129,7 +128,7 @@ class Slots:
                 and not rec.drains  # an administrator's sleep drains it
                 and not rec.inflight
                 and not (rec.attempt is not None and rec.attempt.waiters)
-                and now - (now if rec.last_activity is None else rec.last_activity) >= self.idle_timeout(dep)
+                and now - (now if rec.last_activity is None else rec.last_activity) >= self._idle_after(dep, rec)
                 and self.effects.engine_idle(dep.id))
 
     def status(self, dep_id: int) -> dict[str, Any]:
@@ -167,7 +166,7 @@ class Slots:
                 return None
             left = rec.asleep_since + self.sleep_timeout_s - self.clock()
             return round(self.wall() + left, 3)
-        left = rec.last_activity + self.idle_timeout(dep) - self.clock()
+        left = rec.last_activity + self._idle_after(dep, rec) - self.clock()
         return round(self.wall() + left, 3)
 
     def _backoff_until(self, dep_id: int) -> float | None:
@@ -240,36 +239,26 @@ class Slots:
         self._counters_changed(dep_id, rec)
         if n <= 0:
             rec.idle_since = self.clock()  # an idle gap begins (adaptive warmth learns them)
+            self._idle_began(dep_id, rec)
             if rec.drained:
                 drained, rec.drained = rec.drained, []
                 for callback in drained:
                     callback()
             self._schedule_tick()  # its idle timeout now runs: a queued request may look sooner
 
-    # --- adaptive warmth: the idle gaps ---------------------------------------------------
+    # --- adaptive warmth's hooks (keepwarm.AdaptiveWarmth) ---------------------------------
 
     def _arrived(self, dep: Deployment, rec: Record) -> None:
-        """The first request since it became idle ends the gap: learned when it is on demand and
-        was idle for at least MIN_GAP_S (shorter is a busy model's breath). Every slot follows an
-        arrival, so none is out while ``idle_since`` is set."""
-        gap = self.clock() - rec.idle_since if rec.idle_since is not None else 0.0
-        rec.idle_since = None
-        if gap >= MIN_GAP_S and dep.on_demand:
-            if rec.rhythm is None:
-                rec.rhythm = Rhythm()
-            rec.rhythm.add(gap)
-            self.effects.idle_gap(dep.id, gap)
+        """The first request since its last slot's release: the idle gap ends."""
+        raise NotImplementedError
 
-    def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
-        """The idle gaps kept in the state file (after a restart): what was learned stays."""
-        for dep_id, kept in gaps.items():
-            if self.effects.deployment(dep_id) is not None:
-                self._record(dep_id).rhythm = Rhythm(kept)
+    def _idle_began(self, dep_id: int, rec: Record) -> None:
+        """Its last slot was released: an idle period begins."""
+        raise NotImplementedError
 
-    def rhythm(self, dep_id: int) -> Rhythm | None:
-        """The idle gaps learned of ``dep_id`` (None: none yet)."""
-        rec = self._records.get(dep_id)
-        return rec.rhythm if rec is not None else None
+    def _idle_after(self, dep: Deployment, rec: Record) -> float:
+        """How long it must have been idle to count as idle: its idle timeout, or its plan's."""
+        raise NotImplementedError
 
     def drain(self, dep_id: int, drained: Callable[[], None]) -> None:
         """A sleep drains first: from now until ``undrain`` no new slot is given to ``dep_id``
@@ -467,7 +456,8 @@ class Slots:
         soonest = math.inf
         for dep in self.effects.deployments():
             if dep.on_demand and dep.state in STOPPABLE_WHEN_IDLE and not self.inflight(dep.id):
-                left = self._last_active(dep.id, now) + self.idle_timeout(dep) - now
+                rec = self._records.get(dep.id) or NOTHING
+                left = self._last_active(dep.id, now) + self._idle_after(dep, rec) - now
                 if left > 0:
                     soonest = min(soonest, left + 0.05)
         return soonest

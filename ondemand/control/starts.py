@@ -36,6 +36,8 @@ class StartHistory:
         self.tasks = TaskGroup("starts")
         self._durations: dict[int, list[float]] = {}  # cold starts, oldest first, at most ETA_OF
         self._wakes: dict[int, list[float]] = {}  # wakes, the same way
+        # Wakes by the level they woke from (since ondemand started: the state file keeps no level).
+        self._wakes_from: dict[tuple[int, int], list[float]] = {}
         self._began: dict[int, float] = {}  # entered starting: its updated_at
         self._asleep: set[int] = set()  # asleep, or waking: a notice gives the wake's estimate
 
@@ -56,6 +58,8 @@ class StartHistory:
         if dep is None:
             self._durations.pop(dep_id, None)  # its stored rows go with retention's next pass
             self._wakes.pop(dep_id, None)
+            for level in (1, 2):
+                self._wakes_from.pop((dep_id, level), None)
             self._began.pop(dep_id, None)
             self._asleep.discard(dep_id)
             return
@@ -78,6 +82,10 @@ class StartHistory:
             log.warning("%s: ignoring a start that took %.1f s (the clock went back)", dep.name, duration)
             return
         self.record(dep_id, duration, kind, at=dep.updated_at)
+        if old.sleep_level is not None:
+            from_level = self._wakes_from.setdefault((dep_id, old.sleep_level), [])
+            from_level.append(duration)
+            del from_level[:-ETA_OF]
 
     def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float) -> None:
         durations = (self._durations if kind == "start" else self._wakes).setdefault(dep_id, [])
@@ -103,8 +111,16 @@ class StartHistory:
         durations = self._durations.get(dep_id)
         return round(statistics.median(durations), 1) if durations else None
 
-    def wake_eta_s(self, dep_id: int) -> float | None:
-        """The median of its last ETA_OF successful wakes, or None."""
+    def wake_eta_s(self, dep_id: int, level: int | None = None) -> float | None:
+        """The median of its last ETA_OF successful wakes, or None. With ``level``: of its wakes
+        from that level timed since ondemand started (None when only the other level's were);
+        of all of them while no wake's level is known (the state file keeps none)."""
+        if level is not None:
+            from_level = self._wakes_from.get((dep_id, level))
+            if from_level:
+                return round(statistics.median(from_level), 1)
+            if any((dep_id, other) in self._wakes_from for other in (1, 2)):
+                return None
         durations = self._wakes.get(dep_id)
         return round(statistics.median(durations), 1) if durations else None
 

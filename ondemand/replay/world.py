@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from ..control import placement
 from ..control.budget import Budget, Reading
 from ..control.controller import Controller
+from ..control.keepwarm import rest_levels, tier_costs
 from ..engines import warmth
 from ..errors import InsufficientMemory
 from ..model import ADMIN_STARTABLE, HOLDING, Deployment, Mode, Role, State
@@ -217,6 +218,12 @@ class World:
     def idle_level(self, dep: Deployment) -> int:
         return warmth.idle_level(dep, self.budget.per_gpu)
 
+    def tiers(self, dep: Deployment) -> Mapping[str, float]:
+        """Adaptive warmth's rest tiers (``DeployerEffects.tiers``' rule), at this one's costs."""
+        costs = self._costs[dep.id]
+        levels = rest_levels(dep, self.budget.per_gpu, self.host_available_gib(but=dep.id), self.box.host_reserve_gib)
+        return tier_costs(levels, lambda level: costs.wake_s if level == 1 else costs.wake2_s, costs.cold_start_s)
+
     def host_available_gib(self, but: int | None = None) -> float:
         """The host memory left beside the level-1 sleepers' (those under way included)."""
         return self.box.host_gib - sum(gib for d, gib in self._host.items() if d != but)
@@ -229,8 +236,11 @@ class World:
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
         self.clock.call_later(0, lambda: self._stop(dep_id, for_dep))
 
-    def sleep(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        self.clock.call_later(0, lambda: self._sleep(dep_id, for_dep))
+    def sleep(self, dep_id: int, *, text: str, for_dep: int | None, level: int | None = None) -> None:
+        self.clock.call_later(0, lambda: self._sleep(dep_id, for_dep, level))
+
+    def prewarm(self, dep_id: int, *, text: str) -> None:
+        self.clock.call_later(0, lambda: self._prewarm(dep_id))
 
     def settle(self, dep_id: int, within_s: float) -> None:
         deadline = self.clock.now + within_s
@@ -293,6 +303,22 @@ class World:
             return
         self._start(dep, gpus)
         ctl.on_admitted(dep_id, True)
+
+    def _prewarm(self, dep_id: int) -> None:
+        """``Deployer.admit_start`` as the pre-warm calls it (``prewarm_wanted`` asked, the fit
+        check, no make-room), and the effect's report."""
+        ctl = self.controller
+        dep = self._deps.get(dep_id)
+        started = False
+        if dep is not None and dep.state in (State.ASLEEP, State.STOPPED) and ctl.prewarm_wanted(dep_id):
+            try:
+                gpus = self.budget.check_fit(dep, self.deployments(), READING, ctl.held_for_others(dep_id))
+            except InsufficientMemory:
+                pass  # only memory free now: it does nothing
+            else:
+                self._start(dep, gpus)
+                started = True
+        ctl.on_prewarmed(dep_id, started)
 
     def _start(self, dep: Deployment, gpus: tuple[int, ...]) -> None:
         waking = dep.state is State.ASLEEP
@@ -368,16 +394,17 @@ class World:
             self._mark(dep_id, State.STOPPED)
         self.controller.on_stopped(dep_id, True, for_dep)
 
-    def _sleep(self, dep_id: int, for_dep: int | None) -> None:
-        """``Deployer.sleep`` (its idle level, ``or_stop``) with ``is_idle`` as its precheck."""
+    def _sleep(self, dep_id: int, for_dep: int | None, level: int | None = None) -> None:
+        """``Deployer.sleep`` (at ``level``, else its idle level; ``or_stop``) with ``is_idle`` as
+        its precheck."""
         ctl = self.controller
         dep = self._deps.get(dep_id)
         if dep is None or dep.state is not State.READY or not ctl.is_idle(dep):
             ctl.on_stopped(dep_id, False, for_dep)
             return
         per_gpu = self.budget.per_gpu
-        want = warmth.deepest_level(dep, per_gpu) if dep.engine == "sglang" else (
-            warmth.idle_level(dep, per_gpu) or 1)
+        want = level or (warmth.deepest_level(dep, per_gpu) if dep.engine == "sglang" else (
+            warmth.idle_level(dep, per_gpu) or 1))
         got = warmth.host_level(dep, want, self.host_available_gib(but=dep_id), self.box.host_reserve_gib, per_gpu)
         if got == 0:
             self._stop(dep_id, for_dep)  # the host reserve leaves no level it can sleep at

@@ -1,0 +1,307 @@
+"""Adaptive warmth in the decision core: what a deployment with ``keep_warm = "adaptive"`` does
+with the rhythm learned of its idle gaps (``engines/rhythm.py``).
+
+Each idle period (from the release of its last slot to the next arrival: a ``Period``) gets one
+``Plan``, made when first asked (by the reaper's step, make-room or a view; never on a request's
+path): how long the engine stays awake idle (``awake_for_s``, the idle rule's timeout for this
+period in place of ``idle_timeout_s``), the tier the reaper then puts it in (``rest``: asleep at
+level 1 or 2, or stopped, of the tiers the effects say it may rest in now, with their measured
+costs), and when a pre-warm wakes or starts it again (``prewarm_in_s``). A plan of None (before
+its 20th gap, or gaps with no pattern) behaves as ``fixed``.
+
+A pre-warm takes only memory free at that moment: none while anything waits in the queue, the
+queue's holds kept out of its fit check, and no make-room (``Effects.prewarm``). A pre-warmed
+engine that no request has used yields at once: make-room may take it as soon as it is ready,
+while the reaper leaves it awake until ``awake_until_s`` and then puts it away as ``fixed`` does
+(its idle action's tier). Each pre-warm that started ends as a hit (a request arrived before the
+engine went away again) or a miss (``ondemand_prewarms_total``).
+
+``AdaptiveWarmth`` sits between the request side (``Slots``, whose hooks it fills) and the start
+side (``Controller``): plain ``def``s, no await, no I/O, as the whole core.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ..engines import warmth
+from ..engines.rhythm import Plan, Rhythm
+from ..model import Deployment, KeepWarm, State
+from .record import Adaptive, Period, Prewarm, Record
+from .slots import MIN_GAP_S, Slots
+
+# A rest tier's sleep level (engines.rhythm.TIERS' names; "stopped" is a stop).
+LEVELS = {"asleep_1": 1, "asleep_2": 2}
+# What coming back costs when nothing was measured yet: a wake from level 1, from level 2, a cold start.
+DEFAULT_WAKE_S = {1: 3.0, 2: 10.0}
+DEFAULT_START_S = 60.0
+HISTOGRAM_BINS = 12
+AWAKE = (State.STARTING, State.READY)
+
+
+def tier_costs(levels: Iterable[int], wake_s: Callable[[int], float | None], start_s: float | None
+               ) -> dict[str, float]:
+    """The tiers an engine may rest in, each with its cost to come back: asleep at each of
+    ``levels`` (``wake_s(level)``: its measured wakes' median, or None) and stopped (``start_s``,
+    its cold starts' median, or None); a default where nothing was measured."""
+    out = {}
+    for level in levels:
+        measured = wake_s(level)
+        out[f"asleep_{level}"] = DEFAULT_WAKE_S[level] if measured is None else measured
+    out["stopped"] = DEFAULT_START_S if start_s is None else start_s
+    return out
+
+
+def rest_levels(dep: Deployment, per_gpu: bool, host_available_gib: float | None, host_reserve_gib: float
+                ) -> list[int]:
+    """The sleep levels an idle ``dep`` may rest at now, as the deployer's sleep takes them: its
+    idle action sleeps, at its level or deeper, as deep as its engine was started able to; level
+    1 only when the host reserve allows it (``warmth.host_level``; None: nothing is read here)."""
+    idle = warmth.idle_level(dep, per_gpu)
+    levels = [level for level in warmth.LEVELS if idle and idle <= level <= warmth.deepest_level(dep, per_gpu)]
+    if 1 in levels and warmth.host_level(dep, 1, host_available_gib, host_reserve_gib, per_gpu) != 1:
+        levels.remove(1)
+    return levels
+
+
+def histogram(gaps: Sequence[float], bins: int = HISTOGRAM_BINS) -> dict[str, list[Any]]:
+    """The gaps in ``bins`` bins spaced evenly on a log scale, from MIN_GAP_S to the longest (a
+    burst's seconds and a job's hours both show): ``edges_s`` (bins + 1) and ``counts``."""
+    lo = MIN_GAP_S
+    hi = max(max(gaps, default=lo), 2 * lo)
+    span = math.log(hi / lo)
+    counts = [0] * bins
+    for gap in gaps:
+        at = int(math.log(max(gap, lo) / lo) / span * bins)
+        counts[min(at, bins - 1)] += 1
+    return {"edges_s": [round(lo * (hi / lo) ** (i / bins), 1) for i in range(bins + 1)], "counts": counts}
+
+
+def adaptive(dep: Deployment) -> bool:
+    """Does ``dep`` follow its rhythm? (On demand and ``keep_warm`` adaptive.)"""
+    return dep.on_demand and dep.keep_warm is KeepWarm.ADAPTIVE
+
+
+class AdaptiveWarmth(Slots):
+    """Adaptive warmth's decisions: each idle period's plan, the rest it gives the reaper, the
+    pre-warm and its result."""
+
+    # --- learning: the idle gaps ----------------------------------------------------
+
+    def _arrived(self, dep: Deployment, rec: Record) -> None:
+        """The first request since it became idle ends the gap: learned when it is on demand and
+        was idle for at least MIN_GAP_S (shorter is a busy model's breath). Every slot follows an
+        arrival, so none is out while ``idle_since`` is set. The idle period ends with it."""
+        gap = self.clock() - rec.idle_since if rec.idle_since is not None else 0.0
+        rec.idle_since = None
+        learned = gap >= MIN_GAP_S and dep.on_demand
+        if learned:
+            if rec.rhythm is None:
+                rec.rhythm = Rhythm()
+            rec.rhythm.add(gap)
+            self.effects.idle_gap(dep.id, gap)
+        self._idle_ended(dep, rec, learned)
+
+    def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
+        """The idle gaps kept in the state file (after a restart): what was learned stays."""
+        for dep_id, kept in gaps.items():
+            if self.effects.deployment(dep_id) is not None:
+                self._record(dep_id).rhythm = Rhythm(kept)
+
+    def rhythm(self, dep_id: int) -> Rhythm | None:
+        """The idle gaps learned of ``dep_id`` (None: none yet)."""
+        rec = self._records.get(dep_id)
+        return rec.rhythm if rec is not None else None
+
+    # --- the idle period ----------------------------------------------------------------
+
+    def _idle_began(self, dep_id: int, rec: Record) -> None:
+        """Its last slot was released: an idle period begins (its plan is made when first asked)."""
+        a = rec.adaptive
+        if a is not None:
+            a.end()
+        dep = self.effects.deployment(dep_id)
+        if dep is not None and adaptive(dep):
+            if a is None:
+                a = rec.adaptive = Adaptive()
+            a.period = Period(self.clock())
+
+    def _idle_ended(self, dep: Deployment, rec: Record, learned: bool) -> None:
+        """A request arrived: the idle period is over, and a pre-warm that started is a hit."""
+        a = rec.adaptive
+        if a is None:
+            return
+        a.learned += learned
+        period = a.period
+        if period is not None and (period.prewarm is Prewarm.STARTED
+                                   or (period.prewarm is Prewarm.OUT and dep.state in AWAKE)):
+            a.hits += 1
+        a.end()
+
+    def _idle_after(self, dep: Deployment, rec: Record) -> float:
+        """How long it must have been idle to count as idle (the reaper, make-room): its idle
+        timeout; in an adaptive idle period, its plan's ``awake_for_s``; a pre-warmed engine no
+        request has used, no time at all (it yields its memory to any request)."""
+        period = self._period(dep, rec)
+        if period is None:
+            return self.idle_timeout(dep)
+        if period.prewarm is Prewarm.STARTED:
+            return 0.0
+        plan = self._planned(dep, rec, period)
+        return self.idle_timeout(dep) if plan is None else plan.awake_for_s
+
+    # --- the plan ----------------------------------------------------------------------
+
+    def _period(self, dep: Deployment, rec: Record | None) -> Period | None:
+        a = rec.adaptive if rec is not None else None
+        return a.period if a is not None and adaptive(dep) else None
+
+    def _planned(self, dep: Deployment, rec: Record, period: Period) -> Plan | None:
+        """The period's plan, made the first time it is asked, with its pre-warm's timer."""
+        if period.planned:
+            return period.plan
+        period.planned = True
+        tiers = self.effects.tiers(dep)
+        plan = period.plan = self._plan(dep, rec, tiers)
+        if plan is not None and plan.rest is not None:
+            period.cost_s = tiers[plan.rest]
+        if plan is not None and plan.prewarm_in_s is not None:
+            dep_id = dep.id
+            delay = max(0.0, period.began + plan.prewarm_in_s - self.clock())
+            period.timer = self.effects.call_later(delay, lambda: self._prewarm_due(dep_id, period))
+        return plan
+
+    def _plan(self, dep: Deployment, rec: Record, tiers: Mapping[str, float]) -> Plan | None:
+        """The plan its rhythm gives for an idle period beginning now (None: as fixed); made
+        again only when the gaps, the bounds or the tiers' costs have changed."""
+        a = rec.adaptive
+        if rec.rhythm is None or a is None:
+            return None
+        timeout = self.idle_timeout(dep)
+        made_of = (rec.rhythm, len(rec.rhythm), a.learned, timeout, self.min_idle_timeout_s,
+                   tuple(sorted(tiers.items())))
+        if a.shown is not None and a.shown[0] == made_of:
+            return a.shown[1]
+        plan = rec.rhythm.plan(idle_timeout_s=timeout, min_idle_timeout_s=self.min_idle_timeout_s, tiers=tiers)
+        a.shown = (made_of, plan)
+        return plan
+
+    # --- the reaper's step ---------------------------------------------------------------
+
+    def _held_awake(self, dep: Deployment, now: float) -> bool:
+        """The reaper leaves an awake adaptive engine be from its pre-warm's moment until
+        ``awake_until_s`` (the next request is expected then); make-room does not."""
+        rec = self._records.get(dep.id)
+        period = self._period(dep, rec)
+        if rec is None or period is None or dep.state is not State.READY:
+            return False
+        plan = self._planned(dep, rec, period)
+        if plan is None or plan.prewarm_in_s is None or plan.awake_until_s is None:
+            return False
+        return period.began + plan.prewarm_in_s <= now < period.began + plan.awake_until_s
+
+    def _rest_by_plan(self, dep: Deployment, now: float) -> bool:
+        """Put an idle adaptive engine away in its plan's tier (asked by the reaper before the
+        pre-warm's moment); False: the reaper puts it away as fixed does."""
+        rec = self._records.get(dep.id)
+        period = self._period(dep, rec)
+        if rec is None or period is None or period.prewarm is not Prewarm.NONE:
+            return False
+        plan = self._planned(dep, rec, period)
+        if plan is None or plan.rest is None or plan.prewarm_in_s is None \
+                or now >= period.began + plan.prewarm_in_s:
+            return False
+        idle = round((now - period.began) / 60, 2)
+        back = round((period.began + plan.prewarm_in_s + period.cost_s - now) / 60, 1)
+        why = f"after {idle:g} min idle (adaptive warmth: its next request is expected in about {back:g} min)"
+        if plan.rest in LEVELS:
+            level = LEVELS[plan.rest]
+            self.effects.sleep(dep.id, text=f"Put to sleep at level {level} {why}", for_dep=None, level=level)
+        else:
+            self.effects.stop(dep.id, text=f"Stopped {why}", for_dep=None)
+        return True
+
+    # --- the pre-warm ---------------------------------------------------------------------
+
+    def _prewarm_due(self, dep_id: int, period: Period) -> None:
+        """The pre-warm's moment: wake or start it, if it rests and nothing else wants memory."""
+        rec = self._records.get(dep_id)
+        if rec is None or rec.adaptive is None or rec.adaptive.period is not period:
+            return  # the period ended (an arrival, a removal) and its timer fired anyway
+        period.timer = None
+        dep = self.effects.deployment(dep_id)
+        if dep is None or not self._may_prewarm(dep, rec):
+            return
+        period.prewarm = Prewarm.OUT
+        plan = period.plan
+        expected = 0.0 if plan is None or plan.prewarm_in_s is None else \
+            period.began + plan.prewarm_in_s + period.cost_s - self.clock()
+        verb = "Woken" if dep.state is State.ASLEEP else "Started"
+        self.effects.prewarm(dep_id, text=f"{verb} ahead of its next request (adaptive warmth: expected in "
+                                          f"about {max(0.0, expected):.0f} s)")
+
+    def _may_prewarm(self, dep: Deployment, rec: Record) -> bool:
+        """Resting (asleep or stopped), nobody waiting for it or for memory, no start backoff."""
+        return (not self._closing and adaptive(dep) and dep.state in (State.ASLEEP, State.STOPPED)
+                and dep.pending_mode is None and rec.attempt is None and not rec.inflight
+                and not len(self.queue) and self.backoff_left(dep.id) <= 0)
+
+    def prewarm_wanted(self, dep_id: int) -> bool:
+        """Is the pre-warm out for ``dep_id`` still wanted? The effect asks it in the step that
+        would mark it starting: a request or a queue entry that came meanwhile has it do nothing."""
+        rec = self._records.get(dep_id)
+        dep = self.effects.deployment(dep_id)
+        period = rec.adaptive.period if rec is not None and rec.adaptive is not None else None
+        return (dep is not None and rec is not None and period is not None and period.prewarm is Prewarm.OUT
+                and self._may_prewarm(dep, rec))
+
+    def on_prewarmed(self, dep_id: int, started: bool) -> None:
+        """The pre-warm's report: ``started`` False (it did not fit, or was not wanted any
+        more): nothing was done, and nothing more is done this period."""
+        rec = self._records.get(dep_id)
+        period = rec.adaptive.period if rec is not None and rec.adaptive is not None else None
+        if period is None or period.prewarm is not Prewarm.OUT:
+            return  # an arrival ended the period meanwhile (and counted the hit)
+        period.prewarm = Prewarm.STARTED if started else Prewarm.NONE
+
+    def _warmth_changed(self, dep: Deployment, rec: Record) -> None:
+        """A change of the deployment: a pre-warmed engine that goes away unused is a miss; a
+        switch to fixed (or always on) ends its idle period's plan."""
+        a = rec.adaptive
+        if a is None or a.period is None:
+            return
+        if not adaptive(dep):
+            a.end()
+        elif a.period.prewarm is Prewarm.STARTED and dep.state not in AWAKE:
+            a.misses += 1
+            a.end()
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def adaptive(self, dep_id: int) -> dict[str, Any] | None:
+        """The view's ``adaptive`` object: the plan of its idle period (or, when it is not
+        idle, of one beginning now), the gaps it was learned from and when the next request
+        is expected; None while it behaves as fixed."""
+        dep = self.effects.deployment(dep_id)
+        rec = self._records.get(dep_id)
+        if dep is None or rec is None or rec.rhythm is None or not adaptive(dep):
+            return None
+        if rec.adaptive is None:
+            rec.adaptive = Adaptive()
+        period = rec.adaptive.period
+        plan = self._planned(dep, rec, period) if period is not None else self._plan(dep, rec, self.effects.tiers(dep))
+        if plan is None:
+            return None
+        expected = None
+        if period is not None and plan.prewarm_in_s is not None:
+            expected = round(self.wall() + period.began + plan.prewarm_in_s + period.cost_s - self.clock(), 3)
+        return {"gaps": len(rec.rhythm), "awake_for_s": round(plan.awake_for_s, 1),
+                "prewarm_in_s": None if plan.prewarm_in_s is None else round(plan.prewarm_in_s, 1),
+                "rest": plan.rest, "expected_at": expected, "histogram": histogram(rec.rhythm.gaps)}
+
+    def prewarms(self, dep_id: int) -> dict[str, int]:
+        """Its pre-warms' results so far: ``hit`` and ``miss`` (``ondemand_prewarms_total``)."""
+        rec = self._records.get(dep_id)
+        a = rec.adaptive if rec is not None else None
+        return {"hit": a.hits if a else 0, "miss": a.misses if a else 0}
