@@ -434,6 +434,27 @@ async def test_deploy_add_show_and_set_with_a_recipe(tmp_path, server):
     assert "argv:            ondemand sim-engine --port '{port}' --model QWEN" in out
 
 
+async def test_keep_warm_commands(tmp_path, server):
+    """deploy add/set --keep-warm, and deploy show's line: while nothing is learned it says it
+    behaves as fixed; set while the engine runs (a live field)."""
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    sim = " ".join(sim_command("alpha"))
+    rc, out, err = await cli("deploy", "add", "alpha", "--command", sim, "--memory-gib", "1", "--mode", "on_demand",
+                             "--keep-warm", "adaptive", "--json", config=cfg)
+    assert rc == 0, err
+    a = json.loads(out)["id"]
+    assert json.loads(out)["keep_warm"] == "adaptive" and json.loads(out)["adaptive"] is None
+    rc, _, err = await cli("deploy", "add", "x", "--command", sim, "--keep-warm", "sometimes", config=cfg)
+    assert rc == 2 and "sometimes" in err
+    rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
+    assert re.search(r"^keep_warm: +adaptive \(as fixed: no pattern in its idle gaps yet\)$", out, re.M), out
+    await server.deployer.restart(a)
+    rc, out, err = await cli("deploy", "set", str(a), "--keep-warm", "fixed", config=cfg)
+    assert rc == 0 and out.strip() == f"updated alpha (id {a}, ready)", err
+    rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
+    assert re.search(r"^keep_warm: +fixed$", out, re.M), out
+
+
 async def test_tiered_warmth_commands(tmp_path, server):
     # A fake /proc/meminfo: 48 of 64 GiB available, so a level-1 sleep keeps its level here.
     (tmp_path / "meminfo").write_text(f"MemTotal: {64 * 2**20} kB\nMemAvailable: {48 * 2**20} kB\n")

@@ -1,6 +1,6 @@
-"""``keep_warm`` through the admin API: ``fixed`` on every deployment unless told; ``adaptive``
-refused by name until the reaper acts on the learned rhythm (engines/rhythm.py), any other value
-refused, and nothing changed by a refusal, while its engine runs too."""
+"""``keep_warm`` through the admin API: ``fixed`` on every deployment unless told, ``adaptive``
+taken at creation and while its engine runs (a live field: no engine reads it), any other value
+refused and nothing changed by a refusal; the view's ``adaptive`` is null until a plan is made."""
 from __future__ import annotations
 
 import pytest
@@ -13,20 +13,28 @@ async def patch(http, server, dep_id: int, body: dict):
         return r.status, await r.json()
 
 
-async def test_keep_warm_is_fixed_and_adaptive_is_refused_by_name(server, http):
+async def test_keep_warm_is_fixed_unless_told_and_adaptive_is_a_live_field(server, http):
     dep = await server.add("warm", 4)
     async with http.get(f"{server.url}/api/deployments/{dep}", headers=server.admin_headers()) as r:
-        assert (await r.json())["keep_warm"] == "fixed"
+        view = await r.json()
+        assert view["keep_warm"] == "fixed" and view["adaptive"] is None
     await server.deployer.restart(dep)
-    for value, says in (("adaptive", "keep_warm: adaptive is not available"), ("sometimes", "keep_warm: fixed or adaptive"),
-                        (None, "keep_warm: fixed or adaptive")):
+    for value in ("sometimes", None, 1):
         status, body = await patch(http, server, dep, {"keep_warm": value})
         assert status == 400 and body["error"]["code"] == "invalid_field", body
-        assert body["error"]["message"].startswith(says), body
-    assert server.deployer.get(dep).keep_warm == "fixed" and server.deployer.get(dep).state == "ready"
+        assert body["error"]["message"].startswith("keep_warm: fixed or adaptive"), body
+    assert server.deployer.get(dep).keep_warm == "fixed"
+    status, body = await patch(http, server, dep, {"keep_warm": "adaptive"})
+    assert status == 200 and body["keep_warm"] == "adaptive" and body["state"] == "ready", body
+    assert body["adaptive"] is None  # nothing learned yet: it behaves as fixed
+    assert server.deployer.get(dep).state == "ready"  # the engine runs on: nothing restarted it
     async with http.post(f"{server.url}/api/deployments", headers=server.admin_headers(),
-                         json={"name": "b", "command": ["true", "{port}"], "keep_warm": "adaptive"}) as r:
-        assert r.status == 400 and (await r.json())["error"]["message"].startswith("keep_warm:")
+                         json={"name": "b", "command": ["true", "{port}"], "keep_warm": "adaptive",
+                               "mode": "on_demand"}) as r:
+        assert r.status == 201, await r.text()
+        assert (await r.json())["keep_warm"] == "adaptive"
+    status, body = await patch(http, server, dep, {"keep_warm": "fixed"})
+    assert status == 200 and body["keep_warm"] == "fixed"
 
 
 async def test_idle_gaps_are_learned_from_requests_kept_in_the_state_file_and_back_after_a_restart(tmp_path):

@@ -275,3 +275,92 @@ async def test_the_page_shows_sleep_tiers_and_host_memory(tmp_path, browser_read
     assert result["woken"]["state"] == "ready" and result["woken"]["badge"] == "ready"
     assert "When idlesleep, level 1" in result["info"], result["info"]
     assert "when idle: sleep, level 2" in result["deep"]["mode"] and result["deep"]["form"] == "sleep2", result["deep"]
+
+
+# Adaptive warmth on the page: a learned rhythm's histogram and when the next request is expected.
+RHYTHM_SCRIPT = r"""
+const { chromium } = require("playwright-core");
+const row = (name) => `#rows tr[data-name="${name}"]`;
+(async () => {
+  const [url, token] = process.argv.slice(2);
+  const browser = await chromium.launch({ executablePath: "/usr/bin/chromium",
+    args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"] });
+  const out = { errors: [], patches: [] };
+  try {
+    const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+    page.on("pageerror", (e) => out.errors.push(String(e)));
+    page.on("request", (r) => { if (r.method() === "PATCH") out.patches.push(r.postData()); });
+    await page.goto(url);
+    await page.waitForSelector("#login:not([hidden])", { timeout: 10000 });
+    await page.fill("#token", token);
+    await page.click("#login button[type=submit]");
+    await page.waitForSelector(`${row("rhythmic")} .rhythm .bin`, { timeout: 10000 });
+    out.rhythmic = await page.$eval(row("rhythmic"), (tr) => ({
+      bins: [...tr.querySelectorAll(".rhythm .bin")].map((b) => parseFloat(b.style.height)),
+      aria: tr.querySelector(".rhythm").getAttribute("aria-label"),
+      note: tr.querySelector(".rhythm-note").textContent }));
+    out.learning = await page.$eval(row("learning"), (tr) => tr.querySelector(".rhythm-note").textContent);
+    out.fixed = await page.$eval(row("plain"), (tr) => tr.querySelectorAll(".rhythm, .rhythm-note").length);
+    // keep_warm in the mode dialog (a live field) and in the edit form.
+    await page.click(`${row("plain")} button[aria-label="Mode plain"]`);
+    await page.waitForFunction(() => document.getElementById("mode").open, null, { timeout: 5000 });
+    out.mode_form = await page.$eval("#m-keep-warm", (s) => s.value);
+    await page.selectOption("#m-keep-warm", "adaptive");
+    await page.click("#mode-save");
+    await page.waitForFunction((sel) => document.querySelector(sel + " .rhythm-note"), row("plain"), { timeout: 10000 });
+    await page.click(`${row("learning")} button[aria-label="Edit learning"]`);
+    await page.waitForFunction(() => document.getElementById("edit").open, null, { timeout: 5000 });
+    out.edit_form = await page.$eval("#f-keep-warm", (s) => s.value);
+    await page.click("#edit-cancel");
+  } finally {
+    await browser.close();
+  }
+  console.log(JSON.stringify(out));
+})().catch((e) => { console.error(e); process.exit(1); });
+"""
+
+
+async def test_the_page_shows_a_learned_rhythm_and_offers_keep_warm(tmp_path, browser_ready):
+    """An adaptive deployment's row draws its idle gaps (bursts' seconds and the half hours
+    between, on a log scale) and says when its next request is expected; one still learning says
+    it behaves as fixed; a fixed one shows none. The mode dialog switches keep_warm on a running
+    engine, and the edit form shows it."""
+    import random
+    rng = random.Random(1)
+    gaps = [g for _ in range(10) for g in ([rng.uniform(1, 3) for _ in range(3)] + [1800 + rng.uniform(-60, 60)])]
+    async with run_app(tmp_path, reap_interval_s=3600, ondemand_idle_timeout_s=600, min_idle_timeout_s=60) as server, \
+            aiohttp.ClientSession() as http:
+        create = server.deployer.create
+        rhythmic = (await create(dep("rhythmic", 2, keep_warm="adaptive"))).id
+        await create(dep("learning", 2, keep_warm="adaptive"))
+        plain = (await create(dep("plain", 2))).id
+        await server.deployer.restart(plain)
+        server.controller.learn({rhythmic: gaps})
+        chat = {"model": "RHYTHMIC", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(server.gw(rhythmic, "chat/completions"), json=chat, headers=server.auth()) as r:
+            assert r.status == 200, await r.text()  # its idle period begins: the next request is expected
+        script = tmp_path / "rhythm_ui.js"
+        script.write_text(RHYTHM_SCRIPT)
+        proc = await asyncio.create_subprocess_exec(
+            "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            pytest.fail("the page script did not finish")
+        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        assert server.deployer.get(plain).keep_warm == "adaptive" and server.state(plain) == "ready"
+    assert result["errors"] == [], result
+    row = result["rhythmic"]
+    assert len(row["bins"]) == 12 and max(row["bins"]) == 100, row
+    assert row["bins"][0] > 0 and row["bins"][-1] > 0 and 0 in row["bins"], row  # seconds, and half hours
+    assert row["aria"].startswith("Idle gaps of rhythmic: "), row
+    assert row["note"].startswith("adaptive · 40 gaps · awake 60 s idle, then stopped"), row
+    assert "next request expected in about 2" in row["note"], row  # 26 to 29 min
+    assert result["learning"] == "adaptive: no pattern in its idle gaps yet (as fixed)"
+    assert result["fixed"] == 0
+    assert result["mode_form"] == "fixed" and '{"keep_warm":"adaptive"}' in result["patches"], result["patches"]
+    assert result["edit_form"] == "adaptive"

@@ -90,6 +90,7 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
     out["idle_level"] = warmth.idle_level(dep, app[DEPLOYER].budget.per_gpu)  # 0: an idle engine is stopped
     out["ondemand"] = app[CONTROLLER].status(dep_id)
+    out["adaptive"] = app[CONTROLLER].adaptive(dep_id)  # keep_warm adaptive's plan, or None (as fixed)
     sync = app.get(SYNC)
     out["litellm"] = sync.status_of(dep_id) if sync is not None else None
     sample = app[SAMPLER].as_dict(dep_id)

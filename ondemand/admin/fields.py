@@ -130,11 +130,9 @@ def _validate_idle_action(action: Any, engine: str) -> str:
 
 
 def _validate_keep_warm(value: Any) -> str:
-    """``keep_warm``: ``fixed`` (the idle timeout). ``adaptive`` is named and refused until the
-    reaper and the pre-warm act on engines/rhythm.py's plans."""
-    if value == KeepWarm.ADAPTIVE.value:
-        raise field_error("keep_warm", "adaptive is not available in this release; use fixed")
-    if value != KeepWarm.FIXED.value:
+    """``keep_warm``: ``fixed`` (idle after its idle timeout) or ``adaptive`` (its learned
+    rhythm's plan, within that timeout: control/keepwarm.py)."""
+    if value not in [k.value for k in KeepWarm]:
         raise field_error("keep_warm", "fixed or adaptive")
     return str(value)
 

@@ -87,6 +87,9 @@ def deploy() -> None:
               help="what an idle engine becomes: auto (level-1 sleep for a vLLM or SGLang recipe on discrete "
                    "GPUs, else a stop), stop, sleep (level 1: weights in host memory), sleep2 (level 2: weights "
                    "dropped) (default: auto)")
+@click.option("--keep-warm", type=click.Choice(["fixed", "adaptive"]),
+              help="how long an idle engine stays awake: fixed (its idle timeout) or adaptive (what its learned "
+                   "rhythm says, within that timeout; woken ahead of the next expected request) (default: fixed)")
 @click.option("--no-start", is_flag=True, help="leave it planned")
 @click.option("--dry-run", is_flag=True, help="check it and print the command line it would run; create nothing")
 @json_option
@@ -114,7 +117,7 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
               args: tuple[str, ...], command: str | None, port: int, memory_gib: float, gpu_count: int | None,
               gpu_ids: str | None, env: tuple[str, ...], volumes: tuple[str, ...], role: str, mode: str,
               idle_timeout: int | None, priority: str | None, max_inflight: str | None,
-              idle_action: str | None, no_start: bool) -> dict[str, Any]:
+              idle_action: str | None, keep_warm: str | None, no_start: bool) -> dict[str, Any]:
     """`deploy add`'s POST body."""
     import shlex
     body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
@@ -139,6 +142,8 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
         body["max_inflight"] = _max_inflight(max_inflight)
     if idle_action is not None:
         body["idle_action"] = idle_action
+    if keep_warm is not None:
+        body["keep_warm"] = keep_warm
     body.update(_gpu_fields(gpu_count, gpu_ids))
     return body
 
@@ -219,12 +224,14 @@ def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
 @click.option("--max-inflight", help="requests at once, or 'none' for no limit; editable while it runs")
 @click.option("--idle-action", type=click.Choice(IDLE_ACTIONS),
               help="what an idle engine becomes: auto, stop, sleep (level 1) or sleep2 (level 2)")
+@click.option("--keep-warm", type=click.Choice(["fixed", "adaptive"]),
+              help="fixed (idle after its idle timeout) or adaptive (its learned rhythm); editable while it runs")
 @json_option
 @pass_ctx
 def deploy_set(ctx: Ctx, /, dep_id: int, as_json: bool, **opts: Any) -> None:
     """Edit a stopped, failed or planned deployment in place (same id; audited
     deployment_update). A start afterwards uses the new values. The mode is switched
-    with `mode set`. --priority and --max-inflight alone may change in any state."""
+    with `mode set`. --priority, --max-inflight and --keep-warm alone may change in any state."""
     body = _set_body(**opts)
     if not body:
         _fail("nothing to change: give at least one --FIELD VALUE (see deploy set --help)", EXIT_USAGE)
@@ -238,7 +245,7 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
               memory_gib: float | None, gpu_count: str | None, gpu_ids: str | None, env: tuple[str, ...],
               no_env: bool, volumes: tuple[str, ...], no_volumes: bool, role: str | None,
               idle_timeout: str | None, priority: str | None, max_inflight: str | None,
-              idle_action: str | None) -> dict[str, Any]:
+              idle_action: str | None, keep_warm: str | None) -> dict[str, Any]:
     """`deploy set`'s PATCH body: only the fields given."""
     import shlex
     for given, none, flags in ((args, no_args, "--arg and --no-args"), (model, no_model, "--model and --no-model"),
@@ -270,6 +277,8 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
         body["gpu_ids"] = None if gpu_ids == "any" else _gpu_list(gpu_ids)
     if idle_action is not None:
         body["idle_action"] = idle_action
+    if keep_warm is not None:
+        body["keep_warm"] = keep_warm
     return body
 
 

@@ -95,7 +95,23 @@ def _warmth_lines(ctx: Ctx, view: dict[str, Any]) -> list[str]:
                      f"GPU memory kept {gib('asleep_gib')}")
     if view.get("sleep_host_gib") is not None:
         lines.append(f"{'sleep_host_gib:':16} {view['sleep_host_gib']:.1f} (the last level-1 sleep's host memory)")
+    lines.append(f"{'keep_warm:':16} {_keep_warm(view)}")
     return lines
+
+
+def _keep_warm(view: dict[str, Any]) -> str:
+    """``fixed``, or ``adaptive`` with what its plan says (as fixed while it has none)."""
+    if view.get("keep_warm") != "adaptive":
+        return "fixed"
+    plan = view.get("adaptive")
+    if not plan:
+        return "adaptive (as fixed: no pattern in its idle gaps yet)"
+    rest = {"asleep_1": "asleep at level 1", "asleep_2": "asleep at level 2", "stopped": "stopped"}.get(
+        plan.get("rest") or "", "its idle action's tier")
+    said = f"adaptive ({plan['gaps']} gaps: awake {plan['awake_for_s']:g} s idle, then {rest}"
+    if plan.get("prewarm_in_s") is not None:
+        said += f"; woken again {plan['prewarm_in_s']:g} s after its last request"
+    return said + ")"
 
 
 def _launch_lines(view: dict[str, Any]) -> list[str]:

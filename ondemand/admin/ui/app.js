@@ -289,7 +289,7 @@ function row(v) {
                    ...phaseBars(v));
   const mode = el("td", {"data-label": "Mode", className: "mode"},
                   v.mode === "on_demand" ? "on demand" : "always on",
-                  el("span", {className: "sub"}, modeDetail(v)));
+                  el("span", {className: "sub"}, modeDetail(v)), ...rhythm(v));
   const limit = v.max_inflight ? `/${v.max_inflight}` : "";
   const place = od.queue_position ? ` (place ${od.queue_position})` : "";
   const load = el("td", {"data-label": "Load"}, `${od.inflight || 0}${limit} in flight · ${od.queued || 0} queued${place}`,
@@ -335,6 +335,36 @@ function phaseBars(v) {
                    el("span", {className: "bar"}, fill), el("span", {className: "label"}, p.phase)));
   }
   return [bars];
+}
+
+const REST_WORDS = {asleep_1: "asleep at level 1", asleep_2: "asleep at level 2", stopped: "stopped"};
+
+// Adaptive warmth: the rhythm learned of its idle gaps (a small histogram, its bins spaced on a
+// log scale from a second to the longest gap), what its plan does, and when it expects the next
+// request (the view's adaptive object; null while it behaves as fixed).
+function rhythm(v) {
+  if (v.keep_warm !== "adaptive" || v.mode !== "on_demand") return [];
+  const a = v.adaptive;
+  if (!a) return [el("span", {className: "sub rhythm-note"}, "adaptive: no pattern in its idle gaps yet (as fixed)")];
+  const h = a.histogram || {counts: [], edges_s: []};
+  const top = Math.max(1, ...h.counts);
+  const chart = el("span", {className: "rhythm", role: "img",
+                            "aria-label": `Idle gaps of ${v.name}: ` + h.counts.map((n, i) =>
+                              `${n} of ${dur(h.edges_s[i])} to ${dur(h.edges_s[i + 1])}`).join(", ")});
+  h.counts.forEach((n, i) => {
+    const bar = el("span", {className: "bin", title: `${dur(h.edges_s[i])} to ${dur(h.edges_s[i + 1])}: ${n}`});
+    bar.style.height = `${Math.max(n ? 8 : 0, Math.round((n / top) * 100))}%`;
+    chart.append(bar);
+  });
+  let s = `adaptive · ${a.gaps} gaps · awake ${dur(a.awake_for_s)} idle, then ` +
+    (a.rest ? REST_WORDS[a.rest] || a.rest : "as when idle");
+  if (a.expected_at) {
+    const left = a.expected_at - Date.now() / 1000;
+    s += left > 0 ? ` · next request expected in about ${dur(left)}` : " · next request expected now";
+  } else if (a.prewarm_in_s !== null && a.prewarm_in_s !== undefined) {
+    s += ` · woken ${dur(a.prewarm_in_s)} after its last request`;
+  }
+  return [chart, el("span", {className: "sub rhythm-note"}, s)];
 }
 
 function badge(v) {
@@ -509,6 +539,7 @@ function openEdit(v) {
     f.priority.value = v.priority || "normal";
     f.max_inflight.value = v.max_inflight ?? "";
     f.idle_action.value = v.idle_action || "auto";
+    f.keep_warm.value = v.keep_warm || "fixed";
   } else {
     // As the design's wizard: on demand when LiteLLM is there to route to it.
     f.mode.value = host && host.ondemand.litellm_ready ? "on_demand" : "always_on";
@@ -530,6 +561,7 @@ function editBody(f) {
   };
   // auto is the default: sent when chosen otherwise, or to a server whose views carry the field.
   if (f.idle_action.value !== "auto" || (editing && "idle_action" in editing)) body.idle_action = f.idle_action.value;
+  if (f.keep_warm.value !== "fixed" || (editing && "keep_warm" in editing)) body.keep_warm = f.keep_warm.value;
   // A pin sets the count; a new one left empty gets the server's default (1 with a model).
   if (body.gpu_count === null && (body.gpu_ids || !editing)) delete body.gpu_count;
   if (!host || host.backend === "docker") {
@@ -599,6 +631,8 @@ function fillInfo(v) {
     ["Environment", (v.env_names || []).length || Object.keys(own).length ? env : "nothing of its own"],
     (v.volumes || []).length ? ["Volumes", el("ul", {}, ...v.volumes.map((x) => el("li", {}, el("code", {}, x))))] : null,
     idleText(v) ? ["When idle", idleText(v)] : null,
+    v.keep_warm ? ["Keep warm", v.keep_warm === "adaptive" ? "adaptive: awake as long as its learned rhythm says, " +
+                   "within its idle timeout; woken ahead of its next expected request" : "fixed: its idle timeout"] : null,
     v.state === "asleep" ? ["Asleep", (v.sleep_level ? `level ${v.sleep_level} · ` : "") + asleepDetail(v)] : null,
   ];
   const list = $("info-list");
@@ -615,6 +649,7 @@ function openMode(v) {
   $("m-idle").value = v.idle_timeout_s ?? "";
   $("m-priority").value = v.priority || "normal";
   $("m-max-inflight").value = v.max_inflight ?? "";
+  $("m-keep-warm").value = v.keep_warm || "fixed";
   $("mode").showModal();
   $("m-mode").focus();
 }
@@ -623,8 +658,9 @@ $("mode-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const idle = $("m-idle").value;
   const limit = $("m-max-inflight").value;
-  // Priority and limit are no part of the mode: an edit, allowed in any state.
-  const limits = {priority: $("m-priority").value, max_inflight: limit === "" ? null : Number(limit)};
+  // Priority, limit and keep_warm are no part of the mode: an edit, allowed in any state.
+  const limits = {priority: $("m-priority").value, max_inflight: limit === "" ? null : Number(limit),
+                  keep_warm: $("m-keep-warm").value};
   const changed = Object.fromEntries(Object.entries(limits).filter(([k, val]) => val !== (moding[k] ?? null)));
   try {
     if (Object.keys(changed).length) await call("PATCH", `deployments/${moding.id}`, changed);
