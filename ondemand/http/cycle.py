@@ -198,13 +198,10 @@ class Call:
         engine's, ``forward.response_lines``), after ``headers``."""
         self.close = self.close or close
         head = self._head(status, reason, headers, len(body), lines)
-        data = head if self.method == "HEAD" or status in (204, 304) else head + body
-        self._proto.write(data)
-        self.bytes_out += len(data)
+        full = self._put(head if self.method == "HEAD" or status in (204, 304) else head + body)
         self.ended = True
-        flow = self._proto.flow
-        if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
-            await flow.drain()
+        if full:
+            await self._proto.flow.drain()
 
     async def start(self, status: int, headers: Mapping[str, str], *, reason: str | None = None,
                     length: int | None = None, lines: bytes = b"", body: bytes = b"") -> None:
@@ -212,8 +209,16 @@ class Call:
         head = self._head(status, reason, headers, length, lines)
         if body and self.method != "HEAD":
             head += self._framed(body)
-        self._proto.write(head)
-        self.bytes_out += len(head)
+        self._put(head)
+
+    def _put(self, data: bytes) -> bool:
+        """``data`` to the client, counted (none: nothing is written). True when the client cannot
+        take more now: the caller awaits the drain, a coroutine only when there is something to
+        wait for (or raise)."""
+        if data:
+            self._proto.write(data)
+            self.bytes_out += len(data)
+        return not self._proto.flow.writable
 
     def _framed(self, data: bytes) -> bytes:
         """Body bytes as they go out: one chunk of a chunked answer, else as they are."""
@@ -222,12 +227,8 @@ class Call:
     async def write(self, data: bytes) -> None:
         if not data or self.method == "HEAD":
             return
-        data = self._framed(data)
-        self._proto.write(data)
-        self.bytes_out += len(data)
-        flow = self._proto.flow
-        if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
-            await flow.drain()
+        if self._put(self._framed(data)):
+            await self._proto.flow.drain()
 
     def write_now(self, data: bytes) -> bool:
         """:meth:`write` when it would not wait: True when written (or dropped, for HEAD), False
@@ -248,13 +249,10 @@ class Call:
         data = self._framed(data) if data and self.method != "HEAD" else b""
         if self._chunked:
             data += b"0\r\n\r\n"
-        if data:
-            self._proto.write(data)
-            self.bytes_out += len(data)
+        full = self._put(data)
         self.ended = True
-        flow = self._proto.flow
-        if not flow.writable:  # a coroutine only when there is something to wait for (or raise)
-            await flow.drain()
+        if full:
+            await self._proto.flow.drain()
 
     def abort(self) -> None:
         self.close = True

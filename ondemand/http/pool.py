@@ -198,24 +198,25 @@ class _Pool:
         if self.closed:
             conn.close()
             return
-        waiters = self.waiters
-        while waiters:
-            w = waiters.popleft()
-            if not w.done():
-                w.set_result(conn)
-                return
-        conn.idle_since = self.loop.time()
-        self.idle.append(conn)
+        if not self._to_waiter(conn):
+            conn.idle_since = self.loop.time()
+            self.idle.append(conn)
 
     def _slot_free(self) -> None:
         """A connection closed (or never opened): its slot goes to the first waiter, else back."""
+        if not self._to_waiter(None):
+            self.size -= 1
+
+    def _to_waiter(self, got: _Conn | None) -> bool:
+        """``got`` (a connection, or None: a free slot) to the first waiter still waiting; False
+        when none is."""
         waiters = self.waiters
         while waiters:
             w = waiters.popleft()
             if not w.done():
-                w.set_result(None)
-                return
-        self.size -= 1
+                w.set_result(got)
+                return True
+        return False
 
     def lost(self, conn: _Conn) -> None:
         """connection_lost: called once per connection; a registered one gives its slot back."""
