@@ -9,8 +9,9 @@ code is refused with an explanation. After the numbered migrations,
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import aiosqlite
 
@@ -25,6 +26,30 @@ class Migration:
 async def _columns(db: aiosqlite.Connection, table: str) -> set[str]:
     async with db.execute(f"PRAGMA table_info({table})") as cur:
         return {row[1] for row in await cur.fetchall()}
+
+
+async def _add_columns(db: aiosqlite.Connection, table: str, columns: Iterable[tuple[str, str]]) -> list[str]:
+    """Adds those of ``columns`` (name, SQL type) that ``table`` lacks; the names it added."""
+    have = await _columns(db, table)
+    added = []
+    for column, sqltype in columns:
+        if column not in have:
+            await db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sqltype}")
+            added.append(column)
+    return added
+
+
+@contextlib.asynccontextmanager
+async def _immediate(db: aiosqlite.Connection) -> AsyncIterator[None]:
+    """One write transaction (BEGIN IMMEDIATE: a second process opening the file waits for it),
+    committed when the block ends, rolled back when it raises (a cancellation too)."""
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
+    await db.execute("COMMIT")
 
 
 async def _v1_initial(db: aiosqlite.Connection) -> None:
@@ -73,24 +98,19 @@ async def _v1_initial(db: aiosqlite.Connection) -> None:
 async def _v2_ondemand_mode(db: aiosqlite.Connection) -> None:
     # The on-demand mode migration: existing deployments keep their
     # behaviour, so every existing row becomes always_on.
-    cols = await _columns(db, "deployments")
-    if "mode" not in cols:
-        await db.execute("ALTER TABLE deployments ADD COLUMN mode TEXT "
-                         "CHECK (mode IS NULL OR mode IN ('on_demand', 'always_on'))")
-    if "idle_timeout_s" not in cols:
-        await db.execute("ALTER TABLE deployments ADD COLUMN idle_timeout_s INTEGER")
+    await _add_columns(db, "deployments", (
+        ("mode", "TEXT CHECK (mode IS NULL OR mode IN ('on_demand', 'always_on'))"),
+        ("idle_timeout_s", "INTEGER")))
     await db.execute("UPDATE deployments SET mode = 'always_on'")
 
 
 async def _v3_gpu_placement(db: aiosqlite.Connection) -> None:
     # GPU placement: existing rows keep running on every GPU (gpu_count NULL).
-    cols = await _columns(db, "deployments")
-    for column, sqltype in (("gpu_count", "INTEGER CHECK (gpu_count IS NULL OR gpu_count >= 0)"),
-                            ("gpu_ids", "TEXT"),  # JSON list of GPU indices, or NULL
-                            ("gpus", "TEXT NOT NULL DEFAULT '[]'"),  # the GPUs its engine holds
-                            ("measured_gib", "REAL")):
-        if column not in cols:
-            await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+    await _add_columns(db, "deployments", (
+        ("gpu_count", "INTEGER CHECK (gpu_count IS NULL OR gpu_count >= 0)"),
+        ("gpu_ids", "TEXT"),  # JSON list of GPU indices, or NULL
+        ("gpus", "TEXT NOT NULL DEFAULT '[]'"),  # the GPUs its engine holds
+        ("measured_gib", "REAL")))
 
 
 async def _v4_starts_and_retention(db: aiosqlite.Connection) -> None:
@@ -133,24 +153,20 @@ async def _v5_engine_recipes(db: aiosqlite.Connection) -> None:
         await db.execute("ALTER TABLE deployments_v5 RENAME TO deployments")
         if seq is not None:
             await db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'deployments'", (seq[0],))
-    cols = await _columns(db, "deployments")
-    for column, sqltype in (("model", "TEXT"),
-                            ("env", "TEXT NOT NULL DEFAULT '{}'"),  # JSON object
-                            ("volumes", "TEXT NOT NULL DEFAULT '[]'")):  # JSON list
-        if column not in cols:
-            await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+    await _add_columns(db, "deployments", (
+        ("model", "TEXT"),
+        ("env", "TEXT NOT NULL DEFAULT '{}'"),  # JSON object
+        ("volumes", "TEXT NOT NULL DEFAULT '[]'")))  # JSON list
+
+
 async def _v6_priorities_and_limits(db: aiosqlite.Connection) -> None:
     # Priorities and limits: every existing row stays normal with no limit (the column
     # defaults), so nothing behaves differently until an administrator sets them. Version 5
     # is the engine recipes' (model, env, volumes); the runner applies whatever is
     # missing in order and skips a number it does not know, so the two may land in either order.
-    cols = await _columns(db, "deployments")
-    if "priority" not in cols:
-        await db.execute("ALTER TABLE deployments ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal' "
-                         "CHECK (priority IN ('low', 'normal', 'high'))")
-    if "max_inflight" not in cols:
-        await db.execute("ALTER TABLE deployments ADD COLUMN max_inflight INTEGER "
-                         "CHECK (max_inflight IS NULL OR max_inflight BETWEEN 1 AND 10000)")
+    await _add_columns(db, "deployments", (
+        ("priority", "TEXT NOT NULL DEFAULT 'normal' CHECK (priority IN ('low', 'normal', 'high'))"),
+        ("max_inflight", "INTEGER CHECK (max_inflight IS NULL OR max_inflight BETWEEN 1 AND 10000)")))
 
 
 async def _v7_tiered_warmth(db: aiosqlite.Connection) -> None:
@@ -159,25 +175,21 @@ async def _v7_tiered_warmth(db: aiosqlite.Connection) -> None:
     # rest is the engine's life, NULL until it first sleeps: its level and host memory while
     # asleep, what it still holds on its GPUs asleep, the last host memory a level-1 sleep was
     # measured at (the next one's prediction), and the one-token answer its wakes must match.
-    cols = await _columns(db, "deployments")
-    for column, sqltype in (
-            ("idle_action", "TEXT NOT NULL DEFAULT 'auto' CHECK (idle_action IN ('auto', 'stop', 'sleep', 'sleep2'))"),
-            ("sleep_level", "INTEGER CHECK (sleep_level IS NULL OR sleep_level IN (1, 2))"),
-            ("host_gib", "REAL"),
-            ("asleep_gib", "REAL"),
-            ("sleep_host_gib", "REAL"),
-            ("wake_check", "TEXT")):
-        if column not in cols:
-            await db.execute(f"ALTER TABLE deployments ADD COLUMN {column} {sqltype}")
+    await _add_columns(db, "deployments", (
+        ("idle_action", "TEXT NOT NULL DEFAULT 'auto' CHECK (idle_action IN ('auto', 'stop', 'sleep', 'sleep2'))"),
+        ("sleep_level", "INTEGER CHECK (sleep_level IS NULL OR sleep_level IN (1, 2))"),
+        ("host_gib", "REAL"),
+        ("asleep_gib", "REAL"),
+        ("sleep_host_gib", "REAL"),
+        ("wake_check", "TEXT")))
 
 
 async def _v8_adaptive_warmth(db: aiosqlite.Connection) -> None:
     # Adaptive warmth: every existing row keeps its fixed idle timeout; the idle gaps (from the
     # moment its engine became idle to the next request's arrival) of each deployment, the newest
     # few hundred (write_idle_gap's keep), so that a restart keeps what was learned.
-    if "keep_warm" not in await _columns(db, "deployments"):
-        await db.execute("ALTER TABLE deployments ADD COLUMN keep_warm TEXT NOT NULL DEFAULT 'fixed' "
-                         "CHECK (keep_warm IN ('fixed', 'adaptive'))")
+    await _add_columns(db, "deployments", (
+        ("keep_warm", "TEXT NOT NULL DEFAULT 'fixed' CHECK (keep_warm IN ('fixed', 'adaptive'))"),))
     await db.execute("""
         CREATE TABLE IF NOT EXISTS idle_gaps (
             id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -221,9 +233,7 @@ async def schema_version(db: aiosqlite.Connection) -> int:
 async def add_missing_columns(db: aiosqlite.Connection) -> list[str]:
     added = []
     for table, column, sqltype in MISSING_COLUMNS:
-        if column not in await _columns(db, table):
-            await db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sqltype}")
-            added.append(f"{table}.{column}")
+        added += [f"{table}.{c}" for c in await _add_columns(db, table, ((column, sqltype),))]
     return added
 
 
@@ -243,27 +253,15 @@ async def upgrade(db: aiosqlite.Connection, target: int = LATEST) -> tuple[int, 
     for migration in MIGRATIONS:
         if migration.version <= current or migration.version > target:
             continue
-        await db.execute("BEGIN IMMEDIATE")
-        try:
+        async with _immediate(db):
             # Re-read under the write lock: another process may have got here first.
-            if await schema_version(db) >= migration.version:
-                await db.execute("ROLLBACK")
-                current = await schema_version(db)
-                continue
-            await migration.apply(db)
-            await db.execute("DELETE FROM schema_version")
-            await db.execute("INSERT INTO schema_version (version) VALUES (?)", (migration.version,))
-            await db.execute("COMMIT")
-        except BaseException:
-            await db.execute("ROLLBACK")
-            raise
-        current = migration.version
+            current = await schema_version(db)
+            if current < migration.version:
+                await migration.apply(db)
+                await db.execute("DELETE FROM schema_version")
+                await db.execute("INSERT INTO schema_version (version) VALUES (?)", (migration.version,))
+                current = migration.version
     if current >= 1:
-        await db.execute("BEGIN IMMEDIATE")
-        try:
+        async with _immediate(db):
             await add_missing_columns(db)
-            await db.execute("COMMIT")
-        except BaseException:
-            await db.execute("ROLLBACK")
-            raise
     return start, current
