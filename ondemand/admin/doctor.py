@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat as stat_mod
+from pathlib import Path
 from typing import Any
 
 from ..config import Config
@@ -172,6 +173,16 @@ def check_hf_token(cfg: Config) -> Check:
     return _check("hf-token", True, f"{path} holds a token (mode {mode:o})")
 
 
+def _unwritable(name: str, path: Path, key: str, owner: str) -> Check | None:
+    """The check that says what is wrong with ``path``, a directory the engines write to (an
+    existing one): not a directory, or not writable here; None when it is fine."""
+    if not path.is_dir():
+        return _check(name, False, f"{path} is not a directory: set {key} to one")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return _check(name, False, f"{path} is not writable here: chown it to {owner}, or chmod u+w it")
+    return None
+
+
 def check_model_cache(cfg: Config) -> Check:
     """deployer.model_cache: a directory the engines can write their downloads to."""
     path = cfg.deployer.model_cache
@@ -180,12 +191,8 @@ def check_model_cache(cfg: Config) -> Check:
                                      "again (set it to a host directory with room for them)")
     if not path.exists():
         return _check("cache", False, f"{path} does not exist: mkdir -p {path} (or set deployer.model_cache)")
-    if not path.is_dir():
-        return _check("cache", False, f"{path} is not a directory: set deployer.model_cache to one")
-    if not os.access(path, os.W_OK | os.X_OK):
-        return _check("cache", False, f"{path} is not writable here: chown it to the user the engines run as "
-                                      "(root in the images), or chmod u+w it")
-    return _check("cache", True, f"{path} is writable")
+    wrong = _unwritable("cache", path, "deployer.model_cache", "the user the engines run as (root in the images)")
+    return wrong or _check("cache", True, f"{path} is writable")
 
 
 def check_compile_cache(cfg: Config) -> Check:
@@ -200,11 +207,9 @@ def check_compile_cache(cfg: Config) -> Check:
         if parent is not None and os.access(parent, os.W_OK | os.X_OK):
             return _check("compile cache", True, f"{path} does not exist yet: it is made at the first start")
         return _check("compile cache", False, f"{path} does not exist and cannot be made here: mkdir -p {path}")
-    if not path.is_dir():
-        return _check("compile cache", False, f"{path} is not a directory: set deployer.compile_cache to one")
-    if not os.access(path, os.W_OK | os.X_OK):
-        return _check("compile cache", False, f"{path} is not writable here: chown it to the user ondemand and "
-                                              "the engines run as, or chmod u+w it")
+    wrong = _unwritable("compile cache", path, "deployer.compile_cache", "the user ondemand and the engines run as")
+    if wrong is not None:
+        return wrong
     keys = sum(1 for p in path.iterdir() if p.is_dir())
     return _check("compile cache", True, f"{path} is writable ({keys} configuration(s) cached)")
 

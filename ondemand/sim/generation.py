@@ -172,9 +172,20 @@ class Generation:
         """The tokens generation answers with (and JSON-encoded): garbage when the weights are."""
         return (_GTOK, _GTOKJ) if self.mem.garbage else (_TOK, _TOKJ)
 
-    def _include_usage(self, body: dict[str, Any]) -> bool:
+    def _openai_end(self, body: dict[str, Any], rid: str, kind: str, created: int, p: int,
+                    n: int) -> Callable[[], Iterator[bytes]]:
+        """The end of an OpenAI stream (chat or completions, ``kind`` its chunks' object): the
+        usage chunk when ``stream_options.include_usage`` asks for it, then ``[DONE]``."""
         so = body.get("stream_options")
-        return isinstance(so, dict) and bool(so.get("include_usage", True))
+        usage = isinstance(so, dict) and bool(so.get("include_usage", True))
+
+        def after() -> Iterator[bytes]:
+            if usage:
+                yield b"data: " + orjson.dumps({
+                    "id": rid, "object": kind, "created": created,
+                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
+            yield _DONE
+        return after
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -192,14 +203,7 @@ class Generation:
                 b'"choices":[{"index":0,"delta":{') % (rid.encode(), created, self.model_j)
         mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
-        last, usage = n - 1, self._include_usage(body)
-
-        def after() -> Iterator[bytes]:
-            if usage:
-                yield b"data: " + orjson.dumps({
-                    "id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
-            yield _DONE
+        last, after = n - 1, self._openai_end(body, rid, "chat.completion.chunk", created, p, n)
         return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
                                   lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
 
@@ -243,14 +247,7 @@ class Generation:
             rid.encode(), created, self.model_j)
         mid = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
         end = b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
-        last, usage = n - 1, self._include_usage(body)
-
-        def after() -> Iterator[bytes]:
-            if usage:
-                yield b"data: " + orjson.dumps({
-                    "id": rid, "object": "text_completion", "created": created,
-                    "model": self.model, "choices": [], "usage": self._usage(p, n)}) + b"\n\n"
-            yield _DONE
+        last, after = n - 1, self._openai_end(body, rid, "text_completion", created, p, n)
         return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after)
 
     def _response(self, rid: str, created: int, body: dict[str, Any], status: str, output: list[Any],

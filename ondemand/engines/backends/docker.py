@@ -86,6 +86,11 @@ def _error(what: str, exc: Exception) -> BackendError:
 _TRANSPORT = (DockerError, aiohttp.ClientError, asyncio.TimeoutError)
 
 
+def _status(exc: Exception) -> int | None:
+    """Docker's status for a failed call (404: no such object ...); None when Docker did not answer."""
+    return exc.status if isinstance(exc, DockerError) else None
+
+
 class DockerBackend(Backend):
     kind = "docker"
 
@@ -140,11 +145,9 @@ class DockerBackend(Backend):
         docker = await self._client()
         try:
             info = await docker.containers.get(self.own_container_id)
-        except DockerError as exc:
-            if exc.status == 404:
-                return False  # a container, but of another Docker (or none at all)
-            raise _error("inspecting our own container", exc) from exc
         except _TRANSPORT as exc:
+            if _status(exc) == 404:
+                return False  # a container, but of another Docker (or none at all)
             raise _error("inspecting our own container", exc) from exc
         networks = (info._container.get("NetworkSettings") or {}).get("Networks") or {}
         if self.network not in networks:
@@ -184,11 +187,9 @@ class DockerBackend(Backend):
         docker = await self._client()
         try:
             container = await docker.containers.get(ref)
-        except DockerError as exc:
-            if exc.status == 404:
-                return None
-            raise _error(what, exc) from exc
         except _TRANSPORT as exc:
+            if _status(exc) == 404:
+                return None
             raise _error(what, exc) from exc
         return container._container
 
@@ -232,11 +233,9 @@ class DockerBackend(Backend):
             if self._running(info):
                 await container.stop(t=STALE_STOP_S)
             await container.delete(force=True)
-        except DockerError as exc:
-            if exc.status != 404:
-                raise _error(f"removing the old container {name}", exc) from exc
         except _TRANSPORT as exc:
-            raise _error(f"removing the old container {name}", exc) from exc
+            if _status(exc) != 404:
+                raise _error(f"removing the old container {name}", exc) from exc
 
     # --- the Backend API ----------------------------------------------------------------------
 
@@ -330,27 +329,23 @@ class DockerBackend(Backend):
     async def _create(docker: Docker, config: dict[str, Any], name: str, image: str) -> DockerContainer:
         try:
             return await docker.containers.create(config, name=name)
-        except DockerError as exc:
-            if exc.status == 404 and "image" in exc.message.lower():
+        except _TRANSPORT as exc:
+            if isinstance(exc, DockerError) and exc.status == 404 and "image" in exc.message.lower():
                 raise BackendError(
                     f"image {image} is not on this Docker host ({exc.message}); ondemand never pulls "
                     f"(no registry may be reachable): load it locally first (docker load / docker pull)"
                 ) from exc
             raise _error(f"creating container {name}", exc) from exc
-        except _TRANSPORT as exc:
-            raise _error(f"creating container {name}", exc) from exc
 
     async def _check_network(self, docker: Docker) -> None:
         try:
             await docker.networks.get(self.network)
-        except DockerError as exc:
-            if exc.status == 404:
+        except _TRANSPORT as exc:
+            if _status(exc) == 404:
                 raise BackendError(
                     f"Docker network {self.network} does not exist: create it (docker network create "
                     f"{self.network}) or set deployer.network to the network ondemand and LiteLLM use"
                 ) from exc
-            raise _error(f"inspecting network {self.network}", exc) from exc
-        except _TRANSPORT as exc:
             raise _error(f"inspecting network {self.network}", exc) from exc
 
     async def wait_exit(self, engine: Engine) -> int | None:
@@ -358,11 +353,9 @@ class DockerBackend(Backend):
         container = docker.containers.container(engine.ref)
         try:
             result = await container.wait()
-        except DockerError as exc:
-            if exc.status == 404:
-                return None  # removed: its exit code went with it
-            raise _error(f"waiting for container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
+            if _status(exc) == 404:
+                return None  # removed: its exit code went with it
             raise _error(f"waiting for container {PREFIX}{engine.name}", exc) from exc
         code = result.get("StatusCode")
         return int(code) if code is not None else None
@@ -372,11 +365,9 @@ class DockerBackend(Backend):
         container = docker.containers.container(engine.ref)
         try:
             await container.stop(t=max(0, math.ceil(timeout)))
-        except DockerError as exc:
-            if exc.status in (304, 404):
-                return  # stopped already, or gone
-            raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
         except _TRANSPORT as exc:
+            if _status(exc) in (304, 404):
+                return  # stopped already, or gone
             raise _error(f"stopping container {PREFIX}{engine.name}", exc) from exc
 
     async def pids(self, engine: Engine) -> list[int]:
@@ -429,11 +420,9 @@ class DockerBackend(Backend):
         docker = await self._client()
         try:
             await docker.containers.container(info["Id"]).delete(force=True)
-        except DockerError as exc:
-            if exc.status != 404:
-                raise _error(f"removing container {name}", exc) from exc
         except _TRANSPORT as exc:
-            raise _error(f"removing container {name}", exc) from exc
+            if _status(exc) != 404:
+                raise _error(f"removing container {name}", exc) from exc
 
     async def adopt(self, dep: Deployment, launch: Launch | None = None, *, compare: bool = True) -> Engine | None:
         name = container_name(dep)
@@ -456,11 +445,9 @@ class DockerBackend(Backend):
         docker = await self._client()
         try:
             chunks = await docker.containers.container(ref).log(stdout=True, stderr=True, tail=lines)
-        except DockerError as exc:
-            if exc.status == 404:
-                return ""
-            raise _error(f"reading the log of {container_name(dep)}", exc) from exc
         except _TRANSPORT as exc:
+            if _status(exc) == 404:
+                return ""
             raise _error(f"reading the log of {container_name(dep)}", exc) from exc
         return "\n".join("".join(chunks).splitlines()[-lines:])
 
@@ -486,8 +473,6 @@ class DockerBackend(Backend):
             async with contextlib.aclosing(stream):
                 async for piece in stream:
                     yield piece.encode()
-        except DockerError as exc:
-            if exc.status != 404:  # removed meanwhile: its log went with it
-                raise _error(what, exc) from exc
         except _TRANSPORT as exc:
-            raise _error(what, exc) from exc
+            if _status(exc) != 404:  # removed meanwhile: its log went with it
+                raise _error(what, exc) from exc
