@@ -8,6 +8,11 @@ from ondemand.state import migrations
 from ondemand.state.store import Store
 
 
+async def columns(db: aiosqlite.Connection, table: str) -> set[str]:
+    """The table's column names, as SQLite tells them."""
+    return {row[1] for row in await db.execute_fetchall(f"PRAGMA table_info({table})")}
+
+
 async def test_fresh_file_is_wal_at_latest_version(tmp_path):
     store = await Store.open(tmp_path / "s" / "ondemand.db")
     try:
@@ -27,7 +32,7 @@ async def test_ondemand_mode_migration_upgrades_old_rows(tmp_path):
     path = tmp_path / "ondemand.db"
     db = await aiosqlite.connect(path, isolation_level=None)
     await migrations.upgrade(db, target=1)
-    cols = await migrations._columns(db, "deployments")
+    cols = await columns(db, "deployments")
     assert "mode" not in cols and "idle_timeout_s" not in cols
     for i in range(3):
         await db.execute(
@@ -63,7 +68,7 @@ async def test_priorities_migration_skips_the_gap_and_keeps_old_rows_normal_with
     path = tmp_path / "ondemand.db"
     db = await aiosqlite.connect(path, isolation_level=None)
     assert await migrations.upgrade(db, target=4) == (0, 4)
-    assert "priority" not in await migrations._columns(db, "deployments")
+    assert "priority" not in await columns(db, "deployments")
     await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
                      "VALUES ('old', 'Old', 'vllm', 'ready', 0, 0)")
     assert await migrations.upgrade(db) == (4, migrations.LATEST)
@@ -90,7 +95,7 @@ async def test_priorities_migration_is_idempotent_on_a_file_that_has_the_columns
     await migrations.upgrade(db, target=4)
     await db.execute("ALTER TABLE deployments ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal'")
     assert await migrations.upgrade(db) == (4, migrations.LATEST)
-    assert {"priority", "max_inflight"} <= await migrations._columns(db, "deployments")
+    assert {"priority", "max_inflight"} <= await columns(db, "deployments")
     await db.close()
 
 
@@ -108,8 +113,43 @@ async def test_migration_is_one_transaction(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         await migrations.upgrade(db)
     assert await migrations.schema_version(db) == 1
-    assert "mode" not in await migrations._columns(db, "deployments")
+    assert "mode" not in await columns(db, "deployments")
     await db.close()
+
+
+async def test_a_migration_another_process_applied_first_is_not_applied_again(tmp_path, monkeypatch):
+    """Two processes open one file at version 0: the second read the version before the first
+    applied everything; under the write lock it reads it again and applies nothing twice."""
+    path = tmp_path / "ondemand.db"
+    first = await aiosqlite.connect(path, isolation_level=None)
+    second = await aiosqlite.connect(path, isolation_level=None)
+    applied: list[int] = []
+
+    def counted(m: migrations.Migration) -> migrations.Migration:
+        async def apply(db):
+            applied.append(m.version)
+            await m.apply(db)
+        return migrations.Migration(m.version, m.description, apply)
+
+    monkeypatch.setattr(migrations, "MIGRATIONS", [counted(m) for m in migrations.MIGRATIONS])
+    read = migrations.schema_version
+    upgrade = migrations.upgrade
+
+    async def read_then_the_other_upgrades(db):
+        version = await read(db)
+        if db is second and not applied:
+            assert await upgrade(first) == (0, migrations.LATEST)
+        return version
+
+    monkeypatch.setattr(migrations, "schema_version", read_then_the_other_upgrades)
+    try:
+        assert await migrations.upgrade(second) == (0, migrations.LATEST)
+        assert applied == [m.version for m in migrations.MIGRATIONS]  # each once, by the first
+        assert await read(second) == migrations.LATEST
+        assert "pending_mode" in await columns(second, "deployments")
+    finally:
+        await first.close()
+        await second.close()
 
 
 async def test_newer_database_is_refused(tmp_path):
