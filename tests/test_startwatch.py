@@ -170,7 +170,25 @@ async def test_the_simulators_vllm_lines_read_by_a_running_ondemand(server, http
     assert counts == {"container": 1.0, "process": 1.0, "weights": 1.0, "compile": 1.0, "serving": 1.0}
     weights = server.app[_watch_key()].history.medians(dep_id)["weights"]
     assert 0.2 <= weights < 3.0  # the simulator's 0.3 s, as seen through the log
+    assert _eta_errors(text) == (0.0, 0.0)  # the first start had no ETA to err
     await server.deployer.stop(dep_id)
+    # The next start is given an ETA (its phases' medians) as it begins: its error is counted.
+    timed: list[StartTimed] = []
+    server.app[_bus_key()].subscribe(StartTimed, timed.append)
+    await server.deployer.admit_start(dep_id)
+    await server.deployer.wait_started(dep_id)
+    async with http.get(f"{server.url}/metrics", headers=server.admin_headers()) as r:
+        text = await r.text()
+    (error,) = [e.eta_error for e in timed]
+    assert error is not None and _eta_errors(text) == (1.0, error)
+    await server.deployer.stop(dep_id)
+
+
+def _eta_errors(text: str) -> tuple[float, float]:
+    """ondemand_start_eta_error_ratio's count and sum."""
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               if f.name == "ondemand_start_eta_error_ratio" for s in f.samples}
+    return samples.get("ondemand_start_eta_error_ratio_count", 0.0), samples.get("ondemand_start_eta_error_ratio_sum", 0.0)
 
 
 def _bus_key():
