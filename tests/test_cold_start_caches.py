@@ -142,3 +142,23 @@ async def test_the_read_ahead_is_skipped_when_memory_is_short(tmp_path):
         assert shown["state"] == "skipped" and "memory is short" in shown["why"], shown
         assert len(reads) == 1  # only the first start's
         await server.deployer.stop(dep_id)
+
+
+async def test_an_adaptive_prewarms_moment_reads_the_weights_ahead_even_when_nothing_starts(tmp_path):
+    """The expected next start (an adaptive pre-warm) reads the weights ahead as a start does, even
+    when the pre-warm finds no memory free and starts nothing: the request expected then will."""
+    from ondemand.admin.components import EFFECTS
+    model = checkpoint(tmp_path)
+    async with run_app(tmp_path, **settings(tmp_path)) as server, aiohttp.ClientSession() as http:
+        big = await server.add("big", 24)  # the whole static budget, busy elsewhere
+        await start(server, big)
+        dep_id = await create(server, str(model))
+        server.app[EFFECTS].prewarm(dep_id, text="Woken ahead of its next request")
+
+        async def read() -> dict | None:
+            shown = (await view(server, http, dep_id))["read_ahead"]
+            return shown if shown is not None and shown["state"] == "done" else None
+        shown = await wait_for(read, timeout=10, interval=0.05, what="the weights read ahead")
+        assert shown["gib"] == round(3 * 2**20 / 2**30, 3)
+        assert server.state(dep_id) == "stopped"  # no memory free: nothing started
+        await server.deployer.stop(big)

@@ -112,6 +112,9 @@ class DeployerEffects:
             ctl.on_admitted(dep_id, started)
 
     def prewarm(self, dep_id: int, *, text: str) -> None:
+        dep = self.deployer.get(dep_id)
+        if dep is not None:  # its weights read ahead (issue 33), whether or not the start follows
+            self.deployer.start_hooks.expected(dep)
         self.tasks.spawn(self._prewarm(dep_id, text), f"prewarm {dep_id}")
 
     async def _prewarm(self, dep_id: int, text: str) -> None:

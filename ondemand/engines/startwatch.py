@@ -2,8 +2,9 @@
 read ahead, and the start's phases watched in its engine's log.
 
 The deployer calls ``before`` (past the start-up gates, with the launch it is about to start)
-and ``after`` (the backend's start returned) of its ``start_hooks``; ``StartHooks`` does
-nothing, for a deployer without the app. ``StartWatch`` hears the deployer's changes from the
+and ``after`` (the backend's start returned) of its ``start_hooks``, and the adaptive pre-warm
+``expected`` (a start is expected now: the weights are read ahead, whether or not it starts);
+``StartHooks`` does nothing, for a deployer without the app. ``StartWatch`` hears the deployer's changes from the
 bus (``on_change``): a move to ``starting`` begins a start's timeline (phase ``container``),
 leaving it ends the timeline, and a start that ended ready records its phases' durations
 (``StartTimed``: the metrics) for the next start's ETA. Between the two, a task follows the
@@ -64,6 +65,9 @@ class StartHooks:
     def after(self, dep: Deployment, engine: Engine) -> None:
         """The backend's start returned: the engine's process is up (no await)."""
 
+    def expected(self, dep: Deployment) -> None:
+        """A start is expected soon (an adaptive pre-warm's moment), whether or not one follows."""
+
 
 class StartWatch(StartHooks):
     def __init__(self, logs: Callable[[Deployment], AsyncIterator[bytes]], *, publish: Callable[[object], None],
@@ -119,6 +123,12 @@ class StartWatch(StartHooks):
             return  # a start this watch did not see begin (none: it listens from the app's start)
         self._enter(dep.id, timeline, "process")
         self._followers[dep.id] = self.tasks.spawn(self._follow(dep, timeline), f"phases of {dep.name}")
+
+    def expected(self, dep: Deployment) -> None:
+        # Its weights read ahead as for a start, even when the pre-warm finds no memory free and
+        # starts nothing: the request expected then starts it from the page cache.
+        if self.readahead is not None and dep.model is not None:
+            self.readahead.warm(dep)
 
     # --- the bus ---------------------------------------------------------------------
 
