@@ -23,6 +23,18 @@ each such wake ends in a cold start, audited ``ondemand_wake_failed``. Wake prob
 for one of them once it is asleep, one per 300 requests, at least 3) make sure each one's
 failing wake is seen even in a short run.
 
+Adaptive warmth: india (``keep_warm`` adaptive, idle action stop) has no share of the random
+traffic and no fault picks it; a metronome sends it a burst of two requests ``METRONOME_S``
+seconds after the last one ended (the run lasts until its ``BEATS``-th burst), and its state file
+starts with 40 such gaps learned and a cold start timed (written before a restart at set-up), so
+from its first burst on it is stopped a second or two after each burst and started again (a
+pre-warm) before the next, with memory free at that moment only, on a box the others keep nearly
+full. What is
+checked: no make-room ever ran for a pre-warm (a sleep or stop for india while no request for it
+was out), no pre-warm began while a request waited for memory (the views' queue, every 0.2 s),
+and pre-warms were tried (started, or found no free memory: ondemand's log says so). At the end
+india is set back to fixed (its plan ends at once).
+
 What is checked about sleep and wake: from the engines' journal (``--journal``: ``req``/``end``
 of every request, ``sleep``, ``wake``, ``sigterm``), no engine was put to sleep with a
 generation request in flight, none reached an asleep engine, each slept at its deployment's
@@ -70,7 +82,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soaklib  # noqa: E402
 from soaklib import Ondemand, sim_command, sim_processes  # noqa: E402
 
-NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
+RANDOM = 8  # the first eight share the random traffic; india has its metronome (adaptive warmth)
+METRONOME_S = 40.0  # india's idle gap between bursts of two requests (a rest must last 30 s to pay)
+BEATS = 3  # the run lasts until india's third burst at least: two idle periods, each with its pre-warm
 QUEUE_TIMEOUT_S = 15
 DEADLINE_S = QUEUE_TIMEOUT_S + 10  # a client gives up here: past it a request hung
 PHASE = 250  # requests per pair of hot deployments
@@ -81,14 +96,15 @@ SIM_ARGS = ("--startup-delay", "0.5", "--token-delay", "0.02", "--tokens", "24",
             "--gpu-mib", str(10 * GIB), "--sleep-gpu-mib", str(GIB), "--host-mib", "8",
             "--sleep-delay", "0.05", "--wake-delay", "0.2")
 # Per deployment, as NAMES:
-PRIORITIES = ("high", "normal", "normal", "low", "normal", "low", "normal", "low")
+PRIORITIES = ("high", "normal", "normal", "low", "normal", "low", "normal", "low", "normal")
 RANK = {"low": 0, "normal": 1, "high": 2}
-LIMITS = (None, None, 3, None, None, None, None, None)  # max_inflight
-IDLE_ACTIONS = ("sleep", "sleep2", "sleep", "stop", "sleep", "sleep2", "sleep", "stop")
+LIMITS = (None, None, 3, None, None, None, None, None, None)  # max_inflight
+IDLE_ACTIONS = ("sleep", "sleep2", "sleep", "stop", "sleep", "sleep2", "sleep", "stop", "stop")
+KEEP_WARM = ("fixed",) * RANDOM + ("adaptive",)
 LEVELS = {"sleep": 1, "sleep2": 2, "stop": 0}  # the level an idle engine of that idle_action sleeps at
-ENGINES = ("vllm", "vllm", "vllm", "vllm", "sglang", "vllm", "vllm", "vllm")
+ENGINES = ("vllm", "vllm", "vllm", "vllm", "sglang", "vllm", "vllm", "vllm", "vllm")
 ENGINE_ARGS = ((), (), ("--fail", "wake-fails"), (), ("--flavor", "sglang", "--enable-weights-cpu-backup"),
-               ("--fail", "wake-fails"), ("--fail", "wake-garbage"), ())
+               ("--fail", "wake-fails"), ("--fail", "wake-garbage"), (), ())
 # The audit texts of make-room (action ondemand_sleep): an awake engine put to sleep, or stopped
 # (idle_action stop); an asleep one stopped. Then the served name of the request it was for.
 MAKE_ROOM = ("Put to sleep to make room for ", "Stopped (asleep) to make room for ")
@@ -109,8 +125,8 @@ class Plan:
 
 def plan_request(seed: int, i: int) -> Plan:
     rng = random.Random(f"{seed}:req:{i}")
-    hot = random.Random(f"{seed}:phase:{i // PHASE}").sample(range(len(NAMES)), 2)
-    dep = rng.choice(hot) if rng.random() < 0.85 else rng.randrange(len(NAMES))
+    hot = random.Random(f"{seed}:phase:{i // PHASE}").sample(range(RANDOM), 2)
+    dep = rng.choice(hot) if rng.random() < 0.85 else rng.randrange(RANDOM)
     r = rng.random()
     route, stream = (("chat/completions", True) if r < 0.4 else ("chat/completions", False) if r < 0.75 else
                      ("completions", True) if r < 0.85 else ("completions", False) if r < 0.95 else
@@ -209,6 +225,8 @@ class Soak:
     audit_rows: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # the state file's, once ondemand stopped
     probes: list[tuple[str, Done]] = field(default_factory=list)  # (start | wake, the request)
+    beats: list[Done] = field(default_factory=list)  # india's metronome's requests
+    queue_samples: list[tuple[float, frozenset[int]]] = field(default_factory=list)  # the views' queue, 0.2 s
     warmth: list[tuple[str, int, str]] = field(default_factory=list)
     broken: dict[int, float] = field(default_factory=dict)
     switched: dict[int, float] = field(default_factory=dict)
@@ -260,10 +278,18 @@ class Soak:
         for n, name in enumerate(NAMES):
             status, view = await self.od.api("POST", "/deployments", {
                 "name": name, "served_name": name.upper(), "memory_gib": 10, "mode": "on_demand",
-                "idle_timeout_s": 1 + n % 3, "command": self.command(n), "priority": PRIORITIES[n],
-                "max_inflight": LIMITS[n], "engine": ENGINES[n], "idle_action": IDLE_ACTIONS[n], "gpu_count": 1})
+                # india's timeout bounds how long a pre-warmed engine waits for its request: 10 s.
+                "idle_timeout_s": 10 if KEEP_WARM[n] == "adaptive" else 1 + n % 3, "command": self.command(n),
+                "priority": PRIORITIES[n], "max_inflight": LIMITS[n], "engine": ENGINES[n], "idle_action": IDLE_ACTIONS[n], "gpu_count": 1,
+                "keep_warm": KEEP_WARM[n]})
             assert status == 201, (status, view)
             self.ids.append(view["id"])
+        # india's rhythm, as learned before (bursts every METRONOME_S): a restart takes it back.
+        assert await self.od.stop() == 0
+        rng = random.Random(f"{self.seed}:rhythm")
+        soaklib.write_learned(self.od.cfg.db_path, self.ids[NAMES.index("india")],
+                              [METRONOME_S - 1 + rng.uniform(-0.5, 0.5) for _ in range(40)], start_s=1.0)
+        await self.od.start()
         self.baseline = {"fds_first": soaklib.fd_count(self.od.pid), "rss_first": soaklib.rss_kib(self.od.pid)}
 
     # --- clients ----------------------------------------------------------------------------
@@ -382,6 +408,8 @@ class Soak:
                 status, views = await self.od.api("GET", "/deployments")
                 if status == 200:
                     self.views = {v["id"]: v for v in views}
+                    self.queue_samples.append((time.time(), frozenset(
+                        v["id"] for v in views if v["ondemand"].get("queue_position"))))
                     for d, i in enumerate(self.ids):
                         if i in self.views:
                             self.inflight_peak[d] = max(self.inflight_peak[d], self.views[i]["ondemand"]["inflight"])
@@ -420,7 +448,7 @@ class Soak:
 
     def pick(self, ok: Any) -> int | None:
         """A deployment (index) whose view satisfies ``ok``, at random."""
-        found = [n for n, i in enumerate(self.ids) if (v := self.views.get(i)) and ok(v)]
+        found = [n for n, i in enumerate(self.ids[:RANDOM]) if (v := self.views.get(i)) and ok(v)]
         return random.choice(found) if found else None
 
     async def wait_pick(self, ok: Any, timeout: float) -> int | None:
@@ -599,7 +627,7 @@ class Soak:
             least = [m for m in turn if woken[m] == woken[turn[0]]]
             deadline = time.monotonic() + 30
             while True:
-                hot = set(random.Random(f"{self.seed}:phase:{self.next_i // PHASE}").sample(range(len(NAMES)), 2))
+                hot = set(random.Random(f"{self.seed}:phase:{self.next_i // PHASE}").sample(range(RANDOM), 2))
                 n = next((m for m in least if m not in hot), None)
                 if n is not None or time.monotonic() > deadline or len(self.done) >= self.requests:
                     break
@@ -652,12 +680,19 @@ class Soak:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a hang-up closes its own connection
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         tasks = [asyncio.ensure_future(self.poll()), asyncio.ensure_future(self.healer())]
+        metronome = asyncio.ensure_future(self.metronome())
         faults = asyncio.ensure_future(self.faults_loop(plan_faults(self.seed, self.requests)))
         probes = asyncio.ensure_future(self.probe_loop(plan_probes(self.requests)))
         t0 = time.time()
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             await asyncio.gather(*(self.client(session) for _ in range(self.clients)))
+            while len(self.beats) < 2 * BEATS and not metronome.done():
+                await asyncio.sleep(0.5)
             self.elapsed = time.time() - t0
+            metronome.cancel()
+            await asyncio.gather(metronome, return_exceptions=True)
+            # india's plan ends at once (a switch to fixed): at rest like the others at the end.
+            await self.od.api("PATCH", f"/deployments/{self.ids[NAMES.index('india')]}", {"keep_warm": "fixed"})
             await faults
             await probes
             for t in tasks:
@@ -665,6 +700,19 @@ class Soak:
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.heal_once(final=True)
         await self.after()
+
+    async def metronome(self) -> None:
+        """india's rhythm: a burst of two requests, METRONOME_S after the last one's end (its own
+        connections)."""
+        n = NAMES.index("india")
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            while True:
+                for _ in range(2):
+                    await self.up.wait()
+                    self.beats.append(await self.probe(session, n))
+                # From the burst's end: the idle gap is the rhythm, however long a cold start took.
+                await asyncio.sleep(METRONOME_S)
 
     def attributed(self, d: Done) -> bool:
         """Whether an outcome other than an answer is explained by a fault (or is always allowed)."""
@@ -701,7 +749,7 @@ class Soak:
         hung = [d for d in self.done if d.outcome.startswith("HUNG")]
         self.check(f"no request hung past its deadline ({DEADLINE_S} s: queue timeout + 10 s)", not hung,
                    f"{len(hung)} hung" if hung else f"slowest {max(d.end - d.start for d in self.done):.1f} s")
-        odd = collections.Counter(d.outcome for d in self.done if not self.attributed(d))
+        odd = collections.Counter(d.outcome for d in [*self.done, *self.beats] if not self.attributed(d))
         self.check("every answer is an answer, a hang-up, a queue timeout or explained by a fault",
                    not odd, ", ".join(f"{o} x{c}" for o, c in odd.most_common(6)))
         asleep = collections.Counter(d.outcome for d in self.done if "asleep engine" in d.outcome)
@@ -729,6 +777,7 @@ class Soak:
                    f"{self.state_peak['asleep']} asleep at once")
         await self.quiet_checks()
         await self.priority_checks()
+        self.prewarm_checks()
         rc = await self.od.stop()
         self.check("ondemand stops on SIGTERM with exit code 0", rc == 0, f"exit code {rc}")
         await asyncio.sleep(0.5)
@@ -876,7 +925,7 @@ class Soak:
         by_name = {name.upper(): n for n, name in enumerate(NAMES)}
         by_id = {i: n for n, i in enumerate(self.ids)}
         stops = [r for r in rows if r["action"] == "ondemand_sleep" and r["text"].startswith(MAKE_ROOM)]
-        asked = [*self.done, *(d for _, d in self.probes)]
+        asked = [*self.done, *(d for _, d in self.probes), *self.beats]
         wrong, unasked = [], []
         for r in stops:
             victim, requester = by_id[r["deployment_id"]], by_name[make_room_for(r["text"])]
@@ -899,6 +948,36 @@ class Soak:
         self.check("a deployment with max_inflight never served more at once (views every 0.2 s)", not over,
                    str(over) if over else f"{busy} refused 429 ondemand_busy; peaks "
                    + ", ".join(f"{NAMES[n]} {self.inflight_peak[n]}" for n in range(len(NAMES))))
+
+    def prewarm_checks(self) -> None:
+        """Adaptive warmth (india's pre-warms, from the audit rows, the metronome's requests and
+        the views' queue every 0.2 s): a pre-warm takes memory from nobody."""
+        rows, beats = self.audit_rows, self.beats
+        prewarms = [r for r in rows if r["action"] == "ondemand_prewarm"]
+        for_india = [r for r in rows if r["action"] == "ondemand_sleep" and r["text"].startswith(MAKE_ROOM)
+                     and make_room_for(r["text"]) == "INDIA"]
+        unasked = [f"{r['text'][:40]} at {r['at']:.1f}" for r in for_india
+                   if not any(d.start - 1 <= r["at"] <= d.end + 2 for d in beats)]
+        self.check("a pre-warm never made room: no sleep or stop for india but while a request for it was out",
+                   not unasked, "; ".join(unasked[:3]) or f"{len(for_india)} made for india's requests")
+        queued = []
+        for r in prewarms:
+            around = [q for t, q in self.queue_samples if r["at"] - 1 <= t <= r["at"] + 1]
+            if len(around) >= 3 and frozenset.intersection(*around):
+                queued.append(f"at {r['at']:.1f} ({', '.join(sorted(map(str, frozenset.intersection(*around))))})")
+        india = self.ids[NAMES.index("india")]
+        victim = sum(1 for r in rows if r["action"] == "ondemand_sleep" and r["deployment_id"] == india
+                     and r["text"].startswith(MAKE_ROOM))
+        rests = sorted(r["at"] for r in rows if r["action"] == "ondemand_sleep" and r["deployment_id"] == india)
+        # A hit: one of india's requests came before its engine was put away again.
+        hits = sum(1 for r in prewarms if any(r["at"] <= d.start < min([t for t in rests if t > r["at"]] or [1e18])
+                                              for d in beats))
+        # What the pre-warms that found no free memory left in ondemand's log (control/effects.py).
+        no_room = self.od.stderr_path.read_text().count(f"no pre-warm of deployment {india}: ")
+        self.check("no pre-warm began while a request waited for memory (the queue the second around it); "
+                   "pre-warms were tried", bool(prewarms or no_room) and not queued,
+                   "; ".join(queued[:3]) or f"{len(prewarms)} pre-warms of india ({hits} hits), {no_room} found no "
+                   f"free memory; {victim} times make-room's victim")
 
     def journal_checks(self) -> None:
         events = soaklib.read_journal(self.journal)
@@ -1044,7 +1123,9 @@ class Soak:
         deps = ", ".join(f"{name} ({PRIORITIES[n]}, {IDLE_ACTIONS[n]}"
                          + (", sglang" if ENGINES[n] == "sglang" else "")
                          + (f", {' '.join(ENGINE_ARGS[n][1:])}" if "--fail" in ENGINE_ARGS[n] else "")
-                         + (f", at most {LIMITS[n]} at once" if LIMITS[n] else "") + ")"
+                         + (f", at most {LIMITS[n]} at once" if LIMITS[n] else "")
+                         + (f", keep_warm adaptive, every {METRONOME_S:g} s" if KEEP_WARM[n] == "adaptive" else "")
+                         + ")"
                          for n, name in enumerate(NAMES))
         out = [f"Soak: seed {self.seed}, {len(self.done)} requests from {self.clients} clients over "
                f"{len(NAMES)} deployments of 10 GiB on one {GPU_MIB // GIB} GiB GPU (3 fit awake at once): {deps}; "

@@ -224,6 +224,21 @@ def rows(db: Path, sql: str) -> list[dict[str, Any]]:
         con.close()
 
 
+def write_learned(db: Path, dep_id: int, gaps: list[float], start_s: float) -> None:
+    """What ``dep_id`` learned before, into a state file no server has open (as the controller's
+    effects and the start history keep it): idle gaps, and a cold start's duration (what its rest
+    stopped costs). A restart takes them back."""
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            conn.executemany("INSERT INTO idle_gaps (deployment_id, at, gap_s) VALUES (?, ?, ?)",
+                             [(dep_id, time.time(), gap) for gap in gaps])
+            conn.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (?, ?, ?, 'start')",
+                         (dep_id, time.time(), start_s))
+    finally:
+        conn.close()
+
+
 def log_files(work: Path) -> list[Path]:
     """Every log of the run: ondemand's stderr, the engines' logs (rotated ones too), the journal."""
     return sorted(p for p in work.rglob("*") if p.is_file() and (

@@ -276,6 +276,8 @@ def test_the_reaper_leaves_a_prewarmed_engine_awake_until_awake_until_then_follo
     plan = period.plan
     box.idle(plan.prewarm_in_s - (clock.t - box.idle_from) + 1)
     assert len(box.taken("prewarm")) == 1 and fx.deps[1].state is State.READY
+    # The view's idle_until says when the reaper takes it: at awake_until_s, not at once.
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + period.began + plan.awake_until_s)
     box.idle(plan.awake_until_s - (clock.t - box.idle_from) - 1)
     assert box.taken("stop") == [] and fx.deps[1].state is State.READY
     box.idle(REAP_S + 1)

@@ -24,6 +24,7 @@ def test_soak_short(tmp_path):
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "| ok" in proc.stdout and "FAILED" not in proc.stdout
+    assert "| no pre-warm began while a request waited for memory" in proc.stdout  # adaptive warmth's
     for row in ("sleeps at level 1", "sleeps at level 2", "wakes: ready", "wakes: refused", "wakes: mismatch",
                 "wake failures audited", "cold starts"):
         assert f"| {row}" in proc.stdout

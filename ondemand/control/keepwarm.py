@@ -192,14 +192,29 @@ class AdaptiveWarmth(Slots):
     def _held_awake(self, dep: Deployment, now: float) -> bool:
         """The reaper leaves an awake adaptive engine be from its pre-warm's moment until
         ``awake_until_s`` (the next request is expected then); make-room does not."""
+        until = self._held_until(dep, now)
+        return until is not None and now < until
+
+    def _held_until(self, dep: Deployment, now: float) -> float | None:
+        """When the reaper's hold of a ready adaptive engine ends (monotonic), once its pre-warm's
+        moment has come; else None."""
         rec = self._records.get(dep.id)
         period = self._period(dep, rec)
         if rec is None or period is None or dep.state is not State.READY:
-            return False
+            return None
         plan = self._planned(dep, rec, period)
-        if plan is None or plan.prewarm_in_s is None or plan.awake_until_s is None:
-            return False
-        return period.began + plan.prewarm_in_s <= now < period.began + plan.awake_until_s
+        if plan is None or plan.prewarm_in_s is None or plan.awake_until_s is None \
+                or now < period.began + plan.prewarm_in_s:
+            return None
+        return period.began + plan.awake_until_s
+
+    def _idle_until(self, dep: Deployment | None, rec: Record) -> float | None:
+        """The view's ``idle_until``: as the idle rule says, or the end of the reaper's hold."""
+        until = super()._idle_until(dep, rec)
+        held = self._held_until(dep, self.clock()) if dep is not None else None
+        if until is None or held is None:
+            return until
+        return max(until, round(self.wall() + held - self.clock(), 3))
 
     def _rest_by_plan(self, dep: Deployment, now: float) -> bool:
         """Put an idle adaptive engine away in its plan's tier (asked by the reaper before the
