@@ -713,3 +713,32 @@ def test_load_weights_needs_a_local_model(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert parse_args(["--load-weights", "-m", str(gguf)]).weights_path == str(gguf)
+
+
+async def test_prefill_rate_times_the_first_token_and_the_end():
+    """--prefill-rate: the prompt's words at that rate, then the first token at once, each token
+    taking --token-delay after it: a stream of 4 tokens after 40 words at 200 words/s has its first
+    token after 0.2 s and ends 4 delays later (a replay's engine: TTFT is the prefill)."""
+    async with simulator(prefill_rate=200, token_delay=0.1, tokens=100) as s:
+        req = {"model": "demo", "prompt": "w " * 40, "max_tokens": 4, "ignore_eos": True, "stream": True}
+        t0 = time.monotonic()
+        async with s.post("/v1/completions", json=req) as r:
+            first = None
+            async for chunk in r.content.iter_any():
+                if first is None and b"tok0" in chunk:
+                    first = time.monotonic() - t0
+            end = time.monotonic() - t0
+        assert 0.2 <= first < 0.2 + 0.09  # the prefill, and no token's delay before the first
+        assert end >= 0.2 + 4 * 0.1
+        t0 = time.monotonic()
+        async with s.post("/v1/completions", json={**req, "stream": False, "prompt": "w " * 20}) as r:
+            assert (await r.json())["usage"] == {"prompt_tokens": 20, "total_tokens": 24, "completion_tokens": 4,
+                                                 "prompt_tokens_details": None}
+        assert time.monotonic() - t0 >= 0.1 + 4 * 0.1
+    async with simulator(token_delay=0.1, tokens=100) as s:  # without it: a delay before each token, as before
+        t0 = time.monotonic()
+        async with s.post("/v1/completions", json={**req, "stream": True}) as r:
+            async for chunk in r.content.iter_any():
+                if b"tok0" in chunk:
+                    break
+        assert time.monotonic() - t0 >= 0.1

@@ -6,7 +6,9 @@ the demo (``make run``) run without a GPU::
 
     python -m ondemand.sim.engine --port 8001 --model demo [--flavor llamacpp]
 
-Text is deterministic: ``tok0 tok1 ...``, one token per streamed chunk. The
+Text is deterministic: ``tok0 tok1 ...``, one token per streamed chunk (``--token-delay`` before
+each; with ``--prefill-rate R`` a chat or completion first takes its prompt's words at R a second,
+then its first token comes at once and each takes the delay after it: a replay's engine). The
 answer is ``--tokens`` long (default 16); ``max_tokens`` (or
 ``max_completion_tokens`` / ``max_output_tokens``) cuts it short with finish
 reason ``length``, and ``"ignore_eos": true`` makes it exactly ``max_tokens``
@@ -193,6 +195,9 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                     help="read the model's weight files (a local directory's *.safetensors, or the file) while "
                          "loading, as an engine does: the load lasts at least the read")
     ap.add_argument("--token-delay", type=float, default=0.0, metavar="S", help="seconds per generated token")
+    ap.add_argument("--prefill-rate", type=float, default=0.0, metavar="R",
+                    help="prompt words a second before the first token (chat, completions); then the first "
+                         "token comes as the prefill ends, each token taking --token-delay after it")
     ap.add_argument("--tokens", type=int, default=16, metavar="N", help="length of an answer")
     ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
                     help="exit-at-start | never-ready | crash-mid-stream | exit-after S | wake-fails | "
@@ -230,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
                 ap.error(f"--fail exit-after: {a.fail[1]!r} is not a number of seconds")
     if a.tokens < 1:
         ap.error("--tokens must be at least 1")
-    for flag in ("gpu_mib", "sleep_gpu_mib", "host_mib", "sleep_delay", "wake_delay"):
+    for flag in ("gpu_mib", "sleep_gpu_mib", "host_mib", "sleep_delay", "wake_delay", "prefill_rate"):
         if getattr(a, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} must not be negative")
     for flag in ("weights_delay", "compile_delay"):
@@ -247,7 +252,8 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
         if not weights_path or not os.path.exists(weights_path):
             ap.error(f"--load-weights: the model {weights_path!r} is not a local directory or file")
     return SimOptions(host=a.host, port=a.port, model=model, flavor=a.flavor, startup_delay=a.startup_delay,
-                      token_delay=a.token_delay, tokens=a.tokens, fail=fail, fail_after=fail_after,
+                      token_delay=a.token_delay, prefill_rate=a.prefill_rate, tokens=a.tokens, fail=fail,
+                      fail_after=fail_after,
                       max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
                       record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
                       sleep_gpu_mib=a.sleep_gpu_mib, host_mib=a.host_mib, sleep_delay=a.sleep_delay,

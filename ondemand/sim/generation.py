@@ -124,9 +124,19 @@ class Generation:
         if self.sem is not None:
             self.sem.release()
 
-    async def _generate(self, n: int, make: Callable[[], object]) -> web.StreamResponse:
+    async def _prefill(self, prompt: int) -> bool:
+        """``--prefill-rate``: the prompt's words at that rate before the first token; True when
+        it applies (its tokens then come at once and each takes ``--token-delay`` after it)."""
+        if self.opts.prefill_rate <= 0:
+            return False
+        if prompt > 0:
+            await asyncio.sleep(prompt / self.opts.prefill_rate)
+        return True
+
+    async def _generate(self, n: int, make: Callable[[], object], prompt: int = 0) -> web.StreamResponse:
         await self._enter()
         try:
+            await self._prefill(prompt)
             if self.opts.token_delay:
                 await asyncio.sleep(self.opts.token_delay * n)
             out = make()
@@ -135,7 +145,7 @@ class Generation:
             self._leave()
 
     async def _stream(self, request: web.Request, n: int, before: list[bytes], frame: Callable[[int], bytes],
-                      after: Callable[[], Iterable[bytes]]) -> web.StreamResponse:
+                      after: Callable[[], Iterable[bytes]], prompt: int = 0) -> web.StreamResponse:
         await self._enter()
         resp = web.StreamResponse(headers=_SSE)
         try:
@@ -143,10 +153,11 @@ class Generation:
             write = resp.write
             for b in before:
                 await write(b)
+            prefilled = await self._prefill(prompt)
             delay = self.opts.token_delay
             crash_at = min(CRASH_AFTER, n - 1) if self.crash else -1
             for i in range(n):
-                if delay:
+                if delay and (not prefilled or i):
                     await asyncio.sleep(delay)
                 if self.mem.sleeping:  # as vLLM's sleep: what the engine runs is aborted, the stream cut short
                     await resp.write_eof()
@@ -154,6 +165,8 @@ class Generation:
                 if i == crash_at:
                     die("crash mid-stream (--fail crash-mid-stream)")
                 await write(frame(i))
+            if delay and prefilled and n:
+                await asyncio.sleep(delay)  # the last token's: the stream ends n delays after the prefill
             for b in after():
                 await write(b)
             await resp.write_eof()
@@ -198,14 +211,14 @@ class Generation:
         if not body.get("stream"):
             return await self._generate(n, lambda: {
                 "id": rid, "object": "chat.completion", "created": created, "model": self.model,
-                "choices": [self._chat_choice(0, tok[:n], finish)], "usage": self._usage(p, n)})
+                "choices": [self._chat_choice(0, tok[:n], finish)], "usage": self._usage(p, n)}, p)
         head = (b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
                 b'"choices":[{"index":0,"delta":{') % (rid.encode(), created, self.model_j)
         mid = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         end = b'},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, after = n - 1, self._openai_end(body, rid, "chat.completion.chunk", created, p, n)
         return await self._stream(request, n, [head + b'"role":"assistant","content":""' + mid],
-                                  lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after)
+                                  lambda i: head + b'"content":' + tj[i] + (end if i == last else mid), after, p)
 
     def _chat_choice(self, index: int, tokens: list[str], finish: str) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": "".join(tokens), "refusal": None,
@@ -242,13 +255,13 @@ class Generation:
                 "id": rid, "object": "text_completion", "created": created, "model": self.model,
                 "choices": [{"index": 0, "text": "".join(tok[:n]), "logprobs": None, "finish_reason": finish,
                              "stop_reason": None, "prompt_logprobs": None}],
-                "usage": self._usage(p, n)})
+                "usage": self._usage(p, n)}, p)
         head = b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,"choices":[{"index":0,"text":' % (
             rid.encode(), created, self.model_j)
         mid = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
         end = b',"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n' % finish.encode()
         last, after = n - 1, self._openai_end(body, rid, "text_completion", created, p, n)
-        return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after)
+        return await self._stream(request, n, [], lambda i: head + tj[i] + (end if i == last else mid), after, p)
 
     def _response(self, rid: str, created: int, body: dict[str, Any], status: str, output: list[Any],
                   usage: dict[str, Any] | None) -> dict[str, Any]:

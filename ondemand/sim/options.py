@@ -24,6 +24,9 @@ class SimOptions:
     compile_delay: float | None = None
     weights_path: str | None = None  # --load-weights: the weight files read while loading (sim/phases.py)
     token_delay: float = 0.0
+    # Prompt words a second before the first token (chat, completions); 0: none. With it the first
+    # token comes as the prefill ends, and each token takes token_delay after it.
+    prefill_rate: float = 0.0
     tokens: int = 16
     fail: str | None = None  # one of FAILURES
     fail_after: float = 0.0  # seconds, for fail="exit-after"
