@@ -147,8 +147,8 @@ ALLOWED = {
     "cli.deploy": {"admin.client", "cli.shared", "cli.views", "engines.recipes", "model"},
     "cli.warmth": {"cli.deploy", "cli.shared", "cli.views"},
     "cli.keys": {"cli.shared", "config", "gateway.keys"},
-    "cli.replay": {"cli.shared", "config", "control.budget", "errors", "replay.deployments", "replay.page",
-                   "replay.report", "replay.run", "replay.trace", "replay.types"},
+    "cli.replay": {"cli.shared", "config", "control.budget", "errors", "replay.deployments", "replay.live",
+                   "replay.page", "replay.report", "replay.run", "replay.trace", "replay.types"},
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
     "replay": set(), "replay.types": {"model"}, "replay.trace": {"replay.types"},
@@ -159,6 +159,7 @@ ALLOWED = {
     "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",
                        "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
+    "replay.live": {"model", "replay.types", "state.store", "tasks"},
     "replay.run": {"control.controller", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
 }
 
@@ -293,9 +294,11 @@ def test_the_engines_are_called_through_one_client():
 def test_only_the_composition_reads_the_environment():
     for path in PKG.rglob("*.py"):
         # config reads it once; the simulator (sim/) is a program of its own; the process
-        # backend hands it on to the engines it starts (their PATH, CUDA_VISIBLE_DEVICES ...).
+        # backend hands it on to the engines it starts (their PATH, CUDA_VISIBLE_DEVICES ...);
+        # replay --live hands it on to the serve it starts, without the caller's ONDEMAND_ keys
+        # (they would override that serve's own configuration).
         name = path.relative_to(PKG).as_posix()
-        if name in ("config.py", "engines/backends/process.py") or name.startswith("sim/"):
+        if name in ("config.py", "engines/backends/process.py", "replay/live.py") or name.startswith("sim/"):
             continue
         assert "os.environ" not in path.read_text(), path.name
 

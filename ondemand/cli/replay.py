@@ -4,8 +4,10 @@ virtual time (ondemand/replay/), and what each policy gives: a table on stdout, 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 import click
@@ -15,10 +17,10 @@ from ..control.budget import Budget
 from ..errors import BudgetError
 from ..replay import page, report
 from ..replay.deployments import DeploymentError, box_of, from_file, from_state, parse_gpus
-from ..replay.run import check_policy
+from ..replay.run import check_policy, configure
 from ..replay.run import replay as run_replay
 from ..replay.trace import Trace, TraceError
-from ..replay.types import Box, Policy, Replayed
+from ..replay.types import Box, Policy, PolicyResult, Replayed
 from .shared import EXIT_FAILED, EXIT_USAGE, Ctx, _fail, _run, cli, pass_ctx
 
 
@@ -131,15 +133,23 @@ def _write(path: str, data: bytes) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="for the model of rows that name none")
 @click.option("--json", "json_file", metavar="FILE", help="write the results as JSON")
 @click.option("--html", "html_file", metavar="FILE", help="write one self-contained page of charts")
+@click.option("--live", is_flag=True, help="also send the requests through a real serve on loopback with engine "
+                                           "simulators, and check the virtual replay against it")
+@click.option("--speed", type=float, default=1.0, show_default=True, metavar="X",
+              help="with --live: every duration divided by X")
 @pass_ctx
 def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tuple[str, ...], gpus: str | None,
-           host_gib: float | None, slo_s: float, seed: int, json_file: str | None, html_file: str | None) -> None:
+           host_gib: float | None, slo_s: float, seed: int, json_file: str | None, html_file: str | None,
+           live: bool, speed: float) -> None:
     """Replay TRACE (a CSV file, or the JSON access log) against the deployments under each
     policy, in virtual time through ondemand's own decisions: who waited for what, for how
-    long, and what the box held. The state file is never written."""
+    long, and what the box held. The state file is never written. With --live the same
+    requests also go through a real serve, and the two are compared (exit 1 when they differ)."""
     parsed = _policies(policies)
     if slo_s <= 0:
         _bad(f"--slo-s {slo_s:g}: seconds above 0")
+    if speed <= 0 or (speed != 1.0 and not live):
+        _bad(f"--speed {speed:g}: above 0, and only with --live")
     box = _box(ctx.cfg, gpus, host_gib)
     for policy in parsed:
         try:
@@ -163,3 +173,24 @@ def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tu
     if html_file:
         title = f"ondemand replay: {trace_file}"
         _write(html_file, page.document(title, [page.section(results, box, title=title, slo_s=slo_s)]).encode())
+    if live:
+        _live(trace, replayed, box, results, speed=speed, slo_s=slo_s)
+
+
+def _live(trace: Trace, replayed: list[Replayed], box: Box, results: list[PolicyResult], *, speed: float,
+          slo_s: float) -> None:
+    """Each policy again through a real serve; the two side by side, and whether they agree."""
+    from ..replay import live as live_mod
+    pairs, differ = [], False
+    for virtual in results:
+        configured = configure(replayed, virtual.policy, box)
+        with tempfile.TemporaryDirectory(prefix="ondemand-replay-") as work:
+            measured = _run(live_mod.run_live(trace, configured, box, virtual.policy, speed=speed, slo_s=slo_s,
+                                              workdir=Path(work)))
+        pairs.append((virtual, measured))
+        wrong = live_mod.disagreements(virtual, measured)
+        differ = differ or bool(wrong)
+        click.echo(f"{virtual.policy.name}: " + ("; ".join(wrong) if wrong else "the live run agrees"), err=True)
+    click.echo(report.comparison(pairs, slo_s), nl=False)
+    if differ:
+        sys.exit(EXIT_FAILED)

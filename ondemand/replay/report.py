@@ -104,3 +104,21 @@ def markdown(results: Sequence[PolicyResult], slo_s: float) -> str:
     out = ["| " + " | ".join(header) + " |", f"|{rule}|"]
     out += ["| " + " | ".join(row) + " |" for row in rows(results, slo_s)]
     return "\n".join(out) + "\n"
+
+
+def comparison(pairs: Sequence[tuple[PolicyResult, PolicyResult]], slo_s: float) -> str:
+    """``--live``: each policy's virtual replay and live run, one row each (GPU-hours are not
+    measured live)."""
+    head = ["policy", "run", "requests", "failed", f"SLO ≤{slo_s:g} s", "TTFT p50", "p99", "queue", "cold starts",
+            "wakes", "sleeps", "stops"]
+    cells = [head]
+    for virtual, live in pairs:
+        for run, r in (("virtual", virtual), ("live", live)):
+            j = tally_json(r.total)
+            cells.append([r.policy.name, run, str(j["requests"]), str(j["failed"]), f"{100 * j['slo_met']:.1f} %",
+                          _seconds(j["ttft_s"]["p50"]), _seconds(j["ttft_s"]["p99"]), str(j["waited"]["queue"]),
+                          str(j["cold_starts"]), str(j["wakes"]), str(j["sleeps"]), str(j["stops"])])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
+                                                                                                     strict=True)))
+                     for row in cells) + "\n"
