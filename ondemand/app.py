@@ -135,7 +135,8 @@ def _private_dir(state_dir: Path) -> None:
         log.warning("state_dir %s was open to others (mode %o): now 0700", state_dir, stat.S_IMODE(st.st_mode))
 
 
-def _ensure_token(path: Path) -> str:
+def ensure_token(path: Path) -> str:
+    """The admin token in ``path``, written there first (a new one) when there is none."""
     token = keys_mod.read_key_file(path)
     if token is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -432,7 +433,7 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     grace period, then cancel what is left (uvicorn's order)."""
     setup_logging(cfg.log_level)
     raise_open_files(cfg.max_connections)
-    _ensure_token(cfg.token_file)
+    ensure_token(cfg.token_file)
     app = build_app(cfg)
     server = HttpServer(app, shutdown_timeout=cfg.shutdown_grace_s)
     try:

@@ -270,7 +270,7 @@ async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides)
     key = keys.generate_key()
     if write_key:
         keys.write_key_file(cfg.key_file, key)
-    token = app_mod._ensure_token(cfg.token_file)
+    token = app_mod.ensure_token(cfg.token_file)
     app = app_mod.build_app(cfg)
     if limits is not None:
         app[LIMITS] = limits

@@ -475,14 +475,14 @@ async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
     status, body = await api(server, "POST", "/deployments", new_dep("hu"))
     dep_id = body["id"]
     assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
-    run = server.deployer.backend._runs["hu"]
+    backend = server.deployer.backend
     before = {t.get_name() for t in asyncio.all_tasks()}
     async with two_pools() as s:
         r = await s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1", headers=server.admin_headers())
         assert b"serving hu" in await asyncio.wait_for(r.content.readany(), 10)
-        assert len(run.followers) == 1
+        assert backend.followers("hu") == 1
         r.close()  # hang up while the engine runs on
-    await wait_for(lambda: not run.followers, what="the follower gone with its client")
+    await wait_for(lambda: backend.followers("hu") == 0, what="the follower gone with its client")
     await wait_for(lambda: {t.get_name() for t in asyncio.all_tasks()} <= before, what="no task left")
     assert server.state(dep_id) == "ready"
 

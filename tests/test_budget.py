@@ -250,14 +250,15 @@ def test_a_deployment_on_several_gpus_is_placed_on_gpus_of_one_size():
 async def test_a_recent_reading_may_serve_again_and_never_hides_a_start(fake_nvidia_smi):
     """Budget.read(max_age_s): the settle's reading serves the admit right after it (one fork of
     nvidia-smi fewer); an older one is read again. The reading names what was starting then."""
-    b = Budget("nvidia-smi", nvidia_smi=fake_nvidia_smi("81920, 1024"))
+    now = [100.0]
+    b = Budget("nvidia-smi", nvidia_smi=fake_nvidia_smi("81920, 1024"), clock=lambda: now[0])
     first = await b.read([dep(1, 10, State.STARTING)])
     fake_nvidia_smi("81920, 40960")  # 40 GiB used now
     again = await b.read([], max_age_s=60)
     assert again is first and again.starting == frozenset({1})
     assert (await b.read([], max_age_s=0)).gpus[0].used == 40.0  # 0: always a new reading
     fake_nvidia_smi("81920, 2048")
-    b._last = (b._last[0] - 1.0, b._last[1])  # a second old
+    now[0] += 1.0  # a second later
     assert (await b.read([], max_age_s=0.2)).gpus[0].used == 2.0
 
 

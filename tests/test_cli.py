@@ -362,7 +362,7 @@ async def test_deploy_logs_tail_follow_and_ctrl_c(tmp_path, server):
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0 and err == b"", err
-    await wait_for(lambda: not server.deployer.backend._runs["lg"].followers, what="the follower gone")
+    await wait_for(lambda: server.deployer.backend.followers("lg") == 0, what="the follower gone")
 
 
 async def test_deploy_logs_without_a_server(tmp_path):

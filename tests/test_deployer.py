@@ -293,7 +293,7 @@ async def test_restart_of_ondemand_kills_orphans_and_marks_stopped(tmp_path, sto
         dep = await d.create(dep_fields("a"))
         await d.restart(dep.id)
         pid = d.engine(dep.id).ref.pid
-        _as_if_ondemand_died(d)
+        await _as_if_ondemand_died(d)
     os.kill(pid, 0)  # still running
     async with running_deployer(tmp_path, store) as d2:
         assert d2.get(dep.id).state == "stopped"
@@ -335,9 +335,12 @@ async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
 # --- after a restart of ondemand (issue 21, "After a reboot") -----------------------------
 
 
-def _as_if_ondemand_died(d) -> None:
-    """Nothing stops the engines: the next ondemand finds them (the process backend kills them)."""
-    d.tasks._tasks.clear()
+async def _as_if_ondemand_died(d) -> None:
+    """What a crash leaves: ondemand's tasks end with it, its engines run on and its rows say
+    what they said (the next ondemand finds them: the process backend kills them). Closed as
+    the app closes a deployer whose engines outlive it (the docker backend's), it then holds
+    none, so that running_deployer's own close stops nothing."""
+    await d.close(stop_engines=False)
     for unit in d.units():
         unit.engine = None
 
@@ -370,7 +373,7 @@ async def test_always_on_engines_lost_with_ondemand_start_again_and_a_stop_stays
             if restart == "after a clean shutdown":
                 abandoned = d.engine(a).ref  # the "dead" ondemand's child process
                 pid = abandoned.pid
-                _as_if_ondemand_died(d)
+                await _as_if_ondemand_died(d)
         if restart == "after a clean shutdown":
             os.kill(pid, 0)  # left running by the "dead" ondemand
             row = await store.deployment(a)

@@ -204,7 +204,7 @@ async def test_device_ids_reach_docker(docker_env, backends):
     from ondemand.engines.backends.docker import container_name
     backend = backends(gpus=True)
     dep = deployment(docker_env, gpu_count=2, gpus=[2, 5])
-    config = await backend._container_config(dep, backend.as_given(dep), IMAGE)
+    config = await backend.create_request(dep, backend.as_given(dep))
     docker = dockerapi.client(None)
     try:
         container = await docker.containers.create(config, name=container_name(dep))

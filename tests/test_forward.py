@@ -101,7 +101,9 @@ async def ups():
 
 
 def pool(ups, dep=1):
-    return ups._current[dep]
+    p = ups.pool(dep)
+    assert p is not None, f"no pool for deployment {dep}"
+    return p
 
 
 async def test_the_request_as_the_engine_sees_it(ups):
@@ -468,7 +470,7 @@ async def test_forget_and_close(ups):
         await fetch(ups, eng.url, dep=2)
         p1 = pool(ups, 1)
         ups.forget(1)
-        assert p1.closed and 1 not in ups._current
+        assert p1.closed and ups.pool(1) is None
         await wait_for(lambda: eng.open == 1, what="the forgotten pool's connection closed")
         await ups.close()
         await wait_for(lambda: eng.open == 0, what="every connection closed")
@@ -493,7 +495,8 @@ async def test_a_call_of_ondemands_own_reads_the_whole_answer_within_its_timeout
         assert eng.accepted == 1  # one keep-alive connection served both
         with pytest.raises(asyncio.TimeoutError):
             await ups.call(1, eng.url, "GET", "/stall", timeout=0.2)
-        calls = ups._calls[1]
+        calls = ups.pool(1, calls=True)
+        assert calls is not None
         await wait_for(lambda: not calls.conns and calls.size == 0, what="the timed-out call's connection closed")
 
 
@@ -915,7 +918,7 @@ async def test_a_connection_lost_in_the_turn_it_was_handed_over_leaves_no_stray_
             await r.read()
             waiting = asyncio.ensure_future(fetch(ups, eng.url))
             await wait_for(lambda: pool(ups).waiters)
-            conn = r._conn
+            [conn] = pool(ups).conns  # limit=1: the answer's, the only one
             r.release()             # handed to the waiter ...
             conn.transport.close()  # ... and closed in the same turn
             lease.end()

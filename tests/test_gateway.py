@@ -544,7 +544,7 @@ async def test_a_client_per_deployment_closed_after_its_last_stream(server, http
     body = {**CHAT, "stream": True}
     r = await http.post(server.gw(a, "chat/completions"), json=body, headers=server.auth())
     await r.content.readuntil(b"\n\n")
-    old = gw.upstreams._current[a]
+    old = gw.upstreams.pool(a)
     # the engine restarts on a new address while the stream runs
     lease = gw.upstreams.open(a, "http://127.0.0.1:9")
     lease.end()

@@ -98,7 +98,7 @@ async def _forwarded(server, dep) -> list[dict]:
 
 async def _quiet(server, dep) -> None:
     """No slot, no waiter, no busy engine connection left."""
-    pool = server.app[GATEWAY].upstreams._current.get(dep)
+    pool = server.app[GATEWAY].upstreams.pool(dep)
 
     def idle():
         busy = 0 if pool is None else len(pool.conns) - len(pool.idle)

@@ -87,12 +87,13 @@ async def ready(server):
 
 @pytest.mark.parametrize("path", ["/dgxmm/api/host", "/dgxmm/metrics", "/dgxmm/api/deployments"])
 async def test_a_non_utf8_admin_token_is_401_counted_without_a_traceback(server, path, caplog):
-    failures = server.app[TELEMETRY]._auth_failures._value.get()  # noqa: SLF001 (prometheus_client's counter)
+    registry = server.app[TELEMETRY].registry
+    failures = registry.get_sample_value("ondemand_auth_failures_total")
     raw = f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + b"Authorization: Bearer \xff\r\n\r\n"
     with caplog.at_level(logging.DEBUG):
         [answer] = _answers(await _talk(server, raw, timeout=2, want=1))
     assert answer[0] == 401 and _code(answer) == "invalid_admin_token"
-    assert server.app[TELEMETRY]._auth_failures._value.get() == failures + 1  # noqa: SLF001
+    assert registry.get_sample_value("ondemand_auth_failures_total") == failures + 1
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 

@@ -85,12 +85,17 @@ class World:
         next(d for d in self.deployments if d["id"] == dep_id).update(fields)
 
 
+def make_client(double) -> LiteLLMClient:
+    return LiteLLMClient(double.url, MASTER, timeout_s=2.0, verify_attempts=2, verify_delay_s=0.01)
+
+
 def make_sync(double, world: World, *, queue_timeout_s: int = 900, interval_s: float = 60.0,
-              instance: str = BOX, internal_url: str = INTERNAL) -> LiteLLMSync:
-    client = LiteLLMClient(double.url, MASTER, timeout_s=2.0, verify_attempts=2, verify_delay_s=0.01)
-    return LiteLLMSync(client=client, internal_url=internal_url, queue_timeout_s=queue_timeout_s,
-                       list_deployments=world.list_deployments, current_key=world.current_key,
-                       engine_base_url=world.engine_base_url, interval_s=interval_s, instance=instance)
+              instance: str = BOX, internal_url: str = INTERNAL, client: LiteLLMClient | None = None) -> LiteLLMSync:
+    """The sync of ``world`` to the double; ``client``: the LiteLLM client it uses (a new one)."""
+    return LiteLLMSync(client=client if client is not None else make_client(double), internal_url=internal_url,
+                       queue_timeout_s=queue_timeout_s, list_deployments=world.list_deployments,
+                       current_key=world.current_key, engine_base_url=world.engine_base_url,
+                       interval_s=interval_s, instance=instance)
 
 
 def by_dgxmm_id(double) -> dict:
@@ -822,7 +827,8 @@ def warmth(double) -> tuple:
 async def test_a_change_of_warmth_is_patched_in_place_and_keeps_the_litellm_id():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a", state="stopped"))
-        sync = make_sync(double, world)
+        client = make_client(double)
+        sync = make_sync(double, world, client=client)
         await sync.sync_now()
         model_id, order, state = warmth(double)
         assert (order, state) == (3, "cold")
@@ -848,7 +854,7 @@ async def test_a_change_of_warmth_is_patched_in_place_and_keeps_the_litellm_id()
             ("ready", (1, "ready"), [(1, "ready")]), ("stopping", (3, "cold"), [(3, "cold")]),
             ("stopped", (3, "cold"), [])]
         assert double.adds[1:] == [] and double.deletes == []
-        assert sync._client.patch_route is True
+        assert client.patch_route is True
         # The rest of the entry is untouched by the patches.
         (m,) = double.models
         want = ondemand_entry(world.deployments[0], "key-one", INTERNAL, 900, instance=BOX)
@@ -904,9 +910,10 @@ async def test_without_the_patch_route_a_change_of_warmth_is_replaced_and_patch_
     async with litellm_double(MASTER) as double:
         double.patch_route = missing
         world = World(dep(1, "a", state="stopped"), dep(2, "b", state="stopped"))
-        sync = make_sync(double, world)
+        client = make_client(double)
+        sync = make_sync(double, world, client=client)
         await sync.sync_now()
-        assert sync._client.patch_route is None  # not tried yet
+        assert client.patch_route is None  # not tried yet
         old = {m["model_info"]["dgxmm_id"]: m["model_info"]["id"] for m in double.models}
         world.set(1, state="ready")
         world.set(2, state="asleep")
@@ -918,7 +925,7 @@ async def test_without_the_patch_route_a_change_of_warmth_is_replaced_and_patch_
         patches = [c for c in double.calls if c[0] == "PATCH"]
         assert len(patches) == 1  # the first answer is remembered, even within the round
         assert_adds_before_deletes(double.calls)
-        assert sync._client.patch_route is False
+        assert client.patch_route is False
         assert sorted((m["model_info"]["dgxmm_id"], m["litellm_params"]["order"], m["model_info"]["dgxmm_state"])
                       for m in double.models) == [(1, 1, "ready"), (2, 2, "asleep")]
         # The next sync does not try again (until a restart, even once the route is there).
@@ -960,7 +967,8 @@ async def test_an_entry_of_an_older_box_with_order_2_is_read_as_cold_and_rewritt
 async def test_a_failed_patch_falls_back_to_a_replace_and_a_missing_db_stops_the_sync():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a", state="stopped"))
-        sync = make_sync(double, world)
+        client = make_client(double)
+        sync = make_sync(double, world, client=client)
         await sync.sync_now()
         (old,) = double.models
         # 200 and nothing changed: not trusted; the entry is replaced instead.
@@ -971,7 +979,7 @@ async def test_a_failed_patch_falls_back_to_a_replace_and_a_missing_db_stops_the
         assert result["error"] is None and result["patched"] == []
         assert len(result["added"]) == 1 and [d["model_id"] for d in result["deleted"]] == [old["model_info"]["id"]]
         assert_adds_before_deletes(double.calls)
-        assert warmth(double)[1:] == (1, "ready") and sync._client.patch_route is True  # the route is there
+        assert warmth(double)[1:] == (1, "ready") and client.patch_route is True  # the route is there
         double.patch_silently_fails = False
         # No database: the sync stops, deletes nothing, the entry stays as it was.
         double.no_db = True
@@ -1060,9 +1068,9 @@ async def test_double_patch_answers_like_litellm():
 async def test_an_entry_gone_before_its_patch_is_added_anew():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a", state="stopped"))
-        sync = make_sync(double, world)
+        client = make_client(double)
+        sync = make_sync(double, world, client=client)
         await sync.sync_now()
-        client = sync._client
         patch = client.patch_warmth
 
         async def deleted_meanwhile(model_id, order, state):

@@ -16,9 +16,9 @@ backend, engine simulator), LiteLLM in its own venv (``scripts/heavy/litellm-ven
    streaming ``acompletion``, and ``litellm.ahealth_check`` called as the proxy calls
    it with our ``health_check_params``.
 
-The gateway is observed by wrapping two methods of the running instances
-(``Gateway._check_key`` sees every request that reaches the key check, with its
-headers; nothing is changed in ``ondemand/``).
+The gateway is observed by wrapping its public way in on the running instance
+(``Gateway.handle`` sees every request past the peer guard, with its headers;
+nothing is changed in ``ondemand/``).
 """
 from __future__ import annotations
 

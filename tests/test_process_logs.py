@@ -92,9 +92,9 @@ async def test_a_follower_that_hangs_up_is_forgotten_and_the_engine_runs_on(tmp_
         stream = b.logs(d, tail=5, follow=True)
         assert b"up" in await asyncio.wait_for(stream.__anext__(), 10) or \
             b"up" in await asyncio.wait_for(stream.__anext__(), 10)
-        assert len(b._runs["r"].followers) == 1
+        assert b.followers("r") == 1
         await stream.aclose()
-        assert b._runs["r"].followers == set()
+        assert b.followers("r") == 0
         assert engine.ref.returncode is None
         await b.stop(engine, 5)
         await asyncio.wait_for(b.wait_exit(engine), 10)

@@ -46,7 +46,7 @@ async def test_ondemand_mode_migration_upgrades_old_rows(tmp_path):
         deps = await store.deployments()
         assert [d["mode"] for d in deps] == ["always_on"] * 3
         assert all(d["idle_timeout_s"] is None and d["pending_mode"] is None for d in deps)
-        cols = await migrations._columns(store.db, "deployments")
+        cols = await columns(store.db, "deployments")
         assert {"mode", "idle_timeout_s", "pending_mode"} <= cols
         # A deployment made on demand after the upgrade stays so on the next start.
         await store.update_deployment(deps[0]["id"], mode="on_demand")

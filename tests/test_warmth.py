@@ -68,7 +68,7 @@ async def test_the_reaper_puts_an_idle_model_to_sleep_and_a_request_wakes_the_sa
     assert dep.host_gib > 0.06 and dep.sleep_host_gib >= 0.05  # the weights in host memory: it grew by ~64 MiB
     assert claimed(fake_nvidia_smi.apps) == {dep.gpus[0]: 2}
     from ondemand import app as app_mod
-    assert a not in server.app[app_mod.GATEWAY].upstreams._current  # its idle connections closed asleep
+    assert server.app[app_mod.GATEWAY].upstreams.pool(a) is None  # its idle connections closed asleep
     rows = await audit_rows(server, a, "ondemand_sleep")
     assert rows and rows[0]["text"].startswith("Put to sleep after 0.02 min idle") and rows[0]["detail"]["level"] == 1
     assert await ask(server, http, a) == (200, "")

@@ -21,21 +21,6 @@ pytestmark = pytest.mark.server(reap_interval_s=3600, **{"budget.host_reserve_gi
                                                          "budget.meminfo_path": str(FAKES / "meminfo")})
 
 
-def wired(server) -> bool:
-    """app.py subscribes the telemetry to Slept and Woken (``_observe``)."""
-    bus, telemetry = server.app[app_mod.BUS], server.app[app_mod.TELEMETRY]
-    handlers = bus._handlers  # no public way to ask who listens; the bus is the real one
-    return telemetry.on_slept in handlers.get(Slept, ()) and telemetry.on_woken in handlers.get(Woken, ())
-
-
-def wire(server) -> None:
-    """As app.py does (or must: the report of issue 22's metrics), unless it does already."""
-    if not wired(server):
-        bus, telemetry = server.app[app_mod.BUS], server.app[app_mod.TELEMETRY]
-        bus.subscribe(Slept, telemetry.on_slept)
-        bus.subscribe(Woken, telemetry.on_woken)
-
-
 def series(m: dict, name: str) -> dict[tuple, float]:
     """{sorted labels: value} of one sample name."""
     return {labels: val for (n, labels), val in m.items() if n == name}
@@ -48,7 +33,6 @@ async def exposition(server, http) -> str:
 
 
 async def test_slept_and_woken_events_are_counted_and_timed(server, http):
-    wire(server)
     bus = server.app[app_mod.BUS]
     a = await server.add("a", 4)
     b = await server.add("b", 4)
@@ -112,7 +96,6 @@ async def test_the_host_memory_gauge_sums_what_the_asleep_engines_hold(server, h
 async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(server, http):
     """An engine simulator put to sleep (by an administrator, at level 1 then 2), woken by a
     request, stopped asleep (the reaper's cause); another whose wake answers garbage."""
-    wire(server)
     deployer = server.deployer
     a = await server.add("a", 2, "--host-mib", "32", idle_action="sleep")
     await deployer.restart(a)
@@ -163,8 +146,16 @@ async def test_a_real_sleep_is_no_stop_and_the_stop_of_an_asleep_engine_is(serve
     assert v(m, "ondemand_start_duration_seconds_count", deployment="b") == 2
 
 
-async def test_the_app_subscribes_the_telemetry_to_sleeps_and_wakes(server):
-    assert wired(server)
+async def test_the_app_subscribes_the_telemetry_to_sleeps_and_wakes(server, http):
+    """app.py subscribes the telemetry to Slept and Woken (``_observe``): an event on the app's
+    own bus is in the next scrape."""
+    a = await server.add("a", 4)
+    bus = server.app[app_mod.BUS]
+    bus.publish(Slept(a, "a", 1, StopCause.IDLE))
+    bus.publish(Woken(a, "a", "ready", 0.5))
+    m = await scrape(server, http)
+    assert v(m, "ondemand_sleeps_total", deployment="a", level="1", reason="idle") == 1
+    assert v(m, "ondemand_wakes_total", deployment="a", result="ready") == 1
 
 
 def panels() -> list[dict]:

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import BudgetError, InsufficientMemory
@@ -144,8 +144,10 @@ class Budget:
     def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
                  gpu_capacity_gib: Sequence[float] | None = None, reserve_gib: float = 0.0,
                  nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo",
-                 host_reserve_gib: float = 16.0, asleep_residue_gib: float = 2.0):
+                 host_reserve_gib: float = 16.0, asleep_residue_gib: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.source = source
+        self.clock = clock  # the age of a reading (read's max_age_s)
         self.capacity_gib = capacity_gib
         self.gpu_capacity_gib = tuple(gpu_capacity_gib) if gpu_capacity_gib else None
         self.reserve_gib = reserve_gib
@@ -156,7 +158,7 @@ class Budget:
         self._physical: tuple[float, ...] | None = None  # static per GPU: the totals nvidia-smi gave
         self._physical_tried = False
         self._sizes: tuple[float, ...] | None = None  # each pool's total, as last measured
-        self._last: tuple[float, Reading] | None = None  # (monotonic time, the last reading)
+        self._last: tuple[float, Reading] | None = None  # (the clock's time, the last reading)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Budget:
@@ -300,7 +302,7 @@ class Budget:
         never optimistic: it names the engines that were starting then (counted by their
         footprint), engines starting now are counted as well, and memory freed since only
         makes it more cautious."""
-        now = time.monotonic()
+        now = self.clock()
         if max_age_s > 0 and self._last is not None and now - self._last[0] <= max_age_s:
             return self._last[1]
         starting = frozenset(d.id for d in deps if d.state is State.STARTING)

@@ -46,7 +46,7 @@ from .connection import PayloadError, Response, Stale, UpstreamError
 from .limits import READ_SIZE
 from .limits import timeout as _timeout
 
-__all__ = ["Upstreams", "UpstreamError", "Response", "PayloadError"]
+__all__ = ["Pool", "Upstreams", "UpstreamError", "Response", "PayloadError"]
 
 LIMIT = 256              # connections per deployment
 CONNECT_TIMEOUT = 10.0   # seconds to open a TCP connection
@@ -57,7 +57,7 @@ STALE_WINDOW = 1.0       # a reused connection closed within this of the request
 CALLS_LIMIT = 8          # connections per engine for ondemand's own calls (probes, the sleep API, /metrics)
 
 
-class _Pool:
+class Pool:
     """The connections to one engine address."""
 
     def __init__(self, base_url: str, limit: int = LIMIT, connect_timeout: float = CONNECT_TIMEOUT,
@@ -245,30 +245,35 @@ class Upstreams:
 
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
-        self._current: dict[int, _Pool] = {}
-        self._calls: dict[int, _Pool] = {}  # ondemand's own calls' pools
-        self._retired: set[_Pool] = set()
+        self._current: dict[int, Pool] = {}
+        self._calls: dict[int, Pool] = {}  # ondemand's own calls' pools
+        self._retired: set[Pool] = set()
 
     def open(self, dep_id: int, base_url: str) -> _Lease:
         return self._lease(self._current, dep_id, base_url, self.limit)
 
-    def _lease(self, pools: dict[int, _Pool], dep_id: int, base_url: str, limit: int) -> _Lease:
+    def pool(self, dep_id: int, *, calls: bool = False) -> Pool | None:
+        """The deployment's pool now, of its traffic (``calls``: of ondemand's own calls), for a
+        look at its connections (open, idle, waiters, streams); None when it has none."""
+        return (self._calls if calls else self._current).get(dep_id)
+
+    def _lease(self, pools: dict[int, Pool], dep_id: int, base_url: str, limit: int) -> _Lease:
         up = pools.get(dep_id)
         if up is None or up.base_url != base_url:
             if up is not None:
                 self._retire(up)
-            up = pools[dep_id] = _Pool(base_url, limit)
+            up = pools[dep_id] = Pool(base_url, limit)
         up.streams += 1
         return _Lease(self, up)
 
-    def _retire(self, up: _Pool) -> None:
+    def _retire(self, up: Pool) -> None:
         up.retired = True
         if up.streams == 0:
             up.close()
         else:
             self._retired.add(up)
 
-    def _ended(self, up: _Pool) -> None:
+    def _ended(self, up: Pool) -> None:
         up.streams -= 1
         if up.retired and up.streams == 0:
             self._retired.discard(up)
@@ -314,7 +319,7 @@ class _Lease:
     """One stream's use of a pool; ``end()`` exactly once (idempotent), after its answer's ``release()``."""
     __slots__ = ("_owner", "_up", "_ended")
 
-    def __init__(self, owner: Upstreams, up: _Pool):
+    def __init__(self, owner: Upstreams, up: Pool):
         self._owner = owner
         self._up = up
         self._ended = False

@@ -250,7 +250,7 @@ class DockerBackend(Backend):
         if running is not None:
             return running
         await self._check_network(docker)
-        container = await self._create(docker, await self._container_config(dep, launch, image), name, image)
+        container = await self._create(docker, await self.create_request(dep, launch), name, image)
         try:
             await container.start()
             info = await container.show()
@@ -290,9 +290,10 @@ class DockerBackend(Backend):
         await self._discard(info, why or "it is not running")
         return None
 
-    async def _container_config(self, dep: Deployment, launch: Launch, image: str) -> dict[str, Any]:
-        """The create request: image, labels, port, network, GPUs, /dev/shm, mounts, environment,
-        entrypoint and engine arguments."""
+    async def create_request(self, dep: Deployment, launch: Launch) -> dict[str, Any]:
+        """What a start asks Docker to create for ``dep`` run as ``launch``: image, labels, port,
+        network, GPUs, /dev/shm, mounts, environment, entrypoint and engine arguments."""
+        image = launch.image
         port = _port(dep)
         host_config: dict[str, Any] = {"NetworkMode": self.network, "RestartPolicy": {"Name": "no"}}
         env: list[str] = [f"{k}={v}" for k, v in launch.env]  # before the GPU's: those win

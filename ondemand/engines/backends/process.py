@@ -331,6 +331,12 @@ class ProcessBackend(Backend):
             text = text[starts[-1] + 1:]  # this run's lines, never an earlier run's
         return "\n".join(text[-lines:])
 
+    def followers(self, name: str) -> int:
+        """How many readers follow the log of ``name``'s latest run now (``logs(follow=True)``);
+        each leaves when its reader goes (a client that hung up, a Ctrl-C)."""
+        run = self._runs.get(name)
+        return 0 if run is None else len(run.followers)
+
     async def logs(self, dep: Deployment, *, tail: int, follow: bool) -> AsyncIterator[bytes]:
         # The tail is read and the follower added in one step (no await between them), and
         # the copier writes in steps of its own: no chunk is missed, none is sent twice.
