@@ -16,8 +16,13 @@ that backend's own tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import pathlib
+import shlex
+import signal
+import sys
 
 import aiohttp
 import docker_real
@@ -208,6 +213,14 @@ def _cmdlines(pids: list[int]) -> list[bytes]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """A live process (not gone, not a zombie waiting for PID 1 to reap it)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 async def test_pids_are_the_engines_processes_while_it_runs(h):
     """What the measured footprint matches nvidia-smi's processes against: the host pids
     of the engine's process tree (child process, or the container's processes)."""
@@ -285,6 +298,34 @@ async def test_an_engine_whose_pid_file_was_never_written_is_killed_at_the_take_
         await other.made[0].stop(theirs, 5)
         await mine.close()
         await other.close()
+
+
+async def test_a_process_stop_ends_the_engines_whole_group(tmp_path):
+    """vLLM's API server leads its engine core and its worker, which hold the GPU memory: a stop
+    returns once the whole process group is gone, not when its leader exits, and what outlives
+    the leader past the stop's timeout (here a child that ignores SIGTERM) is killed."""
+    h = ProcessHarness(tmp_path / "state")
+    pidfile = tmp_path / "child.pid"
+    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)")
+    sim = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "ondemand", "sim-engine", "--port", "{port}",
+                                             "--model", "M"])
+    dep = h._row(["sh", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(child)} & exec {sim}"])
+    b = h.backend()
+    child_pid = None
+    try:
+        engine = await b.start(dep)
+        await until_answers(engine)
+        await wait_for(lambda: pidfile.exists() and pidfile.read_text(), what="the engine's child")
+        child_pid = int(pidfile.read_text())
+        await b.stop(engine, 1)
+        assert await b.pids(engine) == []
+        assert not _alive(child_pid), "the engine's child outlived its stop"
+    finally:
+        if child_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child_pid, signal.SIGKILL)
+        await h.close()
 
 
 async def test_an_exited_engine_is_not_adopted(h):

@@ -85,6 +85,39 @@ def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> i
         return kernel
 
 
+# How long the rest of a SIGKILLed group may take to die before stop returns.
+GROUP_KILLED_S = 5.0
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``, from /proc. Zombies are left out: an orphan
+    is reaped by whoever is PID 1, late or (a container whose PID 1 never reaps) never."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
+
+
+async def _group_gone(pgid: int, within: float) -> bool:
+    """Whether process group ``pgid`` has no live process left within ``within`` seconds (polled
+    off the loop: a walk of /proc)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(within, 0.0)
+    while await asyncio.to_thread(_group_members, pgid):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
 def self_command() -> list[str]:
     """How to run this very ondemand again: the zipapp, or the package."""
     main = sys.modules.get("__main__")
@@ -265,18 +298,27 @@ class ProcessBackend(Backend):
         return await asyncio.to_thread(_tree, proc.pid)  # a walk of /proc: off the loop
 
     async def stop(self, engine: Engine, timeout: float) -> None:
+        """SIGTERM to the engine's process group, SIGKILL to what is left of it after ``timeout``.
+        It returns once the whole group is gone, not when its leader exits: vLLM's API server
+        leads its engine core and its worker, which hold the GPU memory and may outlive it."""
         proc: asyncio.subprocess.Process = engine.ref
         if proc.returncode is not None:
             return
+        deadline = asyncio.get_running_loop().time() + timeout
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+            if await _group_gone(proc.pid, deadline - asyncio.get_running_loop().time()):
+                return
+            log.warning("%s: processes of the engine outlived it by %gs after SIGTERM: killing them",
+                        engine.name, timeout)
         except asyncio.TimeoutError:
             log.warning("%s did not exit within %gs of SIGTERM: killing it", engine.name, timeout)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        await _group_gone(proc.pid, GROUP_KILLED_S)
 
     async def remove(self, dep: Deployment) -> None:
         await self._kill_leftover(dep.name)
