@@ -85,9 +85,28 @@ def test_gaps_with_no_regularity_behave_as_fixed():
     assert memoryless.plan(**BOUNDS, tiers=COSTS) is None
 
 
+def test_few_gaps_with_no_regularity_behave_as_fixed_and_a_rhythm_shows_from_the_20th():
+    """n gaps counted in 240 bins carry their sampling noise: alone it put the counts' CV above
+    2 for any gaps fewer than 60, so that 20 to 59 uniform or memoryless gaps all "showed a
+    pattern" and were planned on (rested early, pre-warmed at a head that means nothing). The test
+    is of the distribution's CV, that noise taken out."""
+    def rhythms(make):
+        rngs = [random.Random(seed) for seed in range(20)]
+        return [sorted(make(rng) for _ in range(n)) for rng in rngs]
+    for n in (20, 40, 60):
+        uniform = rhythms(lambda rng: rng.uniform(0, 7200))
+        memoryless = rhythms(lambda rng: rng.expovariate(1 / 300))
+        periodic = rhythms(lambda rng: 1800 + rng.uniform(-60, 60))
+        assert sum(map(rhythm.has_pattern, uniform + memoryless)) <= (2 if n == 20 else 0)
+        assert all(map(rhythm.has_pattern, periodic))
+    rng = random.Random(5)
+    assert Rhythm(rng.expovariate(1 / 300) for _ in range(40)).plan(**BOUNDS, tiers=COSTS) is None
+    assert rhythm.has_pattern(sorted(bursts(4)))  # 20 gaps of bursts: a pattern
+
+
 def test_requests_that_always_come_soon_rest_after_the_tail_not_the_timeout():
     rng = random.Random(4)
-    r = Rhythm(rng.uniform(5, 8) for _ in range(50))  # every 5 to 8 s: too soon to rest between
+    r = Rhythm(rng.uniform(7, 8) for _ in range(50))  # every 7 to 8 s: too soon to rest between
     plan = r.plan(idle_timeout_s=600, min_idle_timeout_s=1, tiers=COSTS)
     assert plan == Plan(awake_for_s=plan.awake_for_s, rest=None, prewarm_in_s=None, awake_until_s=None)
     assert 8 <= plan.awake_for_s <= 8 * rhythm.TAIL_MARGIN
