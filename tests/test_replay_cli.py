@@ -81,9 +81,26 @@ def test_rows_without_a_model_follow_the_seed(inputs):
     assert one["policies"]["current"]["per_deployment"]["a"]["requests"] > 30  # weight 3 of 4
 
 
+def test_adaptive_measured_after_a_warm_up(inputs):
+    """--warmup-s 300: the requests that arrive from 300 s on are counted (15 of the 30: three a
+    minute); the JSON says where the counts begin."""
+    out = inputs / "warm.json"
+    r = replay(str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "2x80",
+               "--host-gib", "512", "--policy", "adaptive", "--policy", "current", "--warmup-s", "300",
+               "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[1:]] == ["adaptive", "current"]
+    doc = json.loads(out.read_text())
+    assert doc["trace"]["requests"] == 30 and doc["trace"]["measured_from_s"] == 300
+    assert [p["requests"] for p in doc["policies"].values()] == [15, 15]
+    assert doc["policies"]["adaptive"]["prewarms"] == 0  # ten minutes teach nothing: as fixed
+
+
 @pytest.mark.parametrize("args,says", [
     (["--policy", "bogus"], "unknown policy 'bogus'"),
-    (["--policy", "adaptive"], "policy 'adaptive' arrives with adaptive warmth"),
+    (["--warmup-s", "-5"], "--warmup-s -5: seconds of 0 or more"),
+    (["--warmup-s", "60", "--live"], "--warmup-s 60: seconds of 0 or more, and not with --live"),
+    (["--warmup-s", "600"], "--warmup-s 600: after the trace's last arrival (580 s): nothing would be measured"),
     (["--policy", "ttl=30"], "policy 'ttl=30': 30 s is below the box's min_idle_timeout_s (60 s)"),
     (["--policy", "current", "--policy", "current"], "policy 'current' is given twice"),
     (["--gpus", "eight"], "--gpus 'eight': how many GPUs and the GiB of each, as NxGIB (8x80)"),

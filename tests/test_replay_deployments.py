@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ondemand import config as config_mod
-from ondemand.model import IdleAction, Mode, Priority, State
+from ondemand.model import IdleAction, KeepWarm, Mode, Priority, State
 from ondemand.replay.deployments import DeploymentError, box_of, check_fits, from_file, from_state, parse_gpus
 from ondemand.replay.types import Box, Costs
 from ondemand.state.store import Store
@@ -63,12 +63,17 @@ def test_a_file_gives_fields_costs_and_weights_with_defaults(tmp_path):
     assert giant.costs == Costs(decode_tokens_per_s=30, max_concurrency=4) and giant.weight == 1
 
 
+def test_keep_warm_adaptive_is_read(tmp_path):
+    _, giant = from_file(write(tmp_path, GOOD.replace('keep_warm = "fixed"', 'keep_warm = "adaptive"')), BOX)
+    assert giant.deployment.keep_warm is KeepWarm.ADAPTIVE and giant.gaps == ()  # a file holds no learned gaps
+
+
 @pytest.mark.parametrize("change,line,says", [
     (('memory_gib = 240', 'memory_gib = "lots"'), 14, "deployment 'giant': memory_gib: 'lots' is not a number"),
     (('gpu_count = 4', 'gpu_count = 5'), 15, "gpu_count: 5 is not a whole number from 0 to 4"),
     (('idle_timeout_s = 300', 'idle_timeout_s = 30'), 17, "idle_timeout_s: 30 is not a whole number from 60"),
     (('mode = "always_on"', 'mode = "sometimes"'), 16, "mode: 'sometimes' is not one of on_demand, always_on"),
-    (('keep_warm = "fixed"', 'keep_warm = "adaptive"'), 21, "'adaptive' arrives with adaptive warmth"),
+    (('keep_warm = "fixed"', 'keep_warm = "warm"'), 21, "keep_warm: 'warm' is not one of fixed, adaptive"),
     (('max_concurrency = 4', 'max_concurrency = 0'), 23, "max_concurrency: 0 is not a whole number from 1"),
     (('weight = 5', 'weight = -1'), 5, "deployment 'small': weight: -1 is not a number of at least 0"),
     (('wake_s = 0.26', 'wake_ss = 0.26'), 7, "deployment 'small': unknown field 'wake_ss'"),
@@ -144,6 +149,8 @@ async def state_file(tmp_path) -> str:
         for kind, seconds in [("start", 50), ("start", 70), ("start", 55), ("wake", 2), ("wake", 4)]:
             await store.write_start(a["id"], at=1.0, duration_s=seconds, kind=kind, keep=20)
         await store.write_start(b["id"], at=1.0, duration_s=90, kind="start", keep=20)
+        for gap in (1800.0, 1790.5, 1812.25):  # what adaptive warmth learned of a, oldest first
+            await store.write_idle_gap(a["id"], at=1.0, gap_s=gap, keep=500)
     finally:
         await store.close()
     return str(path)
@@ -167,6 +174,7 @@ def test_the_state_file_is_read_without_a_write(tmp_path):
     assert b.costs == Costs(cold_start_s=90)
     assert c.deployment.state is State.PLANNED and c.deployment.memory_gib == 72.0  # 0.9 of a GPU: nothing to read
     assert c.costs == Costs()  # no history: the defaults
+    assert a.gaps == (1800.0, 1790.5, 1812.25) and b.gaps == c.gaps == ()  # the idle gaps the box learned
     assert decider.deployment.mode is Mode.ALWAYS_ON and not decider.deployment.on_demand
 
 

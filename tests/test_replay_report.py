@@ -15,7 +15,7 @@ from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
 BOX = Box(gpus=(80.0, 80.0), host_gib=512)
 POLICIES = [Policy.parse(p) for p in ("current", "ttl=300", "always-on")]
 FIELDS = {"requests", "served", "failed", "slo_met", "ttft_s", "waited", "cold_starts", "wakes", "sleeps", "stops",
-          "prewarms", "gpu_hours", "gpu_gib_hours"}
+          "prewarms", "prewarm_hits", "gpu_hours", "gpu_gib_hours"}
 
 
 def deps() -> list[Replayed]:
@@ -66,6 +66,13 @@ def test_the_json_has_exactly_the_documented_shape():
     assert current["gpu_hours"] == round((1333.7 + 1323.7) / 3600, 3)
     assert current["per_deployment"]["a"]["gpu_gib_hours"] == round(
         (60 * 664.25 + 2 * (1328.5 - 664.25) + 60 * (1333.7 - 1328.5)) / 3600, 3)
+
+
+def test_a_warm_up_is_said_in_the_trace_and_the_hit_rate_in_the_table():
+    doc = report.to_json(results(), BOX, requests=4, models=3, measured_from_s=500)
+    assert doc["trace"] == {"requests": 4, "duration_s": 1333.7, "models": 3, "measured_from_s": 500}
+    assert (report.hit_rate(0, 0), report.hit_rate(7, 9)) == ("-", "7/9 (78 %)")
+    assert report.table(results(), 5.0).splitlines()[1].split()[-3] == "-"  # no pre-warm: fixed warmth
 
 
 def test_the_same_inputs_give_the_same_bytes():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ondemand.model import Deployment, Mode, State
+from ondemand.model import Deployment, KeepWarm, Mode, State
 from ondemand.replay.clock import VirtualClock
 from ondemand.replay.run import configure, replay
 from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
@@ -200,9 +200,16 @@ def test_the_same_inputs_give_the_same_results():
         (r.total, r.per_deployment, r.memory, r.queue, r.end_s) for r in two]
 
 
+def test_adaptive_sets_keep_warm_on_the_on_demand_deployments_only():
+    a, b = configure([dep(1, "a", 40, idle_timeout_s=900), dep(2, "b", 20, mode=Mode.ALWAYS_ON)],
+                     Policy.parse("adaptive"), BOX)
+    assert (a.deployment.keep_warm, a.deployment.idle_timeout_s) == (KeepWarm.ADAPTIVE, 900)  # its bound as given
+    assert b.deployment.keep_warm is KeepWarm.FIXED
+    back, = configure([a], Policy.parse("fixed=300"), BOX)  # the other policies set fixed
+    assert (back.deployment.keep_warm, back.deployment.idle_timeout_s) == (KeepWarm.FIXED, 300)
+
+
 def test_a_policy_the_replay_cannot_run_is_named():
-    with pytest.raises(ValueError, match="policy 'adaptive' arrives with adaptive warmth"):
-        configure([dep(1, "a", 40)], Policy.parse("adaptive"), BOX)
     with pytest.raises(ValueError, match=r"policy 'ttl=30': 30 s is below the box's min_idle_timeout_s \(60 s\)"):
         configure([dep(1, "a", 40)], Policy.parse("ttl=30"), BOX)
 

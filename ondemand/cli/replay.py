@@ -112,6 +112,15 @@ def _deployments(ctx: Ctx, path: str | None, box: Box) -> list[Replayed]:
         _bad(str(exc))
 
 
+def _check_numbers(slo_s: float, speed: float, live: bool, warmup_s: float) -> None:
+    if slo_s <= 0:
+        _bad(f"--slo-s {slo_s:g}: seconds above 0")
+    if speed <= 0 or (speed != 1.0 and not live):
+        _bad(f"--speed {speed:g}: above 0, and only with --live")
+    if warmup_s < 0 or (warmup_s > 0 and live):
+        _bad(f"--warmup-s {warmup_s:g}: seconds of 0 or more, and not with --live (which compares whole runs)")
+
+
 def _write(path: str, data: bytes) -> None:
     try:
         with open(path, "wb") as fh:
@@ -125,12 +134,15 @@ def _write(path: str, data: bytes) -> None:
 @click.option("--deployments", "deployments_file", metavar="FILE",
               help="a TOML file of [[deployment]] tables (default: the state file's deployments, read only)")
 @click.option("--policy", "policies", multiple=True, metavar="P",
-              help="current, always-on, ttl=S, sleep-ttl=S or fixed=S; repeatable (default: current)")
+              help="current, always-on, ttl=S, sleep-ttl=S, fixed=S or adaptive; repeatable (default: current)")
 @click.option("--gpus", metavar="NxGIB", help="the box's GPUs, e.g. 8x80 (default: the configuration's budget)")
 @click.option("--host-gib", type=float, metavar="G", help="the box's host memory (default: this host's)")
 @click.option("--slo-s", type=float, default=5.0, show_default=True, metavar="S",
               help="a request meets the SLO when its TTFT is at most this")
 @click.option("--seed", type=int, default=0, show_default=True, help="for the model of rows that name none")
+@click.option("--warmup-s", type=float, default=0.0, metavar="S",
+              help="replay the trace's first S seconds without counting them: each policy is measured from the "
+                   "state its own decisions left then (what runs, what sleeps, what adaptive warmth learned)")
 @click.option("--json", "json_file", metavar="FILE", help="write the results as JSON")
 @click.option("--html", "html_file", metavar="FILE", help="write one self-contained page of charts")
 @click.option("--live", is_flag=True, help="also send the requests through a real serve on loopback with engine "
@@ -139,17 +151,14 @@ def _write(path: str, data: bytes) -> None:
               help="with --live: every duration divided by X")
 @pass_ctx
 def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tuple[str, ...], gpus: str | None,
-           host_gib: float | None, slo_s: float, seed: int, json_file: str | None, html_file: str | None,
-           live: bool, speed: float) -> None:
+           host_gib: float | None, slo_s: float, seed: int, warmup_s: float, json_file: str | None,
+           html_file: str | None, live: bool, speed: float) -> None:
     """Replay TRACE (a CSV file, or the JSON access log) against the deployments under each
     policy, in virtual time through ondemand's own decisions: who waited for what, for how
     long, and what the box held. The state file is never written. With --live the same
     requests also go through a real serve, and the two are compared (exit 1 when they differ)."""
     parsed = _policies(policies)
-    if slo_s <= 0:
-        _bad(f"--slo-s {slo_s:g}: seconds above 0")
-    if speed <= 0 or (speed != 1.0 and not live):
-        _bad(f"--speed {speed:g}: above 0, and only with --live")
+    _check_numbers(slo_s, speed, live, warmup_s)
     box = _box(ctx.cfg, gpus, host_gib)
     for policy in parsed:
         try:
@@ -162,14 +171,18 @@ def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tu
         summary = trace.check()
     except TraceError as exc:
         _bad(str(exc))
+    if warmup_s and warmup_s > summary.span_s:
+        _bad(f"--warmup-s {warmup_s:g}: after the trace's last arrival ({summary.span_s:g} s): nothing would be "
+             "measured")
     progress = Progress(summary.requests, f"requests x {len(parsed)} {'policy' if len(parsed) == 1 else 'policies'}")
     try:
-        results = run_replay(trace, replayed, box, parsed, slo_s=slo_s, progress=progress)
+        results = run_replay(trace, replayed, box, parsed, slo_s=slo_s, measure_from_s=warmup_s, progress=progress)
     finally:
         progress.close()
     click.echo(report.table(results, slo_s), nl=False)
     if json_file:
-        _write(json_file, report.json_bytes(report.to_json(results, box, summary.requests, len(summary.models))))
+        _write(json_file, report.json_bytes(report.to_json(results, box, summary.requests, len(summary.models),
+                                                           measured_from_s=warmup_s)))
     if html_file:
         title = f"ondemand replay: {trace_file}"
         _write(html_file, page.document(title, [page.section(results, box, title=title, slo_s=slo_s)]).encode())

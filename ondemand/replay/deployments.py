@@ -9,7 +9,8 @@
   given (a vLLM recipe: ``idle_action = "auto"`` sleeps at level 1 on discrete GPUs); one GPU.
 - **The state file**, opened read only (``mode=ro``, and ``immutable`` when no write-ahead log
   is there, so that not even its side files are made): the box's own deployments, their engines'
-  costs from the recorded history (the median cold start and wake), else ``Costs``' defaults.
+  costs from the recorded history (the median cold start and wake), else ``Costs``' defaults,
+  and the idle gaps adaptive warmth kept of each (``idle_gaps``): what the box had learned.
 
 Every deployment starts the replay at rest (on demand: stopped; always on: placed at the start).
 Bad input is ``DeploymentError``: ``FILE:LINE: what is wrong``, naming the deployment.
@@ -91,12 +92,6 @@ def _gpu_ids(v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _keep_warm(v: Any) -> str:
-    if v == KeepWarm.ADAPTIVE.value:
-        raise ValueError("'adaptive' arrives with adaptive warmth; until then fixed")
-    return _one_of(KeepWarm.FIXED.value)(v)
-
-
 def fields_checks(box: Box) -> dict[str, Callable[[Any], Any]]:
     """Each deployment field a file may give, and its check (ValueError says what is wrong)."""
     return {
@@ -104,7 +99,7 @@ def fields_checks(box: Box) -> dict[str, Callable[[Any], Any]]:
         "memory_gib": _number(0), "gpu_count": _whole(0, len(box.gpus)), "gpu_ids": _gpu_ids,
         "mode": _one_of(*(m.value for m in Mode)), "idle_timeout_s": _whole(box.min_idle_timeout_s, 86400),
         "idle_action": _one_of(*(a.value for a in IdleAction)), "priority": _one_of(*(p.value for p in Priority)),
-        "max_inflight": _whole(1, MAX_INFLIGHT), "keep_warm": _keep_warm,
+        "max_inflight": _whole(1, MAX_INFLIGHT), "keep_warm": _one_of(*(k.value for k in KeepWarm)),
     }
 
 
@@ -246,6 +241,7 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
             con.row_factory = sqlite3.Row
             rows = [deployment_fields(r) for r in con.execute("SELECT * FROM deployments ORDER BY id")]
             starts = con.execute("SELECT deployment_id, kind, duration_s FROM starts ORDER BY id").fetchall()
+            kept = _idle_gaps(con)
         finally:
             con.close()
     except sqlite3.Error as exc:
@@ -262,10 +258,21 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
             costs = dataclasses.replace(costs, cold_start_s=statistics.median(cold))
         if wake:
             costs = dataclasses.replace(costs, wake_s=statistics.median(wake))
-        out.append(Replayed(dep, costs))
+        out.append(Replayed(dep, costs, gaps=tuple(kept.get(dep.id, ()))))
     if not out:
         raise DeploymentError(f"{path}: the state file holds no deployment (give --deployments FILE)")
     check_fits(out, box, lambda _i: path)
+    return out
+
+
+def _idle_gaps(con: sqlite3.Connection) -> dict[int, list[float]]:
+    """Each deployment's kept idle gaps, oldest first (none in a state file from before
+    adaptive warmth, which a replay does not migrate)."""
+    if con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'idle_gaps'").fetchone() is None:
+        return {}
+    out: dict[int, list[float]] = {}
+    for dep_id, gap in con.execute("SELECT deployment_id, gap_s FROM idle_gaps ORDER BY id"):
+        out.setdefault(dep_id, []).append(float(gap))
     return out
 
 

@@ -11,7 +11,8 @@ Per request: its TTFT (arrival to first token at the client: the wait, then insi
 then the prefill; a request that does not stream gets its first token with its last), what it
 waited for, the deepest of ``ready`` (nothing), ``wake``, ``cold`` (a start), ``queue`` (it
 queued for memory), and whether it was served or refused; tallied for its deployment and the
-box. The count of requests queued for memory at each change is the page's queue timeline.
+box (a request that arrived before the measured window, ``measure_from_s``, is not). The
+count of requests queued for memory at each change is the page's queue timeline.
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ class Flights:
         self.ids = {d.name: d.id for d in world.deployments()}
         self.names = {d.id: d.name for d in world.deployments()}
         self.open = 0  # requests arrived and not yet ended or refused
+        self.measure_from_s = 0.0  # requests that arrived before are served but not counted
         self.waiting_for_memory = 0
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
 
@@ -163,6 +165,8 @@ class Flights:
     def finished(self, f: Flight, *, served: bool) -> None:
         f.done = True
         self.open -= 1
+        if f.arrival < self.measure_from_s:
+            return
         met = served and f.ttft <= self.slo_s + 1e-9
         for t in (self.tallies[self.names[f.dep_id]], self.total):
             t.requests += 1

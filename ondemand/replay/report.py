@@ -3,11 +3,15 @@
 The JSON's shape: ``{"trace": {"requests", "duration_s", "models"}, "box": {"gpus"},
 "policies": {NAME: {"requests", "served", "failed", "slo_met", "ttft_s": {"p50", "p90", "p99",
 "max"}, "waited": {"ready", "wake", "cold", "queue"}, "cold_starts", "wakes", "sleeps", "stops",
-"prewarms", "gpu_hours", "gpu_gib_hours", "per_deployment": {NAME: {the same but
-per_deployment}}}}}``. ``slo_met`` is the fraction of requests whose TTFT met the SLO (a refused
-request never does); a percentile is linear between the two nearest ranks, null with nothing
-served; ``trace.duration_s`` runs from the first arrival to the end of the last request (the
-longest of the policies'); ``trace.models`` counts the deployments the trace's requests went to.
+"prewarms", "prewarm_hits", "gpu_hours", "gpu_gib_hours", "per_deployment": {NAME: {the same
+but per_deployment}}}}}``. ``prewarms`` counts adaptive warmth's pre-warms that started,
+``prewarm_hits`` those a request found awake (or coming up) for it. ``slo_met`` is the
+fraction of requests whose TTFT met the SLO (a refused request never does); a percentile is
+linear between the two nearest ranks, null with nothing served; ``trace.duration_s`` runs from
+the first arrival to the end of the last request (the longest of the policies');
+``trace.models`` counts the deployments the trace's requests went to; ``trace.measured_from_s``,
+only with a warm-up (``--warmup-s``), is where the counts begin (the policies' counts and hours
+are the measured window's; ``trace.requests`` is the whole trace's).
 Numbers are rounded (seconds and hours to 3 decimals, fractions to 4), so the same inputs give
 the same bytes.
 """
@@ -45,15 +49,19 @@ def tally_json(t: Tally) -> dict[str, Any]:
                    "p99": _r(percentile(ordered, 0.99)), "max": _r(ordered[-1] if ordered else None)},
         "waited": {k: t.waited[k] for k in WAITED},
         "cold_starts": t.cold_starts, "wakes": t.wakes, "sleeps": t.sleeps, "stops": t.stops,
-        "prewarms": t.prewarms,
+        "prewarms": t.prewarms, "prewarm_hits": t.prewarm_hits,
         "gpu_hours": _r(t.gpu_seconds / 3600), "gpu_gib_hours": _r(t.gpu_gib_seconds / 3600),
     }
 
 
-def to_json(results: Sequence[PolicyResult], box: Box, requests: int, models: int) -> dict[str, Any]:
+def to_json(results: Sequence[PolicyResult], box: Box, requests: int, models: int,
+            measured_from_s: float = 0.0) -> dict[str, Any]:
+    trace: dict[str, Any] = {"requests": requests, "duration_s": _r(max((r.end_s for r in results), default=0.0)),
+                             "models": models}
+    if measured_from_s:
+        trace["measured_from_s"] = _r(measured_from_s)
     return {
-        "trace": {"requests": requests, "duration_s": _r(max((r.end_s for r in results), default=0.0)),
-                  "models": models},
+        "trace": trace,
         "box": {"gpus": list(box.gpus)},
         "policies": {r.policy.name: {**tally_json(r.total),
                                      "per_deployment": {name: tally_json(t) for name, t in r.per_deployment.items()}}
@@ -66,7 +74,7 @@ def json_bytes(doc: dict[str, Any]) -> bytes:
 
 
 HEADER = ["policy", "requests", "failed", "SLO met", "TTFT p50", "p99", "ready", "wake", "cold", "queue",
-          "cold starts", "wakes", "sleeps", "stops", "GPU-h", "GiB-h"]
+          "cold starts", "wakes", "sleeps", "stops", "pre-warm hits", "GPU-h", "GiB-h"]
 
 
 def rows(results: Sequence[PolicyResult], slo_s: float) -> list[list[str]]:
@@ -78,8 +86,13 @@ def rows(results: Sequence[PolicyResult], slo_s: float) -> list[list[str]]:
                     _seconds(ttft["p50"]), _seconds(ttft["p99"]),
                     *(str(j["waited"][k]) for k in WAITED),
                     str(j["cold_starts"]), str(j["wakes"]), str(j["sleeps"]), str(j["stops"]),
-                    f"{j['gpu_hours']:.2f}", f"{j['gpu_gib_hours']:.0f}"])
+                    hit_rate(j["prewarm_hits"], j["prewarms"]), f"{j['gpu_hours']:.2f}", f"{j['gpu_gib_hours']:.0f}"])
     return out
+
+
+def hit_rate(hits: int, prewarms: int) -> str:
+    """The pre-warms' hit rate as the table shows it: "7/9 (78 %)", or "-" with none."""
+    return f"{hits}/{prewarms} ({100 * hits / prewarms:.0f} %)" if prewarms else "-"
 
 
 def _seconds(x: float | None) -> str:

@@ -12,12 +12,20 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
 - ``sleep-ttl=S``: the same, put to sleep at level 1 instead (llama-swap with a vLLM sleep
   wrapper);
 - ``fixed=S``: ondemand's tiered warmth with ``idle_timeout_s`` S for all;
-- ``adaptive``: refused by name until adaptive warmth acts.
+- ``adaptive``: ``keep_warm`` adaptive for the on-demand ones (their idle timeouts as given):
+  each learns its idle gaps as the trace goes, from those the state file kept (``Replayed.gaps``)
+  or from none, and behaves as ``fixed`` until its 20th.
 
 One ``Run`` per policy: its own virtual clock, world (``world.py``), controller and requests'
 edge (``flights.py``), and the reaper's step every ``reap_interval_s``. ``replay`` reads the
 trace once and hands each request to every run in turn (each runs its clock up to the arrival
 first), so nothing of the trace is held, and memory does not grow with the policies.
+
+``measure_from_s`` (``--warmup-s``): the trace's first seconds are replayed but not counted.
+Every run goes on from the state its own decisions left at that moment (what runs, what sleeps,
+what was learned), and counts only what happens from then on: the requests that arrive, the
+starts, wakes, sleeps, stops and pre-warms, and the memory held. A pre-warm still out then is
+counted as one of the window's, so that its hit is not counted alone.
 """
 from __future__ import annotations
 
@@ -34,8 +42,6 @@ from .world import World
 
 def check_policy(policy: Policy, box: Box) -> None:
     """Raises ValueError, naming the policy, for one the replay cannot run on this box."""
-    if policy.kind == "adaptive":
-        raise ValueError(f"policy {policy.name!r} arrives with adaptive warmth: it cannot be replayed yet")
     if policy.kind in TIMED_KINDS and (policy.seconds or 0) < box.min_idle_timeout_s:
         raise ValueError(f"policy {policy.name!r}: {policy.seconds} s is below the box's min_idle_timeout_s "
                          f"({box.min_idle_timeout_s} s), the shortest idle timeout a deployment may have")
@@ -56,6 +62,8 @@ def configure(replayed: Sequence[Replayed], policy: Policy, box: Box) -> list[Re
                     dep = dep.replace(idle_action=IdleAction.STOP)
                 elif policy.kind == "sleep-ttl":
                     dep = dep.replace(idle_action=IdleAction.SLEEP)
+            elif dep.on_demand and policy.kind == "adaptive":
+                dep = dep.replace(keep_warm=KeepWarm.ADAPTIVE)
         out.append(dataclasses.replace(r, deployment=dep))
     return out
 
@@ -63,7 +71,8 @@ def configure(replayed: Sequence[Replayed], policy: Policy, box: Box) -> list[Re
 class Run:
     """One policy's replay (module doc)."""
 
-    def __init__(self, policy: Policy, replayed: Sequence[Replayed], box: Box, slo_s: float):
+    def __init__(self, policy: Policy, replayed: Sequence[Replayed], box: Box, slo_s: float,
+                 measure_from_s: float = 0.0):
         self.policy = policy
         self.box = box
         self.clock = clock = VirtualClock()
@@ -76,8 +85,31 @@ class Run:
             idle_timeout_s=box.idle_timeout_s, min_idle_timeout_s=box.min_idle_timeout_s,
             sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib)
         self.world.bind(self.controller)
+        self.controller.learn({r.deployment.id: r.gaps for r in replayed if r.gaps})
         self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)
+        self.measure_from_s = measure_from_s
+        self._hits_before: dict[str, int] = {}  # pre-warm hits before the measured window
+        if measure_from_s > 0:
+            self.flights.measure_from_s = measure_from_s
+            clock.call_later(measure_from_s, self._measure)
         clock.call_later(box.reap_interval_s, self._reap)
+
+    def _measure(self) -> None:
+        """The measured window begins (module doc): the memory held so far is booked, then every
+        count starts again from nothing, but for the pre-warms still out."""
+        self.world.ledger.book()
+        for name, tally in self.tallies.items():
+            hits, misses = self._prewarm_results(name)
+            out = tally.prewarms - hits - misses
+            tally.reset()
+            tally.prewarms = out
+            self._hits_before[name] = hits
+        self.total.reset()
+
+    def _prewarm_results(self, name: str) -> tuple[int, int]:
+        """The controller's count of ``name``'s pre-warms that were hits and misses so far."""
+        results = self.controller.prewarms(self.flights.ids[name])
+        return results["hit"], results["miss"]
 
     def _reap(self) -> None:
         """The reaper's clock (control/reaper.py): a step every ``reap_interval_s``."""
@@ -91,7 +123,11 @@ class Run:
     def finish(self) -> PolicyResult:
         """Run on until the last request has ended; what is awake then stays (no stop)."""
         self.clock.run_while(lambda: self.flights.open > 0)
+        if self.clock.now < self.measure_from_s:  # the trace ended before its measured window
+            self.clock.run_until(self.measure_from_s)
         self.world.ledger.close()
+        for name, tally in self.tallies.items():
+            tally.prewarm_hits = self._prewarm_results(name)[0] - self._hits_before.get(name, 0)
         for key in ("cold_starts", "wakes", "sleeps", "stops", "prewarms", "prewarm_hits"):
             setattr(self.total, key, sum(getattr(t, key) for t in self.tallies.values()))
         return PolicyResult(self.policy, self.total, self.tallies, end_s=self.clock.now,
@@ -99,9 +135,11 @@ class Run:
 
 
 def replay(requests: Iterable[Request], replayed: Sequence[Replayed], box: Box, policies: Sequence[Policy], *,
-           slo_s: float = 5.0, progress: Callable[[int], None] | None = None) -> list[PolicyResult]:
-    """Each policy's result, in the order given; ``progress(n)`` after every 256th request."""
-    runs = [Run(p, configure(replayed, p, box), box, slo_s) for p in policies]
+           slo_s: float = 5.0, measure_from_s: float = 0.0,
+           progress: Callable[[int], None] | None = None) -> list[PolicyResult]:
+    """Each policy's result, in the order given, counted from ``measure_from_s`` (module doc);
+    ``progress(n)`` after every 256th request."""
+    runs = [Run(p, configure(replayed, p, box), box, slo_s, measure_from_s) for p in policies]
     n = 0
     for n, req in enumerate(requests, 1):
         for run in runs:

@@ -43,10 +43,12 @@ class Costs:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Replayed:
     """A deployment in the replay: its fields (ids 1..n, on demand and stopped unless it says
-    ``mode = "always_on"``), its engine's costs and its share of the rows without a model."""
+    ``mode = "always_on"``), its engine's costs, its share of the rows without a model, and the
+    idle gaps adaptive warmth had learned of it (the state file's, oldest first; none from a file)."""
     deployment: Deployment
     costs: Costs = Costs()
     weight: float = 1.0
+    gaps: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,10 +109,16 @@ class Tally:
     wakes: int = 0
     sleeps: int = 0
     stops: int = 0
-    prewarms: int = 0
-    prewarm_hits: int = 0
+    prewarms: int = 0  # adaptive warmth's pre-warms that started
+    prewarm_hits: int = 0  # ...and found a request before their engine went away again
     gpu_seconds: float = 0.0  # summed over GPUs: the time some engine held memory there
     gpu_gib_seconds: float = 0.0  # the GiB held times the time
+
+    def reset(self) -> None:
+        """Everything back to nothing counted (a measured window begins)."""
+        fresh = Tally()
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(fresh, field.name))
 
 
 @dataclasses.dataclass(slots=True)

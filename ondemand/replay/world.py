@@ -17,6 +17,9 @@ back through the same ``on_*`` calls, each in its own event as their tasks do:
   (the ``static`` budget's rule: nothing is measured);
 - ``stop``: with the same precheck, ``stopping`` then ``stopped`` (an engine's exit costs no time
   here);
+- ``prewarm`` (adaptive warmth): ``admit`` without make-room, ``prewarm_wanted`` asked in the
+  same step as the fit check; a pre-warm that starts is counted (its hit is the controller's);
+  ``tiers``: the rest tiers at the deployment's own costs;
 - ``settle``: the fit check polled every ``SETTLE_POLL_S`` until it passes or the wait runs out.
 
 Every transition reaches the controller as the bus brings it (``on_deployment``), and each is
@@ -135,13 +138,17 @@ class Ledger:
             self.box.gpu_seconds += now - self._total_since[gpu]
         self._total_since[gpu] = now
 
-    def close(self) -> None:
-        """Book everything held up to now (the replay's end)."""
+    def book(self) -> None:
+        """Book everything held up to now (a measured window begins, or the replay ends)."""
         now = self.clock.now
         for name in self._held:
             self._accrue(name, now)
         for gpu in range(len(self._total)):
             self._accrue_gpu(gpu, now)
+
+    def close(self) -> None:
+        """Book everything held up to now (the replay's end), and the box's GiB-seconds."""
+        self.book()
         self.box.gpu_gib_seconds = sum(self.tallies[n].gpu_gib_seconds for n in self._held)
 
 
@@ -317,6 +324,7 @@ class World:
                 pass  # only memory free now: it does nothing
             else:
                 self._start(dep, gpus)
+                self.tallies[dep.name].prewarms += 1
                 started = True
         ctl.on_prewarmed(dep_id, started)
 
