@@ -164,15 +164,36 @@ async def serve(opts: SimOptions) -> None:
         await runner.cleanup()
 
 
-# Long: one declaration per flag the simulator takes, and their checks, read top to bottom.
 def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap = argparse.ArgumentParser(prog="python -m ondemand.sim.engine", description=__doc__.split("\n")[0])
+    _engine_flags(ap)
+    _simulated_flags(ap)
+    a = ap.parse_args(argv)
+    fail, fail_after = _fail_mode(ap, a.fail)
+    _check_ranges(ap, a)
+    model = a.served or a.model or a.model_path or a.model_flag or "sim-model"
+    weights_path = None
+    if a.load_weights:
+        weights_path = a.model_path or a.model_flag or a.model
+        if not weights_path or not os.path.exists(weights_path):
+            ap.error(f"--load-weights: the model {weights_path!r} is not a local directory or file")
+    return SimOptions(host=a.host, port=a.port, model=model, flavor=a.flavor, startup_delay=a.startup_delay,
+                      token_delay=a.token_delay, prefill_rate=a.prefill_rate, tokens=a.tokens, fail=fail,
+                      fail_after=fail_after,
+                      max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
+                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
+                      sleep_gpu_mib=a.sleep_gpu_mib, host_mib=a.host_mib, sleep_delay=a.sleep_delay,
+                      wake_delay=a.wake_delay, weights_cpu_backup=a.enable_weights_cpu_backup, journal=a.journal,
+                      weights_delay=a.weights_delay, compile_delay=a.compile_delay, weights_path=weights_path)
+
+
+def _engine_flags(ap: argparse.ArgumentParser) -> None:
+    """Where it listens, and the engines' own flags as ondemand's recipes write them (recipes.py):
+    an unknown flag is refused with exit 2, as vLLM, SGLang and llama.cpp do."""
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (the startup line names it)")
     ap.add_argument("--model", default=None, help="the model (vLLM: the model it loads; here the served name "
                                                    "unless --served-model-name says another)")
-    # The engines' own flags, as ondemand's recipes write them (recipes.py); an unknown flag is
-    # refused with exit 2, as vLLM, SGLang and llama.cpp do.
     ap.add_argument("model_path", nargs="?", help="vLLM's positional model (vllm serve MODEL)")
     ap.add_argument("--served-model-name", "--alias", dest="served", help="the served name (vLLM, SGLang; "
                                                                          "llama.cpp's --alias)")
@@ -185,6 +206,11 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--enable-weights-cpu-backup", action="store_true",
                     help="SGLang's: release_memory_occupation keeps the weights in host memory (a level 1 "
                          "sleep; without it, level 2)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+
+
+def _simulated_flags(ap: argparse.ArgumentParser) -> None:
+    """The simulator's own: which engine it plays, how long each thing takes, its memory, its failures."""
     ap.add_argument("--flavor", choices=FLAVORS, default="vllm")
     ap.add_argument("--startup-delay", type=float, default=0.0, metavar="S", help="answer 503 for S seconds")
     ap.add_argument("--weights-delay", type=float, default=None, metavar="S",
@@ -202,7 +228,6 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--fail", nargs="+", metavar="MODE [S]",
                     help="exit-at-start | never-ready | crash-mid-stream | exit-after S | wake-fails | "
                          "wake-hangs | wake-garbage")
-    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-running", type=int, default=0, metavar="N", help="concurrent generations (0: no limit)")
     ap.add_argument("--embedding-dim", type=int, default=8)
     ap.add_argument("--record-limit", type=int, default=1000, metavar="N")
@@ -220,19 +245,27 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     ap.add_argument("--journal", metavar="FILE",
                     help="append one JSON line per event (boot, req, end, sigterm with the requests in flight, "
                          "sleep, wake)")
-    a = ap.parse_args(argv)
-    fail, fail_after = None, 0.0
-    if a.fail:
-        fail = a.fail[0]
-        if fail not in FAILURES:
-            ap.error(f"--fail: {fail!r} is not one of {', '.join(FAILURES)}")
-        if (fail == "exit-after") != (len(a.fail) == 2) or len(a.fail) > 2:
-            ap.error("--fail: only exit-after takes a value, and it needs one: --fail exit-after S")
-        if fail == "exit-after":
-            try:
-                fail_after = float(a.fail[1])
-            except ValueError:
-                ap.error(f"--fail exit-after: {a.fail[1]!r} is not a number of seconds")
+
+
+def _fail_mode(ap: argparse.ArgumentParser, given: list[str] | None) -> tuple[str | None, float]:
+    """--fail MODE [S]: the mode, and the seconds of exit-after (the only one that takes them)."""
+    if not given:
+        return None, 0.0
+    fail = given[0]
+    if fail not in FAILURES:
+        ap.error(f"--fail: {fail!r} is not one of {', '.join(FAILURES)}")
+    if (fail == "exit-after") != (len(given) == 2) or len(given) > 2:
+        ap.error("--fail: only exit-after takes a value, and it needs one: --fail exit-after S")
+    if fail != "exit-after":
+        return fail, 0.0
+    try:
+        return fail, float(given[1])
+    except ValueError:
+        ap.error(f"--fail exit-after: {given[1]!r} is not a number of seconds")
+
+
+def _check_ranges(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The numbers that must be in range; ap.error (exit 2) names the first that is not."""
     if a.tokens < 1:
         ap.error("--tokens must be at least 1")
     for flag in ("gpu_mib", "sleep_gpu_mib", "host_mib", "sleep_delay", "wake_delay", "prefill_rate"):
@@ -245,20 +278,6 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
         ap.error("--weights-delay and --compile-delay are parts of --startup-delay: together at most it")
     if not 0 < a.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
-    model = a.served or a.model or a.model_path or a.model_flag or "sim-model"
-    weights_path = None
-    if a.load_weights:
-        weights_path = a.model_path or a.model_flag or a.model
-        if not weights_path or not os.path.exists(weights_path):
-            ap.error(f"--load-weights: the model {weights_path!r} is not a local directory or file")
-    return SimOptions(host=a.host, port=a.port, model=model, flavor=a.flavor, startup_delay=a.startup_delay,
-                      token_delay=a.token_delay, prefill_rate=a.prefill_rate, tokens=a.tokens, fail=fail,
-                      fail_after=fail_after,
-                      max_model_len=a.max_model_len, max_running=a.max_running, embedding_dim=a.embedding_dim,
-                      record_limit=a.record_limit, shutdown_delay=a.shutdown_delay, gpu_mib=a.gpu_mib,
-                      sleep_gpu_mib=a.sleep_gpu_mib, host_mib=a.host_mib, sleep_delay=a.sleep_delay,
-                      wake_delay=a.wake_delay, weights_cpu_backup=a.enable_weights_cpu_backup, journal=a.journal,
-                      weights_delay=a.weights_delay, compile_delay=a.compile_delay, weights_path=weights_path)
 
 
 def main(argv: list[str] | None = None) -> int:
