@@ -31,7 +31,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 
 from ...http.limits import READ_SIZE
@@ -89,21 +89,30 @@ def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> i
 GROUP_KILLED_S = 5.0
 
 
-def _group_members(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid``, from /proc. Zombies are left out: an orphan
-    is reaped by whoever is PID 1, late or (a container whose PID 1 never reaps) never."""
-    out = []
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the process's name: state, ppid, pgrp, session ... (field 3
+    of proc(5) is [0]). OSError when it is gone."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rpartition(")")[2].split()
+
+
+def _stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, :func:`_stat`) of each process; one gone meanwhile is passed over."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rpartition(")")[2].split()
+            fields = _stat(entry)
         except OSError:
-            continue  # gone meanwhile
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            out.append(int(entry))
-    return out
+            continue
+        yield int(entry), fields
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``, from /proc. Zombies are left out: an orphan
+    is reaped by whoever is PID 1, late or (a container whose PID 1 never reaps) never."""
+    return [pid for pid, fields in _stats()
+            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X")]
 
 
 async def _group_gone(pgid: int, within: float) -> bool:
@@ -145,15 +154,9 @@ def _child_env(dep: Deployment, launch: Launch) -> dict[str, str]:
 def _tree(pid: int) -> list[int]:
     """``pid`` and its descendants, from /proc (an engine's workers are its children)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rpartition(")")[2].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    for child, fields in _stats():
+        if len(fields) > 1 and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -166,29 +169,24 @@ def _marked_leaders(variable: str) -> dict[str, list[tuple[int, str]]]:
     """Session leaders whose environment sets ``variable``, by its value: (pid, start time)."""
     prefix = variable.encode() + b"="
     found: dict[str, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for pid, fields in _stats():
+        if len(fields) < 20 or fields[3] != str(pid):  # not a session leader: an engine's worker, or not ours
             continue
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rpartition(")")[2].split()
-            if fields[3] != entry:  # not a session leader: a worker of an engine, or not ours
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as fh:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
                 env = fh.read().split(b"\0")
-        except (OSError, IndexError):
+        except OSError:
             continue  # gone meanwhile, or not readable by us
         for item in env:
             if item.startswith(prefix):
-                found.setdefault(item[len(prefix):].decode(errors="replace"), []).append((int(entry), fields[19]))
+                found.setdefault(item[len(prefix):].decode(errors="replace"), []).append((pid, fields[19]))
     return found
 
 
 def _start_time(pid: int) -> str:
     """The process's start time in clock ticks (/proc/PID/stat field 22), or ""."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rpartition(")")[2].split()[19]
+        return _stat(pid)[19]
     except (OSError, IndexError):
         return ""
 
