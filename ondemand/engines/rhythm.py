@@ -23,6 +23,11 @@ shows none, the fixed keep-alive. Where this differs, and why:
 - **Bounds from the configuration.** Awake idle no longer than ``idle_timeout_s`` and no shorter
   than ``min_idle_timeout_s``; at most ``KEEP`` gaps, the newest (the paper keeps 4 hours of
   1-minute bins, which loses both seconds-scale bursts and twice-a-day jobs).
+- **The tail is taken from enough gaps.** Resting after the tail counts on the next request
+  coming before it 99 times in 100; the sample's 99th percentile of n gaps (about the longest,
+  below 100 of them) is exceeded by the next gap about 1 time in n + 1 (1 in 34 from 33 gaps).
+  The tail is the gap of rank ``ceil(0.99 (n + 1))`` (``upper_quantile``), which needs 99 gaps:
+  with fewer, no plan rests after the tail (it stays awake its idle timeout, as ``fixed``).
 - **No ARIMA.** Where the gaps show no pattern the plan is ``None`` and the deployment behaves as
   ``fixed``; so it is, too, before its ``LEARN_AFTER``-th gap.
 """
@@ -68,6 +73,15 @@ def quantile(ordered: list[float], q: float, start: int = 0) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def upper_quantile(ordered: list[float], q: float) -> float | None:
+    """The gap that the next one exceeds with probability 1 - q, as far as ``ordered`` (n gaps,
+    ordered) can tell: the k-th smallest for k = ceil(q (n + 1)), since the next of n + 1 gaps
+    from one distribution is equally likely to fall in each of the n + 1 places among them.
+    None when k > n: fewer than q / (1 - q) gaps (99 for the 99th percentile) cannot show it."""
+    k = math.ceil(q * (len(ordered) + 1) - 1e-9)
+    return ordered[k - 1] if k <= len(ordered) else None
 
 
 def has_pattern(ordered: list[float]) -> bool:
@@ -131,9 +145,10 @@ class Rhythm:
         early = self._rest_early(ordered, floor, ceiling, tiers)
         if early is not None:
             return early
-        tail = TAIL_MARGIN * quantile(ordered, TAIL_Q)
-        if tail <= ceiling:  # the next request almost always comes while it is awake: rest after the tail
-            return Plan(awake_for_s=max(floor, tail), rest=None, prewarm_in_s=None, awake_until_s=None)
+        top = upper_quantile(ordered, TAIL_Q)
+        if top is not None and TAIL_MARGIN * top <= ceiling:
+            # The next request almost always comes while it is awake: rest after the tail.
+            return Plan(awake_for_s=max(floor, TAIL_MARGIN * top), rest=None, prewarm_in_s=None, awake_until_s=None)
         return None
 
     def _rest_early(self, ordered: list[float], floor: float, ceiling: float,
