@@ -62,11 +62,6 @@ async def test_a_learned_rhythm_sleeps_the_engine_between_bursts_and_wakes_it_be
         await ask(srv, http)
         for gap in kept:  # what earlier traffic taught it, as the controller's effects keep it
             await srv.deployer.store.write_idle_gap(dep, at=time.time(), gap_s=gap, keep=rhythm.KEEP)
-        # Cold starts too dear for a rest stopped between bursts to pay, so that it rests asleep:
-        # the simulator's own start takes a fraction of a second, less than 0.33 s on an idle
-        # machine (a stop then pays) and more on a loaded one; the median is what the plan reads.
-        for _ in range(3):
-            await srv.deployer.store.write_start(dep, at=time.time(), duration_s=30.0, kind="start", keep=20)
     async with run_app(tmp_path, reap_interval_s=0.1) as srv, aiohttp.ClientSession() as gw, \
             aiohttp.ClientSession() as admin:
         http = TwoPools(gw, admin)
