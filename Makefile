@@ -6,7 +6,7 @@
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus,
 #                   a real vLLM (CPU build) serving a tiny Llama made here
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
-#   make replay     the Azure traces replayed over the box mix under eight policies (bench/replay.md)
+#   make replay     the Azure traces replayed over the box mix under nine policies (bench/replay.md)
 #   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
 #                   50 SIGKILLs of ondemand (their short versions are in test-all)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
@@ -132,8 +132,9 @@ bench: install
 	$(PY) scripts/replay_bench.py --speed
 
 # The Azure LLM inference traces of 2023 (bench/traces/) over bench/box-mix.toml on a DGX H100, in
-# virtual time, under ondemand's policies and its peers': the tables into bench/replay.md (between
-# its markers), the page into bench/replay.html. About 10 s of CPU.
+# virtual time, under ondemand's policies and its peers', then adaptive warmth against the fixed
+# timeouts: the tables into bench/replay.md (between its markers), the page into
+# bench/replay.html, the Pareto picture into bench/replay-pareto.svg. About 15 s of CPU.
 replay: install
 	$(PY) scripts/replay_bench.py
 
