@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from ondemand.model import Deployment, Mode, State
-from ondemand.replay.live import disagreements, start_kind
+from ondemand.model import Deployment, KeepWarm, Mode, State
+from ondemand.replay.live import Server, disagreements, start_kind
 from ondemand.replay.run import configure, replay
 from ondemand.replay.types import Box, Costs, Policy, PolicyResult, Replayed, Request, Tally
+from ondemand.state.store import Store
 
 BOX = Box(gpus=(80.0,), host_gib=512)
 
@@ -22,6 +23,25 @@ def test_a_request_waited_for_the_start_under_way_else_the_next():
     assert start_kind(changes, 15.0) == "cold"  # the start under way
     assert start_kind(changes, 60.0) == "wake"  # asleep: the wake that came next
     assert start_kind(changes, 71.0) == "wake"
+
+
+async def test_the_live_server_gets_adaptive_warmth_and_what_was_learned_at_its_speed(tmp_path):
+    """An adaptive deployment keeps keep_warm and its learned gaps (divided by the speed), and the
+    minimum idle timeout, its plans' floor, is divided as every duration is."""
+    learned = Replayed(Deployment(id=1, name="a", served_name="A", engine="vllm", model="m", memory_gib=40,
+                                  gpu_count=1, mode=Mode.ON_DEMAND, state=State.STOPPED, keep_warm=KeepWarm.ADAPTIVE),
+                       Costs(), gaps=(1800.0, 1790.0))
+    server = Server(tmp_path, BOX, speed=2.0)
+    config = server.write_files().read_text()
+    assert "min_idle_timeout_s = 30\n" in config and "ondemand_idle_timeout_s = 300\n" in config
+    await server.seed([learned])
+    store = await Store.open(server.state / "ondemand.db")
+    try:
+        [row] = await store.deployments()
+        assert row["keep_warm"] == "adaptive"
+        assert await store.idle_gaps() == {row["id"]: [900.0, 895.0]}
+    finally:
+        await store.close()
 
 
 def result(cold: int, wakes: int, queued: int, ttfts: list[float]) -> PolicyResult:

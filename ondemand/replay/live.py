@@ -13,6 +13,11 @@ is a streamed completion of ``input_tokens`` words (the simulator's tokens) aski
 queued notice is not one). Afterwards, with the server stopped, what happened is read from the
 state file's events (each start, from asleep a wake, each sleep and stop) and from the access
 log (a request that waited for memory), and the times are multiplied back by ``speed``.
+
+Adaptive warmth's deployments keep their ``keep_warm`` and the gaps they had learned (divided by
+``speed``), and the minimum idle timeout, the floor of their plans, is divided too; two of their
+constants are seconds that no configuration key sets (a gap under 1 s is not learned, a rest lasts
+30 s at least), so above speed 1 they learn and rest by a different rule than the virtual run.
 """
 from __future__ import annotations
 
@@ -101,7 +106,8 @@ class Server:
         (self.dir / "meminfo").write_text(f"MemTotal: {host_kib} kB\nMemAvailable: {host_kib} kB\n")
         b, x = self.box, self.speed
         lines = [f'state_dir = "{self.state}"', f'listen = "127.0.0.1:{self.port}"', f'base_path = "{BASE}"',
-                 'ondemand_allowed_cidrs = ["127.0.0.0/8"]', 'access_log = "json"', "min_idle_timeout_s = 1",
+                 'ondemand_allowed_cidrs = ["127.0.0.0/8"]', 'access_log = "json"',
+                 f"min_idle_timeout_s = {scaled(b.min_idle_timeout_s, x)}",
                  f"ondemand_idle_timeout_s = {scaled(b.idle_timeout_s, x)}",
                  f"ondemand_queue_timeout_s = {scaled(b.queue_timeout_s, x)}",
                  f"ondemand_max_queued = {b.max_queued}", f"reap_interval_s = {max(0.1, b.reap_interval_s / x):g}",
@@ -121,19 +127,23 @@ class Server:
 
     async def seed(self, replayed: Sequence[Replayed], process_s: float = 0.0) -> None:
         """The deployments, as the replay begins them: on demand stopped, always on planned (then
-        started in order); every engine a vLLM recipe run by the simulator."""
+        started in order), with the idle gaps they had learned; every engine a vLLM recipe run by
+        the simulator."""
         store = await Store.open(self.state / "ondemand.db")
         try:
             for r in replayed:
                 d = r.deployment
                 timeout = None if d.idle_timeout_s is None else scaled(d.idle_timeout_s, self.speed)
-                await store.insert_deployment(dict(
+                row = await store.insert_deployment(dict(
                     name=d.name, served_name=d.served_name, engine="vllm", model=d.model or d.served_name,
                     memory_gib=d.footprint_gib, gpu_count=d.gpu_count, gpu_ids=d.gpu_ids, role=d.role.value,
                     mode=d.mode.value, idle_timeout_s=timeout, idle_action=d.idle_action.value,
-                    priority=d.priority.value, max_inflight=d.max_inflight, args=sim_args(r, self.speed, process_s),
+                    keep_warm=d.keep_warm.value, priority=d.priority.value, max_inflight=d.max_inflight,
+                    args=sim_args(r, self.speed, process_s),
                     state=(State.PLANNED if d.mode is Mode.ALWAYS_ON or d.state is State.PLANNED
                            else State.STOPPED).value))
+                for gap in r.gaps:  # what adaptive warmth had learned, at the run's speed
+                    await store.write_idle_gap(row["id"], at=time.time(), gap_s=gap / self.speed, keep=len(r.gaps))
         finally:
             await store.close()
 
