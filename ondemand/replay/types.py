@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..config import BudgetConfig, Config
 from ..model import Deployment
 
 POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "fixed", "adaptive")
@@ -59,15 +60,15 @@ class Box:
     gpus: tuple[float, ...]
     host_gib: float
     per_gpu: bool = True
-    reserve_gib: float = 0.0
-    queue_timeout_s: float = 900.0
-    max_queued: int = 256
-    reap_interval_s: float = 15.0
-    idle_timeout_s: int = 600  # ondemand_idle_timeout_s: for deployments that set none
-    min_idle_timeout_s: int = 60
-    sleep_timeout_s: int | None = None
-    host_reserve_gib: float = 16.0
-    asleep_residue_gib: float = 2.0
+    reserve_gib: float = BudgetConfig.reserve_gib
+    queue_timeout_s: float = Config.ondemand_queue_timeout_s
+    max_queued: int = Config.ondemand_max_queued
+    reap_interval_s: float = Config.reap_interval_s
+    idle_timeout_s: int = Config.ondemand_idle_timeout_s  # for deployments that set none
+    min_idle_timeout_s: int = Config.min_idle_timeout_s
+    sleep_timeout_s: int | None = Config.sleep_timeout_s
+    host_reserve_gib: float = BudgetConfig.host_reserve_gib
+    asleep_residue_gib: float = BudgetConfig.asleep_residue_gib
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
