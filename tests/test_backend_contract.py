@@ -328,6 +328,22 @@ async def test_a_process_stop_ends_the_engines_whole_group(tmp_path):
         await h.close()
 
 
+async def test_a_process_backend_closes_with_its_dead_children_reaped(tmp_path):
+    """An engine killed by pid, its exit not yet heard by the loop (the next ondemand's take-back,
+    an admin's kill), is reaped by the backend's close while the loop runs: a loop that ended
+    first would leave the child's transport to fail when collected, in whatever runs next."""
+    h = ProcessHarness(tmp_path / "state")
+    b = h.backend()
+    engine = await b.start(h.dep())
+    await until_answers(engine)
+    os.killpg(engine.ref.pid, signal.SIGKILL)
+    await wait_for(lambda: not _alive(engine.ref.pid), what="the engine dead")
+    # Nobody awaits it: the close must. (Without the close's reap, the loop has not yet heard of
+    # the exit here five times in six, and the returncode stays None.)
+    await h.close()
+    assert engine.ref.returncode == -signal.SIGKILL
+
+
 async def test_an_exited_engine_is_not_adopted(h):
     b = h.backend()
     dep = h.dep("--fail", "exit-at-start")

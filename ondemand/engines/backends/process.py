@@ -115,6 +115,14 @@ def _group_members(pgid: int) -> list[int]:
             if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X")]
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        return _stat(pid)[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 async def _group_gone(pgid: int, within: float) -> bool:
     """Whether process group ``pgid`` has no live process left within ``within`` seconds (polled
     off the loop: a walk of /proc)."""
@@ -277,6 +285,13 @@ class ProcessBackend(Backend):
                    if run.copier is not None and not run.copier.done()}
         if copiers:
             await asyncio.wait(copiers, timeout=DRAIN_S)
+        # A child that has died unawaited (killed by pid: by the next ondemand's take-back, or
+        # an admin's kill) is reaped here, while the loop runs: a loop that ends first leaves
+        # the child's transport unfinished, and it fails when collected.
+        ended = [proc.wait() for proc in self._run_of if proc.returncode is None and not _alive(proc.pid)]
+        if ended:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*ended), DRAIN_S)
         await self.tasks.close()
 
     async def wait_exit(self, engine: Engine) -> int | None:
