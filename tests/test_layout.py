@@ -3,6 +3,7 @@ A module that reaches backwards is a sign the design wants a change (README, Lay
 The leaves (errors, events, tasks, ...) import nothing of ours; config only errors;
 engines/dockerapi holds every aiodocker call and is used by the docker backend, the peers and doctor."""
 import ast
+import functools
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
@@ -181,15 +182,26 @@ BACKWARD = {
 }
 
 
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all of this file's tests (read, never changed)."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _modules() -> frozenset[str]:
+    return frozenset(".".join(p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+                     for p in PKG.rglob("*.py"))
+
+
 def ours(path: pathlib.Path) -> set[str]:
     """The package's modules that path imports (``from .engines import recipes`` imports
     engines.recipes, not the engines package)."""
     mod = ".".join(path.relative_to(PKG).with_suffix("").parts)
     package = mod.rsplit(".", 1)[0] if "." in mod else ""
-    modules = {".".join(p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
-               for p in PKG.rglob("*.py")}
+    modules = _modules()
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ondemand")):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
@@ -271,7 +283,7 @@ def test_aiodocker_is_used_in_dockerapi_only():
     for path in PKG.rglob("*.py"):
         if path.name == "dockerapi.py":
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         used = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         used |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "aiodocker" not in used, f"{path.relative_to(PKG)} imports aiodocker: use ondemand.engines.dockerapi"
@@ -285,7 +297,7 @@ def test_the_engines_are_called_through_one_client():
         name = path.relative_to(PKG).as_posix()
         if name in ("engines/dockerapi.py", "engines/backends/docker.py"):
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         used = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         used |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "aiohttp" not in used, f"{name} imports aiohttp: call engines through engines.client"
@@ -311,7 +323,7 @@ def test_no_function_over_60_lines():
     every module of the package, is split into named steps (issue 30): no exceptions."""
     long = []
     for path in sorted(PKG.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
@@ -347,7 +359,7 @@ def test_no_aiohttp_private_module_attribute_or_class_swap():
     no underscore attribute of aiohttp's that ondemand does not define itself, no class swap,
     and no override of aiohttp's underscore methods in a subclass."""
     private = _aiohttp_private_names()
-    trees = {p: ast.parse(p.read_text()) for p in PKG.rglob("*.py")}
+    trees = {p: _tree(p) for p in PKG.rglob("*.py")}
     ours = set()  # underscore attributes and methods of ondemand's own classes (not aiohttp's subclasses)
     for tree in trees.values():
         for cls in ast.walk(tree):
