@@ -1,6 +1,9 @@
 """replay: a trace of requests against this box's deployments under one or more policies, in
 virtual time (ondemand/replay/), and what each policy gives: a table on stdout, ``--json FILE``,
-``--html FILE``. Bad input stops it before it starts: one line on stderr, exit 2."""
+``--html FILE``. Bad input stops it before it starts: one line on stderr, exit 2.
+
+The replay's modules are imported when the command runs, not with the command line: every
+other command (and each ``serve``) would pay for them at its start."""
 from __future__ import annotations
 
 import sys
@@ -8,20 +11,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 import click
 
-from .. import config as config_mod
-from ..control.budget import Budget
-from ..errors import BudgetError
-from ..replay import page, report
-from ..replay.deployments import DeploymentError, box_of, from_file, from_state, parse_gpus
-from ..replay.run import check_policy, configure
-from ..replay.run import replay as run_replay
-from ..replay.trace import Trace, TraceError
-from ..replay.types import Box, Policy, PolicyResult, Replayed
 from .shared import EXIT_FAILED, EXIT_USAGE, Ctx, _fail, _run, cli, pass_ctx
+
+if TYPE_CHECKING:
+    from .. import config as config_mod
+    from ..replay.trace import Trace
+    from ..replay.types import Box, Policy, PolicyResult, Replayed
 
 
 def _bad(message: str) -> NoReturn:
@@ -66,6 +65,7 @@ class Progress:
 
 
 def _policies(given: tuple[str, ...]) -> list[Policy]:
+    from ..replay.types import Policy
     out: list[Policy] = []
     for text in given or ("current",):
         try:
@@ -81,6 +81,9 @@ def _policies(given: tuple[str, ...]) -> list[Policy]:
 def _box(cfg: config_mod.Config, gpus: str | None, host_gib: float | None) -> Box:
     """The box: --gpus, else the configuration's budget (measured when it measures); its host
     memory: --host-gib, else this host's MemTotal."""
+    from ..control.budget import Budget
+    from ..errors import BudgetError
+    from ..replay.deployments import box_of, parse_gpus
     try:
         declared = parse_gpus(gpus) if gpus else None
     except ValueError as exc:
@@ -106,6 +109,7 @@ def _box(cfg: config_mod.Config, gpus: str | None, host_gib: float | None) -> Bo
 
 
 def _deployments(ctx: Ctx, path: str | None, box: Box) -> list[Replayed]:
+    from ..replay.deployments import DeploymentError, from_file, from_state
     try:
         return from_file(path, box) if path else from_state(ctx.cfg.db_path, box)
     except DeploymentError as exc:
@@ -119,6 +123,15 @@ def _check_numbers(slo_s: float, speed: float, live: bool, warmup_s: float) -> N
         _bad(f"--speed {speed:g}: above 0, and only with --live")
     if warmup_s < 0 or (warmup_s > 0 and live):
         _bad(f"--warmup-s {warmup_s:g}: seconds of 0 or more, and not with --live (which compares whole runs)")
+
+
+def _check_policies(policies: list[Policy], box: Box) -> None:
+    from ..replay.run import check_policy
+    for policy in policies:
+        try:
+            check_policy(policy, box)
+        except ValueError as exc:
+            _bad(str(exc))
 
 
 def _write(path: str, data: bytes) -> None:
@@ -157,14 +170,13 @@ def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tu
     policy, in virtual time through ondemand's own decisions: who waited for what, for how
     long, and what the box held. The state file is never written. With --live the same
     requests also go through a real serve, and the two are compared (exit 1 when they differ)."""
+    from ..replay import page, report
+    from ..replay.run import replay as run_replay
+    from ..replay.trace import Trace, TraceError
     parsed = _policies(policies)
     _check_numbers(slo_s, speed, live, warmup_s)
     box = _box(ctx.cfg, gpus, host_gib)
-    for policy in parsed:
-        try:
-            check_policy(policy, box)
-        except ValueError as exc:
-            _bad(str(exc))
+    _check_policies(parsed, box)
     replayed = _deployments(ctx, deployments_file, box)
     trace = Trace(trace_file, replayed, seed)
     try:
@@ -194,6 +206,8 @@ def _live(trace: Trace, replayed: list[Replayed], box: Box, results: list[Policy
           slo_s: float) -> None:
     """Each policy again through a real serve; the two side by side, and whether they agree."""
     from ..replay import live as live_mod
+    from ..replay import report
+    from ..replay.run import configure
     pairs, differ = [], False
     for virtual in results:
         configured = configure(replayed, virtual.policy, box)
