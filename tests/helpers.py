@@ -242,7 +242,7 @@ class Server:
 def free_port() -> int:
     """A port for a test's server: the process backend's rule (below the ephemeral range, so no
     outgoing connection or bind to 0 of another test takes it before the server binds)."""
-    from ondemand.engines.backends.process import free_port as engine_port
+    from ondemand.engines.backends.ports import free_port as engine_port
     return engine_port()
 
 

@@ -520,7 +520,7 @@ def test_engine_ports_are_drawn_below_the_kernels_ephemeral_range(tmp_path):
     import random
     import socket
 
-    from ondemand.engines.backends import process
+    from ondemand.engines.backends import ports as process
     top = process.ephemeral_start()
     ports = {process.free_port(rng=random.Random(seed)) for seed in range(20)}
     assert all(process.ENGINE_PORTS_FROM <= p < top for p in ports) and len(ports) > 1
@@ -534,3 +534,36 @@ def test_engine_ports_are_drawn_below_the_kernels_ephemeral_range(tmp_path):
     squeezed.write_text("20100\t60999\n")  # the range as the kernel writes it
     assert process.ephemeral_start(squeezed) == 20100
     assert process.ephemeral_start(tmp_path / "missing") == 32768
+
+
+def test_a_picked_port_is_reserved_against_other_pickers_until_it_lapses(tmp_path):
+    """Two pickers that draw the same port before either engine binds it: the second, in this
+    process or another, gets another port (a busy-core run lost a start to that: two workers'
+    engines on one port, one start checked against the other's engine). The reservation lapses."""
+    import random
+    import subprocess
+
+    from ondemand.engines.backends import ports
+    held = tmp_path / "held"
+    mine, theirs, later = (ports.Reservations(held, hold_s=60) for _ in range(3))
+    lapsing = ports.Reservations(held, hold_s=0)
+    try:
+        first = ports.free_port(rng=random.Random(3), reservations=mine)
+        assert ports.free_port(rng=random.Random(3), reservations=theirs) != first
+        other = subprocess.run(
+            [sys.executable, "-c", "import random, pathlib; from ondemand.engines.backends import ports; "
+             "print(ports.free_port(rng=random.Random(3), "
+             f"reservations=ports.Reservations(pathlib.Path({str(held)!r}))))"],
+            capture_output=True, text=True, check=True, timeout=30)
+        assert int(other.stdout) != first
+        mine.close()  # released (or lapsed): the port is anyone's again
+        assert ports.free_port(rng=random.Random(3), reservations=later) == first
+        later.close()
+        assert ports.free_port(rng=random.Random(3), reservations=lapsing) == first
+        assert ports.free_port(rng=random.Random(3), reservations=lapsing) == first  # its own, lapsed: taken again
+    finally:
+        for r in (mine, theirs, later, lapsing):
+            r.close()
+    unmade = ports.Reservations(tmp_path / "file" / "held")
+    (tmp_path / "file").write_text("")  # the directory cannot be made: a pick as before
+    assert ports.free_port(rng=random.Random(3), reservations=unmade) == first

@@ -98,8 +98,10 @@ ALLOWED = {
     # Adaptive warmth's decision core: a deployment's idle gaps and the plan they give (pure).
     "engines.rhythm": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
-    "engines.backends.process": {"engines.backends", "engines.backends.logs", "engines.recipes", "http.limits", "model",
-                                 "tasks"},
+    "engines.backends.process": {"engines.backends", "engines.backends.logs", "engines.backends.ports",
+                                 "engines.recipes", "http.limits", "model", "tasks"},
+    # The engines' ports, reserved against other pickers until the engine binds.
+    "engines.backends.ports": set(),
     # A process engine's log file, its tail and its live followers.
     "engines.backends.logs": {"http.limits"},
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
@@ -160,7 +162,7 @@ ALLOWED = {
     "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",
                        "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
-    "replay.live": {"model", "replay.types", "state.store", "tasks"},
+    "replay.live": {"engines.backends.ports", "model", "replay.types", "state.store", "tasks"},
     "replay.run": {"control.controller", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
 }
 

@@ -27,7 +27,6 @@ import dataclasses
 import os
 import secrets
 import signal
-import socket
 import sqlite3
 import sys
 import time
@@ -38,6 +37,7 @@ from typing import BinaryIO
 import aiohttp
 import orjson
 
+from ..engines.backends.ports import free_port
 from ..model import Mode, State
 from ..state.store import Store
 from ..tasks import TaskGroup
@@ -55,12 +55,6 @@ class Sent:
     sent: float = 0.0
     ttft: float | None = None  # real seconds from sending to the first token
     end: float | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scaled(seconds: float, speed: float, least: float = 1.0) -> int:
@@ -87,7 +81,7 @@ class Server:
         self.state = workdir / "state"
         self.box = box
         self.speed = speed
-        self.port = _free_port()
+        self.port = free_port()
         self.key = "odk-" + secrets.token_urlsafe(32)
         self.token = secrets.token_urlsafe(32)
         self.log = workdir / "serve.log"
@@ -194,7 +188,7 @@ async def engine_start_s(within_s: float = 30.0) -> float:
     """How long an engine simulator asked to start at once takes to answer ``/health``: its
     process's own start (an interpreter and its imports), which each start's delay is given less
     of, so that a live start takes what its cost says. 0 when it never answers."""
-    port = _free_port()
+    port = free_port()
     began = time.monotonic()
     proc = await asyncio.create_subprocess_exec(*self_command(), "sim-engine", "--port", str(port),
                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)

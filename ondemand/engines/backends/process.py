@@ -26,9 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Collection, Iterator
@@ -40,6 +38,7 @@ from ...tasks import TaskGroup
 from ..recipes import Launch
 from . import Backend, BackendError, Engine, visible_gpus
 from .logs import LOG_KEEP, LOG_MAX_BYTES, RUN_MARKER, LogRun, RotatingLog, read_tail
+from .ports import free_port
 
 log = logging.getLogger("ondemand.engines.backends.process")
 
@@ -48,41 +47,6 @@ log = logging.getLogger("ondemand.engines.backends.process")
 MARKER = "ONDEMAND_ENGINE"
 # How long wait_exit waits for the copier to write an exited engine's last lines.
 DRAIN_S = 5.0
-
-
-# Engines' ports are drawn from below the kernel's ephemeral range: a port the kernel hands out
-# (bind to 0, or the local end of any outgoing connection) is never one an engine is about to
-# bind, so the window between this pick and the engine's own bind is open only to other pickers.
-ENGINE_PORTS_FROM = 20000
-EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
-def ephemeral_start(path: Path = EPHEMERAL) -> int:
-    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> int:
-    """A port free on ``host`` now, for an engine to bind: a random one below the ephemeral range
-    that binds (the first of 64 tries), else one the kernel picks."""
-    top = ephemeral_start()
-    pick = rng or random.SystemRandom()
-    if top - ENGINE_PORTS_FROM >= 1024:
-        for _ in range(64):
-            port = pick.randrange(ENGINE_PORTS_FROM, top)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        kernel: int = s.getsockname()[1]
-        return kernel
 
 
 # How long the rest of a SIGKILLed group may take to die before stop returns.
