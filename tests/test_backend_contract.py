@@ -344,6 +344,29 @@ async def test_a_process_backend_closes_with_its_dead_children_reaped(tmp_path):
     assert engine.ref.returncode == -signal.SIGKILL
 
 
+async def test_a_process_engines_port_reservation_ends_once_it_listens(tmp_path):
+    """The process backend holds no file for a running engine: the port's reservation ends as soon
+    as the engine listens on it (its bind keeps the port then), and for an engine that never
+    binds, once it is gone."""
+    from ondemand.engines.backends import ports
+    h = ProcessHarness(tmp_path / "state")
+    b = h.backend()
+    try:
+        engine = await b.start(h.dep("--startup-delay", "1"))
+        port = int(engine.base_url.rpartition(":")[2])
+        assert ports.RESERVED.holds(port) and not ports.listening(port)  # started, not yet bound
+        await until_answers(engine)
+        assert ports.listening(port)
+        await wait_for(lambda: not ports.RESERVED.holds(port), what="the reservation ended")
+        await b.stop(engine, 5)
+        never = await b.start(h.noisy(1, 0))  # exits without binding
+        port = int(never.base_url.rpartition(":")[2])
+        await asyncio.wait_for(b.wait_exit(never), READY_S)
+        await wait_for(lambda: not ports.RESERVED.holds(port), what="the reservation ended")
+    finally:
+        await h.close()
+
+
 async def test_an_exited_engine_is_not_adopted(h):
     b = h.backend()
     dep = h.dep("--fail", "exit-at-start")

@@ -12,16 +12,20 @@ window another picker could take it. Two rules close the window:
   picked the same port within a few hundred milliseconds; one engine could not bind, and its
   start was checked against the other's engine ("the engine serves A, not a").
 
-The reservation is best effort: where the directory cannot be made, a pick is as before.
+The process backend ends a reservation as soon as its engine listens on the port (or is gone):
+it holds no file for a running engine. The reservation is best effort: where the directory
+cannot be made, a pick is as before.
 """
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import random
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ENGINE_PORTS_FROM = 20000
@@ -66,6 +70,9 @@ class Reservations:
         self._held[port] = (fd, time.monotonic() + self.hold_s)
         return True
 
+    def holds(self, port: int) -> bool:
+        return port in self._held
+
     def release(self, port: int) -> None:
         held = self._held.pop(port, None)
         if held is not None:
@@ -108,3 +115,34 @@ def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None,
         s.bind((host, 0))
         kernel: int = s.getsockname()[1]
         return kernel
+
+
+def listening(port: int) -> bool:
+    """Whether a socket listens on TCP ``port``, at any address, in this network namespace."""
+    suffix = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                for line in fh:
+                    fields = line.split()  # sl local_address rem_address st ...; LISTEN is 0A
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+async def release_when_bound(port: int, running: Callable[[], bool], reservations: Reservations | None = None,
+                             every_s: float = 0.2) -> None:
+    """End ``port``'s reservation once something listens on it (that bind keeps it from the other
+    pickers now), once its engine is gone (``running()`` False), or at the reservation's lapse."""
+    held = reservations or RESERVED
+    loop = asyncio.get_running_loop()
+    until = loop.time() + held.hold_s
+    try:
+        while running() and loop.time() < until:  # polled: the kernel tells no one of a bind
+            if await asyncio.to_thread(listening, port):
+                break
+            await asyncio.sleep(every_s)
+    finally:
+        held.release(port)

@@ -38,7 +38,7 @@ from ...tasks import TaskGroup
 from ..recipes import Launch
 from . import Backend, BackendError, Engine, visible_gpus
 from .logs import LOG_KEEP, LOG_MAX_BYTES, RUN_MARKER, LogRun, RotatingLog, read_tail
-from .ports import free_port
+from .ports import RESERVED, free_port, release_when_bound
 
 log = logging.getLogger("ondemand.engines.backends.process")
 
@@ -211,10 +211,12 @@ class ProcessBackend(Backend):
                 stderr=asyncio.subprocess.STDOUT, env={**_child_env(dep, launch), MARKER: str(pid_path)},
                 start_new_session=True)  # our Ctrl-C is not the engine's
         except OSError as exc:
+            RESERVED.release(port)
             run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
             run.end()
             raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
         assert proc.stdout is not None
+        self.tasks.spawn(release_when_bound(port, lambda: proc.returncode is None), f"port {port} of {dep.name}")
         self._runs[dep.name] = self._run_of[proc] = run
         run.copier = self.tasks.spawn(self._copy(proc.stdout, run), f"copy {dep.name}")
         try:
