@@ -354,9 +354,9 @@ async def test_a_process_engines_port_reservation_ends_once_it_listens(tmp_path)
     try:
         engine = await b.start(h.dep("--startup-delay", "1"))
         port = int(engine.base_url.rpartition(":")[2])
-        assert ports.RESERVED.holds(port) and not ports.listening(port)  # started, not yet bound
+        assert ports.RESERVED.holds(port) and not await ports.listening(port)  # started, not yet bound
         await until_answers(engine)
-        assert ports.listening(port)
+        assert await ports.listening(port)
         await wait_for(lambda: not ports.RESERVED.holds(port), what="the reservation ended")
         await b.stop(engine, 5)
         never = await b.start(h.noisy(1, 0))  # exits without binding
