@@ -346,15 +346,15 @@ async def test_a_process_backend_closes_with_its_dead_children_reaped(tmp_path):
 
 async def test_a_process_engines_port_reservation_ends_once_it_listens(tmp_path):
     """The process backend holds no file for a running engine: the port's reservation ends as soon
-    as the engine listens on it (its bind keeps the port then), and for an engine that never
-    binds, once it is gone."""
+    as the engine listens on it (its bind keeps the port then); for an engine that never binds,
+    once it is gone, or when the backend closes (its watch cancelled, the reservation released)."""
     from ondemand.engines.backends import ports
     h = ProcessHarness(tmp_path / "state")
     b = h.backend()
+    silent = None
     try:
-        engine = await b.start(h.dep("--startup-delay", "1"))
+        engine = await b.start(h.dep())
         port = int(engine.base_url.rpartition(":")[2])
-        assert ports.RESERVED.holds(port) and not await ports.listening(port)  # started, not yet bound
         await until_answers(engine)
         assert await ports.listening(port)
         await wait_for(lambda: not ports.RESERVED.holds(port), what="the reservation ended")
@@ -363,7 +363,16 @@ async def test_a_process_engines_port_reservation_ends_once_it_listens(tmp_path)
         port = int(never.base_url.rpartition(":")[2])
         await asyncio.wait_for(b.wait_exit(never), READY_S)
         await wait_for(lambda: not ports.RESERVED.holds(port), what="the reservation ended")
+        silent = await b.start(h._row([sys.executable, "-c", "import time; time.sleep(60)"]))  # runs, never binds
+        port = int(silent.base_url.rpartition(":")[2])
+        assert ports.RESERVED.holds(port)
+        await b.close()  # its watch is cancelled with the backend's tasks: the reservation goes with it
+        assert not ports.RESERVED.holds(port)
     finally:
+        if silent is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(silent.ref.pid, signal.SIGKILL)
+            await silent.ref.wait()
         await h.close()
 
 

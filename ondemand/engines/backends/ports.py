@@ -13,8 +13,8 @@ window another picker could take it. Two rules close the window:
   start was checked against the other's engine ("the engine serves A, not a").
 
 The process backend ends a reservation as soon as its engine accepts a connection on the port,
-or is gone: it holds no file for a running engine. The reservation is best effort: where the directory
-cannot be made, a pick is as before.
+or is gone: it holds no file for a running engine. The reservation is best effort: where the
+directory cannot be made, a pick is as before.
 """
 from __future__ import annotations
 
