@@ -364,3 +364,65 @@ async def test_the_page_shows_a_learned_rhythm_and_offers_keep_warm(tmp_path, br
     assert result["fixed"] == 0
     assert result["mode_form"] == "fixed" and '{"keep_warm":"adaptive"}' in result["patches"], result["patches"]
     assert result["edit_form"] == "adaptive"
+
+
+# The newest replay report in the header, saved with the token (a link could not carry it).
+REPLAY_SCRIPT = r"""
+const { chromium } = require("playwright-core");
+const fs = require("fs");
+(async () => {
+  const [url, token] = process.argv.slice(2);
+  const browser = await chromium.launch({ executablePath: "/usr/bin/chromium",
+    args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"] });
+  const out = { errors: [] };
+  try {
+    const page = await browser.newPage({ acceptDownloads: true });
+    page.on("pageerror", (e) => out.errors.push(String(e)));
+    await page.goto(url);
+    out.hidden_before = await page.$eval("#replay", (p) => p.hidden);
+    await page.waitForSelector("#login:not([hidden])", { timeout: 10000 });
+    await page.fill("#token", token);
+    await page.click("#login button[type=submit]");
+    await page.waitForSelector("#replay:not([hidden]) button", { timeout: 10000 });
+    out.text = await page.$eval("#replay", (p) => p.textContent);
+    out.label = await page.$eval("#replay button", (b) => b.getAttribute("aria-label"));
+    const [download] = await Promise.all([page.waitForEvent("download", { timeout: 10000 }),
+                                          page.click("#replay button")]);
+    out.filename = download.suggestedFilename();
+    out.body = fs.readFileSync(await download.path(), "utf8");
+    await page.click("#signout");
+    out.hidden_after = await page.$eval("#replay", (p) => p.hidden);
+  } finally {
+    await browser.close();
+  }
+  console.log(JSON.stringify(out));
+})().catch((e) => { console.error(e); process.exit(1); });
+"""
+
+
+async def test_the_page_offers_the_newest_replay_report(tmp_path, browser_ready):
+    async with run_app(tmp_path) as server:
+        folder = server.cfg.state_dir / "replays"
+        folder.mkdir()
+        (folder / "sunday.html").write_text("<!doctype html><p>the day before</p>")
+        os.utime(folder / "sunday.html", (1_700_000_000, 1_700_000_000))
+        (folder / "monday.html").write_text("<!doctype html><p>ondemand replay: monday</p>")
+        script = tmp_path / "replay_ui.js"
+        script.write_text(REPLAY_SCRIPT)
+        proc = await asyncio.create_subprocess_exec(
+            "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            pytest.fail("the page script did not finish")
+        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    assert result["errors"] == [], result
+    assert result["hidden_before"] and result["hidden_after"], result
+    assert result["text"].startswith("Latest replay report: monday.html (written "), result
+    assert result["text"].endswith(f"; 2 in {folder})"), result
+    assert result["label"] == "Download the replay report monday.html"
+    assert result["filename"] == "monday.html" and result["body"] == "<!doctype html><p>ondemand replay: monday</p>"

@@ -27,7 +27,7 @@ from ..http.headers import bearer, token_bytes
 from ..http.limits import Limits
 from ..http.server import LIMITS
 from ..model import State
-from . import actions, components, deployments, streams
+from . import actions, components, deployments, replays, streams
 from .fields import field_error
 from .telemetry import CONTENT_TYPE
 from .wire import JSON, app_parts, http_error, is_unix, json_answer, refusal
@@ -238,3 +238,5 @@ def add_routes(app: web.Application, base_path: str) -> None:
     r.add_get(api + "/audit", audit)
     r.add_post(api + "/sync", sync_now)
     r.add_get(api + "/litellm/names", litellm_names)
+    r.add_get(api + "/replays", replays.list_replays)
+    r.add_get(api + "/replays/{name}", replays.get_replay)

@@ -6,6 +6,8 @@ The replay's modules are imported when the command runs, not with the command li
 other command (and each ``serve``) would pay for them at its start."""
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -135,10 +137,24 @@ def _check_policies(policies: list[Policy], box: Box) -> None:
 
 
 def _write(path: str, data: bytes) -> None:
+    """The whole file or none: written beside it under a hidden name, then renamed over it, so a
+    reader (the admin page lists {state_dir}/replays/) never sees half a page."""
+    target = Path(path)
+    if target.exists() and not target.is_file():  # /dev/stdout, a pipe: written to as it is
+        try:
+            with open(target, "wb") as fh:
+                fh.write(data)
+        except OSError as exc:
+            _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+        return
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        with open(path, "wb") as fh:
+        with open(tmp, "wb") as fh:
             fh.write(data)
+        os.replace(tmp, target)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
 
 

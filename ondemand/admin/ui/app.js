@@ -55,6 +55,7 @@ function signOut(why) {
   stopLog();
   $("main").hidden = true;
   $("signout").hidden = true;
+  $("replay").hidden = true;
   $("login").hidden = false;
   $("login-error").textContent = why || "";
   $("token").value = "";
@@ -89,6 +90,7 @@ async function begin() {
   $("signout").hidden = false;
   follow();
   loadAudit();
+  loadReplays();
 }
 
 // --- the host and its GPUs ---------------------------------------------------------------
@@ -114,6 +116,37 @@ async function loadHost() {
     (od.litellm_enabled ? (od.litellm_ready ? "ready" : "not ready") : "disabled") +
     (od.queued ? ` · ${od.queued} waiting` : "");
   renderGpus(b);
+}
+
+// --- replay reports: the newest page `ondemand replay --html` left in {state_dir}/replays/ ---------
+
+async function loadReplays() {
+  const p = $("replay");
+  const r = await call("GET", "replays").catch(() => null);
+  const newest = r && r.reports.length ? r.reports[0] : null;
+  p.hidden = !newest;
+  if (!newest) { p.replaceChildren(); return; }
+  const get = el("button", {type: "button", "aria-label": `Download the replay report ${newest.name}`}, newest.name);
+  get.addEventListener("click", () => downloadReplay(newest.name));
+  const more = r.reports.length > 1 ? `; ${r.reports.length} in ${r.dir}` : ` in ${r.dir}`;
+  p.replaceChildren("Latest replay report: ", get,
+                    ` (written ${new Date(newest.modified * 1000).toLocaleString()}${more})`);
+}
+
+// The report comes with the token like everything else, so it is saved as a file, not opened
+// from a link (a link cannot carry the token).
+async function downloadReplay(name) {
+  try {
+    const text = await call("GET", "replays/" + encodeURIComponent(name));
+    const url = URL.createObjectURL(new Blob([text], {type: "text/html"}));
+    const a = el("a", {href: url, download: name});
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  } catch (e) {
+    showError(e);
+  }
 }
 
 function renderGpus(b) {

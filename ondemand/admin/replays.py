@@ -1,0 +1,94 @@
+"""The replay reports an admin keeps beside the box's state: the pages ``ondemand replay
+--html`` wrote into ``{state_dir}/replays/``, listed newest first and served for download, so
+that the admin page can link the latest.
+
+A report is read as it is and never trusted as a page of ondemand's: it is served as an
+attachment, sandboxed, under the admin token like the rest of the API. Only plain files with a
+plain name are served (no dot first, no path, no symlink), so nothing else in the state
+directory can be fetched through it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import OndemandError
+from .wire import app_parts, json_answer
+
+REPLAYS_DIR = "replays"  # under state_dir
+LISTED = 20  # the newest reports listed
+MAX_BYTES = 64 << 20  # a report larger than this is not served (the box mix's page of two traces is 0.7 MiB)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.html")
+
+
+def folder(state_dir: Path) -> Path:
+    return state_dir / REPLAYS_DIR
+
+
+def listing(state_dir: Path) -> list[dict[str, Any]]:
+    """The newest reports first (ties by name): ``{"name", "bytes", "modified"}`` (Unix time)."""
+    try:
+        entries = list(os.scandir(folder(state_dir)))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found: list[tuple[float, str, int]] = []
+    for entry in entries:
+        if not _NAME.fullmatch(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # removed since the scan
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found.append((st.st_mtime, entry.name, st.st_size))
+    found.sort(key=lambda f: (-f[0], f[1]))
+    return [{"name": name, "bytes": size, "modified": mtime} for mtime, name, size in found[:LISTED]]
+
+
+def read(state_dir: Path, name: str) -> bytes:
+    """One report's bytes; OndemandError 404 when there is no such plain file."""
+    missing = OndemandError(404, "not_found", f"no replay report {name!r} in {folder(state_dir)}")
+    if not _NAME.fullmatch(name):
+        raise missing
+    try:
+        fd = os.open(folder(state_dir) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing from None
+    except OSError as exc:  # a symlink (ELOOP), unreadable
+        raise OndemandError(404, "not_found", f"replay report {name!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a folder, a pipe, a device
+            raise missing
+        if st.st_size > MAX_BYTES:
+            raise OndemandError(409, "replay_report_too_large",
+                                f"replay report {name!r} is {st.st_size} bytes, more than {MAX_BYTES} served")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read(MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+async def list_replays(request: web.Request) -> web.Response:
+    app_mod, app = app_parts(request)
+    state_dir = app[app_mod.CONFIG].state_dir
+    reports = await asyncio.to_thread(listing, state_dir)  # a directory scan: off the loop
+    return json_answer({"dir": str(folder(state_dir)), "reports": reports})
+
+
+async def get_replay(request: web.Request) -> web.Response:
+    app_mod, app = app_parts(request)
+    name = request.match_info["name"]
+    body = await asyncio.to_thread(read, app[app_mod.CONFIG].state_dir, name)
+    return web.Response(body=body, headers={
+        "Content-Type": "text/html; charset=utf-8",
+        "Content-Disposition": f'attachment; filename="{name}"',  # the name is [A-Za-z0-9._-]: no quoting needed
+        "Content-Security-Policy": "sandbox",
+        "X-Content-Type-Options": "nosniff",
+        "Cache-Control": "no-store"})
