@@ -50,7 +50,7 @@ run-real: install
 
 # Lint and types first (.ruff.toml; setup.cfg's [mypy]): a few seconds, and a failure stops the target.
 lint: install
-	$(VENV)/bin/ruff check --quiet ondemand tests
+	$(VENV)/bin/ruff check --quiet ondemand tests scripts
 	$(VENV)/bin/mypy
 
 # Four workers (pytest-xdist) on two cores, each test file on one of them (its module fixtures

@@ -873,7 +873,7 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
                 g = sum(r.cpu for r in runs) if who == "gateway" else 0.0
                 e, c = sum(r.cpu_engine for r in runs), sum(r.cpu_client for r in runs)
 
-                def cell(x: float) -> str:
+                def cell(x: float, work: float = work, secs: float = secs, events: bool = events) -> str:
                     return f"{x * 1e6 / work:,.{1 if events else 0}f} µs ({x / secs:.0%})"
                 lines.append(f"| {label} | {who} | {cell(g) if who == 'gateway' else '–'} | {cell(e)} | "
                              f"{cell(c)} | {cell(g + e + c)} | {work / secs:,.0f}/s |")

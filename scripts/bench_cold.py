@@ -66,9 +66,11 @@ class Gateway:
         self.key = ""
 
     async def start(self) -> None:
-        import subprocess
-        subprocess.run([sys.executable, "-m", "ondemand", "--config", str(self.cfg), "key", "init"], cwd=ROOT,
-                       env=self.env, check=True, stdout=subprocess.DEVNULL)
+        init = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ondemand", "--config", str(self.cfg), "key", "init", cwd=ROOT, env=self.env,
+            stdout=asyncio.subprocess.DEVNULL)
+        if await init.wait():
+            raise RuntimeError(f"ondemand key init failed (exit {init.returncode})")
         self.key = (self.state / "ondemand.key").read_text().strip()
         proc = self.procs.spawn(self.name, [sys.executable, "-m", "ondemand", "--config", str(self.cfg), "serve"],
                                 self.tmp / "serve.log", self.env)

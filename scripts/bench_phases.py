@@ -253,7 +253,8 @@ def section(res: dict[str, Any], args: argparse.Namespace) -> str:
         "ondemand begins the read as the start begins and asks the kernel to read each file ahead "
         "(`POSIX_FADV_WILLNEED`), in a thread beside the engine: an engine that spends seconds starting up "
         "before its load (vLLM imports torch and starts its engine core first) finds the weights in memory; "
-        "one that loads at once reads beside it (and gained here too: the first two rows). The page cache keeps them for the next start while the host has the memory.",
+        "one that loads at once reads beside it (and gained here too: the first two rows). The page cache "
+        "keeps them for the next start while the host has the memory.",
         "",
     ]
     return "\n".join(lines)

@@ -92,7 +92,7 @@ class Crash:
     async def setup(self) -> None:
         self.od.write_key()
         await self.od.start()
-        for n, name in enumerate(NAMES):
+        for name in NAMES:
             status, view = await self.od.api("POST", "/deployments", {
                 "name": name, "served_name": name.upper(), "memory_gib": 10, "mode": "on_demand",
                 "idle_timeout_s": 1, "command": sim_command(name.upper(), self.journal, *SIM_ARGS)})

@@ -280,8 +280,8 @@ class Soak:
                 "name": name, "served_name": name.upper(), "memory_gib": 10, "mode": "on_demand",
                 # india's timeout bounds how long a pre-warmed engine waits for its request: 10 s.
                 "idle_timeout_s": 10 if KEEP_WARM[n] == "adaptive" else 1 + n % 3, "command": self.command(n),
-                "priority": PRIORITIES[n], "max_inflight": LIMITS[n], "engine": ENGINES[n], "idle_action": IDLE_ACTIONS[n], "gpu_count": 1,
-                "keep_warm": KEEP_WARM[n]})
+                "priority": PRIORITIES[n], "max_inflight": LIMITS[n], "engine": ENGINES[n],
+                "idle_action": IDLE_ACTIONS[n], "gpu_count": 1, "keep_warm": KEEP_WARM[n]})
             assert status == 201, (status, view)
             self.ids.append(view["id"])
         # india's rhythm, as learned before (bursts every METRONOME_S): a restart takes it back.

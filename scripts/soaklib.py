@@ -19,8 +19,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ondemand import config
-from ondemand.admin import client as adminclient
+from ondemand import config  # noqa: E402
+from ondemand.admin import client as adminclient  # noqa: E402
 from ondemand.gateway import keys  # noqa: E402
 
 
