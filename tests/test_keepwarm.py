@@ -322,6 +322,35 @@ def test_no_prewarm_while_anything_waits_for_memory(world):
     r.leave()
 
 
+def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
+    """A plan's early rest is a bet that the next request is far; with requests waiting for
+    memory, what it frees goes to them at once, and if the bet fails its own next request waits
+    for the newcomer's whole idle timeout, not a wake. So with the queue not empty it is idle
+    (for the reaper and make-room) only after its idle timeout, as fixed; once the queue is
+    empty, the plan counts again."""
+    box = Box(world)
+    c, fx = box.c, box.fx
+    box.add(1, memory_gib=10)
+    fx.add(2, 20, state=State.STOPPED)
+    box.c.learn({1: rhythm_of_bursts(random.Random(11), 8)})
+    burst(box, 1)
+    assert c.adaptive(1)["awake_for_s"] == 60
+    r = Req(c, 2)
+    c.on_refused(2, InsufficientMemory(20, 14, 24))  # 1 is idle for seconds only: no victim yet
+    assert 2 in c.queue and fx.taken("stop") == []
+    box.idle(300)
+    assert box.taken("stop") == [] and box.taken("sleep") == [] and not c.is_idle(fx.deps[1])
+    box.idle(300 + REAP_S)
+    (stop,) = box.taken("stop")  # its idle timeout, as fixed
+    assert 600 <= stop[0] <= 600 + REAP_S
+    r.leave()
+    assert not len(c.queue)
+    burst(box, 1)
+    box.idle(120)
+    (stop,) = box.taken("stop")  # the plan's rest again
+    assert 60 <= stop[0] <= 60 + REAP_S
+
+
 def test_a_request_that_arrives_while_the_prewarm_starts_it_is_a_hit(world):
     box = Box(world)
     c, fx, clock = box.c, box.fx, box.clock

@@ -7,7 +7,8 @@ path): how long the engine stays awake idle (``awake_for_s``, the idle rule's ti
 period in place of ``idle_timeout_s``), the tier the reaper then puts it in (``rest``: asleep at
 level 1 or 2, or stopped, of the tiers the effects say it may rest in now, with their measured
 costs), and when a pre-warm wakes or starts it again (``prewarm_in_s``). A plan of None (before
-its 20th gap, or gaps with no pattern) behaves as ``fixed``.
+its 20th gap, or gaps with no pattern) behaves as ``fixed``; so does every plan while anything
+waits in the memory queue (a box with no memory to spare is no place for an early rest's bet).
 
 A pre-warm takes only memory free at that moment: none while anything waits in the queue, the
 queue's holds kept out of its fit check, and no make-room (``Effects.prewarm``). A pre-warmed
@@ -141,15 +142,20 @@ class AdaptiveWarmth(Slots):
 
     def _idle_after(self, dep: Deployment, rec: Record) -> float:
         """How long it must have been idle to count as idle (the reaper, make-room): its idle
-        timeout; in an adaptive idle period, its plan's ``awake_for_s``; a pre-warmed engine no
-        request has used, no time at all (it yields its memory to any request)."""
+        timeout; in an adaptive idle period, its plan's ``awake_for_s``, but only while nothing
+        waits for memory (an early rest then hands its memory to the queue at once, and when the
+        bet on a far next request fails, that request waits for the newcomer's whole idle timeout
+        instead of a wake: the replay showed it failing the code trace's flagship); a pre-warmed
+        engine no request has used, no time at all (it yields its memory to any request)."""
         period = self._period(dep, rec)
         if period is None:
             return self.idle_timeout(dep)
         if period.prewarm is Prewarm.STARTED:
             return 0.0
         plan = self._planned(dep, rec, period)
-        return self.idle_timeout(dep) if plan is None else plan.awake_for_s
+        if plan is None or len(self.queue):
+            return self.idle_timeout(dep)
+        return plan.awake_for_s
 
     # --- the plan ----------------------------------------------------------------------
 
