@@ -112,9 +112,9 @@ class Procs:
 
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def spawn(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=ROOT, env=env,
                                     preexec_fn=_die_with_parent)
@@ -185,7 +185,7 @@ def _children(pid: int) -> list[int]:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def raise_nofile(want: int) -> int:
@@ -454,7 +454,7 @@ class Bench:
         dep = await self.api("POST", "/deployments", {
             "name": name, "served_name": name, "engine": "vllm", "memory_gib": 1, "mode": "on_demand",
             "command": ["ondemand", "sim-engine", "--port", "{port}", "--model", name, *sim_args]})
-        return dep["id"]
+        return int(dep["id"])
 
     def gw_target(self, dep_id: int) -> Target:
         return Target("gateway", f"http://127.0.0.1:{self.port}{BASE}/ondemand/{dep_id}/v1/chat/completions",
@@ -504,19 +504,21 @@ class Bench:
         small = chat_body("bench", CHAT_SMALL, False)
         stream = chat_body("bench", STREAM_TOKENS, True)
         first_byte = chat_body("bench", CHAT_SMALL, True)
+        http = self.http
+        assert http is not None
         phases: list[tuple[str, Callable[[Target], Any]]] = [
-            ("c1", lambda t: closed_loop(self.http, t, small, 1, plan.rps_s)),
-            ("c16", lambda t: closed_loop(self.http, t, small, 16, plan.rps_s)),
-            ("c64", lambda t: closed_loop(self.http, t, small, 64, plan.rps_s)),
-            ("s16", lambda t: stream_loop(self.http, t, stream, 16, plan.stream_s)),
-            ("s64", lambda t: stream_loop(self.http, t, stream, 64, plan.stream_s)),
-            ("ttfb", lambda t: ttfb_loop(self.http, t, first_byte, plan.ttfb_s)),
+            ("c1", lambda t: closed_loop(http, t, small, 1, plan.rps_s)),
+            ("c16", lambda t: closed_loop(http, t, small, 16, plan.rps_s)),
+            ("c64", lambda t: closed_loop(http, t, small, 64, plan.rps_s)),
+            ("s16", lambda t: stream_loop(http, t, stream, 16, plan.stream_s)),
+            ("s64", lambda t: stream_loop(http, t, stream, 64, plan.stream_s)),
+            ("ttfb", lambda t: ttfb_loop(http, t, first_byte, plan.ttfb_s)),
         ]
 
         # Warm-up: connection pools, code paths, the engine's caches.
         for t in (gw, direct, *others, gw, direct, *others):
-            await closed_loop(self.http, t, small, 16, plan.warmup_s / 2)
-            await stream_loop(self.http, t, stream, 16, plan.warmup_s / 2)
+            await closed_loop(http, t, small, 16, plan.warmup_s / 2)
+            await stream_loop(http, t, stream, 16, plan.warmup_s / 2)
         await asyncio.sleep(0.5)
         res["rss_idle_mib"] = rss_mib(self.gw_pid)
         res["fds_idle"] = n_fds(self.gw_pid)
@@ -587,14 +589,14 @@ class Bench:
             out.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", json_h, proc.pid))
         return out
 
-    async def wait_port(self, port: int, proc: subprocess.Popen) -> None:
+    async def wait_port(self, port: int, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + 20
         while True:
             with contextlib.suppress(OSError):
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     return
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.args[0]} did not listen on {port} (exit {proc.poll()})")
+                raise RuntimeError(f"{proc.args!r} did not listen on {port} (exit {proc.poll()})")
             await asyncio.sleep(0.05)
 
     async def scrape_metrics(self) -> None:
@@ -1028,7 +1030,7 @@ def report(res: dict[str, Any], plan: Plan, quick: bool, wall_s: float,
 
 def _version(mod: str) -> str:
     with contextlib.suppress(Exception):
-        return __import__(mod).__version__
+        return str(__import__(mod).__version__)
     return "?"
 
 

@@ -203,7 +203,9 @@ def _ms(values: list[float]) -> str:
 
 def section(res: dict[str, Any], quick: bool) -> str:
     ready, static, measured, b = res["ready"], res["static"], res["measured"], res["burst"]
-    met = lambda ok: "**met**" if ok else "**MISSED**"  # noqa: E731
+
+    def met(ok: bool) -> str:
+        return "**met**" if ok else "**MISSED**"
     lines = [
         SECTION, "",
         f"`scripts/bench_cold.py{' --quick' if quick else ''}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "

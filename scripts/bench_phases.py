@@ -210,7 +210,9 @@ def gateway(procs: Procs, tmp: Path, name: str, env: dict[str, str], imports_s: 
 # --- the section --------------------------------------------------------------------------
 
 def section(res: dict[str, Any], args: argparse.Namespace) -> str:
-    met = lambda ok: "**met**" if ok else "**MISSED**"  # noqa: E731
+
+    def met(ok: bool) -> str:
+        return "**met**" if ok else "**MISSED**"
     rows = res["eta"]
     errors = [r["error"] for r in rows if r["error"] is not None]
     single = res["single"]

@@ -56,6 +56,7 @@ class Side(asyncio.Protocol):
 async def main(port: int, upstream: str) -> None:
     loop = asyncio.get_running_loop()
     up = urlsplit(upstream)
+    host, up_port = up.hostname or "127.0.0.1", up.port or 80
 
     class Client(Side):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -64,7 +65,7 @@ async def main(port: int, upstream: str) -> None:
 
         async def connect(self) -> None:
             try:
-                _, engine = await loop.create_connection(lambda: Side(self), up.hostname, up.port)
+                _, engine = await loop.create_connection(lambda: Side(self), host, up_port)
             except OSError:
                 if self.transport is not None:
                     self.transport.close()

@@ -45,7 +45,7 @@ import soaklib  # noqa: E402
 from soaklib import ROOT, Ondemand, sim_command, sim_processes  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
-from litellm_double import litellm_double  # noqa: E402
+from litellm_double import litellm_double  # type: ignore[import-not-found]  # noqa: E402
 
 from ondemand.gateway import keys  # noqa: E402
 
@@ -64,7 +64,7 @@ def allowed_after_restart(v: dict[str, Any]) -> bool:
 
 
 class Crash:
-    def __init__(self, seed: int, kills: int, work: Path, litellm_url: str, master: str):
+    def __init__(self, seed: int, kills: int, work: Path, double: Any, master: str):
         self.rng = random.Random(seed)
         self.kills = kills
         self.aims = MOMENTS
@@ -76,7 +76,8 @@ class Crash:
             "reap_interval_s": 0.3, "metrics_interval_s": 0.3, "shutdown_grace_s": 1},
             {"budget": {"source": "static", "capacity_gib": 20},
              "deployer": {"backend": "process", "start_timeout_s": 10, "stop_timeout_s": 3},
-             "litellm": {"url": litellm_url, "master_key_file": str(work / "litellm.key")}})
+             "litellm": {"url": double.url, "master_key_file": str(work / "litellm.key")}})
+        self.double = double  # tests/litellm_double.py's: what LiteLLM was told
         self.ids: list[int] = []
         self.moments: collections.Counter[str] = collections.Counter()
         self.at_death: collections.Counter[str] = collections.Counter()
@@ -271,8 +272,7 @@ async def main_async(args: argparse.Namespace) -> int:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         async with litellm_double("sk-master-crash") as double:
-            crash = Crash(args.seed, args.kills, work, double.url, "sk-master-crash")
-            crash.double = double  # type: ignore[attr-defined]
+            crash = Crash(args.seed, args.kills, work, double, "sk-master-crash")
             crash.aims = tuple(args.moments.split(",")) if args.moments else MOMENTS
             try:
                 await crash.run()

@@ -122,9 +122,10 @@ def write_md(sections: dict[str, str]) -> None:
     for name, body in sections.items():
         begin, end = f"<!-- replay:{name} -->", f"<!-- /replay:{name} -->"
         pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-        if not pattern.search(text):
+        m = pattern.search(text)
+        if m is None:
             raise SystemExit(f"{path}: no {begin} ... {end} markers")
-        text = pattern.sub(lambda _m, b=begin, e=end, s=body: f"{b}\n{s}{e}", text)
+        text = text[:m.start()] + f"{begin}\n{body}{end}" + text[m.end():]
     path.write_text(text)
 
 

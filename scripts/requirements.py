@@ -12,7 +12,7 @@ import pathlib
 import sys
 
 
-def requirements(extras=()):
+def requirements(extras: tuple[str, ...] | list[str] = ()) -> list[str]:
     cfg = configparser.ConfigParser()
     cfg.read(pathlib.Path(__file__).resolve().parent.parent / "setup.cfg")
     lines = cfg["options"]["install_requires"].strip().splitlines()

@@ -108,8 +108,10 @@ class Ondemand:
 
     async def stop(self, timeout: float = 30) -> int:
         """SIGTERM and wait; returns the exit code (a kill after ``timeout`` s counts as a failure)."""
-        if self.proc is None or self.proc.returncode is not None:
-            return self.proc.returncode if self.proc else 0
+        if self.proc is None:
+            return 0
+        if self.proc.returncode is not None:
+            return self.proc.returncode
         self.proc.terminate()
         try:
             return await asyncio.wait_for(self.proc.wait(), timeout)
