@@ -334,11 +334,22 @@ def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
     fx.add(2, 20, state=State.STOPPED)
     box.c.learn({1: rhythm_of_bursts(random.Random(11), 8)})
     burst(box, 1)
+    began = c.record(1).adaptive.period.began
     assert c.adaptive(1)["awake_for_s"] == 60
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
+    fx.taken("counters")
     r = Req(c, 2)
     c.on_refused(2, InsufficientMemory(20, 14, 24))  # 1 is idle for seconds only: no victim yet
     assert 2 in c.queue and fx.taken("stop") == []
-    box.idle(300)
+    # The queue filled: 1's view is published again (within the second the publishes fold
+    # into), its idle_until now its idle timeout's.
+    box.clock.advance(1.01)
+    assert any(call[1] == 1 for call in fx.taken("counters"))
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 600)
+    box.idle(120)
+    c.on_refused(2, InsufficientMemory(20, 14, 24))  # make-room again, 120 s idle: still no victim
+    assert fx.taken("stop") == [] and fx.taken("sleep") == []
+    box.idle(180)
     assert box.taken("stop") == [] and box.taken("sleep") == [] and not c.is_idle(fx.deps[1])
     box.idle(300 + REAP_S)
     (stop,) = box.taken("stop")  # its idle timeout, as fixed
@@ -348,6 +359,27 @@ def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
     burst(box, 1)
     box.idle(120)
     (stop,) = box.taken("stop")  # the plan's rest again
+    assert 60 <= stop[0] <= 60 + REAP_S
+
+
+def test_an_emptied_queue_gives_an_idle_adaptive_deployment_its_plan_back(world):
+    box = Box(world)
+    c, fx = box.c, box.fx
+    box.add(1, memory_gib=10)
+    fx.add(2, 20, state=State.STOPPED)
+    box.c.learn({1: rhythm_of_bursts(random.Random(12), 8)})
+    burst(box, 1)
+    began = c.record(1).adaptive.period.began
+    r = Req(c, 2)
+    c.on_refused(2, InsufficientMemory(20, 14, 24))
+    box.idle(30)
+    fx.taken("counters")
+    r.leave()  # the only waiter hangs up: the queue is empty
+    box.clock.advance(1.01)
+    assert any(call[1] == 1 for call in fx.taken("counters"))
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
+    box.idle(60)
+    (stop,) = box.taken("stop")
     assert 60 <= stop[0] <= 60 + REAP_S
 
 

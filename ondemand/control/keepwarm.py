@@ -145,8 +145,10 @@ class AdaptiveWarmth(Slots):
         timeout; in an adaptive idle period, its plan's ``awake_for_s``, but only while nothing
         waits for memory (an early rest then hands its memory to the queue at once, and when the
         bet on a far next request fails, that request waits for the newcomer's whole idle timeout
-        instead of a wake: the replay showed it failing the code trace's flagship); a pre-warmed
-        engine no request has used, no time at all (it yields its memory to any request)."""
+        instead of a wake: the replay showed it failing the code trace's flagship). Make-room asks
+        once its own request is queued, so for make-room it is always the idle timeout. A
+        pre-warmed engine no request has used: no time at all (it yields its memory to any
+        request)."""
         period = self._period(dep, rec)
         if period is None:
             return self.idle_timeout(dep)
@@ -156,6 +158,20 @@ class AdaptiveWarmth(Slots):
         if plan is None or len(self.queue):
             return self.idle_timeout(dep)
         return plan.awake_for_s
+
+    _queue_was_empty = True
+
+    def _queue_changed(self) -> None:
+        """Every queued entry's view, and, when the queue fills or empties, every adaptive idle
+        deployment's: its idle rule follows the queue (``_idle_after``), and its ``idle_until``
+        with it."""
+        super()._queue_changed()
+        empty = not len(self.queue)
+        if empty is not self._queue_was_empty:
+            self._queue_was_empty = empty
+            for dep_id, rec in list(self._records.items()):
+                if rec.adaptive is not None and rec.adaptive.period is not None:
+                    self._counters_changed(dep_id, rec)
 
     # --- the plan ----------------------------------------------------------------------
 
