@@ -27,7 +27,7 @@ async def get(server, path, *, headers=None, unix=False):
 async def test_a_replays_page_is_listed_newest_first_and_downloaded_as_written(server, tmp_path):
     folder = server.cfg.state_dir / "replays"
     status, _, body = await get(server, "/replays")
-    assert status == 200 and json.loads(body) == {"dir": str(folder), "reports": []}
+    assert status == 200 and json.loads(body) == {"dir": str(folder), "count": 0, "reports": []}
 
     folder.mkdir()
     (tmp_path / "deps.toml").write_text(DEPLOYMENTS)
@@ -50,7 +50,7 @@ async def test_a_replays_page_is_listed_newest_first_and_downloaded_as_written(s
     listing = json.loads(body)
     assert status == 200 and [(r["name"], r["bytes"]) for r in listing["reports"]] == \
         [("monday.html", len(page)), ("sunday.html", older.stat().st_size)]
-    assert listing["reports"][1]["modified"] == 1_700_000_000
+    assert listing["reports"][1]["modified"] == 1_700_000_000 and listing["count"] == 2
 
     for unix in (False, True):
         status, headers, body = await get(server, "/replays/monday.html", unix=unix)
@@ -60,8 +60,10 @@ async def test_a_replays_page_is_listed_newest_first_and_downloaded_as_written(s
         assert headers["Content-Security-Policy"] == "sandbox" and headers["X-Content-Type-Options"] == "nosniff"
 
 
-@pytest.mark.parametrize("name", ["key.html", "notes.txt", "old.html", ".tuesday.html.123.tmp", "nope.html",
-                                  "..%2Fondemand.key", "%2E%2E%2Fadmin.token"])
+@pytest.mark.parametrize("name", ["key.html", "linked.html", "fifo.html", "notes.txt", "old.html",
+                                  ".tuesday.html.123.tmp", "nope.html", "..%2Fondemand.key", "%2E%2E%2Fsecret.html",
+                                  "..%2Fsecret.html", "a%2Fb.html", "%2Fetc%2Fpasswd.html", "caf%C3%A9.html",
+                                  "x" * 300 + ".html"])
 async def test_nothing_but_a_plain_report_is_served(server, name):
     folder = server.cfg.state_dir / "replays"
     folder.mkdir()
@@ -69,10 +71,40 @@ async def test_nothing_but_a_plain_report_is_served(server, name):
     (folder / "old.html").mkdir()
     (folder / ".tuesday.html.123.tmp").write_bytes(b"half a page")
     (folder / "key.html").symlink_to(server.cfg.key_file)
+    os.link(server.cfg.key_file, folder / "linked.html")  # a second name of the key file
+    os.mkfifo(folder / "fifo.html")  # opened, it would block a reader that waits for a writer
+    (folder / "a").mkdir()
+    (folder / "a" / "b.html").write_text("<!doctype html>")
+    (server.cfg.state_dir / "secret.html").write_text(server.key)
+    (folder / "caf\u00e9.html").write_text("<!doctype html>")
     status, headers, body = await get(server, f"/replays/{name}")
     assert status == 404, body
     assert json.loads(body)["error"]["code"] == "not_found"
     assert server.key.encode() not in body
+    status, _, body = await get(server, "/replays")
+    assert status == 200 and json.loads(body)["reports"] == []  # none of them is listed either
+
+
+async def test_a_linked_replays_folder_is_not_followed(server, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "monday.html").write_text("<!doctype html>")
+    (server.cfg.state_dir / "replays").symlink_to(elsewhere)
+    status, _, body = await get(server, "/replays")
+    assert status == 503 and json.loads(body)["error"]["code"] == "replays_unreadable"
+    status, _, body = await get(server, "/replays/monday.html")
+    assert status == 503 and b"doctype" not in body
+
+
+async def test_a_report_too_large_to_serve_says_so(server):
+    folder = server.cfg.state_dir / "replays"
+    folder.mkdir()
+    with open(folder / "huge.html", "wb") as fh:
+        fh.truncate(64 * 1024 * 1024 + 1)  # sparse: no disk spent
+    status, _, body = await get(server, "/replays")
+    assert [r["name"] for r in json.loads(body)["reports"]] == ["huge.html"]
+    status, _, body = await get(server, "/replays/huge.html")
+    assert status == 409 and json.loads(body)["error"]["code"] == "replay_report_too_large"
 
 
 async def test_the_reports_need_the_admin_token(server):
@@ -100,3 +132,32 @@ def test_a_page_is_written_whole_or_not_at_all_and_a_device_is_written_to(tmp_pa
     after = os.stat("/dev/null")
     assert (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
     assert not [n for n in os.listdir("/dev") if n.startswith(".null.")]
+
+
+async def test_the_twenty_newest_are_listed_and_all_are_counted(server):
+    folder = server.cfg.state_dir / "replays"
+    folder.mkdir()
+    for day in range(25):
+        (folder / f"day-{day:02d}.html").write_text("<!doctype html>")
+        os.utime(folder / f"day-{day:02d}.html", (1_700_000_000 + day, 1_700_000_000 + day))
+    status, _, body = await get(server, "/replays")
+    listing = json.loads(body)
+    assert listing["count"] == 25
+    assert [r["name"] for r in listing["reports"]] == [f"day-{day:02d}.html" for day in range(24, 4, -1)]
+
+
+def test_a_page_written_through_a_link_replaces_the_file_it_names_and_keeps_its_mode(tmp_path):
+    (tmp_path / "deps.toml").write_text(DEPLOYMENTS)
+    (tmp_path / "trace.csv").write_text(TRACE)
+    real = tmp_path / "reports" / "latest.html"
+    real.parent.mkdir()
+    real.write_text("the old page")
+    real.chmod(0o640)
+    link = tmp_path / "latest.html"
+    link.symlink_to(real)
+    r = replay(str(tmp_path / "trace.csv"), "--deployments", str(tmp_path / "deps.toml"), "--gpus", "1x80",
+               "--host-gib", "512", "--html", str(link))
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and real.read_bytes().startswith(b"<!doctype html>")
+    assert oct(real.stat().st_mode & 0o777) == oct(0o640)
+    assert sorted(os.listdir(real.parent)) == ["latest.html"]

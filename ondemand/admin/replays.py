@@ -4,8 +4,8 @@ that the admin page can link the latest.
 
 A report is read as it is and never trusted as a page of ondemand's: it is served as an
 attachment, sandboxed, under the admin token like the rest of the API. Only plain files with a
-plain name are served (no dot first, no path, no symlink), so nothing else in the state
-directory can be fetched through it.
+plain name are served (no dot first, no path; no symlink, neither the file nor the folder, and no
+second name of another file), so nothing else in the state directory can be fetched through it.
 """
 from __future__ import annotations
 
@@ -31,24 +31,51 @@ def folder(state_dir: Path) -> Path:
     return state_dir / REPLAYS_DIR
 
 
-def listing(state_dir: Path) -> list[dict[str, Any]]:
-    """The newest reports first (ties by name): ``{"name", "bytes", "modified"}`` (Unix time)."""
+def _open_folder(state_dir: Path) -> int | None:
+    """The replays folder, opened without following a link (None: there is none)."""
     try:
-        entries = list(os.scandir(folder(state_dir)))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        return os.open(folder(state_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:  # a file, or a link (O_NOFOLLOW with O_DIRECTORY says ENOTDIR)
+        if os.path.islink(folder(state_dir)):
+            raise OndemandError(503, "replays_unreadable", f"{folder(state_dir)} is a symbolic link, which is "
+                                "not followed: make it a folder of the state directory") from None
+        return None
+    except OSError as exc:  # a link (ELOOP), unreadable
+        raise OndemandError(503, "replays_unreadable",
+                            f"{folder(state_dir)} cannot be read: {exc.strerror}") from None
+
+
+def _plain(st: os.stat_result) -> bool:
+    """A report: a regular file with no other name (a hard link to a key file is not one)."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def listing(state_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """The LISTED newest reports first (ties by name): ``{"name", "bytes", "modified"}`` (Unix
+    time); and how many there are in all."""
+    dir_fd = _open_folder(state_dir)
+    if dir_fd is None:
+        return [], 0
     found: list[tuple[float, str, int]] = []
-    for entry in entries:
-        if not _NAME.fullmatch(entry.name):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:  # removed since the scan
-            continue
-        if stat.S_ISREG(st.st_mode):
-            found.append((st.st_mtime, entry.name, st.st_size))
+    try:
+        for name in os.listdir(dir_fd):
+            if not _NAME.fullmatch(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:  # removed since the listing
+                continue
+            if _plain(st):
+                found.append((st.st_mtime, name, st.st_size))
+    except OSError as exc:
+        raise OndemandError(503, "replays_unreadable",
+                            f"{folder(state_dir)} cannot be read: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
     found.sort(key=lambda f: (-f[0], f[1]))
-    return [{"name": name, "bytes": size, "modified": mtime} for mtime, name, size in found[:LISTED]]
+    return [{"name": name, "bytes": size, "modified": mtime} for mtime, name, size in found[:LISTED]], len(found)
 
 
 def read(state_dir: Path, name: str) -> bytes:
@@ -56,21 +83,26 @@ def read(state_dir: Path, name: str) -> bytes:
     missing = OndemandError(404, "not_found", f"no replay report {name!r} in {folder(state_dir)}")
     if not _NAME.fullmatch(name):
         raise missing
+    dir_fd = _open_folder(state_dir)
+    if dir_fd is None:
+        raise missing
     try:
-        fd = os.open(folder(state_dir) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except (FileNotFoundError, NotADirectoryError):
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
         raise missing from None
-    except OSError as exc:  # a symlink (ELOOP), unreadable
+    except OSError as exc:  # a link (ELOOP), unreadable
         raise OndemandError(404, "not_found", f"replay report {name!r}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a folder, a pipe, a device
+        if not _plain(st):  # a folder, a pipe, a device, a second name of another file
             raise missing
         if st.st_size > MAX_BYTES:
             raise OndemandError(409, "replay_report_too_large",
                                 f"replay report {name!r} is {st.st_size} bytes, more than {MAX_BYTES} served")
         with os.fdopen(fd, "rb", closefd=False) as fh:
-            return fh.read(MAX_BYTES + 1)
+            return fh.read(st.st_size)  # what it held when looked at, however it grows meanwhile
     finally:
         os.close(fd)
 
@@ -78,8 +110,8 @@ def read(state_dir: Path, name: str) -> bytes:
 async def list_replays(request: web.Request) -> web.Response:
     app_mod, app = app_parts(request)
     state_dir = app[app_mod.CONFIG].state_dir
-    reports = await asyncio.to_thread(listing, state_dir)  # a directory scan: off the loop
-    return json_answer({"dir": str(folder(state_dir)), "reports": reports})
+    reports, count = await asyncio.to_thread(listing, state_dir)  # a directory scan: off the loop
+    return json_answer({"dir": str(folder(state_dir)), "count": count, "reports": reports})
 
 
 async def get_replay(request: web.Request) -> web.Response:

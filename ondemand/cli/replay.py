@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -138,24 +139,35 @@ def _check_policies(policies: list[Policy], box: Box) -> None:
 
 def _write(path: str, data: bytes) -> None:
     """The whole file or none: written beside it under a hidden name, then renamed over it, so a
-    reader (the admin page lists {state_dir}/replays/) never sees half a page."""
-    target = Path(path)
-    if target.exists() and not target.is_file():  # /dev/stdout, a pipe: written to as it is
+    reader (the admin page lists {state_dir}/replays/) never sees half a page. Through a link, the
+    file it names is replaced; a file that was there keeps its mode."""
+    target = Path(os.path.realpath(path))
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+    if st is not None and not stat.S_ISREG(st.st_mode):  # /dev/stdout, a pipe: written to as it is
         try:
             with open(target, "wb") as fh:
                 fh.write(data)
         except OSError as exc:
             _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
         return
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp = target.with_name(f".{target.name[:200]}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as fh:
+            if st is not None:
+                os.fchmod(fh.fileno(), stat.S_IMODE(st.st_mode))
             fh.write(data)
         os.replace(tmp, target)
-    except OSError as exc:
+    except BaseException as exc:  # an OSError, or Ctrl-C between the write and the rename
         with contextlib.suppress(OSError):
             tmp.unlink()
-        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+        if isinstance(exc, OSError):
+            _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+        raise
 
 
 @cli.command()

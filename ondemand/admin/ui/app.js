@@ -123,22 +123,30 @@ async function loadHost() {
 async function loadReplays() {
   const p = $("replay");
   const r = await call("GET", "replays").catch(() => null);
+  if (!token) return;  // signed out meanwhile: the line stays hidden
   const newest = r && r.reports.length ? r.reports[0] : null;
   p.hidden = !newest;
   if (!newest) { p.replaceChildren(); return; }
   const get = el("button", {type: "button", "aria-label": `Download the replay report ${newest.name}`}, newest.name);
   get.addEventListener("click", () => downloadReplay(newest.name));
-  const more = r.reports.length > 1 ? `; ${r.reports.length} in ${r.dir}` : ` in ${r.dir}`;
+  const more = r.count > 1 ? `; ${r.count} in ${r.dir}` : ` in ${r.dir}`;
   p.replaceChildren("Latest replay report: ", get,
                     ` (written ${new Date(newest.modified * 1000).toLocaleString()}${more})`);
 }
 
 // The report comes with the token like everything else, so it is saved as a file, not opened
-// from a link (a link cannot carry the token).
+// from a link (a link cannot carry the token). Its bytes as written, and typed so that no browser
+// opens it as a page of this origin (where it could read the token).
 async function downloadReplay(name) {
   try {
-    const text = await call("GET", "replays/" + encodeURIComponent(name));
-    const url = URL.createObjectURL(new Blob([text], {type: "text/html"}));
+    const r = await fetch(new URL("replays/" + encodeURIComponent(name), api),
+                          {headers: {"Authorization": "Bearer " + token}});
+    if (r.status === 401) { signOut("The admin token was refused."); return; }
+    if (!r.ok) {
+      const e = ((await r.json().catch(() => null)) || {}).error || {};
+      throw new ApiError(r.status, e.message || ("HTTP " + r.status), e.code || "");
+    }
+    const url = URL.createObjectURL(new Blob([await r.arrayBuffer()], {type: "application/octet-stream"}));
     const a = el("a", {href: url, download: name});
     document.body.append(a);
     a.click();
