@@ -322,19 +322,25 @@ def test_no_prewarm_while_anything_waits_for_memory(world):
     r.leave()
 
 
+def idle_with_a_plan_beside_a_stopped_20(world: tuple[Clock, Effects], seed: int) -> tuple[Box, float]:
+    """Adaptive 1 (10 GiB), its rhythm learned, just idle after a burst; 2 (20 GiB) stopped: it
+    does not fit beside 1 on the 24 GiB box. The box, and when 1's idle period began."""
+    box = Box(world)
+    box.add(1, memory_gib=10)
+    box.fx.add(2, 20, state=State.STOPPED)
+    box.c.learn({1: rhythm_of_bursts(random.Random(seed), 8)})
+    burst(box, 1)
+    return box, box.c.record(1).adaptive.period.began
+
+
 def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
     """A plan's early rest is a bet that the next request is far; with requests waiting for
     memory, what it frees goes to them at once, and if the bet fails its own next request waits
     for the newcomer's whole idle timeout, not a wake. So with the queue not empty it is idle
     (for the reaper and make-room) only after its idle timeout, as fixed; once the queue is
     empty, the plan counts again."""
-    box = Box(world)
+    box, began = idle_with_a_plan_beside_a_stopped_20(world, 11)
     c, fx = box.c, box.fx
-    box.add(1, memory_gib=10)
-    fx.add(2, 20, state=State.STOPPED)
-    box.c.learn({1: rhythm_of_bursts(random.Random(11), 8)})
-    burst(box, 1)
-    began = c.record(1).adaptive.period.began
     assert c.adaptive(1)["awake_for_s"] == 60
     assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
     fx.taken("counters")
@@ -363,13 +369,8 @@ def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
 
 
 def test_an_emptied_queue_gives_an_idle_adaptive_deployment_its_plan_back(world):
-    box = Box(world)
+    box, began = idle_with_a_plan_beside_a_stopped_20(world, 12)
     c, fx = box.c, box.fx
-    box.add(1, memory_gib=10)
-    fx.add(2, 20, state=State.STOPPED)
-    box.c.learn({1: rhythm_of_bursts(random.Random(12), 8)})
-    burst(box, 1)
-    began = c.record(1).adaptive.period.began
     r = Req(c, 2)
     c.on_refused(2, InsufficientMemory(20, 14, 24))
     box.idle(30)

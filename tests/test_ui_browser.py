@@ -30,6 +30,24 @@ def browser_ready():
         pytest.skip("no browser: run `make test-browser` (scripts/heavy/browser.sh installs chromium and playwright-core)")
 
 
+async def page_script(tmp_path: pathlib.Path, name: str, source: str, server, timeout: float = 120) -> dict:
+    """A playwright script run against the page (its URL and the admin token as arguments):
+    its last line of output, as JSON."""
+    script = tmp_path / name
+    script.write_text(source)
+    proc = await asyncio.create_subprocess_exec(
+        "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        pytest.fail("the page script did not finish")
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
 def sim(model: str, gib: float, gpus: int = 1, *extra: str) -> list[str]:
     return sim_command(model, "--gpu-mib", str(int(gib * GIB_MIB / max(gpus, 1))), *extra)
 
@@ -240,19 +258,7 @@ async def test_the_page_shows_sleep_tiers_and_host_memory(tmp_path, browser_read
         assert await deployer.sleep(dozy, 1) == 1
         host_gib = deployer.get(dozy).host_gib
         assert host_gib and host_gib > 0.06  # the simulator's 64 MiB of weights, and the process
-        script = tmp_path / "warmth_ui.js"
-        script.write_text(WARMTH_SCRIPT)
-        proc = await asyncio.create_subprocess_exec(
-            "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 120)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            pytest.fail("the page script did not finish")
-        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-        result = json.loads(out.decode().strip().splitlines()[-1])
+        result = await page_script(tmp_path, "warmth_ui.js", WARMTH_SCRIPT, server, 120)
         assert (server.state(nappy), deployer.get(nappy).sleep_level) == ("asleep", 2)  # as its row said
     assert result["errors"] == [], result
     shown = f"{round(host_gib * 100) / 100:g} GiB host" if host_gib < 1 else f"{round(host_gib, 1):g} GiB host"
@@ -339,19 +345,7 @@ async def test_the_page_shows_a_learned_rhythm_and_offers_keep_warm(tmp_path, br
         chat = {"model": "RHYTHMIC", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         async with http.post(server.gw(rhythmic, "chat/completions"), json=chat, headers=server.auth()) as r:
             assert r.status == 200, await r.text()  # its idle period begins: the next request is expected
-        script = tmp_path / "rhythm_ui.js"
-        script.write_text(RHYTHM_SCRIPT)
-        proc = await asyncio.create_subprocess_exec(
-            "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 120)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            pytest.fail("the page script did not finish")
-        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-        result = json.loads(out.decode().strip().splitlines()[-1])
+        result = await page_script(tmp_path, "rhythm_ui.js", RHYTHM_SCRIPT, server, 120)
         assert server.deployer.get(plain).keep_warm == "adaptive" and server.state(plain) == "ready"
     assert result["errors"] == [], result
     row = result["rhythmic"]
@@ -407,19 +401,7 @@ async def test_the_page_offers_the_newest_replay_report(tmp_path, browser_ready)
         (folder / "sunday.html").write_text("<!doctype html><p>the day before</p>")
         os.utime(folder / "sunday.html", (1_700_000_000, 1_700_000_000))
         (folder / "monday.html").write_text("<!doctype html><p>ondemand replay: monday</p>")
-        script = tmp_path / "replay_ui.js"
-        script.write_text(REPLAY_SCRIPT)
-        proc = await asyncio.create_subprocess_exec(
-            "node", str(script), f"{server.url}/ui/", server.token, env={**os.environ, "NODE_PATH": NODE_PATH},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 60)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            pytest.fail("the page script did not finish")
-        assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-    result = json.loads(out.decode().strip().splitlines()[-1])
+        result = await page_script(tmp_path, "replay_ui.js", REPLAY_SCRIPT, server, 60)
     assert result["errors"] == [], result
     assert result["hidden_before"] and result["hidden_after"], result
     assert result["text"].startswith("Latest replay report: monday.html (written "), result
