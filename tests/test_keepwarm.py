@@ -384,6 +384,21 @@ def test_an_emptied_queue_gives_an_idle_adaptive_deployment_its_plan_back(world)
     assert 60 <= stop[0] <= 60 + REAP_S
 
 
+def test_a_queue_emptied_by_a_removal_gives_the_plan_back_too(world):
+    box, began = idle_with_a_plan_beside_a_stopped_20(world, 13)
+    c, fx = box.c, box.fx
+    Req(c, 2)
+    c.on_refused(2, InsufficientMemory(20, 14, 24))
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 600)
+    box.idle(30)
+    fx.taken("counters")
+    fx.remove(2)  # the queued deployment is removed: the queue is empty
+    assert not len(c.queue)
+    box.clock.advance(1.01)
+    assert any(call[1] == 1 for call in fx.taken("counters"))
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
+
+
 def test_a_request_that_arrives_while_the_prewarm_starts_it_is_a_hit(world):
     box = Box(world)
     c, fx, clock = box.c, box.fx, box.clock

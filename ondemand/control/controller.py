@@ -391,6 +391,7 @@ class Controller(AdaptiveWarmth):
             dw.starting_for_request = False
             self._forget_if_unused(dep_id)
         if self.queue.remove(dep_id):
+            self._queue_changed()
             self._advance_all()
         rec = self._records.get(dep_id)
         if rec is not None:
