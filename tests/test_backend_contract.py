@@ -376,6 +376,35 @@ async def test_a_process_engines_port_reservation_ends_once_it_listens(tmp_path)
         await h.close()
 
 
+async def test_a_start_cancelled_while_its_engine_is_spawned_releases_its_port(tmp_path, monkeypatch):
+    """The port is picked just before the exec; a start cancelled during the exec (the deployer's
+    start timeout, a shutdown) leaves no engine to bind it, and its reservation goes at once."""
+    from ondemand.engines.backends import ports
+    from ondemand.engines.backends import process as process_mod
+    h = ProcessHarness(tmp_path / "state")
+    b = h.backend()
+    entered, argv_seen = asyncio.Event(), []
+
+    async def slow_exec(*argv, **kw):  # an exec that has not returned yet when the start is cancelled
+        argv_seen.extend(argv)
+        entered.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(process_mod.asyncio, "create_subprocess_exec", slow_exec)
+    try:
+        start = asyncio.ensure_future(b.start(h.dep()))
+        await asyncio.wait_for(entered.wait(), 10)
+        port = int(argv_seen[argv_seen.index("--port") + 1])
+        assert ports.RESERVED.holds(port)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert not ports.RESERVED.holds(port)
+    finally:
+        monkeypatch.undo()
+        await h.close()
+
+
 async def test_an_exited_engine_is_not_adopted(h):
     b = h.backend()
     dep = h.dep("--fail", "exit-at-start")

@@ -189,12 +189,6 @@ class ProcessBackend(Backend):
         command = list(launch.args)
         if not command:
             raise BackendError(f"deployment {dep.name} has no command (the process backend runs `command`)")
-        port = free_port()
-        argv = [str(a).replace("{port}", str(port)) for a in command]
-        if argv[0] in ("python", "python3"):
-            argv[0] = sys.executable  # the interpreter running us, venv or zipapp
-        elif argv[0] == "ondemand":
-            argv[:1] = self_command()  # e.g. the engine simulator of the embedded default
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path, pid_path = self._paths(dep.name)
         await self._kill_leftover(dep.name)
@@ -205,6 +199,14 @@ class ProcessBackend(Backend):
             run.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
         except OSError as exc:  # a full disk loses the log, not the engine
             log.warning("cannot write the log %s: %s", log_path, exc)
+        # Picked last, right before the exec: from here to release_when_bound's spawn the only
+        # await is the exec, and whatever ends it (an error, a cancelled start) releases the port.
+        port = free_port()
+        argv = [str(a).replace("{port}", str(port)) for a in command]
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # the interpreter running us, venv or zipapp
+        elif argv[0] == "ondemand":
+            argv[:1] = self_command()  # e.g. the engine simulator of the embedded default
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -215,6 +217,10 @@ class ProcessBackend(Backend):
             run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
             run.end()
             raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
+        except BaseException:  # cancelled mid-exec: no engine to bind it, no run to log
+            RESERVED.release(port)
+            run.end()
+            raise
         assert proc.stdout is not None
         self.tasks.spawn(release_when_bound(port, lambda: proc.returncode is None), f"port {port} of {dep.name}")
         self._runs[dep.name] = self._run_of[proc] = run
