@@ -309,30 +309,68 @@ async def test_stream_through_the_gateway_is_the_engines_stream(world, http):
     assert len({c["id"] for c in chunks(ev_via)}) == 1 and len(ev_via) >= 4
 
 
+# A stream long enough to be still running when the sleep is asked after its first tokens,
+# whatever the CPU's speed: close to the tiny Llama's whole context (2,048 positions, the chat
+# prompt ~20). At the few hundred tokens a second it writes here that is ~5 s of stream; CI once
+# ran 600 tokens out before the drain began (the drain then had nothing to wait for).
+DRAIN_TOKENS = 1900
+
+
 # --- 4. the metrics sampler ---------------------------------------------------------------
 
 async def test_sampler_reads_vllms_running_gauge(world, http):
+    """While a long generation runs, the sampler reads vLLM's real gauge: running 1, waiting 0,
+    so the engine is not idle; once the abandoned stream is aborted, both gauges are back at 0.
+
+    CI once failed here, no reading showing the request running within 10 s, and the old test
+    kept nothing of what it read. So: the stream is read as it comes (a task beside the
+    sampling), the sampler has as long as the stream runs (up to 30 s), and every reading goes
+    into the failure's text. A try whose stream ended before a reading saw it running shows
+    nothing either way and is made again (three at most); here the first reading, ~10 ms after
+    the first token, sees it."""
     from ondemand import app as app_mod
     server, d = world.server, world.d
+    await ready_again(world, http)
     sampler = server.app[app_mod.SAMPLER]
+    readings: list[tuple[float, object]] = []  # (seconds into the try, the sample), for the failure's text
     busy = None
-    # A long generation, closed as soon as the sampler has seen it: the gateway's closed
-    # upstream connection makes vLLM abort the request.
-    async with http.post(server.gw(d, "chat/completions"), headers=server.auth(),
-                         json=chat("Tell a long story.", stream=True, max_tokens=1800, ignore_eos=True)) as r:
-        assert r.status == 200
-        seen = b""
-        async for piece in r.content.iter_any():
-            seen += piece
-            if seen.count(b"\n\n") >= 3:
-                async def running():
+    for attempt in range(1, 4):
+        # A long generation, closed as soon as the sampler has seen it: the gateway's closed
+        # upstream connection makes vLLM abort the request.
+        async with http.post(server.gw(d, "chat/completions"), headers=server.auth(),
+                             json=chat("Tell a long story.", stream=True, max_tokens=DRAIN_TOKENS,
+                                       ignore_eos=True)) as r:
+            assert r.status == 200
+            t0 = time.monotonic()
+            await r.content.readuntil(b"\n\n")  # the first event: vLLM runs it
+
+            async def drain() -> None:
+                async for _ in r.content.iter_any():
+                    pass
+            reader = asyncio.create_task(drain())
+            try:
+                while not reader.done() and time.monotonic() - t0 < 30:
                     await sampler.sample_once()
                     s = sampler.sample(d)
-                    return s if s is not None and s.running >= 1 else None
-                busy = await wait_for(running, timeout=10, interval=0.05, what="vllm:num_requests_running >= 1")
-                assert not sampler.idle(d) and server.controller.inflight(d) == 1
-                break
-    assert busy is not None and busy.waiting == 0, busy
+                    readings.append((round(time.monotonic() - t0, 2), s))
+                    if s is not None and s.running >= 1 and not reader.done():
+                        busy = s
+                        assert not sampler.idle(d) and server.controller.inflight(d) == 1
+                        break
+                    await asyncio.sleep(0.05)
+                if busy is None and not reader.done():
+                    pytest.fail(f"the stream ran 30 s, the sampler never read a running request: {readings}")
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await reader
+        if busy is not None:
+            break
+        print(f"\n  (try {attempt}: vLLM wrote the whole stream in {time.monotonic() - t0:.1f} s, "
+              f"before a reading saw it: {readings})")
+    world.figures["sampler: tries until a reading saw the stream running"] = attempt
+    assert busy is not None, f"three streams ended before the sampler read one running: {readings}"
+    assert busy.waiting == 0, busy
 
     async def idle():
         await sampler.sample_once()
@@ -407,13 +445,6 @@ async def ready_again(world, http) -> None:
             assert r.status == 200, await r.text()
         print(f"\n  ({state} after the test before: {verb} first)")
     assert server.state(d) == "ready"
-
-
-# A stream long enough to be still running when the sleep is asked after its first tokens,
-# whatever the CPU's speed: close to the tiny Llama's whole context (2,048 positions, the chat
-# prompt ~20). At the few hundred tokens a second it writes here that is ~5 s of stream; CI once
-# ran 600 tokens out before the drain began (the drain then had nothing to wait for).
-DRAIN_TOKENS = 1900
 
 
 async def test_an_admin_sleep_waits_for_the_stream_in_flight_then_a_request_wakes_it(world, http):
@@ -599,6 +630,8 @@ async def test_the_reaper_puts_it_to_sleep_and_a_request_wakes_it(world, http):
     server, d = world.server, world.d
     await ready_again(world, http)
     pid, base = server.deployer.engine(d).ref.pid, world.base
+    # The sleeps before this test (an earlier failure's reaper among them) are not this one's.
+    before = {a["id"] for a in await audit(server, d, "ondemand_sleep")}
     t = time.monotonic()  # the last request ended a moment ago
     await wait_for(lambda: server.state(d) == "asleep", timeout=IDLE_S + 60, interval=0.05,
                    what="the reaper putting the idle vLLM to sleep")
@@ -608,7 +641,7 @@ async def test_the_reaper_puts_it_to_sleep_and_a_request_wakes_it(world, http):
     assert server.deployer.get(d).sleep_level == 1  # idle_action sleep
     # Marked asleep first (no request gets a slot from then on), then the engine's /sleep.
     await wait_for(lambda: is_sleeping(http, base), timeout=30, what="vLLM's /is_sleeping true")
-    (row,) = await audit(server, d, "ondemand_sleep")
+    (row,) = [a for a in await audit(server, d, "ondemand_sleep") if a["id"] not in before]
     assert row["actor"] == "ondemand" and "idle" in row["text"] and "level 1" in row["text"], row
 
     t = time.monotonic()
