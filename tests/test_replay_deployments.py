@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import sqlite3
 
 import pytest
 
@@ -149,6 +150,8 @@ async def state_file(tmp_path) -> str:
         for kind, seconds in [("start", 50), ("start", 70), ("start", 55), ("wake", 2), ("wake", 4)]:
             await store.write_start(a["id"], at=1.0, duration_s=seconds, kind=kind, keep=20)
         await store.write_start(b["id"], at=1.0, duration_s=90, kind="start", keep=20)
+        for level, seconds in [(1, 1.0), (2, 9.0), (1, 2.0), (2, 11.0), (2, 14.0)]:  # b's wakes, by level
+            await store.write_start(b["id"], at=1.0, duration_s=seconds, kind="wake", keep=20, level=level)
         for gap in (1800.0, 1790.5, 1812.25):  # what adaptive warmth learned of a, oldest first
             await store.write_idle_gap(a["id"], at=1.0, gap_s=gap, keep=500)
     finally:
@@ -169,13 +172,29 @@ def test_the_state_file_is_read_without_a_write(tmp_path):
     assert files(path) == before  # the same files, byte for byte: nothing written, no side file made
     assert (a.deployment.state, a.deployment.gpus, a.deployment.priority, a.deployment.idle_timeout_s) == (
         State.STOPPED, (), Priority.HIGH, 120)  # at rest as the replay begins
-    assert a.costs == Costs(cold_start_s=55, wake_s=3)  # the medians of its recorded starts and wakes
+    assert a.costs == Costs(cold_start_s=55, wake_s=3)  # the medians of its starts and (levels unknown) wakes
     assert (b.deployment.state, b.deployment.sleep_level, b.deployment.footprint_gib) == (State.STOPPED, None, 30.5)
-    assert b.costs == Costs(cold_start_s=90)
+    assert b.costs == Costs(cold_start_s=90, wake_s=1.5, wake2_s=11)  # each level's wakes apart
     assert c.deployment.state is State.PLANNED and c.deployment.memory_gib == 72.0  # 0.9 of a GPU: nothing to read
     assert c.costs == Costs()  # no history: the defaults
     assert a.gaps == (1800.0, 1790.5, 1812.25) and b.gaps == c.gaps == ()  # the idle gaps the box learned
     assert decider.deployment.mode is Mode.ALWAYS_ON and not decider.deployment.on_demand
+
+
+def test_a_state_file_from_before_wake_levels_is_read_as_it_is(tmp_path):
+    """A state file at schema 8 (no ``starts.level``: a box not yet upgraded) is read without a
+    migration, its wakes as level 1's."""
+    path = asyncio.run(state_file(tmp_path))
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE starts DROP COLUMN level")
+    con.execute("UPDATE schema_version SET version = 8")
+    con.commit()
+    con.close()
+    before = files(path)
+    a, b, _c, _decider = from_state(path, BOX)
+    assert files(path) == before
+    assert a.costs == Costs(cold_start_s=55, wake_s=3)
+    assert b.costs == Costs(cold_start_s=90, wake_s=9)  # all five wakes' median, level unknown
 
 
 async def test_the_state_file_is_read_while_a_server_has_it_open(tmp_path):

@@ -25,7 +25,7 @@ def moves(history: StartHistory, *steps: tuple[State, float], **kw) -> None:
         old = new
 
 
-async def written(store, dep_id: int, n: int) -> list[tuple[str, float]]:
+async def written(store, dep_id: int, n: int) -> list[tuple[str, float, int | None]]:
     return await wait_for(lambda: _rows(store, dep_id, n), what=f"{n} start rows of {dep_id}")
 
 
@@ -40,7 +40,7 @@ async def test_a_start_is_timed_from_starting_to_ready_and_kept(store):
         assert h.fields(1) == {"last_start_s": None, "start_eta_s": None}
         moves(h, (State.STOPPED, 100.0), (State.STARTING, 100.0), (State.READY, 142.0))
         assert h.fields(1) == {"last_start_s": 42.0, "start_eta_s": 42.0}
-        assert await written(store, 1, 1) == [("start", 42.0)]
+        assert await written(store, 1, 1) == [("start", 42.0, None)]
     finally:
         await h.close()
     again = StartHistory(store)  # after a restart of ondemand
@@ -92,7 +92,7 @@ async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_tim
         # Adopted while starting: the first change seen is starting -> ready.
         h.on_change(2, dep(State.READY, 50.0, id=2), dep(State.STARTING, 20.0, id=2))
         assert h.last_start_s(2) == 30.0
-        assert await written(store, 1, 1) == [("wake", 2.0)]
+        assert await written(store, 1, 1) == [("wake", 2.0, 1)]  # with the level it woke from
         # A clock that went back gives no entry; a removal forgets the deployment.
         moves(h, (State.STOPPED, 100.0), (State.STARTING, 100.0), (State.READY, 90.0), id=3)
         assert h.last_start_s(3) is None
@@ -124,7 +124,7 @@ async def test_wakes_have_an_eta_of_their_own_which_an_asleep_notice_gives(store
         assert h.notice_eta_s(1) == 60.0
         h.on_change(1, dep(State.READY, 9041.0), dep(State.STARTING, 9002.0))
         assert h.last_start_s(1) == 39.0 and h.wake_eta_s(1) == 3.0
-        assert (await written(store, 1, 8))[-1] == ("start", 39.0)
+        assert (await written(store, 1, 8))[-1] == ("start", 39.0, None)  # a cold start: no level
     finally:
         await h.close()
     again = StartHistory(store)
@@ -133,8 +133,8 @@ async def test_wakes_have_an_eta_of_their_own_which_an_asleep_notice_gives(store
 
 
 async def test_a_wakes_eta_by_the_level_it_woke_from(store):
-    """Adaptive warmth's rest tiers cost what their wakes took: by level once a wake's level was
-    seen since ondemand started; the state file keeps no level, so until then all wakes'."""
+    """Adaptive warmth's rest tiers cost what their wakes took, by the level each woke from; the
+    state file keeps the level, so a restart keeps each level's median."""
     h = StartHistory(store)
     try:
         for i, (level, took) in enumerate([(1, 0.5), (2, 8.0), (1, 0.7), (2, 12.0), (1, 0.6)]):
@@ -144,19 +144,37 @@ async def test_a_wakes_eta_by_the_level_it_woke_from(store):
         moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 1.0), sleep_level=1, id=2)
         assert h.wake_eta_s(2, 1) == 1.0 and h.wake_eta_s(2, 2) is None  # never woken from level 2
         await written(store, 1, 5)
+        await written(store, 2, 1)
     finally:
         await h.close()
     again = StartHistory(store)
     await again.load()
-    assert again.wake_eta_s(1, 1) == again.wake_eta_s(1, 2) == again.wake_eta_s(1) == 0.7
+    assert again.wake_eta_s(1, 1) == 0.6 and again.wake_eta_s(1, 2) == 10.0 and again.wake_eta_s(1) == 0.7
+    assert again.wake_eta_s(2, 1) == 1.0 and again.wake_eta_s(2, 2) is None
+
+
+async def test_wakes_of_unknown_level_serve_every_level_until_one_is_known(store):
+    """Wakes written before the state file kept levels (schema 9) have none: all wakes' median
+    stands for both levels until a wake of known level is timed."""
+    for took in (2.0, 4.0, 3.0):
+        await store.write_start(1, at=0.0, duration_s=took, kind="wake", keep=20)
+    h = StartHistory(store)
+    try:
+        await h.load()
+        assert h.wake_eta_s(1, 1) == h.wake_eta_s(1, 2) == h.wake_eta_s(1) == 3.0
+        moves(h, (State.ASLEEP, 10.0), (State.STARTING, 10.0), (State.READY, 18.0), sleep_level=2)
+        assert h.wake_eta_s(1, 2) == 8.0 and h.wake_eta_s(1, 1) is None and h.wake_eta_s(1) == 3.5
+        await written(store, 1, 4)
+    finally:
+        await h.close()
 
 
 async def test_the_state_file_keeps_a_bounded_history(store):
     for i in range(30):
         await store.write_start(7, at=float(i), duration_s=float(i), kind="start", keep=20)
     rows = (await store.starts(100))[7]
-    assert [d for _, d in rows] == [float(i) for i in range(10, 30)]
-    assert [d for _, d in (await store.starts(ETA_OF))[7]] == [25.0, 26.0, 27.0, 28.0, 29.0]
+    assert [d for _, d, _ in rows] == [float(i) for i in range(10, 30)]
+    assert [d for _, d, _ in (await store.starts(ETA_OF))[7]] == [25.0, 26.0, 27.0, 28.0, 29.0]
     assert migrations.LATEST >= 4
 
 

@@ -322,3 +322,26 @@ async def test_adaptive_warmth_migration_keeps_rows_fixed_and_the_idle_gaps_thei
         assert await store.idle_gaps() == {old["id"]: [2.0, 3.0, 4.0, 5.0, 6.0]}
     finally:
         await store.close()
+
+
+async def test_wake_levels_migration_keeps_old_rows_without_a_level(tmp_path):
+    """Migration 9: ``starts`` gains a wake's level; the rows written before keep none (a wake of
+    unknown level, a cold start), the rows after carry theirs, and no other level is taken."""
+    path = tmp_path / "ondemand.db"
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await migrations.upgrade(db, target=8)
+    assert "level" not in await columns(db, "starts")
+    await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 0, 40, 'start')")
+    await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 1, 2.5, 'wake')")
+    await db.close()
+
+    store = await Store.open(path)
+    try:
+        assert await store.version() == migrations.LATEST >= 9
+        await store.write_start(1, at=2.0, duration_s=9.0, kind="wake", keep=20, level=2)
+        assert await store.starts(20) == {1: [("start", 40.0, None), ("wake", 2.5, None), ("wake", 9.0, 2)]}
+        with pytest.raises(sqlite3.IntegrityError):
+            await store.write_start(1, at=3.0, duration_s=1.0, kind="wake", keep=20, level=3)
+        assert len((await store.starts(20))[1]) == 3  # the refused row left nothing behind
+    finally:
+        await store.close()

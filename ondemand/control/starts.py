@@ -12,7 +12,8 @@ level stays through ``starting``; a failed wake's cold start has none) is kept a
 nothing of how long a cold start takes, and its own history gives ``wake_eta_s``.
 
 The views read memory only (no await); each new start is written to the state file
-(``starts``, the last ``KEEP`` per deployment) by a named task, and read back at start-up.
+(``starts``, the last ``KEEP`` per deployment; a wake with the level it woke from) by a named
+task, and read back at start-up.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class StartHistory:
         self.tasks = TaskGroup("starts")
         self._durations: dict[int, list[float]] = {}  # cold starts, oldest first, at most ETA_OF
         self._wakes: dict[int, list[float]] = {}  # wakes, the same way
-        # Wakes by the level they woke from (since ondemand started: the state file keeps no level).
+        # Wakes by the level they woke from (the state file keeps it since schema 9).
         self._wakes_from: dict[tuple[int, int], list[float]] = {}
         self._began: dict[int, float] = {}  # entered starting: its updated_at
         self._asleep: set[int] = set()  # asleep, or waking: a notice gives the wake's estimate
@@ -44,9 +45,13 @@ class StartHistory:
     async def load(self) -> None:
         for dep_id, rows in (await self.store.starts(self.keep)).items():
             for kind, into in (("start", self._durations), ("wake", self._wakes)):
-                durations = [d for k, d in rows if k == kind][-ETA_OF:]
+                durations = [d for k, d, _ in rows if k == kind][-ETA_OF:]
                 if durations:
                     into[dep_id] = durations
+            for level in (1, 2):
+                durations = [d for k, d, lv in rows if k == "wake" and lv == level][-ETA_OF:]
+                if durations:
+                    self._wakes_from[(dep_id, level)] = durations
 
     async def close(self) -> None:
         await self.tasks.close()
@@ -81,21 +86,24 @@ class StartHistory:
         if duration < 0:
             log.warning("%s: ignoring a start that took %.1f s (the clock went back)", dep.name, duration)
             return
-        self.record(dep_id, duration, kind, at=dep.updated_at)
-        if old.sleep_level is not None:
-            from_level = self._wakes_from.setdefault((dep_id, old.sleep_level), [])
-            from_level.append(duration)
-            del from_level[:-ETA_OF]
+        self.record(dep_id, duration, kind, at=dep.updated_at, level=old.sleep_level)
 
-    def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float) -> None:
+    def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float,
+               level: int | None = None) -> None:
+        """One successful start; a wake (``kind`` "wake") with the sleep ``level`` it woke from."""
         durations = (self._durations if kind == "start" else self._wakes).setdefault(dep_id, [])
         durations.append(duration_s)
         del durations[:-ETA_OF]
-        self.tasks.spawn(self._write(dep_id, duration_s, kind, at), f"write start {dep_id}")
+        if kind == "wake" and level is not None:
+            from_level = self._wakes_from.setdefault((dep_id, level), [])
+            from_level.append(duration_s)
+            del from_level[:-ETA_OF]
+        self.tasks.spawn(self._write(dep_id, duration_s, kind, at, level), f"write start {dep_id}")
 
-    async def _write(self, dep_id: int, duration_s: float, kind: str, at: float) -> None:
+    async def _write(self, dep_id: int, duration_s: float, kind: str, at: float, level: int | None) -> None:
         try:
-            await self.store.write_start(dep_id, at=at, duration_s=duration_s, kind=kind, keep=self.keep)
+            await self.store.write_start(dep_id, at=at, duration_s=duration_s, kind=kind, keep=self.keep,
+                                         level=level if kind == "wake" else None)
         except Exception:  # the history is a courtesy: a failed write costs one entry
             log.exception("cannot record the start of deployment %d", dep_id)
 
@@ -113,8 +121,8 @@ class StartHistory:
 
     def wake_eta_s(self, dep_id: int, level: int | None = None) -> float | None:
         """The median of its last ETA_OF successful wakes, or None. With ``level``: of its wakes
-        from that level timed since ondemand started (None when only the other level's were);
-        of all of them while no wake's level is known (the state file keeps none)."""
+        from that level (None when only the other level's are known); of all of them while no
+        wake's level is known (the wakes of a state file from before schema 9)."""
         if level is not None:
             from_level = self._wakes_from.get((dep_id, level))
             if from_level:

@@ -9,7 +9,9 @@
   given (a vLLM recipe: ``idle_action = "auto"`` sleeps at level 1 on discrete GPUs); one GPU.
 - **The state file**, opened read only (``mode=ro``, and ``immutable`` when no write-ahead log
   is there, so that not even its side files are made): the box's own deployments, their engines'
-  costs from the recorded history (the median cold start and wake), else ``Costs``' defaults,
+  costs from the recorded history (the median cold start, and the median wake from each sleep
+  level: ``wake_s`` and ``wake2_s``; a file's wakes of unknown level all count as level 1's),
+  else ``Costs``' defaults,
   and the idle gaps adaptive warmth kept of each (``idle_gaps``): what the box had learned.
 
 Every deployment starts the replay at rest (on demand: stopped; always on: placed at the start).
@@ -240,29 +242,44 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
         try:
             con.row_factory = sqlite3.Row
             rows = [deployment_fields(r) for r in con.execute("SELECT * FROM deployments ORDER BY id")]
-            starts = con.execute("SELECT deployment_id, kind, duration_s FROM starts ORDER BY id").fetchall()
+            starts = _starts(con)
             kept = _idle_gaps(con)
         finally:
             con.close()
     except sqlite3.Error as exc:
         raise DeploymentError(f"{path}: cannot read the state file: {exc}") from None
     history: dict[tuple[int, str], list[float]] = {}
-    for dep_id, kind, duration in starts:
+    for dep_id, kind, duration, level in starts:
         history.setdefault((dep_id, kind), []).append(float(duration))
+        if kind == "wake" and level in (1, 2):
+            history.setdefault((dep_id, f"wake{level}"), []).append(float(duration))
     out = []
     for row in rows:
         dep = _at_rest(Deployment.from_row(row), box)
-        cold, wake = history.get((dep.id, "start")), history.get((dep.id, "wake"))
+        cold = history.get((dep.id, "start"))
+        wake1, wake2 = history.get((dep.id, "wake1")), history.get((dep.id, "wake2"))
+        if not (wake1 or wake2):
+            wake1 = history.get((dep.id, "wake"))  # no wake's level known (a file from before schema 9)
         costs = Costs()
         if cold:
             costs = dataclasses.replace(costs, cold_start_s=statistics.median(cold))
-        if wake:
-            costs = dataclasses.replace(costs, wake_s=statistics.median(wake))
+        if wake1:
+            costs = dataclasses.replace(costs, wake_s=statistics.median(wake1))
+        if wake2:
+            costs = dataclasses.replace(costs, wake2_s=statistics.median(wake2))
         out.append(Replayed(dep, costs, gaps=tuple(kept.get(dep.id, ()))))
     if not out:
         raise DeploymentError(f"{path}: the state file holds no deployment (give --deployments FILE)")
     check_fits(out, box, lambda _i: path)
     return out
+
+
+def _starts(con: sqlite3.Connection) -> list[tuple[int, str, float, int | None]]:
+    """Every recorded start, oldest first: (deployment, kind, duration_s, the level a wake woke
+    from); no level in a state file from before schema 9, which a replay does not migrate."""
+    columns = {row[1] for row in con.execute("PRAGMA table_info(starts)")}
+    level = "level" if "level" in columns else "NULL"
+    return con.execute(f"SELECT deployment_id, kind, duration_s, {level} FROM starts ORDER BY id").fetchall()
 
 
 def _idle_gaps(con: sqlite3.Connection) -> dict[int, list[float]]:

@@ -200,6 +200,13 @@ async def _v8_adaptive_warmth(db: aiosqlite.Connection) -> None:
     await db.execute("CREATE INDEX IF NOT EXISTS idle_gaps_deployment ON idle_gaps (deployment_id, id)")
 
 
+async def _v9_wake_levels(db: aiosqlite.Connection) -> None:
+    # A wake's sleep level beside its duration, so that each level's wakes have their own median
+    # after a restart (adaptive warmth's rest tiers, a replay's wake_s and wake2_s). Rows written
+    # before stay NULL: a wake of an unknown level, and every cold start.
+    await _add_columns(db, "starts", (("level", "INTEGER CHECK (level IS NULL OR level IN (1, 2))"),))
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
@@ -209,6 +216,7 @@ MIGRATIONS: list[Migration] = [
     Migration(6, "deployments: priority and max_inflight", _v6_priorities_and_limits),
     Migration(7, "deployments: tiered warmth (idle_action; sleep level, host memory, wake check)", _v7_tiered_warmth),
     Migration(8, "deployments: adaptive warmth (keep_warm); idle_gaps", _v8_adaptive_warmth),
+    Migration(9, "starts: the level a wake woke from", _v9_wake_levels),
 ]
 
 LATEST = MIGRATIONS[-1].version

@@ -227,24 +227,26 @@ class Store:
     # --- start history -------------------------------------------------------
 
     async def write_start(self, deployment_id: int, *, at: float, duration_s: float, kind: str,
-                          keep: int) -> None:
-        """One successful start; only the last ``keep`` of the deployment's are kept."""
+                          keep: int, level: int | None = None) -> None:
+        """One successful start (a wake: ``level``, the sleep level it woke from); only the
+        last ``keep`` of the deployment's are kept."""
         async with self.transaction() as db:
-            await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (?, ?, ?, ?)",
-                             (deployment_id, at, duration_s, kind))
+            await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind, level) VALUES (?, ?, ?, ?, ?)",
+                             (deployment_id, at, duration_s, kind, level))
             await db.execute(
                 "DELETE FROM starts WHERE deployment_id = ? AND id NOT IN "
                 "(SELECT id FROM starts WHERE deployment_id = ? ORDER BY id DESC LIMIT ?)",
                 (deployment_id, deployment_id, keep))
 
-    async def starts(self, limit: int) -> dict[int, list[tuple[str, float]]]:
-        """Each deployment's last ``limit`` starts, oldest first: (kind, duration_s)."""
-        out: dict[int, list[tuple[str, float]]] = {}
+    async def starts(self, limit: int) -> dict[int, list[tuple[str, float, int | None]]]:
+        """Each deployment's last ``limit`` starts, oldest first: (kind, duration_s, level), the
+        level a wake woke from (None for a cold start, and for a wake recorded before schema 9)."""
+        out: dict[int, list[tuple[str, float, int | None]]] = {}
         # The table holds a few rows per deployment (write_start's keep): read them all.
         async with self._reading() as db, db.execute(
-                "SELECT deployment_id, kind, duration_s FROM starts ORDER BY id") as cur:
+                "SELECT deployment_id, kind, duration_s, level FROM starts ORDER BY id") as cur:
             for row in await cur.fetchall():
-                out.setdefault(row[0], []).append((row[1], row[2]))
+                out.setdefault(row[0], []).append((row[1], row[2], row[3]))
         return {dep_id: rows[-limit:] for dep_id, rows in out.items()}
 
     # --- idle gaps (adaptive warmth) -------------------------------------------
