@@ -32,31 +32,32 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SPEC = ROOT / "ondemand.pyz.spec"
 NATIVE = "native"
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    try:
-        import tomli as tomllib  # type: ignore[no-redef]
-    except ImportError:
-        tomllib = None  # type: ignore[assignment]
-
-try:
+if TYPE_CHECKING:
+    # mypy checks against packaging itself; pip's vendored copy is the same code.
     from packaging.markers import Marker
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
-    from packaging.utils import canonicalize_name
-except ImportError:  # pip always carries a copy
-    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
-    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
-    from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[no-redef]
-    from pip._vendor.packaging.utils import canonicalize_name  # type: ignore[no-redef]
+    from packaging.utils import NormalizedName, canonicalize_name
+else:
+    try:
+        from packaging.markers import Marker
+        from packaging.requirements import Requirement
+        from packaging.specifiers import SpecifierSet
+        from packaging.utils import canonicalize_name
+    except ImportError:  # pip always carries a copy
+        from pip._vendor.packaging.markers import Marker
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.specifiers import SpecifierSet
+        from pip._vendor.packaging.utils import canonicalize_name
 
 
 class BuildError(Exception):
@@ -90,7 +91,7 @@ class Target:
 
     def pip_args(self) -> list[str]:
         """The pip flags that select wheels for this target ([] for native)."""
-        if not self.cross:
+        if self.python is None:  # native
             return []
         args = ["--python-version", self.python, "--implementation", self.implementation,
                 "--abi", self.abi]
@@ -100,7 +101,7 @@ class Target:
 
     def marker_environment(self) -> dict[str, str] | None:
         """What environment markers see on the target (None: this interpreter)."""
-        if not self.cross:
+        if self.python is None:  # native
             return None
         full = f"{self.python}.0"
         return {
@@ -117,7 +118,7 @@ class Target:
             "platform_version": "",
         }
 
-    def identity(self) -> dict:
+    def identity(self) -> dict[str, object]:
         """What the cached resolution depends on besides the requirements."""
         if self.cross:
             return {"python": self.python, "implementation": self.implementation,
@@ -158,34 +159,43 @@ class Spec:
         return self.base / rel
 
 
-_SPEC_KEYS = {
+_SPEC_KEYS: dict[str, dict[str, type]] = {
     "zipapp": {"entry_point": str, "interpreter": str, "packages": list, "output": str,
                "target_output": str},
     "shiv": {"compressed": bool, "reproducible": bool, "compile_pyc": bool, "root": str},
 }
-_TARGET_KEYS = {"description": str, "python": str, "implementation": str, "abi": str,
-                "machine": str, "platforms": list}
+_TARGET_KEYS: dict[str, type] = {"description": str, "python": str, "implementation": str,
+                                 "abi": str, "machine": str, "platforms": list}
 
 
 def _bad(path: Path, message: str) -> BuildError:
     return BuildError(f"{path}: {message}", 2)
 
 
-def load_spec(path: Path) -> Spec:
-    if tomllib is None:
-        raise BuildError("reading the spec needs Python >= 3.11 (tomllib) or the tomli package", 2)
+def _read_toml(path: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: tomli, if this interpreter has it
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise BuildError("reading the spec needs Python >= 3.11 (tomllib) or the tomli package",
+                             2) from None
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            return tomllib.load(fh)
     except FileNotFoundError:
         raise BuildError(f"{path}: no such spec file", 2) from None
     except tomllib.TOMLDecodeError as exc:
         raise _bad(path, f"not valid TOML: {exc}") from None
 
+
+def load_spec(path: Path) -> Spec:
+    raw = _read_toml(path)
     unknown = set(raw) - set(_SPEC_KEYS) - {"targets"}
     if unknown:
         raise _bad(path, f"unknown table(s): {', '.join(sorted(unknown))}")
-    values: dict = {}
+    values: dict[str, Any] = {}  # the Spec fields, each checked against _SPEC_KEYS
     for table, keys in _SPEC_KEYS.items():
         section = raw.get(table)
         if not isinstance(section, dict):
@@ -231,14 +241,15 @@ def load_spec(path: Path) -> Spec:
         missing = [k for k in ("python", "abi", "machine", "platforms") if k not in t]
         if missing:
             raise _bad(path, f"{where}: missing {', '.join(missing)}")
-        target = Target(name, t.get("description", ""), t["python"], t.get("implementation", "cp"),
+        python: str = t["python"]  # present and a str: checked against _TARGET_KEYS above
+        target = Target(name, t.get("description", ""), python, t.get("implementation", "cp"),
                         t["abi"], t["machine"], list(t["platforms"]))
-        if not re.fullmatch(r"3\.\d+", target.python):
-            raise _bad(path, f"{where} python: expected 'X.Y', got {target.python!r}")
+        if not re.fullmatch(r"3\.\d+", python):
+            raise _bad(path, f"{where} python: expected 'X.Y', got {python!r}")
         if target.implementation != "cp":
             raise _bad(path, f"{where} implementation: only 'cp' (CPython) is supported")
-        if target.abi != "cp" + target.python.replace(".", ""):
-            raise _bad(path, f"{where} abi {target.abi!r} does not match python {target.python}")
+        if target.abi != "cp" + python.replace(".", ""):
+            raise _bad(path, f"{where} abi {target.abi!r} does not match python {python}")
         if not target.platforms:
             raise _bad(path, f"{where} platforms: empty")
         for tag in target.platforms:
@@ -250,11 +261,13 @@ def load_spec(path: Path) -> Spec:
 
 def load_requirements() -> list[str]:
     """setup.cfg's install_requires, through scripts/requirements.py."""
-    spec = importlib.util.spec_from_file_location("_ondemand_requirements",
-                                                  ROOT / "scripts" / "requirements.py")
+    path = ROOT / "scripts" / "requirements.py"
+    spec = importlib.util.spec_from_file_location("_ondemand_requirements", path)
+    if spec is None or spec.loader is None:
+        raise BuildError(f"{path}: cannot be loaded as a module", 2)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    reqs = module.requirements()
+    reqs: list[str] = module.requirements()  # requirements.py: def requirements(...) -> list[str]
     if not reqs:
         raise BuildError("setup.cfg [options] install_requires is empty", 2)
     return reqs
@@ -310,7 +323,7 @@ def resolve(target: Target, requirements: list[str], work: Path) -> list[str]:
     resolves again. What pip added only for this interpreter is not reached by
     the walk and is left out."""
     env = target.marker_environment()
-    roots: dict[str, Requirement] = {}
+    roots: dict[NormalizedName, Requirement] = {}
     for line in requirements:
         req = Requirement(line)
         if _applies(req.marker, env):
@@ -322,11 +335,11 @@ def resolve(target: Target, requirements: list[str], work: Path) -> list[str]:
              *[_stripped(r) for r in roots.values()]],
             f"resolving the requirements for target {target.name}")
         report = json.loads(report_path.read_text())
-        resolved = {}
+        resolved: dict[NormalizedName, dict[str, Any]] = {}  # the report's metadata (JSON)
         for item in report.get("install", []):
             meta = item["metadata"]
             resolved[canonicalize_name(meta["name"])] = meta
-        needed: dict[str, set[str]] = {}
+        needed: dict[NormalizedName, set[str]] = {}
         missing: list[Requirement] = []
         queue = list(roots.values())
         while queue:
@@ -363,7 +376,7 @@ def cache_root() -> Path:
 
 
 @contextlib.contextmanager
-def locked(directory: Path):
+def locked(directory: Path) -> Iterator[None]:
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / ".lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -393,10 +406,11 @@ def stage_dependencies(target: Target, requirements: list[str], stage: Path, wor
             except (OSError, ValueError):
                 cached = {}
             if cached.get("key") == key:
+                cached_pins: list[str] = cached["pins"]  # as written below, under this key
                 try:
-                    install_from_cache(target, cached["pins"], wheels, stage)
+                    install_from_cache(target, cached_pins, wheels, stage)
                     log(f"wheels from the cache {wheels} (--refresh resolves again)")
-                    return cached["pins"]
+                    return cached_pins
                 except BuildError:
                     log("the cached wheels are incomplete; resolving again")
                     shutil.rmtree(stage, ignore_errors=True)
@@ -495,8 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec.resolve())
         if args.list:
-            for name, target in spec.targets.items():
-                print(f"{name:16} {target.description}")
+            for name, listed in spec.targets.items():
+                print(f"{name:16} {listed.description}")
             return 0
         target = spec.targets.get(args.target)
         if target is None:
