@@ -24,6 +24,12 @@ TARGET ?= native
 PYZ_TARGETS := native py310-x86_64 py311-x86_64 py312-x86_64 py312-aarch64
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 export ONDEMAND_CACHE := $(CACHE)
+# Python writes its bytecode caches here even where the environment says not to (some images set
+# PYTHONDONTWRITEBYTECODE=1): the fast suite starts ~400 Python processes (engine simulators,
+# `ondemand` commands, servers) that import the package, and pytest rewrites every test module
+# in each of its workers. Without the caches each compiles them all again: 20-25 % of the
+# suite's CPU on 2 cores. The caches are ignored by git and by the zipapp build.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus test-vllm \
