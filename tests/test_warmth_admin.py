@@ -1,6 +1,8 @@
 """Tiered warmth through the admin API (issue 22): ``idle_action`` on creation, dry run and
 edit; the sleep route's level; a wake; ``host_memory`` in ``/api/host``. A real server
 (process backend) with engine-simulator deployments."""
+import time
+
 import aiohttp
 import pytest
 from helpers import sim_command, wait_for
@@ -228,12 +230,27 @@ async def test_a_failed_wake_starts_cold(server, fail, result):
     await api(server, "POST", f"/deployments/{i}/start?wait=1")
     _, view = await api(server, "POST", f"/deployments/{i}/sleep", {"level": 1})
     assert view["sleep_level"] == 1
+    t = time.monotonic()
     status, view = await api(server, "POST", f"/deployments/{i}/wake?wait=1")
+    took = time.monotonic() - t
     assert status == 200 and view["state"] == "ready" and view["sleep_level"] is None, view
     state = await sim_state(server, i)  # a new engine (it never slept), awake and sound
     assert (state["level"], state["garbage"], state["sleeps"]) == (0, False, 0), state
     (row,) = [r for r in await server.deployer.store.audit(i) if r["action"] == "ondemand_wake_failed"]
     assert row["detail"]["result"] == result and row["detail"]["level"] == 1 and row["actor"] == "ondemand"
+    # The cold start is stored and published as one, without the level: the start history
+    # times it from there (a hung wake's second is not in it) and records no wake.
+    events = [e["text"] for e in await server.deployer.store.events(i)]  # newest first
+    assert events.index("starting cold after the failed wake from sleep level 1") < events.index(row["text"])
+    rows = await wait_for(lambda: _starts_of(server, i, 2), what="the two cold starts recorded")
+    assert [(kind, level) for kind, _, level in rows] == [("start", None), ("start", None)], rows
+    if fail == "wake-hangs":
+        assert rows[-1][1] < took - 1.0, (rows, took)  # wake_timeout_s is 1 s
+
+
+async def _starts_of(server, dep_id: int, n: int):
+    rows = (await server.deployer.store.starts(20)).get(dep_id, [])
+    return rows if len(rows) == n else None
 
 
 async def test_an_edit_that_makes_another_engine_forgets_its_sleep_measurements(server):

@@ -447,7 +447,12 @@ class Unit:
             await self.stop_engine(engine, "after its failed wake")
         if not self.is_(State.STARTING):
             return
-        self.owner.amend(self.id, sleep_level=None, host_gib=None, wake_check=None)  # a cold start from here
+        # A cold start from here, stored and published (starting to starting, without the sleep
+        # level): the start history times it from here, not from the wake's beginning, and a
+        # restart of ondemand during it takes back a cold start, not a wake at the old level.
+        await self.owner.transition(self.id, State.STARTING, text=f"starting cold after the failed wake from "
+                                    f"sleep level {level}",
+                                    extra={"sleep_level": None, "host_gib": None, "wake_check": None})
         await self._cold_start()
 
     # --- sleep ------------------------------------------------------------------------
