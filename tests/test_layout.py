@@ -156,7 +156,8 @@ ALLOWED = {
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
     "replay": set(), "replay.types": {"config", "model"}, "replay.trace": {"replay.types"},
-    "replay.deployments": {"config", "control.placement", "model", "replay.types", "state.store"},
+    "replay.deployments": {"config", "control.placement", "control.starts", "model", "replay.types",
+                           "state.store"},
     "replay.clock": set(),
     "replay.world": {"control.budget", "control.controller", "control.keepwarm", "control.placement", "engines.warmth",
                      "errors", "model", "replay.clock", "replay.types"},

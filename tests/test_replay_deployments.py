@@ -172,7 +172,8 @@ def test_the_state_file_is_read_without_a_write(tmp_path):
     assert files(path) == before  # the same files, byte for byte: nothing written, no side file made
     assert (a.deployment.state, a.deployment.gpus, a.deployment.priority, a.deployment.idle_timeout_s) == (
         State.STOPPED, (), Priority.HIGH, 120)  # at rest as the replay begins
-    assert a.costs == Costs(cold_start_s=55, wake_s=3)  # the medians of its starts and (levels unknown) wakes
+    # The medians of its starts and of its wakes, whose level is unknown: they stand for both levels.
+    assert a.costs == Costs(cold_start_s=55, wake_s=3, wake2_s=3)
     assert (b.deployment.state, b.deployment.sleep_level, b.deployment.footprint_gib) == (State.STOPPED, None, 30.5)
     assert b.costs == Costs(cold_start_s=90, wake_s=1.5, wake2_s=11)  # each level's wakes apart
     assert c.deployment.state is State.PLANNED and c.deployment.memory_gib == 72.0  # 0.9 of a GPU: nothing to read
@@ -193,8 +194,28 @@ def test_a_state_file_from_before_wake_levels_is_read_as_it_is(tmp_path):
     before = files(path)
     a, b, _c, _decider = from_state(path, BOX)
     assert files(path) == before
-    assert a.costs == Costs(cold_start_s=55, wake_s=3)
-    assert b.costs == Costs(cold_start_s=90, wake_s=9)  # all five wakes' median, level unknown
+    assert a.costs == Costs(cold_start_s=55, wake_s=3, wake2_s=3)
+    assert b.costs == Costs(cold_start_s=90, wake_s=9, wake2_s=9)  # all five wakes' median, level unknown
+
+
+def test_wakes_of_unknown_level_are_left_out_once_a_level_is_known(tmp_path):
+    """A box upgraded to schema 9 holds old wakes (no level) beside new ones: a level with wakes
+    of its own costs their median, the other its default, the old wakes neither (as the box
+    itself prices them, control.starts.wake_median)."""
+    async def make() -> str:
+        path = tmp_path / "ondemand.db"
+        store = await Store.open(path)
+        try:
+            d = await store.insert_deployment(dict(name="d", served_name="D", engine="vllm", model="org/d",
+                                                   memory_gib=10, gpu_count=1, state="stopped", role="model"))
+            for seconds in (2.0, 4.0, 10.0):
+                await store.write_start(d["id"], at=1.0, duration_s=seconds, kind="wake", keep=20)
+            await store.write_start(d["id"], at=2.0, duration_s=20.0, kind="wake", keep=20, level=2)
+        finally:
+            await store.close()
+        return str(path)
+    (d,) = from_state(asyncio.run(make()), BOX)
+    assert d.costs == Costs(wake2_s=20.0)  # wake_s: the default
 
 
 async def test_the_state_file_is_read_while_a_server_has_it_open(tmp_path):

@@ -175,6 +175,23 @@ async def test_the_state_file_keeps_a_bounded_history(store):
     rows = (await store.starts(100))[7]
     assert [d for _, d, _ in rows] == [float(i) for i in range(10, 30)]
     assert [d for _, d, _ in (await store.starts(ETA_OF))[7]] == [25.0, 26.0, 27.0, 28.0, 29.0]
+
+
+async def test_rare_level_2_wakes_outlast_many_starts_and_level_1_wakes(store):
+    """The bound is per kind and level: a deployment that wakes from level 2 now and then keeps
+    those wakes however many cold starts and level-1 wakes come after, and a restart keeps their
+    median."""
+    for took in (9.0, 11.0):
+        await store.write_start(7, at=0.0, duration_s=took, kind="wake", keep=20, level=2)
+    for i in range(30):
+        await store.write_start(7, at=float(i), duration_s=40.0 + i, kind="start", keep=20)
+        await store.write_start(7, at=float(i), duration_s=0.5, kind="wake", keep=20, level=1)
+    rows = (await store.starts(20))[7]
+    assert rows[:2] == [("wake", 9.0, 2), ("wake", 11.0, 2)] and len(rows) == 42
+    assert [d for k, d, _ in rows if k == "start"] == [40.0 + i for i in range(10, 30)]
+    h = StartHistory(store)
+    await h.load()
+    assert (h.wake_eta_s(7, 2), h.wake_eta_s(7, 1), h.eta_s(7)) == (10.0, 0.5, 67.0)
     assert migrations.LATEST >= 4
 
 

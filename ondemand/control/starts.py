@@ -30,6 +30,19 @@ KEEP = 20  # starts kept per deployment in the state file
 ETA_OF = 5  # the ETA is the median of this many last starts (or wakes)
 
 
+def wake_median(level: int, from_level: dict[int, list[float]], every: list[float]) -> float | None:
+    """The cost of a wake from ``level``: the median of its wakes from that level; None (the
+    caller's default) when only the other level's are known; while no wake's level is known (a
+    state file's wakes from before schema 9), the median of ``every`` wake. The live box and a
+    replay of its state file price a wake by this one rule."""
+    own = from_level.get(level)
+    if own:
+        return statistics.median(own)
+    if any(from_level.get(other) for other in (1, 2)):
+        return None
+    return statistics.median(every) if every else None
+
+
 class StartHistory:
     def __init__(self, store: Store, *, keep: int = KEEP):
         self.store = store
@@ -124,11 +137,9 @@ class StartHistory:
         from that level (None when only the other level's are known); of all of them while no
         wake's level is known (the wakes of a state file from before schema 9)."""
         if level is not None:
-            from_level = self._wakes_from.get((dep_id, level))
-            if from_level:
-                return round(statistics.median(from_level), 1)
-            if any((dep_id, other) in self._wakes_from for other in (1, 2)):
-                return None
+            from_level = {lv: self._wakes_from.get((dep_id, lv), []) for lv in (1, 2)}
+            median = wake_median(level, from_level, self._wakes.get(dep_id, []))
+            return None if median is None else round(median, 1)
         durations = self._wakes.get(dep_id)
         return round(statistics.median(durations), 1) if durations else None
 

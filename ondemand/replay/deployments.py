@@ -10,7 +10,7 @@
 - **The state file**, opened read only (``mode=ro``, and ``immutable`` when no write-ahead log
   is there, so that not even its side files are made): the box's own deployments, their engines'
   costs from the recorded history (the median cold start, and the median wake from each sleep
-  level: ``wake_s`` and ``wake2_s``; a file's wakes of unknown level all count as level 1's),
+  level, ``wake_s`` and ``wake2_s``, by the box's own rule: ``control.starts.wake_median``),
   else ``Costs``' defaults,
   and the idle gaps adaptive warmth kept of each (``idle_gaps``): what the box had learned.
 
@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..control import placement
+from ..control.starts import wake_median
 from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Mode, Priority, Role, State
 from ..state.store import deployment_fields
 from .types import Box, Costs, Replayed
@@ -257,16 +258,16 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
     for row in rows:
         dep = _at_rest(Deployment.from_row(row), box)
         cold = history.get((dep.id, "start"))
-        wake1, wake2 = history.get((dep.id, "wake1")), history.get((dep.id, "wake2"))
-        if not (wake1 or wake2):
-            wake1 = history.get((dep.id, "wake"))  # no wake's level known (a file from before schema 9)
+        from_level = {level: history.get((dep.id, f"wake{level}"), []) for level in (1, 2)}
+        every = history.get((dep.id, "wake"), [])
         costs = Costs()
         if cold:
             costs = dataclasses.replace(costs, cold_start_s=statistics.median(cold))
-        if wake1:
-            costs = dataclasses.replace(costs, wake_s=statistics.median(wake1))
-        if wake2:
-            costs = dataclasses.replace(costs, wake2_s=statistics.median(wake2))
+        wake1, wake2 = wake_median(1, from_level, every), wake_median(2, from_level, every)
+        if wake1 is not None:
+            costs = dataclasses.replace(costs, wake_s=wake1)
+        if wake2 is not None:
+            costs = dataclasses.replace(costs, wake2_s=wake2)
         out.append(Replayed(dep, costs, gaps=tuple(kept.get(dep.id, ()))))
     if not out:
         raise DeploymentError(f"{path}: the state file holds no deployment (give --deployments FILE)")

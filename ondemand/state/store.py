@@ -2,7 +2,7 @@
 
 Owns the connection (aiosqlite, WAL, foreign keys, ``synchronous=NORMAL``,
 a busy timeout), the transaction discipline and the typed reads and writes of
-``deployments``, ``events``, ``audit`` and ``starts``. Every write runs in a transaction;
+``deployments``, ``events``, ``audit``, ``starts`` and ``idle_gaps``. Every write runs in a transaction;
 nested ``transaction()`` blocks join the outer one. One asyncio lock orders
 the transactions of this process, because aiosqlite runs one connection on a
 thread and two interleaved BEGINs on it would join each other's work. Reads
@@ -228,26 +228,32 @@ class Store:
 
     async def write_start(self, deployment_id: int, *, at: float, duration_s: float, kind: str,
                           keep: int, level: int | None = None) -> None:
-        """One successful start (a wake: ``level``, the sleep level it woke from); only the
-        last ``keep`` of the deployment's are kept."""
+        """One successful start (a wake: ``level``, the sleep level it woke from). Only the last
+        ``keep`` of each kind and level are kept per deployment, so that frequent cold starts
+        or level-1 wakes do not push out its rare level-2 wakes."""
         async with self.transaction() as db:
             await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind, level) VALUES (?, ?, ?, ?, ?)",
                              (deployment_id, at, duration_s, kind, level))
             await db.execute(
-                "DELETE FROM starts WHERE deployment_id = ? AND id NOT IN "
-                "(SELECT id FROM starts WHERE deployment_id = ? ORDER BY id DESC LIMIT ?)",
-                (deployment_id, deployment_id, keep))
+                "DELETE FROM starts WHERE deployment_id = ? AND kind = ? AND level IS ? AND id NOT IN "
+                "(SELECT id FROM starts WHERE deployment_id = ? AND kind = ? AND level IS ? ORDER BY id DESC LIMIT ?)",
+                (deployment_id, kind, level, deployment_id, kind, level, keep))
 
     async def starts(self, limit: int) -> dict[int, list[tuple[str, float, int | None]]]:
-        """Each deployment's last ``limit`` starts, oldest first: (kind, duration_s, level), the
-        level a wake woke from (None for a cold start, and for a wake recorded before schema 9)."""
+        """Each deployment's starts, oldest first: (kind, duration_s, level), the level a wake woke
+        from (None for a cold start, and for a wake recorded before schema 9); the last ``limit``
+        of each kind and level."""
         out: dict[int, list[tuple[str, float, int | None]]] = {}
         # The table holds a few rows per deployment (write_start's keep): read them all.
         async with self._reading() as db, db.execute(
-                "SELECT deployment_id, kind, duration_s, level FROM starts ORDER BY id") as cur:
-            for row in await cur.fetchall():
-                out.setdefault(row[0], []).append((row[1], row[2], row[3]))
-        return {dep_id: rows[-limit:] for dep_id, rows in out.items()}
+                "SELECT deployment_id, kind, duration_s, level FROM starts ORDER BY id DESC") as cur:
+            seen: dict[tuple[int, str, int | None], int] = {}
+            for dep_id, kind, duration, level in await cur.fetchall():
+                key = (dep_id, kind, level)
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] <= limit:
+                    out.setdefault(dep_id, []).append((kind, duration, level))
+        return {dep_id: rows[::-1] for dep_id, rows in out.items()}
 
     # --- idle gaps (adaptive warmth) -------------------------------------------
 
