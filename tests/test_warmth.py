@@ -170,6 +170,11 @@ async def test_a_level_2_sleeper_reloads_its_weights_in_vllms_order(fake_nvidia_
                             "/reset_prefix_cache", "/v1/completions", "/v1/chat/completions"]
     assert not await audit_rows(server, a, "ondemand_wake_failed")
 
+    async def wakes():  # the start history's rows, written by a task of their own
+        return [(kind, level) for kind, _, level in (await server.deployer.store.starts(20)).get(a, [])
+                if kind == "wake"]
+    assert await wait_for(wakes, what="the wake in the state file") == [("wake", 2)]  # with its level
+
 
 async def test_a_sleep_raced_by_a_request_wakes_it_and_never_lets_the_sleeper_answer(fake_nvidia_smi, server, http):
     box(fake_nvidia_smi, gpus=8)
