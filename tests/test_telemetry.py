@@ -181,3 +181,29 @@ async def test_a_scrape_reads_a_cached_gpu_snapshot(server, http, monkeypatch):
     for _ in range(5):
         await scrape(server, http)
     assert len(reads) <= 1  # the start-up's reading is under 5 s old: at most one more
+
+
+def test_a_failed_wakes_cold_start_is_timed_from_its_own_beginning():
+    """A failed wake is followed by its engine's stop, then the cold start (starting to starting,
+    the sleep level cleared): the start's duration counts from that change, as the start history's
+    does, not from the wake's end."""
+    from ondemand.admin.telemetry import Telemetry
+    from ondemand.events import DeploymentChanged, Woken
+    from ondemand.model import Deployment, State
+
+    now = [100.0]
+    t = Telemetry(deployments=list, inflight=lambda i: 0, queued=lambda i: 0, gpu_memory=lambda: [],
+                  clock=lambda: now[0])
+
+    def dep(state: State, level: int | None) -> Deployment:
+        return Deployment(id=1, name="a", served_name="A", engine="vllm", state=state, sleep_level=level)
+    t.on_deployment(DeploymentChanged(1, dep(State.STARTING, 1), dep(State.ASLEEP, 1)))  # the wake
+    now[0] = 130.0
+    t.on_woken(Woken(1, "a", "failed", 30.0))
+    now[0] = 150.0  # the failed engine's stop took 20 s
+    t.on_deployment(DeploymentChanged(1, dep(State.STARTING, None), dep(State.STARTING, 1)))
+    now[0] = 160.0
+    t.on_deployment(DeploymentChanged(1, dep(State.READY, None), dep(State.STARTING, None)))
+    m = parse(t.exposition().decode())
+    assert m[("ondemand_start_duration_seconds_count", (("deployment", "a"),))] == 1
+    assert m[("ondemand_start_duration_seconds_sum", (("deployment", "a"),))] == 10.0

@@ -250,7 +250,7 @@ async def test_a_failed_wake_starts_cold(server, fail, result):
 
 async def _starts_of(server, dep_id: int, n: int):
     rows = (await server.deployer.store.starts(20)).get(dep_id, [])
-    return rows if len(rows) == n else None
+    return rows if len(rows) >= n else None  # more than n: the assertion after it shows them
 
 
 async def test_an_edit_that_makes_another_engine_forgets_its_sleep_measurements(server):

@@ -212,6 +212,12 @@ class Telemetry:
         if dep is None:
             self._starting_since.pop(e.dep_id, None)
             return
+        if old is not None and old.state is dep.state is State.STARTING and old.sleep_level is not None \
+                and dep.sleep_level is None:
+            # A failed wake's cold start begins (its engine stopped): timed from here, as the
+            # start history times it, not from the wake's end (on_woken), the stop in between.
+            self._starting_since[dep.id] = self._clock()
+            return
         if old is None or old.state is dep.state:
             return
         if dep.state is State.STARTING:
