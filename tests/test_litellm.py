@@ -887,6 +887,21 @@ async def test_a_wake_keeps_the_asleep_rank_until_ready_and_a_failed_wakes_cold_
         await sync.close()
 
 
+def test_a_failed_wakes_cold_start_asks_for_a_sync():
+    """A wake keeps its asleep rank (its sync, as it leaves asleep, writes nothing: the test
+    above); once it failed and the cold start begins (the level dropped, still starting) the
+    entry must rank cold now, not at the next periodic sync."""
+    from ondemand.events import DeploymentChanged
+    from ondemand.litellm.sync import sync_needed
+    from ondemand.model import Deployment
+
+    def d(state: State, level: int | None) -> Deployment:
+        return Deployment(id=1, name="a", served_name="A", engine="vllm", state=state, sleep_level=level)
+    assert sync_needed(DeploymentChanged(1, d(State.STARTING, None), d(State.STARTING, 1)))  # it failed
+    assert not sync_needed(DeploymentChanged(1, d(State.STARTING, None), d(State.STARTING, None)))  # an edit
+    assert sync_needed(DeploymentChanged(1, d(State.READY, None), d(State.STARTING, None)))
+
+
 async def test_a_key_change_still_replaces_even_with_a_change_of_warmth():
     async with litellm_double(MASTER) as double:
         world = World(dep(1, "a", state="ready"), dep(2, "b", state="asleep"))

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..events import DeploymentChanged
-from ..model import SYNC_STATES
+from ..model import SYNC_STATES, State
 from ..tasks import TaskGroup
 from .client import LiteLLMClient, LiteLLMError
 from .entries import (
@@ -78,13 +78,15 @@ def _empty(error: str) -> dict[str, Any]:
 
 def sync_needed(e: DeploymentChanged) -> bool:
     """A change that changes what LiteLLM should list: created, removed, an edit of
-    what its entry shows (mode or pending mode, names, role), or entering or leaving
-    ready, failed or planned."""
+    what its entry shows (mode or pending mode, names, role), entering or leaving
+    ready, failed or planned, or a wake that became a cold start."""
     if e.dep is None or e.old is None:
         return True
     if (e.old.mode, e.old.pending_mode, e.old.name, e.old.served_name, e.old.role) != \
             (e.dep.mode, e.dep.pending_mode, e.dep.name, e.dep.served_name, e.dep.role):
         return True
+    if e.old.state is e.dep.state is State.STARTING and (e.old.sleep_level is None) != (e.dep.sleep_level is None):
+        return True  # a wake became a cold start (it failed): its entry ranks cold now (_warmth_view)
     return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
 
 
