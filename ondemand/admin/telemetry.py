@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from ..events import DeploymentChanged, Slept, StartTimed, Woken
 from ..gateway.exchange import Exchange
-from ..model import Deployment, KeepWarm, State
+from ..model import Deployment, KeepWarm, State, wake_turned_cold
 
 log = logging.getLogger("ondemand.admin.telemetry")
 
@@ -212,8 +212,7 @@ class Telemetry:
         if dep is None:
             self._starting_since.pop(e.dep_id, None)
             return
-        if old is not None and old.state is dep.state is State.STARTING and old.sleep_level is not None \
-                and dep.sleep_level is None:
+        if wake_turned_cold(old, dep):
             # A failed wake's cold start begins (its engine stopped): timed from here, as the
             # start history times it, not from the wake's end (on_woken), the stop in between.
             self._starting_since[dep.id] = self._clock()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 
-from ..model import Deployment, State
+from ..model import Deployment, State, wake_turned_cold
 from ..state.store import Store
 from ..tasks import TaskGroup
 
@@ -86,7 +86,7 @@ class StartHistory:
         else:
             self._asleep.discard(dep_id)
         if dep.state is State.STARTING and (old is None or old.state is not State.STARTING or
-                                            (old.sleep_level is not None and dep.sleep_level is None)):
+                                            wake_turned_cold(old, dep)):
             self._began[dep_id] = dep.updated_at  # a failed wake's cold start is timed from its own beginning
             return
         if old is None or old.state is not State.STARTING or dep.state is State.STARTING:
@@ -107,7 +107,8 @@ class StartHistory:
         durations = (self._durations if kind == "start" else self._wakes).setdefault(dep_id, [])
         durations.append(duration_s)
         del durations[:-ETA_OF]
-        if kind == "wake" and level is not None:
+        level = level if kind == "wake" else None  # a cold start has none
+        if level is not None:
             from_level = self._wakes_from.setdefault((dep_id, level), [])
             from_level.append(duration_s)
             del from_level[:-ETA_OF]
@@ -116,7 +117,7 @@ class StartHistory:
     async def _write(self, dep_id: int, duration_s: float, kind: str, at: float, level: int | None) -> None:
         try:
             await self.store.write_start(dep_id, at=at, duration_s=duration_s, kind=kind, keep=self.keep,
-                                         level=level if kind == "wake" else None)
+                                         level=level)
         except Exception:  # the history is a courtesy: a failed write costs one entry
             log.exception("cannot record the start of deployment %d", dep_id)
 

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..events import DeploymentChanged
-from ..model import SYNC_STATES, State
+from ..model import SYNC_STATES, wake_turned_cold
 from ..tasks import TaskGroup
 from .client import LiteLLMClient, LiteLLMError
 from .entries import (
@@ -85,8 +85,8 @@ def sync_needed(e: DeploymentChanged) -> bool:
     if (e.old.mode, e.old.pending_mode, e.old.name, e.old.served_name, e.old.role) != \
             (e.dep.mode, e.dep.pending_mode, e.dep.name, e.dep.served_name, e.dep.role):
         return True
-    if e.old.state is e.dep.state is State.STARTING and (e.old.sleep_level is None) != (e.dep.sleep_level is None):
-        return True  # a wake became a cold start (it failed): its entry ranks cold now (_warmth_view)
+    if wake_turned_cold(e.old, e.dep):
+        return True  # its entry ranks cold now (_warmth_view), not at the next sync
     return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
 
 
