@@ -13,7 +13,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # a request → gateway → control → engines → backends → the engine.
 ALLOWED = {
     # At the top: what everyone shares.
-    "model": set(), "errors": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
+    "model": set(), "errors": set(), "files": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
     "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
@@ -32,7 +32,7 @@ ALLOWED = {
     # The answer kinds, each with its exchange with the engine.
     "gateway.answers": {"control.admission", "errors", "gateway.notice", "http.cycle", "http.forward", "http.limits",
                         "http.pool"},
-    "gateway.paths": {"errors"}, "gateway.keys": {"errors", "events"}, "gateway.ratelimit": set(),
+    "gateway.paths": {"errors"}, "gateway.keys": {"errors", "events", "files"}, "gateway.ratelimit": set(),
     "gateway.peers": {"engines.dockerapi", "errors"}, "gateway.notice": set(),
     # A finished gateway request (leaf), and what hears of it: the metrics and the access log.
     "gateway.exchange": set(), "gateway.accesslog": {"gateway.exchange"},
@@ -151,7 +151,7 @@ ALLOWED = {
     "cli.deploy": {"admin.client", "cli.shared", "cli.views", "engines.recipes", "model"},
     "cli.warmth": {"cli.deploy", "cli.shared", "cli.views"},
     "cli.keys": {"cli.shared", "config", "gateway.keys"},
-    "cli.replay": {"cli.shared", "config", "control.budget", "errors", "replay.deployments", "replay.live",
+    "cli.replay": {"cli.shared", "config", "control.budget", "errors", "files", "replay.deployments", "replay.live",
                    "replay.page", "replay.report", "replay.run", "replay.trace", "replay.types"},
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
@@ -245,7 +245,7 @@ def test_dockerapi_is_a_leaf_for_docker_backend_peers_and_doctor():
     assert users <= {"engines.backends.docker", "gateway.peers", "admin.doctor"}, users
 
 
-SHARED = {"model", "errors", "config", "events", "tasks"}
+SHARED = {"model", "errors", "config", "events", "tasks", "files"}
 
 
 def test_packages_import_along_the_flow():

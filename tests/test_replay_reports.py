@@ -153,11 +153,17 @@ def test_a_page_written_through_a_link_replaces_the_file_it_names_and_keeps_its_
     real.parent.mkdir()
     real.write_text("the old page")
     real.chmod(0o640)
+    old_inode = real.stat().st_ino
     link = tmp_path / "latest.html"
     link.symlink_to(real)
+    fresh = tmp_path / "reports" / "fresh.json"
     r = replay(str(tmp_path / "trace.csv"), "--deployments", str(tmp_path / "deps.toml"), "--gpus", "1x80",
-               "--host-gib", "512", "--html", str(link))
+               "--host-gib", "512", "--html", str(link), "--json", str(fresh))
     assert r.returncode == 0, r.stderr
     assert link.is_symlink() and real.read_bytes().startswith(b"<!doctype html>")
+    assert real.stat().st_ino != old_inode  # renamed into place, not written over in place
     assert oct(real.stat().st_mode & 0o777) == oct(0o640)
-    assert sorted(os.listdir(real.parent)) == ["latest.html"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct(fresh.stat().st_mode & 0o777) == oct(0o666 & ~umask)  # a new file: as open() makes one
+    assert sorted(os.listdir(real.parent)) == ["fresh.json", "latest.html"]

@@ -6,7 +6,6 @@ The replay's modules are imported when the command runs, not with the command li
 other command (and each ``serve``) would pay for them at its start."""
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import sys
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 import click
 
+from ..files import write_atomic
 from .shared import EXIT_FAILED, EXIT_USAGE, Ctx, _fail, _run, cli, pass_ctx
 
 if TYPE_CHECKING:
@@ -138,36 +138,24 @@ def _check_policies(policies: list[Policy], box: Box) -> None:
 
 
 def _write(path: str, data: bytes) -> None:
-    """The whole file or none: written beside it under a hidden name, then renamed over it, so a
-    reader (the admin page lists {state_dir}/replays/) never sees half a page. Through a link, the
-    file it names is replaced; a file that was there keeps its mode."""
-    target = Path(os.path.realpath(path))
+    """The whole file or none (``files.write_atomic``), so a reader (the admin page lists
+    {state_dir}/replays/) never sees half a page. Through a link, the file it names is replaced;
+    a file that was there keeps its mode; a device or a pipe (/dev/stdout) is written to as it is."""
+    target = os.path.realpath(path)
     try:
-        st: os.stat_result | None = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
-    if st is not None and not stat.S_ISREG(st.st_mode):  # /dev/stdout, a pipe: written to as it is
         try:
+            st: os.stat_result | None = os.stat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
             with open(target, "wb") as fh:
                 fh.write(data)
-        except OSError as exc:
-            _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
-        return
-    tmp = target.with_name(f".{target.name[:200]}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            if st is not None:
-                os.fchmod(fh.fileno(), stat.S_IMODE(st.st_mode))
-            fh.write(data)
-        os.replace(tmp, target)
-    except BaseException as exc:  # an OSError, or Ctrl-C between the write and the rename
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(exc, OSError):
-            _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
-        raise
+        elif st is not None:
+            write_atomic(target, data, stat.S_IMODE(st.st_mode), exact_mode=True)
+        else:
+            write_atomic(target, data, 0o666)  # as open() makes a file: 0666 less the umask
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
 
 
 @cli.command()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from ..events import KeyRotated
+from ..files import write_atomic
 
 __all__ = ["generate_key", "fingerprint", "write_key_file", "read_key_file", "KeyWatcher"]
 
@@ -39,37 +40,9 @@ def fingerprint(key: str | bytes) -> str:
 
 
 def write_key_file(path: str | os.PathLike[str], key: str) -> None:
-    """Write ``key`` to ``path`` atomically, readable by the owner only.
-
-    A temporary file in the same directory is created with mode 0600 (never wider, not even for
-    an instant), written, fsynced and renamed over ``path``; then the directory is fsynced so the
-    rename survives a crash. A reader sees the old key or the new one, never a partial file.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        try:
-            data = (key + "\n").encode("utf-8")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Write ``key`` to ``path`` atomically, readable by the owner only (``files.write_atomic``:
+    mode 0600 from its creation, never wider; a reader sees the old key or the new one)."""
+    write_atomic(path, (key + "\n").encode("utf-8"), 0o600)
 
 
 def read_key_file(path: str | os.PathLike[str]) -> str | None:
