@@ -278,7 +278,7 @@ def test_the_reaper_leaves_a_prewarmed_engine_awake_until_awake_until_then_follo
     box.idle(plan.prewarm_in_s - (clock.t - box.idle_from) + 1)
     assert len(box.taken("prewarm")) == 1 and fx.deps[1].state is State.READY
     # The view's idle_until says when the reaper takes it: at awake_until_s, not at once.
-    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + period.began + plan.awake_until_s)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + period.began + plan.awake_until_s, abs=1e-3)
     box.idle(plan.awake_until_s - (clock.t - box.idle_from) - 1)
     assert box.taken("stop") == [] and fx.deps[1].state is State.READY
     box.idle(REAP_S + 1)
@@ -342,7 +342,7 @@ def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
     box, began = idle_with_a_plan_beside_a_stopped_20(world, 11)
     c, fx = box.c, box.fx
     assert c.adaptive(1)["awake_for_s"] == 60
-    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60, abs=1e-3)
     fx.taken("counters")
     r = Req(c, 2)
     c.on_refused(2, InsufficientMemory(20, 14, 24))  # 1 is idle for seconds only: no victim yet
@@ -351,7 +351,7 @@ def test_while_anything_waits_for_memory_it_rests_as_fixed(world):
     # into), its idle_until now its idle timeout's.
     box.clock.advance(1.01)
     assert any(call[1] == 1 for call in fx.taken("counters"))
-    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 600)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 600, abs=1e-3)
     box.idle(120)
     c.on_refused(2, InsufficientMemory(20, 14, 24))  # make-room again, 120 s idle: still no victim
     assert fx.taken("stop") == [] and fx.taken("sleep") == []
@@ -378,7 +378,7 @@ def test_an_emptied_queue_gives_an_idle_adaptive_deployment_its_plan_back(world)
     r.leave()  # the only waiter hangs up: the queue is empty
     box.clock.advance(1.01)
     assert any(call[1] == 1 for call in fx.taken("counters"))
-    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60, abs=1e-3)
     box.idle(60)
     (stop,) = box.taken("stop")
     assert 60 <= stop[0] <= 60 + REAP_S
@@ -389,14 +389,14 @@ def test_a_queue_emptied_by_a_removal_gives_the_plan_back_too(world):
     c, fx = box.c, box.fx
     Req(c, 2)
     c.on_refused(2, InsufficientMemory(20, 14, 24))
-    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 600)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 600, abs=1e-3)
     box.idle(30)
     fx.taken("counters")
     fx.remove(2)  # the queued deployment is removed: the queue is empty
     assert not len(c.queue)
     box.clock.advance(1.01)
     assert any(call[1] == 1 for call in fx.taken("counters"))
-    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60)
+    assert c.status(1)["idle_until"] == pytest.approx(1.7e9 + began + 60, abs=1e-3)
 
 
 def test_a_request_that_arrives_while_the_prewarm_starts_it_is_a_hit(world):

@@ -159,16 +159,12 @@ class AdaptiveWarmth(Slots):
             return self.idle_timeout(dep)
         return plan.awake_for_s
 
-    _queue_was_empty = True
-
     def _queue_changed(self) -> None:
-        """Every queued entry's view, and, when the queue fills or empties, every adaptive idle
-        deployment's: its idle rule follows the queue (``_idle_after``), and its ``idle_until``
-        with it."""
+        """Every queued entry's view, and, when the queue may just have filled or emptied (one
+        entry or none: each change adds or removes one), every adaptive idle deployment's: its
+        idle rule follows the queue (``_idle_after``), and its ``idle_until`` with it."""
         super()._queue_changed()
-        empty = not len(self.queue)
-        if empty is not self._queue_was_empty:
-            self._queue_was_empty = empty
+        if len(self.queue) <= 1:
             for dep_id, rec in list(self._records.items()):
                 if rec.adaptive is not None and rec.adaptive.period is not None:
                     self._counters_changed(dep_id, rec)
