@@ -7,8 +7,9 @@ path): how long the engine stays awake idle (``awake_for_s``, the idle rule's ti
 period in place of ``idle_timeout_s``), the tier the reaper then puts it in (``rest``: asleep at
 level 1 or 2, or stopped, of the tiers the effects say it may rest in now, with their measured
 costs), and when a pre-warm wakes or starts it again (``prewarm_in_s``). A plan of None (before
-its 20th gap, or gaps with no pattern) behaves as ``fixed``; so does every plan while anything
-waits in the memory queue (a box with no memory to spare is no place for an early rest's bet).
+its 20th gap, or gaps with no pattern) behaves as ``fixed``. While anything waits in the memory
+queue a plan stays awake its whole ``idle_timeout_s`` (a box with no memory to spare is no place
+for an early rest's bet), then rests in the plan's tier.
 
 A pre-warm takes only memory free at that moment: none while anything waits in the queue, the
 queue's holds kept out of its fit check, and no make-room (``Effects.prewarm``). A pre-warmed

@@ -212,14 +212,14 @@ class ProcessBackend(Backend):
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, env={**_child_env(dep, launch), MARKER: str(pid_path)},
                 start_new_session=True)  # our Ctrl-C is not the engine's
-        except OSError as exc:
+        except BaseException as exc:  # no engine to bind the port: it cannot run, or the start was cancelled
             RESERVED.release(port)
-            run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
+            if isinstance(exc, OSError):
+                with contextlib.suppress(OSError):  # a full disk loses the line, not the error
+                    run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
             run.end()
-            raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
-        except BaseException:  # cancelled mid-exec: no engine to bind it, no run to log
-            RESERVED.release(port)
-            run.end()
+            if isinstance(exc, OSError):
+                raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
             raise
         assert proc.stdout is not None
         self.tasks.spawn(release_when_bound(port, lambda: proc.returncode is None), f"port {port} of {dep.name}")
