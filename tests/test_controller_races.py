@@ -137,6 +137,37 @@ async def test_make_room_stops_lru_idle_victims(tmp_path, store):
         assert queued == []  # make-room found its victim: no queued notice (only the queue gets one)
 
 
+async def test_only_make_rooms_own_reading_serves_the_admit_after_it(tmp_path, store):
+    """Issue 40: a fit check reads the GPUs anew, but for the admit that follows make-room's
+    settle, which takes the settle's reading (the one that showed the freed memory) in the same
+    step; nothing else is reused, so a reading from before the request never places a start."""
+    async with controller_env(tmp_path, store, capacity=24) as env:
+        d = env.deployer
+        a, x = await env.add("a", 16), await env.add("x", 12)
+        await env.start(a)
+        env.skip(1.1)  # a idle for its full timeout
+        await env.fresh_metrics()
+        reads, given = [], []
+        real_read, real_admit = d.budget.read, d.admit_start
+
+        async def read(deps):
+            reads.append(await real_read(deps))
+            return reads[-1]
+
+        async def admit_start(dep_id, **kw):
+            given.append((dep_id, kw.get("reading"), len(reads)))
+            return await real_admit(dep_id, **kw)
+        d.budget.read, d.admit_start = read, admit_start
+        await d.budget.read(d.all())  # a reading taken just before the request: never reused
+        async with await env.acquire(x):
+            assert env.state(x) == "ready" and env.state(a) == "stopped"
+        # The first admit read anew (refused: a holds the memory); the settle read until a's
+        # memory showed free, and the second admit was handed that very reading.
+        assert [(dep, r) for dep, r, _ in given] == [(x, None), (x, reads[-1])]
+        assert len(reads) >= 3 and given[1][2] == len(reads)
+        assert env.effects._settled is None  # never kept past the step that offered it
+
+
 async def test_victims_must_be_idle_for_their_full_timeout(tmp_path, store):
     async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=30) as env:
         c = env.controller

@@ -410,7 +410,7 @@ async def test_a_start_owed_while_the_budget_cannot_be_read_is_tried_again(tmp_p
         real = d.budget.read
         calls = []
 
-        async def flaky(deps, max_age_s=0.0):
+        async def flaky(deps):
             calls.append(1)
             if len(calls) == 1:
                 raise BudgetError("nvidia-smi: NVIDIA-SMI has failed (the driver is not loaded yet)")
@@ -460,7 +460,7 @@ async def test_an_admin_stop_while_the_owed_start_reads_the_budget_cancels_it(tm
         reading = asyncio.Event()
         real = d.budget.read
 
-        async def slow_read(deps, max_age_s=0.0):
+        async def slow_read(deps):
             reading.set()
             await gate.wait()
             return await real(deps)

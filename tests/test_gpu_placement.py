@@ -98,6 +98,24 @@ async def test_best_fit_beside_a_foreign_process_and_a_pin(fake_nvidia_smi, serv
     assert claimed(fake_nvidia_smi.apps) == {2: 30, 3: 30}
 
 
+async def test_a_process_that_took_a_gpu_just_before_the_request_is_seen(fake_nvidia_smi, server, http):
+    """Issue 40: the fit check reads the GPUs after the request arrived. A reading taken a moment
+    before it (here: just before, with no pause) misses a foreign process that filled GPU 0 since,
+    and the model would be placed there and run out of memory; it goes to the free GPU 1."""
+    box(fake_nvidia_smi, gpus=2)
+    dep = await add(server, "m", 40, gpu_count=1)
+    await server.deployer.budget.read(server.deployer.all())  # both GPUs free, a moment ago
+    job = await asyncio.create_subprocess_exec("sleep", "60")
+    try:
+        (fake_nvidia_smi.apps / str(job.pid)).write_text(f"0 {60 * GIB_MIB}\n")  # a job takes 60 GiB of GPU 0
+        assert await ask(server, http, dep) == (200, "")
+        assert gpus(server, dep) == (1,)
+        assert claimed(fake_nvidia_smi.apps) == {0: 60, 1: 40}
+    finally:
+        job.kill()
+        await job.wait()
+
+
 async def test_does_not_fit_on_any_gpu_is_refused_at_once(fake_nvidia_smi, server, http):
     box(fake_nvidia_smi)
     huge = await add(server, "huge", 90, gpu_count=1)  # 640 GiB free in all, 80 on any one GPU

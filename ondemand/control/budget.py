@@ -26,8 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import BudgetError, InsufficientMemory
@@ -144,10 +143,8 @@ class Budget:
     def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
                  gpu_capacity_gib: Sequence[float] | None = None, reserve_gib: float = 0.0,
                  nvidia_smi: str = "nvidia-smi", meminfo_path: str = "/proc/meminfo",
-                 host_reserve_gib: float = 16.0, asleep_residue_gib: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 host_reserve_gib: float = 16.0, asleep_residue_gib: float = 2.0):
         self.source = source
-        self.clock = clock  # the age of a reading (read's max_age_s)
         self.capacity_gib = capacity_gib
         self.gpu_capacity_gib = tuple(gpu_capacity_gib) if gpu_capacity_gib else None
         self.reserve_gib = reserve_gib
@@ -158,7 +155,6 @@ class Budget:
         self._physical: tuple[float, ...] | None = None  # static per GPU: the totals nvidia-smi gave
         self._physical_tried = False
         self._sizes: tuple[float, ...] | None = None  # each pool's total, as last measured
-        self._last: tuple[float, Reading] | None = None  # (the clock's time, the last reading)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Budget:
@@ -295,20 +291,12 @@ class Budget:
             raise BudgetError(f"{self.meminfo_path} has no MemTotal/MemAvailable")
         return Gpu(0, None, fields["MemTotal"] / GIB, (fields["MemTotal"] - fields["MemAvailable"]) / GIB)
 
-    async def read(self, deps: Iterable[Deployment], max_age_s: float = 0.0) -> Reading:
-        """Measure (the only await of a decision); raises BudgetError. ``max_age_s``: a reading
-        taken that recently is used again instead (a make-room's settle just read the GPUs,
-        and the admit that follows it need not fork nvidia-smi again). An older reading is
-        never optimistic: it names the engines that were starting then (counted by their
-        footprint), engines starting now are counted as well, and memory freed since only
-        makes it more cautious."""
-        now = self.clock()
-        if max_age_s > 0 and self._last is not None and now - self._last[0] <= max_age_s:
-            return self._last[1]
+    async def read(self, deps: Iterable[Deployment]) -> Reading:
+        """Measure (the only await of a reading); raises BudgetError. Every call reads the GPUs
+        anew: a fit check on an older reading would miss a process that took memory a moment
+        ago (issue 40). The reading names the engines starting now, counted by their footprint."""
         starting = frozenset(d.id for d in deps if d.state is State.STARTING)
-        reading = Reading(await self.measure(), starting)
-        self._last = (now, reading)
-        return reading
+        return Reading(await self.measure(), starting)
 
     # --- counting (no await) -------------------------------------------------------------
 

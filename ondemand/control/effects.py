@@ -24,7 +24,7 @@ from ..errors import BudgetError, DeployerError, InsufficientMemory
 from ..events import CountersChanged, StopCause
 from ..model import Deployment
 from ..tasks import TaskGroup
-from .budget import Budget
+from .budget import Budget, Reading
 from .controller import ACTOR, Controller
 from .keepwarm import rest_levels, tier_costs
 from .protocol import Timer
@@ -35,7 +35,7 @@ log = logging.getLogger("ondemand.control.effects")
 
 class DeployerEffects:
     def __init__(self, deployer: Deployer, budget: Budget, sampler: MetricsSampler, *,
-                 publish: Callable[[object], None], settle_poll_s: float = 0.05, reading_age_s: float = 0.2,
+                 publish: Callable[[object], None], settle_poll_s: float = 0.05,
                  starts: StartHistory | None = None):
         self.deployer = deployer
         self.budget = budget
@@ -43,9 +43,11 @@ class DeployerEffects:
         self.starts = starts  # the measured wakes and cold starts: the rest tiers' costs
         self.publish = publish
         self.settle_poll_s = settle_poll_s
-        # An admit may use a budget reading this recent (the settle's, just before it): one
-        # nvidia-smi fewer on a make-room's path (Budget.read says why that is never optimistic).
-        self.reading_age_s = reading_age_s
+        # Make-room's last reading, the one that showed its memory free, handed to the admit the
+        # controller asks for in the same step (on_settled): the only reading a fit check reuses.
+        # Any other would be older than the request or the attempt, and miss what a process took
+        # since (issue 40: a 40 GiB model placed on a GPU a foreign process had just filled).
+        self._settled: tuple[int, Reading] | None = None
         self.tasks = TaskGroup("controller")
         self._controller: Controller | None = None
 
@@ -86,15 +88,17 @@ class DeployerEffects:
     # --- actions ------------------------------------------------------------------
 
     def admit(self, dep_id: int, *, text: str) -> None:
-        self.tasks.spawn(self._admit(dep_id, text), f"admit {dep_id}")
+        settled, self._settled = self._settled, None
+        reading = settled[1] if settled is not None and settled[0] == dep_id else None
+        self.tasks.spawn(self._admit(dep_id, text, reading), f"admit {dep_id}")
 
-    async def _admit(self, dep_id: int, text: str) -> None:
+    async def _admit(self, dep_id: int, text: str, reading: Reading | None) -> None:
         ctl = self.controller
         try:
             started = await self.deployer.admit_start(
                 dep_id, actor=ACTOR, audit="ondemand_start", text=text,
                 held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.wanted(dep_id),
-                reading_age_s=self.reading_age_s)
+                reading=reading)
         except InsufficientMemory as exc:
             ctl.on_refused(dep_id, exc)
         except BudgetError as exc:
@@ -125,8 +129,7 @@ class DeployerEffects:
         try:
             started = await self.deployer.admit_start(
                 dep_id, actor=ACTOR, audit="ondemand_prewarm", text=text,
-                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.prewarm_wanted(dep_id),
-                reading_age_s=self.reading_age_s)
+                held_for_others=lambda: ctl.held_for_others(dep_id), wanted=lambda: ctl.prewarm_wanted(dep_id))
         except InsufficientMemory as exc:
             log.info("no pre-warm of deployment %d: %s", dep_id, exc)
         except (BudgetError, DeployerError) as exc:
@@ -172,6 +175,7 @@ class DeployerEffects:
         after it shows."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
+        settled: tuple[int, Reading] | None = None
         try:
             while loop.time() < deadline:
                 # The head of higher priority that took this one's place holds what it freed.
@@ -183,6 +187,7 @@ class DeployerEffects:
                     reading = await self.budget.read(self.deployer.all())
                     self.budget.check_fit(dep, self.deployer.all(), reading,
                                           self.controller.held_for_others(target))
+                    settled = (target, reading)
                     return
                 except BudgetError:
                     return  # the next admit reads it again and says why
@@ -190,7 +195,12 @@ class DeployerEffects:
                     pass
                 await asyncio.sleep(self.settle_poll_s)
         finally:
-            self.controller.on_settled(dep_id)
+            # Offered to the admit on_settled asks for in this step; never kept past it.
+            self._settled = settled
+            try:
+                self.controller.on_settled(dep_id)
+            finally:
+                self._settled = None
 
     def audit(self, action: str, dep_id: int, text: str, detail: dict[str, Any]) -> None:
         self.tasks.spawn(self._audit(action, dep_id, text, detail), f"audit {action}")

@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from ..control.budget import Budget, apps_gib, residue_after_drop
+from ..control.budget import Budget, Reading, apps_gib, residue_after_drop
 from ..errors import BudgetError, DeployerError, InsufficientMemory, StateFileError
 from ..events import Slept, StopCause
 from ..http.pool import Upstreams
@@ -171,7 +171,7 @@ class Deployer(Registry):
     async def admit_start(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
                           text: str | None = None, audit: str | None = None,
                           held_for_others: Callable[[], Mapping[int, float]] | None = None,
-                          wanted: Callable[[], bool] | None = None, reading_age_s: float = 0.0) -> bool:
+                          wanted: Callable[[], bool] | None = None, reading: Reading | None = None) -> bool:
         """The fit check and the move to ``starting``; the engine then starts in the
         background behind the start-up gate. Returns False when it is starting or
         ready already (nothing to do: wait for it). Raises InsufficientMemory,
@@ -180,11 +180,13 @@ class Deployer(Registry):
         kept in ``gpus`` while the engine holds them. ``held_for_others``: GiB per GPU
         the wait queue keeps for its head, asked in the same step as the fit check.
         ``wanted``: asked in that step too; False means nobody needs the start any more,
-        and nothing starts. ``reading_age_s``: a budget reading that recent may serve
-        (``Budget.read``)."""
+        and nothing starts. ``reading``: make-room's own reading for this start, taken after
+        the request and the attempt began (the only one a fit check may reuse); else the GPUs
+        are read now."""
         if self._check_startable(dep_id) is None:
             return False
-        reading = await self.budget.read(self.all(), max_age_s=reading_age_s)
+        if reading is None:
+            reading = await self.budget.read(self.all())
         await self._read_missing()  # the GPUs' sizes are known now (nothing to read, mostly)
         # From here to the mark, no await: the check and the move are one step.
         self._book_missing()
