@@ -189,7 +189,7 @@ async def test_keep_warm_commands(tmp_path, server):
     rc, _, err = await cli("deploy", "add", "x", "--command", sim, "--keep-warm", "sometimes", config=cfg)
     assert rc == 2 and "sometimes" in err
     rc, out, _ = await cli("deploy", "show", str(a), config=cfg)
-    assert re.search(r"^keep_warm: +adaptive \(as fixed: no pattern in its idle gaps yet\)$", out, re.M), out
+    assert re.search(r"^keep_warm: +adaptive \(as fixed: too few idle gaps learned yet\)$", out, re.M), out
     await server.deployer.restart(a)
     rc, out, err = await cli("deploy", "set", str(a), "--keep-warm", "fixed", config=cfg)
     assert rc == 0 and out.strip() == f"updated alpha (id {a}, ready)", err

@@ -63,11 +63,11 @@ class Box:
         self.serve(dep_id)
         return awake
 
-    def idle(self, seconds: float) -> None:
-        """Time passes; every REAP_S the reaper's step; the deployer does what was asked."""
+    def idle(self, seconds: float, step: float = REAP_S) -> None:
+        """Time passes; every ``step`` the reaper's step; the deployer does what was asked."""
         end = self.clock.t + seconds
         while self.clock.t < end - 1e-9:
-            self.clock.advance(min(REAP_S, end - self.clock.t))
+            self.clock.advance(min(step, end - self.clock.t))
             self.play()
             self.c.reap()
             self.play()
@@ -174,13 +174,21 @@ def rhythm_of_bursts(rng: random.Random, n: int, *, every_s: float = 1800.0, jit
     return gaps
 
 
+def assert_learned_without_a_plan(view: dict[str, Any] | None) -> None:
+    """From the 20th gap the view shows what was learned; its plan's fields are null while it
+    makes none (it behaves as fixed)."""
+    assert view is not None and view["gaps"] >= rhythm.LEARN_AFTER
+    assert (view["awake_for_s"], view["prewarm_in_s"], view["rest"], view["expected_at"]) == (None,) * 4
+    assert sum(view["histogram"]["counts"]) == view["gaps"]
+
+
 def test_gaps_with_no_regularity_behave_as_fixed(world):
     box = Box(world)
     box.add(1)
     rng = random.Random(3)
     box.c.learn({1: [rng.uniform(0, 7200) for _ in range(400)]})
     box.serve(1)
-    assert box.c.adaptive(1) is None
+    assert_learned_without_a_plan(box.c.adaptive(1))
     box.idle(590)
     assert box.taken("stop") == [] and box.c.is_idle(box.fx.deps[1]) is False
     box.idle(30)
@@ -224,13 +232,40 @@ def test_it_rests_no_sooner_than_the_minimum_and_no_later_than_its_idle_timeout(
     assert floor <= stop[0] <= min(timeout, floor + REAP_S + 1)
 
 
+def test_the_shortest_rest_scales_with_the_minimum_idle_time(world):
+    """Issue 40: with min_idle_timeout_s = 1 (as a test box sets it), a 0.05 s wake and a 10 s idle
+    timeout, a rhythm of a request every 6 s is learned from the traffic itself, and from its 20th
+    gap the engine rests early between requests and is woken ahead of the next: the shortest rest
+    worth making is half the minimum (0.5 s here), not the 30 s of the default's minute."""
+    box = Box(world, min_idle_timeout_s=1, idle_timeout_s=10)
+    box.add(1, idle_action="sleep")
+    box.fx.rest_costs = {"asleep_1": 0.05, "asleep_2": 0.5, "stopped": 5.0}
+    c = box.c
+    for _ in range(rhythm.LEARN_AFTER):
+        box.serve(1)
+        assert box.taken("sleep") == [] and box.taken("prewarm") == []  # as fixed: awake 10 s idle
+        box.idle(6.0, step=0.1)
+    assert c.adaptive(1) is None  # 19 gaps: not learned yet
+    for _ in range(3):
+        assert box.request(1)  # the 20th gap and on: each request finds the engine awake
+        view = c.adaptive(1)
+        assert view is not None and view["rest"] == "asleep_1" and view["awake_for_s"] == 1
+        assert 4.5 < view["prewarm_in_s"] < 6.0 - 0.05
+        box.idle(6.0, step=0.1)
+        (sleep,) = box.taken("sleep")
+        assert sleep[1] == (1, 1) and 1.0 <= sleep[0] <= 1.2  # rested once the minimum had passed
+        (prewarm,) = box.taken("prewarm")
+        assert 4.5 < prewarm[0] < 6.0  # woken ahead of the next request
+    assert c.prewarms(1)["hit"] == 2
+
+
 def test_a_tail_beyond_its_idle_timeout_and_nowhere_to_rest_early_behaves_as_fixed(world):
     box = Box(world)
     box.add(1, idle_timeout_s=300)
     box.fx.rest_costs = {"stopped": 600.0}  # a ten-minute start: no quiet time here pays for it
     box.c.learn({1: rhythm_of_bursts(random.Random(4), 10)})
     box.serve(1)
-    assert box.c.adaptive(1) is None
+    assert_learned_without_a_plan(box.c.adaptive(1))
     box.idle(400)
     assert [at for at, _ in box.taken("stop")] == [pytest.approx(300, abs=REAP_S)]
 

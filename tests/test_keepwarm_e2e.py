@@ -2,8 +2,9 @@
 simulator that sleeps, the gateway's requests, the reaper and the pre-warm's wake, over real
 sockets and the real state file. A rhythm kept in the state file is taken back at a restart; the
 plan puts the engine to sleep soon after a burst and wakes it before the next, which finds it
-awake. The rule's minimum rest (engines/rhythm.MIN_REST_S, 30 s) is for real traffic: the test's
-gaps are seconds, so it lowers it, as tests lower min_idle_timeout_s."""
+awake. The test's gaps are seconds: its min_idle_timeout_s of 1 s makes the shortest rest worth
+making half a second (it scales with that minimum), so the plan decides as it would on real
+traffic with minutes."""
 from __future__ import annotations
 
 import asyncio
@@ -43,9 +44,7 @@ async def burst(srv, http) -> float:
     return time.monotonic()
 
 
-async def test_a_learned_rhythm_sleeps_the_engine_between_bursts_and_wakes_it_before_the_next(tmp_path,
-                                                                                             monkeypatch):
-    monkeypatch.setattr(rhythm, "MIN_REST_S", 1.0)
+async def test_a_learned_rhythm_sleeps_the_engine_between_bursts_and_wakes_it_before_the_next(tmp_path):
     kept = learned_before(12)
     async with run_app(tmp_path, reap_interval_s=3600) as srv, aiohttp.ClientSession() as gw, \
             aiohttp.ClientSession() as admin:

@@ -42,7 +42,7 @@ def test_a_burst_pattern_rests_right_after_the_burst_and_is_back_before_the_next
     # Started again so that it is ready before the next burst: ready by the head of the long gaps.
     between = sorted(g for g in gaps if g > 60)
     ready = plan.prewarm_in_s + COSTS["stopped"]
-    assert plan.prewarm_in_s > plan.awake_for_s + rhythm.MIN_REST_S
+    assert plan.prewarm_in_s > plan.awake_for_s + rhythm.MIN_REST_RATIO * BOUNDS["min_idle_timeout_s"]
     assert ready < between[0]
     assert plan.awake_until_s is not None and plan.awake_until_s >= between[-1]
 
@@ -155,6 +155,6 @@ def test_every_plan_keeps_the_bounds(gaps, floor, extra, costs):
     cost = costs[plan.rest]
     assert plan.prewarm_in_s is not None and plan.awake_until_s is not None
     rest = plan.prewarm_in_s - plan.awake_for_s
-    assert rest >= max(rhythm.MIN_REST_S, rhythm.WORTH * cost) - 1e-6
+    assert rest >= max(rhythm.MIN_REST_RATIO * floor, rhythm.WORTH * cost) - 1e-6
     ready = plan.prewarm_in_s + cost
     assert ready + floor - 1e-6 <= plan.awake_until_s <= ready + floor + extra + 1e-6

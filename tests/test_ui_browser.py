@@ -354,7 +354,7 @@ async def test_the_page_shows_a_learned_rhythm_and_offers_keep_warm(tmp_path, br
     assert row["aria"].startswith("Idle gaps of rhythmic: "), row
     assert row["note"].startswith("adaptive · 40 gaps · awake 60 s idle, then stopped"), row
     assert "next request expected in about 2" in row["note"], row  # 26 to 29 min
-    assert result["learning"] == "adaptive: no pattern in its idle gaps yet (as fixed)"
+    assert result["learning"] == "adaptive: too few idle gaps learned yet (as fixed)"
     assert result["fixed"] == 0
     assert result["mode_form"] == "fixed" and '{"keep_warm":"adaptive"}' in result["patches"], result["patches"]
     assert result["edit_form"] == "adaptive"

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..engines import warmth
-from ..engines.rhythm import Plan, Rhythm
+from ..engines.rhythm import LEARN_AFTER, Plan, Rhythm
 from ..model import Deployment, KeepWarm, State
 from .record import Adaptive, Period, Prewarm, Record
 from .slots import MIN_GAP_S, Slots
@@ -314,25 +314,28 @@ class AdaptiveWarmth(Slots):
     # --- reads ---------------------------------------------------------------------------
 
     def adaptive(self, dep_id: int) -> dict[str, Any] | None:
-        """The view's ``adaptive`` object: the plan of its idle period (or, when it is not
-        idle, of one beginning now), the gaps it was learned from and when the next request
-        is expected; None while it behaves as fixed."""
+        """The view's ``adaptive`` object, from its ``LEARN_AFTER``-th gap on: the gaps it learned
+        from and the plan of its idle period (or, when it is not idle, of one beginning now), with
+        when the next request is expected; the plan's fields null while it makes none (no pattern:
+        it behaves as fixed, and an admin sees that it learned and found no rhythm worth acting
+        on). None before then, and when it is not adaptive."""
         dep = self.effects.deployment(dep_id)
         rec = self._records.get(dep_id)
-        if dep is None or rec is None or rec.rhythm is None or not adaptive(dep):
+        if dep is None or rec is None or rec.rhythm is None or not adaptive(dep) \
+                or len(rec.rhythm) < LEARN_AFTER:
             return None
         if rec.adaptive is None:
             rec.adaptive = Adaptive()
         period = rec.adaptive.period
         plan = self._planned(dep, rec, period) if period is not None else self._plan(dep, rec, self.effects.tiers(dep))
-        if plan is None:
-            return None
         expected = None
-        if period is not None and plan.prewarm_in_s is not None:
+        if period is not None and plan is not None and plan.prewarm_in_s is not None:
             expected = round(self.wall() + period.began + plan.prewarm_in_s + period.cost_s - self.clock(), 3)
-        return {"gaps": len(rec.rhythm), "awake_for_s": round(plan.awake_for_s, 1),
-                "prewarm_in_s": None if plan.prewarm_in_s is None else round(plan.prewarm_in_s, 1),
-                "rest": plan.rest, "expected_at": expected, "histogram": histogram(rec.rhythm.gaps)}
+        return {"gaps": len(rec.rhythm),
+                "awake_for_s": None if plan is None else round(plan.awake_for_s, 1),
+                "prewarm_in_s": None if plan is None or plan.prewarm_in_s is None else round(plan.prewarm_in_s, 1),
+                "rest": None if plan is None else plan.rest, "expected_at": expected,
+                "histogram": histogram(rec.rhythm.gaps)}
 
     def prewarms(self, dep_id: int) -> dict[str, int]:
         """Its pre-warms' results so far: ``hit`` and ``miss`` (``ondemand_prewarms_total``)."""

@@ -18,8 +18,10 @@ shows none, the fixed keep-alive. Where this differs, and why:
   short gaps are behind, their head is the next burst's.
 - **Unloading is a choice of tiers, not one.** A level-1 wake costs about a second, a level-2 wake
   a few, a cold start a minute. A rest is taken only when it lasts at least ``WORTH`` times the
-  tier's cost to come back (and at least ``MIN_REST_S``), in the deepest tier that passes that
-  test, so a short quiet time rests lightly and a long one frees everything.
+  tier's cost to come back (and at least ``MIN_REST_RATIO`` of ``min_idle_timeout_s``: 30 s at its
+  default of 60 s, half a second at 1 s, so that a box, or a test, that lowers the minimum sees the
+  same decisions on a shorter clock), in the deepest tier that passes that test, so a short quiet
+  time rests lightly and a long one frees everything.
 - **Bounds from the configuration.** Awake idle no longer than ``idle_timeout_s`` and no shorter
   than ``min_idle_timeout_s``; at most ``KEEP`` gaps, the newest (the paper keeps 4 hours of
   1-minute bins, which loses both seconds-scale bursts and twice-a-day jobs).
@@ -49,9 +51,10 @@ PATTERN_CV = 2.0
 # The head and tail of the (conditional) gaps, and their margins (the paper's).
 HEAD_Q, TAIL_Q = 0.05, 0.99
 HEAD_MARGIN, TAIL_MARGIN = 0.9, 1.1
-# A rest must last WORTH times the tier's cost to come back, and at least MIN_REST_S.
+# A rest must last WORTH times the tier's cost to come back, and at least MIN_REST_RATIO times
+# min_idle_timeout_s (the shortest rest worth making scales with the shortest idle time allowed).
 WORTH = 10.0
-MIN_REST_S = 30.0
+MIN_REST_RATIO = 0.5
 # The tiers, shallow to deep, as warmth names an idle engine's states.
 TIERS = ("asleep_1", "asleep_2", "stopped")
 
@@ -168,7 +171,7 @@ class Rhythm:
                 if cost is None:
                     continue
                 rest_s = head - cost - t
-                if rest_s >= max(MIN_REST_S, WORTH * cost):
+                if rest_s >= max(MIN_REST_RATIO * floor, WORTH * cost):
                     tail = TAIL_MARGIN * quantile(ordered, TAIL_Q, first)
                     until = min(max(tail, head + floor), head + ceiling)
                     return Plan(awake_for_s=t, rest=tier, prewarm_in_s=head - cost, awake_until_s=until)

@@ -382,11 +382,12 @@ const REST_WORDS = {asleep_1: "asleep at level 1", asleep_2: "asleep at level 2"
 
 // Adaptive warmth: the rhythm learned of its idle gaps (a small histogram, its bins spaced on a
 // log scale from a second to the longest gap), what its plan does, and when it expects the next
-// request (the view's adaptive object; null while it behaves as fixed).
+// request (the view's adaptive object: null before its 20th gap; its plan's fields null while it
+// finds no rhythm worth acting on, and behaves as fixed).
 function rhythm(v) {
   if (v.keep_warm !== "adaptive" || v.mode !== "on_demand") return [];
   const a = v.adaptive;
-  if (!a) return [el("span", {className: "sub rhythm-note"}, "adaptive: no pattern in its idle gaps yet (as fixed)")];
+  if (!a) return [el("span", {className: "sub rhythm-note"}, "adaptive: too few idle gaps learned yet (as fixed)")];
   const h = a.histogram || {counts: [], edges_s: []};
   const top = Math.max(1, ...h.counts);
   const chart = el("span", {className: "rhythm", role: "img",
@@ -397,6 +398,9 @@ function rhythm(v) {
     bar.style.height = `${Math.max(n ? 8 : 0, Math.round((n / top) * 100))}%`;
     chart.append(bar);
   });
+  if (a.awake_for_s === null || a.awake_for_s === undefined) {
+    return [chart, el("span", {className: "sub rhythm-note"}, `adaptive · ${a.gaps} gaps · no pattern worth acting on (as fixed)`)];
+  }
   let s = `adaptive · ${a.gaps} gaps · awake ${dur(a.awake_for_s)} idle, then ` +
     (a.rest ? REST_WORDS[a.rest] || a.rest : "as when idle");
   if (a.expected_at) {
