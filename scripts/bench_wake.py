@@ -359,13 +359,16 @@ def section(results: dict[str, list[Case]], d: Delays, rounds: int, quick: bool,
         lines += [f"| {c.name} | {c.engine_text} | {_mm(c.ttft)} | {_mm(c.overhead)} | {_flag(c)} |" for c in cases]
         lines.append("")
     lines += [
-        "What is on the paths: a wake is the admit (its fit check reads the budget: nvidia-smi once on the "
-        "measured budget, nothing on the static one), the engine's wake calls (one at level 1, four at level 2), "
+        "What is on the paths: a wake is the admit (its fit check reads the budget anew, after the request "
+        "arrived: nvidia-smi once on the measured budget, nothing on the static one; that fresh reading is what "
+        "the measured rows' first step, request to the first wake call, adds over the static ones), the "
+        "engine's wake calls (one at level 1, four at level 2), "
         "the one-token wake check, the move to ready (one SQLite transaction), then the waiting request is "
         "forwarded; nothing is polled. A swap adds, before the wake, the refused admit's reading and the victim's "
         "sleep call, and after that call the victim's measurement (nvidia-smi `--query-compute-apps` and two "
-        "walks of /proc), the settle's reading and the admit's reading: four nvidia-smi calls in series on the "
-        "measured budget, none on the static one. On the measured budget an engine's move to ready also wakes "
+        "walks of /proc) and the settle's reading, which the admit then takes as its own (the one reading a fit "
+        "check reuses): three nvidia-smi calls in series on the measured budget, none on the static one. On the "
+        "measured budget an engine's move to ready also wakes "
         "the footprint sampler, whose nvidia-smi is forked from the event loop as the waiting request is "
         "forwarded. The fake nvidia-smi is a shell pipeline (sh, sed, awk, sort); the real tool takes tens "
         "of ms as well.", "",
