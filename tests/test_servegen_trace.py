@@ -1,6 +1,9 @@
-"""scripts/servegen_trace.py on a small release written here: the windows' counts kept, the
+"""The ServeGen trace (bench/traces/servegen_language_7d.csv), read with the replay's own reader:
+its size, its models, the spread of their rates and their idle gaps; and the script that made it
+(scripts/servegen_trace.py) on a small release written here: the windows' counts kept, the
 ladder, the token sources and the cap, the same file from the same seed."""
 import collections
+import csv
 import hashlib
 import importlib.util
 import json
@@ -14,6 +17,7 @@ from ondemand.replay.deployments import from_file
 from ondemand.replay.trace import Trace
 from ondemand.replay.types import Box
 
+TRACE = ROOT / "bench" / "traces" / "servegen_language_7d.csv"
 MIX = ROOT / "bench" / "box-mix.toml"
 BOX = Box(gpus=(80.0,) * 16, host_gib=2048)
 
@@ -27,6 +31,31 @@ def load_script():
 
 
 sg = load_script()
+
+
+def test_the_committed_trace_has_real_rhythms_for_the_box_mix():
+    deps = from_file(str(MIX), BOX)
+    served = {r.deployment.name: r.deployment.served_name for r in deps}
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    previous = 0.0
+    for req in Trace(str(TRACE), deps):
+        assert req.at_s >= previous  # the reader refuses a row out of order; this checks it read all
+        previous = req.at_s
+        times[req.model].append(req.at_s)
+    total = sum(len(t) for t in times.values())
+    assert 100_000 <= total <= 300_000
+    assert set(times) == set(served)  # all 16 deployments
+    with open(TRACE, newline="") as fh:  # named by served_name, as a client names a model
+        rows = csv.reader(fh)
+        assert next(rows) == ["timestamp", "model", "input_tokens", "output_tokens"]
+        assert {row[1] for row in rows} == set(served.values())
+    counts = sorted(len(t) for t in times.values())
+    assert counts[-1] / counts[0] >= 100  # one span for all: the rates' ratio is the counts'
+    long_gaps = [m for m, t in times.items() if any(b - a > 1800 for a, b in zip(t, t[1:]))]
+    assert len(long_gaps) >= 8
+    # the busiest client on rank 1, and so on down the box's ranks
+    by_rank = [len(times[r.deployment.name]) for r in deps]
+    assert by_rank == sorted(by_rank, reverse=True)
 
 
 def test_each_window_yields_its_count_inside_it():
