@@ -182,8 +182,8 @@ def _gateway_route(app: web.Application, guard: PeerGuard, prefix: str) -> Route
     refused = guard.refused_body
 
     async def handle(call: Call) -> None:
-        if guard.refuses(call.headers, call.peer):
-            return await call.send(404, {"Content-Type": "application/json"}, refused)
+        if guard.refuses(call.headers, call.peer):  # a refused request ends its connection (issue 40)
+            return await call.send(404, {"Content-Type": "application/json"}, refused, close=True)
         await app[GATEWAY].handle(call)
     # A listener of the gateway's alone (admin_listen) closes a peer the policy refuses at the accept.
     return Route(prefix, handle, lambda: app[GATEWAY].max_body, allows=guard.policy.allows)

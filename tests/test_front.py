@@ -192,10 +192,10 @@ async def test_a_streamed_answer_is_chunked_and_the_connection_kept(server):
             assert headers["content-type"].startswith("text/event-stream") and body.endswith(b"data: [DONE]\n\n")
 
 
-async def test_a_413_before_the_body_came_closes_the_connection_at_once(ready):
+async def test_a_413_before_the_body_came_is_answered_at_once_and_the_connection_ends(ready):
     """Refused before its body came (Content-Length over the limit): 413 at once, and the
-    connection closes with it (issue 29): the rest of such a body, perhaps endless, is not read
-    for the lingering window."""
+    connection ends with it (issue 29): the answer and a FIN at once; the rest of such a body,
+    perhaps endless, is read and dropped only for the bounded lingering (issue 40)."""
     server, dep = ready
     server.app[GATEWAY].max_body = 1000
     big = b"{" + b" " * 5000 + b"}"
@@ -205,7 +205,7 @@ async def test_a_413_before_the_body_came_closes_the_connection_at_once(ready):
         status, headers, body = await _answer(reader)
         assert status.startswith(b"HTTP/1.1 413") and orjson.loads(body)["error"]["code"] == "request_too_large"
         assert headers["connection"] == "close"
-        assert await asyncio.wait_for(reader.read(), 3) == b""  # the lingering window is 10 s
+        assert await asyncio.wait_for(reader.read(), 3) == b""  # the FIN
 
 
 async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(ready):
@@ -382,3 +382,131 @@ async def test_an_upgrade_request_is_refused_after_the_answers_before_it(ready, 
     assert status.startswith(b"HTTP/1.1 400") and headers["connection"] == "close"
     assert orjson.loads(body)["error"]["code"] == "invalid_request"
     assert len(gateway_calls) == 1
+
+
+# --- issue 40: a refused request ends its connection, and its client reads the answer ---------
+
+MiB = 2 ** 20
+
+
+def _gateway_url(server, dep: int = 999) -> str:
+    return f"{server.url}/ondemand/{dep}/v1/chat/completions"
+
+
+async def test_a_413_reaches_a_client_that_sends_its_whole_body_before_it_reads(server):
+    """httpx (the OpenAI SDK's client) writes the whole body before it reads: the server used
+    to close as soon as it answered 413, the client's kernel got a reset for the bytes still
+    coming and dropped the answer (httpx raised ReadError, 9 times in 9). Now the rest is read
+    and dropped (a second at most, 64 MiB at most) and the 413 arrives; a raw socket that
+    writes 32 MiB before it reads gets it too. (No deployment: the size is checked first.)"""
+    import httpx2
+    headers = {"Authorization": f"Bearer {server.key}", "Content-Type": "application/json"}
+    async with httpx2.AsyncClient(timeout=30) as client:
+        for size in (16 * MiB + 40, 17 * MiB, 32 * MiB):
+            r = await client.post(_gateway_url(server), content=b"{" + b" " * (size - 2) + b"}", headers=headers)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", size
+            assert r.headers["connection"] == "close"
+    body = b" " * (32 * MiB)
+    async with _conn(server) as (reader, writer):
+        head = (f"POST /dgxmm/ondemand/999/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                f"{server.key}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        writer.write(head + body)
+        await asyncio.wait_for(writer.drain(), 30)  # all of it sent before reading a byte
+        status, headers, answer = await _answer(reader)
+    assert status.startswith(b"HTTP/1.1 413") and orjson.loads(answer)["error"]["code"] == "request_too_large"
+
+
+async def test_a_wrong_key_on_a_2_mib_body_reads_its_401_and_the_connection_ends(server):
+    """A refused request ends its connection (Connection: close), and its body is read and
+    dropped first, so httpx, which sends all 2 MiB before it reads, gets the 401."""
+    import httpx2
+    async with httpx2.AsyncClient(timeout=30) as client:
+        for _ in range(2):
+            r = await client.post(_gateway_url(server), content=b"{" + b" " * (2 * MiB) + b"}",
+                                  headers={"Authorization": "Bearer wrong", "Content-Type": "application/json"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["connection"] == "close"
+
+
+async def _refused(server, raw: bytes, peer: str = "127.0.0.1") -> tuple[bytes, dict[str, str], bytes]:
+    """``raw`` on a connection of its own: the answer, which must say close, and then the close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server), local_addr=(peer, 0))
+    try:
+        writer.write(raw)
+        status, headers, body = await _answer(reader)
+        assert headers.get("connection") == "close", (status, headers)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # and the connection ends
+        return status, headers, body
+    finally:
+        writer.close()
+
+
+async def test_a_refused_request_ends_its_connection(ready):
+    """Issue 40: a refused request (the peer guard's 404, a 401, a 429 of the rate limit, a
+    400) held its connection for the keep-alive time, so refused clients could fill the cap;
+    now only a request that passed the checks keeps its connection."""
+    server, dep = ready
+    cases = {
+        "peer guard": (_req(server, dep, "X-Forwarded-For: 10.0.0.1"), 404, "not_found"),
+        "key": (_req(server, dep, key="wrong"), 401, "invalid_api_key"),
+        "path": (_req(server, dep, path=f"/dgxmm/ondemand/{dep}/v1/../v1/models", method="GET"), 400, "invalid_path"),
+        "json": (_req(server, dep, body=b"[]"), 400, "invalid_json"),
+    }
+    for name, (raw, want, code) in cases.items():
+        status, _, body = await _refused(server, raw)
+        assert (status.split()[1], orjson.loads(body)["error"]["code"]) == (str(want).encode(), code), name
+    limiter = server.app[GATEWAY].limiter
+    for _ in range(20):
+        limiter.fail("127.0.0.5")
+    status, _, body = await _refused(server, _req(server, dep), peer="127.0.0.5")
+    assert status.startswith(b"HTTP/1.1 429") and orjson.loads(body)["error"]["code"] == "rate_limited"
+    async with _conn(server) as (reader, writer):  # a request that passed the checks keeps it
+        for _ in range(2):
+            writer.write(_req(server, dep))
+            status, headers, _ = await _answer(reader)
+            assert status == b"HTTP/1.1 200 OK" and "connection" not in headers
+
+
+@pytest.mark.parametrize("raw", [b"GET /\r\n", b"GET /\r\n\r\n", b"GET /dgxmm/ondemand/1/v1/models\r\n\r\n",
+                                 b"GET /dgxmm/api/host\r\nHost: x\r\n\r\n"])
+async def test_a_request_line_without_a_version_is_400_and_closed(server, raw):
+    """llhttp reads it as HTTP/0.9, and it was answered so ("HTTP/0.9 401"); a bare one waited
+    for the head timeout."""
+    status, _, body = await _refused(server, raw)
+    assert status.startswith(b"HTTP/1.1 400") and orjson.loads(body)["error"]["code"] == "invalid_request"
+
+
+async def _until_closed(server) -> float:
+    """Seconds until the server closed every connection (its count is given back then)."""
+    t0 = asyncio.get_running_loop().time()
+    await wait_for(lambda: server.http.front.open.total == 0, timeout=20, what="the connection closed")
+    return asyncio.get_running_loop().time() - t0
+
+
+async def test_the_rest_of_a_refused_body_is_read_for_a_bounded_time_and_size(server):
+    """What comes after the answer is read and dropped for ``lingering_s`` and
+    ``linger_max_bytes`` at most, then the connection closes: a client that keeps sending
+    (a body of a TiB) holds it no longer."""
+    head = (f"POST /dgxmm/ondemand/999/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            f"{server.key}\r\nContent-Length: {2 ** 40}\r\n\r\n").encode()
+
+    async def keep_sending(writer, chunk: bytes, pause: float) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # (uvloop says RuntimeError)
+            while True:
+                writer.write(chunk)
+                await writer.drain()
+                await asyncio.sleep(pause)
+
+    for limits, chunk, pause, bound in (({"lingering_s": 0.5}, b" " * 1024, 0.05, (0.4, 5)),  # time
+                                        ({"lingering_s": 30, "linger_max_bytes": MiB}, b" " * 65536, 0, (0, 10))):
+        server.set_limits(**limits)
+        async with _conn(server) as (reader, writer):
+            writer.write(head)
+            status, headers, _ = await _answer(reader)
+            assert status.startswith(b"HTTP/1.1 413") and headers["connection"] == "close"
+            sending = asyncio.ensure_future(keep_sending(writer, chunk, pause))
+            try:
+                took = await _until_closed(server)
+            finally:
+                sending.cancel()
+        assert bound[0] <= took < bound[1], (limits, took)

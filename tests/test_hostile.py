@@ -309,9 +309,10 @@ async def test_one_peer_over_its_connection_cap_stops_no_other_peer(ready):
     await _quiet(server, dep)
 
 
-async def test_a_413_on_a_body_without_end_closes_at_once(ready):
-    """Issue 29: a chunked body past the gateway's limit that never ends is 413, and the
-    connection closes with it, instead of being read and dropped for the lingering window (10 s)."""
+async def test_a_413_on_a_body_without_end_ends_the_connection(ready):
+    """Issues 29 and 40: a chunked body past the gateway's limit that never ends is 413, and the
+    connection ends with it: the answer and a FIN at once, then what more comes is read and
+    dropped for the lingering time (a second), no longer, however long the client holds on."""
     server, dep = ready
     server.app[GATEWAY].max_body = 1000
     chunked = _head(dep, "Content-Type: application/json", "Transfer-Encoding: chunked", key=server.key)
@@ -320,8 +321,9 @@ async def test_a_413_on_a_body_without_end_closes_at_once(ready):
         writer.write(chunked + b"7d0\r\n" + b" " * 2000 + b"\r\n")  # and no end
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in head
-        rest = await asyncio.wait_for(reader.read(), 3)  # the answer's body, then the close
+        rest = await asyncio.wait_for(reader.read(), 3)  # the answer's body, then the FIN
         assert orjson.loads(rest)["error"]["code"] == "request_too_large"
+        await wait_for(lambda: server.http.front.open.total == 0, timeout=5, what="closed after its lingering")
     finally:
         writer.close()
     await _quiet(server, dep)

@@ -7,7 +7,7 @@ import logging
 
 import orjson
 import pytest
-from helpers import run_app
+from helpers import run_app, wait_for
 
 from ondemand.app import GATEWAY, TELEMETRY
 from ondemand.http.limits import Limits
@@ -106,13 +106,16 @@ async def test_healthz_then_two_content_lengths_is_200_then_400(server):
     assert _code(answers[1]) == "invalid_request"
 
 
-async def test_admin_gateway_malformed_are_all_three_answered(ready):
+async def test_admin_then_gateway_is_421_and_the_connection_ends(ready):
+    """A 421 ends its connection like every refusal (issue 40: it kept it, so a client pool that
+    mixed admin and gateway requests got 421 on 1,504 of 2,000): the client's next request goes
+    on a new connection, and the request pipelined behind the 421 is not answered."""
     server, dep = ready
     data = _admin(server) + _gw(server, dep) + b"GET /dgxmm/api/host HTTP/1.1\r\nHost x\r\n\r\n"
     answers = _answers(await _talk(server, data))
-    assert [a[0] for a in answers] == [200, 421, 400]
+    assert [a[0] for a in answers] == [200, 421]
     assert "hostname" in orjson.loads(answers[0][2])
-    assert (_code(answers[1]), _code(answers[2])) == ("misdirected_request", "invalid_request")
+    assert _code(answers[1]) == "misdirected_request" and answers[1][1]["connection"] == "close"
 
 
 async def test_healthz_in_http_1_0_then_a_stray_byte_is_answered(server):
@@ -256,16 +259,16 @@ async def test_a_gateway_body_past_the_high_water_mark_pauses_reading(ready):
 
 
 async def test_an_early_answer_drops_a_body_past_the_high_water_mark_and_serves_on(ready):
-    """A 401 before a 1 MiB body came: the body is read and dropped (reading is not paused for
-    a body nobody will read), and the next request on the connection is answered."""
+    """A 404 (an unknown deployment, with the key: no refusal, so the connection is kept) before
+    a 1 MiB body came: the body is read and dropped (reading is not paused for a body nobody
+    will read), and the next request on the connection is answered."""
     server, dep = ready
     big = b"{" + b" " * 2**20 + b"}"
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
     try:
-        writer.write(_gw(server, dep, body=big).replace(server.key.encode(), b"wrong")
-                     + _gw(server, dep, body=b"{}"))
+        writer.write(_gw(server, 999, body=big) + _gw(server, dep, body=b"{}"))
         first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        assert first.startswith(b"HTTP/1.1 401")
+        assert first.startswith(b"HTTP/1.1 404") and b"onnection: close" not in first
         await asyncio.wait_for(reader.readuntil(b"}}"), 10)  # its JSON body
         second = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert second.startswith(b"HTTP/1.1 400")  # {} is no chat request, but it was answered
@@ -297,6 +300,9 @@ async def test_admin_listen_gives_the_admin_api_a_listener_of_its_own(tmp_path):
         assert answers[0][0] == 200 and "hostname" in orjson.loads(answers[0][2])
         answers = _answers(await admin_talk(_gw(server, dep)))
         assert answers[0][0] == 421 and _code(answers[0]) == "misdirected_request"
+        # aiohttp's from the first byte: a request line without a version is refused there too.
+        answers = _answers(await admin_talk(b"GET /dgxmm/api/host\r\nHost: x\r\n\r\n"))
+        assert answers[0][0] == 400 and _code(answers[0]) == "invalid_request"
 
 
 def test_admin_listen_is_host_port_or_nothing():
@@ -338,3 +344,63 @@ async def test_a_stream_to_a_client_that_stops_reading_pauses_the_engine_and_res
     assert events[-1] == b"data: [DONE]"
     tokens = [c for e in events[:-1] if (c := orjson.loads(e[6:])["choices"][0]["delta"].get("content"))]
     assert tokens == ["tok0"] + [f" tok{i}" for i in range(1, 100000)]  # every one, once, in order
+
+
+# --- issue 40: aiohttp's refusals end their connection, after the rest of the body --------------
+
+MiB = 2 ** 20
+
+
+async def test_the_admin_apis_413_and_401_reach_httpx_and_end_the_connection(server):
+    """httpx writes the whole body before it reads: aiohttp's 413 (17 MiB) and its 401 (a wrong
+    token on 2 MiB) arrive, and say Connection: close (a refused request keeps no connection)."""
+    import httpx2
+    url = f"{server.url}/api/deployments"
+    async with httpx2.AsyncClient(timeout=30) as client:
+        for token, size, status, code in ((server.token, 17 * MiB, 413, "request_too_large"),
+                                          ("wrong", 2 * MiB, 401, "invalid_admin_token")):
+            r = await client.post(url, content=b"{" + b" " * (size - 2) + b"}",
+                                  headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+            assert r.headers["connection"] == "close"
+
+
+async def test_after_an_admin_request_a_request_line_without_a_version_is_400(server):
+    """aiohttp read it as HTTP/0.9 and answered "HTTP/0.9 401"."""
+    answers = _answers(await _talk(server, _admin(server) + b"GET /dgxmm/api/host\r\nHost: x\r\n\r\n"))
+    assert [a[0] for a in answers] == [200, 400] and _code(answers[1]) == "invalid_request"
+
+
+async def _keep_sending(writer, chunk: bytes, pause: float) -> None:
+    with contextlib.suppress(ConnectionError, RuntimeError):  # closed under us (uvloop says RuntimeError)
+        while True:
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(pause)
+
+
+@pytest.mark.parametrize("bound", ["time", "size"])
+async def test_aiohttps_read_of_a_refused_body_is_bounded(server, bound):
+    """After its 401, aiohttp reads and drops the rest of the body (its lingering) for a second
+    (``lingering_s``; it was 10 s) and at most ``linger_max_bytes`` (it had no bound in size),
+    then closes, however long the client goes on sending."""
+    if bound == "size":
+        server.set_limits(lingering_s=30, linger_max_bytes=MiB)
+    raw = _admin(server, "/dgxmm/api/deployments", method="POST").replace(server.token.encode(), b"wrong")
+    raw = raw.replace(b"Content-Length: 0", b"Content-Length: %d" % 2 ** 40)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
+    loop = asyncio.get_running_loop()
+    try:
+        writer.write(raw)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 401") and b"Connection: close" in head
+        t0 = loop.time()
+        sending = asyncio.ensure_future(_keep_sending(writer, b" " * (65536 if bound == "size" else 1024),
+                                                      0 if bound == "size" else 0.05))
+        try:
+            await wait_for(lambda: server.http.front.open.total == 0, timeout=20, what="the connection closed")
+        finally:
+            sending.cancel()
+    finally:
+        writer.close()
+    assert 0.5 <= loop.time() - t0 < 5 if bound == "time" else loop.time() - t0 < 10

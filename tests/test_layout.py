@@ -16,13 +16,13 @@ ALLOWED = {
     "model": set(), "errors": set(), "files": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
-    "http.headers": set(), "http.refusals": {"errors"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
-    "http.protocol": {"errors", "http.cycle", "http.flow_control", "http.headers", "http.refusals",
-                      "http.server"},  # (server for types only)
+    "http.headers": set(), "http.refusals": {"errors", "http.limits"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
+    "http.protocol": {"errors", "http.cycle", "http.flow_control", "http.headers", "http.linger",
+                      "http.refusals", "http.server"},  # (server for types only)
     "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
     "http.connection": {"http.body", "http.flow_control", "http.headers", "http.limits"},
     "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
-    "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"},
+    "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"}, "http.linger": {"http.limits"},
     # gateway/: the routes and their checks.
     "gateway": set(),
     # The pipeline (checks, body, admission, answer): the deployments it knows are the admission's.

@@ -434,7 +434,9 @@ class PeerGuard:
 
     async def __call__(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.applies(request) and self.refused(request):
-            return web.Response(status=404, body=self._body, content_type="application/json")
+            refusal = web.Response(status=404, body=self._body, content_type="application/json")
+            refusal.force_close()  # a refused request ends its connection (issue 40)
+            return refusal
         response: web.StreamResponse = await handler(request)
         return response
 

@@ -71,13 +71,21 @@ _NO_RETRY = frozenset({"start_failed", "does_not_fit", "ondemand_queue_timeout",
                        "ondemand_not_configured", "not_on_demand", "ondemand_planned"})
 
 
+# A refused request ends its connection (issue 40: refused clients held theirs for the keep-alive
+# time, and filled the cap): only a request that passed the checks keeps one. A 429 ondemand_busy
+# (max_inflight) or a 404 of an unknown deployment came with the key: those keep theirs.
+_ENDS_CONNECTION = frozenset({"invalid_api_key", "rate_limited"})
+
+
 async def send_error(call: Call, err: OndemandError) -> None:
-    """An error in the documented form; a ``Connection: close`` of the error closes the connection."""
+    """An error in the documented form; a ``Connection: close`` of the error, a 400 or a refused
+    key closes the connection."""
     headers = {k: v for k, v in err.headers.items() if k != "Connection"}
     if err.code in _NO_RETRY:
         headers["x-should-retry"] = "false"
     headers["Content-Type"] = answers.JSON
-    await call.send(err.status, headers, err.body(), close=err.headers.get("Connection") == "close")
+    close = err.status == 400 or err.code in _ENDS_CONNECTION or err.headers.get("Connection") == "close"
+    await call.send(err.status, headers, err.body(), close=close)
 
 
 def _err(status: int, code: str, message: str, **kw: Any) -> OndemandError:

@@ -12,7 +12,12 @@ A head that is still arriving after ``head_timeout_s``, or grows past ``max_head
 then got a FIN), is refused in aiohttp's order too: a parser of our own watches where heads
 begin and end (it never changes a byte), and when one is late or too large aiohttp's parser
 is given a NUL, which it refuses as a malformed request; ``handle_error`` then answers 408 or
-431 instead of 400. Imports nothing of ours but ``errors`` and this package.
+431 instead of 400; so is a request line without an HTTP version (llhttp reads it as HTTP/0.9).
+
+The same watch counts the requests whose heads are in, and :meth:`AioConnection.finish_response`
+the answers: a body aiohttp reads and drops after an early answer (its lingering, ``lingering_s``)
+is bounded in size too (``linger_max_bytes``; aiohttp bounds only its time). Imports nothing of ours
+but ``errors`` and this package.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ class _Watch:
 
     def on_message_complete(self) -> None:
         self.conn.watch_in_body = False
+        self.conn.drop_left = None
 
 
 class BodyMalformedError(Exception):
@@ -87,7 +93,10 @@ class AioConnection(web.RequestHandler):
         self.reading: web.BaseRequest | None = None  # a request whose body read_body awaits
         self.broken_body: BodyMalformedError | None = None  # the body being received broke
         self.begun = False  # a request head began on this connection
+        self.no_version = False  # a request line without an HTTP version: refused
         self.release: Callable[[], None] | None = None  # gives the connection caps' count back
+        self.pending = 0  # whole request heads not answered yet
+        self.drop_left: int | None = None  # of a body aiohttp reads and drops after its answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """The first request's head is timed from the accept (a hand-off's is here already):
@@ -95,6 +104,17 @@ class AioConnection(web.RequestHandler):
         super().connection_made(transport)
         if self.watch_timer is None:
             self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self.head_late)
+
+    def take_over(self, transport: asyncio.Transport, data: bytes = b"", paused: bool = False) -> None:
+        """The transport of a connection handed off by the lean front (``HttpProtocol._hand_off``:
+        ``data``, the bytes from its first request that is not the gateway's on; ``paused``,
+        reading was paused for the requests before it)."""
+        if paused:  # this connection expects to read
+            transport.resume_reading()
+        self.connection_made(transport)
+        transport.set_protocol(self)
+        if data:
+            self.data_received(data)
 
     def body_broke(self) -> None:
         """The first request whose body has not all arrived is the one whose body broke."""
@@ -115,6 +135,11 @@ class AioConnection(web.RequestHandler):
         self.feed_piece(data[start:] if start else data)
 
     def feed_piece(self, data: bytes) -> None:
+        if self.drop_left is not None:
+            self.drop_left -= len(data)
+            if self.drop_left < 0 and self.transport is not None:
+                self.transport.close()
+                return
         watch = self.watch
         if watch is not None:
             try:
@@ -127,6 +152,9 @@ class AioConnection(web.RequestHandler):
                     # for ever (until read_body's time limit), the 400 queued behind it.
                     self.broken_body = BodyMalformedError(str(exc) or type(exc).__name__)
                     self.body_broke()
+            if self.no_version:
+                self.head_refused(400, "invalid_request", "The request line has no HTTP version")
+                return
             if self.watch_head:
                 self.watch_bytes += len(data)
                 if self.watch_bytes > self.limits.max_head_bytes:
@@ -145,6 +173,9 @@ class AioConnection(web.RequestHandler):
     def head_ends(self) -> None:
         self.watch_head = False
         self.watch_in_body = True
+        self.pending += 1
+        if self.watch is not None and self.watch.get_http_version() == "0.9":
+            self.no_version = True  # aiohttp would answer it in HTTP/0.9 (issue 40)
         if self.watch_timer is not None:
             self.watch_timer.cancel()
             self.watch_timer = None
@@ -175,6 +206,22 @@ class AioConnection(web.RequestHandler):
         if release is not None:
             release()
         super().connection_lost(exc)
+
+    # --- the answers ---
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self.answered()
+
+    def answered(self) -> None:
+        """An answer is out. With none owed, when the body of the request just answered is still
+        arriving, aiohttp reads and drops it now (its lingering): bounded."""
+        self.pending = max(0, self.pending - 1)
+        if not self.pending and self.watch_in_body:
+            self.drop_left = self.limits.linger_max_bytes
 
     # --- aiohttp's refusals, in the documented form ---
 

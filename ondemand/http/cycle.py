@@ -11,6 +11,7 @@ Imports nothing of ours but ``http.flow_control`` (through the protocol it is ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import sys
 import time
@@ -103,7 +104,10 @@ class Call:
     # --- the request's body, from the protocol ---
 
     def feed(self, data: bytes) -> None:
-        if self.too_large:  # refused, or answered before it came: read and dropped (never paused)
+        if self.too_large:  # refused, or answered before it came: read and dropped (never paused) ...
+            linger = self._proto.linger
+            if linger is not None:  # ... within bounds (linger.py)
+                linger.dropped(len(data))
             return
         self.size += len(data)
         if self.size > self.limit:
@@ -177,7 +181,7 @@ class Call:
             self.close = True  # the answer's end is the connection's
         if status == 413 and not self.complete:
             # The rest of a body over the limit (perhaps one that never ends: a huge length, chunks
-            # without end) is not read for the lingering window: the connection ends with this.
+            # without end) is only read and dropped for the bounded lingering: the connection ends.
             self.close = True
         if self.close or not self.keep_alive or self._proto.closing:
             connection = "Connection: close\r\n"
@@ -257,3 +261,17 @@ class Call:
     def abort(self) -> None:
         self.close = True
         self._proto.close()
+
+    def broke_off(self, answer: bytes) -> None:
+        """Its handler failed: the connection ends after ``answer`` (a 500), written when
+        nothing of an answer went out yet."""
+        self.close = True
+        if not self.started:
+            with contextlib.suppress(ConnectionError):
+                self._proto.write(answer)
+                self.ended = True
+
+    def drop_rest(self) -> None:
+        """Answered before its body was in: the rest is read and dropped (never paused)."""
+        self.too_large = True
+        self.parts.clear()

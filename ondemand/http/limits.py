@@ -32,7 +32,11 @@ class Limits:
     max_head_bytes: int = 128 * 1024   # request line and headers together, while they arrive
     head_timeout_s: float = 10.0       # a request head, from its first byte; a connection's first, from the accept
     keepalive_timeout_s: float = 300.0  # an idle keep-alive connection; LiteLLM's own is 120 s
-    lingering_s: float = 10.0          # how long an unread body is read and dropped after an early answer
+    # The rest of a body after an early answer (a 401, a 413 ...) is read and dropped for this long
+    # and at most this much, so that a client that sends its whole body before it reads (httpx, the
+    # OpenAI SDK) gets the answer rather than a reset (issue 40); then a closing connection closes.
+    lingering_s: float = 1.0
+    linger_max_bytes: int = 64 * MiB
     gateway_max_body: int = 16 * MiB   # a gateway request's body
     admin_max_body: int = 16 * MiB     # an admin request's body
     body_timeout_s: float = 60.0       # a whole body, from the handler's first read (both stacks)

@@ -6,14 +6,13 @@ for the gateway's handler, one at a time and in order. The first request that is
 gateway's hands the connection to aiohttp for good (:meth:`HttpProtocol._hand_off`), with the
 bytes from that request's first on, once the answers before it are out; one pipelined in the
 same read behind a gateway request (where it begins is unknown: llhttp tells no offsets) is 421
-instead. Refusals are the documented JSON, after the answers owed before them, then the close.
-Imports nothing of ours but ``errors`` (through ``refusals``) and this package.
+instead. Refusals are the documented JSON, after the answers owed before them, then the end
+(``linger.py``). Imports nothing of ours but ``errors`` (through ``refusals``) and this package.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,11 +20,12 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..errors import internal_error, misdirected, upgrade_refused
+from . import refusals
 from .cycle import BodyMalformed, Call
 from .flow_control import BODY, PIPELINE, FlowControl
 from .headers import decoded
-from .refusals import Refuse, check_head, refusal, refused
+from .linger import Linger
+from .refusals import NO_VERSION, Refuse, check_head, refusal, unfinished_head
 
 if TYPE_CHECKING:
     from .server import Front
@@ -59,7 +59,8 @@ class HttpProtocol(asyncio.Protocol):
         self.pipeline: collections.deque[Call] = collections.deque()
         self.current: Call | None = None
         self.task: asyncio.Task[None] | None = None
-        self.lingering: Call | None = None
+        self.lingering: Call | None = None  # answered early: the rest of its body is dropped
+        self.linger: Linger | None = None    # what comes after an answer, dropped within bounds
         # What comes once the answers owed are out: a refusal, or the hand-off's bytes.
         self.refusal: bytes | None = None
         self.handoff: list[bytes] | None = None
@@ -71,7 +72,6 @@ class HttpProtocol(asyncio.Protocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
-        self.linger_timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol ---
 
@@ -88,6 +88,8 @@ class HttpProtocol(asyncio.Protocol):
         if self.broken:
             if self.handoff is not None:
                 self.handoff.append(data)  # aiohttp's, once the answers before it are out
+            elif self.linger is not None:  # ended: the client's last bytes
+                self.linger.dropped(len(data))
             return
         if not self.in_message:  # whatever begins in this read begins at its first byte
             self.raw = [data]
@@ -107,7 +109,7 @@ class HttpProtocol(asyncio.Protocol):
             elif not isinstance(why, _HandOff):
                 raise
         except httptools.HttpParserUpgrade:  # cannot be: on_headers_complete refuses upgrades
-            self._refuse(refused(upgrade_refused()))
+            self._refuse(refusals.UPGRADE)
         except httptools.HttpParserError as exc:
             self._malformed(exc)
         if self.broken:
@@ -116,9 +118,10 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._head_pending():
             # Timed from its first read: a head that came whole (the usual) never needs the timer.
-            if self.head_bytes > self.limits.max_head_bytes:
-                self._refuse(refusal(431, "headers_too_large",
-                                     f"The request head is larger than {self.limits.max_head_bytes // 1024} KiB"))
+            answer = unfinished_head(self.limits, self.head_bytes, self.parser.get_http_version() if self.in_head
+                                     else "", self.raw if self.in_head and not self.raw_headers else None)
+            if answer is not None:
+                self._refuse(answer)
             elif self.head_timer is None:
                 self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_late)
 
@@ -145,10 +148,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def _forget(self) -> None:
         self.front.connections.discard(self)
-        for timer in (self.head_timer, self.idle_timer, self.linger_timer):
+        for timer in (self.head_timer, self.idle_timer, self.linger):
             if timer is not None:
                 timer.cancel()
-        self.head_timer = self.idle_timer = self.linger_timer = None
+        self.head_timer = self.idle_timer = self.linger = None
         if self.flow is not None:
             self.flow.connection_lost()
 
@@ -176,29 +179,28 @@ class HttpProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
         if len(self.url) > self.limits.max_line_size:
-            raise Refuse(refusal(400, "invalid_request", "The request line is too long"))
+            raise Refuse(refusals.LINE_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         headers = self.raw_headers
         headers.append((name, value))
         if len(name) + len(value) > self.limits.max_field_size or len(headers) > self.limits.max_headers:
-            raise Refuse(refusal(400, "invalid_request",
-                                 f"A request header is over {self.limits.max_field_size} bytes, or there are "
-                                 f"over {self.limits.max_headers} of them"))
+            raise Refuse(refusals.header_too_large(self.limits))
 
     def on_headers_complete(self) -> None:
         self.in_head = False
         self._head_done()
         parser = self.parser
+        version = parser.get_http_version()
+        if version == "0.9":
+            raise Refuse(NO_VERSION)
         headers = CIMultiDict([decoded(pair) for pair in self.raw_headers])
         check_head(parser.should_upgrade(), headers)
         if not self.url.startswith(self.front.prefix):
             if not self.front.hand_off:
-                raise Refuse(refusal(404, "not_found", "Not found: this listener serves the gateway only "
-                                     "(the admin API is on admin_listen)"))
+                raise Refuse(refusals.GATEWAY_ONLY)
             if self.raw is None:
-                raise Refuse(refused(misdirected("A request that is not the gateway's, pipelined behind a "
-                                                 "gateway request")))
+                raise Refuse(refusals.PIPELINED)
             self.broken = True
             self.handoff, self.raw = self.raw, None
             if self.current is not None or self.pipeline:
@@ -207,8 +209,7 @@ class HttpProtocol(asyncio.Protocol):
         self.raw = None  # a gateway request is never handed off: its bytes need not be kept
         cycle = self.cycle = Call(self, parser.get_method().decode("ascii", "replace"),
                                   self.url.decode("utf-8", "surrogateescape"), CIMultiDictProxy(headers),
-                                  parser.get_http_version(), parser.should_keep_alive(), self.front.max_body(),
-                                  self.raw_headers)
+                                  version, parser.should_keep_alive(), self.front.max_body(), self.raw_headers)
         if self.current is None and not self.pipeline:
             self._start(cycle)
         else:
@@ -242,11 +243,7 @@ class HttpProtocol(asyncio.Protocol):
             return  # the client went away (connection_lost) or the server is stopping
         except Exception:
             _log.exception("the gateway failed on %s %s", cycle.method, cycle.raw_path)
-            cycle.close = True
-            if not cycle.started and self.transport is not None:
-                with contextlib.suppress(ConnectionError):
-                    self.write(refused(internal_error()))
-                    cycle.ended = True
+            cycle.broke_off(refusals.INTERNAL_ERROR)
         finally:
             self.task = self.current = None
         self._after(cycle)
@@ -257,22 +254,23 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None:
             return
         if not cycle.ended or cycle.close or not cycle.keep_alive or self.closing:
-            transport.close()
+            if cycle.ended and not self.closing and (not cycle.complete or self.pipeline or self.in_message):
+                self._end()  # more is on its way: let the client read the answer first
+            else:
+                transport.close()
             return
         if not cycle.complete and not cycle.failed:  # answered before its body was in: read and drop the rest
-            cycle.too_large = True
-            cycle.parts.clear()
+            cycle.drop_rest()
             self.lingering = cycle
+            self.linger = Linger(transport, self.limits, self.loop)
             self.flow.resume_reading(BODY)
-            self.linger_timer = self.loop.call_later(self.limits.lingering_s, transport.close)
             return
         self._go_on()
 
     def _linger_done(self) -> None:
-        self.lingering = None
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
-            self.linger_timer = None
+        linger, self.linger, self.lingering = self.linger, None, None
+        if linger is not None:
+            linger.cancel()
         self._go_on()
 
     def _go_on(self) -> None:
@@ -323,13 +321,12 @@ class HttpProtocol(asyncio.Protocol):
     def _head_late(self) -> None:
         self.head_timer = None
         if self._head_pending() and not self.broken:
-            self._refuse(refusal(408, "request_timeout",
-                                 f"The request head did not arrive within {self.limits.head_timeout_s:g} s"))
+            self._refuse(refusals.head_late(self.limits))
         elif not self.begun and self.transport is not None:
             self.transport.close()  # nothing came since the accept: no request to answer
 
     def _refuse(self, answer: bytes) -> None:
-        """Write ``answer`` and close, after the answers owed before it; nothing more is read."""
+        """Write ``answer`` and close, after the answers owed before it; nothing more is parsed."""
         self.broken = True
         self._head_done()
         transport = self.transport
@@ -342,7 +339,20 @@ class HttpProtocol(asyncio.Protocol):
         self.refusal = None
         if not transport.is_closing():
             transport.write(answer)
-        transport.close()
+        self._end()
+
+    def _end(self) -> None:
+        """The end after an answer while the client may still be sending: half-closed, and what
+        comes is read and dropped within bounds (``linger.py``), not answered with a reset."""
+        transport = self.transport
+        if transport is None:
+            return
+        self.broken = True
+        if self.linger is not None:
+            self.linger.cancel()
+        self.linger = Linger.ending(transport, self.limits, self.loop)
+        self.flow.resume_reading(BODY)
+        self.flow.resume_reading(PIPELINE)
 
     def _malformed(self, exc: Exception) -> None:
         cycle = self.cycle
@@ -369,31 +379,15 @@ class HttpProtocol(asyncio.Protocol):
         self._forget()
         if transport is None or transport.is_closing():
             return
-        if paused:  # for the requests before it: aiohttp's connection expects to read
-            transport.resume_reading()
         aio = self.front.aiohttp_connection()
         aio.release, self.release = self.release, None  # aiohttp's connection gives the count back
-        aio.connection_made(transport)
-        transport.set_protocol(aio)
-        if data:
-            aio.data_received(data)
+        aio.take_over(transport, data, paused)
 
     # --- shutting down ---
 
     def shutdown_begin(self) -> None:
-        """No new requests: an idle connection closes now, a busy one after its answer."""
+        """No new requests: an idle connection closes now, a busy one after its answer (the
+        server gives its handler the grace period, then cancels it: ``server._finish``)."""
         self.closing = True
         if self.task is None and not self.pipeline and self.transport is not None:
-            self.transport.close()
-
-    async def shutdown(self, timeout: float | None) -> None:
-        task = self.task
-        if task is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if self.transport is not None:
             self.transport.close()

@@ -1,6 +1,6 @@
 """The server's own refusals (malformed HTTP, bounds, misdirected requests): the documented
-JSON error, ready to write, and the once-a-minute log line for malformed requests.
-Imports nothing of ours but ``errors``."""
+JSON error, ready to write, the lean front's checks of a request head, and the once-a-minute log
+line for malformed requests. Imports nothing of ours but ``errors`` and ``http.limits``."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,8 @@ from http import HTTPStatus
 
 from multidict import MultiMapping
 
-from ..errors import OndemandError, upgrade_refused
+from ..errors import OndemandError, internal_error, misdirected, upgrade_refused
+from .limits import Limits
 
 _log = logging.getLogger("ondemand.http")
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
@@ -27,6 +28,42 @@ def refused(err: OndemandError) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+# llhttp reads a request line without a version as HTTP/0.9 (issue 40: it was answered so).
+NO_VERSION = refusal(400, "invalid_request", "The request line has no HTTP version")
+LINE_TOO_LONG = refusal(400, "invalid_request", "The request line is too long")
+GATEWAY_ONLY = refusal(404, "not_found", "Not found: this listener serves the gateway only (the admin API is on "
+                       "admin_listen)")
+PIPELINED = refused(misdirected("A request that is not the gateway's, pipelined behind a gateway request"))
+UPGRADE = refused(upgrade_refused())
+INTERNAL_ERROR = refused(internal_error())
+
+
+def header_too_large(limits: Limits) -> bytes:
+    return refusal(400, "invalid_request", f"A request header is over {limits.max_field_size} bytes, or there are "
+                   f"over {limits.max_headers} of them")
+
+
+def head_late(limits: Limits) -> bytes:
+    return refusal(408, "request_timeout", f"The request head did not arrive within {limits.head_timeout_s:g} s")
+
+
+def unfinished_head(limits: Limits, size: int, version: str, line: list[bytes] | None) -> bytes | None:
+    """The refusal of a request head still arriving after a read (``size`` bytes so far), or None
+    while it may go on: 431 past ``max_head_bytes``; 400 for a request line without an HTTP
+    version. llhttp takes one for HTTP/0.9 and waits for headers, and says so (``version``) only
+    from the byte after the line, so ``line``, the head's bytes while they may be its request
+    line alone, is looked at too (a bare ``GET /`` waited for the head timeout)."""
+    if size > limits.max_head_bytes:
+        return refusal(431, "headers_too_large", f"The request head is larger than {limits.max_head_bytes // 1024} KiB")
+    if version == "0.9":
+        return NO_VERSION
+    if line is not None:
+        first, end, _ = b"".join(line).lstrip(b"\r\n").partition(b"\n")
+        if end and not first.rstrip(b"\r").rpartition(b" ")[2].startswith(b"HTTP/"):
+            return NO_VERSION
+    return None
+
+
 class Refuse(Exception):
     """Raised in a parser callback: answer this (after the answers owed) and close."""
 
@@ -38,7 +75,7 @@ class Refuse(Exception):
 def check_head(upgrade: bool, headers: MultiMapping[str]) -> None:
     """A request head the lean front parsed but refuses: :class:`Refuse`."""
     if upgrade:  # (issue 23) aiohttp lost what followed an Upgrade with a body
-        raise Refuse(refused(upgrade_refused()))
+        raise Refuse(UPGRADE)
     codings = headers.getall("Transfer-Encoding", ())
     if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
         # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.

@@ -116,6 +116,18 @@ class _AdminGate(asyncio.Protocol):
         transport.set_protocol(aio)
 
 
+# aiohttp's answers that refuse a request end its connection, as the lean front's do (issue 40:
+# a refused client held its connection for the keep-alive time): Connection: close, and aiohttp
+# reads and drops the rest of the body for its lingering time (bounded in size by AioConnection).
+_ENDS_CONNECTION = frozenset({400, 401, 413, 421})
+
+
+async def _refusal_ends_connection(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    if response.status in _ENDS_CONNECTION:
+        response.force_close()
+        response.headers["Connection"] = "close"  # (the head is made before this signal: said here)
+
+
 class HttpServer:
     """The application (with a :data:`ROUTE` and :data:`LIMITS`) behind our listeners."""
 
@@ -131,6 +143,7 @@ class HttpServer:
         self.admin_open = OpenConnections()  # the admin listener's own count: a flood on listen leaves it be
         self.listeners: list[asyncio.AbstractServer] = []
         app.on_shutdown.append(self._drain)  # after the application's own (signals run in order)
+        app.on_response_prepare.append(_refusal_ends_connection)
 
     async def start(self) -> None:
         await self.runner.setup()
@@ -176,10 +189,24 @@ class HttpServer:
         """Both stacks' requests finish together: the lean front's and aiohttp's."""
         lean = list(self.front.connections) if self.front is not None else []
         server = self.runner.server
-        await asyncio.gather(*(c.shutdown(self.shutdown_timeout) for c in lean),
+        await asyncio.gather(*(_finish(c, self.shutdown_timeout) for c in lean),
                              *([server.shutdown(self.shutdown_timeout)] if server is not None else []))
         if self.front is not None:
             self.front.connections.clear()
+
+
+async def _finish(conn: HttpProtocol, timeout: float) -> None:
+    """A lean connection's request finishes within ``timeout``, else it is cancelled (uvicorn's
+    server does this, not its protocol); then the connection closes."""
+    task = conn.task
+    if task is not None:
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    conn.close()
 
 
 def raise_open_files(max_connections: int) -> None:
