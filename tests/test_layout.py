@@ -17,9 +17,9 @@ ALLOWED = {
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
     "http.headers": set(), "http.refusals": {"errors", "http.limits"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
-    "http.protocol": {"errors", "http.cycle", "http.flow_control", "http.headers", "http.linger",
+    "http.protocol": {"errors", "http.caps", "http.cycle", "http.flow_control", "http.headers", "http.linger",
                       "http.refusals", "http.server"},  # (server for types only)
-    "http.aio": {"errors", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
+    "http.aio": {"errors", "http.caps", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
     "http.connection": {"http.body", "http.flow_control", "http.headers", "http.limits"},
     "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"}, "http.linger": {"http.limits"},

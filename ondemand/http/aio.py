@@ -14,22 +14,23 @@ begin and end (it never changes a byte), and when one is late or too large aioht
 is given a NUL, which it refuses as a malformed request; ``handle_error`` then answers 408 or
 431 instead of 400; so is a request line without an HTTP version (llhttp reads it as HTTP/0.9).
 
-The same watch counts the requests whose heads are in, and :meth:`AioConnection.finish_response`
-the answers: a body aiohttp reads and drops after an early answer (its lingering, ``lingering_s``)
-is bounded in size too (``linger_max_bytes``; aiohttp bounds only its time). Imports nothing of ours
+The same watch tells the connection's :class:`~.caps.Seat` when a whole request arrives (busy)
+and :meth:`AioConnection.finish_response` when none is owed any more (idle: it gives way at a
+cap). A body aiohttp reads and drops after an early answer (its lingering, ``lingering_s``) is
+bounded in size too (``linger_max_bytes``; aiohttp bounds only its time). Imports nothing of ours
 but ``errors`` and this package.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import httptools
 from aiohttp import web
 
 from ..errors import OndemandError, internal_error
+from .caps import UNCOUNTED, Seat
 from .limits import Limits
 from .refusals import REFUSALS
 
@@ -94,7 +95,7 @@ class AioConnection(web.RequestHandler):
         self.broken_body: BodyMalformedError | None = None  # the body being received broke
         self.begun = False  # a request head began on this connection
         self.no_version = False  # a request line without an HTTP version: refused
-        self.release: Callable[[], None] | None = None  # gives the connection caps' count back
+        self.seat: Seat = UNCOUNTED  # its place in its listener's count (the caps)
         self.pending = 0  # whole request heads not answered yet
         self.drop_left: int | None = None  # of a body aiohttp reads and drops after its answer
 
@@ -105,10 +106,13 @@ class AioConnection(web.RequestHandler):
         if self.watch_timer is None:
             self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self.head_late)
 
-    def take_over(self, transport: asyncio.Transport, data: bytes = b"", paused: bool = False) -> None:
-        """The transport of a connection handed off by the lean front (``HttpProtocol._hand_off``:
-        ``data``, the bytes from its first request that is not the gateway's on; ``paused``,
-        reading was paused for the requests before it)."""
+    def take_over(self, transport: asyncio.Transport, seat: Seat, data: bytes = b"", paused: bool = False) -> None:
+        """The transport of a connection just accepted (the admin listener's) or handed off by the
+        lean front (``HttpProtocol._hand_off``: ``data``, the bytes from its first request that is
+        not the gateway's on; ``paused``, reading was paused for the requests before it), with its
+        seat in the caps' count."""
+        self.seat = seat
+        seat.conn = self
         if paused:  # this connection expects to read
             transport.resume_reading()
         self.connection_made(transport)
@@ -174,6 +178,7 @@ class AioConnection(web.RequestHandler):
         self.watch_head = False
         self.watch_in_body = True
         self.pending += 1
+        self.seat.busy = True
         if self.watch is not None and self.watch.get_http_version() == "0.9":
             self.no_version = True  # aiohttp would answer it in HTTP/0.9 (issue 40)
         if self.watch_timer is not None:
@@ -202,10 +207,13 @@ class AioConnection(web.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.unwatch()
-        release, self.release = self.release, None
-        if release is not None:
-            release()
+        self.seat.release()
         super().connection_lost(exc)
+
+    def give_way(self) -> None:
+        """Idle at a cap: closed for a new connection (``caps.py``); nothing is owed to its client."""
+        if self.transport is not None:
+            self.transport.close()
 
     # --- the answers ---
 
@@ -217,11 +225,13 @@ class AioConnection(web.RequestHandler):
             self.answered()
 
     def answered(self) -> None:
-        """An answer is out. With none owed, when the body of the request just answered is still
-        arriving, aiohttp reads and drops it now (its lingering): bounded."""
+        """An answer is out. With none owed the connection rests; when the body of the request
+        just answered is still arriving, aiohttp reads and drops it now (its lingering): bounded."""
         self.pending = max(0, self.pending - 1)
-        if not self.pending and self.watch_in_body:
-            self.drop_left = self.limits.linger_max_bytes
+        if not self.pending:
+            self.seat.rest()
+            if self.watch_in_body:
+                self.drop_left = self.limits.linger_max_bytes
 
     # --- aiohttp's refusals, in the documented form ---
 

@@ -7,20 +7,21 @@ gateway's hands the connection to aiohttp for good (:meth:`HttpProtocol._hand_of
 bytes from that request's first on, once the answers before it are out; one pipelined in the
 same read behind a gateway request (where it begins is unknown: llhttp tells no offsets) is 421
 instead. Refusals are the documented JSON, after the answers owed before them, then the end
-(``linger.py``). Imports nothing of ours but ``errors`` (through ``refusals``) and this package.
+(``linger.py``). The connection's :class:`~.caps.Seat` hears when it rests and when a whole
+request arrives. Imports nothing of ours but ``errors`` (through ``refusals``) and this package.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from . import refusals
+from .caps import UNCOUNTED, Seat
 from .cycle import BodyMalformed, Call
 from .flow_control import BODY, PIPELINE, FlowControl
 from .headers import decoded
@@ -68,7 +69,7 @@ class HttpProtocol(asyncio.Protocol):
         self.closing = False                 # the server is shutting down
         self.head_bytes = 0
         self.begun = False                   # a request began on this connection
-        self.release: Callable[[], None] | None = None  # gives the front's count (the caps) back
+        self.seat: Seat = UNCOUNTED          # its place in the front's count (the caps)
         self.head_timer: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
@@ -76,9 +77,10 @@ class HttpProtocol(asyncio.Protocol):
     # --- asyncio.Protocol ---
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.peer, self.release = self.front.accept(transport)
-        if self.release is None:  # over a cap, or a peer the gateway's listener refuses: closed
+        self.peer, seat = self.front.accept(transport, self)
+        if seat is None:  # over a cap, or a peer the gateway's listener refuses: closed
             return
+        self.seat = seat
         self.transport = transport  # type: ignore[assignment]
         self.flow = FlowControl(self.transport)  # type: ignore[arg-type]
         self.front.connections.add(self)
@@ -135,8 +137,7 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
         self._forget()
-        if self.release is not None:
-            self.release = self.release()  # gives the count back (and is None)
+        self.seat.release()
         if self.task is not None:  # the client went away: its handler is cancelled (a hang-up)
             self.task.cancel()
 
@@ -166,6 +167,8 @@ class HttpProtocol(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    give_way = close  # idle at a cap: closed for a new connection (caps.py); nothing is owed
 
     # --- llhttp's callbacks ---
 
@@ -210,6 +213,7 @@ class HttpProtocol(asyncio.Protocol):
         cycle = self.cycle = Call(self, parser.get_method().decode("ascii", "replace"),
                                   self.url.decode("utf-8", "surrogateescape"), CIMultiDictProxy(headers),
                                   version, parser.should_keep_alive(), self.front.max_body(), self.raw_headers)
+        self.seat.busy = True  # a whole request: it does not give way until answered
         if self.current is None and not self.pipeline:
             self._start(cycle)
         else:
@@ -295,6 +299,7 @@ class HttpProtocol(asyncio.Protocol):
         """Waiting for the next request: closed after the keep-alive timeout of this. One timer
         lives across requests (set again when it fires early), not one per request."""
         self.idle_since = self.loop.time()
+        self.seat.rest()
         if self.idle_timer is None:
             self.idle_timer = self.loop.call_later(self.limits.keepalive_timeout_s, self._idle_late)
 
@@ -353,6 +358,7 @@ class HttpProtocol(asyncio.Protocol):
         self.linger = Linger.ending(transport, self.limits, self.loop)
         self.flow.resume_reading(BODY)
         self.flow.resume_reading(PIPELINE)
+        self.seat.rest()  # nothing is owed now: it gives way at a cap
 
     def _malformed(self, exc: Exception) -> None:
         cycle = self.cycle
@@ -379,9 +385,8 @@ class HttpProtocol(asyncio.Protocol):
         self._forget()
         if transport is None or transport.is_closing():
             return
-        aio = self.front.aiohttp_connection()
-        aio.release, self.release = self.release, None  # aiohttp's connection gives the count back
-        aio.take_over(transport, data, paused)
+        seat, self.seat = self.seat, UNCOUNTED  # aiohttp's connection holds the seat from now
+        self.front.aiohttp_connection().take_over(transport, seat, data, paused)
 
     # --- shutting down ---
 

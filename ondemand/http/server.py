@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import resource
 import socket
@@ -25,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from .aio import AioConnection
-from .caps import OpenConnections, peer_of
+from .caps import OpenConnections, Seat, Yields, peer_of
 from .cycle import Call
 from .limits import Limits
 from .protocol import HttpProtocol
@@ -78,26 +77,30 @@ class Front:
     def __call__(self) -> HttpProtocol:
         return HttpProtocol(self)
 
-    def accept(self, transport: asyncio.BaseTransport) -> tuple[str, Callable[[], None] | None]:
-        """A connection just accepted: its peer (``""``: the admin socket), and what gives its
-        count back when it closes, or None when it is closed at once: the peer policy refuses it
-        (on the gateway's listener alone), or it is over a cap. TCP_NODELAY on the others."""
+    def accept(self, transport: asyncio.BaseTransport, conn: Yields) -> tuple[str, Seat | None]:
+        """A connection just accepted: its peer (``""``: the admin socket), and its seat in the
+        count (``caps.py``), or None when it is closed at once: the peer policy refuses it (on the
+        gateway's listener alone), or it is over a cap with no idle connection to give way.
+        TCP_NODELAY on the others."""
         peer = peer_of(transport)
+        seat = None
         if peer and self.allows is not None and not self.allows(peer):
             self.open.refused(peer, "the peer policy refuses it")
-        elif self.open.admit(peer, self.limits):
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return peer, functools.partial(self.open.release, peer)
-        transport.close()
-        return peer, None
+        else:
+            seat = self.open.admit(peer, self.limits, conn)
+        if seat is None:
+            transport.close()
+            return peer, None
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return peer, seat
 
 
 class _AdminGate(asyncio.Protocol):
     """The admin listener's accept: the caps, then aiohttp's connection takes the transport
-    (as a hand-off does) and gives the count back when it closes."""
+    (as a hand-off does) with its seat."""
 
     def __init__(self, open_: OpenConnections, limits: Callable[[], Limits],
                  aiohttp_connection: Callable[[], AioConnection]):
@@ -107,13 +110,11 @@ class _AdminGate(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = peer_of(transport)
-        if not self.open.admit(peer, self.limits()):
+        seat = self.open.admit(peer, self.limits(), None)
+        if seat is None:
             transport.close()
             return
-        aio = self.aiohttp_connection()
-        aio.release = functools.partial(self.open.release, peer)
-        aio.connection_made(transport)
-        transport.set_protocol(aio)
+        self.aiohttp_connection().take_over(transport, seat)  # type: ignore[arg-type]
 
 
 # aiohttp's answers that refuse a request end its connection, as the lean front's do (issue 40:
