@@ -476,9 +476,8 @@ async def test_a_request_line_without_a_version_is_400_and_closed(server, raw):
     assert status.startswith(b"HTTP/1.1 400") and orjson.loads(body)["error"]["code"] == "invalid_request"
 
 
-async def _until_closed(server) -> float:
-    """Seconds until the server closed every connection (its count is given back then)."""
-    t0 = asyncio.get_running_loop().time()
+async def _until_closed(server, t0: float) -> float:
+    """Seconds from ``t0`` until the server closed every connection (its count is given back then)."""
     await wait_for(lambda: server.http.front.open.total == 0, timeout=20, what="the connection closed")
     return asyncio.get_running_loop().time() - t0
 
@@ -501,12 +500,13 @@ async def test_the_rest_of_a_refused_body_is_read_for_a_bounded_time_and_size(se
                                         ({"lingering_s": 30, "linger_max_bytes": MiB}, b" " * 65536, 0, (0, 10))):
         server.set_limits(**limits)
         async with _conn(server) as (reader, writer):
+            t0 = asyncio.get_running_loop().time()  # before the answer: its lingering starts after
             writer.write(head)
             status, headers, _ = await _answer(reader)
             assert status.startswith(b"HTTP/1.1 413") and headers["connection"] == "close"
             sending = asyncio.ensure_future(keep_sending(writer, chunk, pause))
             try:
-                took = await _until_closed(server)
+                took = await _until_closed(server, t0)
             finally:
                 sending.cancel()
         assert bound[0] <= took < bound[1], (limits, took)
