@@ -65,19 +65,22 @@ ALLOWED = {
     # engines/: the deployer and how engines run.
     "engines": set(),
     # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the
-    # watchdog). (control.budget: the start gate's fit check, and what a sleeper still holds; the
-    # one import against the flow, see BACKWARD.)
+    # watchdog), deciding by its rules. (control.budget: the start gate's fit check, and what a sleeper
+    # still holds; the one import against the flow, see BACKWARD.)
     "engines.deployer": {"control.budget", "engines.backends", "engines.client", "engines.recipes",
-                         "engines.registry", "engines.sleeper", "engines.startwatch", "engines.unit", "engines.warmth",
-                         "errors", "events", "http.pool", "model", "state.store", "tasks"},
+                         "engines.registry", "engines.rules", "engines.sleeper", "engines.startwatch", "engines.unit",
+                         "engines.warmth", "errors", "events", "http.pool", "model", "state.store", "tasks"},
+    # The deployer's rules (may it start, approve a stop, which sleep level, a mark's fields, the
+    # gates' order): pure, called by the deployer and by the replay's world.
+    "engines.rules": {"engines.recipes", "engines.warmth", "errors", "model"},
     # The units and the one writer of their rows (row + event + audit in one transaction); bookings.
-    "engines.registry": {"engines.backends", "engines.recipes", "engines.unit", "errors", "events", "model",
-                         "state.store"},
+    "engines.registry": {"engines.backends", "engines.recipes", "engines.rules", "engines.unit",
+                         "errors", "events", "model", "state.store"},
     # One deployment: its engine, its start, wake, stop, exit and take-back; writes through its owner.
     "engines.unit": {"engines.backends", "engines.client", "engines.recipes", "engines.sleeper", "engines.startwatch",
                      "engines.warmth", "events", "model", "tasks"},
     # The engine calls of a sleep and a wake, and the wake check, beside warmth's rules.
-    "engines.sleeper": {"engines.backends", "engines.client", "engines.recipes", "engines.warmth", "errors", "model"},
+    "engines.sleeper": {"engines.backends", "engines.client", "engines.warmth", "model"},
     # The one client to the engines: the traffic's pools (http.pool).
     "engines.client": {"engines.backends", "http.pool"},
     # Around a cold start: the compile cache, the weights read ahead, the phases in the engine's log.
@@ -114,12 +117,13 @@ ALLOWED = {
     "litellm.sync": {"events", "litellm.client", "litellm.entries", "model", "tasks"},
     # admin/: an edge, as the command line is: the API, the page, the view, /metrics, the socket's client.
     "admin": set(),
-    "admin.components": {"admin.telemetry", "config", "control.admission", "control.controller", "control.effects",
+    "admin.components": {"admin.telemetry", "config", "control.admission", "control.budget", "control.controller",
+                         "control.effects",
                          "control.footprint", "control.starts", "engines.deployer", "engines.metrics",
                          "engines.recipes", "engines.startwatch", "engines.warmth", "events", "gateway.accesslog", "gateway.keys",
                          "gateway.peers", "gateway.routes", "litellm.sync", "model", "state.store", "tasks"},
     "admin.api": {"admin.actions", "admin.components", "admin.deployments", "admin.fields", "admin.replays", "admin.streams",
-                  "admin.telemetry", "admin.wire", "config", "engines.deployer", "errors", "gateway.keys",
+                  "admin.telemetry", "admin.wire", "config", "control.budget", "engines.deployer", "errors", "gateway.keys",
                   "http.headers", "http.limits", "http.server", "model"},
     "admin.wire": {"admin.components", "errors", "http.aio", "http.server"},
     "admin.replays": {"admin.wire", "errors"},
@@ -131,7 +135,7 @@ ALLOWED = {
                       "model"},
     "admin.telemetry": {"events", "gateway.exchange", "model"},
     # The GPU memory the metrics show, read in the background from the budget's snapshot.
-    "admin.gpu_memory": {"engines.deployer", "errors", "tasks"},
+    "admin.gpu_memory": {"control.budget", "engines.deployer", "errors", "tasks"},
     "admin.client": {"config", "state.store"},
     # recipes: the images the deployments run, and the checks of a deployment against the box.
     "admin.doctor": {"admin.client", "config", "control.budget", "engines.dockerapi", "engines.metrics",

@@ -13,6 +13,9 @@ in between, which on one event loop is atomic. That holds for the two that matte
   reading or is starting now by what it declared, so a reading that aged during the await is
   never optimistic.
 
+The decisions themselves (may it start, approve a stop, which sleep level, how a mark changes
+the row, the gates' order) are ``rules.py``'s, pure functions the replay's world calls too.
+
 ``_gates`` are the start-up gates, one per GPU: engines that share a GPU start one at a time,
 from create to ready, so two cold starts do not fight over memory that neither shows as used
 yet (vLLM sizes its cache from the free memory it measures as it loads). Engines on other GPUs
@@ -50,23 +53,22 @@ from ..control.budget import Budget, Reading, apps_gib, residue_after_drop
 from ..errors import BudgetError, DeployerError, InsufficientMemory, StateFileError
 from ..events import Slept, StopCause
 from ..http.pool import Upstreams
-from ..model import ADMIN_STARTABLE, HOLDING, Deployment, Mode, State
+from ..model import HOLDING, Deployment, Mode, State
 from ..state.store import Store
 from ..tasks import TaskGroup
-from . import warmth
+from . import rules, warmth
 from .backends import Backend, BackendError, Engine
 from .client import EngineClient
 from .recipes import Box
 from .registry import Registry
-from .sleeper import Sleeper, asked_level
+from .rules import Precheck
+from .sleeper import Sleeper
 from .startwatch import StartHooks
 from .unit import Unit, owed_a_start
 
 __all__ = ["Deployer", "StartFailed", "StartInterrupted"]
 
 log = logging.getLogger("ondemand.engines.deployer")
-
-Precheck = Callable[[Deployment], bool]
 
 # A refused start after ondemand's restart is tried again after this long, doubled each time up to the most.
 RESTART_RETRY_S = 10.0
@@ -183,38 +185,25 @@ class Deployer(Registry):
         and nothing starts. ``reading``: make-room's own reading for this start, taken after
         the request and the attempt began (the only one a fit check may reuse); else the GPUs
         are read now."""
-        if self._check_startable(dep_id) is None:
+        unit = self._unit_of(dep_id)
+        if not rules.may_start(unit.dep, unit.removing):
             return False
         if reading is None:
             reading = await self.budget.read(self.all())
         await self._read_missing()  # the GPUs' sizes are known now (nothing to read, mostly)
         # From here to the mark, no await: the check and the move are one step.
         self._book_missing()
-        unit = self._check_startable(dep_id)
-        if unit is None or (wanted is not None and not wanted()):
+        unit = self._unit_of(dep_id)
+        gpus = rules.admit(unit.dep, unit.removing, wanted, held_for_others,
+                           lambda dep, held: self.budget.check_fit(dep, self.all(), reading, held))
+        if gpus is None:
             return False
-        held = held_for_others() if held_for_others is not None else None
-        gpus = self.budget.check_fit(unit.dep, self.all(), reading, held)
         waking = unit.dep.state is State.ASLEEP
         old, new = self.mark(dep_id, State.STARTING, gpus=gpus)
         unit.begin(waking)
         await self.persist(old, new, actor=actor, user=user, audit=audit,
                            text=text or ("waking" if waking else "starting"))
         return True
-
-    def _check_startable(self, dep_id: int) -> Unit | None:
-        """The deployment's unit if it can start now; None if it is starting, ready or being
-        removed (nothing to do: wait); raises otherwise."""
-        unit = self._unit_of(dep_id)
-        dep = unit.dep
-        if dep.state in (State.STARTING, State.READY) or unit.removing:
-            return None
-        if dep.state is State.ASLEEP:
-            if not warmth.has_sleep_api(dep):
-                raise DeployerError(f"{dep.name} is asleep but {dep.engine} has no sleep mode")
-        elif dep.state not in ADMIN_STARTABLE:
-            raise DeployerError(f"{dep.name} is {dep.state}: it cannot be started now")
-        return unit
 
     async def wait_started(self, dep_id: int) -> None:
         """Wait until a start ends: returns when ready; raises StartFailed or StartInterrupted."""
@@ -240,12 +229,8 @@ class Deployer(Registry):
     async def gate(self, unit: Unit) -> AsyncIterator[None]:
         """The gates of the GPUs this start was given, taken in index order (two starts that
         share GPUs never hold one each and wait for the other's)."""
-        if unit.removed:
-            keys: list[int | None] = []  # removed meanwhile: its start ends at once
-        elif not self.budget.per_gpu:
-            keys = [None]
-        else:
-            keys = [*sorted(unit.dep.gpus)]  # no GPU (gpu_count 0): no gate
+        # Removed meanwhile: its start ends at once, through no gate.
+        keys = [] if unit.removed else rules.gate_keys(unit.dep.gpus, self.budget.per_gpu)
         async with contextlib.AsyncExitStack() as held:
             for key in keys:
                 await held.enter_async_context(self._gates.setdefault(key, asyncio.Lock()))
@@ -313,12 +298,7 @@ class Deployer(Registry):
                       ) -> tuple[Unit, Deployment, Deployment] | None:
         """The stop decision, with no await: the precheck and the mark are one step."""
         unit = self.unit(dep_id)
-        if unit is None or (precheck is not None and not precheck(unit.dep)):
-            return None
-        dep = unit.dep
-        owed = dep.state is State.STOPPED and unit.owed  # the stop cancels the start it is owed
-        if not owed and (dep.state in (State.STOPPED, State.PLANNED, State.STOPPING) or
-                         (dep.state is State.FAILED and unit.engine is None)):
+        if unit is None or not rules.may_stop(unit.dep, precheck, unit.owed, unit.engine is not None):
             return None
         return (unit, *self.mark(dep_id, State.STOPPING))
 
@@ -355,15 +335,17 @@ class Deployer(Registry):
         """
         unit = self._unit_of(dep_id)
         dep = unit.dep
-        want = asked_level(dep, level, self.budget.per_gpu)
+        want = rules.asked_level(dep, level, self.budget.per_gpu)
         # From here to the mark, no await: the checks and the move are one step.
         engine = unit.engine
-        if dep.state is not State.READY or engine is None or unit.removing or \
-                (precheck is not None and not precheck(dep)):
+        if not rules.may_sleep(dep, engine is not None, unit.removing, precheck) or engine is None:
             if precheck is None:
                 raise DeployerError(f"{dep.name} is {dep.state}, not ready")
             return None
-        got = self._host_level(unit, want)
+        # The level-1 sleeps under way have not moved their weights yet: reserved.
+        got = rules.sleep_level(dep, want, self.budget.host_available_gib(),
+                                (other.host_reserved or 0.0 for other in self.units() if other is not unit),
+                                self.budget.host_reserve_gib, self.budget.per_gpu)
         text = text or "put to sleep by an administrator"
         reserve = f"host memory: a level-1 sleep would leave less than {self.budget.host_reserve_gib:g} GiB available"
         if got == 0:
@@ -404,20 +386,13 @@ class Deployer(Registry):
             await self._measure_sleeper(unit, engine, level, before)
         return level
 
-    def _host_level(self, unit: Unit, want: int) -> int:
-        """The level the host reserve lets it sleep at (0: neither level fits it)."""
-        available = self.budget.host_available_gib()
-        if available is not None:  # the level-1 sleeps under way have not moved their weights yet
-            available -= sum(other.host_reserved or 0.0 for other in self.units() if other is not unit)
-        return warmth.host_level(unit.dep, want, available, self.budget.host_reserve_gib, self.budget.per_gpu)
-
     def check_sleep(self, dep_id: int, level: int | None) -> None:
         """Raises DeployerError when ``sleep(dep_id, level)`` by an administrator would be refused
         now (not ready, no sleep API, a level its engine cannot take): asked before a drain."""
         unit = self._unit_of(dep_id)
         dep = unit.dep
-        asked_level(dep, level, self.budget.per_gpu)
-        if dep.state is not State.READY or unit.engine is None or unit.removing:
+        rules.asked_level(dep, level, self.budget.per_gpu)
+        if not rules.may_sleep(dep, unit.engine is not None, unit.removing, None):
             raise DeployerError(f"{dep.name} is {dep.state}, not ready")
 
     async def _sleep_call(self, unit: Unit, engine: Engine, level: int, marked: tuple[Deployment, Deployment],

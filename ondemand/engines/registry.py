@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 from ..errors import DeployerError, DeploymentBusy, NameTaken, StateFileError
 from ..events import DeploymentChanged, StopCause
-from ..model import EDITABLE, HOLDING, Deployment, Mode, State, plain
+from ..model import EDITABLE, Deployment, Mode, State, plain
 from ..state.store import Store
+from . import rules
 from .backends import Engine
 from .recipes import Box, Launch, booking, is_secret, launch
 from .unit import Booked, Unit
@@ -43,6 +44,14 @@ _REBOOK = frozenset({"engine", "model", "args", "memory_gib", "gpu_count", "gpu_
 LIVE_FIELDS = frozenset({"priority", "max_inflight", "keep_warm"})
 
 
+def _shown(field: str, value: Any) -> Any:
+    """A field's value as an audit row keeps it: a secret's value in ``env`` masked."""
+    out = plain(value, field)
+    if field == "env":
+        out = {k: "***" if is_secret(k) else v for k, v in out.items()}
+    return out
+
+
 class Sizes(Protocol):
     """What booking and launching read of the memory budget (``control/budget.py``): the GPUs'
     sizes, and whether it tells GPUs apart."""
@@ -50,14 +59,6 @@ class Sizes(Protocol):
     @property
     def per_gpu(self) -> bool: ...
     def sizes(self) -> tuple[float, ...] | None: ...
-
-
-def _shown(field: str, value: Any) -> Any:
-    """A field's value as an audit row keeps it: a secret's value in ``env`` masked."""
-    out = plain(value, field)
-    if field == "env":
-        out = {k: "***" if is_secret(k) else v for k, v in out.items()}
-    return out
 
 
 class Registry:
@@ -196,26 +197,11 @@ class Registry:
     def mark(self, dep_id: int, state: State, reason: str | None = None,
              log_tail: str | None = None, gpus: tuple[int, ...] | None = None,
              extra: Mapping[str, Any] | None = None) -> tuple[Deployment, Deployment]:
-        """The in-memory half of a transition (no await). ``gpus``: the GPUs a start
-        was given; an engine that holds nothing any more holds no GPU either. A sleep's
-        level stays through its wake (``starting``: a restart mid-wake wakes it again)."""
+        """The in-memory half of a transition (no await): the fields ``rules.marked`` says
+        (``gpus``: the GPUs a start was given; a switch of mode under way applied in the same
+        transaction as the state it waited for)."""
         unit = self._units[dep_id]
-        dep = unit.dep
-        changes: dict[str, Any] = {"state": state, "state_reason": reason}
-        if state not in (State.ASLEEP, State.STARTING):
-            changes["sleep_level"] = changes["host_gib"] = None
-        if state not in HOLDING:
-            changes["wake_check"] = None  # it belongs to the engine: the next one records its own
-        changes.update(extra or {})
-        if gpus is not None:
-            changes["gpus"] = gpus
-        elif state not in HOLDING:
-            changes["gpus"] = ()
-        if log_tail is not None or state in (State.STARTING, State.READY):
-            changes["log_tail"] = log_tail
-        if state in (State.READY, State.FAILED, State.STOPPED) and dep.pending_mode is not None:
-            # A switch to always on is applied in the same transaction as the state change.
-            changes["mode"], changes["pending_mode"] = dep.pending_mode, None
+        changes = rules.marked(unit.dep, state, reason, log_tail, gpus, extra)
         unit.owed = False  # any transition settles a start owed: admitted, or stopped
         return self.amend(dep_id, **changes)
 

@@ -2,8 +2,8 @@
 wake check.
 
 ``warmth.py`` holds the rules (which level, which calls, in which order); this module makes the
-calls, through the engine client (``client.py``), and says what a level asked for comes to on
-this box. The deployer decides when, marks the state and writes what came of it.
+calls, through the engine client (``client.py``). The deployer decides when and at which level
+(``rules.py``), marks the state and writes what came of it.
 
 - A sleep is one call (``warmth.sleep_step``: vLLM ``/sleep?level=N``, SGLang
   ``/release_memory_occupation``); one that fails is reported, and the deployer stops the engine
@@ -20,12 +20,10 @@ import asyncio
 import json
 import logging
 
-from ..errors import DeployerError
 from ..model import Deployment
 from . import warmth
 from .backends import Engine
 from .client import CallFailed, EngineClient
-from .recipes import may_sleep
 
 log = logging.getLogger("ondemand.engines.sleeper")
 
@@ -38,29 +36,6 @@ class WakeFailed(Exception):
     def __init__(self, result: str, reason: str):
         super().__init__(reason)
         self.result = result
-
-
-def asked_level(dep: Deployment, level: int | None, per_gpu: bool) -> int:
-    """The level ``dep`` is to sleep at when ``level`` is asked (None: its idle level, else 1),
-    before the host reserve; raises DeployerError when its engine cannot sleep so."""
-    if not warmth.has_sleep_api(dep):
-        raise DeployerError(f"{dep.engine} has no sleep mode; stop it instead")
-    if dep.model is not None and not may_sleep(dep, per_gpu):
-        # Its recipe left the sleep flags out (idle_action stop, or auto where a wake is not
-        # reliable): the engine would refuse, and a failed sleep stops it.
-        raise DeployerError(f"{dep.name} was started without the sleep flags (idle_action "
-                            f"{dep.idle_action}): set idle_action sleep or sleep2, or stop it instead")
-    want = level or warmth.idle_level(dep, per_gpu) or 1
-    deepest = warmth.deepest_level(dep, per_gpu)
-    if dep.engine == "sglang":
-        if level is not None and level != deepest:  # its start flags chose the level, not the call
-            raise DeployerError(f"{dep.name} sleeps at level {deepest} only: SGLang's level is set by its "
-                                "start flags (idle_action sleep: level 1, sleep2: level 2)")
-        want = deepest
-    if want not in warmth.LEVELS or want > deepest:
-        raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
-                            "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
-    return want
 
 
 class Sleeper:
