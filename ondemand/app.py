@@ -31,6 +31,7 @@ from . import __version__, events
 from .admin.components import (
     ACCESS_LOG,
     ADMISSION,
+    BUDGET,
     BUS,
     CONFIG,
     CONTROLLER,
@@ -232,13 +233,14 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
         if e.removed or e.new_state is State.ASLEEP:
             upstreams.forget(e.dep_id)
     app[BUS].subscribe(DeploymentChanged, forget_removed)
-    deployer = Deployer(app[STORE], backend, Budget.from_config(cfg), publish=app[BUS].publish,
+    budget = app[BUDGET] = Budget.from_config(cfg)  # control's: the deployer's fit checks read it
+    deployer = Deployer(app[STORE], backend, budget, publish=app[BUS].publish,
                         start_timeout_s=cfg.deployer.start_timeout_s, stop_timeout_s=cfg.deployer.stop_timeout_s,
                         wake_timeout_s=cfg.deployer.wake_timeout_s, box=box, upstreams=upstreams)
     app[DEPLOYER] = deployer
     app[SAMPLER] = MetricsSampler(lambda: deployer.engines_in((State.READY, State.ASLEEP)),
                                   interval_s=cfg.metrics_interval_s, client=deployer.client)
-    footprints = app[FOOTPRINTS] = FootprintSampler(deployer, deployer.budget, interval_s=cfg.metrics_interval_s)
+    footprints = app[FOOTPRINTS] = FootprintSampler(deployer, budget, interval_s=cfg.metrics_interval_s)
 
     def measure_when_ready(e: DeploymentChanged) -> None:
         if e.dep is not None and e.dep.state is State.READY and (e.old is None or e.old.state is not State.READY):
@@ -260,7 +262,7 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
 
 async def _control(app: web.Application) -> AsyncIterator[None]:
     cfg, bus, deployer = app[CONFIG], app[BUS], app[DEPLOYER]
-    effects = app[EFFECTS] = DeployerEffects(deployer, deployer.budget, app[SAMPLER], publish=bus.publish,
+    effects = app[EFFECTS] = DeployerEffects(deployer, app[BUDGET], app[SAMPLER], publish=bus.publish,
                                              starts=app[STARTS])
     controller = app[CONTROLLER] = Controller(
         effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
@@ -278,7 +280,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
 async def _observe(app: web.Application) -> AsyncIterator[None]:
     """The metrics (``/metrics``) and the access log."""
     cfg, deployer, controller = app[CONFIG], app[DEPLOYER], app[CONTROLLER]
-    gpu = GpuMemory(deployer)
+    gpu = GpuMemory(deployer, app[BUDGET])
     gpu()  # the first reading, so that the first scrape has one
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
                                            queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total,

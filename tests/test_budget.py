@@ -274,7 +274,7 @@ def test_a_sleeper_nothing_was_read_of_holds_the_static_default_residue_per_gpu(
 
 
 def test_the_residue_after_the_drop_across_the_sleep_call():
-    from ondemand.control.budget import residue_after_drop
+    from ondemand.engines.memory import residue_after_drop
     # Held 40 on GPU 0 (booked); the sleep freed 37 there: it keeps 3. Another GPU's change is not its own.
     assert residue_after_drop(40, [0], (50.0, 10.0), (13.0, 30.0)) == pytest.approx(3)
     # Two GPUs, 20 each: one freed 18, the other all (and more, someone else's too): 2 + 0.

@@ -60,21 +60,22 @@ ALLOWED = {
                         "errors", "events", "model", "tasks"},
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
-    "control.footprint": {"control.budget", "engines.deployer", "model"},
+    "control.footprint": {"control.budget", "engines.deployer", "engines.memory", "model"},
     "control.starts": {"model", "state.store", "tasks"},
     # engines/: the deployer and how engines run.
     "engines": set(),
     # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the
-    # watchdog), deciding by its rules. (control.budget: the start gate's fit check, and what a sleeper
-    # still holds; the one import against the flow, see BACKWARD.)
-    "engines.deployer": {"control.budget", "engines.backends", "engines.client", "engines.recipes",
+    # watchdog), deciding by its rules; the budget (control's) comes through engines.memory's protocol.
+    "engines.deployer": {"engines.backends", "engines.client", "engines.memory", "engines.recipes",
                          "engines.registry", "engines.rules", "engines.sleeper", "engines.startwatch", "engines.unit",
                          "engines.warmth", "errors", "events", "http.pool", "model", "state.store", "tasks"},
     # The deployer's rules (may it start, approve a stop, which sleep level, a mark's fields, the
     # gates' order): pure, called by the deployer and by the replay's world.
     "engines.rules": {"engines.recipes", "engines.warmth", "errors", "model"},
+    # What the deployer asks of the memory budget (protocols), and the arithmetic of a measured holding.
+    "engines.memory": {"model"},
     # The units and the one writer of their rows (row + event + audit in one transaction); bookings.
-    "engines.registry": {"engines.backends", "engines.recipes", "engines.rules", "engines.unit",
+    "engines.registry": {"engines.backends", "engines.memory", "engines.recipes", "engines.rules", "engines.unit",
                          "errors", "events", "model", "state.store"},
     # One deployment: its engine, its start, wake, stop, exit and take-back; writes through its owner.
     "engines.unit": {"engines.backends", "engines.client", "engines.recipes", "engines.sleeper", "engines.startwatch",
@@ -184,10 +185,7 @@ FLOW = {
     "replay": {"control", "engines", "state"},  # the decisions it replays, the state file it reads
 }
 # The imports against the flow that remain, each with the reason it is still there.
-BACKWARD = {
-    ("engines.deployer", "control.budget"): "the start gate checks the budget's fit itself; the gate's decision "
-                                             "belongs in control",
-}
+BACKWARD: dict[tuple[str, str], str] = {}
 
 
 @functools.cache
@@ -270,6 +268,15 @@ def test_packages_import_along_the_flow():
                 bad.append(f"{mod} → {target}")
     assert bad == []
     assert backward == set(BACKWARD), "a BACKWARD entry no longer needed: remove it"
+
+
+def test_no_import_runs_back_up():
+    """Issue 41: nothing in engines/ imports control/; the deployer's fit check is the budget's
+    (control's), given to it by app.py through engines.memory's protocol. BACKWARD stays empty."""
+    assert BACKWARD == {}
+    for path in sorted((PKG / "engines").rglob("*.py")):
+        up = sorted(m for m in ours(path) if m.split(".")[0] in ("control", "gateway", "admin"))
+        assert up == [], f"{path.relative_to(PKG)} imports {up}"
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.

@@ -149,7 +149,7 @@ async def test_an_unreadable_budget_leaves_out_the_gpu_samples_only(server, http
 @pytest.mark.server(**{"budget.source": "nvidia-smi"})
 async def test_gpu_memory_is_read_in_the_background_and_a_failure_forgets_it(server, fake_nvidia_smi, monkeypatch):
     server.deployer.budget.nvidia_smi = fake_nvidia_smi("24576, 1024")
-    gpu = GpuMemory(server.deployer, max_age_s=0)
+    gpu = GpuMemory(server.deployer, server.deployer.budget, max_age_s=0)
     try:
         assert gpu() == []  # nothing read yet, and the caller does not wait for it
         assert await wait_for(gpu) == [(0, 24.0, 23.0)]

@@ -20,6 +20,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from .. import __version__
 from ..config import Config
+from ..control.budget import Budget
 from ..engines.deployer import Deployer
 from ..errors import BudgetError, OndemandError, StateFileError, internal_error, misdirected, upgrade_refused
 from ..gateway import keys as keys_mod
@@ -94,12 +95,12 @@ def auth_middleware(cfg: Config) -> Middleware:
 async def host(request: web.Request) -> web.Response:
     app_mod, app = app_parts(request)
     cfg: Config = app[app_mod.CONFIG]
-    deployer = app[app_mod.DEPLOYER]
+    deployer, gpus = app[app_mod.DEPLOYER], app[app_mod.BUDGET]
     try:
-        snap = (await deployer.budget.snapshot(deployer.all())).as_dict()
-        budget: dict[str, Any] = {"source": deployer.budget.source, **snap}
+        snap = (await gpus.snapshot(deployer.all())).as_dict()
+        budget: dict[str, Any] = {"source": gpus.source, **snap}
     except BudgetError as exc:
-        budget = {"source": deployer.budget.source, "error": str(exc)}
+        budget = {"source": gpus.source, "error": str(exc)}
     key = app[app_mod.KEYS].current()
     sync = app[app_mod.SYNC]
     last = getattr(sync, "last_result", None) or {}
@@ -110,7 +111,7 @@ async def host(request: web.Request) -> web.Response:
         "listen": cfg.listen,
         "backend": deployer.backend.kind,
         "budget": budget,
-        "host_memory": host_memory(deployer),
+        "host_memory": host_memory(deployer, gpus),
         "ondemand": {
             "configured": key is not None,
             "key_fingerprint": keys_mod.fingerprint(key) if key else None,
@@ -123,11 +124,10 @@ async def host(request: web.Request) -> web.Response:
     })
 
 
-def host_memory(deployer: Deployer) -> dict[str, float | None]:
+def host_memory(deployer: Deployer, budget: Budget) -> dict[str, float | None]:
     """The host memory tiered warmth watches (GiB): the box's total and what is available
     (``MemAvailable`` of ``budget.meminfo_path``; null when unreadable), what the asleep
     engines were measured to hold, and the reserve a level-1 sleep must leave."""
-    budget = deployer.budget
     try:
         mem = budget.meminfo()
         total: float | None = round(mem.total, 3)

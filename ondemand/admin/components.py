@@ -9,6 +9,7 @@ from aiohttp import web
 
 from ..config import Config
 from ..control.admission import Admission
+from ..control.budget import Budget
 from ..control.controller import Controller
 from ..control.effects import DeployerEffects
 from ..control.footprint import FootprintSampler
@@ -32,6 +33,7 @@ from .telemetry import Telemetry
 STORE = web.AppKey("store", Store)
 BUS = web.AppKey("bus", EventBus)
 DEPLOYER = web.AppKey("deployer", Deployer)
+BUDGET = web.AppKey("budget", Budget)  # the deployer's too (its fit checks), as engines.memory.Memory
 CONTROLLER = web.AppKey("controller", Controller)
 ADMISSION = web.AppKey("admission", Admission)
 EFFECTS = web.AppKey("effects", DeployerEffects)
@@ -88,7 +90,7 @@ def view(app: web.Application, dep: Deployment) -> dict[str, Any]:
     out.update(launch_fields(app[DEPLOYER], dep))
     out.update(memory_fields(dep))
     out["base_url"] = app[DEPLOYER].base_url(dep_id)
-    out["idle_level"] = warmth.idle_level(dep, app[DEPLOYER].budget.per_gpu)  # 0: an idle engine is stopped
+    out["idle_level"] = warmth.idle_level(dep, app[BUDGET].per_gpu)  # 0: an idle engine is stopped
     out["ondemand"] = app[CONTROLLER].status(dep_id)
     out["adaptive"] = app[CONTROLLER].adaptive(dep_id)  # keep_warm adaptive's plan, or None (as fixed)
     sync = app.get(SYNC)

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 
+from ..control.budget import Budget
 from ..engines.deployer import Deployer
 from ..errors import BudgetError
 from ..tasks import TaskGroup
@@ -20,8 +21,9 @@ class GpuMemory:
     ``max_age_s``, has a new one read in the background. No samples while the budget
     cannot be read."""
 
-    def __init__(self, deployer: Deployer, max_age_s: float = 5.0):
+    def __init__(self, deployer: Deployer, budget: Budget, max_age_s: float = 5.0):
         self._deployer = deployer
+        self._budget = budget
         self._max_age_s = max_age_s
         self._tasks = TaskGroup("gpu memory")
         self._last: list[tuple[int, float, float]] = []
@@ -36,7 +38,7 @@ class GpuMemory:
     async def _read(self) -> None:
         deployer = self._deployer
         try:
-            snap = await deployer.budget.snapshot(deployer.all())
+            snap = await self._budget.snapshot(deployer.all())
             self._last = [(p.index, p.capacity, p.free) for p in snap.pools]
         except BudgetError as exc:
             log.debug("GPU memory for the metrics: %s", exc)

@@ -118,27 +118,6 @@ class Snapshot:
                 "gpus": [p.as_dict() for p in self.pools]}
 
 
-def apps_gib(apps: list[tuple[int, str, float]], pids: list[int]) -> float | None:
-    """GiB the processes ``pids`` hold on every GPU together (nvidia-smi's compute apps);
-    None when none of them is listed (nothing measured: not 0, which would claim the engine
-    uses nothing)."""
-    mine = set(pids)
-    used = [gib for pid, _uuid, gib in apps if pid in mine]
-    return sum(used) if used else None
-
-
-def residue_after_drop(held_gib: float, gpus: Sequence[int], before: Sequence[float],
-                       after: Sequence[float]) -> float | None:
-    """What a sleeper still holds when nvidia-smi lists none of its processes: what it held
-    before the sleep (``held_gib``, split evenly over ``gpus``) less, on each of its GPUs, the
-    drop of used memory across the sleep call (what the sleep did not free). None when the
-    GPUs' readings do not cover its GPUs."""
-    if not gpus or any(not 0 <= g < min(len(before), len(after)) for g in gpus):
-        return None
-    each = held_gib / len(gpus)
-    return sum(max(0.0, each - max(0.0, before[g] - after[g])) for g in gpus)
-
-
 class Budget:
     def __init__(self, source: str = "nvidia-smi", capacity_gib: float | None = None, *,
                  gpu_capacity_gib: Sequence[float] | None = None, reserve_gib: float = 0.0,

@@ -54,7 +54,7 @@ class DeployerEffects:
     def bind(self, controller: Controller) -> None:
         """The core the reports go to (made after this object: it reads through it)."""
         self._controller = controller
-        controller.asleep_residue_gib = self.deployer.budget.asleep_residue_gib  # what make-room counts
+        controller.asleep_residue_gib = self.budget.asleep_residue_gib  # what make-room counts
 
     @property
     def controller(self) -> Controller:

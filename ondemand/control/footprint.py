@@ -19,8 +19,9 @@ import asyncio
 import logging
 
 from ..engines.deployer import Deployer
+from ..engines.memory import apps_gib
 from ..model import State
-from .budget import Budget, BudgetError, apps_gib
+from .budget import Budget, BudgetError
 
 log = logging.getLogger("ondemand.control.footprint")
 

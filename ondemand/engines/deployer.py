@@ -14,7 +14,10 @@ in between, which on one event loop is atomic. That holds for the two that matte
   never optimistic.
 
 The decisions themselves (may it start, approve a stop, which sleep level, how a mark changes
-the row, the gates' order) are ``rules.py``'s, pure functions the replay's world calls too.
+the row, the gates' order) are ``rules.py``'s, pure functions the replay's world calls too. The
+fit check is the control side's (``control/budget.py``), given by ``app.py`` as the budget
+(``memory.Memory``): the deployer reads it and checks it, in that step, and imports nothing of
+``control/``.
 
 ``_gates`` are the start-up gates, one per GPU: engines that share a GPU start one at a time,
 from create to ready, so two cold starts do not fight over memory that neither shows as used
@@ -26,7 +29,7 @@ nothing that must answer quickly waits for them (a stop cancels a start still wa
 Waking a vLLM engine from sleep mode goes through ``starting`` too: it takes memory back, may
 fail, and its waiters wait like a start's. The engine calls of a sleep and a wake, and the wake
 check, are the sleeper's (``sleeper.py``); what a sleeper still holds is read here, from the
-budget.
+budget's nvidia-smi readings and the backend (``memory.py``'s arithmetic).
 
 After a restart of ondemand (a reboot, a removed container, a child process that died with the
 old ondemand), an always-on deployment that was ready or starting and has lost its engine is
@@ -49,7 +52,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from ..control.budget import Budget, Reading, apps_gib, residue_after_drop
 from ..errors import BudgetError, DeployerError, InsufficientMemory, StateFileError
 from ..events import Slept, StopCause
 from ..http.pool import Upstreams
@@ -59,6 +61,7 @@ from ..tasks import TaskGroup
 from . import rules, warmth
 from .backends import Backend, BackendError, Engine
 from .client import EngineClient
+from .memory import Memory, apps_gib, residue_after_drop
 from .recipes import Box
 from .registry import Registry
 from .rules import Precheck
@@ -91,17 +94,18 @@ class StartInterrupted(Exception):
 
 class Deployer(Registry):
     start_hooks = StartHooks()  # the app's: the compile cache, the read-ahead, the start's phases
-    budget: Budget
+    budget: Memory
 
-    def __init__(self, store: Store, backend: Backend, budget: Budget, *,
+    def __init__(self, store: Store, backend: Backend, budget: Memory, *,
                  publish: Callable[[object], None] = lambda event: None,
                  start_timeout_s: float = 1800.0, stop_timeout_s: float = 30.0,
                  watch_interval_s: float = 5.0, watch_failures: int = 3, probe_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, box: Box | None = None,
                  restart_retry_s: float = RESTART_RETRY_S, wake_timeout_s: float = 300.0,
                  upstreams: Upstreams | None = None):
-        """``upstreams``: the engines' pools the gateway forwards on (the app's); without
-        them, the deployer's own (closed with it)."""
+        """``budget``: the control side's (``control/budget.Budget``), given by ``app.py``.
+        ``upstreams``: the engines' pools the gateway forwards on (the app's); without them,
+        the deployer's own (closed with it)."""
         super().__init__(store, budget, box or Box(backend=backend.kind), publish,
                          lambda dep, booked: Unit(self, dep, booked))
         self.backend = backend
@@ -173,7 +177,7 @@ class Deployer(Registry):
     async def admit_start(self, dep_id: int, *, actor: str = "admin", user: str | None = None,
                           text: str | None = None, audit: str | None = None,
                           held_for_others: Callable[[], Mapping[int, float]] | None = None,
-                          wanted: Callable[[], bool] | None = None, reading: Reading | None = None) -> bool:
+                          wanted: Callable[[], bool] | None = None, reading: object | None = None) -> bool:
         """The fit check and the move to ``starting``; the engine then starts in the
         background behind the start-up gate. Returns False when it is starting or
         ready already (nothing to do: wait for it). Raises InsufficientMemory,

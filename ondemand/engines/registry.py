@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from ..errors import DeployerError, DeploymentBusy, NameTaken, StateFileError
 from ..events import DeploymentChanged, StopCause
@@ -30,6 +30,7 @@ from ..model import EDITABLE, Deployment, Mode, State, plain
 from ..state.store import Store
 from . import rules
 from .backends import Engine
+from .memory import Sizes
 from .recipes import Box, Launch, booking, is_secret, launch
 from .unit import Booked, Unit
 
@@ -50,15 +51,6 @@ def _shown(field: str, value: Any) -> Any:
     if field == "env":
         out = {k: "***" if is_secret(k) else v for k, v in out.items()}
     return out
-
-
-class Sizes(Protocol):
-    """What booking and launching read of the memory budget (``control/budget.py``): the GPUs'
-    sizes, and whether it tells GPUs apart."""
-
-    @property
-    def per_gpu(self) -> bool: ...
-    def sizes(self) -> tuple[float, ...] | None: ...
 
 
 class Registry:
