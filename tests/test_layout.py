@@ -164,8 +164,8 @@ ALLOWED = {
     "replay.deployments": {"config", "control.placement", "control.starts", "model", "replay.types",
                            "state.store"},
     "replay.clock": set(),
-    "replay.world": {"control.budget", "control.controller", "control.keepwarm", "control.placement", "engines.warmth",
-                     "errors", "model", "replay.clock", "replay.types"},
+    "replay.world": {"control.budget", "control.controller", "control.keepwarm", "control.placement", "engines.rules",
+                     "engines.warmth", "errors", "model", "replay.clock", "replay.types"},
     "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",
                        "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
@@ -277,6 +277,31 @@ def test_no_import_runs_back_up():
     for path in sorted((PKG / "engines").rglob("*.py")):
         up = sorted(m for m in ours(path) if m.split(".")[0] in ("control", "gateway", "admin"))
         assert up == [], f"{path.relative_to(PKG)} imports {up}"
+
+
+def _calls_of(tree: ast.Module, module: str) -> set[str]:
+    """The names called as ``module.name(...)`` in ``tree``."""
+    return {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == module}
+
+
+def test_the_deployer_and_the_replay_world_call_one_set_of_rules():
+    """Issue 41: the deployer's decisions are engines/rules.py's, and replay/world.py calls them
+    instead of keeping copies (they had drifted): every rule is called by the deployer or its
+    registry, the world calls each one the deployer's steps call, and names nothing only a copy
+    would need (tests/test_rules.py patches rules and sees the replay change)."""
+    public = {n.name for n in _tree(PKG / "engines" / "rules.py").body
+              if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    deployer = _calls_of(_tree(PKG / "engines" / "deployer.py"), "rules")
+    deployer |= _calls_of(_tree(PKG / "engines" / "registry.py"), "rules")
+    assert deployer == public
+    world = _tree(PKG / "replay" / "world.py")
+    assert _calls_of(world, "rules") == public - {"may_start"}  # rules.admit asks it
+    names = {n.id for n in ast.walk(world) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(world) if isinstance(n, ast.Attribute)}
+    copied = names & {"ADMIN_STARTABLE", "has_sleep_api", "deepest_level", "host_level", "pending_mode",
+                      "wake_check", "log_tail"}
+    assert copied == set(), f"replay/world.py decides as the deployer does itself: call engines.rules ({copied})"
 
 
 # The modules still over the cap, and their size when the cap came: they may only shrink.

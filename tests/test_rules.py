@@ -92,3 +92,46 @@ def test_a_mark_applies_a_switch_under_way_and_drops_what_the_engine_held():
     assert (stopped["mode"], stopped["pending_mode"]) == (Mode.ALWAYS_ON, None)
     assert stopped["state_reason"] == "why"
     assert rules.marked(d, State.ASLEEP, extra={"sleep_level": 2})["sleep_level"] == 2
+
+
+# --- the replay's world calls these rules (issue 41: it kept copies of them, which had drifted) ---
+
+def test_the_replay_follows_a_change_of_the_deployers_rules(monkeypatch):
+    """The world (ondemand/replay/world.py) asks engines/rules.py, as the deployer does: a rule
+    changed there changes what the replay says (a copy in the world would not change)."""
+    from test_replay_run import THREE, dep, run
+    t = run([dep(1, "a", 40)], THREE).total
+    assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (1, 1, 1, 0)
+    with monkeypatch.context() as m:
+        m.setattr(rules, "sleep_level", lambda *a: 0)  # as if the host reserve never left room
+        t = run([dep(1, "a", 40)], THREE).total
+        assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (2, 0, 0, 1)
+    with monkeypatch.context() as m:
+        m.setattr(rules, "sleep_level", lambda *a: 0)
+        m.setattr(rules, "may_stop", lambda *a: False)  # and no stop approved either: it stays awake
+        t = run([dep(1, "a", 40)], THREE).total
+        assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (1, 0, 0, 0)
+    with monkeypatch.context() as m:
+        m.setattr(rules, "may_start", lambda dep, removing: False)  # nothing may start: every request waits
+        t = run([dep(1, "a", 40)], THREE).total
+        assert (t.cold_starts, t.served) == (0, 0)
+    with monkeypatch.context() as m:
+        real = rules.marked
+        m.setattr(rules, "marked", lambda dep, state, *a: {**real(dep, state, *a), "sleep_level": 2})
+        t = run([dep(1, "a", 40)], THREE).total  # marked asleep at level 2: the wake is level 2's
+        assert t.ttfts == pytest.approx([60.2, 50.2, 10.2])
+
+
+def test_level_one_sleeps_under_way_are_reserved_against_the_host_reserve_in_the_replay():
+    """Two 50 GiB engines, a GPU each, put to sleep in the same reaper step on a box with 100 GiB
+    of host memory and a 16 GiB reserve: the first sleeps at level 1 (100 - 50 leaves 50); the
+    second sees the first's 50 GiB reserved while its call is out (100 - 50 - 50 leaves 0): level
+    2, whose wake takes 10 s, not 3 s (the deployer's rule: rules.sleep_level)."""
+    from test_replay_run import dep, req, run
+
+    from ondemand.replay.types import Box
+    box = Box(gpus=(80.0, 80.0), host_gib=100, host_reserve_gib=16)
+    reqs = [req(0), req(0, "b"), req(1000), req(1000, "b")]
+    r = run([dep(1, "a", 50), dep(2, "b", 50)], reqs, box=box)
+    assert r.total.sleeps == 2
+    assert sorted(round(x, 1) for x in r.total.ttfts[2:]) == [3.2, 10.2]

@@ -4,28 +4,33 @@ a ``static`` budget, its host memory), the deployer behind ``Effects``, and the 
 The decisions are ondemand's own, unchanged: the ``Controller`` (slots, queue, make-room, the
 reaper's rule, priorities, limits) decides, and this world does what the real effects
 (``control/effects.py``) and deployer (``engines/deployer.py``) do with what it asks, and reports
-back through the same ``on_*`` calls, each in its own event as their tasks do:
+back through the same ``on_*`` calls, each in its own event as their tasks do. The deployer's
+decisions are its own functions (``engines/rules.py``), called here as the deployer calls them;
+this world keeps only the simulated engines, their timings and the box:
 
-- ``admit``: the real fit check (``Budget.check_fit``, with the queue's holds asked in the same
-  step) picks the GPUs; the deployment is marked ``starting`` and its engine starts behind the
-  start-up gates of its GPUs (one start at a time per GPU, taken in index order), taking
-  ``cold_start_s``, or wakes in ``wake_s`` (level 1) or ``wake2_s`` (level 2), after its sleep's
-  own call has ended;
-- ``sleep``: with ``is_idle`` as the precheck, marked ``asleep`` at its idle level (the host
-  reserve may make a level 1 a level 2, or a stop; a level-1 sleeper holds its predicted host
-  memory), ``sleep_s`` for the engine's call, after which it keeps ``asleep_residue_gib`` per GPU
-  (the ``static`` budget's rule: nothing is measured);
-- ``stop``: with the same precheck, ``stopping`` then ``stopped`` (an engine's exit costs no time
-  here);
+- ``admit``: ``rules.admit`` (may it start, ``wanted``, the queue's holds, the real fit check:
+  ``Budget.check_fit``) picks the GPUs; the deployment is marked ``starting`` and its engine
+  starts behind the start-up gates of its GPUs (``rules.gate_keys``; one start at a time per
+  GPU), taking ``cold_start_s``, or wakes in ``wake_s`` (level 1) or ``wake2_s`` (level 2),
+  after its sleep's own call has ended;
+- ``sleep``: with ``is_idle`` as the precheck, marked ``asleep`` at the level ``rules`` gives
+  (asked, then the host reserve: a level 1 may become a level 2, or a stop), ``sleep_s`` for the
+  engine's call; a level-1 sleep reserves its predicted host memory while its call is out (as
+  the deployer's ``host_reserved``) and holds it from the call's end (the box's available host
+  memory, as ``MemAvailable`` would show it) until it wakes or stops. After the call it keeps
+  ``asleep_residue_gib`` per GPU (the ``static`` budget's rule: nothing is measured);
+- ``stop``: approved by ``rules.may_stop`` with the same precheck, ``stopping`` then ``stopped``
+  (an engine's exit costs no time here);
 - ``prewarm`` (adaptive warmth): ``admit`` without make-room, ``prewarm_wanted`` asked in the
   same step as the fit check; a pre-warm that starts is counted (its hit is the controller's);
   ``tiers``: the rest tiers at the deployment's own costs;
 - ``settle``: the fit check polled every ``SETTLE_POLL_S`` until it passes or the wait runs out.
 
-Every transition reaches the controller as the bus brings it (``on_deployment``), and each is
-counted (cold starts, wakes, sleeps, stops) and its memory booked in the ``Ledger``: what each
-engine holds on each GPU over time (starting, awake, asleep: its residue once the sleep's call
-has freed the rest), for GPU-hours, GiB-hours and the page's timeline.
+Every transition changes the fields ``rules.marked`` says and reaches the controller as the bus
+brings it (``on_deployment``), and each is counted (cold starts, wakes, sleeps, stops) and its
+memory booked in the ``Ledger``: what each engine holds on each GPU over time (starting, awake,
+asleep: its residue once the sleep's call has freed the rest), for GPU-hours, GiB-hours and the
+page's timeline.
 
 An engine (``Engine``) runs ``max_concurrency`` requests at once, more wait inside it; a request
 is prefilled at ``prefill_tokens_per_s``, then decodes at ``decode_tokens_per_s``.
@@ -40,9 +45,9 @@ from ..control import placement
 from ..control.budget import Budget, Reading
 from ..control.controller import Controller
 from ..control.keepwarm import rest_levels, tier_costs
-from ..engines import warmth
-from ..errors import InsufficientMemory
-from ..model import ADMIN_STARTABLE, HOLDING, Deployment, Mode, Role, State
+from ..engines import rules, warmth
+from ..errors import DeployerError, InsufficientMemory
+from ..model import HOLDING, Deployment, Mode, Role, State
 from .clock import Timer, VirtualClock
 from .types import Box, Costs, Replayed, Tally
 
@@ -179,7 +184,8 @@ class World:
         self.ready_kind: dict[int, str] = {}  # how it last became ready: "cold" or "wake"
         self._gates: dict[int | None, _Gate] = {}
         self._sleep_ends: dict[int, float] = {}  # a sleep's engine call is out until then
-        self._host: dict[int, float] = {}  # host GiB of each level-1 sleeper (from its mark)
+        self._reserved: dict[int, float] = {}  # host GiB a level-1 sleep under way will take (its call is out)
+        self._host: dict[int, float] = {}  # host GiB each level-1 sleeper holds (its call ended)
         self._controller: Controller | None = None
 
     def bind(self, controller: Controller) -> None:
@@ -202,7 +208,7 @@ class World:
             try:
                 gpus = self.budget.check_fit(dep, self.deployments(), READING)
             except InsufficientMemory as exc:
-                self._mark(dep.id, State.FAILED, state_reason=f"does not fit beside the others: {exc}")
+                self._mark(dep.id, State.FAILED, f"does not fit beside the others: {exc}")
                 refused.append(dep.name)
                 continue
             self.engines[dep.id] = Engine(self._costs[dep.id], self.clock)
@@ -228,12 +234,13 @@ class World:
     def tiers(self, dep: Deployment) -> Mapping[str, float]:
         """Adaptive warmth's rest tiers (``DeployerEffects.tiers``' rule), at this one's costs."""
         costs = self._costs[dep.id]
-        levels = rest_levels(dep, self.budget.per_gpu, self.host_available_gib(but=dep.id), self.box.host_reserve_gib)
+        levels = rest_levels(dep, self.budget.per_gpu, self.host_available_gib(), self.box.host_reserve_gib)
         return tier_costs(levels, lambda level: costs.wake_s if level == 1 else costs.wake2_s, costs.cold_start_s)
 
-    def host_available_gib(self, but: int | None = None) -> float:
-        """The host memory left beside the level-1 sleepers' (those under way included)."""
-        return self.box.host_gib - sum(gib for d, gib in self._host.items() if d != but)
+    def host_available_gib(self) -> float:
+        """The host memory available (``Budget.host_available_gib``, ``MemAvailable``): the box's
+        less what the level-1 sleepers whose call ended hold; not yet those under way."""
+        return self.box.host_gib - sum(self._host.values())
 
     # --- actions (Effects): each runs as its own event, as the real ones run as tasks ------
 
@@ -267,16 +274,12 @@ class World:
 
     # --- the deployer -----------------------------------------------------------------------
 
-    def _mark(self, dep_id: int, state: State, **changes: Any) -> Deployment:
-        """A transition as the real deployer's ``_mark`` makes it, booked and told (the bus)."""
+    def _mark(self, dep_id: int, state: State, reason: str | None = None, gpus: tuple[int, ...] | None = None,
+              extra: Mapping[str, Any] | None = None) -> Deployment:
+        """A transition as the real registry's ``mark`` makes it (``rules.marked``), booked and
+        told (the bus)."""
         old = self._deps[dep_id]
-        fields: dict[str, Any] = {"state": state, "state_reason": None}
-        if state not in (State.ASLEEP, State.STARTING):
-            fields["sleep_level"] = fields["host_gib"] = None
-        if state not in HOLDING:
-            fields["gpus"] = ()
-        fields.update(changes)
-        new = self._deps[dep_id] = old.replace(**fields)
+        new = self._deps[dep_id] = old.replace(**rules.marked(old, state, reason, None, gpus, extra))
         self._hold(new)
         if self._controller is not None:
             self._controller.on_deployment(dep_id, new, old)
@@ -291,42 +294,40 @@ class World:
         self.ledger.hold(dep.name, held)
 
     def _admit(self, dep_id: int) -> None:
-        """``Deployer.admit_start`` and the effect's report."""
+        """``Deployer.admit_start`` and the effect's report (``DeployerEffects._admit``)."""
         ctl = self.controller
-        dep = self._deps.get(dep_id)
-        if dep is None or dep.state in (State.STARTING, State.READY):
-            ctl.on_admitted(dep_id, False)
-            return
-        if dep.state is not State.ASLEEP and dep.state not in ADMIN_STARTABLE:
-            ctl.on_start_error(dep_id, f"{dep.name} is {dep.state}: it cannot be started now")
-            return
-        if not ctl.wanted(dep_id):
-            ctl.on_admitted(dep_id, False)
-            return
         try:
-            gpus = self.budget.check_fit(dep, self.deployments(), READING, ctl.held_for_others(dep_id))
+            started = self._admit_start(dep_id, lambda: ctl.wanted(dep_id))
         except InsufficientMemory as exc:
             ctl.on_refused(dep_id, exc)
-            return
-        self._start(dep, gpus)
-        ctl.on_admitted(dep_id, True)
+        except DeployerError as exc:
+            ctl.on_start_error(dep_id, str(exc))
+        else:
+            ctl.on_admitted(dep_id, started)
 
     def _prewarm(self, dep_id: int) -> None:
         """``Deployer.admit_start`` as the pre-warm calls it (``prewarm_wanted`` asked, the fit
         check, no make-room), and the effect's report."""
         ctl = self.controller
-        dep = self._deps.get(dep_id)
-        started = False
-        if dep is not None and dep.state in (State.ASLEEP, State.STOPPED) and ctl.prewarm_wanted(dep_id):
-            try:
-                gpus = self.budget.check_fit(dep, self.deployments(), READING, ctl.held_for_others(dep_id))
-            except InsufficientMemory:
-                pass  # only memory free now: it does nothing
-            else:
-                self._start(dep, gpus)
-                self.tallies[dep.name].prewarms += 1
-                started = True
+        try:
+            started = self._admit_start(dep_id, lambda: ctl.prewarm_wanted(dep_id))
+        except (InsufficientMemory, DeployerError):
+            started = False  # only memory free now, or a state that cannot start: it does nothing
+        if started:
+            self.tallies[self._deps[dep_id].name].prewarms += 1
         ctl.on_prewarmed(dep_id, started)
+
+    def _admit_start(self, dep_id: int, wanted: Callable[[], bool]) -> bool:
+        """``Deployer.admit_start``'s step (``rules.admit``, the fit check on the box as booked),
+        then the start; whether it started. Raises DeployerError or InsufficientMemory."""
+        dep = self._deps.get(dep_id)
+        if dep is None:
+            raise DeployerError(f"deployment {dep_id} does not exist")
+        gpus = rules.admit(dep, False, wanted, lambda: self.controller.held_for_others(dep_id),
+                           lambda d, held: self.budget.check_fit(d, self.deployments(), READING, held))
+        if gpus is not None:
+            self._start(dep, gpus)
+        return gpus is not None
 
     def _start(self, dep: Deployment, gpus: tuple[int, ...]) -> None:
         waking = dep.state is State.ASLEEP
@@ -338,7 +339,7 @@ class World:
             self.tallies[dep.name].cold_starts += 1
             took = costs.cold_start_s
         dep = self._mark(dep.id, State.STARTING, gpus=gpus)
-        keys: list[int | None] = [*sorted(dep.gpus)] if self.budget.per_gpu else [None]
+        keys = rules.gate_keys(dep.gpus, self.budget.per_gpu)
         self._through_gates(keys, lambda release: self._run_start(dep.id, took, waking, release))
 
     def _through_gates(self, keys: Sequence[int | None], then: Callable[[Callable[[], None]], None]) -> None:
@@ -386,8 +387,7 @@ class World:
     def _stop(self, dep_id: int, for_dep: int | None) -> None:
         """``Deployer.stop`` with ``is_idle`` as its precheck, and the effect's report."""
         dep = self._deps.get(dep_id)
-        if dep is None or not self.controller.is_idle(dep) or dep.state in (State.STOPPED, State.PLANNED,
-                                                                            State.STOPPING, State.FAILED):
+        if dep is None or not rules.may_stop(dep, self.controller.is_idle, False, dep_id in self.engines):
             self.controller.on_stopped(dep_id, False, for_dep)
             return
         self._mark(dep_id, State.STOPPING)
@@ -397,6 +397,7 @@ class World:
         dep = self._deps.get(dep_id)
         if dep is not None and dep.state is State.STOPPING:
             self.tallies[dep.name].stops += 1
+            self._reserved.pop(dep_id, None)
             self._host.pop(dep_id, None)
             self.engines.pop(dep_id, None)
             self._mark(dep_id, State.STOPPED)
@@ -407,26 +408,33 @@ class World:
         its precheck."""
         ctl = self.controller
         dep = self._deps.get(dep_id)
-        if dep is None or dep.state is not State.READY or not ctl.is_idle(dep):
+        per_gpu = self.budget.per_gpu
+        try:
+            want = rules.asked_level(dep, level, per_gpu) if dep is not None else 0
+        except DeployerError:
+            want = 0  # its engine cannot sleep so: the real effect logs it, and nothing happens
+        if dep is None or not want or not rules.may_sleep(dep, dep_id in self.engines, False, ctl.is_idle):
             ctl.on_stopped(dep_id, False, for_dep)
             return
-        per_gpu = self.budget.per_gpu
-        want = level or (warmth.deepest_level(dep, per_gpu) if dep.engine == "sglang" else (
-            warmth.idle_level(dep, per_gpu) or 1))
-        got = warmth.host_level(dep, want, self.host_available_gib(but=dep_id), self.box.host_reserve_gib, per_gpu)
+        got = rules.sleep_level(dep, want, self.host_available_gib(),
+                                (gib for other, gib in self._reserved.items() if other != dep_id),
+                                self.box.host_reserve_gib, per_gpu)
         if got == 0:
             self._stop(dep_id, for_dep)  # the host reserve leaves no level it can sleep at
             return
         took = self._costs[dep_id].sleep_s
         self._sleep_ends[dep_id] = self.clock.now + took
         if got == 1:
-            self._host[dep_id] = warmth.predicted_host_gib(dep)
+            self._reserved[dep_id] = warmth.predicted_host_gib(dep)  # until its call ends
         self.tallies[dep.name].sleeps += 1
-        self._mark(dep_id, State.ASLEEP, sleep_level=got)
+        self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
         self.clock.call_later(took, lambda: self._slept(dep_id, for_dep))
 
     def _slept(self, dep_id: int, for_dep: int | None) -> None:
         self._sleep_ends.pop(dep_id, None)
+        host = self._reserved.pop(dep_id, None)
+        if host is not None:  # the call moved its weights to host memory: held until it wakes or stops
+            self._host[dep_id] = host
         dep = self._deps.get(dep_id)
         if dep is not None and dep.state is State.ASLEEP:
             self._hold(dep)  # the call freed all but what it keeps
