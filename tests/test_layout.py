@@ -13,16 +13,16 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 # a request → gateway → control → engines → backends → the engine.
 ALLOWED = {
     # At the top: what everyone shares.
-    "model": set(), "errors": set(), "files": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
+    "model": set(), "errors": set(), "files": set(), "ratelog": set(), "config": {"errors"}, "events": {"model"}, "tasks": set(),
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
-    "http.headers": set(), "http.refusals": {"errors", "http.limits"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
+    "http.headers": set(), "http.refusals": {"errors", "http.limits", "ratelog"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
     "http.protocol": {"errors", "http.caps", "http.cycle", "http.flow_control", "http.headers", "http.linger",
                       "http.refusals", "http.server"},  # (server for types only)
     "http.aio": {"errors", "http.caps", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
     "http.connection": {"http.body", "http.flow_control", "http.headers", "http.limits"},
     "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
-    "http.caps": {"http.limits", "http.refusals"}, "http.forward": {"http.headers"}, "http.linger": {"http.limits"},
+    "http.caps": {"http.limits", "http.refusals", "ratelog"}, "http.forward": {"http.headers"}, "http.linger": {"http.limits"},
     # gateway/: the routes and their checks.
     "gateway": set(),
     # The pipeline (checks, body, admission, answer): the deployments it knows are the admission's.
@@ -247,7 +247,7 @@ def test_dockerapi_is_a_leaf_for_docker_backend_peers_and_doctor():
     assert users <= {"engines.backends.docker", "gateway.peers", "admin.doctor"}, users
 
 
-SHARED = {"model", "errors", "config", "events", "tasks", "files"}
+SHARED = {"model", "errors", "config", "events", "tasks", "files", "ratelog"}
 
 
 def test_packages_import_along_the_flow():

@@ -19,7 +19,7 @@ A connection tells its seat when it rests (:meth:`Seat.rest`, the newest idle) a
 request arrives (``seat.busy = True``, an attribute set and nothing more, on the hot path): a
 busy seat stays in the idle order until a cap reaches it, which drops it then (so each state
 change is O(1), and so is each give-way, spread over the seats it skips). Imports nothing of ours
-but this package.
+but this package and ``ratelog``.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import asyncio
 import logging
 from typing import Protocol
 
+from ..ratelog import OnceAMinute
 from .limits import Limits
-from .refusals import OnceAMinute
 
 _log = logging.getLogger("ondemand.http")
 

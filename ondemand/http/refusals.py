@@ -1,15 +1,16 @@
 """The server's own refusals (malformed HTTP, bounds, misdirected requests): the documented
 JSON error, ready to write, the lean front's checks of a request head, and the once-a-minute log
-line for malformed requests. Imports nothing of ours but ``errors`` and ``http.limits``."""
+line for malformed requests. Imports nothing of ours but ``errors``,
+``http.limits`` and ``ratelog``."""
 from __future__ import annotations
 
 import logging
-import time
 from http import HTTPStatus
 
 from multidict import MultiMapping
 
 from ..errors import OndemandError, internal_error, misdirected, upgrade_refused
+from ..ratelog import OnceAMinute
 from .limits import Limits
 
 _log = logging.getLogger("ondemand.http")
@@ -80,25 +81,6 @@ def check_head(upgrade: bool, headers: MultiMapping[str]) -> None:
     if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
         # llhttp lets "identity" through (issue 23); BEHAVIOUR.md: 400, never forwarded.
         raise Refuse(refusal(400, "invalid_request", "Transfer-Encoding other than one chunked is not accepted"))
-
-
-class OnceAMinute:
-    """A line at most every ``every_s``: :meth:`due` is None while it must keep quiet, else
-    what to add to the line (the count of those not logged since the last one)."""
-
-    def __init__(self, every_s: float = 60.0):
-        self.every_s = every_s
-        self.suppressed = 0
-        self._last = -float("inf")
-
-    def due(self) -> str | None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self.suppressed += 1
-            return None
-        more = f" ({self.suppressed} more since the last such line)" if self.suppressed else ""
-        self._last, self.suppressed = now, 0
-        return more
 
 
 class RefusalLog(OnceAMinute):
