@@ -107,7 +107,7 @@ ALLOWED = {
     # The engines' ports, reserved against other pickers until the engine binds.
     "engines.backends.ports": set(),
     # A process engine's log file, its tail and its live followers.
-    "engines.backends.logs": {"http.limits"},
+    "engines.backends.logs": {"http.limits", "ratelog"},
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),

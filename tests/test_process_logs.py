@@ -4,10 +4,13 @@ backend's logs() does is test_backend_contract's."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 
+import pytest
 from helpers import wait_for
 
-from ondemand.engines.backends.logs import RUN_MARKER, RotatingLog, read_tail
+from ondemand.engines.backends.logs import RUN_MARKER, LogRun, RotatingLog, read_tail
 from ondemand.engines.backends.process import ProcessBackend
 from ondemand.model import Deployment
 
@@ -133,3 +136,46 @@ async def test_the_last_lines_of_an_engine_are_in_the_file_when_wait_exit_return
     finally:
         await b.close()
     await wait_for(lambda: not b.tasks, what="no copier left")
+
+
+async def test_a_log_that_cannot_be_written_is_said_once_a_minute_with_the_count(tmp_path, caplog):
+    # /dev/full: every write fails with ENOSPC, as on a full disk (D5: one chatty engine put a
+    # warning per chunk, 11,500 lines, into ondemand's own log).
+    if not os.access("/dev/full", os.W_OK):
+        pytest.skip("no writable /dev/full")
+    (tmp_path / "r.log").symlink_to("/dev/full")
+
+    class Counted(RotatingLog):
+        writes = 0
+
+        def write(self, data: bytes) -> None:
+            Counted.writes += 1  # the copier's reads may join chunks: the count is of its writes
+            super().write(data)
+    now = [1000.0]
+    run = LogRun(Counted(tmp_path / "r.log"), clock=lambda: now[0])
+    follower = run.follow()
+    pipe = asyncio.StreamReader()
+    copier = asyncio.ensure_future(ProcessBackend._copy(pipe, run))
+
+    async def feed(n: int) -> None:
+        for i in range(n):
+            pipe.feed_data(f"line {i}\n".encode())
+            await asyncio.sleep(0)  # one read, one write each
+    caplog.set_level(logging.WARNING, "ondemand.engines.backends.process")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cannot write the log" in r.getMessage()]
+    await feed(500)
+    assert len(said()) == 1 and "No space left on device" in said()[0] and "r.log" in said()[0]
+    now[0] += 59.9
+    await feed(100)
+    assert len(said()) == 1  # still within the minute
+    now[0] += 0.2
+    await feed(1)
+    assert Counted.writes > 2 and len(said()) == 2
+    assert said()[1].endswith(f"({Counted.writes - 2} more since the last such line)"), said()
+    pipe.feed_eof()
+    await asyncio.wait_for(copier, 10)
+    # The file lost them; the live reader did not (the copier drained the pipe to its end).
+    out = b"".join([c async for c in follower.chunks()])
+    assert out.count(b"\n") == 601 and run.ended

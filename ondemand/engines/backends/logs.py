@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from ...http.limits import READ_SIZE
+from ...ratelog import OnceAMinute
+
+log = logging.getLogger("ondemand.engines.backends.process")  # the copier's lines, under the backend's name
 
 # The first line of each run in an engine's log file.
 RUN_MARKER = "--- ondemand started this engine at"
@@ -145,14 +150,26 @@ class Follower:
 class LogRun:
     """One engine run's output: the rotating file and the live followers."""
 
-    def __init__(self, log_file: RotatingLog):
+    def __init__(self, log_file: RotatingLog, *, clock: Callable[[], float] = time.monotonic):
         self.file = log_file
         self.followers: set[Follower] = set()
         self.ended = False
         self.copier: asyncio.Task[None] | None = None
+        # A file that cannot be written (a full disk) is said once a minute, with the count: a
+        # line per chunk put 11,500 lines of one chatty engine into ondemand's own log.
+        self._dropped = OnceAMinute(clock=clock)
 
     def write(self, data: bytes) -> None:
-        self.file.write(data)
+        """``data`` to the file and the followers. A failed write of the file loses that output
+        from the file only: the copier drains on (or the engine blocks on its pipe) and the
+        followers still get it."""
+        try:
+            self.file.write(data)
+        except OSError as exc:
+            more = self._dropped.due()
+            if more is not None:
+                log.warning("cannot write the log %s: %s; the engine's output is dropped from it%s",
+                            self.file.path, exc.strerror or exc, more)
         for f in self.followers:
             f.push(data)
 

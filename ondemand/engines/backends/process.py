@@ -195,10 +195,8 @@ class ProcessBackend(Backend):
         self._end_run(dep.name)
         run = LogRun(RotatingLog(log_path, self.log_max_bytes, self.log_keep))
         # Every run appends to the one log; the marker lets log_tail quote this run only.
-        try:
-            run.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
-        except OSError as exc:  # a full disk loses the log, not the engine
-            log.warning("cannot write the log %s: %s", log_path, exc)
+        # (a full disk loses the line, not the engine: run.write says so, once a minute at most)
+        run.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
         # Picked last, right before the exec: from here to release_when_bound's spawn the only
         # await is the exec, and whatever ends it (an error, a cancelled start) releases the port.
         port = free_port()
@@ -214,9 +212,8 @@ class ProcessBackend(Backend):
                 start_new_session=True)  # our Ctrl-C is not the engine's
         except BaseException as exc:  # no engine to bind the port: it cannot run, or the start was cancelled
             RESERVED.release(port)
-            if isinstance(exc, OSError):
-                with contextlib.suppress(OSError):  # a full disk loses the line, not the error
-                    run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
+            if isinstance(exc, OSError):  # (best effort, as the marker: a full disk loses the line, not the error)
+                run.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
             run.end()
             if isinstance(exc, OSError):
                 raise BackendError(f"cannot run {argv[0]}: {exc.strerror}") from exc
@@ -237,10 +234,7 @@ class ProcessBackend(Backend):
         """The engine's output to its log file and followers, until the pipe closes."""
         try:
             while chunk := await pipe.read(READ_SIZE):
-                try:
-                    run.write(chunk)
-                except OSError as exc:  # a full disk: keep draining, or the engine blocks on its pipe
-                    log.warning("cannot write the log %s: %s", run.file.path, exc)
+                run.write(chunk)  # a full disk drops it from the file, not from the pipe (run.write)
         finally:
             run.end()
 
