@@ -185,8 +185,10 @@ def validate_changes(data: dict[str, Any], cfg: Config, dep: Deployment, existin
     plain = dep.as_dict()
     current = {k: plain[k] for k in (*EDITABLE, "mode") if plain[k] is not None}
     data = dict(data)
-    if data.get("gpu_ids") is not None and "gpu_count" not in data:
-        data["gpu_count"] = len(data["gpu_ids"])  # a new pin sets the count with it
+    if isinstance(data.get("gpu_ids"), list) and "gpu_count" not in data:
+        # A new pin sets the count with it; a pin of another type is refused below, naming
+        # gpu_ids (len() of a number was a 500).
+        data["gpu_count"] = len(data["gpu_ids"])
     if isinstance(data.get("env"), dict):
         # A secret shown masked ("***", as views show it) and sent back unchanged keeps its value.
         data["env"] = {k: plain["env"][k] if v == recipes.MASK and k in plain["env"] else v

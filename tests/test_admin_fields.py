@@ -1,0 +1,82 @@
+"""Property: an admin's field of any JSON type is checked, never a crash (admin/fields.py through
+the real admin API). A ``PATCH /api/deployments/{id}`` of any editable field, with a value of any
+type (numbers, booleans, strings, null, lists and objects, nested), on a stopped deployment, is
+200 or 400 ``invalid_field`` naming that field, in the documented error form; after a 400 the
+deployment (in memory and in the state file) is as it was. A ``gpu_ids`` of ``0`` was a 500."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import urllib.error
+import urllib.request
+
+import orjson
+from helpers import sim_command
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from ondemand.admin.fields import EDITABLE
+
+_N = os.environ.get("ONDEMAND_FUZZ_EXAMPLES")
+EXAMPLES = int(_N) if _N else 300
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.sampled_from([0, 1, -1, 65536, 2**63]),
+    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.0, 1.5, -0.5, 1e308]),
+    st.text(max_size=12), st.sampled_from(["", "***", "a", "0", "vllm", "{port}", "/x:/y", "\x00", "\x85"]))
+# Nested lists and objects of those (an object's keys are strings, as JSON's are).
+VALUES = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                      max_leaves=8)
+
+
+def _patch(base: str, headers: dict[str, str], dep_id: int, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{base}/api/deployments/{dep_id}", method="PATCH", data=orjson.dumps(body),
+                                 headers={**headers, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, orjson.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+
+
+def _stored(db: str, dep_id: int) -> tuple:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        return conn.execute("SELECT * FROM deployments WHERE id = ?", (dep_id,)).fetchone()
+
+
+async def test_a_patch_of_any_type_is_200_or_400_naming_the_field(server):
+    dep_id = await server.add("a", 4)
+    await server.add("b", 4)  # a name another deployment holds: 409 name_taken, the one other answer
+    db = str(server.cfg.db_path)
+    headers = server.admin_headers()
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.sampled_from(EDITABLE), VALUES)
+    @example("gpu_ids", 0)  # the outside check's three (D2)
+    @example("gpu_ids", 1.5)
+    @example("gpu_ids", True)
+    @example("env", {"A": "***"})  # a masked secret sent back for a name that has none
+    @example("command", [["ondemand"]])
+    def one(field: str, value: object) -> None:
+        before, stored = server.deployer.get(dep_id).as_dict(), _stored(db, dep_id)
+        status, answer = _patch(server.url, headers, dep_id, {field: value})
+        if status == 409 and field == "name":
+            assert answer["error"]["code"] == "name_taken", answer
+        elif status != 200:
+            assert status == 400, (field, value, status, answer)
+            assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "code"}, answer
+            assert answer["error"]["code"] == "invalid_field" and answer["error"]["type"] == "invalid_request_error"
+            assert answer["error"]["message"].startswith(f"{field}:"), (field, value, answer)
+        if status != 200:
+            assert server.deployer.get(dep_id).as_dict() == before and _stored(db, dep_id) == stored
+        else:  # what was taken is what is kept, and it still can be edited back
+            assert answer["id"] == dep_id and answer["state"] in ("stopped", "planned"), answer
+        # Each example from the same deployment: the command it runs, as it was.
+        if status == 200:
+            assert _patch(server.url, headers, dep_id, {"name": "a", "served_name": "a", "engine": "vllm",
+                                                         "model": None, "command": sim_command("a")})[0] == 200
+
+    await asyncio.to_thread(one)
