@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -103,6 +104,16 @@ SLEEPING = frozenset({State.STOPPED, State.ASLEEP, State.STOPPING, State.PLANNED
 EDITABLE = frozenset({State.STOPPED, State.FAILED, State.PLANNED})
 # Entering or leaving one of these changes what LiteLLM should list.
 SYNC_STATES = frozenset({State.READY, State.ASLEEP, State.FAILED, State.PLANNED})
+
+# A deployment id as a path writes it: canonical decimal, ASCII digits, no sign, no leading zero,
+# at most 18 digits (SQLite's integers are 64-bit). "03", "٣" (an Arabic-Indic three) named
+# deployment 3, and "¹" or 5,000 digits made int() raise (a 500).
+_ID = re.compile(r"(?:0|[1-9][0-9]{0,17})\Z")
+
+
+def parse_id(text: str) -> int | None:
+    """The deployment id ``text`` spells canonically, else None (for the caller's 404)."""
+    return int(text) if _ID.match(text) else None
 
 def wake_turned_cold(old: Deployment | None, new: Deployment | None) -> bool:
     """The change that ends a failed wake: still ``starting``, its sleep level dropped (the

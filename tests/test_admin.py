@@ -247,6 +247,25 @@ async def test_edit_in_place(server):
     assert status == 200 and view["served_name"] == "X" and view["state"] == "stopped"
 
 
+async def test_a_deployment_id_in_a_path_is_canonical_decimal(server):
+    i = (await api(server, "POST", "/deployments", new_dep("a")))[1]["id"]
+    assert i == 1
+    assert (await api(server, "GET", "/deployments/1"))[0] == 200
+    # "01" and "٣" were deployment 1 and 3; "¹" and 5,000 digits were a 500 (int() raised)
+    for raw in ("01", "001", "+1", "1.0", "%D9%A1", "%C2%B9", "%EF%BC%91", "9" * 5000, "99999999999999999999"):
+        for method, path, body in (("GET", f"/deployments/{raw}", None), ("PATCH", f"/deployments/{raw}", {"port": 9}),
+                                   ("DELETE", f"/deployments/{raw}", None), ("POST", f"/deployments/{raw}/stop", None),
+                                   ("GET", f"/deployments/{raw}/logs", None)):
+            status, err = await api(server, method, path, body)
+            assert status == 404 and err["error"]["code"] == "not_found", (raw, method, path, err)
+            assert len(err["error"]["message"]) < 80
+    assert server.deployer.get(i).port == 8000 and server.state(i) == "stopped"
+    # a log tail's count: ASCII digits, a few ("¹" and 5,000 digits were a 500 too)
+    for tail in ("%C2%B9", "1" * 5000, "-1", "10001"):
+        status, err = await api(server, "GET", f"/deployments/{i}/logs?tail={tail}")
+        assert status == 400 and err["error"]["message"].startswith("tail:"), (tail, err)
+
+
 async def test_edit_resets_the_start_backoff(server):
     # a command that exits at once: the request's start fails and later ones are refused for a while
     _, v = await api(server, "POST", "/deployments", new_dep("a", command=["false", "{port}"]))

@@ -115,6 +115,12 @@ async def test_everything_else_is_404_and_never_reaches_the_engine(server, http)
         assert await err(r) == (404, "not_found")
     async with http.get(f"{server.url}/ondemand/{a}/v2/models", headers=server.auth()) as r:
         assert await err(r) == (404, "not_found")
+    # The id is canonical decimal: another spelling of it is no deployment ("03" was 3).
+    for other in (f"0{a}", f"00{a}", f"+{a}", "%D9%A1", "%C2%B9", "9" * 5000):
+        for method, route in (("GET", "models"), ("POST", "chat/completions")):
+            async with http.request(method, f"{server.url}/ondemand/{other}/v1/{route}", headers=server.auth(),
+                                    json={"model": "A", "messages": []}) as r:
+                assert await err(r) == (404, "not_found"), (other, method)
     assert await recorded(server, a) == []
 
 

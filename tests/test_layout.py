@@ -126,7 +126,7 @@ ALLOWED = {
     "admin.api": {"admin.actions", "admin.components", "admin.deployments", "admin.fields", "admin.replays", "admin.streams",
                   "admin.telemetry", "admin.wire", "config", "control.budget", "engines.deployer", "errors", "gateway.keys",
                   "http.headers", "http.limits", "http.server", "model"},
-    "admin.wire": {"admin.components", "errors", "http.aio", "http.server"},
+    "admin.wire": {"admin.components", "errors", "http.aio", "http.server", "model"},
     "admin.replays": {"admin.wire", "errors"},
     "admin.fields": {"config", "engines.recipes", "engines.warmth", "errors", "model"},
     "admin.deployments": {"admin.actions", "admin.components", "admin.fields", "admin.wire", "engines.deployer",

@@ -55,7 +55,8 @@ LOGS_ENGINE_POLL_S = 0.1
 
 def _logs_query(request: web.Request) -> tuple[int, bool]:
     raw_tail = request.query.get("tail", str(LOGS_TAIL))
-    if not raw_tail.isdigit() or int(raw_tail) > LOGS_MAX_TAIL:
+    # ASCII digits, a few: "¹" passed isdigit() and 5,000 digits int(), both then raised (a 500).
+    if not (raw_tail.isascii() and raw_tail.isdigit() and len(raw_tail) <= 6) or int(raw_tail) > LOGS_MAX_TAIL:
         raise field_error("tail", f"whole lines, 0 to {LOGS_MAX_TAIL}")
     follow = request.query.get("follow", "0")
     if follow not in ("0", "1", "true", "false"):

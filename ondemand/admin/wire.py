@@ -12,6 +12,7 @@ from aiohttp import web
 from ..errors import OndemandError
 from ..http.aio import read_body
 from ..http.server import LIMITS
+from ..model import parse_id
 from . import components
 
 JSON = "application/json"
@@ -56,10 +57,10 @@ def app_parts(request: web.Request) -> tuple[ModuleType, web.Application]:
 
 def deployment_id(request: web.Request) -> int:
     raw = request.match_info["id"]
-    if not raw.isdigit():
-        raise OndemandError(404, "not_found", f"no deployment {raw!r}")
+    dep_id = parse_id(raw)
+    if dep_id is None:
+        raise OndemandError(404, "not_found", f"no deployment {raw[:40]!r}{'...' if len(raw) > 40 else ''}")
     app_mod, app = app_parts(request)
-    dep_id = int(raw)
     if app[app_mod.DEPLOYER].get(dep_id) is None:
         raise OndemandError(404, "not_found", f"no deployment {dep_id}")
     return dep_id

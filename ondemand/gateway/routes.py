@@ -37,7 +37,7 @@ from ..http.cycle import BodyMalformed, BodyTooLarge, Call
 from ..http.headers import HEALTH_HEADER, bearer
 from ..http.limits import Limits
 from ..http.pool import Upstreams
-from ..model import Deployment, State
+from ..model import Deployment, State, parse_id
 from . import answers, notice
 from .exchange import Exchange, request_id
 from .keys import KeyWatcher
@@ -129,9 +129,9 @@ def health_answer(route: str, served: str) -> dict[str, Any] | None:
 
 def _route(segs: list[str], method: str) -> tuple[int, str, Want]:
     """{id}/v1/<route>: the deployment id, the route, and what it asks of the deployment."""
-    if len(segs) < 3 or segs[1] != "v1" or not segs[0].isdigit() or not segs[0].isascii():
+    dep_id = parse_id(segs[0]) if len(segs) >= 3 and segs[1] == "v1" else None
+    if dep_id is None:  # (canonical decimal only: "03" was deployment 3)
         raise _not_found()
-    dep_id = int(segs[0])
     route = "/".join(segs[2:])
     if method == "POST" and route in TRAFFIC:
         want = Want.TRAFFIC
