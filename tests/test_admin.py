@@ -266,6 +266,23 @@ async def test_a_deployment_id_in_a_path_is_canonical_decimal(server):
         assert status == 400 and err["error"]["message"].startswith("tail:"), (tail, err)
 
 
+async def test_a_name_or_served_name_with_a_control_character_is_refused(server):
+    # served_name took them, and they reached the log lines that quote it
+    i = (await api(server, "POST", "/deployments", new_dep("a")))[1]["id"]
+    before = server.deployer.get(i).as_dict()
+    for c in ("\x00", "\t", "\n", "\r", "\x1b", "\x1f", "\x7f", "\x80", "\x85", "\x9b", "\x9f"):
+        for field in ("name", "served_name"):
+            for method, path, body in (("POST", "/deployments", {**new_dep("b"), field: f"b{c}x"}),
+                                       ("PATCH", f"/deployments/{i}", {field: f"a{c}x"})):
+                status, err = await api(server, method, path, body)
+                assert status == 400 and err["error"]["code"] == "invalid_field", (field, c, err)
+                assert err["error"]["message"].startswith(f"{field}:"), err
+    assert [d.name for d in server.deployer.all()] == ["a"] and server.deployer.get(i).as_dict() == before
+    # what is not a control character is a served name as before (a space, non-ASCII)
+    status, view = await api(server, "PATCH", f"/deployments/{i}", {"served_name": "Qwen 3 · 8B é"})
+    assert status == 200 and view["served_name"] == "Qwen 3 · 8B é"
+
+
 async def test_edit_resets_the_start_backoff(server):
     # a command that exits at once: the request's start fails and later ones are refused for a while
     _, v = await api(server, "POST", "/deployments", new_dep("a", command=["false", "{port}"]))

@@ -58,6 +58,15 @@ async def test_deploy_add_and_set_priority_and_max_inflight(tmp_path):
         assert (view["priority"], view["max_inflight"]) == ("high", 8)
         rc, _, err = await cli("deploy", "add", "x", "--command", "x", "--max-inflight", "0", config=cfg)
         assert rc == 1 and "max_inflight:" in err and "invalid_field" in err
+        # a control character in a name (an escape sequence here): refused on add and set, one line
+        for verb, target in (("add", "x"), ("set", str(view["id"]))):
+            for option in ("--served-name", "--name") if verb == "set" else ("--served-name",):
+                rc, _, err = await cli("deploy", verb, target, option, "x\x1b[2Jy", *(
+                    ("--command", "x") if verb == "add" else ()), config=cfg)
+                assert rc == 1 and f"{option[2:].replace('-', '_')}:" in err and "invalid_field" in err, err
+                assert len(err.strip().splitlines()) == 1
+        rc, _, err = await cli("deploy", "add", "x\x7f", "--command", "x", config=cfg)
+        assert rc == 1 and "name:" in err and "invalid_field" in err
         rc, _, err = await cli("deploy", "add", "x", "--command", "x", "--priority", "urgent", config=cfg)
         assert rc == 2 and "urgent" in err  # click's own choice check
         await server.deployer.restart(view["id"])

@@ -12,6 +12,9 @@ from ..errors import OndemandError
 from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Priority
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
+# C0 and C1 controls and DEL: a served name is quoted in log lines and LiteLLM's entries, where a
+# newline or an escape sequence would forge or hide a line.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def field_error(field: str, message: str) -> OndemandError:
@@ -44,8 +47,8 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
     if any(d.name == name for d in existing):
         raise OndemandError(409, "name_taken", f"name: a deployment named {name!r} exists")
     served = data.get("served_name", name)
-    if not isinstance(served, str) or not served.strip() or len(served) > 256:
-        raise field_error("served_name", "a non-empty string")
+    if not isinstance(served, str) or not served.strip() or len(served) > 256 or _CONTROL.search(served):
+        raise field_error("served_name", "a non-empty string of at most 256 characters, without control characters")
     run = _validate_engine(data, cfg)
     model = run["model"]
     role = data.get("role", "model")
