@@ -71,6 +71,10 @@ def _to_columns(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _try_open(path: Path) -> None:
+    sqlite3.connect(path).close()
+
+
 class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path):
         self.db = db
@@ -81,6 +85,11 @@ class Store:
     async def open(cls, path: str | os.PathLike[str], *, migrate: bool = True) -> Store:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        # A file that cannot be opened (a read-only disk, a directory not ours) fails here, in a
+        # plain thread: aiosqlite's failed connect leaves its worker thread to call the loop
+        # after a command's loop has closed ("Exception in thread ...": a traceback after the
+        # command's one line; as in aiosqlite issue 241).
+        await asyncio.to_thread(_try_open, path)
         db = await aiosqlite.connect(path, isolation_level=None)
         try:
             db.row_factory = aiosqlite.Row
