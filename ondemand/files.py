@@ -18,7 +18,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)[:200]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:  # (a read-only or full disk): named as below
+        exc.filename, exc.filename2 = path, None
+        raise
     try:
         try:
             if exact_mode:
@@ -30,11 +34,15 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:  # an OSError, or a Ctrl-C between the write and the rename
+    except BaseException as exc:  # an OSError, or a Ctrl-C between the write and the rename
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError) and exc.filename in (None, tmp):
+            # os.write's and os.fsync's name no file: the error names the one asked for (a
+            # command's one line on a full disk), never the temporary that is gone.
+            exc.filename, exc.filename2 = path, None
         raise
     dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:

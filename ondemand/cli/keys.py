@@ -22,8 +22,11 @@ def _write_new_key(cfg: config_mod.Config, must_exist: bool | None) -> str:
     if must_exist is True and not exists:
         _fail(f"{path} holds no key; use `key init` first")
     new = keys.generate_key()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    keys.write_key_file(path, new)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keys.write_key_file(path, new)  # whole or not at all: a key that is there stays
+    except OSError as exc:  # a full or read-only disk, a directory not ours: one line, not a traceback
+        _fail(f"cannot write {exc.filename or path}: {exc.strerror or exc}")
     return keys.fingerprint(new)
 
 

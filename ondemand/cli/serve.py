@@ -7,7 +7,7 @@ import sys
 import click
 
 from .. import config as config_mod
-from .shared import EXIT_USAGE, Ctx, _echo_json, _fail, _run, cli, json_option, pass_ctx
+from .shared import EXIT_USAGE, Ctx, _echo_json, _fail, _run, cli, disk_error, json_option, pass_ctx
 
 # --- serve -----------------------------------------------------------------
 
@@ -71,8 +71,13 @@ def serve(ctx: Ctx, demo: bool) -> None:
         _run(app.serve(cfg))
     except KeyboardInterrupt:
         pass
-    except app.StartupError as exc:
-        _fail(str(exc))
+    except Exception as exc:
+        # A disk that takes no more writes fails the start (the token, the lock, the state
+        # file's migrations, each whole or not at all): one line, as any other start-up error.
+        line = disk_error(exc, cfg, cfg.state_dir)
+        if line is None and not isinstance(exc, app.StartupError):
+            raise
+        _fail(f"cannot start: {line}" if line else str(exc))
 
 
 # --- migrate ---------------------------------------------------------------

@@ -3,8 +3,11 @@ the exit codes, the calls to the running server, and the output helpers."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import sqlite3
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -38,10 +41,57 @@ def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
 
 
 
+# A disk that takes no more writes: full, over quota, read only.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+# SQLite's words for the same, its primary codes (an extended code's low byte; the sqlite3
+# module's names for them are missing from its type stubs): a full disk is SQLITE_FULL (13),
+# over quota SQLITE_IOERR (10: it says FULL for ENOSPC only), read only SQLITE_READONLY (8) or
+# SQLITE_CANTOPEN (14).
+_SQLITE_DISK = frozenset({13, 10, 8, 14})
+
+
+def disk_error(exc: BaseException, cfg: config_mod.Config | None, in_dir: Path | None = None) -> str | None:
+    """One line for a write the disk refused, found in ``exc`` or what it was raised from
+    (an error naming no file is placed ``in_dir``); None for any other error, which keeps its
+    traceback (a bug)."""
+    seen: BaseException | None = exc
+    for _ in range(10):  # the chain of causes is short; never follow a cycle
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
+            where = seen.filename if seen.filename is not None else (f"in {in_dir}" if in_dir else None)
+            return f"cannot write {where}: {seen.strerror}" if where else f"cannot write: {seen.strerror}"
+        if isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", 0) & 0xFF in _SQLITE_DISK:
+            return f"cannot write the state file {cfg.db_path}: {seen}" if cfg else \
+                f"cannot write the state file: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+class _Root(click.Group):
+    """The root group: every command that fails on a disk that takes no more writes ends
+    with one line on stderr and exit 1, never a traceback (the key commands and serve ended
+    in one on a full disk)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            line = disk_error(exc, ctx.obj.loaded if isinstance(ctx.obj, Ctx) else None)
+            if line is None:
+                raise
+            _fail(line)
+
+
 class Ctx:
     def __init__(self, config_path: str | None):
         self.config_path = config_path
         self._cfg: config_mod.Config | None = None
+
+    @property
+    def loaded(self) -> config_mod.Config | None:
+        """The configuration if a command has read it (None: not read, or unreadable)."""
+        return self._cfg
 
     @property
     def cfg(self) -> config_mod.Config:
@@ -57,7 +107,7 @@ pass_ctx = click.make_pass_decorator(Ctx)
 json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Root, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", metavar="FILE", envvar=None,
               help="TOML configuration (default: $ONDEMAND_CONFIG, else built-in defaults)")
 @click.version_option(__version__, prog_name="ondemand")
