@@ -106,6 +106,10 @@ def test_adaptive_measured_after_a_warm_up(inputs):
     (["--gpus", "eight"], "--gpus 'eight': how many GPUs and the GiB of each, as NxGIB (8x80)"),
     (["--gpus", "1x40"], "deps.toml:1: deployment 'a' cannot fit on this box at all"),
     (["--slo-s", "0"], "--slo-s 0: seconds above 0"),
+    (["--slo-s", "nan"], "--slo-s nan: not a finite number"),
+    (["--warmup-s", "nan"], "--warmup-s nan: not a finite number"),
+    (["--host-gib", "inf"], "--host-gib inf: not a finite number"),
+    (["--gpus", "9" * 4000 + "x80"], "how many GPUs and the GiB of each"),
 ])
 def test_bad_input_is_one_line_and_exit_2(inputs, args, says):
     argv = [str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--host-gib", "512"]
@@ -114,6 +118,44 @@ def test_bad_input_is_one_line_and_exit_2(inputs, args, says):
     r = replay(*argv, *args)
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+BOUNDS = [
+    ("digits.csv", "timestamp,model,input_tokens,output_tokens\n1,b," + "7" * 4000 + ",1\n", 2,
+     "input_tokens '7777777777777777777777777777777777777777'... (4,000 characters) is more than 10,000,000 tokens"),
+    ("field.csv", "timestamp,model,input_tokens,output_tokens\n1,b,1,1\n2," + "b" * 200_000 + ",1,1\n", 3,
+     "not a CSV row: field larger than field limit (131072)"),
+    ("years.csv", "timestamp,model,input_tokens,output_tokens\n1,b,1,1\n1000000001,b,1,1\n", 3,
+     "timestamp '1000000001' is more than ten years after the first row's"),
+    ("access.jsonl", '{"time": 1000, "method": "POST", "route": "completions", "deployment": "b", "bytes_in": 4, '
+     '"duration_s": 1e308}\n', 1, "not an access log line: duration_s 1e+308 is more than 315,576,000 seconds (ten years)"),
+]
+
+
+@pytest.mark.parametrize("name,text,line,says", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_numbers_beyond_what_a_trace_can_mean_are_one_line_and_exit_2(inputs, name, text, line, says):
+    """They ended in a traceback (exit 1), or ran for hours (a gap of 10^9 s)."""
+    (inputs / name).write_text(text)
+    r = replay(str(inputs / name), "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80", "--host-gib", "512")
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr[-2000:]
+    assert r.stderr == f"{inputs / name}:{line}: {says}\n"
+
+
+def test_a_trace_of_one_endless_line_is_refused_at_its_first_mib(inputs):
+    """/dev/zero grew to 9-15 GB; here 256 MiB of its zeros (sparse), in a file named neither
+    .csv nor .jsonl (its first line decides), and the process stays small."""
+    zeros = inputs / "zeros"
+    with open(zeros, "wb") as fh:
+        fh.truncate(256 << 20)
+    # The replay runs as a child of a small parent that reports the child's peak memory.
+    parent = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+              "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
+    r = subprocess.run([sys.executable, "-c", parent, sys.executable, "-m", "ondemand", "replay", str(zeros),
+                        "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80", "--host-gib", "512"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = r.stderr.splitlines()
+    assert (r.returncode, lines[0]) == (2, f"{zeros}:1: a line longer than 1 MiB"), r.stderr[-2000:]
+    assert int(lines[1]) < 200 * 1024  # KiB: the 256 MiB were never held
 
 
 def test_bad_files_are_named_with_their_line(inputs):

@@ -70,13 +70,15 @@ def test_keep_warm_adaptive_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("change,line,says", [
-    (('memory_gib = 240', 'memory_gib = "lots"'), 14, "deployment 'giant': memory_gib: 'lots' is not a number"),
+    (('memory_gib = 240', 'memory_gib = "lots"'), 14, "deployment 'giant': memory_gib: 'lots' is not a finite number"),
     (('gpu_count = 4', 'gpu_count = 5'), 15, "gpu_count: 5 is not a whole number from 0 to 4"),
     (('idle_timeout_s = 300', 'idle_timeout_s = 30'), 17, "idle_timeout_s: 30 is not a whole number from 60"),
     (('mode = "always_on"', 'mode = "sometimes"'), 16, "mode: 'sometimes' is not one of on_demand, always_on"),
     (('keep_warm = "fixed"', 'keep_warm = "warm"'), 21, "keep_warm: 'warm' is not one of fixed, adaptive"),
     (('max_concurrency = 4', 'max_concurrency = 0'), 23, "max_concurrency: 0 is not a whole number from 1"),
-    (('weight = 5', 'weight = -1'), 5, "deployment 'small': weight: -1 is not a number of at least 0"),
+    (('weight = 5', 'weight = -1'), 5, "deployment 'small': weight: -1 is not a finite number of at least 0"),
+    (('wake_s = 0.26', 'wake_s = inf'), 7, "deployment 'small': wake_s: inf is not a finite number of at least 0"),
+    (('memory_gib = 240', 'memory_gib = nan'), 14, "memory_gib: nan is not a finite number above 0"),
     (('wake_s = 0.26', 'wake_ss = 0.26'), 7, "deployment 'small': unknown field 'wake_ss'"),
     (('name = "small"', 'name = "Small One"'), 3, "name: 'Small One' is not a name"),
     (('memory_gib = 8\n', ''), 2, "deployment 'small': memory_gib is required"),
@@ -114,9 +116,12 @@ def test_a_deployment_that_cannot_fit_on_the_box_at_all_is_named(tmp_path):
 def test_gpus_and_the_box_from_the_configuration(tmp_path):
     assert parse_gpus("8x80") == (80.0,) * 8
     assert parse_gpus("2x80, 1x40.5") == (80.0, 80.0, 40.5)
-    for bad in ("8", "0x80", "8x0", "8x80,x"):
+    for bad in ("8", "0x80", "8x0", "8x80,x", "1x" + "9" * 400, "1x100001"):
         with pytest.raises(ValueError, match="as NxGIB"):
             parse_gpus(bad)
+    for many in ("65x80", "60x80,5x40", "999999x80", "9" * 4000 + "x80"):  # counted before a list is made
+        with pytest.raises(ValueError, match="at most 64 GPUs|as NxGIB"):
+            parse_gpus(many)
     cfg = config_mod.load(None, env={}, overrides={
         "budget.source": "static", "budget.gpu_capacity_gib": [80, 40], "budget.reserve_gib": 2,
         "ondemand_queue_timeout_s": 120, "reap_interval_s": 5, "min_idle_timeout_s": 30,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+import orjson
 import pytest
 
 from ondemand.gateway.accesslog import json_line
@@ -137,3 +138,88 @@ def test_a_bad_access_log_line_is_named(tmp_path):
         with pytest.raises(TraceError) as e:
             Trace(path, deps(1)).check()
         assert str(e.value).startswith(f"{path}:2: ") and says in str(e.value)
+
+
+HEADER = "timestamp,input_tokens,output_tokens\n"
+
+
+@pytest.mark.parametrize("text,line,says", [
+    (HEADER + "1,10000000,1\n2,10000001,1\n", 3, "input_tokens '10000001' is more than 10,000,000 tokens"),
+    (HEADER + "1,1," + "9" * 4000 + "\n", 2, "output_tokens '9999999999999999999999999999999999999999'... "
+                                             "(4,000 characters) is more than 10,000,000 tokens"),
+    (HEADER + "1,\u00b2,1\n", 2, "input_tokens '\u00b2' is not a whole number"),  # a digit to isdigit(), not to int()
+    (HEADER + "1,1,1\n" + f"{1 + 10 * 365.25 * 86400 + 1},1,1\n", 3, "is more than ten years after the first row's"),
+    (HEADER + "1,1,1\n" + "9" * 400 + ",1,1\n", 3, "timestamp '9999999999999999999999999999999999999999'... "
+                                                    "(400 characters) is not a finite number"),
+    (HEADER + "1,1,1\n2,1,1," + "x" * 200_000 + "\n", 3, "not a CSV row: field larger than field limit"),
+    ("timestamp,model,input_tokens,output_tokens\n1," + "m" * 200_000 + ",1,1\n", 2,
+     "not a CSV row: field larger than field limit"),
+    (HEADER + "1,1,1\n" + "2,1,1" + " " * (1 << 20) + "\n", 3, "a line longer than 1 MiB"),
+    (HEADER + "1,1,1\n" + "2,1,1," + "\u20ac" * 400_000 + "\n", 3, "a line longer than 1 MiB"),  # 1.2 MB in 0.4 M characters
+], ids=["tokens", "digits", "not-ascii", "ten-years", "timestamp", "field", "model", "line", "line-bytes"])
+def test_numbers_and_lines_beyond_what_a_trace_can_mean_are_bad_rows(tmp_path, text, line, says):
+    path = write(tmp_path, text)
+    with pytest.raises(TraceError) as e:
+        Trace(path, deps(1)).check()
+    message = str(e.value)
+    assert message.startswith(f"{path}:{line}: ") and says in message, message
+    assert len(message) < 300  # one short line, whatever the value's length
+
+
+def test_a_model_named_at_length_is_quoted_short(tmp_path):
+    path = write(tmp_path, "timestamp,model,input_tokens,output_tokens\n1," + "m" * 100_000 + ",1,1\n")
+    with pytest.raises(TraceError) as e:
+        Trace(path, deps(1)).check()
+    assert str(e.value) == f"{path}:2: model '{'m' * 40}'... (100,000 characters) is served by no deployment"
+
+
+def test_an_endless_line_is_refused_at_its_first_mib(tmp_path):
+    """A line without end (/dev/zero's, here 16 MiB of it) is read 1 MiB + 1 at a time and
+    refused, never held (/dev/zero grew to gigabytes); without an extension, its first line
+    decides the form."""
+    import tracemalloc
+    path = tmp_path / "zeros"
+    with open(path, "wb") as fh:
+        fh.truncate(16 << 20)  # sparse: no disk spent
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError) as e:
+            Trace(str(path), deps(1)).check()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(e.value) == f"{path}:1: a line longer than 1 MiB"
+    assert peak < 4 << 20
+
+
+def access_line(**fields) -> str:
+    """A line of the access log (a request of m0 that ended at 1000 s after 1 s), with ``fields``."""
+    rec = orjson.loads(json_line(exchange("m0", duration=1.0), 1000.0))
+    rec.update(fields)
+    return orjson.dumps(rec).decode() + "\n"
+
+
+@pytest.mark.parametrize("bad,says", [
+    (access_line(duration_s=1e308), "duration_s 1e+308 is more than 315,576,000 seconds (ten years)"),
+    (access_line(queued_s=1e300), "queued_s 1e+300 is more than 315,576,000 seconds (ten years)"),
+    (access_line(duration_s=1.0).replace('"duration_s":1.0', '"duration_s":1e999'), "not an access log line"),
+    (access_line(bytes_in=40_000_004), "bytes_in 40000004 is more than 40,000,000 bytes (10,000,000 tokens)"),
+    (access_line(duration_s=-1), "duration_s -1 is not a number of 0 or more"),
+    (access_line(bytes_in=["x" * 100_000]), "bytes_in ['" + "x" * 38 + "... (100,004 characters) is not a number"),
+    (access_line(duration_s=300_000.0), "300000 s in the engine is 12,000,000 output tokens at m0's decode speed"),
+    (access_line(time=1000.0 + 11 * 365.25 * 86400), "arrives more than ten years after the first request (line 1)"),
+    (access_line(time="9" * 400), "timestamp '9999999999999999999999999999999999999999'... (400 characters) is not a "
+                                  "finite number of seconds"),
+])
+def test_an_access_log_number_beyond_what_it_can_mean_is_named(tmp_path, bad, says):
+    path = write(tmp_path, access_line() + bad, "a.jsonl")
+    with pytest.raises(TraceError) as e:
+        Trace(path, deps(1)).check()
+    assert str(e.value).startswith(f"{path}:2: ") and says in str(e.value), str(e.value)
+
+
+def test_the_bounds_themselves_are_replayed(tmp_path):
+    """10^7 tokens and an arrival ten years after the first are still a trace."""
+    path = write(tmp_path, HEADER + f"0,10000000,10000000\n{10 * 365.25 * 86400},1,0000000000010000000\n")
+    assert [(r.at_s, r.input_tokens, r.output_tokens) for r in Trace(path, deps(1))] == [
+        (0.0, 10_000_000, 10_000_000), (315_576_000.0, 1, 10_000_000)]

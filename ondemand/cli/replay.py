@@ -6,6 +6,7 @@ The replay's modules are imported when the command runs, not with the command li
 other command (and each ``serve``) would pay for them at its start."""
 from __future__ import annotations
 
+import math
 import os
 import stat
 import sys
@@ -97,8 +98,10 @@ def _box(cfg: config_mod.Config, gpus: str | None, host_gib: float | None) -> Bo
             host_gib = budget.meminfo().total
         except BudgetError as exc:
             _bad(f"cannot read this host's memory ({exc}): give --host-gib G")
-    elif host_gib <= 0:
-        _bad(f"--host-gib {host_gib:g}: GiB above 0")
+    else:
+        _finite("--host-gib", host_gib)
+        if host_gib <= 0:
+            _bad(f"--host-gib {host_gib:g}: GiB above 0")
     measured = None
     if declared is None and cfg.budget.source != "static":
         try:
@@ -119,7 +122,16 @@ def _deployments(ctx: Ctx, path: str | None, box: Box) -> list[Replayed]:
         _bad(str(exc))
 
 
+def _finite(option: str, value: float) -> None:
+    """nan passes every comparison (a nan warm-up became a timer the clock cannot order), and
+    inf means nothing here."""
+    if not math.isfinite(value):
+        _bad(f"{option} {value:g}: not a finite number")
+
+
 def _check_numbers(slo_s: float, speed: float, live: bool, warmup_s: float) -> None:
+    for option, value in (("--slo-s", slo_s), ("--speed", speed), ("--warmup-s", warmup_s)):
+        _finite(option, value)
     if slo_s <= 0:
         _bad(f"--slo-s {slo_s:g}: seconds above 0")
     if speed <= 0 or (speed != 1.0 and not live):

@@ -20,6 +20,7 @@ Bad input is ``DeploymentError``: ``FILE:LINE: what is wrong``, naming the deplo
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sqlite3
@@ -45,6 +46,8 @@ else:  # pragma: no cover - Python 3.10
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 ENGINES = ("vllm", "sglang", "llamacpp", "custom")
+MAX_GPUS = 64  # --gpus
+MAX_GPU_GIB = 100_000  # --gpus: a GPU's GiB
 ENGINE_DEFAULT_SHARE = 0.90  # a recipe's booking with nothing to read (BEHAVIOUR.md): of each GPU
 
 
@@ -62,8 +65,10 @@ def _one_of(*names: str) -> Callable[[Any], str]:
 
 def _number(lo: float, strict: bool = True) -> Callable[[Any], float]:
     def check(v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > lo if strict else v >= lo):
-            raise ValueError(f"{v!r} is not a number {'above' if strict else 'of at least'} {lo:g}")
+        # TOML has inf (a cold start that never ends) and nan (which no comparison refuses).
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not (v > lo if strict else v >= lo):
+            raise ValueError(f"{v!r} is not a finite number {'above' if strict else 'of at least'} {lo:g}")
         return float(v)
     return check
 
@@ -310,12 +315,13 @@ def parse_gpus(text: str) -> tuple[float, ...]:
     """``--gpus``: ``NxGIB`` (``8x80``), or several joined by commas (``4x80,4x40``)."""
     out: list[float] = []
     for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+(?:\.\d+)?)\s*", part)
-        if m is None or int(m.group(1)) < 1 or float(m.group(2)) <= 0:
-            raise ValueError(f"--gpus {text!r}: how many GPUs and the GiB of each, as NxGIB (8x80)")
+        m = re.fullmatch(r"\s*(\d{1,6})\s*[xX]\s*(\d{1,9}(?:\.\d{1,9})?)\s*", part)
+        if m is None or int(m.group(1)) < 1 or not 0 < float(m.group(2)) <= MAX_GPU_GIB:
+            raise ValueError(f"--gpus {text[:60]!r}: how many GPUs and the GiB of each, as NxGIB (8x80), "
+                             f"at most {MAX_GPU_GIB:,} GiB each")
+        if len(out) + int(m.group(1)) > MAX_GPUS:  # counted before the list is made: 10^9 x 80 was a MemoryError
+            raise ValueError(f"--gpus {text[:60]!r}: at most {MAX_GPUS} GPUs")
         out += [float(m.group(2))] * int(m.group(1))
-    if len(out) > 64:
-        raise ValueError(f"--gpus {text!r}: at most 64 GPUs")
     return tuple(out)
 
 

@@ -15,12 +15,20 @@ access log, one at a time.
 
 Time starts at the first request. A row without a model goes to deployment *i* with probability
 ``weight``\\ *i* / Σ ``weight``, drawn from ``random.Random(seed)`` in row order, so the same
-inputs give the same requests. ``Trace.check`` reads everything once before the replay and
+inputs give the same requests.
+
+Numbers beyond what a trace can mean are bad rows, not replayed: a token count above
+``MAX_TOKENS`` (the access log's too: its body's bytes, and what its engine time decodes), an
+arrival more than ``MAX_SPAN_S`` (ten years) after the first, a line longer than
+``MAX_LINE_BYTES``, and in the access log a duration that is not a finite number of seconds
+within the same ten years. Each line is read with that bound, never whole: an endless line
+(``/dev/zero``) is refused at its first MiB. ``Trace.check`` reads everything once before the replay and
 raises ``TraceError`` (``FILE:LINE: what is wrong``) at the first bad row; iterating a ``Trace``
 then yields its requests.
 """
 from __future__ import annotations
 
+import _csv
 import bisect
 import csv
 import dataclasses
@@ -30,12 +38,17 @@ import math
 import random
 import re
 from collections.abc import Iterator, Sequence
+from typing import TextIO
 
 import orjson
 
 from .types import Replayed, Request
 
 BYTES_PER_TOKEN = 4  # a request body's JSON per prompt token, roughly (English text, its envelope)
+MAX_TOKENS = 10_000_000  # a request's tokens in or out: far beyond any context window or answer
+MAX_SPAN_S = 10 * 365.25 * 86400  # the latest arrival after the first: ten years
+MAX_LINE_BYTES = 1 << 20  # a line, its end included (a row of the Azure traces is ~40 bytes)
+_SHOWN = 40  # the characters of a bad value an error quotes
 # The access log's routes that reach an engine (gateway/routes.py's TRAFFIC).
 TRAFFIC = frozenset({"chat/completions", "completions", "embeddings", "responses", "messages",
                      "chat/completions/batch", "audio/transcriptions", "audio/translations", "rerank", "score"})
@@ -63,7 +76,7 @@ def seconds(text: str) -> float:
     except ValueError:
         m = _ISO.fullmatch(text)
         if m is None:
-            raise ValueError(f"timestamp {text!r} is neither ISO 8601 nor seconds") from None
+            raise ValueError(f"timestamp {_shown(text)} is neither ISO 8601 nor seconds") from None
         y, mo, d, h, mi, s, frac, zone = m.groups()
         tz = datetime.timezone.utc
         if zone and zone != "Z":
@@ -73,10 +86,10 @@ def seconds(text: str) -> float:
         try:
             when = datetime.datetime(int(y), int(mo), int(d), int(h or 0), int(mi or 0), int(s or 0), tzinfo=tz)
         except ValueError as exc:
-            raise ValueError(f"timestamp {text!r}: {exc}") from None
+            raise ValueError(f"timestamp {_shown(text)}: {exc}") from None
         return when.timestamp() + (float("0." + frac) if frac else 0.0)
     if not math.isfinite(value):
-        raise ValueError(f"timestamp {text!r} is not a finite number of seconds")
+        raise ValueError(f"timestamp {_shown(text)} is not a finite number of seconds")
     return value
 
 
@@ -114,7 +127,7 @@ class Trace:
             return False
         try:
             with open(self.path, encoding="utf-8-sig", errors="replace") as fh:
-                for line in fh:
+                while line := fh.readline(MAX_LINE_BYTES + 1):  # bounded as every read (module doc)
                     if line.strip():
                         return line.lstrip().startswith("{")
         except OSError as exc:
@@ -123,6 +136,18 @@ class Trace:
 
     def error(self, line: int, what: str) -> TraceError:
         return TraceError(f"{self.path}:{line}: {what}")
+
+    def _lines(self, fh: TextIO) -> Iterator[str]:
+        """The file's lines, each read with its bound: a longer one is an error, and is never
+        held whole (at most MAX_LINE_BYTES + 1 characters of it are read)."""
+        line = 0
+        while text := fh.readline(MAX_LINE_BYTES + 1):
+            line += 1
+            # Characters first (cheap), then bytes for a line that may hold more than one per character.
+            if len(text) > MAX_LINE_BYTES or (len(text) > MAX_LINE_BYTES // 4
+                                              and len(text.encode()) > MAX_LINE_BYTES):
+                raise self.error(line, f"a line longer than {MAX_LINE_BYTES >> 20} MiB")
+            yield text
 
     def check(self) -> Summary:
         """Read every row once; raises TraceError at the first that cannot be replayed."""
@@ -146,20 +171,34 @@ class Trace:
                     first = at if first is None else first
                     name = self._model(model, line, rng)
                     if isinstance(tokens_out, float):  # the access log's engine time: what it decodes in it
-                        tokens_out = max(0, round(self._decode[name] * tokens_out))
+                        tokens_out = self._decoded(name, tokens_out, line)
                     yield Request(round(at - first, 6), name, tokens_in, tokens_out, stream, line)
         except OSError as exc:
             raise TraceError(f"{self.path}: cannot read it: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
             raise TraceError(f"{self.path}: not UTF-8 text ({exc.reason})") from None
 
-    def _csv_rows(self, fh: Iterator[str]) -> Iterator[_Row]:
-        reader = csv.reader(fh)
+    def _decoded(self, name: str, engine_s: float, line: int) -> int:
+        """The output tokens ``name`` decodes in ``engine_s`` (the access log's engine time)."""
+        tokens = max(0, round(self._decode[name] * engine_s))
+        if tokens > MAX_TOKENS:
+            raise self.error(line, f"{engine_s:g} s in the engine is {tokens:,} output tokens at {name}'s decode "
+                                   f"speed, more than {MAX_TOKENS:,}")
+        return tokens
+
+    def _csv_rows(self, fh: TextIO) -> Iterator[_Row]:
+        reader = csv.reader(self._lines(fh))
+        try:
+            yield from self._csv_records(reader)
+        except csv.Error as exc:  # a field past csv's own limit (131,072 characters), a stray NUL
+            raise self.error(reader.line_num, f"not a CSV row: {exc}") from None
+
+    def _csv_records(self, reader: _csv.Reader) -> Iterator[_Row]:
         header = next(reader, None)
         if header is None:
             raise self.error(1, "empty: a CSV trace starts with a header row")
         where = self._columns([h.strip().lower() for h in header])
-        previous = -math.inf
+        previous, first = -math.inf, None
         for row in reader:
             line = reader.line_num
             if not row or not any(c.strip() for c in row):
@@ -175,6 +214,10 @@ class Trace:
                 raise self.error(line, str(exc)) from None
             if at < previous:
                 raise self.error(line, "earlier than the row before it: a CSV trace is in time order")
+            first = at if first is None else first
+            if at - first > MAX_SPAN_S:
+                raise self.error(line, f"timestamp {_shown(row[where['timestamp']].strip())} is more than ten "
+                                       "years after the first row's")
             previous = at
             yield at, line, row[where["model"]].strip() if "model" in where else "", tokens_in, tokens_out, stream
 
@@ -188,9 +231,9 @@ class Trace:
                 raise self.error(1, f"no {' or '.join(accepted)} column (the header has: {', '.join(names)})")
         return where
 
-    def _json_rows(self, fh: Iterator[str]) -> Iterator[_Row]:
+    def _json_rows(self, fh: TextIO) -> Iterator[_Row]:
         rows = []
-        for line, text in enumerate(fh, 1):
+        for line, text in enumerate(self._lines(fh), 1):
             if not text.strip():
                 continue
             try:
@@ -199,32 +242,48 @@ class Trace:
                     raise ValueError("not a JSON object")
                 if rec.get("method") != "POST" or rec.get("route") not in TRAFFIC or not rec.get("deployment"):
                     continue  # not model traffic, or for no deployment that existed
-                duration = _number(rec, "duration_s")
-                engine_s = max(0.0, duration - (_number(rec, "queued_s") if rec.get("queued_s") is not None else 0.0))
+                duration = _number(rec, "duration_s", MAX_SPAN_S, "seconds (ten years)")
+                queued = _number(rec, "queued_s", MAX_SPAN_S, "seconds (ten years)") \
+                    if rec.get("queued_s") is not None else 0.0
+                bytes_in = _number(rec, "bytes_in", MAX_TOKENS * BYTES_PER_TOKEN, f"bytes ({MAX_TOKENS:,} tokens)")
                 at = seconds(str(rec["time"])) - duration
-                rows.append((at, line, str(rec["deployment"]), int(_number(rec, "bytes_in")) // BYTES_PER_TOKEN,
-                             engine_s, True))
+                rows.append((at, line, str(rec["deployment"]), int(bytes_in) // BYTES_PER_TOKEN,
+                             max(0.0, duration - queued), True))
             except (ValueError, KeyError, orjson.JSONDecodeError) as exc:
                 what = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
                 raise self.error(line, f"not an access log line: {what}") from None
         rows.sort(key=lambda r: (r[0], r[1]))
+        for at, line, *_ in rows:
+            if at - rows[0][0] > MAX_SPAN_S:
+                raise self.error(line, f"arrives more than ten years after the first request (line {rows[0][1]})")
         yield from rows
 
     def _model(self, model: str, line: int, rng: random.Random) -> str:
         if model:
             name = self._names.get(model)
             if name is None:
-                raise self.error(line, f"model {model!r} is served by no deployment")
+                raise self.error(line, f"model {_shown(model)} is served by no deployment")
             return name
         if not self._cum:
             raise self.error(line, "the row names no model, and no deployment has a weight to give it one")
         return self._pick_names[bisect.bisect_right(self._cum, rng.random() * self._cum[-1])]
 
 
+def _shown(value: object) -> str:
+    """A value as an error quotes it: whole when short, else its beginning and its length."""
+    if isinstance(value, str) and len(value) > _SHOWN:
+        return f"{value[:_SHOWN]!r}... ({len(value):,} characters)"
+    text = repr(value)
+    return text if len(text) <= 2 * _SHOWN else f"{text[:_SHOWN]}... ({len(text):,} characters)"
+
+
 def _count(text: str, column: str) -> int:
     text = text.strip()
-    if not text.isdigit():
-        raise ValueError(f"{column} {text!r} is not a whole number of tokens")
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{column} {_shown(text)} is not a whole number of tokens")
+    # The digits are counted before int() reads them: a count of thousands of digits is refused as it is.
+    if len(text.lstrip("0")) > len(str(MAX_TOKENS)) or int(text) > MAX_TOKENS:
+        raise ValueError(f"{column} {_shown(text)} is more than {MAX_TOKENS:,} tokens")
     return int(text)
 
 
@@ -234,11 +293,14 @@ def _flag(text: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise ValueError(f"stream {text!r} is neither true nor false")
+    raise ValueError(f"stream {_shown(text)} is neither true nor false")
 
 
-def _number(rec: dict[str, object], key: str) -> float:
+def _number(rec: dict[str, object], key: str, most: float, unit: str) -> float:
+    """A number of the access log: finite, 0 or more, at most ``most`` (of ``unit``)."""
     value = rec[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{key} {value!r} is not a number of 0 or more")
+        raise ValueError(f"{key} {_shown(value)} is not a number of 0 or more")
+    if value > most:
+        raise ValueError(f"{key} {value!r} is more than {most:,.0f} {unit}")
     return float(value)
