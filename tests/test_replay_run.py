@@ -5,11 +5,17 @@ and decode 50 tokens/s, 16 at once. A request of 1000 tokens in and 100 out is t
 prefill and 2 s of decode; the reaper looks every 15 s."""
 from __future__ import annotations
 
+import contextlib
+import math
+import random
+import signal
+import time
+
 import pytest
 
 from ondemand.model import Deployment, KeepWarm, Mode, State
 from ondemand.replay.clock import VirtualClock
-from ondemand.replay.run import configure, replay
+from ondemand.replay.run import Run, configure, replay
 from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
 
 BOX = Box(gpus=(80.0,), host_gib=512)
@@ -225,3 +231,87 @@ def test_the_virtual_clock_fires_in_time_order_and_same_times_in_the_order_set()
     assert (fired, clock()) == ([("a", 1), ("a2", 1)], 4)
     clock.run_while(lambda: len(fired) < 3)
     assert (fired[2:], clock()) == ([("b", 5)], 5)
+    assert (clock.fired, clock.next_due(), clock.horizon) == (4, 5, math.inf)  # 4 callbacks; "c" is next
+    clock.call_at(7, lambda: fired.append(("d", clock())))
+    clock.call_at(2, lambda: fired.append(("late", clock())))  # a moment past: now, after those set before
+    clock.run_until(6)
+    assert (fired[3:], clock.fired, clock.next_due(), clock.horizon) == ([("c", 5), ("late", 5)], 6, 7, 6)
+
+
+# --- idle spans: skipped, with the results stepping through them gives -------------------------
+
+POLICIES = ["current", "always-on", "ttl=300", "sleep-ttl=300", "fixed=60", "fixed=1800", "adaptive"]
+WEEK = 7 * 86400.0
+
+
+@contextlib.contextmanager
+def cpu_limit(seconds: float):
+    """Fail (TimeoutError) after ``seconds`` of this process's CPU: a replay that steps through
+    years of virtual time is stopped here instead of running for hours."""
+    def over(signum, frame):
+        raise TimeoutError(f"more than {seconds} s of CPU")
+    old = signal.signal(signal.SIGPROF, over)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
+
+
+def runs(reqs, deps, box, policies=POLICIES, *, step_idle: bool, measure_from_s: float = 0.0) -> list[Run]:
+    out = [Run(p, configure(deps, p, box), box, 5.0, measure_from_s, step_idle=step_idle)
+           for p in map(Policy.parse, policies)]
+    for r in reqs:
+        for one in out:
+            one.arrive(r)
+    return out
+
+
+def outcome(results) -> list:
+    """All a policy's result says (its JSON and its page are made of these)."""
+    return [(r.policy.name, r.total, r.per_deployment, r.memory, r.queue, r.end_s) for r in results]
+
+
+def test_a_week_of_quiet_replays_as_fast_as_a_minute():
+    """Two requests a week apart, four 10^8 s apart (three years), and one that decodes 10^7
+    tokens (2.3 days) beside one more: each under every policy, in well under a second of CPU
+    (stepping every 15 s, the gaps of 10^8 s ran for hours)."""
+    deps = [dep(1, "a", 40), dep(2, "b", 20)]
+    traces = [[req(0), req(WEEK)], [req(i * 1e8, "ab"[i % 2]) for i in range(4)],
+              [req(0, tokens_out=10_000_000), req(60, "b")]]
+    with cpu_limit(5):
+        began = time.process_time()
+        results = [replay(reqs, deps, BOX, [Policy.parse(p) for p in POLICIES]) for reqs in traces]
+        took = time.process_time() - began
+    assert took < 0.5, f"{took:.2f} s of CPU"
+    week = {r.policy.name: r for r in results[0]}
+    assert week["current"].total.ttfts == pytest.approx([60.2, 3.2])  # asleep all week, then woken
+    assert week["ttl=300"].total.ttfts == pytest.approx([60.2, 60.2])  # stopped: a cold start again
+    assert week["current"].end_s == pytest.approx(WEEK + 5.2)
+    assert [r.total.cold_starts for r in results[1]] == [2, 0, 4, 2, 2, 2, 2]  # ttl=300 stops; the others sleep
+
+
+@pytest.mark.parametrize("box", [BOX, Box(gpus=(80.0,), host_gib=512, sleep_timeout_s=3600, reap_interval_s=7.3,
+                                          host_reserve_gib=440)], ids=["defaults", "sleep-timeout-odd-period"])
+@pytest.mark.parametrize("measure_from_s", [0.0, 30_000.0])
+def test_skipping_idle_spans_gives_what_stepping_through_them_gives(box, measure_from_s):
+    """A day of three models that do not fit together (50 + 30 + 40 GiB on 80): one called
+    every half hour (adaptive warmth learns it and pre-warms it), one in bursts, one rarely,
+    hours of quiet between, queues for memory; sleeps stopped after an hour, a reaper period
+    that is no whole number of seconds. Every policy gives the same results, to the last
+    timeline entry, whether the idle spans are skipped or stepped through, with far fewer steps."""
+    rng = random.Random(5)
+    reqs = [req(k * 1800 + rng.uniform(-20, 20), "a") for k in range(48)]
+    for burst in (3000, 20_000, 21_000, 60_000, 61_000):
+        reqs += [req(burst + rng.uniform(0, 120), "b", tokens_out=rng.randint(10, 3000)) for _ in range(12)]
+    reqs += [req(at, "c") for at in (5000, 5001, 40_000, 86_000)]
+    reqs.sort(key=lambda r: r.at_s)
+    deps = [dep(1, "a", 50), dep(2, "b", 30), dep(3, "c", 40, idle_timeout_s=900, priority="high")]
+    stepped = runs(reqs, deps, box, step_idle=True, measure_from_s=measure_from_s)
+    skipped = runs(reqs, deps, box, step_idle=False, measure_from_s=measure_from_s)
+    results = [one.finish() for one in skipped]
+    assert outcome(results) == outcome(one.finish() for one in stepped)
+    # The cases the skip must not disturb: pre-warms, queues for memory, sleeps stopped.
+    assert results[-1].total.prewarms > 5 and sum(r.total.waited["queue"] for r in results) > 0
+    assert sum(one.reap_steps for one in skipped) < sum(one.reap_steps for one in stepped) / 3

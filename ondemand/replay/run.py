@@ -17,9 +17,23 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
   or from none, and behaves as ``fixed`` until its 20th.
 
 One ``Run`` per policy: its own virtual clock, world (``world.py``), controller and requests'
-edge (``flights.py``), and the reaper's step every ``reap_interval_s``. ``replay`` reads the
-trace once and hands each request to every run in turn (each runs its clock up to the arrival
-first), so nothing of the trace is held, and memory does not grow with the policies.
+edge (``flights.py``), and the reaper's step every ``reap_interval_s`` (at k × the period:
+a period that is no whole number of seconds does not drift). ``replay`` reads the trace once
+and hands each request to every run in turn (each runs its clock up to the arrival first), so
+nothing of the trace is held, and memory does not grow with the policies.
+
+**Idle spans are skipped, not stepped through** (a week of quiet, a gap of 10^8 s, a request
+that decodes for days: millions of steps that each decide nothing). A step is skipped when it
+can change nothing, which the run knows without asking the reaper's rule again: nothing has
+happened since the last step that ran (no timer fired, no request arrived), that step asked
+nothing and no request waited (so it also made every plan adaptive warmth makes when first
+asked, and the state the next steps read is the same), and the step falls before the earliest
+``idle_until`` of the deployments (the controller's own word for when the reaper may take each
+one; none: never until something happens). The next step that runs is then the first of the
+grid at or after that moment, the next timer or the next arrival, whichever comes first; it is
+pushed in the same order among the timers as a stepping reaper's would be (nothing else is
+pushed in between), so the results are those of stepping, to the byte (``step_idle=True``
+steps, for the tests that hold this).
 
 ``measure_from_s`` (``--warmup-s``): the trace's first seconds are replayed but not counted.
 Every run goes on from the state its own decisions left at that moment (what runs, what sleeps,
@@ -30,6 +44,7 @@ counted as one of the window's, so that its hit is not counted alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 from ..control.controller import Controller
@@ -38,6 +53,10 @@ from .clock import VirtualClock
 from .flights import Flights
 from .types import TIMED_KINDS, Box, Policy, PolicyResult, Replayed, Request, Tally
 from .world import World
+
+# idle_until is rounded to the ms: a skip stops this much before it (a step that runs early
+# and decides nothing changes nothing).
+QUIET_MARGIN_S = 0.01
 
 
 def check_policy(policy: Policy, box: Box) -> None:
@@ -72,7 +91,7 @@ class Run:
     """One policy's replay (module doc)."""
 
     def __init__(self, policy: Policy, replayed: Sequence[Replayed], box: Box, slo_s: float,
-                 measure_from_s: float = 0.0):
+                 measure_from_s: float = 0.0, *, step_idle: bool = False):
         self.policy = policy
         self.box = box
         self.clock = clock = VirtualClock()
@@ -92,7 +111,12 @@ class Run:
         if measure_from_s > 0:
             self.flights.measure_from_s = measure_from_s
             clock.call_later(measure_from_s, self._measure)
-        clock.call_later(box.reap_interval_s, self._reap)
+        self.step_idle = step_idle
+        self.reap_steps = 0  # the reaper's steps that ran
+        self._step = 0  # the index on the grid (k x reap_interval_s) of the reaper's next step
+        self._quiet_mark = -1  # clock.fired after the last step, while nothing else has happened since
+        self._quiet_until = -math.inf  # no step before this can change anything (module doc)
+        self._next_step(1)
 
     def _measure(self) -> None:
         """The measured window begins (module doc): the memory held so far is booked, then every
@@ -112,12 +136,46 @@ class Run:
         return results["hit"], results["miss"]
 
     def _reap(self) -> None:
-        """The reaper's clock (control/reaper.py): a step every ``reap_interval_s``."""
-        self.controller.reap()
-        self.clock.call_later(self.box.reap_interval_s, self._reap)
+        """The reaper's step (control/reaper.py), unless it can change nothing (module doc)."""
+        clock = self.clock
+        if not self.step_idle and self._quiet_mark == clock.fired - 1 and clock.now < self._quiet_until:
+            self._quiet_mark = clock.fired  # skipped: still nothing happened
+            self._skip_to(min(self._quiet_until, clock.next_due(), clock.horizon))
+            return
+        self.reap_steps += 1
+        asked = self.controller.reap()
+        self._quiet_mark = clock.fired
+        self._quiet_until = -math.inf if asked or self.controller.attempts() else self._reapable_from()
+        self._next_step(self._step + 1)
+
+    def _reapable_from(self) -> float:
+        """The earliest moment the reaper may take a deployment (``idle_until``; the controller
+        runs on the virtual clock for wall time too), less a margin for its rounding to the ms;
+        inf: none until something happens."""
+        until = [self.controller.status(dep.id)["idle_until"] for dep in self.world.deployments()]
+        return min((u for u in until if u is not None), default=math.inf) - QUIET_MARGIN_S
+
+    def _skip_to(self, moment: float) -> None:
+        """The reaper's next step: the first of the grid after now and at or after ``moment``."""
+        period = self.box.reap_interval_s
+        if moment == math.inf:  # nothing due at all: step on (a run that ends asks no more)
+            self._next_step(self._step + 1)
+            return
+        k = max(self._step + 1, math.ceil(moment / period))
+        # The quotient is rounded: set k by the products the steps are scheduled at.
+        while k > self._step + 1 and (k - 1) * period >= moment:
+            k -= 1
+        while k * period < moment:
+            k += 1
+        self._next_step(k)
+
+    def _next_step(self, k: int) -> None:
+        self._step = k
+        self.clock.call_at(k * self.box.reap_interval_s, self._reap)
 
     def arrive(self, req: Request) -> None:
         self.clock.run_until(req.at_s)
+        self._quiet_mark = -1  # something happened: the reaper's next step runs
         self.flights.arrive(req)
 
     def finish(self) -> PolicyResult:
@@ -135,11 +193,11 @@ class Run:
 
 
 def replay(requests: Iterable[Request], replayed: Sequence[Replayed], box: Box, policies: Sequence[Policy], *,
-           slo_s: float = 5.0, measure_from_s: float = 0.0,
+           slo_s: float = 5.0, measure_from_s: float = 0.0, step_idle: bool = False,
            progress: Callable[[int], None] | None = None) -> list[PolicyResult]:
     """Each policy's result, in the order given, counted from ``measure_from_s`` (module doc);
     ``progress(n)`` after every 256th request."""
-    runs = [Run(p, configure(replayed, p, box), box, slo_s, measure_from_s) for p in policies]
+    runs = [Run(p, configure(replayed, p, box), box, slo_s, measure_from_s, step_idle=step_idle) for p in policies]
     n = 0
     for n, req in enumerate(requests, 1):
         for run in runs:
