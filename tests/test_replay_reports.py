@@ -3,8 +3,13 @@
 links the newest), and nothing else of the state directory reachable through it."""
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import os
+import socket
+import tracemalloc
+import urllib.parse
 
 import aiohttp
 import pytest
@@ -167,3 +172,93 @@ def test_a_page_written_through_a_link_replaces_the_file_it_names_and_keeps_its_
     os.umask(umask)
     assert oct(fresh.stat().st_mode & 0o777) == oct(0o666 & ~umask)  # a new file: as open() makes one
     assert sorted(os.listdir(real.parent)) == ["fresh.json", "latest.html"]
+
+
+REPORT_BYTES = 32 << 20
+
+
+def big_report(server, name: str = "big.html") -> tuple[object, bytes]:
+    """A report of REPORT_BYTES in ``replays/``, and its bytes."""
+    folder = server.cfg.state_dir / "replays"
+    folder.mkdir(exist_ok=True)
+    block = b"<!doctype html>" + bytes(range(256)) * 4096
+    data = (block * (REPORT_BYTES // len(block) + 1))[:REPORT_BYTES]
+    (folder / name).write_bytes(data)
+    return folder / name, data
+
+
+async def slow_get(server, path: str):
+    """A client that reads only when the test says: a socket with a small receive buffer, the
+    request sent, the head read. Returns (reader, writer, status, Content-Length)."""
+    url = urllib.parse.urlsplit(server.url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the kernel holds little for it
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=64 << 10)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in server.admin_headers().items())
+    writer.write(f"GET {url.path}/api{path} HTTP/1.1\r\nHost: ondemand\r\n{headers}\r\n".encode())
+    head = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+    fields = dict(line.split(": ", 1) for line in head[1:] if line)
+    return reader, writer, int(head[0].split()[1]), int(fields.get("Content-Length", -1))
+
+
+async def read_body(reader, length: int) -> tuple[int, str]:
+    """Up to ``length`` bytes, or until the connection ends: how many, and their SHA-256."""
+    got, digest = 0, hashlib.sha256()
+    while got < length:
+        piece = await reader.read(min(256 << 10, length - got))
+        if not piece:
+            break
+        got += len(piece)
+        digest.update(piece)
+    return got, digest.hexdigest()
+
+
+async def test_a_report_is_sent_as_it_is_read_never_held_whole(server):
+    """A 32 MiB report read slowly: the server reads it as the client takes it, so what Python
+    holds stays far below the report (the whole file was read into memory at the request, and
+    eight unread 64 MiB downloads pinned 1.1 GB)."""
+    _, data = big_report(server)
+    want = hashlib.sha256(data).hexdigest()
+    del data
+    tracemalloc.start()
+    try:
+        reader, writer, status, length = await slow_get(server, "/replays/big.html")
+        assert (status, length) == (200, REPORT_BYTES)
+        first = await reader.read(64 << 10)
+        # The client takes nothing for a moment; the server goes as far as the socket lets it.
+        await asyncio.sleep(0.3)
+        rest, _ = await read_body(reader, REPORT_BYTES - len(first))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    writer.close()
+    assert len(first) + rest == REPORT_BYTES
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB held for a {REPORT_BYTES >> 20} MiB report"
+    reader, writer, status, length = await slow_get(server, "/replays/big.html")  # whole, as written
+    assert (status, length) == (200, REPORT_BYTES) and (await read_body(reader, length)) == (REPORT_BYTES, want)
+    writer.close()
+
+
+async def test_a_report_is_the_size_it_was_when_looked_at(server):
+    """One that grows while it is sent is sent as it was (its Content-Length); one cut short
+    while it is sent ends the connection before the promised length: the client sees a broken
+    download, never a hang or one that looks whole."""
+    path, data = big_report(server)
+    reader, writer, _, length = await slow_get(server, "/replays/big.html")
+    with open(path, "ab") as fh:
+        fh.write(b"<p>written since</p>" * 1000)
+    assert await read_body(reader, length) == (REPORT_BYTES, hashlib.sha256(data).hexdigest())
+    writer.close()
+
+    path.write_bytes(data)
+    reader, writer, _, length = await slow_get(server, "/replays/big.html")
+    assert length == REPORT_BYTES
+    await reader.read(64 << 10)
+    os.truncate(path, 1 << 20)
+    got, _ = await asyncio.wait_for(read_body(reader, length), 60)
+    assert got < length and reader.at_eof()
+    writer.close()
+    status, _, body = await get(server, "/replays/big.html")  # the server goes on: now it is 1 MiB
+    assert status == 200 and body == data[:1 << 20]
