@@ -250,8 +250,11 @@ async def _engines(app: web.Application, backend: Backend | None) -> AsyncIterat
     app[BUS].subscribe(DeploymentChanged, measure_when_ready)
     # Around each cold start: the compile cache, the weights read ahead, the phases in its log.
     watch = deployer.start_hooks = app[WATCH] = StartWatch.of(cfg, backend, deployer.budget.host_available_gib,
-                                                             publish=app[BUS].publish, estimates=app[STARTS])
-    app[BUS].subscribe(DeploymentChanged, lambda e: watch.on_change(e.dep_id, e.dep, e.old))
+                                                             publish=app[BUS].publish, estimates=app[STARTS],
+                                                             units=deployer.unit)
+    app[BUS].subscribe(events.StartBegan, watch.on_start_began)
+    app[BUS].subscribe(events.StartEnded, watch.on_start_ended)
+    app[BUS].subscribe(DeploymentChanged, lambda e: watch.forget(e.dep_id) if e.removed else None)
     await deployer.load()
     yield
     await deployer.close(stop_engines=deployer.backend.kind == "process")

@@ -1,8 +1,9 @@
 """The one in-process event bus, and its typed events.
 
 Owners publish what happened (the deployer every transition, change and
-removal; the controller a change of its live counters; the key watcher a
-rotation; the app a deployment view for the admin API's stream). Subscribers
+removal, and each start's beginning and end; the controller a change of its
+live counters; the key watcher a rotation; the app a deployment view for the
+admin API's stream). Subscribers
 register a handler per event type; every subscription is made in ``app``, so
 who hears what is visible in one place.
 
@@ -22,7 +23,7 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from .model import Deployment, State
 
@@ -65,6 +66,48 @@ class DeploymentChanged:
     @property
     def new_state(self) -> State | None:
         return self.dep.state if self.dep is not None else None
+
+
+# A start is cold (an engine created) or a wake (an asleep engine woken).
+StartKind = Literal["cold", "wake"]
+# How a start ended: ready; failed (a cold start, or a wake whose engine call failed or timed
+# out); mismatch (a wake whose check answered otherwise); stopped or removed (an administrator,
+# make-room, ...); interrupted (ondemand shut down during it).
+StartResult = Literal["ready", "failed", "mismatch", "stopped", "removed", "interrupted"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartBegan:
+    """A start or a wake began: the deployer marked the deployment ``starting`` (a failed
+    wake's cold start begins in the same ``starting``, right after the wake's ``StartEnded``);
+    or, with ``taken_back``, ondemand found it starting at its own start-up and follows it on
+    (it began before: ``at`` is its stored row's stamp). Published before the step's
+    ``DeploymentChanged``. ``start``: the unit's ``Start`` (engines/start.py), for the details."""
+    dep_id: int
+    name: str
+    kind: StartKind
+    level: int | None  # the sleep level a wake wakes from; None for a cold start
+    at: float  # wall clock: when it began
+    gpus: tuple[int, ...]
+    taken_back: bool
+    start: Any  # engines.start.Start (this module imports nothing of the engines')
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartEnded:
+    """A start or a wake ended (every ``StartBegan`` is followed by one): ``duration_s`` from
+    its beginning (the deployer's monotonic clock), ``at`` the wall clock at its end. Published
+    before the step's ``DeploymentChanged``; one that ends with no change (ondemand shutting
+    down while the row stays ``starting``) alone."""
+    dep_id: int
+    name: str
+    kind: StartKind
+    level: int | None
+    duration_s: float
+    result: StartResult
+    at: float
+    taken_back: bool
+    start: Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

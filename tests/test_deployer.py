@@ -8,13 +8,15 @@ from helpers import dep_fields, running_deployer, wait_for
 
 from ondemand.engines.deployer import StartFailed, StartInterrupted
 from ondemand.errors import DeployerError, InsufficientMemory
+from ondemand.events import DeploymentChanged
 
 
 async def test_start_ready_stop(tmp_path, store):
     changes = []
 
     def publish(e):
-        changes.append((e.old_state, e.new_state))
+        if isinstance(e, DeploymentChanged):  # not the start's events (StartBegan, StartEnded)
+            changes.append((e.old_state, e.new_state))
     async with running_deployer(tmp_path, store, publish=publish) as d:
         dep = await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "0.3"))
         await d.restart(dep.id, actor="ondemand", audit="ondemand_start", text="started for a request")
@@ -306,8 +308,8 @@ async def test_a_stop_is_published_once_with_its_cause(tmp_path, store):
     """The change that starts a stop carries why (the metrics count stops by it); no other does."""
     from ondemand.events import StopCause
     seen = []
-    d_cm = running_deployer(tmp_path, store, publish=lambda e: seen.append((e.old_state, e.new_state, e.cause)),
-                            watch_interval_s=0.1)
+    d_cm = running_deployer(tmp_path, store, watch_interval_s=0.1, publish=lambda e: isinstance(e, DeploymentChanged)
+                            and seen.append((e.old_state, e.new_state, e.cause)))
     async with d_cm as d:
         a = (await d.create(dep_fields("a"))).id
         b = (await d.create(dep_fields("b"))).id

@@ -67,7 +67,7 @@ ALLOWED = {
     # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the
     # watchdog), deciding by its rules; the budget (control's) comes through engines.memory's protocol.
     "engines.deployer": {"engines.backends", "engines.client", "engines.memory", "engines.recipes",
-                         "engines.registry", "engines.rules", "engines.sleeper", "engines.startwatch", "engines.unit",
+                         "engines.registry", "engines.rules", "engines.sleeper", "engines.start", "engines.unit",
                          "engines.warmth", "errors", "events", "http.pool", "model", "state.store", "tasks"},
     # The deployer's rules (may it start, approve a stop, which sleep level, a mark's fields, the
     # gates' order): pure, called by the deployer and by the replay's world.
@@ -75,18 +75,23 @@ ALLOWED = {
     # What the deployer asks of the memory budget (protocols), and the arithmetic of a measured holding.
     "engines.memory": {"model"},
     # The units and the one writer of their rows (row + event + audit in one transaction); bookings.
-    "engines.registry": {"engines.backends", "engines.memory", "engines.recipes", "engines.rules", "engines.unit",
-                         "errors", "events", "model", "state.store"},
+    "engines.registry": {"engines.backends", "engines.memory", "engines.recipes", "engines.rules", "engines.start",
+                         "engines.unit", "errors", "events", "model", "state.store"},
     # One deployment: its engine, its start, wake, stop, exit and take-back; writes through its owner.
-    "engines.unit": {"engines.backends", "engines.client", "engines.recipes", "engines.sleeper", "engines.startwatch",
-                     "engines.warmth", "events", "model", "tasks"},
+    "engines.unit": {"engines.backends", "engines.client", "engines.readahead", "engines.recipes", "engines.sleeper",
+                     "engines.start", "engines.warmth", "events", "model", "tasks"},
+    # A start or wake under way (the unit's): its kind, level, beginning, GPUs, phases and caches; the
+    # hooks told of a cold start.
+    "engines.start": {"engines.backends", "engines.phases", "engines.readahead", "engines.recipes", "events",
+                      "model"},
     # The engine calls of a sleep and a wake, and the wake check, beside warmth's rules.
     "engines.sleeper": {"engines.backends", "engines.client", "engines.warmth", "model"},
     # The one client to the engines: the traffic's pools (http.pool).
     "engines.client": {"engines.backends", "http.pool"},
     # Around a cold start: the compile cache, the weights read ahead, the phases in the engine's log.
     "engines.startwatch": {"config", "engines.backends", "engines.backends.logs", "engines.compile_cache", "engines.phases",
-                           "engines.readahead", "engines.recipes", "events", "model", "tasks"},
+                           "engines.readahead", "engines.recipes", "engines.start", "engines.unit", "events", "model",
+                           "tasks"},
     # Pure: a start's phases from its log lines, and their ETA.
     "engines.phases": set(),
     # One directory per configuration under deployer.compile_cache: the standard library only.

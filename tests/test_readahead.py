@@ -64,7 +64,7 @@ async def test_skipped_when_memory_is_short(tmp_path):
                       reader=lambda files, stop: calls.append(files) or 0)
     outcome = ahead.warm(dep(str(d)))
     assert outcome.state == "skipped" and "memory is short" in outcome.why and calls == []
-    assert ahead.outcome(1).as_dict()["state"] == "skipped"
+    assert outcome.as_dict()["state"] == "skipped"
     await ahead.close()
 
 
@@ -79,7 +79,7 @@ async def test_a_slow_read_never_delays_the_start_and_is_left_to_go_on(tmp_path)
     began = time.monotonic()
     outcome = ahead.warm(dep(str(d)))
     assert time.monotonic() - began < 0.5 and outcome.state == "reading"  # returned at once
-    assert ahead.warm(dep(str(d))) is outcome  # one read per deployment at a time
+    assert ahead.warm(dep(str(d)), outcome) is outcome  # one read per deployment at a time (its last handed back)
     release.set()
     for _ in range(200):
         if outcome.state == "done":

@@ -4,12 +4,14 @@ lines read by a running ondemand."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ondemand.engines.backends import Engine
 from ondemand.engines.recipes import Launch
+from ondemand.engines.start import Start
 from ondemand.engines.startwatch import StartWatch
 from ondemand.events import StartPhase, StartTimed
 from ondemand.gateway import notice
@@ -23,7 +25,7 @@ class Estimates:
     def eta_s(self, dep_id: int) -> float | None:
         return self.single
 
-    def notice_eta_s(self, dep_id: int) -> float | None:
+    def wake_eta_s(self, dep_id: int, level: int | None = None) -> float | None:
         return self.single
 
 
@@ -46,9 +48,15 @@ def dep(state: State, **kw) -> Deployment:
     return Deployment(id=1, name="d", served_name="D", engine="vllm", state=state, **kw)
 
 
+# The deployment's unit, as the watch finds it by id: its start under way, its caches.
+UNIT = SimpleNamespace(dep=dep(State.STOPPED), start=None, launched=None, read_ahead=None)
+
+
 def watch_of(log: Log, clock: list[float], single: float | None = None) -> tuple[StartWatch, list]:
     published: list = []
-    w = StartWatch(log.follow, publish=published.append, estimates=Estimates(single), clock=lambda: clock[0])
+    UNIT.start = None
+    w = StartWatch(log.follow, publish=published.append, estimates=Estimates(single), units=lambda i: UNIT,
+                   clock=lambda: clock[0])
     return w, published
 
 
@@ -58,11 +66,19 @@ async def settle() -> None:
 
 
 async def start(w: StartWatch, clock: list[float], at: float) -> None:
+    """A cold start begins (its StartBegan, as the deployer publishes it) and creates its engine."""
     clock[0] = at
-    w.on_change(1, dep(State.STARTING), dep(State.STOPPED))
-    w.before(dep(State.STARTING), Launch(None, None, ()))
-    w.after(dep(State.STARTING), Engine(1, "d", "http://x"))
+    UNIT.start = Start(dep(State.STARTING), "cold", began=at)
+    w.on_start_began(UNIT.start.began_event())
+    w.before(UNIT.start, dep(State.STARTING), Launch(None, None, ()))
+    w.after(UNIT.start, dep(State.STARTING), Engine(1, "d", "http://x"))
     await settle()
+
+
+def end(w: StartWatch, clock: list[float], result: str = "ready") -> None:
+    """The start ends (the registry's mark leaves ``starting``; its StartEnded)."""
+    start, UNIT.start = UNIT.start, None
+    w.on_start_ended(start.end(result, now=clock[0]))
 
 
 async def test_phases_from_a_log_in_pieces_and_the_eta_of_the_next_start():
@@ -79,7 +95,7 @@ async def test_phases_from_a_log_in_pieces_and_the_eta_of_the_next_start():
         assert [e.phase for e in published if isinstance(e, StartPhase)] == [
             "container", "process", "weights", "compile", "serving"]
         clock[0] = 128.0
-        w.on_change(1, dep(State.READY), dep(State.STARTING))
+        end(w, clock)
         timed = [e for e in published if isinstance(e, StartTimed)]
         assert timed == [StartTimed(1, "d", {"container": 0.0, "process": 1.0, "weights": 4.0, "compile": 20.0,
                                              "serving": 3.0}, None)]
@@ -101,7 +117,7 @@ async def test_phases_from_a_log_in_pieces_and_the_eta_of_the_next_start():
                                                             ("weights", True), ("compile", False),
                                                             ("serving", False)]
         clock[0] = 233.0
-        w.on_change(1, dep(State.READY), dep(State.STARTING))
+        end(w, clock)
         error = [e for e in published if isinstance(e, StartTimed)][-1].eta_error
         assert error == abs(28.0 - 33.0) / 33.0
     finally:
@@ -118,7 +134,7 @@ async def test_an_engine_that_logs_no_phase_keeps_the_single_eta_counted_down():
         clock[0] = 12.0
         assert w.phase(1) == "process" and w.eta_s(1) == 18.0
         assert w.fields(1, None)["start_eta_s"] == 18.0 and w.notice_eta_s(1) == 18.0
-        w.on_change(1, dep(State.READY), dep(State.STARTING))
+        end(w, clock)
         assert w.history.medians(1) == {}  # no logged phase: the next start keeps the single ETA
         error = [e for e in published if isinstance(e, StartTimed)][-1].eta_error
         assert error == abs(30.0 - 12.0) / 12.0
@@ -130,10 +146,12 @@ async def test_a_wake_has_no_phases_and_a_failed_start_records_none():
     log, clock = Log(), [0.0]
     w, published = watch_of(log, clock)
     try:
-        w.on_change(1, dep(State.STARTING, sleep_level=1), dep(State.ASLEEP, sleep_level=1))
+        UNIT.start = Start(dep(State.STARTING, sleep_level=1), "wake", began=0.0)
+        w.on_start_began(UNIT.start.began_event())
         assert w.phase(1) is None
+        end(w, clock)
         await start(w, clock, 0.0)
-        w.on_change(1, dep(State.FAILED), dep(State.STARTING))
+        end(w, clock, "failed")
         await settle()
         assert w.phase(1) is None and log.closed
         assert not [e for e in published if isinstance(e, StartTimed)] and w.history.medians(1) == {}

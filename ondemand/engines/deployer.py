@@ -66,7 +66,7 @@ from .recipes import Box
 from .registry import Registry
 from .rules import Precheck
 from .sleeper import Sleeper
-from .startwatch import StartHooks
+from .start import StartHooks
 from .unit import Unit, owed_a_start
 
 __all__ = ["Deployer", "StartFailed", "StartInterrupted"]
@@ -156,6 +156,9 @@ class Deployer(Registry):
                         else:
                             await self.transition(unit.id, State.STOPPED, text="stopped at shutdown",
                                                   cause=StopCause.SHUTDOWN)
+        for unit in self.units():  # a start left to the next ondemand (its row stays starting) ends here
+            unit.end_start("interrupted")
+            self._announce(unit)
         if self._own_pools:
             await self.client.upstreams.close()
         await self.backend.close()

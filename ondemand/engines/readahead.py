@@ -6,7 +6,9 @@ in memory. Only when the host can spare it: ``MemAvailable`` less ``budget.host_
 at least the files' size (``decide``), else the read is skipped and says why. A start never
 waits for it: the read runs in a thread beside the engine's start (both read the same files, so
 neither reads a byte twice from disk), and one still running when the engine is up is left to
-go on. One read per deployment at a time; ``close`` stops them between two chunks.
+go on. One read per deployment at a time: a read's ``Outcome`` is its handle, which the caller
+keeps (the start watch, on the deployment's unit and its start) and hands back to the next
+``warm``; ``close`` stops them all between two chunks.
 
 ``warm`` is what an expected next start (the adaptive keep-warm) calls too, without a start.
 """
@@ -89,11 +91,17 @@ def read_files(files: list[Path], stop: threading.Event, chunk: int = CHUNK) -> 
 
 @dataclasses.dataclass
 class Outcome:
-    """The last read-ahead of a deployment: ``reading``, ``done`` or ``skipped`` (``why``)."""
+    """A read-ahead of a deployment: ``reading``, ``done`` or ``skipped`` (``why``); ``task``
+    while it reads."""
     state: str
     bytes: int = 0
     why: str | None = None
     seconds: float | None = None
+    task: asyncio.Task[None] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
 
     def as_dict(self) -> dict[str, object]:
         return {"state": self.state, "gib": round(self.bytes / GIB, 3), "why": self.why,
@@ -101,7 +109,7 @@ class Outcome:
 
 
 class ReadAhead:
-    """The reads under way, one per deployment, and each deployment's last outcome."""
+    """The reads under way (in its task group); what each read came to is its ``Outcome``."""
 
     def __init__(self, *, model_cache: Path | None, available_gib: Callable[[], float | None],
                  reserve_gib: float, reader: Callable[[list[Path], threading.Event], int] = read_files):
@@ -110,45 +118,33 @@ class ReadAhead:
         self.reserve_gib = reserve_gib
         self.reader = reader
         self.tasks = TaskGroup("read-ahead")
-        self._running: dict[int, asyncio.Task[None]] = {}
-        self._outcomes: dict[int, Outcome] = {}
         self._stop = threading.Event()
 
-    def warm(self, dep: Deployment) -> Outcome:
+    def warm(self, dep: Deployment, last: Outcome | None = None) -> Outcome:
         """Read ``dep``'s weights ahead in the background if the host can spare the memory;
-        returns at once (no await), with what it does. A read of ``dep``'s under way goes on."""
-        running = self._running.get(dep.id)
-        if running is not None and not running.done():
-            return self._outcomes[dep.id]
+        returns at once (no await), with what it does. ``last``: ``dep``'s last read, which is
+        returned while it still reads (it goes on)."""
+        if last is not None and last.running:
+            return last
         if dep.model is None:
             return Outcome("skipped", why="no model")
         files = weight_files(dep.model, self.model_cache)
         size = sum(_size(f) for f in files)
         why = decide(size, self.available_gib(), self.reserve_gib)
         if why is not None:
-            outcome = self._outcomes[dep.id] = Outcome("skipped", size, why)
             log.info("%s: weights not read ahead: %s", dep.name, why)
-            return outcome
-        outcome = self._outcomes[dep.id] = Outcome("reading", size)
-        self._running[dep.id] = self.tasks.spawn(self._read(dep, files, outcome), f"read {dep.name}")
+            return Outcome("skipped", size, why)
+        outcome = Outcome("reading", size)
+        outcome.task = self.tasks.spawn(self._read(dep, files, outcome), f"read {dep.name}")
         return outcome
 
     async def _read(self, dep: Deployment, files: list[Path], outcome: Outcome) -> None:
         began = time.monotonic()
-        try:
-            # In a thread: the disk is slow, the event loop serves requests meanwhile. Cancelled
-            # (shutdown), the thread sees the stop flag within one chunk.
-            read = await asyncio.to_thread(self.reader, files, self._stop)
-        finally:
-            self._running.pop(dep.id, None)
+        # In a thread: the disk is slow, the event loop serves requests meanwhile. Cancelled
+        # (shutdown), the thread sees the stop flag within one chunk.
+        read = await asyncio.to_thread(self.reader, files, self._stop)
         outcome.state, outcome.bytes, outcome.seconds = "done", read, time.monotonic() - began
         log.info("%s: read %.2f GiB of weights ahead in %.1f s", dep.name, read / GIB, outcome.seconds)
-
-    def outcome(self, dep_id: int) -> Outcome | None:
-        return self._outcomes.get(dep_id)
-
-    def forget(self, dep_id: int) -> None:
-        self._outcomes.pop(dep_id, None)
 
     async def close(self) -> None:
         self._stop.set()

@@ -7,7 +7,9 @@ await), then writes the row, its event and any audit row in one transaction (``p
 then publishes ``DeploymentChanged`` on the bus (the controller decides, the app publishes the
 view, the LiteLLM sync is triggered) and resolves the unit's futures of its next change.
 A transition is the two halves: ``mark`` (no await, so it can share a step with a decision)
-then ``persist``; ``transition`` does both.
+then ``persist``; ``transition`` does both. A mark that moves a deployment out of ``starting``
+ends its unit's start (``start.py``); the start events since the last change are published
+before it (``StartEnded``, then ``StartBegan``, then ``DeploymentChanged``).
 
 It books too: a recipe without ``memory_gib`` is booked from its checkpoint on this box
 (``recipes.booking``, read in a thread by ``book``, taken by ``with_booking`` in a step with no
@@ -32,6 +34,7 @@ from . import rules
 from .backends import Engine
 from .memory import Sizes
 from .recipes import Box, Launch, booking, is_secret, launch
+from .start import ended_by
 from .unit import Booked, Unit
 
 log = logging.getLogger("ondemand.engines.deployer")
@@ -195,7 +198,10 @@ class Registry:
         unit = self._units[dep_id]
         changes = rules.marked(unit.dep, state, reason, log_tail, gpus, extra)
         unit.owed = False  # any transition settles a start owed: admitted, or stopped
-        return self.amend(dep_id, **changes)
+        old, new = self.amend(dep_id, **changes)
+        if state is not State.STARTING:  # its start, if one was under way, ended here
+            unit.end_start(ended_by(state, unit.removing), at=new.updated_at)
+        return old, new
 
     async def owe_start(self, dep_id: int, *, reason: str, text: str, cause: StopCause | None = None) -> None:
         """Mark it stopped and owed a start to always on, with ``pending_mode`` always_on in the
@@ -258,7 +264,13 @@ class Registry:
                 cause: StopCause | None = None) -> None:
         if unit is not None:
             unit.settle()
+            self._announce(unit)  # the starts that ended and began up to this change, before it
         self.publish(DeploymentChanged(dep_id, None if unit is None or unit.removed else unit.dep, old, cause))
+
+    def _announce(self, unit: Unit) -> None:
+        """Publish the unit's start events not published yet."""
+        for event in unit.announced():
+            self.publish(event)
 
     # --- create, change, forget ----------------------------------------------
 

@@ -20,12 +20,13 @@ decision that reads them (the stop's precheck, the fit check) needs no lock.
 
 What it holds (before issue 30, parallel dicts of the deployer keyed by the deployment's id):
 its deployment (``dep``), its engine and that engine's exit (``engine``, ``exited``), the start
-or wake under way (``task``) and whether it is past its start-up gates (``gated``) or in a
-wake's engine calls (``waking``), the sleep call under way (``sleeping``) with the host memory
-it reserves (``host_reserved``) and each GPU's use across it (``gpu_drop``), whether a start is
-owed after ondemand's restart (``owed``), whether it is being removed (``removing``) or is
-gone (``removed``), the watchdog's misses in a row (``misses``), the booking last read for it
-(``booked``), and the futures of its next change.
+or wake under way (``start``: start.py, its ``task``) and whether it is past its start-up gates
+(``gated``) or in a wake's engine calls (``waking``), its caches (``launched``, ``read_ahead``),
+the sleep call under way (``sleeping``) with the host memory it reserves (``host_reserved``)
+and each GPU's use across it (``gpu_drop``), whether a start is owed after ondemand's restart
+(``owed``), being removed (``removing``) or gone (``removed``), the watchdog's misses in a row
+(``misses``), the booking last read (``booked``), the futures of its next change and the start
+events to publish before it.
 """
 from __future__ import annotations
 
@@ -36,15 +37,16 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
-from ..events import StopCause, Woken
+from ..events import StartResult, StopCause, Woken
 from ..model import HOLDING, Booking, Deployment, Mode, State
 from ..tasks import TaskGroup
 from . import warmth
 from .backends import Backend, BackendError, Engine
 from .client import EngineClient
+from .readahead import Outcome
 from .recipes import FieldError, Launch
 from .sleeper import Sleeper, WakeFailed
-from .startwatch import StartHooks
+from .start import Start, StartHooks
 
 log = logging.getLogger("ondemand.engines.unit")
 
@@ -115,7 +117,10 @@ class Unit:
         self.booked = booked
         self.engine: Engine | None = None
         self.exited: asyncio.Future[int | None] | None = None  # the exit of ``engine``, when it is attached
-        self.task: asyncio.Task[None] | None = None  # the start or the wake under way
+        self.start: Start | None = None  # the start or the wake under way
+        self.task: asyncio.Task[None] | None = None  # its task
+        self.launched: Start | None = None  # its last cold start past its gates: its compile cache's state
+        self.read_ahead: Outcome | None = None  # the last read of its weights ahead, a start's or a pre-warm's
         self.gated = False  # a start past its gates: busy with the backend (a stop waits for it)
         self.waking = False  # a wake's engine calls are out: a stop may cancel them
         self.sleep_call: asyncio.Future[None] | None = None  # a sleep's engine call is out: done when it ends
@@ -128,6 +133,7 @@ class Unit:
         self.removed = False  # no longer in the registry: its tasks end
         self.misses = 0  # the watchdog's checks in a row that its engine did not answer
         self._changes: list[asyncio.Future[None]] = []
+        self._announced: list[object] = []  # its start's events, published before the next change
 
     @property
     def id(self) -> int:
@@ -161,6 +167,23 @@ class Unit:
         for fut in changes:
             if not fut.done():
                 fut.set_result(None)
+
+    def announced(self) -> list[object]:
+        """Its start events not published yet: the registry publishes them before its next change."""
+        events, self._announced = self._announced, []
+        return events
+
+    # --- its start ------------------------------------------------------------------
+
+    def _began(self, start: Start) -> None:
+        self.start = start
+        self._announced.append(start.began_event())
+
+    def end_start(self, result: StartResult, at: float | None = None) -> None:
+        """The start under way (if any) ends with ``result`` (``at``: the wall clock at its end)."""
+        start, self.start = self.start, None
+        if start is not None:
+            self._announced.append(start.end(result, now=self.owner.clock(), at=at))
 
     # --- its engine -----------------------------------------------------------------
 
@@ -264,12 +287,13 @@ class Unit:
         if engine is not None and dep.state in (State.READY, State.ASLEEP, State.STARTING):
             log.info("adopted the running engine of %s (%s)", dep.name, engine.base_url)
             self.attach(engine)
-            if dep.state is State.STARTING and dep.sleep_level is not None:
-                # ondemand ended during a wake: the engine may still sleep (its /health answers
-                # all the same), so the wake is done again, and checked.
-                self.task = owner.tasks.spawn(self._wake(), f"wake {dep.name}")
-            elif dep.state is State.STARTING:
-                self.task = owner.tasks.spawn(self._wait_ready(engine), f"start {dep.name}")
+            if dep.state is State.STARTING:  # its start goes on here: announced now (no change goes with it)
+                self.start = Start.taken_back_from(dep, now=owner.clock())
+                owner.publish(self.start.began_event())
+                # Ended mid-wake, the engine may still sleep (its /health answers anyway): woken again.
+                wake = dep.sleep_level is not None
+                self.task = owner.tasks.spawn(self._wake() if wake else self._wait_ready(engine),
+                                              f"{'wake' if wake else 'start'} {dep.name}")
         elif engine is not None:
             await owner.backend.stop(engine, owner.stop_timeout_s)
             if dep.state is State.STOPPING:
@@ -295,8 +319,9 @@ class Unit:
     # --- start and wake ----------------------------------------------------------------
 
     def begin(self, waking: bool) -> None:
-        """Marked starting by the registry: the start (or the wake) runs in the background,
-        behind the start-up gates."""
+        """Marked starting by the registry: the start (or the wake) begins (announced with the
+        mark's change), and runs in the background, behind the start-up gates."""
+        self._began(Start(self.dep, "wake" if waking else "cold", began=self.owner.clock()))
         coro = self._wake() if waking else self._start()
         self.task = self.owner.tasks.spawn(coro, f"start {self.dep.name}")
 
@@ -323,7 +348,9 @@ class Unit:
             what = f"deployer.hf_token_file: {exc}" if not isinstance(exc, FieldError) else str(exc)
             await owner.transition(self.id, State.FAILED, reason=f"cannot make its command line: {what}")
             return
-        owner.start_hooks.before(dep, how)
+        start = self.launched = self.start
+        assert start is not None, "marked starting: begun"
+        owner.start_hooks.before(start, dep, how)
         try:
             engine = await owner.backend.start(dep, how)
         except Exception as exc:  # a BackendError, or a defect: the start failed, it is not stuck
@@ -333,7 +360,7 @@ class Unit:
             await owner.transition(self.id, State.FAILED, reason=str(exc) or repr(exc), log_tail=tail)
             return
         self.attach(engine)
-        owner.start_hooks.after(dep, engine)
+        owner.start_hooks.after(start, dep, engine)
         await self._wait_ready(engine)
 
     async def _wait_ready(self, engine: Engine) -> None:
@@ -448,8 +475,10 @@ class Unit:
         if not self.is_(State.STARTING):
             return
         # A cold start from here, stored and published (starting to starting, without the sleep
-        # level): the start history times it from here, not from the wake's beginning, and a
-        # restart of ondemand during it takes back a cold start, not a wake at the old level.
+        # level), its wake ended first: the start history times it from here, not from the
+        # wake's beginning, and a restart of ondemand during it takes back a cold start.
+        self.end_start("mismatch" if failure.result == "mismatch" else "failed")
+        self._began(Start(self.dep, "cold", began=self.owner.clock()))
         await self.owner.transition(self.id, State.STARTING, text=f"starting cold after the failed wake from "
                                     f"sleep level {level}",
                                     extra={"sleep_level": None, "host_gib": None, "wake_check": None})
