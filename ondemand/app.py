@@ -214,7 +214,8 @@ async def _starts(app: web.Application) -> AsyncIterator[None]:
     after a restart is timed too."""
     history = app[STARTS] = StartHistory(app[STORE])
     await history.load()
-    app[BUS].subscribe(DeploymentChanged, lambda e: history.on_change(e.dep_id, e.dep, e.old))
+    app[BUS].subscribe(events.StartEnded, history.on_start_ended)
+    app[BUS].subscribe(DeploymentChanged, lambda e: history.forget(e.dep_id) if e.removed else None)
     yield
     await history.close()
 

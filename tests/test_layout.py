@@ -61,7 +61,7 @@ ALLOWED = {
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
     "control.footprint": {"control.budget", "engines.deployer", "engines.memory", "model"},
-    "control.starts": {"model", "state.store", "tasks"},
+    "control.starts": {"events", "state.store", "tasks"},
     # engines/: the deployer and how engines run.
     "engines": set(),
     # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the

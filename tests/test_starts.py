@@ -1,12 +1,18 @@
-"""Start history (ondemand/control/starts.py): durations from the bus's DeploymentChanged, the
+"""Start history (ondemand/control/starts.py): durations from the bus's StartEnded, the
 deployment view's last_start_s and start_eta_s, the state file's `starts` table
 (migration 4), and the ETA in the queued notice."""
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
-from helpers import wait_for
+from helpers import dep_fields, running_deployer, wait_for
 
 from ondemand.control.starts import ETA_OF, StartHistory
+from ondemand.engines.start import Start
+from ondemand.engines.startwatch import StartWatch
+from ondemand.events import StartEnded
 from ondemand.gateway import notice
 from ondemand.model import Deployment, State
 from ondemand.state import migrations
@@ -16,13 +22,11 @@ def dep(state: State, at: float, **kw) -> Deployment:
     return Deployment(id=kw.pop("id", 1), name="d", served_name="D", engine="vllm", state=state, updated_at=at, **kw)
 
 
-def moves(history: StartHistory, *steps: tuple[State, float], **kw) -> None:
-    """Publish the deployment's changes ``(state, updated_at)`` in order, as the deployer does."""
-    old = None
-    for state, at in steps:
-        new = dep(state, at, **kw)
-        history.on_change(new.id, new, old)
-        old = new
+def ended(history: StartHistory, began: float, at: float, result: str = "ready", *, level: int | None = None,
+          id: int = 1) -> None:
+    """Publish the end of a start (a wake with ``level``) that began at ``began``, as the deployer does."""
+    kind = "cold" if level is None else "wake"
+    history.on_start_ended(StartEnded(id, "d", kind, level, at - began, result, at, False, None))
 
 
 async def written(store, dep_id: int, n: int) -> list[tuple[str, float, int | None]]:
@@ -38,7 +42,7 @@ async def test_a_start_is_timed_from_starting_to_ready_and_kept(store):
     h = StartHistory(store)
     try:
         assert h.fields(1) == {"last_start_s": None, "start_eta_s": None}
-        moves(h, (State.STOPPED, 100.0), (State.STARTING, 100.0), (State.READY, 142.0))
+        ended(h, 100.0, 142.0)
         assert h.fields(1) == {"last_start_s": 42.0, "start_eta_s": 42.0}
         assert await written(store, 1, 1) == [("start", 42.0, None)]
     finally:
@@ -53,7 +57,7 @@ async def test_eta_is_the_median_of_the_last_five(store):
     try:
         for i, took in enumerate([100, 10, 20, 30, 40, 50, 11]):
             t = 1000.0 * i
-            moves(h, (State.STOPPED, t), (State.STARTING, t), (State.READY, t + took))
+            ended(h, t, t + took)
         assert h.last_start_s(1) == 11.0
         assert h.eta_s(1) == 30.0  # median of 20, 30, 40, 50, 11: the 100 s start aged out
         await written(store, 1, 7)
@@ -61,42 +65,49 @@ async def test_eta_is_the_median_of_the_last_five(store):
         await h.close()
 
 
-async def test_an_edit_while_starting_does_not_shorten_it(store):
-    """The deployer stamps updated_at on every change: a pending mode set during the start
-    must not become the start's beginning."""
+async def test_an_edit_while_starting_does_not_shorten_it(tmp_path, store):
+    """The deployer stamps updated_at on every change: an edit during the start (a live field
+    here) must not become the start's beginning. A real start, its StartEnded heard."""
     h = StartHistory(store)
     try:
-        moves(h, (State.STOPPED, 0.0), (State.STARTING, 10.0), (State.STARTING, 30.0), (State.READY, 70.0))
-        assert h.last_start_s(1) == 60.0
+        async with running_deployer(tmp_path, store, publish=lambda e: isinstance(e, StartEnded)
+                                    and h.on_start_ended(e)) as d:
+            a = (await d.create(dep_fields("a", 10, "on_demand", "--startup-delay", "1.0"))).id
+            await d.admit_start(a)
+            await wait_for(lambda: d.engine(a) is not None, what="its engine started")
+            await asyncio.sleep(0.6)  # well into the start (the engine answers after 1 s of its own)
+            await d.edit(a, {"priority": "high"})
+            await d.wait_started(a)
+        assert h.last_start_s(a) >= 1.0  # from the mark to starting; from the edit it would be about 0.4 s
     finally:
         await h.close()
 
 
-@pytest.mark.parametrize("end", [State.FAILED, State.STOPPING])
+@pytest.mark.parametrize("end", ["failed", "stopped"])
 async def test_failed_or_interrupted_starts_are_not_counted(store, end):
     h = StartHistory(store)
     try:
-        moves(h, (State.STOPPED, 0.0), (State.STARTING, 0.0), (end, 5.0))
+        ended(h, 0.0, 5.0, end)
         assert h.fields(1) == {"last_start_s": None, "start_eta_s": None}
-        moves(h, (State.STOPPED, 10.0), (State.STARTING, 10.0), (State.READY, 13.0))
+        ended(h, 10.0, 13.0)
         assert h.last_start_s(1) == 3.0
     finally:
         await h.close()
 
 
 async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_timed_from_its_row(store):
+    """(A start taken back after a restart begins at its row's stamp: tests/test_start.py.)"""
     h = StartHistory(store)
     try:
-        moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 2.0), sleep_level=1)
+        ended(h, 0.0, 2.0, level=1)
         assert h.last_start_s(1) is None  # a wake says nothing about a cold start
-        # Adopted while starting: the first change seen is starting -> ready.
-        h.on_change(2, dep(State.READY, 50.0, id=2), dep(State.STARTING, 20.0, id=2))
-        assert h.last_start_s(2) == 30.0
         assert await written(store, 1, 1) == [("wake", 2.0, 1)]  # with the level it woke from
         # A clock that went back gives no entry; a removal forgets the deployment.
-        moves(h, (State.STOPPED, 100.0), (State.STARTING, 100.0), (State.READY, 90.0), id=3)
+        ended(h, 20.0, 50.0, id=2)
+        assert h.last_start_s(2) == 30.0
+        ended(h, 100.0, 90.0, id=3)
         assert h.last_start_s(3) is None
-        h.on_change(2, None, dep(State.READY, 50.0, id=2))
+        h.forget(2)
         assert h.last_start_s(2) is None
     finally:
         await h.close()
@@ -104,28 +115,35 @@ async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_tim
 
 async def test_wakes_have_an_eta_of_their_own_which_an_asleep_notice_gives(store):
     """Issue 29: wake_eta_s is the median of the last five wakes (an asleep deployment's view
-    adds it); the queued notice of an asleep or waking deployment gives it, else the start's.
-    A wake keeps its sleep level through starting: a failed wake's cold start has none."""
+    adds it); the queued notice of an asleep or waking deployment gives it, else the start's
+    (the start watch's ``notice_eta_s``, reading the deployment's unit). A failed wake ends,
+    and a cold start begins in the same starting: it counts as a start."""
     h = StartHistory(store)
+    unit = SimpleNamespace(dep=dep(State.READY, 0.0), start=None)
+    watch = StartWatch(lambda d: None, publish=lambda e: None, estimates=h, units=lambda i: unit, clock=lambda: 0.0)
     try:
-        moves(h, (State.STOPPED, 0.0), (State.STARTING, 0.0), (State.READY, 60.0))
+        ended(h, 0.0, 60.0)
         for i, took in enumerate([9.0, 1.0, 2.0, 3.0, 4.0, 5.0]):
             t = 1000.0 * (i + 1)
-            moves(h, (State.ASLEEP, t), (State.STARTING, t), (State.READY, t + took), sleep_level=1)
+            ended(h, t, t + took, level=1)
         assert h.fields(1) == {"last_start_s": 60.0, "start_eta_s": 60.0}
         assert h.fields(1, asleep=True) == {"last_start_s": 60.0, "start_eta_s": 60.0, "wake_eta_s": 3.0}
-        assert h.notice_eta_s(1) == 60.0  # ready: a start's
-        h.on_change(1, dep(State.ASLEEP, 9000.0, sleep_level=1), dep(State.READY, 8000.0))
-        assert h.notice_eta_s(1) == 3.0
-        h.on_change(1, dep(State.STARTING, 9001.0, sleep_level=1), dep(State.ASLEEP, 9000.0, sleep_level=1))
-        assert h.notice_eta_s(1) == 3.0  # waking
-        # The wake failed: a cold start in the same starting, without the level; it counts as a start.
-        h.on_change(1, dep(State.STARTING, 9002.0), dep(State.STARTING, 9001.0, sleep_level=1))
-        assert h.notice_eta_s(1) == 60.0
-        h.on_change(1, dep(State.READY, 9041.0), dep(State.STARTING, 9002.0))
+        assert watch.notice_eta_s(1) == 60.0  # ready: a start's
+        unit.dep = dep(State.ASLEEP, 9000.0, sleep_level=1)
+        assert watch.notice_eta_s(1) == 3.0
+        unit.dep = dep(State.STARTING, 9001.0, sleep_level=1)
+        unit.start = Start(unit.dep, "wake", began=0.0)
+        assert watch.notice_eta_s(1) == 3.0  # waking
+        # The wake failed: its cold start begins (its phases followed: what is left of the single ETA).
+        ended(h, 9001.0, 9002.0, "mismatch", level=1)
+        unit.dep, unit.start = dep(State.STARTING, 9002.0), Start(unit.dep, "cold", began=0.0)
+        watch.on_start_began(unit.start.began_event())
+        assert watch.notice_eta_s(1) == 60.0
+        ended(h, 9002.0, 9041.0)
         assert h.last_start_s(1) == 39.0 and h.wake_eta_s(1) == 3.0
         assert (await written(store, 1, 8))[-1] == ("start", 39.0, None)  # a cold start: no level
     finally:
+        await watch.close()
         await h.close()
     again = StartHistory(store)
     await again.load()
@@ -139,9 +157,9 @@ async def test_a_wakes_eta_by_the_level_it_woke_from(store):
     try:
         for i, (level, took) in enumerate([(1, 0.5), (2, 8.0), (1, 0.7), (2, 12.0), (1, 0.6)]):
             t = 100.0 * i
-            moves(h, (State.ASLEEP, t), (State.STARTING, t), (State.READY, t + took), sleep_level=level)
+            ended(h, t, t + took, level=level)
         assert h.wake_eta_s(1, 1) == 0.6 and h.wake_eta_s(1, 2) == 10.0 and h.wake_eta_s(1) == 0.7
-        moves(h, (State.ASLEEP, 0.0), (State.STARTING, 0.0), (State.READY, 1.0), sleep_level=1, id=2)
+        ended(h, 0.0, 1.0, level=1, id=2)
         assert h.wake_eta_s(2, 1) == 1.0 and h.wake_eta_s(2, 2) is None  # never woken from level 2
         await written(store, 1, 5)
         await written(store, 2, 1)
@@ -162,7 +180,7 @@ async def test_wakes_of_unknown_level_serve_every_level_until_one_is_known(store
     try:
         await h.load()
         assert h.wake_eta_s(1, 1) == h.wake_eta_s(1, 2) == h.wake_eta_s(1) == 3.0
-        moves(h, (State.ASLEEP, 10.0), (State.STARTING, 10.0), (State.READY, 18.0), sleep_level=2)
+        ended(h, 10.0, 18.0, level=2)
         assert h.wake_eta_s(1, 2) == 8.0 and h.wake_eta_s(1, 1) is None and h.wake_eta_s(1) == 3.5
         await written(store, 1, 4)
     finally:

@@ -2,14 +2,11 @@
 (``last_start_s``, ``start_eta_s``; an asleep one's ``wake_eta_s``), the queued notice and
 ``ondemand status``.
 
-Durations come from the bus, not from the deployer's start code: the deployer stamps
-``updated_at`` on every change, so a start is timed from the change that moved the
-deployment into ``starting`` to the one that moved it from ``starting`` to ``ready``.
-The moment it entered ``starting`` is noted here, because an edit made while it starts
-(a pending mode, ...) stamps ``updated_at`` too; a start that began before ondemand
-restarted is timed from the stored row's ``updated_at``. A wake (from ``asleep``: its sleep
-level stays through ``starting``; a failed wake's cold start has none) is kept apart: it says
-nothing of how long a cold start takes, and its own history gives ``wake_eta_s``.
+Durations come from the bus: a start's ``StartEnded`` says how long it took, from the step that
+marked it ``starting`` (a failed wake's cold start: from the step its wake ended; a start that
+began before ondemand restarted: from its stored row's stamp) to its end, and whether it
+ended ``ready``; only those are kept. A wake is kept apart: it says nothing of how long a cold
+start takes, and its own history gives ``wake_eta_s``.
 
 The views read memory only (no await); each new start is written to the state file
 (``starts``, the last ``KEEP`` per deployment; a wake with the level it woke from) by a named
@@ -20,7 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 
-from ..model import Deployment, State, wake_turned_cold
+from ..events import StartEnded
 from ..state.store import Store
 from ..tasks import TaskGroup
 
@@ -52,8 +49,6 @@ class StartHistory:
         self._wakes: dict[int, list[float]] = {}  # wakes, the same way
         # Wakes by the level they woke from (the state file keeps it since schema 9).
         self._wakes_from: dict[tuple[int, int], list[float]] = {}
-        self._began: dict[int, float] = {}  # entered starting: its updated_at
-        self._asleep: set[int] = set()  # asleep, or waking: a notice gives the wake's estimate
 
     async def load(self) -> None:
         for dep_id, rows in (await self.store.starts(self.keep)).items():
@@ -71,35 +66,21 @@ class StartHistory:
 
     # --- the bus -------------------------------------------------------------------
 
-    def on_change(self, dep_id: int, dep: Deployment | None, old: Deployment | None) -> None:
-        """A DeploymentChanged: note a start's beginning, time its end (no await)."""
-        if dep is None:
-            self._durations.pop(dep_id, None)  # its stored rows go with retention's next pass
-            self._wakes.pop(dep_id, None)
-            for level in (1, 2):
-                self._wakes_from.pop((dep_id, level), None)
-            self._began.pop(dep_id, None)
-            self._asleep.discard(dep_id)
+    def on_start_ended(self, e: StartEnded) -> None:
+        """A start ended: one that ended ready is recorded (no await)."""
+        if e.result != "ready":
+            return  # failed, stopped, ...: not a successful start
+        if e.duration_s < 0:  # only a start taken back, timed from its row's wall-clock stamp
+            log.warning("%s: ignoring a start that took %.1f s (the clock went back)", e.name, e.duration_s)
             return
-        if dep.state is State.ASLEEP or (dep.state is State.STARTING and dep.sleep_level is not None):
-            self._asleep.add(dep_id)
-        else:
-            self._asleep.discard(dep_id)
-        if dep.state is State.STARTING and (old is None or old.state is not State.STARTING or
-                                            wake_turned_cold(old, dep)):
-            self._began[dep_id] = dep.updated_at  # a failed wake's cold start is timed from its own beginning
-            return
-        if old is None or old.state is not State.STARTING or dep.state is State.STARTING:
-            return
-        began = self._began.pop(dep_id, old.updated_at)
-        kind = "wake" if old.sleep_level is not None else "start"
-        if dep.state is not State.READY:
-            return  # failed or stopped: not a successful start
-        duration = dep.updated_at - began
-        if duration < 0:
-            log.warning("%s: ignoring a start that took %.1f s (the clock went back)", dep.name, duration)
-            return
-        self.record(dep_id, duration, kind, at=dep.updated_at, level=old.sleep_level)
+        self.record(e.dep_id, e.duration_s, "wake" if e.kind == "wake" else "start", at=e.at, level=e.level)
+
+    def forget(self, dep_id: int) -> None:
+        """A removed deployment's history (its stored rows go with retention's next pass)."""
+        self._durations.pop(dep_id, None)
+        self._wakes.pop(dep_id, None)
+        for level in (1, 2):
+            self._wakes_from.pop((dep_id, level), None)
 
     def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float,
                level: int | None = None) -> None:
@@ -143,11 +124,6 @@ class StartHistory:
             return None if median is None else round(median, 1)
         durations = self._wakes.get(dep_id)
         return round(statistics.median(durations), 1) if durations else None
-
-    def notice_eta_s(self, dep_id: int) -> float | None:
-        """What the queued notice says to expect: the wake's estimate for an asleep (or
-        waking) deployment, else the cold start's."""
-        return self.wake_eta_s(dep_id) if dep_id in self._asleep else self.eta_s(dep_id)
 
     def fields(self, dep_id: int, asleep: bool = False) -> dict[str, float | None]:
         """The view's fields; an asleep deployment's (``asleep``) adds ``wake_eta_s``."""
