@@ -290,6 +290,7 @@ async def _observe(app: web.Application) -> AsyncIterator[None]:
                                            queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total,
                                            prewarms=controller.prewarms)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
+    app[BUS].subscribe(events.StartEnded, telemetry.on_start_ended)
     app[BUS].subscribe(Slept, telemetry.on_slept)
     app[BUS].subscribe(Woken, telemetry.on_woken)
     app[BUS].subscribe(events.StartTimed, telemetry.on_start_timed)

@@ -184,26 +184,28 @@ async def test_a_scrape_reads_a_cached_gpu_snapshot(server, http, monkeypatch):
 
 
 def test_a_failed_wakes_cold_start_is_timed_from_its_own_beginning():
-    """A failed wake is followed by its engine's stop, then the cold start (starting to starting,
-    the sleep level cleared): the start's duration counts from that change, as the start history's
-    does, not from the wake's end."""
+    """A failed wake ends (its StartEnded, and its Woken), then the cold start after it begins in
+    the same starting: its duration is from its own beginning, which the deployer's StartEnded
+    says (tests/test_start.py), not from the wake's; the wake is no start. A start taken back
+    after ondemand's restart is counted, not timed (part of it ran before these metrics)."""
     from ondemand.admin.telemetry import Telemetry
-    from ondemand.events import DeploymentChanged, Woken
-    from ondemand.model import Deployment, State
+    from ondemand.events import StartEnded, Woken
 
-    now = [100.0]
-    t = Telemetry(deployments=list, inflight=lambda i: 0, queued=lambda i: 0, gpu_memory=lambda: [],
-                  clock=lambda: now[0])
+    t = Telemetry(deployments=list, inflight=lambda i: 0, queued=lambda i: 0, gpu_memory=lambda: [])
 
-    def dep(state: State, level: int | None) -> Deployment:
-        return Deployment(id=1, name="a", served_name="A", engine="vllm", state=state, sleep_level=level)
-    t.on_deployment(DeploymentChanged(1, dep(State.STARTING, 1), dep(State.ASLEEP, 1)))  # the wake
-    now[0] = 130.0
+    def ended(kind: str, result: str, duration_s: float, taken_back: bool = False) -> StartEnded:
+        return StartEnded(1, "a", kind, 1 if kind == "wake" else None, duration_s, result, 0.0, taken_back, None)
     t.on_woken(Woken(1, "a", "failed", 30.0))
-    now[0] = 150.0  # the failed engine's stop took 20 s
-    t.on_deployment(DeploymentChanged(1, dep(State.STARTING, None), dep(State.STARTING, 1)))
-    now[0] = 160.0
-    t.on_deployment(DeploymentChanged(1, dep(State.READY, None), dep(State.STARTING, None)))
+    t.on_start_ended(ended("wake", "failed", 50.0))  # the wake, its engine's stop included
+    t.on_start_ended(ended("cold", "ready", 10.0))
     m = parse(t.exposition().decode())
     assert m[("ondemand_start_duration_seconds_count", (("deployment", "a"),))] == 1
     assert m[("ondemand_start_duration_seconds_sum", (("deployment", "a"),))] == 10.0
+    assert m[("ondemand_starts_total", (("deployment", "a"), ("result", "ready")))] == 1
+    assert ("ondemand_starts_total", (("deployment", "a"), ("result", "failed"))) not in m  # the wake is none
+    assert m[("ondemand_wakes_total", (("deployment", "a"), ("result", "failed")))] == 1
+    t.on_start_ended(ended("cold", "ready", 99.0, taken_back=True))
+    t.on_start_ended(ended("cold", "stopped", 5.0))  # interrupted: neither counted nor timed
+    m = parse(t.exposition().decode())
+    assert m[("ondemand_starts_total", (("deployment", "a"), ("result", "ready")))] == 2
+    assert m[("ondemand_start_duration_seconds_count", (("deployment", "a"),))] == 1

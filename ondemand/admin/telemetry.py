@@ -5,9 +5,9 @@ one (the tests run several apps in one process). Four sources feed it:
 
 - the gateway's finished requests (``exchange``): counters and histograms, one
   cached child per label set, so a request costs a dict look-up and a few adds;
-- the deployer's ``DeploymentChanged`` events (``on_deployment``): starts (to
-  ready or failed, and how long from ``starting`` to ``ready``) and stops by
-  their ``StopCause``;
+- the deployer's ``StartEnded`` events (``on_start_ended``): cold starts that
+  ended ready or failed, and how long one that ended ready took; and its
+  ``DeploymentChanged`` events (``on_deployment``): stops by their ``StopCause``;
 - the start watch's ``StartTimed`` (``on_start_timed``): each phase of a cold start, and the
   error of the ETA given at its beginning;
 - the deployer's ``Slept`` and ``Woken`` events (``on_slept``, ``on_woken``):
@@ -27,7 +27,6 @@ Imports the events, the exchange and the model only.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -35,9 +34,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..events import DeploymentChanged, Slept, StartTimed, Woken
+from ..events import DeploymentChanged, Slept, StartEnded, StartTimed, Woken
 from ..gateway.exchange import Exchange
-from ..model import Deployment, KeepWarm, State, wake_turned_cold
+from ..model import Deployment, KeepWarm, State
 
 log = logging.getLogger("ondemand.admin.telemetry")
 
@@ -120,14 +119,13 @@ class _Live:
 
 class Telemetry:
     def __init__(self, *, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
-                 queued: Callable[[int], int], gpu_memory: GpuMemory, clock: Callable[[], float] = time.monotonic,
+                 queued: Callable[[int], int], gpu_memory: GpuMemory,
                  busy: Callable[[int], int] = lambda dep_id: 0,
                  prewarms: Callable[[int], Mapping[str, int]] = lambda dep_id: {}):
         # No *_created series: they double the counters' series for a value nobody here reads.
         # (prometheus_client reads this switch when it writes a scrape; nothing else uses it.)
         disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client)
         self.registry = r = CollectorRegistry()
-        self._clock = clock
         self._requests = Counter("ondemand_requests", "Gateway requests answered, by deployment and HTTP status",
                                  ["deployment", "code"], registry=r)
         self._duration = Histogram("ondemand_request_duration_seconds",
@@ -168,7 +166,6 @@ class Telemetry:
         # Label children by key: the forwarding path looks one up instead of building it.
         self._by_code: dict[tuple[str, int], Counter] = {}
         self._by_dep: dict[str, tuple[Histogram, Histogram]] = {}
-        self._starting_since: dict[int, float] = {}
 
     # --- the gateway (its forwarding path: keep it cheap) --------------------------
 
@@ -205,30 +202,21 @@ class Telemetry:
     # --- the deployer's events ----------------------------------------------------
 
     def on_deployment(self, e: DeploymentChanged) -> None:
-        dep, old = e.dep, e.old
-        named = dep if dep is not None else old
+        """A change that records a stop (it carries the cause) counts it."""
+        named = e.dep if e.dep is not None else e.old
         if e.cause is not None and named is not None:
             self._stops.labels(named.name, e.cause.value).inc()
-        if dep is None:
-            self._starting_since.pop(e.dep_id, None)
+
+    def on_start_ended(self, e: StartEnded) -> None:
+        """A cold start that ended ready or failed is counted, and one that ended ready timed, from
+        its beginning (a failed wake's cold start: from its own, once the wake's engine stopped).
+        Wakes are counted and timed by on_woken; a start taken back after ondemand's restart is
+        counted, not timed (part of it ran before this ondemand's metrics)."""
+        if e.kind != "cold" or e.result not in ("ready", "failed"):
             return
-        if wake_turned_cold(old, dep):
-            # A failed wake's cold start begins (its engine stopped): timed from here, as the
-            # start history times it, not from the wake's end (on_woken), the stop in between.
-            self._starting_since[dep.id] = self._clock()
-            return
-        if old is None or old.state is dep.state:
-            return
-        if dep.state is State.STARTING:
-            self._starting_since[dep.id] = self._clock()
-            return
-        began = self._starting_since.pop(dep.id, None)
-        # A wake keeps its sleep level through ``starting``; a failed wake's cold start has none.
-        # Wakes are counted and timed by on_woken, not here.
-        if old.state is State.STARTING and dep.state in (State.READY, State.FAILED) and old.sleep_level is None:
-            self._starts.labels(dep.name, "ready" if dep.state is State.READY else "failed").inc()
-            if dep.state is State.READY and began is not None:
-                self._start_duration.labels(dep.name).observe(self._clock() - began)
+        self._starts.labels(e.name, e.result).inc()
+        if e.result == "ready" and not e.taken_back:
+            self._start_duration.labels(e.name).observe(e.duration_s)
 
     def on_slept(self, e: Slept) -> None:
         """An engine was put to sleep (published after its change to asleep, which is no stop)."""
@@ -240,8 +228,6 @@ class Telemetry:
         self._wakes.labels(e.name, e.result).inc()
         if e.result == "ready":
             self._wake_duration.labels(e.name).observe(e.seconds)
-        else:  # a cold start follows in the same ``starting``: it is timed from here
-            self._starting_since[e.dep_id] = self._clock()
 
     def on_start_timed(self, e: StartTimed) -> None:
         """A cold start ended ready: its phases' durations, and its ETA's error when one was given."""
