@@ -355,6 +355,7 @@ async def _litellm(app: web.Application) -> AsyncIterator[None]:
         instance=cfg.instance, on_result=app[TELEMETRY].litellm_synced)
 
     bus.subscribe(DeploymentChanged, sync.on_deployment)
+    bus.subscribe(events.StartEnded, sync.on_start_ended)
     bus.subscribe(KeyRotated, lambda e: sync.trigger())
     yield
     await sync.close()

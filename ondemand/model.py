@@ -115,13 +115,6 @@ def parse_id(text: str) -> int | None:
     """The deployment id ``text`` spells canonically, else None (for the caller's 404)."""
     return int(text) if _ID.match(text) else None
 
-def wake_turned_cold(old: Deployment | None, new: Deployment | None) -> bool:
-    """The change that ends a failed wake: still ``starting``, its sleep level dropped (the
-    engine stopped, a cold start begins; ``Unit._wake_failed``). The start history and the
-    metrics time the cold start from it; LiteLLM's entry ranks cold from it."""
-    return (old is not None and new is not None and old.state is new.state is State.STARTING
-            and old.sleep_level is not None and new.sleep_level is None)
-
 
 # A measured footprint this much over what was declared is flagged (log, status, doctor).
 OVER_DECLARED = 1.10

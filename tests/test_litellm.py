@@ -887,19 +887,36 @@ async def test_a_wake_keeps_the_asleep_rank_until_ready_and_a_failed_wakes_cold_
         await sync.close()
 
 
-def test_a_failed_wakes_cold_start_asks_for_a_sync():
+async def test_a_failed_wakes_cold_start_asks_for_a_sync():
     """A wake keeps its asleep rank (its sync, as it leaves asleep, writes nothing: the test
-    above); once it failed and the cold start begins (the level dropped, still starting) the
-    entry must rank cold now, not at the next periodic sync."""
-    from ondemand.events import DeploymentChanged
-    from ondemand.litellm.sync import sync_needed
+    above); once it failed and the cold start begins (the level dropped, still starting: no
+    change LiteLLM's list needs) the entry must rank cold now, not at the next periodic sync:
+    the wake's StartEnded (failed or mismatch) asks for it."""
+    from ondemand.events import DeploymentChanged, StartEnded
+    from ondemand.litellm.sync import sync_needed, wake_failed
     from ondemand.model import Deployment
 
     def d(state: State, level: int | None) -> Deployment:
         return Deployment(id=1, name="a", served_name="A", engine="vllm", state=state, sleep_level=level)
-    assert sync_needed(DeploymentChanged(1, d(State.STARTING, None), d(State.STARTING, 1)))  # it failed
+
+    def ended(kind: str, result: str) -> StartEnded:
+        return StartEnded(1, "a", kind, 1 if kind == "wake" else None, 1.0, result, 0.0, False, None)
+    assert wake_failed(ended("wake", "failed")) and wake_failed(ended("wake", "mismatch"))  # it failed
+    assert not wake_failed(ended("wake", "ready")) and not wake_failed(ended("cold", "failed"))
+    assert not wake_failed(ended("wake", "stopped"))  # a stop's change to stopping asks what it asks
+    assert not sync_needed(DeploymentChanged(1, d(State.STARTING, None), d(State.STARTING, 1)))  # the change
     assert not sync_needed(DeploymentChanged(1, d(State.STARTING, None), d(State.STARTING, None)))  # an edit
     assert sync_needed(DeploymentChanged(1, d(State.READY, None), d(State.STARTING, None)))
+    async with litellm_double(MASTER) as double:
+        world = World(dict(dep(1, "a", state="starting"), sleep_level=1))  # waking: the asleep rank
+        sync = make_sync(double, world)
+        await sync.sync_now()
+        assert warmth(double)[1:] == (2, "asleep")
+        world.set(1, state="starting", sleep_level=None)  # the wake failed: its cold start began
+        sync.on_start_ended(ended("wake", "mismatch"))
+        await sync.wait_idle()
+        assert warmth(double)[1:] == (3, "cold")
+        await sync.close()
 
 
 async def test_a_key_change_still_replaces_even_with_a_change_of_warmth():

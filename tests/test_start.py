@@ -178,3 +178,31 @@ async def test_a_start_under_way_at_a_restart_is_interrupted_then_taken_back(tmp
     ended = second.of(StartEnded, dep.id)[0]
     assert ended.taken_back and ended.duration_s > here  # from its row's stamp, before this ondemand
     assert abs(ended.duration_s - (ended.at - row["updated_at"])) < 0.5
+
+
+async def test_the_apps_litellm_entry_ranks_a_failed_wakes_cold_start_cold_at_once(tmp_path):
+    """The whole ondemand and the LiteLLM double: a wake keeps its entry's asleep rank; once it
+    failed its check, the wake's StartEnded asks for a sync, and the entry ranks cold while its
+    cold start (3 s) still runs, not at ready or at the next periodic sync (a minute)."""
+    from helpers import run_app
+    from litellm_double import litellm_double
+
+    async with litellm_double("sk-m") as double:
+        key = tmp_path / "master.key"
+        key.write_text("sk-m\n")
+        settings = {"litellm.url": double.url, "litellm.master_key_file": str(key), "reap_interval_s": 3600,
+                    "budget.host_reserve_gib": 0, "budget.meminfo_path": plenty(tmp_path)}
+        async with run_app(tmp_path, **settings) as server:
+            d = server.deployer
+            a = await server.add("a", 4, "--fail", "wake-garbage", "--startup-delay", "3", idle_action="sleep")
+
+            def rank() -> tuple[int, str] | None:
+                mine = [m for m in double.models if m["model_info"].get("dgxmm_id") == a]
+                return (mine[0]["litellm_params"]["order"], mine[0]["model_info"]["dgxmm_state"]) if mine else None
+            await d.restart(a)
+            assert await d.sleep(a, 1) == 1
+            await wait_for(lambda: rank() == (2, "asleep"), what="the asleep rank")
+            await d.admit_start(a)  # the wake: its check answers otherwise, then it starts cold
+            await wait_for(lambda: rank() == (3, "cold"), what="the cold rank", timeout=20)
+            assert server.state(a) == "starting"
+            await d.wait_started(a)

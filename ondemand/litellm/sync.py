@@ -14,8 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..events import DeploymentChanged
-from ..model import SYNC_STATES, wake_turned_cold
+from ..events import DeploymentChanged, StartEnded
+from ..model import SYNC_STATES
 from ..tasks import TaskGroup
 from .client import LiteLLMClient, LiteLLMError
 from .entries import (
@@ -79,15 +79,19 @@ def _empty(error: str) -> dict[str, Any]:
 def sync_needed(e: DeploymentChanged) -> bool:
     """A change that changes what LiteLLM should list: created, removed, an edit of
     what its entry shows (mode or pending mode, names, role), entering or leaving
-    ready, failed or planned, or a wake that became a cold start."""
+    ready, failed or planned. (A wake that became a cold start: ``wake_failed``.)"""
     if e.dep is None or e.old is None:
         return True
     if (e.old.mode, e.old.pending_mode, e.old.name, e.old.served_name, e.old.role) != \
             (e.dep.mode, e.dep.pending_mode, e.dep.name, e.dep.served_name, e.dep.role):
         return True
-    if wake_turned_cold(e.old, e.dep):
-        return True  # its entry ranks cold now (_warmth_view), not at the next sync
     return e.old.state is not e.dep.state and (e.old.state in SYNC_STATES or e.dep.state in SYNC_STATES)
+
+
+def wake_failed(e: StartEnded) -> bool:
+    """A wake that failed: its cold start begins in the same ``starting``, without the sleep
+    level, so its entry ranks cold now (``_warmth_view``), not at the next sync."""
+    return e.kind == "wake" and e.result in ("failed", "mismatch")
 
 
 class LiteLLMSync:
@@ -179,6 +183,11 @@ class LiteLLMSync:
         """The event bus's ``DeploymentChanged``: a sync when the change changes what LiteLLM
         should list (:func:`sync_needed`)."""
         if sync_needed(e):
+            self.trigger()
+
+    def on_start_ended(self, e: StartEnded) -> None:
+        """The event bus's ``StartEnded``: a sync when a wake failed (:func:`wake_failed`)."""
+        if wake_failed(e):
             self.trigger()
 
     def trigger(self) -> None:
