@@ -41,8 +41,10 @@ ALLOWED = {
     "control.controller": {"control.eviction", "control.keepwarm", "control.modes", "control.placement",
                            "control.protocol", "control.record", "control.slots", "control.ticket", "control.verdicts",
                            "errors", "model"},
-    "control.slots": {"control.protocol", "control.queue", "control.record", "control.ticket", "control.verdicts",
-                      "engines.rhythm", "errors", "model"},
+    "control.slots": {"control.protocol", "control.record", "control.scheduler", "control.ticket",
+                      "control.verdicts", "engines.rhythm", "errors", "model"},
+    # The scheduler: the queue's order and holds, make-room's victims, placement (one class each).
+    "control.scheduler": {"control.eviction", "control.placement", "control.queue", "model"},
     # Adaptive warmth in the core: each idle period's plan (engines.rhythm's), the pre-warm.
     "control.keepwarm": {"control.record", "control.slots", "engines.rhythm", "engines.warmth", "model"},
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,

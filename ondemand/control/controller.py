@@ -48,7 +48,7 @@ import logging
 from ..errors import InsufficientMemory
 from ..model import REQUEST_STARTABLE, Deployment, State
 from . import modes, verdicts
-from .eviction import Candidate, pick_victims
+from .eviction import Candidate
 from .keepwarm import AdaptiveWarmth
 from .modes import ModePlan
 from .placement import Fit, asleep_held, holdings
@@ -108,33 +108,25 @@ class Controller(AdaptiveWarmth):
         self.effects.admit(dep_id, text=("Woken" if waking else "Started") + " for a request")
 
     def _head_asks_first(self, dep_id: int) -> bool:
-        """A queued entry of lower priority than the head waits while the head's own
-        admit is out, so that memory freed by a stop nobody made for the head (the
-        reaper, an administrator) goes to the higher request first."""
-        head = self.queue.head()
-        if head is None or head == dep_id or dep_id not in self.queue \
-                or self.queue.overtaken_by(dep_id) != head:
-            return False
-        hw = self._attempt(head)
-        return hw is not None and hw.phase is Phase.ADMITTING
+        """A queued entry behind a head of higher priority waits while the head's admit is out."""
+        return self.scheduler.asks_first(dep_id, lambda head: self.attempt_phase(head) is Phase.ADMITTING)
 
     def _release_held(self, head: int) -> None:
         """The head's admit has reported: the entries that let it ask first ask now."""
         for dep_id in self.queue.ids():
-            if dep_id != head and self.queue.overtaken_by(dep_id) == head:
+            if self.scheduler.behind(dep_id, head):
                 self._advance(dep_id)
 
     def settle_target(self, dep_id: int) -> int:
         """Whose fit a make-room's settle waits for: ``dep_id``, or the head of higher
         priority that took its place (and what it freed)."""
-        taker = self.queue.overtaken_by(dep_id)
-        return dep_id if taker is None else taker
+        return self.scheduler.settle_target(dep_id)
 
     def held_for_others(self, dep_id: int) -> dict[int, float]:
         """GiB per GPU the queue holds for entries other than ``dep_id`` (for the head, what
         was freed for it): not free for ``dep_id``. The deployer asks it in the step of its fit
         check, so a hold made while the check's reading was out still counts."""
-        return self.queue.reserved_for_others(dep_id)
+        return self.scheduler.held_for_others(dep_id)
 
     def wanted(self, dep_id: int) -> bool:
         """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)
@@ -275,10 +267,11 @@ class Controller(AdaptiveWarmth):
         self._advance(dep_id)
 
     def _room_coming(self, head: int) -> bool:
-        """Entries this head overtook still stop victims or wait for their memory to
-        show: all of it is held for the head, which must not stop more meanwhile."""
-        return any(rec.attempt.phase in (Phase.STOPPING, Phase.SETTLING) and self.queue.overtaken_by(d) == head
-                   for d, rec in self._records.items() if rec.attempt is not None and d != head)
+        """Entries this head overtook still stop victims or wait for their memory to show:
+        all of it is held for the head, which must not stop more meanwhile."""
+        making_room = [d for d, rec in self._records.items()
+                       if rec.attempt is not None and rec.attempt.phase in (Phase.STOPPING, Phase.SETTLING)]
+        return self.scheduler.room_coming(head, making_room)
 
     def _forget_if_unused(self, dep_id: int) -> None:
         rec = self._records.get(dep_id)
@@ -304,20 +297,18 @@ class Controller(AdaptiveWarmth):
             self._notify_queued(waiter)
 
     def _pick_victims(self, requester: Deployment, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
-        """Idle deployments of the requester's priority or lower: a higher one is never
-        put to sleep for it (the request waits instead)."""
+        """The idle deployments the scheduler may take for ``requester``, and its choice of them."""
         now = self.clock()
         claimed = self._claimed()
         pools = len(fit.free)
-        rank = requester.priority.rank
         per_gpu = fit.per_gpu
         candidates = [Candidate(d.id, holdings(self._frees(d, pools, per_gpu), d.gpu_count, d.gpus, pools, per_gpu),
                                 self._last_active(d.id, now), d.priority.rank,
                                 0 if d.state is State.READY else 1)
                       for d in self.effects.deployments()
-                      if d.id != requester.id and d.id not in claimed and d.priority.rank <= rank
+                      if d.id != requester.id and d.id not in claimed and self.scheduler.may_take(requester, d)
                       and self.is_idle(d, now)]
-        return pick_victims(candidates, fit.free, fit.choose)
+        return self.scheduler.victims(candidates, fit)
 
     def _sleeps(self, dep_id: int) -> bool:
         """Is an idle ``dep_id`` put to sleep (not stopped)?"""

@@ -17,8 +17,8 @@ from ..errors import OndemandError
 from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, State
 from . import verdicts
 from .protocol import Effects, Timer
-from .queue import WaitQueue
 from .record import NOTHING, Attempt, Backoff, Phase, Record, Waiter
+from .scheduler import Scheduler, SeedScheduler
 from .ticket import Ticket, Waits, Want
 
 log = logging.getLogger("ondemand.control.controller")  # the core's one logger
@@ -34,7 +34,7 @@ class Slots:
                  queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
                  min_idle_timeout_s: int = 60, make_room_wait_s: float = 20.0, recent_stop_s: float = 20.0,
                  max_tick_s: float = 15.0, publish_interval_s: float = 1.0, sleep_timeout_s: float | None = None,
-                 asleep_residue_gib: float = 2.0):
+                 asleep_residue_gib: float = 2.0, scheduler: Scheduler | None = None):
         self.effects = effects
         self.clock = clock
         self.wall = wall
@@ -48,7 +48,8 @@ class Slots:
         self.publish_interval_s = publish_interval_s
         self.sleep_timeout_s = sleep_timeout_s
         self.asleep_residue_gib = asleep_residue_gib  # budget.asleep_residue_gib: a sleeper nothing was read of
-        self.queue = WaitQueue()
+        self.scheduler: Scheduler = SeedScheduler() if scheduler is None else scheduler
+        self.queue = self.scheduler.queue
         # One record per deployment. A record moves to the end as an attempt begins, so the
         # attempts are looked at in the order they began (``attempts``).
         self._records: dict[int, Record] = {}

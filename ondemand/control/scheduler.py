@@ -1,0 +1,102 @@
+"""The scheduler, a part of the decision core: who waits for memory in which order (the wait
+queue, ``queue.py``), what is held for whom (the head's reservation), which idle models make
+room for the head (``eviction.py``) and which GPUs a model gets there (``placement.py``).
+
+The ``Controller`` owns one, chosen by the box's ``scheduler`` key, and acts on what it says: the
+scheduler asks for no effect, reads no clock and logs nothing. ``Scheduler`` is what the
+controller asks of it; ``SeedScheduler`` is ondemand's rule from the start (priority, then first
+arrival; the lowest priority, then awake before asleep, then least recently used, as victims; best
+fit). A second scheduler is one new class beside it, named in ``SCHEDULERS``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from ..model import Deployment
+from .eviction import Candidate, pick_victims
+from .placement import Fit
+from .queue import WaitQueue
+
+
+class Scheduler(Protocol):
+    """What the controller asks of its scheduler (plain defs, no effects)."""
+
+    queue: WaitQueue  # the deployments waiting for memory, in order, and what is held for each
+
+    def behind(self, dep_id: int, head: int) -> bool:
+        """Does ``dep_id``'s entry wait behind ``head``, a head of higher priority that took its
+        place (what is freed for ``dep_id`` is held for ``head``)?"""
+
+    def asks_first(self, dep_id: int, admitting: Callable[[int], bool]) -> bool:
+        """Must ``dep_id`` wait for the head's admit (``admitting(head)``) before asking its own?"""
+
+    def settle_target(self, dep_id: int) -> int:
+        """Whose fit a make-room's settle for ``dep_id`` waits for."""
+
+    def held_for_others(self, dep_id: int) -> dict[int, float]:
+        """GiB per GPU held for entries other than ``dep_id``: not free for it."""
+
+    def room_coming(self, head: int, making_room: Iterable[int]) -> bool:
+        """Is memory on its way to ``head`` from the make-rooms of ``making_room`` (the attempts
+        stopping victims or waiting for their memory), so that it must not stop more?"""
+
+    def may_take(self, requester: Deployment, victim: Deployment) -> bool:
+        """May make-room put ``victim`` away for ``requester`` (if it is idle)?"""
+
+    def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
+        """Of the idle ``candidates``, the ones to put away and the GPUs the model then gets;
+        ([], ()) when putting them all away would not make it fit."""
+
+
+class SeedScheduler:
+    """Priority, then first arrival, in the queue; only the head makes room, and what is freed
+    for it is held for it (or for a head of higher priority that takes its place); victims of the
+    requester's priority or lower, picked by ``eviction.pick_victims`` on placement's best fit."""
+
+    def __init__(self) -> None:
+        self.queue = WaitQueue()
+
+    def behind(self, dep_id: int, head: int) -> bool:
+        return dep_id != head and self.queue.overtaken_by(dep_id) == head
+
+    def asks_first(self, dep_id: int, admitting: Callable[[int], bool]) -> bool:
+        """A queued entry of lower priority than the head waits while the head's own admit is
+        out, so that memory freed by a stop nobody made for the head (the reaper, an
+        administrator) goes to the higher request first."""
+        head = self.queue.head()
+        return head is not None and self.behind(dep_id, head) and admitting(head)
+
+    def settle_target(self, dep_id: int) -> int:
+        """``dep_id``, or the head of higher priority that took its place (and what it freed)."""
+        taker = self.queue.overtaken_by(dep_id)
+        return dep_id if taker is None else taker
+
+    def held_for_others(self, dep_id: int) -> dict[int, float]:
+        """For the head, what was freed for it is its own; everything else held is not."""
+        return self.queue.reserved_for_others(dep_id)
+
+    def room_coming(self, head: int, making_room: Iterable[int]) -> bool:
+        """Entries this head overtook still stop victims or wait for their memory to show: all
+        of it is held for the head."""
+        return any(self.behind(d, head) for d in making_room)
+
+    def may_take(self, requester: Deployment, victim: Deployment) -> bool:
+        """Of the requester's priority or lower: a higher one is never put to sleep for it (the
+        request waits instead)."""
+        return victim.priority.rank <= requester.priority.rank
+
+    def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
+        return pick_victims(candidates, fit.free, fit.choose)
+
+
+# The box's ``scheduler`` key (config.SCHEDULERS names the same ones): each a new scheduler.
+SCHEDULERS: dict[str, Callable[[], Scheduler]] = {"seed": SeedScheduler}
+
+
+def scheduler(name: str) -> Scheduler:
+    """A new scheduler of the kind ``name`` (a value of the ``scheduler`` key)."""
+    try:
+        return SCHEDULERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown scheduler {name!r}: one of {', '.join(SCHEDULERS)}") from None
