@@ -38,14 +38,21 @@ ALLOWED = {
     "gateway.exchange": set(), "gateway.accesslog": {"gateway.exchange"},
     # control/: the decision core sees the world only through its Effects protocol.
     "control": set(),
-    "control.controller": {"control.eviction", "control.keepwarm", "control.modes", "control.placement",
-                           "control.protocol", "control.record", "control.slots", "control.ticket", "control.verdicts",
-                           "errors", "model"},
-    "control.slots": {"control.protocol", "control.record", "control.scheduler", "control.ticket",
-                      "control.verdicts", "engines.rhythm", "errors", "model"},
+    # The decision core: the coordinator and its parts (design.md, "The decision core").
+    "control.controller": {"control.attempts", "control.keepwarm", "control.modes", "control.protocol",
+                           "control.queue", "control.record", "control.scheduler", "control.slots", "control.ticket",
+                           "control.verdicts", "control.warmth_policy", "engines.rhythm", "errors", "model"},
+    # The slots part: records, slots, waiters, drains, backoff, idle gaps, the idle rule, counters.
+    "control.slots": {"control.protocol", "control.record", "control.verdicts", "control.warmth_policy",
+                      "engines.rhythm", "errors", "model"},
+    # The start side: each deployment's attempt, make-room for the queue's head, the queue's clock.
+    "control.attempts": {"control.eviction", "control.placement", "control.protocol", "control.record",
+                         "control.scheduler", "control.slots", "control.verdicts", "errors", "model"},
     # The scheduler: the queue's order and holds, make-room's victims, placement (one class each).
     "control.scheduler": {"control.eviction", "control.placement", "control.queue", "model"},
-    # Adaptive warmth in the core: each idle period's plan (engines.rhythm's), the pre-warm.
+    # How long an idle engine stays warm, per deployment: the policy's protocol and Fixed ...
+    "control.warmth_policy": {"control.record", "model"},
+    # ... and Adaptive: each idle period's plan (engines.rhythm's), the pre-warm.
     "control.keepwarm": {"control.record", "control.slots", "engines.rhythm", "engines.warmth", "model"},
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
     # its refusals, and the mode switch's plan.

@@ -1,121 +1,234 @@
-"""The controller's decision core: slots, waiters, the wait queue, make-room,
-start failures, mode switches, the idle rule and the live counters.
+"""The controller: the decision core's coordinator. Every call from outside the core comes here
+(a request's admission and wait, the effects' reports, the deployer's changes, the reaper's step,
+an administrator's mode switch, drain and shutdown) and goes on to the parts that decide it, in
+order:
 
-Every method here is a plain ``def``: no await, no I/O. On one event loop a
-method without an await is atomic, so the core needs no lock: each decision
-reads the in-memory state and acts on it in one step. What it decides is
-done through ``Effects`` (start, stop, wait for memory, audit, publish,
-timers), one narrow interface: the real one (``effects.py``) runs each
-effect as a named task and reports the result back by calling one of the
-``on_*`` methods below, which decide the next step. Tests drive the same
-methods with a fake clock and a recording fake of ``Effects``.
+- the slots part (``Slots``, ``slots.py``): each deployment's record, its slots, waiters, drains,
+  start backoff, idle gaps, the idle rule and the live counters;
+- each deployment's warmth policy (``WarmthPolicy``, ``warmth_policy.py``: ``Fixed``, or
+  ``Adaptive`` in ``keepwarm.py``, by its ``keep_warm``): how long idle is idle in an idle period,
+  what the reaper does then, the pre-warm;
+- the scheduler (``Scheduler``, ``scheduler.py``, chosen by the box's ``scheduler`` key): the
+  memory queue's order and holds, make-room's victims and their placement;
+- the start side (``Attempts``, ``attempts.py``): each deployment's attempt to start for its
+  waiters, one effect out at a time, make-room for the queue's head, and the queue's clock.
 
-Per deployment with waiters, one *attempt* moves through phases:
-
-    idle ──admit──▶ admitting ──refused, head, victims──▶ stopping victims
-      ▲                 │ started                              │ freed
-      │                 ▼                                      ▼
-      └──────────── (the start runs; ready / failed      settling (memory
-                     / stopped arrive as changes)         to show as free)
-
-At most one effect of an attempt is out at a time, so a burst of first
-requests starts the model once, and a waiter that hangs up never cancels an
-effect half-way (its task is not the waiter's).
-
-Invariants (each has a test that races it):
-- a slot is counted only when a waiter takes it, for state ``ready``, in the
-  same step as the read (``take``);
-- a stop by the controller goes through the deployer with ``is_idle`` as its
-  precheck, run in the same step as marking ``stopping``: a slot and a stop
-  never interleave;
-- a start is asked for only while someone waits, and the deployer asks again
-  (``wanted``) in the step that marks ``starting``;
-- only the head of the queue makes room; memory freed for it is held for it
-  until it starts or gives up (or for a head of higher priority that took
-  its place);
-- a victim is never of higher priority than the request it is stopped for;
-- a slot beyond ``max_inflight`` is refused (429) in the same step as the
-  count is read, so no two requests can both take the last one;
-- every waiter leaves through ``leave``: counts never drift, and the queue
-  entry of a deployment nobody waits for goes at once, its hold with it.
-Nothing is persisted: after a restart every deployment waits a full idle
-timeout.
+Every method is a plain ``def``: no await, no I/O, so on one event loop each is atomic and the
+core needs no lock. What it decides is done through ``Effects`` (``protocol.py``), whose real
+implementation (``effects.py``) runs each effect as a named task and reports back through the
+``on_*`` methods; the tests drive the same methods with a fake clock and a recording fake of
+``Effects``. The invariants, and the one line that holds each: design.md, "Invariants".
 """
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+from ..engines.rhythm import Rhythm
 from ..errors import InsufficientMemory
-from ..model import REQUEST_STARTABLE, Deployment, State
+from ..model import Deployment, State
 from . import modes, verdicts
-from .eviction import Candidate
-from .keepwarm import AdaptiveWarmth
+from .attempts import Attempts
+from .keepwarm import Adaptive
 from .modes import ModePlan
-from .placement import Fit, asleep_held, holdings
 from .protocol import Effects, Timer
-from .record import Attempt, Phase, Waiter
-from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S
-from .ticket import Ticket
+from .queue import WaitQueue
+from .record import Phase, Record, Waiter
+from .scheduler import Scheduler, SeedScheduler
+from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
+from .ticket import Ticket, Waits, Want
+from .warmth_policy import Fixed, WarmthPolicy
 
 __all__ = ["ACTOR", "BACKOFF_FIRST_S", "BACKOFF_MAX_S", "Controller", "Effects", "ModePlan", "Phase", "Slot",
            "Timer", "Waiter"]
 
 Slot = Ticket  # a granted slot is the ticket that holds it (``release()``)
 
-log = logging.getLogger("ondemand.control.controller")
-
 ACTOR = "ondemand"
 
 
-class Controller(AdaptiveWarmth):
-    """The decision core: the request side (``Slots``: records, slots, waiters, backoff,
-    counters), adaptive warmth (``AdaptiveWarmth``: each idle period's plan, the pre-warm) and,
-    here, the start side: each deployment's attempt, make-room, what the
-    deployer reports, the reaper's step, the mode switch and the shutdown."""
+class Controller:
+    """The decision core's coordinator (module doc). Its parts: ``slots``, ``scheduler``,
+    ``start_side``, and the warmth policies ``fixed`` and ``adaptive_warmth``."""
 
-    # --- the attempt ----------------------------------------------------------------
+    def __init__(self, effects: Effects, *, clock: Callable[[], float], wall: Callable[[], float],
+                 queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
+                 min_idle_timeout_s: int = 60, make_room_wait_s: float = 20.0, recent_stop_s: float = 20.0,
+                 max_tick_s: float = 15.0, publish_interval_s: float = 1.0, sleep_timeout_s: float | None = None,
+                 asleep_residue_gib: float = 2.0, scheduler: Scheduler | None = None):
+        self.effects = effects
+        self.clock = clock
+        self.wall = wall
+        self.scheduler: Scheduler = SeedScheduler() if scheduler is None else scheduler
+        self.slots = Slots(effects, clock=clock, wall=wall, warmth=self._warmth, queue_timeout_s=queue_timeout_s,
+                           max_queued=max_queued, idle_timeout_s=idle_timeout_s,
+                           min_idle_timeout_s=min_idle_timeout_s, publish_interval_s=publish_interval_s,
+                           sleep_timeout_s=sleep_timeout_s)
+        self.fixed: WarmthPolicy = Fixed(self.slots.idle_timeout)
+        self.adaptive_warmth = Adaptive(self.slots, self.scheduler.queue)
+        self.start_side = Attempts(effects, self.slots, self.scheduler, on_queue=self.adaptive_warmth.queue_changed,
+                                   make_room_wait_s=make_room_wait_s, recent_stop_s=recent_stop_s,
+                                   max_tick_s=max_tick_s, asleep_residue_gib=asleep_residue_gib)
 
-    def _advance(self, dep_id: int) -> None:
-        """Decide the next step of ``dep_id``'s attempt."""
-        dw = self._attempt(dep_id)
-        if dw is None or not dw.waiters:
-            return
+    @property
+    def queue(self) -> WaitQueue:
+        """The scheduler's memory queue."""
+        return self.scheduler.queue
+
+    @property
+    def queue_timeout_s(self) -> float:
+        return self.slots.queue_timeout_s
+
+    @queue_timeout_s.setter
+    def queue_timeout_s(self, seconds: float) -> None:
+        self.slots.queue_timeout_s = seconds
+
+    @property
+    def asleep_residue_gib(self) -> float:
+        """What make-room counts an asleep engine to free, per GPU, when nothing was read of it."""
+        return self.start_side.asleep_residue_gib
+
+    @asleep_residue_gib.setter
+    def asleep_residue_gib(self, gib: float) -> None:
+        self.start_side.asleep_residue_gib = gib
+
+    def _warmth(self, dep: Deployment | None, rec: Record | None) -> WarmthPolicy:
+        """``dep``'s warmth policy: adaptive's while it holds it, else fixed."""
+        return self.adaptive_warmth if self.adaptive_warmth.holds(dep, rec) else self.fixed
+
+    # --- a request ------------------------------------------------------------------
+
+    def screen(self, dep_id: int, want: Want) -> Deployment:
+        """The refusals that need no wait (``verdicts.screen``) on the deployment as read now."""
+        return verdicts.screen(self.effects.deployment(dep_id), want)
+
+    def admit(self, dep_id: int, want: Want) -> Ticket:
+        """A request's verdict, in one step: the deployment read once, refused (the refusals that
+        need no wait, ``verdicts.screen``, and ``ondemand_busy`` past its ``max_inflight``) or let
+        in: a ticket with the deployment as read, holding a slot when it is on demand and ready.
+        A ticket whose ``waits`` is set holds nothing: the request waits (``join``) for a start, a
+        wake, or the end of a drain. (The edge gives a ticket that goes on its engine's address.)"""
+        dep = verdicts.screen(self.effects.deployment(dep_id), want)
+        if want is Want.TRAFFIC and (dep.on_demand or dep.pending_mode is not None):
+            if dep.state is not State.READY:
+                return Ticket(dep, waits=Waits.START)
+            return self._take_ready(dep) or Ticket(dep, waits=Waits.DRAIN)
+        return Ticket(dep)  # always on and ready, a model's route, the list, a health check: no slot
+
+    def try_take(self, dep_id: int) -> Ticket | None:
+        """A slot at once when the deployment is ready, whatever its mode (no waiter), else None;
+        raises ``ondemand_busy`` past its ``max_inflight``. The replay's edge asks this; the
+        gateway's asks ``admit``."""
         dep = self.effects.deployment(dep_id)
-        if dep is None or self._closing:
-            return
-        if dep.state is State.READY:
-            if not self.draining(dep_id):  # a drain's waiters wait for its end
-                self._wake_waiters(dep_id)
-            return
-        if dw.phase is not Phase.IDLE:
-            return  # an effect of this attempt is out; its report decides
-        if dep.state not in REQUEST_STARTABLE or dep.pending_mode is not None:
-            return  # starting (by hand or for us), stopping, or set_mode starts it: wait
-        if not dep.on_demand:
-            if dep.state is not State.ASLEEP:
-                self._give_verdict(dep_id, verdicts.switched_to_always_on(dep))
-            return
-        b = self._backoff(dep_id)
-        if b is not None and self.clock() < b.until:
-            self._give_verdict(dep_id, self._start_failed(dep, b))
-            return
-        if self._head_asks_first(dep_id):
-            return  # the head's answer comes first; its report moves this one on
-        dw.phase = Phase.ADMITTING
-        # Set before the move to starting, whose view is published as the start is admitted.
-        dw.starting_for_request = True
-        waking = dep.state is State.ASLEEP
-        self.effects.admit(dep_id, text=("Woken" if waking else "Started") + " for a request")
+        if dep is not None and dep.state is State.READY:
+            return self._take_ready(dep)
+        return None
 
-    def _head_asks_first(self, dep_id: int) -> bool:
-        """A queued entry behind a head of higher priority waits while the head's admit is out."""
-        return self.scheduler.asks_first(dep_id, lambda head: self.attempt_phase(head) is Phase.ADMITTING)
+    def _take_ready(self, dep: Deployment) -> Ticket | None:
+        """A ready deployment's slot, or None while an administrator's sleep drains it."""
+        return Ticket(dep, slot=self) if self.slots.take_ready(dep) else None
 
-    def _release_held(self, head: int) -> None:
-        """The head's admit has reported: the entries that let it ask first ask now."""
-        for dep_id in self.queue.ids():
-            if self.scheduler.behind(dep_id, head):
-                self._advance(dep_id)
+    def release(self, dep_id: int) -> None:
+        """A ticket gives its slot back; the last one's idle timeout now runs, and a queued
+        request may find a victim sooner."""
+        if self.slots.release(dep_id):
+            self.start_side.schedule_tick()
+
+    def join(self, dep_id: int, *, arrival: float, notify: Callable[[], None],
+             on_queued: Callable[[], None] | None = None) -> Waiter:
+        """A request that found no ready engine starts waiting; raises the refusals
+        that need no wait (unknown, shutting down, planned, backoff, queue full)."""
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            raise verdicts.unknown(dep_id)
+        if self.slots.closing:
+            raise verdicts.shutting_down()
+        waiter = self.slots.join(dep, arrival=arrival, notify=notify, on_queued=on_queued,
+                                 queued=dep_id in self.queue)
+        self.start_side.advance(dep_id)
+        return waiter
+
+    def take(self, waiter: Waiter) -> Ticket | None:
+        """The waiter's turn: its ticket (with its slot) when ready, its verdict raised, or None (wait on).
+        Raises ``ondemand_queue_timeout`` once its deadline has passed."""
+        dep = self.slots.take(waiter)
+        return None if dep is None else Ticket(dep, slot=self)
+
+    def leave(self, waiter: Waiter) -> None:
+        """A waiter is done (slot taken, verdict, timeout or hang-up); a deployment nobody
+        waits for any more gives up its place in the queue, and its hold."""
+        nobody = self.slots.leave(waiter)
+        if nobody is None:
+            return
+        if nobody and self.queue.remove(waiter.dep_id):
+            self.start_side.queue_changed()
+            self.start_side.advance_all()
+        self.slots.counters_changed(waiter.dep_id)
+
+    def next_wake(self, waiter: Waiter) -> float:
+        """Seconds the waiter may sleep before it looks again (its deadline)."""
+        return self.slots.next_wake(waiter)
+
+    def drain(self, dep_id: int, drained: Callable[[], None]) -> None:
+        """An administrator's sleep drains first (``Slots.drain``)."""
+        self.slots.drain(dep_id, drained)
+
+    def undrain(self, dep_id: int, drained: Callable[[], None]) -> None:
+        """The drain is over (it slept, or its deadline passed): slots again, and its waiters
+        move on: served when it is still ready, else they wake it."""
+        if self.slots.undrain(dep_id, drained):
+            self.start_side.advance(dep_id)
+
+    # --- reads ------------------------------------------------------------------------
+
+    def record(self, dep_id: int) -> Record | None:
+        return self.slots.record(dep_id)
+
+    def attempts(self) -> list[int]:
+        return self.slots.attempts()
+
+    def attempt_phase(self, dep_id: int) -> Phase | None:
+        return self.slots.attempt_phase(dep_id)
+
+    def inflight(self, dep_id: int) -> int:
+        return self.slots.inflight(dep_id)
+
+    def waiting(self, dep_id: int | None = None) -> int:
+        return self.slots.waiting(dep_id)
+
+    def draining(self, dep_id: int) -> bool:
+        return self.slots.draining(dep_id)
+
+    def busy_total(self, dep_id: int) -> int:
+        return self.slots.busy_total(dep_id)
+
+    def backoff_left(self, dep_id: int) -> float:
+        return self.slots.backoff_left(dep_id)
+
+    def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
+        """May this deployment be stopped as idle (reaper, make-room)? The stop's precheck."""
+        return self.slots.is_idle(dep, now)
+
+    def queue_place(self, dep_id: int) -> tuple[int, int] | None:
+        """(its place in the memory queue, from 1; the queue's length), or None."""
+        return self.queue.place(dep_id)
+
+    def status(self, dep_id: int) -> dict[str, Any]:
+        """The ``ondemand`` field of a deployment view."""
+        return self.slots.status(dep_id, self.queue.place(dep_id))
+
+    def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
+        """The idle gaps kept in the state file (after a restart): what was learned stays."""
+        self.slots.learn(gaps)
+
+    def rhythm(self, dep_id: int) -> Rhythm | None:
+        return self.slots.rhythm(dep_id)
+
+    # --- what the effects ask and report (the start side's) ------------------------------
+
+    def wanted(self, dep_id: int) -> bool:
+        """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)"""
+        return self.start_side.wanted(dep_id)
 
     def settle_target(self, dep_id: int) -> int:
         """Whose fit a make-room's settle waits for: ``dep_id``, or the head of higher
@@ -128,204 +241,27 @@ class Controller(AdaptiveWarmth):
         check, so a hold made while the check's reading was out still counts."""
         return self.scheduler.held_for_others(dep_id)
 
-    def wanted(self, dep_id: int) -> bool:
-        """Does anyone still wait for ``dep_id``? (The deployer asks it as it marks starting.)
-        Not once shutdown began: an admit already out starts nothing."""
-        return not self._closing and self.waiting(dep_id) > 0
-
     def on_admitted(self, dep_id: int, started: bool) -> None:
-        """The admit effect's report: ``started`` False when it was starting or ready
-        already, or nobody wanted it any more."""
-        dw = self._attempt(dep_id)
-        if dw is None:
-            return
-        dw.phase = Phase.IDLE
-        if not started:
-            # Starting or ready already, being removed, or nobody waits: the change that
-            # follows (or none is needed) moves it on. Never ask again from here: a loop.
-            dw.starting_for_request = False
-            self._forget_if_unused(dep_id)
-            self._release_held(dep_id)
-            return
-        if self.queue.remove(dep_id):
-            self._queue_changed()
-            self._advance_all()
-
-    def _admit_ended(self, dep_id: int) -> Attempt | None:
-        """An admit that started nothing reported: the attempt is idle again."""
-        dw = self._attempt(dep_id)
-        if dw is not None:
-            dw.phase = Phase.IDLE
-            dw.starting_for_request = False
-        return dw
+        self.start_side.on_admitted(dep_id, started)
 
     def on_refused(self, dep_id: int, exc: InsufficientMemory) -> None:
-        """The fit check said no: does_not_fit, or queue, and the head makes room."""
-        dw = self._admit_ended(dep_id)
-        if dw is None:
-            return
-        dep = self.effects.deployment(dep_id)
-        if not dw.waiters or dep is None:
-            self._forget_if_unused(dep_id)
-            return
-        fit: Fit = exc.fit or Fit(exc.need, (exc.free,), (exc.capacity,), 1, None, False)
-        recent_stop = self.clock() - self._last_ondemand_stop < self.recent_stop_s
-        if fit.never_fits() and not dw.stopped_victim and not recent_stop:
-            self._give_verdict(dep_id, verdicts.does_not_fit(dep, fit, exc.capacity))
-            return
-        if self._closing:
-            return  # its waiters heard it already
-        self._enqueue(dep_id, dw, dep)
-        if not self.queue.is_head_or_empty(dep_id):
-            self._tell_queued(dw)
-            return  # only the head makes room
-        try:
-            if self._room_coming(dep_id):
-                self._schedule_tick()
-                return  # what the entries it overtook are freeing is held for it: wait for that
-            victims, chosen = self._pick_victims(dep, fit)
-            if not victims:
-                self._tell_queued(dw)
-                self._schedule_tick()
-                return  # queued until something changes
-        finally:
-            self._release_held(dep_id)
-        dw.phase = Phase.STOPPING
-        dw.victims = {v.id for v in victims}
-        dw.frees = {v.id: {g: gib for g, gib in v.holds.items() if g in chosen} for v in victims}
-        dw.freed = 0.0
-        for v in victims:
-            if v.tier == 0 and self._sleeps(v.id):
-                self.effects.sleep(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
-            elif v.tier == 0:
-                self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
-            else:
-                self.effects.stop(v.id, text=f"Stopped (asleep) to make room for {dep.served_name}", for_dep=dep_id)
+        self.start_side.on_refused(dep_id, exc)
 
     def on_budget_error(self, dep_id: int, reason: str) -> None:
-        """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""
-        dw = self._admit_ended(dep_id)
-        if dw is None:
-            return
-        dep = self.effects.deployment(dep_id)
-        name = dep.served_name if dep else f"deployment {dep_id}"
-        self._give_verdict(dep_id, verdicts.budget_unavailable(name, reason))
-        self._forget_if_unused(dep_id)
-        self._release_held(dep_id)
+        self.start_side.on_budget_error(dep_id, reason)
 
     def on_start_error(self, dep_id: int, reason: str) -> None:
-        """The deployer refused the start (a state it cannot start from): a start failure."""
-        dw = self._admit_ended(dep_id)
-        if dw is None:
-            return
-        dep = self.effects.deployment(dep_id)
-        if dep is not None and dep.state in REQUEST_STARTABLE:
-            self._give_verdict(dep_id, self._start_failed(dep, self._record_failure(dep_id, reason)))
-        self._forget_if_unused(dep_id)
-        self._release_held(dep_id)
+        self.start_side.on_start_error(dep_id, reason)
 
     def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None) -> None:
-        """A stop effect's report (reaper or make-room)."""
-        if approved:
-            self._last_ondemand_stop = self.clock()
-        if for_dep is None:
-            return
-        dw = self._attempt(for_dep)
-        if dw is None or dw.phase is not Phase.STOPPING or dep_id not in dw.victims:
-            return
-        dw.victims.discard(dep_id)
-        frees = dw.frees.pop(dep_id, {})
-        if approved:
-            dw.freed += sum(frees.values())
-            self.queue.reserve(for_dep, frees)  # held at once, per GPU: nobody else may take it meanwhile
-        if dw.victims:
-            return  # the others are still stopping
-        if not dw.waiters:
-            dw.phase = Phase.IDLE
-            self._forget_if_unused(for_dep)
-            return
-        if dw.freed <= 0:
-            dw.phase = Phase.IDLE  # they became busy: wait for the next change
-            self._schedule_tick()
-            return
-        names = self.effects.deployment(for_dep)
-        log.info("stopped idle models to make room for %s (%.1f GiB)", names.name if names else for_dep, dw.freed)
-        dw.stopped_victim = True
-        dw.phase = Phase.SETTLING
-        self.effects.settle(for_dep, self.make_room_wait_s)
+        self.start_side.on_stopped(dep_id, approved, for_dep)
 
     def on_settled(self, dep_id: int) -> None:
-        """Freed memory shows (or the wait ran out): try again, and so does the head of
-        higher priority that took the freed memory over."""
-        taker = self.queue.overtaken_by(dep_id)
-        dw = self._attempt(dep_id)
-        if dw is not None:
-            dw.phase = Phase.IDLE
-            self._forget_if_unused(dep_id)
-        if taker is not None:
-            self._advance(taker)  # first: this one then waits for the head's answer
-        self._advance(dep_id)
+        self.start_side.on_settled(dep_id)
 
-    def _room_coming(self, head: int) -> bool:
-        """Entries this head overtook still stop victims or wait for their memory to show:
-        all of it is held for the head, which must not stop more meanwhile."""
-        making_room = [d for d, rec in self._records.items()
-                       if rec.attempt is not None and rec.attempt.phase in (Phase.STOPPING, Phase.SETTLING)]
-        return self.scheduler.room_coming(head, making_room)
-
-    def _forget_if_unused(self, dep_id: int) -> None:
-        rec = self._records.get(dep_id)
-        dw = rec.attempt if rec is not None else None
-        if rec is not None and dw is not None and not dw.waiters and dw.phase is Phase.IDLE \
-                and not dw.starting_for_request:
-            rec.attempt = None
-
-    def _enqueue(self, dep_id: int, dw: Attempt, dep: Deployment) -> None:
-        first = min((w.arrival for w in dw.waiters), default=self.clock())
-        if self.queue.add(dep_id, first, dep.priority.rank):
-            log.info("deployment %d queued for memory (%s priority)", dep_id, dep.priority)
-            self._queue_changed()
-        self._counters_changed(dep_id)
-        self._schedule_tick()
-
-    def _tell_queued(self, dw: Attempt) -> None:
-        """The queued notice, only for the queue: its waiters wait because the idle models
-        make-room may take do not free enough (or behind the head). A make-room that found its
-        victims, and a start or a wake, tell nothing: the answer is exactly the engine's."""
-        dw.told = True
-        for waiter in dw.waiters:
-            self._notify_queued(waiter)
-
-    def _pick_victims(self, requester: Deployment, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
-        """The idle deployments the scheduler may take for ``requester``, and its choice of them."""
-        now = self.clock()
-        claimed = self._claimed()
-        pools = len(fit.free)
-        per_gpu = fit.per_gpu
-        candidates = [Candidate(d.id, holdings(self._frees(d, pools, per_gpu), d.gpu_count, d.gpus, pools, per_gpu),
-                                self._last_active(d.id, now), d.priority.rank,
-                                0 if d.state is State.READY else 1)
-                      for d in self.effects.deployments()
-                      if d.id != requester.id and d.id not in claimed and self.scheduler.may_take(requester, d)
-                      and self.is_idle(d, now)]
-        return self.scheduler.victims(candidates, fit)
-
-    def _sleeps(self, dep_id: int) -> bool:
-        """Is an idle ``dep_id`` put to sleep (not stopped)?"""
-        dep = self.effects.deployment(dep_id)
-        return dep is not None and self.effects.idle_level(dep) > 0
-
-    def _frees(self, dep: Deployment, pools: int, per_gpu: bool) -> float:
-        """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what
-        it kept asleep last time (as measured; nothing known, all); awake and stopped, all;
-        asleep and stopped, what it keeps (as found after its sleep, else
-        ``asleep_residue_gib`` per GPU: never nothing, so an asleep engine is always a victim
-        when its GPU is needed)."""
-        if dep.state is State.ASLEEP:
-            return asleep_held(dep, self.asleep_residue_gib, pools, per_gpu)
-        if self.effects.idle_level(dep) > 0:
-            return dep.footprint_gib - dep.residue_gib
-        return dep.footprint_gib
+    def tick(self) -> None:
+        """The queue's clock (``Attempts.tick``)."""
+        self.start_side.tick()
 
     # --- what the deployer reports ------------------------------------------------------
 
@@ -333,9 +269,9 @@ class Controller(AdaptiveWarmth):
         """Every creation, change, transition and removal of a deployment."""
         now = self.clock()
         if dep is None:
-            self._removed(dep_id)
+            self.start_side.removed(dep_id)
             return
-        rec = self._record(dep_id)
+        rec = self.slots.record_for(dep_id)
         if old is None:
             rec.last_activity = now  # a new deployment
         else:
@@ -345,7 +281,7 @@ class Controller(AdaptiveWarmth):
                 rec.last_activity = now  # switched to on demand
             if old.priority is not dep.priority and dep_id in self.queue:
                 self.queue.rerank(dep_id, dep.priority.rank)  # an edit while it waits
-                self._queue_changed()
+                self.start_side.queue_changed()
         if dep.state is State.READY and (old is None or old.state is not State.READY):
             rec.last_activity = now
             rec.backoff = None
@@ -354,66 +290,35 @@ class Controller(AdaptiveWarmth):
                 rec.asleep_since = now
         else:
             rec.asleep_since = None
-        self._warmth_changed(dep, rec)
+        self._warmth(dep, rec).changed(dep, rec)
         if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
-            self._start_ended(dep)
-        self._advance_all()
-
-    def _start_ended(self, dep: Deployment) -> None:
-        dw = self._attempt(dep.id)
-        if dw is None:
-            return
-        for_request, dw.starting_for_request = dw.starting_for_request, False
-        if dep.state is State.FAILED:
-            if for_request or dw.waiters:  # waiters hear it, and new starts wait for the backoff
-                b = self._record_failure(dep.id, dep.state_reason or "start failed")
-                self._give_verdict(dep.id, self._start_failed(dep, b))
-        elif dep.state is not State.READY and for_request:
-            self._give_verdict(dep.id, verdicts.stopped(dep.served_name))
-        self._forget_if_unused(dep.id)
-
-    def _removed(self, dep_id: int) -> None:
-        dw = self._attempt(dep_id)
-        if dw is not None:
-            started_for_them = dw.starting_for_request and dw.phase is Phase.IDLE
-            err = verdicts.stopped(f"deployment {dep_id}") if started_for_them else verdicts.removed(dep_id)
-            self._give_verdict(dep_id, err)
-            dw.phase = Phase.IDLE
-            dw.starting_for_request = False
-            self._forget_if_unused(dep_id)
-        if self.queue.remove(dep_id):
-            self._queue_changed()
-            self._advance_all()
-        rec = self._records.get(dep_id)
-        if rec is not None:
-            rec.forget()
-            if rec.unused():
-                del self._records[dep_id]
+            self.start_side.start_ended(dep)
+        self.start_side.advance_all()
 
     # --- the reaper's step ----------------------------------------------------------------
 
     def reap(self) -> list[int]:
         """Ask to stop every on-demand deployment idle by the rules; returns their ids."""
-        if self._closing:
+        if self.slots.closing:
             return []
         now = self.clock()
         asked = []
-        claimed = self._claimed()
+        claimed = self.slots.claimed()
         for dep in self.effects.deployments():
             if dep.id in claimed or not self.is_idle(dep, now) or self._held_awake(dep, now):
                 continue
-            minutes = round(self.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
+            minutes = round(self.slots.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
             if dep.state is State.ASLEEP:
                 # Asleep it stays, until a request wakes it, make-room needs its memory, or
                 # it has slept sleep_timeout_s.
-                rec = self._records.get(dep.id)
+                rec = self.slots.record(dep.id)
                 slept = 0.0 if rec is None or rec.asleep_since is None else now - rec.asleep_since
-                if self.sleep_timeout_s is None or slept < self.sleep_timeout_s:
+                if self.slots.sleep_timeout_s is None or slept < self.slots.sleep_timeout_s:
                     continue
                 self.effects.stop(dep.id, text=f"Stopped after {round(slept / 60, 2):g} min asleep "
                                                "(sleep_timeout_s)", for_dep=None)
-            elif self._rest_by_plan(dep, now):
-                pass  # adaptive warmth's plan chose its tier (keepwarm.py)
+            elif self._rests(dep, now):
+                pass  # its warmth policy chose its tier (adaptive warmth's plan)
             elif self.effects.idle_level(dep) > 0:
                 self.effects.sleep(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
             else:
@@ -421,44 +326,68 @@ class Controller(AdaptiveWarmth):
             asked.append(dep.id)
         return asked
 
+    def _held_awake(self, dep: Deployment, now: float) -> bool:
+        """Its warmth policy holds it awake though idle (adaptive: a pre-warmed engine waits for
+        its request until ``awake_until_s``); the reaper leaves it be, make-room does not."""
+        rec = self.slots.record(dep.id)
+        until = self._warmth(dep, rec).held_until(dep, rec, now)
+        return until is not None and now < until
+
+    def _rests(self, dep: Deployment, now: float) -> bool:
+        """Its warmth policy put it away in a tier of its own (adaptive: the plan's)."""
+        rec = self.slots.record(dep.id)
+        return self._warmth(dep, rec).rest(dep, rec, now)
+
+    # --- adaptive warmth's reads and reports ----------------------------------------------
+
+    def adaptive(self, dep_id: int) -> dict[str, Any] | None:
+        """The view's ``adaptive`` object (``Adaptive.view``)."""
+        return self.adaptive_warmth.view(dep_id)
+
+    def prewarms(self, dep_id: int) -> dict[str, int]:
+        """Its pre-warms' results so far: ``hit`` and ``miss``."""
+        return self.adaptive_warmth.prewarms(dep_id)
+
+    def prewarm_wanted(self, dep_id: int) -> bool:
+        """Is the pre-warm out for ``dep_id`` still wanted? (Its effect asks, as it marks starting.)"""
+        return self.adaptive_warmth.prewarm_wanted(dep_id)
+
+    def on_prewarmed(self, dep_id: int, started: bool) -> None:
+        """The pre-warm's report (``Effects.prewarm``)."""
+        self.adaptive_warmth.on_prewarmed(dep_id, started)
+
     # --- mode switch ------------------------------------------------------------------------
 
     def plan_mode(self, dep_id: int, mode: str, *, idle_timeout_s: int | None = None,
                   set_idle_timeout: bool = False) -> ModePlan:
         """Decide a switch (BEHAVIOUR.md, "Switch to always on"); resets the start backoff."""
-        modes.check(mode, idle_timeout_s, set_idle_timeout, self.min_idle_timeout_s)
+        modes.check(mode, idle_timeout_s, set_idle_timeout, self.slots.min_idle_timeout_s)
         dep = self.effects.deployment(dep_id)
         if dep is None:
             raise verdicts.unknown(dep_id)
         plan = modes.plan(dep, mode, idle_timeout_s, set_idle_timeout)
-        self._reset_backoff(dep_id)  # set_mode resets the start backoff
+        self.slots.reset_backoff(dep_id)  # set_mode resets the start backoff
         return plan
 
     def mode_switched(self, dep_id: int) -> None:
         """The switch is stored: waiters look again (a start may be theirs to wait for now)."""
-        self._advance(dep_id)
+        self.start_side.advance(dep_id)
 
     def shutdown(self) -> None:
         """Shutdown began: from now on nothing is started or stopped for a waiter (no
         make-room, no reaper), and every waiter, queued or waiting for a start, gets
         ``ondemand_shutting_down`` at once instead of holding the shutdown up."""
-        self._closing = True
+        self.slots.closing = True
         err = verdicts.shutting_down()
-        for dep_id in self.attempts():
-            self._give_verdict(dep_id, err)
+        for dep_id in self.slots.attempts():
+            self.slots.give_verdict(dep_id, err)
         for dep_id in self.queue.ids():
             self.queue.remove(dep_id)
-        if self._tick_timer is not None:
-            self._tick_timer.cancel()
-            self._tick_timer = None
+        self.start_side.stop_ticking()
 
     def close(self) -> None:
-        for rec in self._records.values():
-            if rec.adaptive is not None:
-                rec.adaptive.end()  # its pre-warm's timer
-            if rec.publish_timer is not None:
-                rec.publish_timer.cancel()
-                rec.publish_timer = None
-        if self._tick_timer is not None:
-            self._tick_timer.cancel()
-            self._tick_timer = None
+        """No timer of the core's is left: the pre-warms', the publishes', the tick."""
+        self.adaptive_warmth.close()
+        self.slots.close()
+        self.start_side.stop_ticking()
+

@@ -18,19 +18,21 @@ while the reaper leaves it awake until ``awake_until_s`` and then puts it away a
 (its idle action's tier). Each pre-warm that started ends as a hit (a request arrived before the
 engine went away again) or a miss (``ondemand_prewarms_total``).
 
-``AdaptiveWarmth`` sits between the request side (``Slots``, whose hooks it fills) and the start
-side (``Controller``): plain ``def``s, no await, no I/O, as the whole core.
+``Adaptive`` is the ``WarmthPolicy`` (``warmth_policy.py``) of such a deployment, a part the
+``Controller`` owns beside ``Fixed``: it reads the deployments' records (the slots part's) and
+the length of the memory queue (the scheduler's), and acts through the core's ``Effects``. Plain
+``def``s, no await, no I/O, as the whole core.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 from ..engines import warmth
-from ..engines.rhythm import LEARN_AFTER, Plan, Rhythm
+from ..engines.rhythm import LEARN_AFTER, Plan
 from ..model import Deployment, KeepWarm, State
-from .record import Adaptive, Period, Prewarm, Record
+from .record import AdaptiveState, Period, Prewarm, Record
 from .slots import MIN_GAP_S, Slots
 
 # A rest tier's sleep level (engines.rhythm.TIERS' names; "stopped" is a stop).
@@ -85,63 +87,49 @@ def adaptive(dep: Deployment) -> bool:
     return dep.on_demand and dep.keep_warm is KeepWarm.ADAPTIVE
 
 
-class AdaptiveWarmth(Slots):
-    """Adaptive warmth's decisions: each idle period's plan, the rest it gives the reaper, the
-    pre-warm and its result."""
+class Adaptive:
+    """Adaptive warmth's decisions (a ``WarmthPolicy``): each idle period's plan, the idle rule and
+    the rest it gives, the pre-warm and its result. It holds no state of its own: each
+    deployment's is in its record (``Record.adaptive``)."""
 
-    # --- learning: the idle gaps ----------------------------------------------------
+    def __init__(self, slots: Slots, queue: Sized):
+        self.slots = slots  # the records, the idle timeouts, the backoff, the live counters
+        self.queue = queue  # the memory queue: nothing rests early, and no pre-warm, while it holds anyone
+        self.effects = slots.effects
+        self.clock = slots.clock
+        self.wall = slots.wall
 
-    def _arrived(self, dep: Deployment, rec: Record) -> None:
-        """The first request since it became idle ends the gap: learned when it is on demand and
-        was idle for at least MIN_GAP_S (shorter is a busy model's breath). Every slot follows an
-        arrival, so none is out while ``idle_since`` is set. The idle period ends with it."""
-        gap = self.clock() - rec.idle_since if rec.idle_since is not None else 0.0
-        rec.idle_since = None
-        learned = gap >= MIN_GAP_S and dep.on_demand
-        if learned:
-            if rec.rhythm is None:
-                rec.rhythm = Rhythm()
-            rec.rhythm.add(gap)
-            self.effects.idle_gap(dep.id, gap)
-        self._idle_ended(dep, rec, learned)
-
-    def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
-        """The idle gaps kept in the state file (after a restart): what was learned stays."""
-        for dep_id, kept in gaps.items():
-            if self.effects.deployment(dep_id) is not None:
-                self._record(dep_id).rhythm = Rhythm(kept)
-
-    def rhythm(self, dep_id: int) -> Rhythm | None:
-        """The idle gaps learned of ``dep_id`` (None: none yet)."""
-        rec = self._records.get(dep_id)
-        return rec.rhythm if rec is not None else None
+    def holds(self, dep: Deployment | None, rec: Record | None) -> bool:
+        """Is ``dep``'s warmth this policy's: adaptive, or in an idle period begun while it was
+        (a switch to fixed ends the period when its change arrives, ``changed``)?"""
+        if dep is not None and adaptive(dep):
+            return True
+        return rec is not None and rec.adaptive is not None and rec.adaptive.period is not None
 
     # --- the idle period ----------------------------------------------------------------
 
-    def _idle_began(self, dep_id: int, rec: Record) -> None:
+    def idle_began(self, dep: Deployment | None, rec: Record) -> None:
         """Its last slot was released: an idle period begins (its plan is made when first asked)."""
         a = rec.adaptive
         if a is not None:
             a.end()
-        dep = self.effects.deployment(dep_id)
         if dep is not None and adaptive(dep):
             if a is None:
-                a = rec.adaptive = Adaptive()
+                a = rec.adaptive = AdaptiveState()
             a.period = Period(self.clock())
 
-    def _idle_ended(self, dep: Deployment, rec: Record, learned: bool) -> None:
+    def idle_ended(self, dep: Deployment, rec: Record) -> None:
         """A request arrived: the idle period is over, and a pre-warm that started is a hit."""
         a = rec.adaptive
         if a is None:
             return
-        a.learned += learned
         period = a.period
         if period is not None and (period.prewarm is Prewarm.STARTED
                                    or (period.prewarm is Prewarm.OUT and dep.state in AWAKE)):
             a.hits += 1
         a.end()
 
-    def _idle_after(self, dep: Deployment, rec: Record) -> float:
+    def idle_after(self, dep: Deployment, rec: Record) -> float:
         """How long it must have been idle to count as idle (the reaper, make-room): its idle
         timeout; in an adaptive idle period, its plan's ``awake_for_s``, but only while nothing
         waits for memory (an early rest then hands its memory to the queue at once, and when the
@@ -152,23 +140,40 @@ class AdaptiveWarmth(Slots):
         request)."""
         period = self._period(dep, rec)
         if period is None:
-            return self.idle_timeout(dep)
+            return self.slots.idle_timeout(dep)
         if period.prewarm is Prewarm.STARTED:
             return 0.0
         plan = self._planned(dep, rec, period)
         if plan is None or len(self.queue):
-            return self.idle_timeout(dep)
+            return self.slots.idle_timeout(dep)
         return plan.awake_for_s
 
-    def _queue_changed(self) -> None:
-        """Every queued entry's view, and, when the queue may just have filled or emptied (one
-        entry or none: each change adds or removes one), every adaptive idle deployment's: its
-        idle rule follows the queue (``_idle_after``), and its ``idle_until`` with it."""
-        super()._queue_changed()
+    def queue_changed(self) -> None:
+        """The memory queue may just have filled or emptied (one entry or none: each change adds
+        or removes one): every adaptive idle deployment's view is published again, since its idle
+        rule follows the queue (``idle_after``), and its ``idle_until`` with it."""
         if len(self.queue) <= 1:
-            for dep_id, rec in list(self._records.items()):
+            for dep_id, rec in self.slots.items():
                 if rec.adaptive is not None and rec.adaptive.period is not None:
-                    self._counters_changed(dep_id, rec)
+                    self.slots.counters_changed(dep_id, rec)
+
+    def changed(self, dep: Deployment, rec: Record) -> None:
+        """A change of the deployment: a pre-warmed engine that goes away unused is a miss; a
+        switch to fixed (or always on) ends its idle period's plan."""
+        a = rec.adaptive
+        if a is None or a.period is None:
+            return
+        if not adaptive(dep):
+            a.end()
+        elif a.period.prewarm is Prewarm.STARTED and dep.state not in AWAKE:
+            a.misses += 1
+            a.end()
+
+    def close(self) -> None:
+        """The core is closing: every idle period's pre-warm timer goes."""
+        for _, rec in self.slots.items():
+            if rec.adaptive is not None:
+                rec.adaptive.end()
 
     # --- the plan ----------------------------------------------------------------------
 
@@ -197,27 +202,21 @@ class AdaptiveWarmth(Slots):
         a = rec.adaptive
         if rec.rhythm is None or a is None:
             return None
-        timeout = self.idle_timeout(dep)
-        made_of = (rec.rhythm, len(rec.rhythm), a.learned, timeout, self.min_idle_timeout_s,
-                   tuple(sorted(tiers.items())))
+        timeout = self.slots.idle_timeout(dep)
+        floor = self.slots.min_idle_timeout_s
+        made_of = (rec.rhythm, len(rec.rhythm), rec.learned, timeout, floor, tuple(sorted(tiers.items())))
         if a.shown is not None and a.shown[0] == made_of:
             return a.shown[1]
-        plan = rec.rhythm.plan(idle_timeout_s=timeout, min_idle_timeout_s=self.min_idle_timeout_s, tiers=tiers)
+        plan = rec.rhythm.plan(idle_timeout_s=timeout, min_idle_timeout_s=floor, tiers=tiers)
         a.shown = (made_of, plan)
         return plan
 
     # --- the reaper's step ---------------------------------------------------------------
 
-    def _held_awake(self, dep: Deployment, now: float) -> bool:
-        """The reaper leaves an awake adaptive engine be from its pre-warm's moment until
-        ``awake_until_s`` (the next request is expected then); make-room does not."""
-        until = self._held_until(dep, now)
-        return until is not None and now < until
-
-    def _held_until(self, dep: Deployment, now: float) -> float | None:
-        """When the reaper's hold of a ready adaptive engine ends (monotonic), once its pre-warm's
-        moment has come; else None."""
-        rec = self._records.get(dep.id)
+    def held_until(self, dep: Deployment, rec: Record | None, now: float) -> float | None:
+        """When the reaper's hold of a ready adaptive engine ends (monotonic): it leaves it be
+        from its pre-warm's moment until ``awake_until_s`` (the next request is expected then;
+        make-room does not wait). None before the pre-warm's moment, or with no such plan."""
         period = self._period(dep, rec)
         if rec is None or period is None or dep.state is not State.READY:
             return None
@@ -227,18 +226,9 @@ class AdaptiveWarmth(Slots):
             return None
         return period.began + plan.awake_until_s
 
-    def _idle_until(self, dep: Deployment | None, rec: Record) -> float | None:
-        """The view's ``idle_until``: as the idle rule says, or the end of the reaper's hold."""
-        until = super()._idle_until(dep, rec)
-        held = self._held_until(dep, self.clock()) if dep is not None else None
-        if until is None or held is None:
-            return until
-        return max(until, round(self.wall() + held - self.clock(), 3))
-
-    def _rest_by_plan(self, dep: Deployment, now: float) -> bool:
+    def rest(self, dep: Deployment, rec: Record | None, now: float) -> bool:
         """Put an idle adaptive engine away in its plan's tier (asked by the reaper before the
         pre-warm's moment); False: the reaper puts it away as fixed does."""
-        rec = self._records.get(dep.id)
         period = self._period(dep, rec)
         if rec is None or period is None or period.prewarm is not Prewarm.NONE:
             return False
@@ -260,7 +250,7 @@ class AdaptiveWarmth(Slots):
 
     def _prewarm_due(self, dep_id: int, period: Period) -> None:
         """The pre-warm's moment: wake or start it, if it rests and nothing else wants memory."""
-        rec = self._records.get(dep_id)
+        rec = self.slots.record(dep_id)
         if rec is None or rec.adaptive is None or rec.adaptive.period is not period:
             return  # the period ended (an arrival, a removal) and its timer fired anyway
         period.timer = None
@@ -277,14 +267,14 @@ class AdaptiveWarmth(Slots):
 
     def _may_prewarm(self, dep: Deployment, rec: Record) -> bool:
         """Resting (asleep or stopped), nobody waiting for it or for memory, no start backoff."""
-        return (not self._closing and adaptive(dep) and dep.state in (State.ASLEEP, State.STOPPED)
+        return (not self.slots.closing and adaptive(dep) and dep.state in (State.ASLEEP, State.STOPPED)
                 and dep.pending_mode is None and rec.attempt is None and not rec.inflight
-                and not len(self.queue) and self.backoff_left(dep.id) <= 0)
+                and not len(self.queue) and self.slots.backoff_left(dep.id) <= 0)
 
     def prewarm_wanted(self, dep_id: int) -> bool:
         """Is the pre-warm out for ``dep_id`` still wanted? The effect asks it in the step that
         would mark it starting: a request or a queue entry that came meanwhile has it do nothing."""
-        rec = self._records.get(dep_id)
+        rec = self.slots.record(dep_id)
         dep = self.effects.deployment(dep_id)
         period = rec.adaptive.period if rec is not None and rec.adaptive is not None else None
         return (dep is not None and rec is not None and period is not None and period.prewarm is Prewarm.OUT
@@ -293,39 +283,27 @@ class AdaptiveWarmth(Slots):
     def on_prewarmed(self, dep_id: int, started: bool) -> None:
         """The pre-warm's report: ``started`` False (it did not fit, or was not wanted any
         more): nothing was done, and nothing more is done this period."""
-        rec = self._records.get(dep_id)
+        rec = self.slots.record(dep_id)
         period = rec.adaptive.period if rec is not None and rec.adaptive is not None else None
         if period is None or period.prewarm is not Prewarm.OUT:
             return  # an arrival ended the period meanwhile (and counted the hit)
         period.prewarm = Prewarm.STARTED if started else Prewarm.NONE
 
-    def _warmth_changed(self, dep: Deployment, rec: Record) -> None:
-        """A change of the deployment: a pre-warmed engine that goes away unused is a miss; a
-        switch to fixed (or always on) ends its idle period's plan."""
-        a = rec.adaptive
-        if a is None or a.period is None:
-            return
-        if not adaptive(dep):
-            a.end()
-        elif a.period.prewarm is Prewarm.STARTED and dep.state not in AWAKE:
-            a.misses += 1
-            a.end()
-
     # --- reads ---------------------------------------------------------------------------
 
-    def adaptive(self, dep_id: int) -> dict[str, Any] | None:
+    def view(self, dep_id: int) -> dict[str, Any] | None:
         """The view's ``adaptive`` object, from its ``LEARN_AFTER``-th gap on: the gaps it learned
         from and the plan of its idle period (or, when it is not idle, of one beginning now), with
         when the next request is expected; the plan's fields null while it makes none (no pattern:
         it behaves as fixed, and an admin sees that it learned and found no rhythm worth acting
         on). None before then, and when it is not adaptive."""
         dep = self.effects.deployment(dep_id)
-        rec = self._records.get(dep_id)
+        rec = self.slots.record(dep_id)
         if dep is None or rec is None or rec.rhythm is None or not adaptive(dep) \
                 or len(rec.rhythm) < LEARN_AFTER:
             return None
         if rec.adaptive is None:
-            rec.adaptive = Adaptive()
+            rec.adaptive = AdaptiveState()
         period = rec.adaptive.period
         plan = self._planned(dep, rec, period) if period is not None else self._plan(dep, rec, self.effects.tiers(dep))
         expected = None
@@ -339,6 +317,6 @@ class AdaptiveWarmth(Slots):
 
     def prewarms(self, dep_id: int) -> dict[str, int]:
         """Its pre-warms' results so far: ``hit`` and ``miss`` (``ondemand_prewarms_total``)."""
-        rec = self._records.get(dep_id)
+        rec = self.slots.record(dep_id)
         a = rec.adaptive if rec is not None else None
         return {"hit": a.hits if a else 0, "miss": a.misses if a else 0}

@@ -63,7 +63,7 @@ class Record:
     its start backoff, its drains and its publishing. Made when first needed; a field at its
     default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
     __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
-                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm", "adaptive")
+                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm", "learned", "adaptive")
 
     def __init__(self) -> None:
         self.inflight = 0  # granted slots
@@ -79,10 +79,12 @@ class Record:
         self.drains = 0
         self.drained: list[Callable[[], None]] = []
         # Adaptive warmth: since when it has had no slot (None: a request came since, or none
-        # ended yet), and the idle gaps learned (on-demand deployments only).
+        # ended yet), and the idle gaps learned (on-demand deployments only), with their count
+        # (a plan is made again after one: the rhythm keeps the newest, so its length stops).
         self.idle_since: float | None = None
         self.rhythm: Rhythm | None = None
-        self.adaptive: Adaptive | None = None  # keep_warm adaptive: its idle period, its pre-warms
+        self.learned = 0
+        self.adaptive: AdaptiveState | None = None  # keep_warm adaptive: its idle period, its pre-warms
 
     def waiters(self) -> int:
         return len(self.attempt.waiters) if self.attempt is not None else 0
@@ -92,6 +94,7 @@ class Record:
         self.inflight = 0
         self.last_activity = self.last_request_at = self.asleep_since = self.idle_since = None
         self.rhythm = None
+        self.learned = 0
         if self.adaptive is not None:
             self.adaptive.end()
             self.adaptive = None
@@ -125,14 +128,13 @@ class Period:
 
 
 @dataclasses.dataclass(eq=False)
-class Adaptive:
+class AdaptiveState:
     """What adaptive warmth holds of one deployment: its idle period, the results of its
     pre-warms (``ondemand_prewarms_total``) and the view's plan, made again only when what it
     was made of changes."""
     period: Period | None = None
     hits: int = 0
     misses: int = 0
-    learned: int = 0  # gaps learned since made: the view's plan is made again after one
     shown: tuple[object, Plan | None] | None = None  # (what the view's plan was made of, the plan)
 
     def end(self) -> None:
