@@ -61,6 +61,7 @@ from .control.controller import Controller
 from .control.effects import DeployerEffects
 from .control.footprint import FootprintSampler
 from .control.reaper import Reaper
+from .control.scheduler import scheduler
 from .control.starts import StartHistory
 from .engines.backends import Backend
 from .engines.backends.process import ProcessBackend
@@ -271,7 +272,8 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     controller = app[CONTROLLER] = Controller(
         effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
         max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
-        min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s)
+        min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s,
+        scheduler=scheduler(cfg.scheduler))
     effects.bind(controller)
     controller.learn(await deployer.store.idle_gaps())  # adaptive warmth: a restart keeps what was learned
     app[ADMISSION] = Admission(controller, deployer)

@@ -77,7 +77,6 @@ class DeployerConfig:
     max_model_len: int = 32768
 
 
-
 @dataclasses.dataclass(frozen=True)
 class LiteLLMConfig:
     url: str | None = None
@@ -124,6 +123,7 @@ class Config:
     reap_interval_s: float = 15.0
     sleep_timeout_s: int | None = None  # an engine asleep this long is stopped; None: never
     min_idle_timeout_s: int = 60
+    scheduler: str = "seed"  # the decision core's: the queue's order, make-room's victims (control/scheduler.py)
     metrics_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
@@ -288,8 +288,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "admin_token_file": (_opt_path, lambda s: True, "a file path"),
     "ondemand_allowed_cidrs": (_cidrs, lambda s: True, '"auto" or a list of CIDRs'),
     "decider_network": (_opt_str, lambda s: True, "a Docker network name"),
-    # The bound depends on min_idle_timeout_s: checked once both are known (below),
-    # so that the message states the real range.
+    # The bound depends on min_idle_timeout_s: checked once both are known (below), so the message is true.
     "ondemand_idle_timeout_s": (_int, lambda x: True, "whole seconds, min_idle_timeout_s (60 unless set) to 86400"),
     "ondemand_queue_timeout_s": (_int, _between(1, 86400), "whole seconds, 1 to 86400"),
     "ondemand_max_queued": (_int, _between(1, 100000), "1 to 100000"),
@@ -308,6 +307,7 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "sleep_timeout_s": (lambda v: None if v in (None, "", "none") else _int(v),
                         lambda x: x is None or 1 <= x <= 30 * 86400,
                         "whole seconds, 1 to 2592000 (an engine asleep this long is stopped), or none"),
+    "scheduler": (_str, _one_of("seed"), "seed (the decision core's scheduler: queue order, victims, placement)"),
     "metrics_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
     "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),

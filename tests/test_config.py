@@ -176,3 +176,22 @@ def test_connection_caps_are_keys_and_per_peer_is_at_most_the_total():
     assert config.load(env={}, overrides={"max_connections": 10_000}).max_connections_per_peer == 2048
     with pytest.raises(ConfigError, match="max_connections = 0"):
         config.load(env={}, overrides={"max_connections": 0})
+
+
+def test_the_scheduler_key_takes_the_schedulers_of_the_core_and_names_them():
+    """``scheduler`` (default seed) is one of the decision core's schedulers, each made by name
+    (control/scheduler.py); another value is refused with the key and the names."""
+    from ondemand.control.scheduler import SCHEDULERS, SeedScheduler, scheduler
+
+    assert config.load(env={}).scheduler == "seed"
+    assert config.load(env={"ONDEMAND_SCHEDULER": "seed"}).scheduler == "seed"
+    with pytest.raises(ConfigError) as exc:
+        config.load(env={"ONDEMAND_SCHEDULER": "cost"})
+    assert str(exc.value).startswith("configuration key scheduler = 'cost' is not allowed: seed")
+    for name in SCHEDULERS:  # every scheduler the core can make is a value the key takes
+        assert config.load(env={"ONDEMAND_SCHEDULER": name}).scheduler == name
+    made = scheduler("seed")
+    assert isinstance(made, SeedScheduler) and made is not scheduler("seed")  # a queue of its own each
+    with pytest.raises(ValueError, match="unknown scheduler 'cost': one of seed"):
+        scheduler("cost")
+

@@ -184,7 +184,7 @@ ALLOWED = {
                        "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
     "replay.live": {"engines.backends.ports", "model", "replay.types", "state.store", "tasks"},
-    "replay.run": {"control.controller", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
+    "replay.run": {"control.controller", "control.scheduler", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
 }
 
 # Which packages each package's modules may import (besides its own and the shared top: model,

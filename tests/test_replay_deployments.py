@@ -4,6 +4,7 @@ of its recorded starts and wakes, and the box from the configuration or --gpus."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import sqlite3
@@ -137,6 +138,13 @@ def test_gpus_and_the_box_from_the_configuration(tmp_path):
     with pytest.raises(ValueError, match="give --gpus NxGIB"):
         box_of(smi, 64)
 
+
+
+def test_the_box_runs_the_configured_scheduler():
+    """The replay's box takes the configuration's ``scheduler`` (the run makes one per policy)."""
+    cfg = config_mod.load(None, env={}, overrides={"budget.source": "static", "budget.capacity_gib": 100})
+    assert box_of(cfg, 64).scheduler == "seed"
+    assert box_of(dataclasses.replace(cfg, scheduler="another"), 64).scheduler == "another"
 
 async def state_file(tmp_path) -> str:
     path = tmp_path / "state" / "ondemand.db"

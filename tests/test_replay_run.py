@@ -6,6 +6,7 @@ prefill and 2 s of decode; the reaper looks every 15 s."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import signal
@@ -13,6 +14,8 @@ import time
 
 import pytest
 
+from ondemand.control import scheduler as schedulers
+from ondemand.control.scheduler import SeedScheduler
 from ondemand.model import Deployment, KeepWarm, Mode, State
 from ondemand.replay.clock import VirtualClock
 from ondemand.replay.run import Run, configure, replay
@@ -38,6 +41,26 @@ def req(at: float, model: str = "a", tokens_in: int = 1000, tokens_out: int = 10
 
 
 THREE = [req(0), req(10), req(1000)]
+
+
+class CountingScheduler:
+    """The seed scheduler, counting make-room's choices: a second scheduler, for the wiring."""
+
+    def __init__(self) -> None:
+        self.seed = SeedScheduler()
+        self.queue = self.seed.queue
+        self.victims_asked = 0
+        made.append(self)
+
+    def __getattr__(self, name):
+        return getattr(self.seed, name)
+
+    def victims(self, candidates, fit):
+        self.victims_asked += 1
+        return self.seed.victims(candidates, fit)
+
+
+made: list[CountingScheduler] = []
 
 
 def test_current_cold_start_then_asleep_then_a_wake():
@@ -135,6 +158,20 @@ def test_two_models_that_cannot_share_the_gpu():
     assert b.waited == {"ready": 0, "wake": 0, "cold": 0, "queue": 1}
     assert (r.total.sleeps, r.total.cold_starts, r.total.stops) == (1, 2, 0)
     assert r.queue == [(0.0, 0), (100.0, 1), (pytest.approx(724.25), 0)]  # out of the queue with its slot
+
+
+def test_the_replay_runs_the_scheduler_its_box_names(monkeypatch):
+    """The box's ``scheduler`` key chooses the controller's scheduler in each run: one made per
+    policy, asked for make-room's victims; the same answers as the seed scheduler's."""
+    monkeypatch.setitem(schedulers.SCHEDULERS, "counting", CountingScheduler)
+    made.clear()
+    box = dataclasses.replace(BOX, scheduler="counting")
+    deps, reqs = [dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(100, "b")]
+    [current, fixed] = replay(reqs, deps, box, [Policy.parse("current"), Policy.parse("fixed=600")])
+    assert len(made) == 2 and all(s.victims_asked >= 1 for s in made)
+    assert current.per_deployment["b"].ttfts == pytest.approx([662.25 + 2 + 60 + 0.2 - 100])
+    assert current.per_deployment["b"].ttfts == run(deps, reqs).per_deployment["b"].ttfts
+    assert fixed.per_deployment["b"].ttfts == current.per_deployment["b"].ttfts
 
 
 def test_a_request_queues_for_memory_behind_a_busy_model():

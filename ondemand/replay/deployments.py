@@ -345,4 +345,5 @@ def box_of(cfg: Config, host_gib: float, gpus: tuple[float, ...] | None = None,
                queue_timeout_s=cfg.ondemand_queue_timeout_s, max_queued=cfg.ondemand_max_queued,
                reap_interval_s=cfg.reap_interval_s, idle_timeout_s=cfg.ondemand_idle_timeout_s,
                min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s,
-               host_reserve_gib=b.host_reserve_gib, asleep_residue_gib=b.asleep_residue_gib)
+               host_reserve_gib=b.host_reserve_gib, asleep_residue_gib=b.asleep_residue_gib,
+               scheduler=cfg.scheduler)

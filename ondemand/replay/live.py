@@ -105,7 +105,7 @@ class Server:
                  f"ondemand_idle_timeout_s = {scaled(b.idle_timeout_s, x)}",
                  f"ondemand_queue_timeout_s = {scaled(b.queue_timeout_s, x)}",
                  f"ondemand_max_queued = {b.max_queued}", f"reap_interval_s = {max(0.1, b.reap_interval_s / x):g}",
-                 "metrics_interval_s = 0.2", "shutdown_grace_s = 1"]
+                 "metrics_interval_s = 0.2", "shutdown_grace_s = 1", f'scheduler = "{b.scheduler}"']
         if b.sleep_timeout_s is not None:
             lines.append(f"sleep_timeout_s = {scaled(b.sleep_timeout_s, x)}")
         lines += ["[budget]", 'source = "static"', f"reserve_gib = {b.reserve_gib:g}",

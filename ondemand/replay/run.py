@@ -48,6 +48,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from ..control.controller import Controller
+from ..control.scheduler import scheduler
 from ..model import IdleAction, KeepWarm, Mode, Role, State
 from .clock import VirtualClock
 from .flights import Flights
@@ -102,7 +103,8 @@ class Run:
         self.controller = Controller(
             self.world, clock=clock, wall=clock, queue_timeout_s=box.queue_timeout_s, max_queued=box.max_queued,
             idle_timeout_s=box.idle_timeout_s, min_idle_timeout_s=box.min_idle_timeout_s,
-            sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib)
+            sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib,
+            scheduler=scheduler(box.scheduler))
         self.world.bind(self.controller)
         self.controller.learn({r.deployment.id: r.gaps for r in replayed if r.gaps})
         self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)

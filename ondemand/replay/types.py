@@ -69,6 +69,7 @@ class Box:
     sleep_timeout_s: int | None = Config.sleep_timeout_s
     host_reserve_gib: float = BudgetConfig.host_reserve_gib
     asleep_residue_gib: float = BudgetConfig.asleep_residue_gib
+    scheduler: str = Config.scheduler  # the decision core's (control/scheduler.py)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,62 @@
+"""The scheduler, a part of the decision core (ondemand/control/scheduler.py): the seed scheduler's
+answers on a queue of its own, and the box's ``scheduler`` key choosing the one the running
+controller owns. Its rules inside the whole core, on the fake clock: test_controller.py (queue,
+make-room, priorities); in the replay: test_replay_run.py."""
+from __future__ import annotations
+
+from helpers import run_app
+
+from ondemand.control import scheduler as schedulers
+from ondemand.control.eviction import Candidate
+from ondemand.control.placement import Fit
+from ondemand.control.scheduler import SeedScheduler
+from ondemand.model import Deployment, Priority
+
+
+def dep(i: int, priority: Priority = Priority.NORMAL) -> Deployment:
+    return Deployment(id=i, name=f"d{i}", served_name=f"D{i}", memory_gib=10, priority=priority)
+
+
+def test_the_head_of_higher_priority_takes_the_place_and_the_hold():
+    """1 (normal) is the head and has 10 GiB held for it; 2 (high) arrives and takes its place:
+    what is freed for 1 from now on is held for 2, 1 asks only once 2's admit has answered, and
+    1's settle waits for 2's fit. 3 (normal, later) is behind nobody but the queue's order."""
+    s = SeedScheduler()
+    s.queue.add(1, first_arrival=10, rank=Priority.NORMAL.rank)
+    s.queue.reserve(1, {0: 10.0})
+    s.queue.add(2, first_arrival=20, rank=Priority.HIGH.rank)
+    s.queue.add(3, first_arrival=30, rank=Priority.HIGH.rank)
+    assert s.queue.ids() == [2, 3, 1]
+    assert s.behind(1, 2) and not s.behind(2, 2) and not s.behind(3, 2)
+    assert s.asks_first(1, admitting=lambda head: head == 2) and not s.asks_first(1, admitting=lambda head: False)
+    assert not s.asks_first(3, admitting=lambda head: True)  # same priority: the queue's order, no hold
+    assert (s.settle_target(1), s.settle_target(3)) == (2, 3)
+    assert s.held_for_others(1) == {0: 10.0} and s.held_for_others(2) == {}  # the hold went with the place
+    assert s.room_coming(2, [1]) and not s.room_coming(2, [3]) and not s.room_coming(2, [])
+
+
+def test_victims_are_of_the_requesters_priority_or_lower_and_make_it_fit():
+    """Make-room may take a normal or low model for a normal request, never a high one; of the
+    idle candidates, the lowest priority goes first, and only as many as make it fit."""
+    s = SeedScheduler()
+    normal = dep(9)
+    assert s.may_take(normal, dep(1, Priority.LOW)) and s.may_take(normal, dep(2))
+    assert not s.may_take(normal, dep(3, Priority.HIGH))
+    fit = Fit(need=10, free=(4.0,), ondemand=(40.0,), count=1, allowed=None, per_gpu=True)
+    low, other = Candidate(1, {0: 6.0}, last_used=50, rank=0), Candidate(2, {0: 10.0}, last_used=10, rank=1)
+    assert s.victims([other, low], fit) == ([low], (0,))
+    assert s.victims([Candidate(1, {0: 1.0}, last_used=50, rank=0)], fit) == ([], ())  # not enough: none
+
+
+async def test_the_running_core_owns_the_scheduler_the_configuration_names(tmp_path, monkeypatch):
+    """app.py makes the controller's scheduler by the ``scheduler`` key's name."""
+    made: list[SeedScheduler] = []
+
+    def seed() -> SeedScheduler:
+        made.append(SeedScheduler())
+        return made[-1]
+
+    monkeypatch.setitem(schedulers.SCHEDULERS, "seed", seed)
+    async with run_app(tmp_path, scheduler="seed") as server:
+        assert len(made) == 1 and server.controller.scheduler is made[0]
+        assert server.controller.queue is made[0].queue
