@@ -318,6 +318,37 @@ def test_the_deployer_and_the_replay_world_call_one_set_of_rules():
     assert copied == set(), f"replay/world.py decides as the deployer does itself: call engines.rules ({copied})"
 
 
+
+def _behaviour(cls: type) -> bool:
+    """Does a subclass of ours inherit behaviour? Not an exception (it carries data), a protocol
+    (it declares an interface), an enum, or a dataclass whose only methods are properties."""
+    import dataclasses
+    import enum
+    if issubclass(cls, (BaseException, enum.Enum)) or getattr(cls, "_is_protocol", False):
+        return False
+    if dataclasses.is_dataclass(cls):
+        return any(callable(v) and not (k.startswith("__") and k.endswith("__")) for k, v in vars(cls).items())
+    return True
+
+
+def test_the_decision_core_composes_its_parts():
+    """No class in control/ inherits behaviour from another class of the package (issue 41): the
+    controller owns its parts behind small protocols (slots, the start side, the scheduler, the
+    warmth policies) instead of a chain of subclasses whose hooks are filled two files away."""
+    import importlib
+    import inspect
+    stacked = []
+    for path in sorted((PKG / "control").glob("*.py")):
+        name = "ondemand." + ".".join(path.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if not inspect.isclass(cls) or cls.__module__ != name or not _behaviour(cls):
+                continue
+            ours = [b.__qualname__ for b in cls.__mro__[1:] if b.__module__.startswith("ondemand.")]
+            if ours:
+                stacked.append(f"{name}.{cls.__qualname__} inherits {ours}")
+    assert stacked == [], "compose: make the base a part the class owns, behind a protocol if it varies"
+
 # The modules still over the cap, and their size when the cap came: they may only shrink.
 OVER_THE_CAP: dict[str, int] = {}
 
