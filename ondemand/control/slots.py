@@ -32,6 +32,8 @@ BACKOFF_MAX_S = 900.0
 
 
 class Slots:
+    """The slots part (module doc); ``warmth(dep, rec)`` gives a deployment's warmth policy."""
+
     def __init__(self, effects: Effects, *, clock: Callable[[], float], wall: Callable[[], float],
                  warmth: Callable[[Deployment | None, Record | None], WarmthPolicy],
                  queue_timeout_s: float = 900, max_queued: int = 256, idle_timeout_s: int = 600,
