@@ -54,7 +54,7 @@ def test_a_replay_prints_its_table_and_writes_its_json_and_page(inputs):
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # no bar: stderr is not a terminal
     lines = r.stdout.splitlines()
-    assert lines[0].split()[:3] == ["policy", "requests", "failed"]
+    assert lines[0].split()[:7] == ["policy", "wait", "≤", "5", "s", "failed", "GiB-h"]
     assert [ln.split()[0] for ln in lines[1:]] == ["current", "ttl=60", "always-on"]
     doc = json.loads(out.read_text())
     assert doc["trace"]["requests"] == 30 and doc["trace"]["models"] == 2 and doc["box"] == {"gpus": [80.0]}

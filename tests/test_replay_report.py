@@ -14,8 +14,9 @@ from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
 
 BOX = Box(gpus=(80.0, 80.0), host_gib=512)
 POLICIES = [Policy.parse(p) for p in ("current", "ttl=300", "always-on")]
-FIELDS = {"requests", "served", "failed", "slo_met", "ttft_s", "waited", "cold_starts", "wakes", "sleeps", "stops",
-          "prewarms", "prewarm_hits", "gpu_hours", "gpu_gib_hours"}
+FIELDS = {"requests", "served", "failed", "timed_out", "refused", "rejected", "wait_slo_met", "wait_s", "slo_met",
+          "ttft_s", "waited", "cold_starts", "wakes", "sleeps", "stops", "prewarms", "prewarm_hits", "gpu_hours",
+          "gpu_gib_hours"}
 
 
 def deps() -> list[Replayed]:
@@ -49,7 +50,7 @@ def test_the_json_has_exactly_the_documented_shape():
     assert list(doc["policies"]) == ["current", "ttl=300", "always-on"]  # as typed, in their order
     for body in doc["policies"].values():
         assert set(body) == FIELDS | {"per_deployment"}
-        assert set(body["ttft_s"]) == {"p50", "p90", "p99", "max"}
+        assert set(body["ttft_s"]) == set(body["wait_s"]) == {"p50", "p90", "p99", "max"}
         assert set(body["waited"]) == {"ready", "wake", "cold", "queue"}
         assert list(body["per_deployment"]) == ["a", "b", "c"]
         for one in body["per_deployment"].values():
@@ -57,6 +58,8 @@ def test_the_json_has_exactly_the_documented_shape():
     always = doc["policies"]["always-on"]
     # Two of the three 60 GiB models fit on 2 x 80 GiB: c's request is refused.
     assert (always["requests"], always["served"], always["failed"], always["slo_met"]) == (4, 3, 1, 0.75)
+    assert (always["refused"], always["timed_out"], always["rejected"], always["wait_slo_met"]) == (1, 0, 0, 0.75)
+    assert always["wait_s"] == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     assert always["per_deployment"]["c"]["ttft_s"] == {"p50": None, "p90": None, "p99": None, "max": None}
     current = doc["policies"]["current"]
     assert (current["cold_starts"], current["wakes"], current["sleeps"]) == (3, 1, 3)
@@ -72,7 +75,7 @@ def test_a_warm_up_is_said_in_the_trace_and_the_hit_rate_in_the_table():
     doc = report.to_json(results(), BOX, requests=4, models=3, measured_from_s=500)
     assert doc["trace"] == {"requests": 4, "duration_s": 1333.7, "models": 3, "measured_from_s": 500}
     assert (report.hit_rate(0, 0), report.hit_rate(7, 9)) == ("-", "7/9 (78 %)")
-    assert report.table(results(), 5.0).splitlines()[1].split()[-3] == "-"  # no pre-warm: fixed warmth
+    assert report.table(results(), 5.0).splitlines()[1].split()[-2] == "-"  # no pre-warm: fixed warmth
 
 
 def test_the_same_inputs_give_the_same_bytes():
@@ -84,11 +87,11 @@ def test_the_same_inputs_give_the_same_bytes():
 def test_the_table_has_a_row_a_policy():
     text = report.table(results(), 5.0)
     lines = text.splitlines()
-    assert lines[0].split()[:4] == ["policy", "requests", "failed", "SLO"]
+    assert lines[0].split()[:7] == ["policy", "wait", "≤", "5", "s", "failed", "GiB-h"]
     assert [ln.split()[0] for ln in lines[1:]] == ["current", "ttl=300", "always-on"]
     assert "75.0 %" in lines[3]
     md = report.markdown(results(), 5.0).splitlines()
-    assert md[0].startswith("| policy | requests |") and md[1].startswith("| --- | ---: |") and len(md) == 5
+    assert md[0].startswith("| policy | wait ≤ 5 s | failed | GiB-h | requests |") and md[1].startswith("| --- | ---: |") and len(md) == 5
 
 
 def test_the_page_is_self_contained_with_its_charts():

@@ -64,13 +64,14 @@ made: list[CountingScheduler] = []
 
 
 def test_current_cold_start_then_asleep_then_a_wake():
-    """The first request starts it (60 s + 0.2 s of prefill); the second, at 10 s, waits for the
-    same start. Their ends at 62.2 s begin the 600 s idle timeout; the reaper's step at 675 s puts
+    """The first request starts it; the second, at 10 s, waits for the same start; at 60 s both
+    prefill together, sharing the engine's prefill (0.4 s for the two). Their ends at 62.4 s begin
+    the 600 s idle timeout; the reaper's step at 675 s puts
     it to sleep (level 1: a vLLM recipe on discrete GPUs), the call takes 2 s; at 1000 s a request
     wakes it in 3 s. It held 40 GiB until 677 s, then the 2 GiB residue, then 40 GiB again."""
     r = run([dep(1, "a", 40)], THREE)
     t = r.total
-    assert t.ttfts == pytest.approx([60.2, 50.2, 3.2])
+    assert t.ttfts == pytest.approx([60.4, 50.4, 3.2])
     assert (t.requests, t.served, t.failed, t.slo_met) == (3, 3, 0, 1)
     assert t.waited == {"ready": 0, "wake": 1, "cold": 2, "queue": 0}
     assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (1, 1, 1, 0)
@@ -87,7 +88,7 @@ def test_ttl_stops_and_starts_cold_again():
     request starts it cold again."""
     r = run([dep(1, "a", 40)], THREE, "ttl=300")
     t = r.total
-    assert t.ttfts == pytest.approx([60.2, 50.2, 60.2])
+    assert t.ttfts == pytest.approx([60.4, 50.4, 60.2])
     assert t.waited == {"ready": 0, "wake": 0, "cold": 3, "queue": 0}
     assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (2, 0, 0, 1)
     assert t.gpu_seconds == pytest.approx(375 + 62.2)
@@ -97,7 +98,7 @@ def test_ttl_stops_and_starts_cold_again():
 def test_sleep_ttl_sleeps_after_its_seconds():
     r = run([dep(1, "a", 40)], THREE, "sleep-ttl=300")
     t = r.total
-    assert t.ttfts == pytest.approx([60.2, 50.2, 3.2])
+    assert t.ttfts == pytest.approx([60.4, 50.4, 3.2])
     assert (t.cold_starts, t.wakes, t.sleeps, t.stops) == (1, 1, 1, 0)
     assert t.gpu_gib_seconds == pytest.approx(40 * 377 + 2 * (1000 - 377) + 40 * 5.2)
 
@@ -121,7 +122,7 @@ def test_always_on_refuses_what_does_not_fit_beside_the_others():
 
 def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
     r = run([dep(1, "a", 40)], THREE, "fixed=60")
-    assert r.total.ttfts == pytest.approx([60.2, 50.2, 3.2])  # asleep at the step after 122.2 s: 135 s
+    assert r.total.ttfts == pytest.approx([60.4, 50.4, 3.2])  # asleep at the step after 122.4 s: 135 s
     assert r.total.gpu_gib_seconds == pytest.approx(40 * 137 + 2 * (1000 - 137) + 40 * 5.2)
     d = configure([dep(1, "a", 40), dep(2, "b", 40, mode="always_on")], Policy.parse("fixed=60"), BOX)
     assert [(x.deployment.idle_timeout_s, x.deployment.mode) for x in d] == [(60, Mode.ON_DEMAND),
@@ -131,7 +132,7 @@ def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
 def test_the_host_reserve_makes_a_level_two_sleep_whose_wake_is_longer():
     """40 GiB of weights would leave 512 - 40 < 500 GiB of host memory: level 2, a 10 s wake."""
     r = run([dep(1, "a", 40)], THREE, box=Box(gpus=(80.0,), host_gib=512, host_reserve_gib=500))
-    assert r.total.ttfts == pytest.approx([60.2, 50.2, 10.2])
+    assert r.total.ttfts == pytest.approx([60.4, 50.4, 10.2])
 
 
 def test_an_engine_that_cannot_sleep_at_level_two_is_stopped_instead():
@@ -187,6 +188,38 @@ def test_inside_a_busy_engine_requests_wait_their_turn():
     r = run([dep(1, "a", 40, costs=Costs(max_concurrency=1))], [req(0), req(0), req(0.5)], "always-on")
     assert r.total.ttfts == pytest.approx([0.2, 2.4, 4.6 - 0.5])
     assert r.total.waited["ready"] == 3
+
+
+def test_a_requests_wait_is_what_the_scheduling_cost_it():
+    """wait_s runs from arrival to the moment a ready engine takes the request: the cold start's
+    60 s for the first, 50 s for the second (it came at 10 s), the wake's 3 s for the third; the
+    TTFT adds the prefill. Only the wake's wait meets a 5 s SLO."""
+    r = run([dep(1, "a", 40)], THREE)
+    t = r.total
+    assert t.waits == pytest.approx([60.0, 50.0, 3.0])
+    assert (t.wait_slo_met, t.timed_out, t.refused, t.rejected) == (1, 0, 0, 0)
+    assert r.per_deployment["a"].waits == t.waits
+
+
+def test_a_request_longer_than_max_model_len_is_rejected_at_its_arrival():
+    """As vLLM answers a request whose input and output exceed max_model_len: at once, starting
+    nothing; counted apart from the failures, and out of the wait SLO's denominator."""
+    r = run([dep(1, "a", 40, costs=Costs(max_model_len=4096))], [req(0, tokens_in=4000, tokens_out=100), req(5)])
+    t = r.total
+    assert (t.requests, t.rejected, t.failed, t.served, t.cold_starts) == (2, 1, 0, 1, 1)
+    assert t.waits == pytest.approx([60.0]) and t.waited["cold"] == 1  # the second started it
+    r = run([dep(1, "a", 40, costs=Costs(max_model_len=4096))], [req(0, tokens_in=4000, tokens_out=100)])
+    assert (r.total.rejected, r.total.cold_starts, r.end_s) == (1, 0, 0.0)
+
+
+def test_a_request_that_times_out_in_the_queue_waited_until_its_deadline():
+    """b waits for memory behind a busy a (decoding 100 s); with a 30 s queue timeout its request
+    times out at 100 s: timed out, its wait the 30 s to its deadline."""
+    box = Box(gpus=(80.0,), host_gib=512, queue_timeout_s=30)
+    r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0, tokens_out=5000), req(70, "b")], box=box)
+    b = r.per_deployment["b"]
+    assert (b.timed_out, b.refused, b.failed, b.served) == (1, 0, 1, 0)
+    assert b.waits == pytest.approx([30.0]) and b.waited["queue"] == 1
 
 
 def test_max_inflight_refuses_at_once():
@@ -315,11 +348,13 @@ def test_a_week_of_quiet_replays_as_fast_as_a_minute():
     tokens (2.3 days) beside one more: each under every policy, in well under a second of CPU
     (stepping every 15 s, the gaps of 10^8 s ran for hours)."""
     deps = [dep(1, "a", 40), dep(2, "b", 20)]
+    deps_long = [dep(1, "a", 40, costs=Costs(max_model_len=10**8)), dep(2, "b", 20)]
     traces = [[req(0), req(WEEK)], [req(i * 1e8, "ab"[i % 2]) for i in range(4)],
               [req(0, tokens_out=10_000_000), req(60, "b")]]
     with cpu_limit(5):
         began = time.process_time()
-        results = [replay(reqs, deps, BOX, [Policy.parse(p) for p in POLICIES]) for reqs in traces]
+        results = [replay(reqs, deps_long if i == 2 else deps, BOX, [Policy.parse(p) for p in POLICIES])
+                   for i, reqs in enumerate(traces)]
         took = time.process_time() - began
     assert took < 0.5, f"{took:.2f} s of CPU"
     week = {r.policy.name: r for r in results[0]}

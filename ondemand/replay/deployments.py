@@ -4,9 +4,11 @@
   ``engine``, ``model``, ``memory_gib``, ``gpu_count``, ``gpu_ids``, ``mode``, ``idle_timeout_s``,
   ``idle_action``, ``priority``, ``max_inflight``, ``keep_warm``), its engine's costs
   (``cold_start_s``, ``wake_s``, ``wake2_s``, ``sleep_s``, ``prefill_tokens_per_s``,
-  ``decode_tokens_per_s``, ``max_concurrency``) and ``weight``. A deployment is on demand unless
-  it says ``mode = "always_on"``; ``engine`` is ``vllm`` and ``model`` its served name unless
-  given (a vLLM recipe: ``idle_action = "auto"`` sleeps at level 1 on discrete GPUs); one GPU.
+  ``decode_tokens_per_s``, ``decode_batch_tokens_per_s``, ``max_concurrency``, ``kv_tokens``, or
+  ``weights_gib`` and ``kv_bytes_per_token`` to derive it, ``max_model_len``) and ``weight``. A
+  deployment is on demand unless it says ``mode = "always_on"``; ``engine`` is ``vllm`` and
+  ``model`` its served name unless given (a vLLM recipe: ``idle_action = "auto"`` sleeps at level 1
+  on discrete GPUs); one GPU.
 - **The state file**, opened read only (``mode=ro``, and ``immutable`` when no write-ahead log
   is there, so that not even its side files are made): the box's own deployments, their engines'
   costs from the recorded history (the median cold start, and the median wake from each sleep
@@ -115,7 +117,11 @@ COSTS: dict[str, Callable[[Any], Any]] = {
     "cold_start_s": _number(0, strict=False), "wake_s": _number(0, strict=False),
     "wake2_s": _number(0, strict=False), "sleep_s": _number(0, strict=False),
     "prefill_tokens_per_s": _number(0), "decode_tokens_per_s": _number(0), "max_concurrency": _whole(1, 1_000_000),
+    "kv_tokens": _whole(1, 10**9), "decode_batch_tokens_per_s": _number(0), "max_model_len": _whole(1, 10**7),
 }
+# What derives kv_tokens when the file gives none: the booking less the weights, at the model's KV
+# bytes per token (layers x KV heads x head size x 2 x the dtype's bytes).
+KV_SIZING: dict[str, Callable[[Any], Any]] = {"weights_gib": _number(0), "kv_bytes_per_token": _number(0)}
 
 
 class _Lines:
@@ -174,12 +180,14 @@ def _one(path: str, lines: _Lines, i: int, table: dict[str, Any], box: Box) -> R
     label = f"deployment {name!r}" if isinstance(name, str) else f"deployment {i + 1}"
     fields: dict[str, Any] = {}
     costs: dict[str, Any] = {}
+    sizing: dict[str, float] = {}
     weight = 1.0
     for key, value in table.items():
         at = f"{path}:{lines.of(i, key)}"
-        check = checks.get(key) or COSTS.get(key) or (_number(0, strict=False) if key == "weight" else None)
+        check = (checks.get(key) or COSTS.get(key) or KV_SIZING.get(key)
+                 or (_number(0, strict=False) if key == "weight" else None))
         if check is None:
-            known = ", ".join([*checks, *COSTS, "weight"])
+            known = ", ".join([*checks, *COSTS, *KV_SIZING, "weight"])
             raise DeploymentError(f"{at}: {label}: unknown field {key!r} (known: {known})")
         try:
             typed = check(value)
@@ -187,6 +195,8 @@ def _one(path: str, lines: _Lines, i: int, table: dict[str, Any], box: Box) -> R
             raise DeploymentError(f"{at}: {label}: {key}: {exc}") from None
         if key in COSTS:
             costs[key] = typed
+        elif key in KV_SIZING:
+            sizing[key] = typed
         elif key == "weight":
             weight = typed
         else:
@@ -202,6 +212,13 @@ def _one(path: str, lines: _Lines, i: int, table: dict[str, Any], box: Box) -> R
     if ids is not None and (len(ids) != fields["gpu_count"] or any(g >= len(box.gpus) for g in ids)):
         raise DeploymentError(f"{path}:{lines.of(i, 'gpu_ids')}: {label}: gpu_ids {list(ids)}: "
                               f"{fields['gpu_count']} of the box's GPUs 0 to {len(box.gpus) - 1} (gpu_count)")
+    if "kv_tokens" not in costs and len(sizing) == len(KV_SIZING):
+        left = fields["memory_gib"] - sizing["weights_gib"]
+        if left <= 0:
+            raise DeploymentError(f"{path}:{lines.of(i, 'weights_gib')}: {label}: weights_gib "
+                                  f"{sizing['weights_gib']:g} leaves no KV cache in memory_gib "
+                                  f"{fields['memory_gib']:g}")
+        costs["kv_tokens"] = max(1, int(left * 2**30 / sizing["kv_bytes_per_token"]))
     dep = Deployment(id=i + 1, name=fields.pop("name"), served_name=fields.pop("served_name"), role=Role.MODEL,
                      state=State.STOPPED).replace(**fields)
     return Replayed(dep, Costs(**costs), weight)

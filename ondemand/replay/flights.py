@@ -27,12 +27,15 @@ from .types import Request, Tally
 from .world import World
 
 RANK = {"ready": 0, "wake": 1, "cold": 2, "queue": 3}
+# How a request ends: served; its deadline passed in the queue; answered at once with an error;
+# longer than its engine's max_model_len (rejected at arrival, apart from the failures).
+SERVED, TIMED_OUT, REFUSED, REJECTED = "served", "timed_out", "refused", "rejected"
 
 
 class Flight:
     """One request, from its arrival to its last token or its refusal (the world's ``Job``)."""
     __slots__ = ("edge", "req", "dep_id", "arrival", "waiter", "timer", "poked", "waited", "queued", "ticket",
-                 "ttft", "done")
+                 "ttft", "wait", "done")
 
     def __init__(self, edge: Flights, req: Request, dep_id: int, arrival: float):
         self.edge = edge
@@ -46,6 +49,7 @@ class Flight:
         self.queued = False
         self.ticket: Ticket | None = None
         self.ttft = 0.0
+        self.wait = 0.0  # arrival to the moment a ready engine took it (or its deadline)
         self.done = False
 
     @property
@@ -69,13 +73,15 @@ class Flight:
     def on_queued(self) -> None:
         self.edge.queued(self, True)
 
-    def began(self, first_token: float, end: float) -> None:
-        self.ttft = (first_token if self.req.stream else end) - self.arrival
+    def first_token(self, at: float) -> None:
+        self.ttft = at - self.arrival
 
-    def ended(self) -> None:
+    def ended(self, at: float) -> None:
+        if not self.req.stream:  # its first token comes with its last
+            self.ttft = at - self.arrival
         if self.ticket is not None:
             self.ticket.release()
-        self.edge.finished(self, served=True)
+        self.edge.finished(self, SERVED)
 
 
 class Flights:
@@ -90,6 +96,7 @@ class Flights:
         self.total = total
         self.slo_s = slo_s
         self.ids = {d.name: d.id for d in world.deployments()}
+        self.max_model_len = {d.id: world.costs(d.id).max_model_len for d in world.deployments()}
         self.names = {d.id: d.name for d in world.deployments()}
         self.open = 0  # requests arrived and not yet ended or refused
         self.measure_from_s = 0.0  # requests that arrived before are served but not counted
@@ -99,6 +106,9 @@ class Flights:
     def arrive(self, req: Request) -> None:
         f = Flight(self, req, self.ids[req.model], self.clock.now)
         self.open += 1
+        if req.input_tokens + req.output_tokens > self.max_model_len[f.dep_id]:
+            self.finished(f, REJECTED)  # as vLLM answers a request longer than max_model_len: it starts nothing
+            return
         ctl = self.controller
         try:
             ticket = ctl.admit(f.dep_id, Want.TRAFFIC)
@@ -109,7 +119,7 @@ class Flights:
                     f.wait_for("wake" if waking else "cold")
                 f.waiter = ctl.join(f.dep_id, arrival=f.arrival, notify=f.poke, on_queued=f.on_queued)
         except OndemandError:  # a refusal: over max_inflight, the queue full, planned, a start's backoff
-            self.finished(f, served=False)
+            self.finished(f, REFUSED)
             return
         if ticket.waits is None:
             self._serve(f, ticket)
@@ -127,9 +137,12 @@ class Flights:
         ctl = self.controller
         try:
             ticket = ctl.take(f.waiter)
-        except OndemandError:  # a verdict, or its deadline passed
+        except OndemandError as exc:  # a verdict, or its deadline passed
             self._leave(f)
-            self.finished(f, served=False)
+            timed_out = exc.code == "ondemand_queue_timeout"
+            if timed_out:  # counted at its deadline (the look that found it late came a hair after)
+                f.wait = min(self.clock.now - f.arrival, ctl.queue_timeout_s)
+            self.finished(f, TIMED_OUT if timed_out else REFUSED)
             return
         if ticket is None:
             f.timer = self.clock.call_later(ctl.next_wake(f.waiter) + 0.001, lambda: self.look(f))
@@ -147,6 +160,7 @@ class Flights:
 
     def _serve(self, f: Flight, ticket: Ticket) -> None:
         f.ticket = ticket
+        f.wait = self.clock.now - f.arrival
         self.world.engines[f.dep_id].enter(f)
 
     def queued(self, f: Flight, now_queued: bool) -> None:
@@ -162,18 +176,30 @@ class Flights:
         else:
             self.timeline.append((t, self.waiting_for_memory))
 
-    def finished(self, f: Flight, *, served: bool) -> None:
+    def finished(self, f: Flight, outcome: str) -> None:
         f.done = True
         self.open -= 1
         if f.arrival < self.measure_from_s:
             return
+        served = outcome == SERVED
         met = served and f.ttft <= self.slo_s + 1e-9
+        wait_met = served and f.wait <= self.slo_s + 1e-9
         for t in (self.tallies[self.names[f.dep_id]], self.total):
             t.requests += 1
+            if outcome == REJECTED:
+                t.rejected += 1
+                continue
             t.waited[f.waited] += 1
             if served:
                 t.served += 1
                 t.ttfts.append(f.ttft)
+                t.waits.append(f.wait)
                 t.slo_met += met
+                t.wait_slo_met += wait_met
+                continue
+            t.failed += 1
+            if outcome == TIMED_OUT:
+                t.timed_out += 1
+                t.waits.append(f.wait)
             else:
-                t.failed += 1
+                t.refused += 1

@@ -1,11 +1,18 @@
 """What a replay says: the table (one row a policy, on stdout or in Markdown) and the JSON.
 
 The JSON's shape: ``{"trace": {"requests", "duration_s", "models"}, "box": {"gpus"},
-"policies": {NAME: {"requests", "served", "failed", "slo_met", "ttft_s": {"p50", "p90", "p99",
-"max"}, "waited": {"ready", "wake", "cold", "queue"}, "cold_starts", "wakes", "sleeps", "stops",
-"prewarms", "prewarm_hits", "gpu_hours", "gpu_gib_hours", "per_deployment": {NAME: {the same
-but per_deployment}}}}}``. ``prewarms`` counts adaptive warmth's pre-warms that started,
-``prewarm_hits`` those a request found awake (or coming up) for it. ``slo_met`` is the
+"policies": {NAME: {"requests", "served", "failed", "timed_out", "refused", "rejected",
+"wait_slo_met", "wait_s": {"p50", "p90", "p99", "max"}, "slo_met", "ttft_s": {the same},
+"waited": {"ready", "wake", "cold", "queue"}, "cold_starts", "wakes", "sleeps", "stops", "prewarms",
+"prewarm_hits", "gpu_hours", "gpu_gib_hours", "per_deployment": {NAME: {the same but
+per_deployment}}}}}``. ``prewarms`` counts adaptive warmth's pre-warms that started,
+``prewarm_hits`` those a request found awake (or coming up) for it. ``wait_s`` is what the
+gateway and the scheduling cost a request: from its arrival to the moment a ready engine took it
+(of the served and the timed-out requests, which count at their deadline); ``wait_slo_met`` the
+served requests whose wait met the SLO, over the requests less the ``rejected`` (too long for
+their engine's ``max_model_len``, refused at arrival as vLLM refuses them). ``failed`` is
+``timed_out`` (the queue's deadline) plus ``refused`` (answered at once with an error: the queue
+full, ``does_not_fit``, 429, a start's backoff). ``slo_met`` is the
 fraction of requests whose TTFT met the SLO (a refused request never does); a percentile is
 linear between the two nearest ranks, null with nothing served; ``trace.duration_s`` runs from
 the first arrival to the end of the last request (the longest of the policies');
@@ -40,13 +47,21 @@ def _r(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits) + 0.0  # + 0.0: never a -0.0
 
 
+def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
+    return {"p50": _r(percentile(ordered, 0.5)), "p90": _r(percentile(ordered, 0.9)),
+            "p99": _r(percentile(ordered, 0.99)), "max": _r(ordered[-1] if ordered else None)}
+
+
 def tally_json(t: Tally) -> dict[str, Any]:
-    ordered = sorted(t.ttfts)
+    counted = t.requests - t.rejected  # a request too long for its engine is no request to wait for
     return {
         "requests": t.requests, "served": t.served, "failed": t.failed,
+        "timed_out": t.timed_out, "refused": t.refused, "rejected": t.rejected,
+        "wait_slo_met": _r(t.wait_slo_met / counted if counted else 0.0, 4),
+        "wait_s": _quantiles(t.waits),
         "slo_met": _r(t.slo_met / t.requests if t.requests else 0.0, 4),
-        "ttft_s": {"p50": _r(percentile(ordered, 0.5)), "p90": _r(percentile(ordered, 0.9)),
-                   "p99": _r(percentile(ordered, 0.99)), "max": _r(ordered[-1] if ordered else None)},
+        "ttft_s": _quantiles(t.ttfts),
         "waited": {k: t.waited[k] for k in WAITED},
         "cold_starts": t.cold_starts, "wakes": t.wakes, "sleeps": t.sleeps, "stops": t.stops,
         "prewarms": t.prewarms, "prewarm_hits": t.prewarm_hits,
@@ -73,8 +88,9 @@ def json_bytes(doc: dict[str, Any]) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"
 
 
-HEADER = ["policy", "requests", "failed", "SLO met", "TTFT p50", "p99", "ready", "wake", "cold", "queue",
-          "cold starts", "wakes", "sleeps", "stops", "pre-warm hits", "GPU-h", "GiB-h"]
+HEADER = ["policy", "wait ≤ SLO", "failed", "GiB-h", "requests", "timed out", "refused", "rejected", "wait p99",
+          "TTFT ≤ SLO", "TTFT p50", "p99", "ready", "wake", "cold", "queue", "cold starts", "wakes", "sleeps", "stops",
+          "pre-warm hits", "GPU-h"]
 
 
 def rows(results: Sequence[PolicyResult], slo_s: float) -> list[list[str]]:
@@ -82,11 +98,13 @@ def rows(results: Sequence[PolicyResult], slo_s: float) -> list[list[str]]:
     for r in results:
         j = tally_json(r.total)
         ttft = j["ttft_s"]
-        out.append([r.policy.name, str(j["requests"]), str(j["failed"]), f"{100 * j['slo_met']:.1f} %",
+        out.append([r.policy.name, f"{100 * j['wait_slo_met']:.1f} %", str(j["failed"]), f"{j['gpu_gib_hours']:.0f}",
+                    str(j["requests"]), str(j["timed_out"]), str(j["refused"]), str(j["rejected"]),
+                    _seconds(j["wait_s"]["p99"]), f"{100 * j['slo_met']:.1f} %",
                     _seconds(ttft["p50"]), _seconds(ttft["p99"]),
                     *(str(j["waited"][k]) for k in WAITED),
                     str(j["cold_starts"]), str(j["wakes"]), str(j["sleeps"]), str(j["stops"]),
-                    hit_rate(j["prewarm_hits"], j["prewarms"]), f"{j['gpu_hours']:.2f}", f"{j['gpu_gib_hours']:.0f}"])
+                    hit_rate(j["prewarm_hits"], j["prewarms"]), f"{j['gpu_hours']:.2f}"])
     return out
 
 
@@ -101,9 +119,15 @@ def _seconds(x: float | None) -> str:
     return f"{x:.2f} s" if x < 100 else f"{x:.0f} s"
 
 
+def _header(slo_s: float) -> list[str]:
+    return [h.replace("SLO", f"{slo_s:g} s") if "≤ SLO" in h else h for h in HEADER]
+
+
 def table(results: Sequence[PolicyResult], slo_s: float) -> str:
-    """One row a policy, aligned for a terminal; the SLO column counts TTFT ≤ ``slo_s``."""
-    header = [f"SLO ≤{slo_s:g} s" if h == "SLO met" else h for h in HEADER]
+    """One row a policy, aligned for a terminal: first the share of requests that waited at most
+    ``slo_s`` (the queue, a wake, a start: what the scheduling costs them), the failures and the
+    GiB-hours held; then the TTFT's share (the engine's prefill and queue included)."""
+    header = _header(slo_s)
     cells = [header, *rows(results, slo_s)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
@@ -112,7 +136,7 @@ def table(results: Sequence[PolicyResult], slo_s: float) -> str:
 
 
 def markdown(results: Sequence[PolicyResult], slo_s: float) -> str:
-    header = [f"SLO ≤{slo_s:g} s" if h == "SLO met" else h for h in HEADER]
+    header = _header(slo_s)
     rule = "|".join(" --- " if i == 0 else " ---: " for i in range(len(header)))
     out = ["| " + " | ".join(header) + " |", f"|{rule}|"]
     out += ["| " + " | ".join(row) + " |" for row in rows(results, slo_s)]

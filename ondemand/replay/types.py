@@ -36,9 +36,12 @@ class Costs:
     wake_s: float = 3.0  # from level 1
     wake2_s: float = 10.0  # from level 2
     sleep_s: float = 2.0
-    prefill_tokens_per_s: float = 5000.0
-    decode_tokens_per_s: float = 50.0
-    max_concurrency: int = 16  # requests the engine runs at once; more wait inside it
+    prefill_tokens_per_s: float = 5000.0  # the engine's, shared by the requests prefilling at once
+    decode_tokens_per_s: float = 50.0  # one request's
+    max_concurrency: int = 256  # requests the engine runs at once (vLLM's max_num_seqs); more wait inside it
+    kv_tokens: int = 4 * 32768  # the KV cache: contexts (input + output) admitted at once
+    decode_batch_tokens_per_s: float | None = None  # the engine's decode in all; None: no bound
+    max_model_len: int = 32768  # a longer request (input + output) is rejected at its arrival
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,6 +109,13 @@ class Tally:
     failed: int = 0
     slo_met: int = 0  # a count here; the JSON's is the fraction of requests
     ttfts: list[float] = dataclasses.field(default_factory=list)
+    # What the gateway and the scheduling cost a request (arrival to the moment a ready engine took
+    # it; a timed-out one counts at its deadline), of the served and the timed-out requests.
+    waits: list[float] = dataclasses.field(default_factory=list)
+    wait_slo_met: int = 0  # served requests whose wait met the SLO (a count; the JSON's is a fraction)
+    timed_out: int = 0  # the queue's deadline passed
+    refused: int = 0  # answered at once with an error (does_not_fit, the queue full, 429, a backoff)
+    rejected: int = 0  # longer than its engine's max_model_len: refused at arrival, apart from failed
     waited: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(WAITED, 0))
     cold_starts: int = 0
     wakes: int = 0

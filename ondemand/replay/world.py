@@ -32,14 +32,14 @@ memory booked in the ``Ledger``: what each engine holds on each GPU over time (s
 asleep: its residue once the sleep's call has freed the rest), for GPU-hours, GiB-hours and the
 page's timeline.
 
-An engine (``Engine``) runs ``max_concurrency`` requests at once, more wait inside it; a request
-is prefilled at ``prefill_tokens_per_s``, then decodes at ``decode_tokens_per_s``.
+The engines batch as vLLM's do (``engine.py``: a KV cache, prefill shared by the engine, decode
+per request bounded per engine).
 """
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from ..control import placement
 from ..control.budget import Budget, Reading
@@ -49,58 +49,11 @@ from ..engines import rules, warmth
 from ..errors import DeployerError, InsufficientMemory
 from ..model import HOLDING, Deployment, Mode, Role, State
 from .clock import Timer, VirtualClock
+from .engine import Engine
 from .types import Box, Costs, Replayed, Tally
 
 SETTLE_POLL_S = 0.05  # as the real effects' settle
 READING = Reading(None)  # a static budget measures nothing: the deployments' bookings are the reading
-
-
-class Job(Protocol):
-    """A request inside an engine."""
-
-    @property
-    def input_tokens(self) -> int: ...
-
-    @property
-    def output_tokens(self) -> int: ...
-
-    def began(self, first_token: float, end: float) -> None: ...
-
-    def ended(self) -> None: ...
-
-
-class Engine:
-    """A simulated engine: ``max_concurrency`` requests at once, the rest wait inside it in order."""
-    __slots__ = ("costs", "clock", "running", "waiting")
-
-    def __init__(self, costs: Costs, clock: VirtualClock):
-        self.costs = costs
-        self.clock = clock
-        self.running = 0
-        self.waiting: collections.deque[Job] = collections.deque()
-
-    def idle(self) -> bool:
-        return not self.running and not self.waiting
-
-    def enter(self, job: Job) -> None:
-        if self.running < self.costs.max_concurrency:
-            self._begin(job)
-        else:
-            self.waiting.append(job)
-
-    def _begin(self, job: Job) -> None:
-        self.running += 1
-        prefill = job.input_tokens / self.costs.prefill_tokens_per_s
-        decode = job.output_tokens / self.costs.decode_tokens_per_s
-        now = self.clock.now
-        job.began(now + prefill, now + prefill + decode)
-        self.clock.call_later(prefill + decode, lambda: self._end(job))
-
-    def _end(self, job: Job) -> None:
-        self.running -= 1
-        if self.waiting:
-            self._begin(self.waiting.popleft())
-        job.ended()
 
 
 class Ledger:
@@ -217,6 +170,10 @@ class World:
         return refused
 
     # --- reads (Effects) ------------------------------------------------------------------
+
+    def costs(self, dep_id: int) -> Costs:
+        """What its engine costs (the edge reads its ``max_model_len``)."""
+        return self._costs[dep_id]
 
     def deployment(self, dep_id: int) -> Deployment | None:
         return self._deps.get(dep_id)
