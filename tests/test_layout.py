@@ -179,7 +179,9 @@ ALLOWED = {
                            "state.store"},
     "replay.clock": set(),
     "replay.world": {"control.budget", "control.controller", "control.keepwarm", "control.placement", "engines.rules",
-                     "engines.warmth", "errors", "model", "replay.clock", "replay.types"},
+                     "engines.warmth", "errors", "model", "replay.clock", "replay.engine", "replay.types"},
+    # The simulated engine: a KV cache, prefill shared by the engine, decode bounded per engine.
+    "replay.engine": {"replay.clock", "replay.types"},
     "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",
                        "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},

@@ -222,6 +222,19 @@ def test_a_request_that_times_out_in_the_queue_waited_until_its_deadline():
     assert b.waits == pytest.approx([30.0]) and b.waited["queue"] == 1
 
 
+def test_a_victims_memory_is_free_only_when_its_sleep_has_ended():
+    """a (60 GiB) idle is put to sleep for b (60 GiB); its sleep's call takes 10 s. c (60 GiB),
+    arriving 1 s into that sleep, must not take the memory mid-sleep (a marked asleep holds all of
+    it until the call ends, as nvidia-smi would show): b, the head, starts when the sleep ends."""
+    slow = Costs(sleep_s=10)
+    deps = [dep(1, "a", 60, costs=slow, idle_timeout_s=60), dep(2, "b", 60), dep(3, "c", 60)]
+    # a's request ends at 62.2 s: idle for its 60 s at 122.2 s, before the reaper's step at 135 s.
+    r = run(deps, [req(0), req(125, "b"), req(126, "c")])
+    b = r.per_deployment["b"]
+    assert b.waits == pytest.approx([10.0 + 60.0], abs=0.2)  # the sleep's 10 s, then its cold start
+    assert r.per_deployment["c"].waited["queue"] == 1  # c waited for memory behind b
+
+
 def test_max_inflight_refuses_at_once():
     """One request at a time through the gateway: the second, while the first decodes 5000
     tokens (100 s), is refused at once (429, counted failed); an always-on deployment's requests

@@ -119,7 +119,7 @@ def test_the_replay_follows_a_change_of_the_deployers_rules(monkeypatch):
         real = rules.marked
         m.setattr(rules, "marked", lambda dep, state, *a: {**real(dep, state, *a), "sleep_level": 2})
         t = run([dep(1, "a", 40)], THREE).total  # marked asleep at level 2: the wake is level 2's
-        assert t.ttfts == pytest.approx([60.2, 50.2, 10.2])
+        assert t.ttfts == pytest.approx([60.4, 50.4, 10.2])
 
 
 def test_level_one_sleeps_under_way_are_reserved_against_the_host_reserve_in_the_replay():

@@ -18,7 +18,9 @@ this world keeps only the simulated engines, their timings and the box:
   engine's call; a level-1 sleep reserves its predicted host memory while its call is out (as
   the deployer's ``host_reserved``) and holds it from the call's end (the box's available host
   memory, as ``MemAvailable`` would show it) until it wakes or stops. After the call it keeps
-  ``asleep_residue_gib`` per GPU (the ``static`` budget's rule: nothing is measured);
+  ``asleep_residue_gib`` per GPU (the ``static`` budget's rule: nothing is measured); until the
+  call ends the fit checks count its whole footprint (``_as_read``: a real budget reads the
+  memory still used), so nothing takes it mid-sleep;
 - ``stop``: approved by ``rules.may_stop`` with the same precheck, ``stopping`` then ``stopped``
   (an engine's exit costs no time here);
 - ``prewarm`` (adaptive warmth): ``admit`` without make-room, ``prewarm_wanted`` asked in the
@@ -159,7 +161,7 @@ class World:
             if dep.state is State.PLANNED or (dep.mode is not Mode.ALWAYS_ON and dep.role is Role.MODEL):
                 continue
             try:
-                gpus = self.budget.check_fit(dep, self.deployments(), READING)
+                gpus = self.budget.check_fit(dep, self._as_read(), READING)
             except InsufficientMemory as exc:
                 self._mark(dep.id, State.FAILED, f"does not fit beside the others: {exc}")
                 refused.append(dep.name)
@@ -180,6 +182,17 @@ class World:
 
     def deployments(self) -> list[Deployment]:
         return list(self._deps.values())
+
+    def _as_read(self) -> list[Deployment]:
+        """The deployments as the budget would read the box: one whose sleep call is still out
+        holds its whole footprint until the call ends (nvidia-smi shows the memory used until the
+        engine has freed it), so no start takes it mid-sleep and the start it was freed for waits
+        for it, as make-room's settle does on a real box."""
+        deps = list(self._deps.values())
+        if not self._sleep_ends:
+            return deps
+        return [d.replace(state=State.READY, sleep_level=None)
+                if d.state is State.ASLEEP and d.id in self._sleep_ends else d for d in deps]
 
     def engine_idle(self, dep_id: int) -> bool:
         engine = self.engines.get(dep_id)
@@ -281,7 +294,7 @@ class World:
         if dep is None:
             raise DeployerError(f"deployment {dep_id} does not exist")
         gpus = rules.admit(dep, False, wanted, lambda: self.controller.held_for_others(dep_id),
-                           lambda d, held: self.budget.check_fit(d, self.deployments(), READING, held))
+                           lambda d, held: self.budget.check_fit(d, self._as_read(), READING, held))
         if gpus is not None:
             self._start(dep, gpus)
         return gpus is not None
@@ -404,7 +417,7 @@ class World:
         dep = self._deps.get(target)
         if dep is not None and self.clock.now < deadline:
             try:
-                self.budget.check_fit(dep, self.deployments(), READING, ctl.held_for_others(target))
+                self.budget.check_fit(dep, self._as_read(), READING, ctl.held_for_others(target))
             except InsufficientMemory:
                 self.clock.call_later(SETTLE_POLL_S, lambda: self._settle(dep_id, deadline))
                 return
