@@ -473,6 +473,14 @@ async def test_race_hang_ups_at_random_moments(tmp_path, store, seed):
                 violations.append(dep.id)
             return ok
         c.is_idle = checked_is_idle
+        real_may = c.start_side.may_put_away
+
+        def checked_may(victim, requester, now=None):  # make-room's choice and its stop's precheck
+            ok = real_may(victim, requester, now)
+            if ok and c.inflight(victim.id):
+                violations.append(("victim busy", victim.id))
+            return ok
+        c.start_side.may_put_away = checked_may
         real_stop = env.deployer.stop
 
         async def stop(dep_id, precheck=None, **kw):

@@ -4,6 +4,7 @@ controller owns. Its rules inside the whole core, on the fake clock: test_contro
 make-room, priorities); in the replay: test_replay_run.py."""
 from __future__ import annotations
 
+import pytest
 from helpers import run_app
 
 from ondemand.control import scheduler as schedulers
@@ -60,3 +61,50 @@ async def test_the_running_core_owns_the_scheduler_the_configuration_names(tmp_p
     async with run_app(tmp_path, scheduler="seed") as server:
         assert len(made) == 1 and server.controller.scheduler is made[0]
         assert server.controller.queue is made[0].queue
+
+
+# --- which quiet deployments make-room may take: the scheduler's rule -------------------------
+
+@pytest.fixture
+def world():
+    """test_controller's fake clock and recording effects."""
+    from test_controller import Clock, Effects
+    clock = Clock()
+    return clock, Effects(clock)
+
+
+def _lull(world, take):
+    """2 (10 GiB) was used 5 s ago, of its 60 s idle timeout: quiet (nothing in flight), not idle by
+    the reaper's rule. 1 (10 GiB) is refused for 6 GiB."""
+    from test_controller import Req, make
+
+    from ondemand.errors import InsufficientMemory
+    from ondemand.model import State
+    c, fx, clock = make(world, scheduler=SeedScheduler(take))
+    fx.add(1, 10)
+    fx.add(2, 10)
+    fx.set(2, state=State.READY)
+    clock.advance(61)
+    c.try_take(2).release()
+    clock.advance(5)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    return c, fx, r
+
+
+def test_the_seed_rule_takes_only_a_victim_idle_for_its_whole_timeout(world):
+    c, fx, r = _lull(world, schedulers.after_idle_timeout)
+    assert fx.taken("stop") == [] and r.queued == 1  # 2 is in a lull: the request queues
+    assert not c.precheck(1)(fx.deps[2])
+
+
+def test_ollamas_rule_takes_any_quiet_model_and_its_precheck_asks_the_same(world):
+    """lru (a peer's rule, for the replay): any model with nothing in flight, least recently used
+    first; the deployer's precheck of that stop asks the same rule again, so a model that took a
+    request meanwhile is left (the reaper's precheck would refuse the lull either way)."""
+    c, fx, r = _lull(world, schedulers.any_quiet)
+    assert [s[1:3] for s in fx.taken("stop")] == [(2, 1)] and r.queued == 0
+    assert c.precheck(1)(fx.deps[2]) and not c.precheck(None)(fx.deps[2])
+    slot = c.try_take(2)  # a request for 2 arrives before the deployer's step
+    assert slot is not None and not c.precheck(1)(fx.deps[2])
+    slot.release()

@@ -265,9 +265,16 @@ class Attempts:
                                 self.slots.last_active(d.id, now), d.priority.rank,
                                 0 if d.state is State.READY else 1)
                       for d in self.effects.deployments()
-                      if d.id != requester.id and d.id not in claimed and self.scheduler.may_take(requester, d)
-                      and self.slots.is_idle(d, now)]
+                      if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
         return self.scheduler.victims(candidates, fit)
+
+    def may_put_away(self, victim: Deployment, requester: Deployment, now: float | None = None) -> bool:
+        """May make-room put ``victim`` away for ``requester``: quiet, and taken by the scheduler's
+        rule (of its priority, idle long enough). Make-room's choice and its stop's precheck."""
+        if not self.scheduler.may_take(requester, victim):
+            return False
+        span = self.slots.quiet_for(victim, now)
+        return span is not None and self.scheduler.takes(requester, victim, *span)
 
     def _sleeps(self, dep_id: int) -> bool:
         """Is an idle ``dep_id`` put to sleep (not stopped)?"""

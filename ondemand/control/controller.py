@@ -206,8 +206,20 @@ class Controller:
         return self.slots.backoff_left(dep_id)
 
     def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
-        """May this deployment be stopped as idle (reaper, make-room)? The stop's precheck."""
+        """May this deployment be stopped as idle by the reaper? Its stops' precheck."""
         return self.slots.is_idle(dep, now)
+
+    def precheck(self, for_dep: int | None) -> Callable[[Deployment], bool]:
+        """The precheck of a stop or sleep the core asked for: the reaper's (``for_dep`` None),
+        ``is_idle``; make-room's for ``for_dep``, the rule it chose the victim by (the scheduler's),
+        asked again in the deployer's step that marks it."""
+        if for_dep is None:
+            return self.is_idle
+
+        def still(dep: Deployment) -> bool:
+            requester = self.effects.deployment(for_dep)
+            return requester is not None and self.start_side.may_put_away(dep, requester)
+        return still
 
     def queue_place(self, dep_id: int) -> tuple[int, int] | None:
         """(its place in the memory queue, from 1; the queue's length), or None."""

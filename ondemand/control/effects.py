@@ -148,17 +148,19 @@ class DeployerEffects:
     async def _put_away(self, dep_id: int, text: str, for_dep: int | None, *, sleep: bool,
                         level: int | None = None) -> None:
         """Stop it, or put it to sleep (asleep, or stopped instead: the host reserve, a failed
-        sleep call), if ``is_idle`` still approves it; reports ``on_stopped`` whatever happens."""
+        sleep call), if its precheck still approves it (the reaper's ``is_idle``, or make-room's rule
+        for ``for_dep``); reports ``on_stopped`` whatever happens."""
         ctl = self.controller
         done = False
         cause = StopCause.IDLE if for_dep is None else StopCause.MAKE_ROOM
+        precheck = ctl.precheck(for_dep)
         try:
             if sleep:
-                slept = await self.deployer.sleep(dep_id, level, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep",
+                slept = await self.deployer.sleep(dep_id, level, precheck, actor=ACTOR, audit="ondemand_sleep",
                                                   text=text, cause=cause, or_stop=True)
                 done = slept is not None
             else:
-                done = await self.deployer.stop(dep_id, ctl.is_idle, actor=ACTOR, audit="ondemand_sleep", text=text,
+                done = await self.deployer.stop(dep_id, precheck, actor=ACTOR, audit="ondemand_sleep", text=text,
                                                 cause=cause)
         except Exception:
             log.exception("%s deployment %d failed", "putting to sleep" if sleep else "stopping", dep_id)

@@ -44,18 +44,43 @@ class Scheduler(Protocol):
     def may_take(self, requester: Deployment, victim: Deployment) -> bool:
         """May make-room put ``victim`` away for ``requester`` (if it is idle)?"""
 
+    def takes(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+        """May make-room put ``victim`` away for ``requester`` now? It is quiet (no slot in
+        flight, nobody waiting for it, its engine idle), has been idle ``idle_for_s``, and its
+        warmth policy asks ``idle_after_s`` before the reaper may take it."""
+
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         """Of the idle ``candidates``, the ones to put away and the GPUs the model then gets;
         ([], ()) when putting them all away would not make it fit."""
 
 
+class TakeRule(Protocol):
+    """Which quiet deployments make-room may put away (the scheduler's one varying rule)."""
+
+    def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool: ...
+
+
+def after_idle_timeout(requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+    """ondemand's rule from the start (the design document's): a victim idle for its whole
+    timeout, as the reaper would take it."""
+    return idle_for_s >= idle_after_s
+
+
+def any_quiet(requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+    """Ollama's rule: any model with no request in flight, however short its lull (the replay's
+    ``lru=S`` and ``sleep-lru=S``, a peer to compare with; no box is configured so)."""
+    return True
+
+
 class SeedScheduler:
     """Priority, then first arrival, in the queue; only the head makes room, and what is freed
     for it is held for it (or for a head of higher priority that takes its place); victims of the
-    requester's priority or lower, picked by ``eviction.pick_victims`` on placement's best fit."""
+    requester's priority or lower that ``take`` allows (idle for their whole timeout), picked by
+    ``eviction.pick_victims`` on placement's best fit."""
 
-    def __init__(self) -> None:
+    def __init__(self, take: TakeRule = after_idle_timeout) -> None:
         self.queue = WaitQueue()
+        self.take = take
 
     def behind(self, dep_id: int, head: int) -> bool:
         return dep_id != head and self.queue.overtaken_by(dep_id) == head
@@ -85,6 +110,9 @@ class SeedScheduler:
         """Of the requester's priority or lower: a higher one is never put to sleep for it (the
         request waits instead)."""
         return victim.priority.rank <= requester.priority.rank
+
+    def takes(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+        return self.take(requester, victim, idle_for_s, idle_after_s)
 
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         return pick_victims(candidates, fit.free, fit.choose)

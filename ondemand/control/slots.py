@@ -183,19 +183,29 @@ class Slots:
     # --- the idle rule ----------------------------------------------------------------
 
     def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
-        """May this deployment be stopped as idle (reaper, make-room)? The stop's precheck."""
+        """May this deployment be stopped as idle (the reaper; make-room under the seed
+        scheduler)? Quiet, and for as long as its warmth policy asks. The reaper's precheck."""
+        span = self.quiet_for(dep, now)
+        return span is not None and span[0] >= span[1]
+
+    def quiet_for(self, dep: Deployment, now: float | None = None) -> tuple[float, float] | None:
+        """(how long it has been idle, how long its warmth policy asks before the reaper may take
+        it) when it is quiet: on demand, ready or asleep, no switch of mode under way, not drained,
+        no slot in flight, nobody waiting for it, its engine's metrics quiet. None when it is not:
+        nothing may put it away then, whatever a scheduler weighs."""
         now = self.clock() if now is None else now
         rec = self._records.get(dep.id)
         if rec is None:
             rec = NOTHING
-        return (dep.on_demand
+        if not (dep.on_demand
                 and dep.state in STOPPABLE_WHEN_IDLE
                 and dep.pending_mode is None
                 and not rec.drains  # an administrator's sleep drains it
                 and not rec.inflight
                 and not (rec.attempt is not None and rec.attempt.waiters)
-                and now - (now if rec.last_activity is None else rec.last_activity) >= self.idle_after(dep, rec)
-                and self.effects.engine_idle(dep.id))
+                and self.effects.engine_idle(dep.id)):
+            return None
+        return now - (now if rec.last_activity is None else rec.last_activity), self.idle_after(dep, rec)
 
     def idle_after(self, dep: Deployment, rec: Record) -> float:
         """How long it must have been idle to count as idle: its warmth policy's answer."""

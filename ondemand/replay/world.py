@@ -357,7 +357,7 @@ class World:
     def _stop(self, dep_id: int, for_dep: int | None) -> None:
         """``Deployer.stop`` with ``is_idle`` as its precheck, and the effect's report."""
         dep = self._deps.get(dep_id)
-        if dep is None or not rules.may_stop(dep, self.controller.is_idle, False, dep_id in self.engines):
+        if dep is None or not rules.may_stop(dep, self.controller.precheck(for_dep), False, dep_id in self.engines):
             self.controller.on_stopped(dep_id, False, for_dep)
             return
         self._mark(dep_id, State.STOPPING)
@@ -383,7 +383,7 @@ class World:
             want = rules.asked_level(dep, level, per_gpu) if dep is not None else 0
         except DeployerError:
             want = 0  # its engine cannot sleep so: the real effect logs it, and nothing happens
-        if dep is None or not want or not rules.may_sleep(dep, dep_id in self.engines, False, ctl.is_idle):
+        if dep is None or not want or not rules.may_sleep(dep, dep_id in self.engines, False, ctl.precheck(for_dep)):
             ctl.on_stopped(dep_id, False, for_dep)
             return
         got = rules.sleep_level(dep, want, self.host_available_gib(),
