@@ -235,6 +235,27 @@ def test_a_victims_memory_is_free_only_when_its_sleep_has_ended():
     assert r.per_deployment["c"].waited["queue"] == 1  # c waited for memory behind b
 
 
+def test_lru_takes_a_model_in_a_lull_where_ttl_waits_for_its_timeout():
+    """a (50 GiB) served at 0 s, b (50 GiB) asked at 100 s on one 80 GiB GPU. Under ttl=300 make-room
+    may take a only once it has been idle its 300 s (at 362.2 s), so b waits for that, its stop
+    and its cold start; under lru=300 (Ollama's rule) a, quiet, is stopped at once for b, and
+    sleep-lru=300 puts it to sleep instead."""
+    deps = [dep(1, "a", 50), dep(2, "b", 50)]
+    reqs = [req(0), req(100, "b")]
+    ttl, lru, sleep_lru = replay(reqs, deps, BOX, [Policy.parse(p) for p in ("ttl=300", "lru=300", "sleep-lru=300")])
+    assert ttl.per_deployment["b"].waits == pytest.approx([362.2 - 100 + 60], abs=0.1)  # woken as a's timeout ran out
+    assert lru.per_deployment["b"].waits == pytest.approx([60.0])
+    assert (lru.per_deployment["a"].stops, lru.per_deployment["a"].sleeps) == (1, 0)
+    assert sleep_lru.per_deployment["b"].waits == pytest.approx([2.0 + 60.0])  # a's sleep call, then b's start
+    assert (sleep_lru.per_deployment["a"].stops, sleep_lru.per_deployment["a"].sleeps) == (0, 1)
+
+
+def test_seed_runs_the_seed_scheduler_whatever_the_box_says():
+    box = dataclasses.replace(BOX, scheduler="seed")
+    r = run([dep(1, "a", 40)], THREE, "seed", box=box)
+    assert r.total.waits == pytest.approx([60.0, 50.0, 3.0])
+
+
 def test_max_inflight_refuses_at_once():
     """One request at a time through the gateway: the second, while the first decodes 5000
     tokens (100 s), is refused at once (429, counted failed); an always-on deployment's requests

@@ -11,6 +11,10 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
   ``keep_alive``);
 - ``sleep-ttl=S``: the same, put to sleep at level 1 instead (llama-swap with a vLLM sleep
   wrapper);
+- ``lru=S``, ``sleep-lru=S``: as ``ttl=S`` and ``sleep-ttl=S``, and make-room takes any model with
+  nothing in flight, least recently used first, however short its lull (Ollama's rule: the seed
+  scheduler with ``any_quiet`` as its take rule);
+- ``seed``: the deployments as given, under the seed scheduler whatever the box's ``scheduler``;
 - ``fixed=S``: ondemand's tiered warmth with ``idle_timeout_s`` S for all;
 - ``adaptive``: ``keep_warm`` adaptive for the on-demand ones (their idle timeouts as given):
   each learns its idle gaps as the trace goes, from those the state file kept (``Replayed.gaps``)
@@ -48,11 +52,11 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from ..control.controller import Controller
-from ..control.scheduler import scheduler
+from ..control.scheduler import Scheduler, SeedScheduler, any_quiet, scheduler
 from ..model import IdleAction, KeepWarm, Mode, Role, State
 from .clock import VirtualClock
 from .flights import Flights
-from .types import TIMED_KINDS, Box, Policy, PolicyResult, Replayed, Request, Tally
+from .types import LRU_KINDS, TIMED_KINDS, Box, Policy, PolicyResult, Replayed, Request, Tally
 from .world import World
 
 # idle_until is rounded to the ms: a skip stops this much before it (a step that runs early
@@ -78,14 +82,23 @@ def configure(replayed: Sequence[Replayed], policy: Policy, box: Box) -> list[Re
                 dep = dep.replace(mode=Mode.ALWAYS_ON)
             elif dep.on_demand and policy.kind in TIMED_KINDS:
                 dep = dep.replace(idle_timeout_s=policy.seconds, keep_warm=KeepWarm.FIXED)
-                if policy.kind == "ttl":
+                if policy.kind in ("ttl", "lru"):
                     dep = dep.replace(idle_action=IdleAction.STOP)
-                elif policy.kind == "sleep-ttl":
+                elif policy.kind in ("sleep-ttl", "sleep-lru"):
                     dep = dep.replace(idle_action=IdleAction.SLEEP)
             elif dep.on_demand and policy.kind == "adaptive":
                 dep = dep.replace(keep_warm=KeepWarm.ADAPTIVE)
         out.append(dataclasses.replace(r, deployment=dep))
     return out
+
+
+def scheduler_of(policy: Policy, box: Box) -> Scheduler:
+    """The scheduler a policy runs: the box's (its ``scheduler`` key), but for ``seed`` (the seed
+    scheduler, whatever the box says) and the peers whose make-room takes any model with nothing
+    in flight (``lru``, ``sleep-lru``: Ollama's rule, the seed scheduler's queue and placement)."""
+    if policy.kind in LRU_KINDS:
+        return SeedScheduler(any_quiet)
+    return scheduler("seed" if policy.kind == "seed" else box.scheduler)
 
 
 class Run:
@@ -104,7 +117,7 @@ class Run:
             self.world, clock=clock, wall=clock, queue_timeout_s=box.queue_timeout_s, max_queued=box.max_queued,
             idle_timeout_s=box.idle_timeout_s, min_idle_timeout_s=box.min_idle_timeout_s,
             sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib,
-            scheduler=scheduler(box.scheduler))
+            scheduler=scheduler_of(policy, box))
         self.world.bind(self.controller)
         self.controller.learn({r.deployment.id: r.gaps for r in replayed if r.gaps})
         self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)
