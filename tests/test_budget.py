@@ -298,3 +298,16 @@ def test_a_start_that_needs_more_gpus_than_the_box_has_says_both_numbers():
     with pytest.raises(InsufficientMemory, match=r"needs 4 GPUs \(gpu_count\), but this box has 2") as exc:
         b.check_fit(big, [big], gpus(0, 0))
     assert exc.value.fit.never_fits()
+
+
+def test_the_fit_check_keeps_an_asleep_deployments_room_to_wake():
+    """Issue 43: a sleeper on GPU 0 (40 GiB booked, its 2 GiB residue kept there) could wake
+    alone; a 50 GiB newcomer goes to GPU 1, where best fit alone would have packed it onto GPU 0
+    (28 GiB left there: too little for the sleeper's 38)."""
+    b = Budget("static", gpu_capacity_gib=[80, 80], asleep_residue_gib=2)
+    sleeper = dep(1, 40, State.ASLEEP, gpu_count=1, gpus=(0,), sleep_level=1)
+    new = dep(2, 50, State.STOPPED, gpu_count=1)
+    assert [(s.id, dict(s.needs)) for s in b.sleepers([sleeper, new], 2)] == [(1, {0: 38.0})]
+    assert b.check_fit(new, [sleeper, new], Reading(None)) == (1,)
+    other = dep(3, 79, State.READY, gpu_count=1, gpus=(1,))  # GPU 1 taken: GPU 0 it must be
+    assert b.check_fit(new, [sleeper, new, other], Reading(None)) == (0,)

@@ -793,7 +793,7 @@ def test_at_shutdown_waiters_hear_it_at_once_and_nothing_starts_or_stops_for_the
 
 def test_pick_victims_is_the_shortest_lru_prefix_that_covers_the_shortfall():
     def one_pool(need):  # one pool with nothing free: the victims must free ``need``
-        return lambda free: (0,) if free[0] + 1e-9 >= need else None
+        return lambda free, victims=(): (0,) if free[0] + 1e-9 >= need else None
 
     cands = [Candidate(1, {0: 10}, last_used=30), Candidate(2, {0: 5}, last_used=10),
              Candidate(3, {0: 8}, last_used=20)]
@@ -809,7 +809,7 @@ def test_pick_victims_per_gpu_stops_only_those_on_the_chosen_set():
     (60 GiB on one GPU) fits on GPU 0 once the two smaller models there are gone
     too; only the victims on the chosen GPU are stopped."""
     def one_gpu(need):
-        return lambda free: next(((i,) for i in sorted(range(len(free)), key=lambda i: free[i])
+        return lambda free, victims=(): next(((i,) for i in sorted(range(len(free)), key=lambda i: free[i])
                                   if free[i] + 1e-9 >= need), None)
 
     cands = [Candidate(1, {1: 40}, last_used=1), Candidate(2, {0: 30}, last_used=2),
@@ -1218,7 +1218,7 @@ def test_a_low_request_stops_only_low_models(world):
 
 def test_pick_victims_orders_by_rank_then_lru():
     def one_pool(need):
-        return lambda free: (0,) if free[0] + 1e-9 >= need else None
+        return lambda free, victims=(): (0,) if free[0] + 1e-9 >= need else None
 
     cands = [Candidate(1, {0: 10}, last_used=1, rank=NORMAL.rank), Candidate(2, {0: 10}, last_used=9, rank=LOW.rank),
              Candidate(3, {0: 10}, last_used=5, rank=LOW.rank)]

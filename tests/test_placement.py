@@ -80,3 +80,31 @@ def test_several_gpus_are_of_one_size():
     assert choose([35.0, 30.0], 60, 2, sizes=[80.0, 40.0]) is None
     assert not can_ever_fit([80.0, 40.0], 60, 2, sizes=[80.0, 40.0])
     assert choose([40.0, 40.0], 60, 2, sizes=[79.6, 79.65]) == (0, 1)  # nvidia-smi's rounding: one size
+
+
+# --- issue 43: placement keeps sleepers' room to wake ------------------------------------------
+
+def test_a_newcomer_goes_where_it_leaves_every_sleeper_its_room_to_wake():
+    """GPU 0 holds a sleeper (40 GiB, 2 kept: its wake needs 38); a 50 GiB newcomer fits on
+    either GPU. Best fit alone picks GPU 0 (28 left, less than GPU 1's 30), which leaves the
+    sleeper nowhere to wake; the rule picks GPU 1."""
+    from ondemand.control.placement import Sleeper
+    sleeper = Sleeper(7, {0: 38.0})
+    assert choose([78.0, 80.0], 50, 1) == (0,)
+    assert choose([78.0, 80.0], 50, 1, sleepers=[sleeper]) == (1,)
+    # A sleeper that could not wake alone before the start is no reason to go elsewhere.
+    assert choose([30.0, 80.0], 25, 1, sleepers=[Sleeper(7, {0: 38.0})]) == (0,)
+    # Nowhere keeps every sleeper's room: best fit among all the sets.
+    both = [Sleeper(7, {0: 38.0}), Sleeper(8, {1: 38.0})]
+    assert choose([78.0, 80.0], 50, 1, sleepers=both) == (0,)
+    # Several GPUs: a set is preferred only if it blocks no sleeper on any of its GPUs.
+    assert choose([80.0, 78.0, 80.0, 80.0], 100, 2, sleepers=[Sleeper(7, {1: 38.0})]) == (0, 2)
+
+
+def test_the_make_rooms_own_victims_are_no_sleepers_for_the_rule():
+    from ondemand.control.placement import Fit, Sleeper
+    fit = Fit(50, free=(78.0, 30.0), ondemand=(80.0, 80.0), count=1, allowed=None, per_gpu=True,
+              sleepers=(Sleeper(7, {0: 38.0}),))
+    assert fit.choose([78.0, 30.0]) == (0,)  # only GPU 0 fits, whatever the rule prefers
+    assert fit.choose([78.0, 80.0]) == (1,)  # freed elsewhere: keep 7's room
+    assert fit.choose([78.0, 80.0], victims={7}) == (0,)  # 7 is put away for it: best fit again

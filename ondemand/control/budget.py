@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from ..errors import BudgetError, InsufficientMemory
 from ..model import HOLDING, Deployment, Mode, Role, State
 from . import placement
-from .placement import Fit, asleep_held
+from .placement import Fit, Sleeper, asleep_held
 
 log = logging.getLogger("ondemand.control.budget")
 
@@ -349,6 +349,20 @@ class Budget:
         """The budget now (reads it; for views)."""
         return self.snapshot_of(await self.read(deps), deps, exclude)
 
+    def sleepers(self, deps: Iterable[Deployment], pools: int, but: int | None = None) -> tuple[Sleeper, ...]:
+        """The asleep deployments (but ``but``) and what each one's wake needs on its GPUs: its
+        footprint there less what it still holds (placement keeps that room when it can)."""
+        out = []
+        for d in deps:
+            if d.state is not State.ASLEEP or d.id == but:
+                continue
+            held = self.holdings(d, pools)
+            whole = placement.holdings(d.footprint_gib, d.gpu_count, d.gpus, pools, self.per_gpu)
+            needs = {g: max(0.0, gib - held.get(g, 0.0)) for g, gib in whole.items()}
+            if any(needs.values()):
+                out.append(Sleeper(d.id, needs))
+        return tuple(out)
+
     def check_fit(self, dep: Deployment, deps: list[Deployment], reading: Reading,
                   held_for_others: Mapping[int, float] | None = None) -> tuple[int, ...]:
         """The GPUs ``dep`` starts on (its view's ``gpus``); raises InsufficientMemory
@@ -361,10 +375,11 @@ class Budget:
             allowed = dep.gpus
         free = [p.free for p in snap.pools]
         sizes = self._sizes_of(reading)
-        chosen = placement.choose(free, dep.footprint_gib, count, allowed, sizes)
+        sleepers = self.sleepers(deps, n, but=dep.id)
+        chosen = placement.choose(free, dep.footprint_gib, count, allowed, sizes, sleepers)
         if chosen is None:
             fit = Fit(dep.footprint_gib, tuple(free), tuple(p.ondemand_capacity for p in snap.pools), count,
-                      allowed, self.per_gpu, sizes)
+                      allowed, self.per_gpu, sizes, sleepers)
             message = None
             if self.per_gpu and count > n:
                 message = f"needs {count} GPUs (gpu_count), but this box has {n}"

@@ -29,8 +29,10 @@ class Candidate:
 
 
 def pick_victims(candidates: list[Candidate], free: Sequence[float],
-                 choose: Callable[[list[float]], tuple[int, ...] | None]) -> tuple[list[Candidate], tuple[int, ...]]:
-    """(the victims, the GPU set the model gets once they are stopped), or ([], ())."""
+                 choose: Callable[[list[float], frozenset[int]], tuple[int, ...] | None]
+                 ) -> tuple[list[Candidate], tuple[int, ...]]:
+    """(the victims, the GPU set the model gets once they are stopped), or ([], ()). ``choose`` is
+    told the prefix put away (placement's rule for sleepers leaves the make-room's own victims out)."""
     sim = list(free)
     prefix: list[Candidate] = []
     for cand in sorted(candidates, key=lambda c: (c.rank, c.tier, c.last_used, c.id)):
@@ -38,7 +40,7 @@ def pick_victims(candidates: list[Candidate], free: Sequence[float],
         for pool, gib in cand.holds.items():
             if 0 <= pool < len(sim):
                 sim[pool] += gib
-        chosen = choose(sim)
+        chosen = choose(sim, frozenset(c.id for c in prefix))
         if chosen is not None:
             return [c for c in prefix if any(c.holds.get(g, 0.0) > 0 for g in chosen)], chosen
     return [], ()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -68,8 +68,33 @@ def share(memory_gib: float, count: int) -> float:
     return memory_gib / count if count else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Sleeper:
+    """An asleep deployment as placement sees it: what its wake needs on each of its GPUs (its
+    footprint there, the larger of booked and measured, less what it still holds). It wakes only
+    there: a start that takes that room leaves it nowhere to wake but after a stop."""
+    id: int
+    needs: Mapping[int, float]
+
+    def wakes_with(self, free: Sequence[float], taken: Mapping[int, float] | None = None) -> bool:
+        """Could it wake alone (no victim) with ``free`` per GPU, less ``taken`` on some?"""
+        taken = taken or {}
+        return all(0 <= g < len(free) and free[g] - taken.get(g, 0.0) + EPS >= need
+                   for g, need in self.needs.items())
+
+
+def keeps_sleepers_room(chosen: Sequence[int], need: float, free: Sequence[float],
+                        sleepers: Iterable[Sleeper]) -> bool:
+    """Is ``chosen`` a preferred set (the scheduling rule that keeps sleepers' room): no sleeper on
+    it that could wake alone before the start could no longer wake alone after it."""
+    taken = {g: need for g in chosen}
+    return not any(s.wakes_with(free) and not s.wakes_with(free, taken)
+                   for s in sleepers if any(g in taken for g in s.needs))
+
+
 def choose(free: Sequence[float], memory_gib: float, gpu_count: int | None,
-           gpu_ids: Sequence[int] | None = None, sizes: Sequence[float] | None = None) -> tuple[int, ...] | None:
+           gpu_ids: Sequence[int] | None = None, sizes: Sequence[float] | None = None,
+           sleepers: Sequence[Sleeper] = ()) -> tuple[int, ...] | None:
     """The GPU indices to use, or None when no allowed set fits now.
 
     ``free[i]`` is GPU i's free memory in GiB. ``gpu_count`` None means every
@@ -77,7 +102,10 @@ def choose(free: Sequence[float], memory_gib: float, gpu_count: int | None,
     choice to those indices (with ``gpu_count`` of them, it is the set).
     ``sizes[i]``: GPU i's total; when given, a set of several GPUs is of one size
     only (an engine's memory share is one fraction for every GPU it sees, and
-    tensor parallelism splits the model evenly)."""
+    tensor parallelism splits the model evenly). ``sleepers``: the asleep deployments
+    (``Sleeper``); a set that keeps the room each needs to wake alone is preferred, and best
+    fit decides among the preferred sets, among all of them only when none is (issue 43: best
+    fit alone packed newcomers onto sleepers' GPUs, whose next requests then queued)."""
     n = len(free)
     count = n if gpu_count is None else gpu_count
     if count == 0:
@@ -92,9 +120,10 @@ def choose(free: Sequence[float], memory_gib: float, gpu_count: int | None,
     sets: Iterable[tuple[int, ...]] = itertools.combinations(fitting, count)
     if sizes is not None and count > 1:
         sets = (c for c in sets if max(sizes[i] for i in c) - min(sizes[i] for i in c) <= SAME_SIZE_GIB)
-    # Best fit: the least left over on the chosen GPUs; combinations come in
+    # Preferred first, then best fit: the least left over on the chosen GPUs; combinations come in
     # lexicographic order, so min() keeps the lowest indices among equals.
-    return min(sets, key=lambda chosen: sum(free[i] - need for i in chosen), default=None)
+    return min(sets, key=lambda chosen: (not keeps_sleepers_room(chosen, need, free, sleepers),
+                                         sum(free[i] - need for i in chosen)), default=None)
 
 
 def can_ever_fit(capacity: Sequence[float], memory_gib: float, gpu_count: int | None,
@@ -115,10 +144,13 @@ class Fit:
     allowed: tuple[int, ...] | None  # the pools it may use (None: any)
     per_gpu: bool
     sizes: tuple[float, ...] | None = None  # each pool's total: several GPUs are of one size
+    sleepers: tuple[Sleeper, ...] = ()  # the asleep deployments whose room to wake it keeps if it can
 
-    def choose(self, free: Sequence[float]) -> tuple[int, ...] | None:
-        """The set it would get with ``free`` per pool, or None."""
-        return choose(free, self.need, self.count, self.allowed, self.sizes)
+    def choose(self, free: Sequence[float], victims: Collection[int] = ()) -> tuple[int, ...] | None:
+        """The set it would get with ``free`` per pool, or None; ``victims``: the make-room's own,
+        which are no sleepers for the rule (they are put away for it)."""
+        sleepers = tuple(s for s in self.sleepers if s.id not in victims)
+        return choose(free, self.need, self.count, self.allowed, self.sizes, sleepers)
 
     def never_fits(self) -> bool:
         """Not even with every on-demand model stopped (``does_not_fit``)."""
