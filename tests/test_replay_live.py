@@ -44,18 +44,29 @@ async def test_the_live_server_gets_adaptive_warmth_and_what_was_learned_at_its_
         await store.close()
 
 
-def result(cold: int, wakes: int, queued: int, ttfts: list[float]) -> PolicyResult:
+def tally(cold: int, wakes: int, queued: int, ttfts: list[float]) -> Tally:
     t = Tally(cold_starts=cold, wakes=wakes, ttfts=ttfts)
     t.waited["queue"] = queued
-    return PolicyResult(Policy.parse("current"), t, {})
+    return t
 
 
-def test_the_comparison_names_each_difference():
-    virtual = result(3, 2, 1, [1.0, 1.0, 2.0])
-    assert disagreements(virtual, result(3, 2, 1, [1.15, 1.1, 9.0])) == []
-    assert disagreements(virtual, result(4, 1, 0, [1.3])) == [
-        "cold starts 4 live, 3 virtual", "wakes 1 live, 2 virtual", "queued 0 live, 1 virtual",
+def result(per: dict[str, Tally]) -> PolicyResult:
+    total = Tally(cold_starts=sum(t.cold_starts for t in per.values()), wakes=sum(t.wakes for t in per.values()),
+                  ttfts=[x for t in per.values() for x in t.ttfts])
+    total.waited["queue"] = sum(t.waited["queue"] for t in per.values())
+    return PolicyResult(Policy.parse("current"), total, per)
+
+
+def test_the_comparison_names_each_difference_deployment_by_deployment():
+    virtual = result({"a": tally(2, 2, 1, [1.0, 1.0]), "b": tally(1, 0, 0, [2.0])})
+    assert disagreements(virtual, result({"a": tally(2, 2, 1, [1.15, 1.1]), "b": tally(1, 0, 0, [9.0])})) == []
+    assert disagreements(virtual, result({"a": tally(3, 1, 0, [1.3]), "b": tally(1, 0, 0, [])})) == [
+        "a: cold starts 3 live, 2 virtual", "a: wakes 1 live, 2 virtual", "a: queued 0 live, 1 virtual",
         "TTFT p50 1.300 s live, 1.000 s virtual (+30 %)"]
+    # The same totals, another split: a start counted on the wrong deployment is a disagreement.
+    swapped = result({"a": tally(1, 2, 1, [1.0, 1.0]), "b": tally(2, 0, 0, [2.0])})
+    assert disagreements(virtual, swapped) == ["a: cold starts 1 live, 2 virtual", "b: cold starts 2 live, 1 virtual"]
+    assert disagreements(virtual, result({"a": tally(2, 2, 1, [1.0, 1.0])})) == ["b: not in the live run"]
 
 
 def dep(i: int, name: str, gib: float, costs: Costs) -> Replayed:

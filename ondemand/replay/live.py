@@ -365,14 +365,18 @@ async def run_live(requests: Iterable[Request], replayed: Sequence[Replayed], bo
 
 def disagreements(virtual: PolicyResult, live: PolicyResult, within: float = 0.2) -> list[str]:
     """Where the live run and the virtual replay of the same requests differ: the counts of cold
-    starts, wakes and requests queued for memory must be the same, and the TTFT p50 within
-    ``within`` (a fraction of the virtual one). Empty when they agree."""
+    starts, wakes and requests queued for memory must be the same, deployment by deployment, and
+    the TTFT p50 within ``within`` (a fraction of the virtual one). Empty when they agree."""
     out = []
-    for what, v, x in (("cold starts", virtual.total.cold_starts, live.total.cold_starts),
-                       ("wakes", virtual.total.wakes, live.total.wakes),
-                       ("queued", virtual.total.waited["queue"], live.total.waited["queue"])):
-        if v != x:
-            out.append(f"{what} {x} live, {v} virtual")
+    for name, vt in virtual.per_deployment.items():
+        xt = live.per_deployment.get(name)
+        if xt is None:
+            out.append(f"{name}: not in the live run")
+            continue
+        for what, v, x in (("cold starts", vt.cold_starts, xt.cold_starts), ("wakes", vt.wakes, xt.wakes),
+                           ("queued", vt.waited["queue"], xt.waited["queue"])):
+            if v != x:
+                out.append(f"{name}: {what} {x} live, {v} virtual")
     p50v, p50x = _median(virtual.total.ttfts), _median(live.total.ttfts)
     if p50v is None or p50x is None:
         if p50v != p50x:
