@@ -1,24 +1,23 @@
-#!/usr/bin/env python3
-"""The replay's benchmark (``make replay``): the Azure LLM inference traces of 2023 over the box
-mix, under ondemand's policies and its peers', in virtual time.
+"""The replay's benchmark (``make replay``): three traces over the box mix, on a DGX H100 and on
+16 x 80 GiB, under ondemand's policies, its peers' and the clairvoyant reference, in virtual time.
 
 Run from the repository root::
 
-    .venv/bin/python scripts/replay_bench.py            # both traces x nine policies, and adaptive's targets
+    .venv/bin/python scripts/replay_bench.py            # every table (bench/replay.md, .html, .svg)
     .venv/bin/python scripts/replay_bench.py --speed    # the speed target alone (make bench)
 
-Both traces (``bench/traces/``) over ``bench/box-mix.toml`` on 8 x 80 GiB with a DGX H100's
-2 TiB of host memory, each under ``always-on``, ``ttl=300``, ``sleep-ttl=300``, ``fixed=600``,
-``current``, ``fixed=60``, ``fixed=300``, ``fixed=1800`` and ``adaptive``; then adaptive against
-the fixed sweep and always-on (``replay_pareto.py``), over the whole trace and over its second
-half with the first half as a warm-up (``measure_from_s``: what adaptive learned in it, and
-what every policy left running, carry over). The tables go into ``bench/replay.md`` between its
-markers (``<!-- replay:NAME -->`` ... ``<!-- /replay:NAME -->``; the words around them are
-kept), the page into ``bench/replay.html``, the Pareto picture into
-``bench/replay-pareto.svg``. ``--speed`` replays the
-conv trace under the first six policies and fails when it takes 60 s of CPU or more (its own
-cost: on a shared machine the wall clock says as much of the other runs; both are printed), or
-when its memory grew with the policies (it streams the trace: nothing is held per policy).
+The traces (``bench/traces/``): the Azure LLM inference traces of 2023 (code and conv, an hour
+each, no model column: rows go to the mix's deployments by weight) and the ServeGen trace (a
+week of 16 production clients, one per deployment: real per-model rhythms). The boxes: a DGX
+H100 (8 x 80 GiB, 2 TiB of host memory; always-on fits 8 of the 16 models) and 16 x 80 GiB (every
+model fits). Each table: the policies' rows (``report.markdown``), then each one's distance to
+``clairvoyant`` and who dominates it (``replay_front.table``), and in words where ondemand's own
+lose (``replay_front.words``). The tables go into ``bench/replay.md`` between its markers
+(``<!-- replay:NAME -->`` ... ``<!-- /replay:NAME -->``; the words around them are kept), the
+pages of the Azure traces into ``bench/replay.html``, the Pareto picture of every table into
+``bench/replay-pareto.svg``. ``--speed`` replays the conv trace under the first six policies and
+fails when it takes 60 s of CPU or more, or when its memory grew with the policies (it streams
+the trace: nothing is held per policy).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import replay_pareto as pareto  # noqa: E402
+import replay_front as front  # noqa: E402
 
 from ondemand.replay import page, report  # noqa: E402
 from ondemand.replay.deployments import from_file  # noqa: E402
@@ -42,78 +41,71 @@ from ondemand.replay.types import Box, Policy, PolicyResult, Replayed  # noqa: E
 
 MIX = ROOT / "bench" / "box-mix.toml"
 TRACES = {"code": ROOT / "bench" / "traces" / "AzureLLMInferenceTrace_code.csv",
-          "conv": ROOT / "bench" / "traces" / "AzureLLMInferenceTrace_conv.csv"}
-POLICIES = ("always-on", "ttl=300", "sleep-ttl=300", "fixed=600", "current", "fixed=60", "fixed=300", "fixed=1800",
-            "adaptive")
-PARETO = ("always-on", *pareto.FIXED, "adaptive")  # the second half's policies
-BOX = Box(gpus=(80.0,) * 8, host_gib=2048)  # a DGX H100: 8 x 80 GiB, 2 TiB of host memory
-ROOMY = Box(gpus=(80.0,) * 16, host_gib=2048)  # the same mix where always-on fits: 1045 GiB on 1280
+          "conv": ROOT / "bench" / "traces" / "AzureLLMInferenceTrace_conv.csv",
+          "servegen": ROOT / "bench" / "traces" / "servegen_language_7d.csv"}
+TITLES = {"code": "Azure LLM inference trace 2023, code", "conv": "Azure LLM inference trace 2023, conv",
+          "servegen": "ServeGen, 16 clients, a week"}
+POLICIES = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=300", "fixed=60", "fixed=300",
+            "fixed=600", "fixed=1800", "adaptive", "cost", "clairvoyant")
+BOXES = {"dgx": Box(gpus=(80.0,) * 8, host_gib=2048),  # a DGX H100: 8 x 80 GiB, 2 TiB of host memory
+         "16x80": Box(gpus=(80.0,) * 16, host_gib=2048)}  # where always-on fits: 1045 GiB booked on 1280
+BOX = BOXES["dgx"]
+ROOMY = BOXES["16x80"]
 SLO_S = 5.0
 SPEED_LIMIT_S = 60.0
+
+
+def known(policies: tuple[str, ...]) -> tuple[str, ...]:
+    """The policies this tree can replay (``cost`` and ``clairvoyant`` come with their issues)."""
+    out = []
+    for name in policies:
+        try:
+            Policy.parse(name)
+        except ValueError:
+            continue
+        out.append(name)
+    return tuple(out)
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(name: str, deps: list[Replayed], policies: tuple[str, ...], *, second_half: bool = False, box: Box = BOX
+def run(name: str, deps: list[Replayed], policies: tuple[str, ...], *, box: Box = BOX
         ) -> tuple[list[PolicyResult], dict[str, float]]:
-    """The trace under ``policies`` on ``box``; with ``second_half``, counted from the middle of
-    its arrivals."""
+    """The trace under ``policies`` on ``box``."""
     trace = Trace(str(TRACES[name]), deps, seed=0)
     summary = trace.check()
     wall, cpu = time.monotonic(), time.process_time()
-    measure_from_s = summary.span_s / 2 if second_half else 0.0
-    results = replay(trace, deps, box, [Policy.parse(p) for p in policies], slo_s=SLO_S,
-                     measure_from_s=measure_from_s)
+    results = replay(trace, deps, box, [Policy.parse(p) for p in policies], slo_s=SLO_S)
     took = {"wall_s": time.monotonic() - wall, "cpu_s": time.process_time() - cpu, "rss_mib": peak_rss_mib(),
-            "requests": summary.requests, "models": len(summary.models), "from_s": measure_from_s}
+            "requests": summary.requests, "models": len(summary.models)}
     return results, took
 
 
 def per_deployment(result: PolicyResult) -> str:
     """Where requests failed or waited, by deployment: one policy's rows."""
-    lines = ["| deployment | requests | failed | TTFT p50 | p99 | wake | cold | queue | cold starts | wakes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| deployment | requests | wait ≤ SLO | timed out | refused | wait p99 | wake | cold | queue | "
+             "cold starts | wakes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for dep, tally in result.per_deployment.items():
         j = report.tally_json(tally)
-        p50, p99 = j["ttft_s"]["p50"], j["ttft_s"]["p99"]
-        lines.append(f"| {dep} | {j['requests']} | {j['failed']} | {'-' if p50 is None else f'{p50:.2f} s'} | "
-                     f"{'-' if p99 is None else f'{p99:.1f} s'} | {j['waited']['wake']} | {j['waited']['cold']} | "
-                     f"{j['waited']['queue']} | {j['cold_starts']} | {j['wakes']} |")
+        p99 = j["wait_s"]["p99"]
+        lines.append(f"| {dep} | {j['requests']} | {100 * j['wait_slo_met']:.1f} % | {j['timed_out']} | "
+                     f"{j['refused']} | {'-' if p99 is None else f'{p99:.1f} s'} | {j['waited']['wake']} | "
+                     f"{j['waited']['cold']} | {j['waited']['queue']} | {j['cold_starts']} | {j['wakes']} |")
     return "\n".join(lines) + "\n"
 
 
-def section(name: str, results: list[PolicyResult], took: dict[str, float]) -> str:
+def section(results: list[PolicyResult], took: dict[str, float]) -> str:
     end = max(r.end_s for r in results)
-    by = {r.policy.name: r for r in results}
+    by = front.by_name(results)
     return (f"{took['requests']:,} requests over {end / 3600:.2f} h of virtual time, {took['models']} deployments "
             f"requested; replayed under {len(results)} policies in {took['wall_s']:.1f} s "
             f"({took['cpu_s']:.1f} s of CPU).\n\n" + report.markdown(results, SLO_S)
-            + "\nBy deployment, `current` (today's default: `fixed=600`):\n\n" + per_deployment(by["current"])
-            + "\nBy deployment, `ttl=300`:\n\n" + per_deployment(by["ttl=300"])
-            + "\nBy deployment, `adaptive`:\n\n" + per_deployment(by["adaptive"]))
-
-
-Runs = dict[str, tuple[list[PolicyResult], list[PolicyResult], list[PolicyResult], dict[str, float]]]
-
-
-def adaptive_section(runs: Runs) -> str:
-    """Adaptive against the fixed sweep and always-on: the targets, then each trace's second
-    half, policy by policy and adaptive by deployment, and on the roomy box."""
-    rows = []
-    for name, (whole, half, roomy, _) in runs.items():
-        rows.append((name, "whole trace", pareto.verdict({r.policy.name: r for r in whole})))
-        rows.append((name, "second half", pareto.verdict({r.policy.name: r for r in half})))
-        rows.append((name, "second half, 16 x 80 GiB", pareto.verdict({r.policy.name: r for r in roomy})))
-    out = [pareto.table(rows)]
-    for name, (_, half, roomy, took) in runs.items():
-        by = {r.policy.name: r for r in half}
-        out.append(f"\nThe {name} trace's second half (from {took['from_s']:.0f} s; the first half replayed "
-                   f"uncounted), {by['adaptive'].total.requests:,} requests:\n\n" + report.markdown(half, SLO_S)
-                   + "\nBy deployment, `adaptive`, second half:\n\n" + per_deployment(by["adaptive"])
-                   + "\nThe same on 16 x 80 GiB, where always-on fits:\n\n" + report.markdown(roomy, SLO_S))
-    return "".join(out)
+            + "\nEach policy against the reference and the others (the front: dominated by none):\n\n"
+            + front.table(results) + "\nWhere ondemand's own policies stand:\n\n" + front.words(results)
+            + "\nBy deployment, `seed` (today's default):\n\n" + per_deployment(by["seed"]))
 
 
 def write_md(sections: dict[str, str]) -> None:
@@ -151,26 +143,20 @@ def main() -> int:
     deps = from_file(str(MIX), BOX)
     if args.speed:
         return speed(deps)
+    policies = known(POLICIES)
     sections, parts, panels = {}, [], []
-    runs: Runs = {}
     for name in TRACES:
-        results, took = run(name, deps, POLICIES)
-        half, half_took = run(name, deps, PARETO, second_half=True)
-        roomy, roomy_took = run(name, deps, PARETO, second_half=True, box=ROOMY)
-        print(f"{name}: {took['wall_s']:.1f} s, its second half {half_took['wall_s']:.1f} s, on 16 GPUs "
-              f"{roomy_took['wall_s']:.1f} s", file=sys.stderr)
-        for one in (results, half, roomy):
-            print(report.table(one, SLO_S))
-        sections[name] = section(name, results, took)
-        runs[name] = (results, half, roomy, half_took)
-        panels += [(f"{name} trace, whole", {r.policy.name: r for r in results}),
-                   (f"{name} trace, second half", {r.policy.name: r for r in half}),
-                   (f"{name} trace, second half, 16 x 80 GiB", {r.policy.name: r for r in roomy})]
-        parts.append(page.section(results, BOX, title=f"Azure LLM inference trace 2023, {name}", slo_s=SLO_S))
-    sections["adaptive"] = adaptive_section(runs)
+        for box_name, box in BOXES.items():
+            results, took = run(name, deps, policies, box=box)
+            print(f"{name} on {box_name}: {took['wall_s']:.1f} s ({took['cpu_s']:.1f} s of CPU)", file=sys.stderr)
+            print(report.table(results, SLO_S))
+            sections[f"{name}-{box_name}"] = section(results, took)
+            panels.append((f"{TITLES[name]}, {'DGX H100' if box_name == 'dgx' else '16 x 80 GiB'}", results))
+            if name != "servegen" and box_name == "dgx":
+                parts.append(page.section(results, box, title=TITLES[name], slo_s=SLO_S))
     write_md(sections)
     (ROOT / "bench" / "replay.html").write_text(page.document("ondemand replay: the box mix", parts))
-    (ROOT / "bench" / "replay-pareto.svg").write_text(pareto.svg(panels))
+    (ROOT / "bench" / "replay-pareto.svg").write_text(front.svg(panels))
     return 0
 
 
