@@ -6,7 +6,8 @@
 #                   heavy parts: a Docker engine, the LiteLLM proxy, llama.cpp, Prometheus,
 #                   a real vLLM (CPU build) serving a tiny Llama made here
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
-#   make replay     the Azure traces replayed over the box mix under nine policies (bench/replay.md)
+#   make replay     three traces (Azure code and conv, a ServeGen week) over the box mix, on 8 and
+#                   16 GPUs, under ondemand's and its peers' policies (bench/replay.md)
 #   make replay-bounds  whether any per-deployment idle timeouts could meet adaptive warmth's
 #                   targets on those traces (about 16 minutes of CPU, on every core)
 #   make replay-rhythms  adaptive warmth on a synthetic day whose models have rhythms (20 s)
@@ -140,10 +141,10 @@ bench: install
 	$(PY) scripts/bench_phases.py
 	$(PY) scripts/replay_bench.py --speed
 
-# The Azure LLM inference traces of 2023 (bench/traces/) over bench/box-mix.toml on a DGX H100, in
-# virtual time, under ondemand's policies and its peers', then adaptive warmth against the fixed
-# timeouts: the tables into bench/replay.md (between its markers), the page into
-# bench/replay.html, the Pareto picture into bench/replay-pareto.svg. About 15 s of CPU.
+# Three traces (bench/traces/: the Azure code and conv traces of 2023, a ServeGen week) over
+# bench/box-mix.toml on a DGX H100 and on 16 x 80 GiB, in virtual time, under ondemand's policies,
+# its peers' and the clairvoyant reference: the tables into bench/replay.md (between its markers), the page into
+# bench/replay.html, the Pareto picture into bench/replay-pareto.svg. About 2-3 minutes of CPU.
 replay: install
 	$(PY) scripts/replay_bench.py
 
