@@ -273,7 +273,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
         effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
         max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
         min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s,
-        scheduler=scheduler(cfg.scheduler))
+        scheduler=scheduler(cfg.scheduler, cfg.slo_s))
     effects.bind(controller)
     controller.learn(await deployer.store.idle_gaps())  # adaptive warmth: a restart keeps what was learned
     app[ADMISSION] = Admission(controller, deployer)

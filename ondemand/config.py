@@ -39,8 +39,7 @@ class BudgetConfig:
     meminfo_path: str = "/proc/meminfo"
     # Host memory a level-1 sleep must leave available (warmth.host_level): else level 2, or a stop.
     host_reserve_gib: float = 16.0
-    # GPU memory per GPU an asleep engine is counted to keep when nothing can be read of it.
-    asleep_residue_gib: float = 2.0
+    asleep_residue_gib: float = 2.0  # per GPU, what an asleep engine keeps when nothing can be read of it
 
 
 # The engine recipes' images (docker backend) and commands (process backend), by engine.
@@ -124,6 +123,7 @@ class Config:
     sleep_timeout_s: int | None = None  # an engine asleep this long is stopped; None: never
     min_idle_timeout_s: int = 60
     scheduler: str = "seed"  # the decision core's: the queue's order, make-room's victims (control/scheduler.py)
+    slo_s: float = 5.0  # the longest users should wait for a model: cost aims at it, replay measures it
     metrics_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
@@ -164,9 +164,8 @@ class Config:
         return host.strip("[]"), int(port)
 
 
-# --- validation table -------------------------------------------------------
-# key -> (parse, check, what is allowed). parse turns TOML or env text into the
-# value; check returns False when it is out of range.
+# --- validation table: key -> (parse, check, what is allowed). parse turns TOML or env text into
+# the value; check returns False when it is out of range.
 
 def _int(v: Any) -> int:
     if isinstance(v, bool):
@@ -307,7 +306,8 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "sleep_timeout_s": (lambda v: None if v in (None, "", "none") else _int(v),
                         lambda x: x is None or 1 <= x <= 30 * 86400,
                         "whole seconds, 1 to 2592000 (an engine asleep this long is stopped), or none"),
-    "scheduler": (_str, _one_of("seed"), "seed (the decision core's scheduler: queue order, victims, placement)"),
+    "scheduler": (_str, _one_of("seed", "cost"), "seed or cost (the core's scheduler: queue, victims, placement)"),
+    "slo_s": (_float, _between(0.5, 600), "seconds, 0.5 to 600 (the longest a request should wait for its model)"),
     "metrics_interval_s": (_float, _between(0.1, 3600), "seconds, 0.1 to 3600"),
     "shutdown_grace_s": (_float, _between(0, 3600), "seconds, 0 to 3600"),
     "log_level": (lambda v: _str(v).lower(), _one_of("debug", "info", "warning", "error"),

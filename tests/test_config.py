@@ -184,14 +184,24 @@ def test_the_scheduler_key_takes_the_schedulers_of_the_core_and_names_them():
     from ondemand.control.scheduler import SCHEDULERS, SeedScheduler, scheduler
 
     assert config.load(env={}).scheduler == "seed"
-    assert config.load(env={"ONDEMAND_SCHEDULER": "seed"}).scheduler == "seed"
+    assert config.load(env={"ONDEMAND_SCHEDULER": "cost"}).scheduler == "cost"
     with pytest.raises(ConfigError) as exc:
-        config.load(env={"ONDEMAND_SCHEDULER": "cost"})
-    assert str(exc.value).startswith("configuration key scheduler = 'cost' is not allowed: seed")
+        config.load(env={"ONDEMAND_SCHEDULER": "lru"})
+    assert str(exc.value).startswith("configuration key scheduler = 'lru' is not allowed: seed or cost")
     for name in SCHEDULERS:  # every scheduler the core can make is a value the key takes
         assert config.load(env={"ONDEMAND_SCHEDULER": name}).scheduler == name
     made = scheduler("seed")
     assert isinstance(made, SeedScheduler) and made is not scheduler("seed")  # a queue of its own each
-    with pytest.raises(ValueError, match="unknown scheduler 'cost': one of seed"):
-        scheduler("cost")
+    with pytest.raises(ValueError, match="unknown scheduler 'lru': one of seed, cost"):
+        scheduler("lru")
+
+
+def test_slo_s_is_bounded_and_reaches_the_cost_scheduler():
+    assert config.load(env={}).slo_s == 5.0
+    assert config.load(env={"ONDEMAND_SLO_S": "2.5"}).slo_s == 2.5
+    for bad in ("0.1", "601", "nan"):
+        with pytest.raises(ConfigError, match="slo_s"):
+            config.load(env={"ONDEMAND_SLO_S": bad})
+    from ondemand.control.scheduler import scheduler
+    assert scheduler("cost", 2.5).take.slo_s == 2.5  # type: ignore[attr-defined]
 

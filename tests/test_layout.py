@@ -49,7 +49,9 @@ ALLOWED = {
     "control.attempts": {"control.eviction", "control.placement", "control.protocol", "control.record",
                          "control.scheduler", "control.slots", "control.verdicts", "errors", "model"},
     # The scheduler: the queue's order and holds, make-room's victims, placement (one class each).
-    "control.scheduler": {"control.eviction", "control.placement", "control.queue", "model"},
+    "control.scheduler": {"control.cost", "control.eviction", "control.placement", "control.queue", "model"},
+    # Make-room by cost (scheduler = "cost"): the take rule, pure; the core through its CoreView.
+    "control.cost": {"engines.rhythm", "model"},
     # How long an idle engine stays warm, per deployment: the policy's protocol and Fixed ...
     "control.warmth_policy": {"control.record", "model"},
     # ... and Adaptive: each idle period's plan (engines.rhythm's), the pre-warm.

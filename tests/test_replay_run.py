@@ -164,7 +164,7 @@ def test_two_models_that_cannot_share_the_gpu():
 def test_the_replay_runs_the_scheduler_its_box_names(monkeypatch):
     """The box's ``scheduler`` key chooses the controller's scheduler in each run: one made per
     policy, asked for make-room's victims; the same answers as the seed scheduler's."""
-    monkeypatch.setitem(schedulers.SCHEDULERS, "counting", CountingScheduler)
+    monkeypatch.setitem(schedulers.SCHEDULERS, "counting", lambda slo_s: CountingScheduler())
     made.clear()
     box = dataclasses.replace(BOX, scheduler="counting")
     deps, reqs = [dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(100, "b")]

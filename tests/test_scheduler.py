@@ -53,7 +53,7 @@ async def test_the_running_core_owns_the_scheduler_the_configuration_names(tmp_p
     """app.py makes the controller's scheduler by the ``scheduler`` key's name."""
     made: list[SeedScheduler] = []
 
-    def seed() -> SeedScheduler:
+    def seed(slo_s: float) -> SeedScheduler:
         made.append(SeedScheduler())
         return made[-1]
 

@@ -21,10 +21,10 @@ implementation (``effects.py``) runs each effect as a named task and reports bac
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..engines.rhythm import Rhythm
+from ..engines.rhythm import TIERS, Rhythm
 from ..errors import InsufficientMemory
 from ..model import Deployment, State
 from . import modes, verdicts
@@ -69,6 +69,8 @@ class Controller:
         self.start_side = Attempts(effects, self.slots, self.scheduler, on_queue=self.adaptive_warmth.queue_changed,
                                    make_room_wait_s=make_room_wait_s, recent_stop_s=recent_stop_s,
                                    max_tick_s=max_tick_s, asleep_residue_gib=asleep_residue_gib)
+        self.min_idle_timeout_s: float = min_idle_timeout_s
+        self.scheduler.bind(self)  # a cost rule reads the gaps and tiers below (cost.CoreView)
 
     @property
     def queue(self) -> WaitQueue:
@@ -235,6 +237,25 @@ class Controller:
 
     def rhythm(self, dep_id: int) -> Rhythm | None:
         return self.slots.rhythm(dep_id)
+
+    # --- what a scheduler that weighs costs reads (cost.CoreView) -------------------------
+
+    def gaps(self, dep_id: int) -> Sequence[float]:
+        r = self.slots.rhythm(dep_id)
+        return r.gaps if r is not None else ()
+
+    def start_s(self, dep: Deployment) -> float:
+        """Its start, or its wake from the level it sleeps at, as the tiers price them."""
+        tiers = self.effects.tiers(dep)
+        level = dep.sleep_level if dep.state is State.ASLEEP else None
+        return tiers.get(TIERS[level - 1] if level else TIERS[-1], tiers.get(TIERS[-1], 60.0))
+
+    def put_away_s(self, dep: Deployment) -> float:
+        """What its next request waits for once make-room puts it away: an awake engine that sleeps
+        when idle wakes from that level; any other (stopped, or asleep and stopped) starts cold."""
+        tiers = self.effects.tiers(dep)
+        level = self.effects.idle_level(dep) if dep.state is State.READY else 0
+        return tiers.get(TIERS[level - 1] if level else TIERS[-1], tiers.get(TIERS[-1], 60.0))
 
     # --- what the effects ask and report (the start side's) ------------------------------
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ..model import Deployment
+from .cost import ByCost, CoreView
 from .eviction import Candidate, pick_victims
 from .placement import Fit
 from .queue import WaitQueue
@@ -40,6 +41,9 @@ class Scheduler(Protocol):
     def room_coming(self, head: int, making_room: Iterable[int]) -> bool:
         """Is memory on its way to ``head`` from the make-rooms of ``making_room`` (the attempts
         stopping victims or waiting for their memory), so that it must not stop more?"""
+
+    def bind(self, core: CoreView) -> None:
+        """Told the core it serves (a rule that weighs costs reads its learned gaps and tiers)."""
 
     def may_take(self, requester: Deployment, victim: Deployment) -> bool:
         """May make-room put ``victim`` away for ``requester`` (if it is idle)?"""
@@ -82,6 +86,10 @@ class SeedScheduler:
         self.queue = WaitQueue()
         self.take = take
 
+    def bind(self, core: CoreView) -> None:
+        if isinstance(self.take, ByCost):
+            self.take.bind(core)
+
     def behind(self, dep_id: int, head: int) -> bool:
         return dep_id != head and self.queue.overtaken_by(dep_id) == head
 
@@ -118,13 +126,20 @@ class SeedScheduler:
         return pick_victims(candidates, fit.free, fit.choose)
 
 
-# The box's ``scheduler`` key (config.SCHEDULERS names the same ones): each a new scheduler.
-SCHEDULERS: dict[str, Callable[[], Scheduler]] = {"seed": SeedScheduler}
+def cost(slo_s: float) -> Scheduler:
+    """``scheduler = "cost"``: the seed scheduler's queue and placement, make-room by cost
+    (``cost.ByCost``: a victim idle for less than its timeout when that pays, against ``slo_s``)."""
+    return SeedScheduler(ByCost(slo_s))
 
 
-def scheduler(name: str) -> Scheduler:
+# The box's ``scheduler`` key (config's check names the same ones): each a new scheduler, given the
+# box's ``slo_s``.
+SCHEDULERS: dict[str, Callable[[float], Scheduler]] = {"seed": lambda slo_s: SeedScheduler(), "cost": cost}
+
+
+def scheduler(name: str, slo_s: float = 5.0) -> Scheduler:
     """A new scheduler of the kind ``name`` (a value of the ``scheduler`` key)."""
     try:
-        return SCHEDULERS[name]()
+        return SCHEDULERS[name](slo_s)
     except KeyError:
         raise ValueError(f"unknown scheduler {name!r}: one of {', '.join(SCHEDULERS)}") from None

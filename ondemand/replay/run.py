@@ -14,7 +14,8 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
 - ``lru=S``, ``sleep-lru=S``: as ``ttl=S`` and ``sleep-ttl=S``, and make-room takes any model with
   nothing in flight, least recently used first, however short its lull (Ollama's rule: the seed
   scheduler with ``any_quiet`` as its take rule);
-- ``seed``: the deployments as given, under the seed scheduler whatever the box's ``scheduler``;
+- ``seed``, ``cost``: the deployments as given, under that scheduler whatever the box's
+  ``scheduler`` (``cost`` aims at the replay's ``--slo-s``);
 - ``fixed=S``: ondemand's tiered warmth with ``idle_timeout_s`` S for all;
 - ``adaptive``: ``keep_warm`` adaptive for the on-demand ones (their idle timeouts as given):
   each learns its idle gaps as the trace goes, from those the state file kept (``Replayed.gaps``)
@@ -92,13 +93,14 @@ def configure(replayed: Sequence[Replayed], policy: Policy, box: Box) -> list[Re
     return out
 
 
-def scheduler_of(policy: Policy, box: Box) -> Scheduler:
-    """The scheduler a policy runs: the box's (its ``scheduler`` key), but for ``seed`` (the seed
-    scheduler, whatever the box says) and the peers whose make-room takes any model with nothing
-    in flight (``lru``, ``sleep-lru``: Ollama's rule, the seed scheduler's queue and placement)."""
+def scheduler_of(policy: Policy, box: Box, slo_s: float) -> Scheduler:
+    """The scheduler a policy runs: the box's (its ``scheduler`` key), but for ``seed`` and
+    ``cost`` (that scheduler, whatever the box says; cost aims at the replay's ``slo_s``) and the
+    peers whose make-room takes any model with nothing in flight (``lru``, ``sleep-lru``: Ollama's
+    rule, the seed scheduler's queue and placement)."""
     if policy.kind in LRU_KINDS:
         return SeedScheduler(any_quiet)
-    return scheduler("seed" if policy.kind == "seed" else box.scheduler)
+    return scheduler(policy.kind if policy.kind in ("seed", "cost") else box.scheduler, slo_s)
 
 
 class Run:
@@ -117,7 +119,7 @@ class Run:
             self.world, clock=clock, wall=clock, queue_timeout_s=box.queue_timeout_s, max_queued=box.max_queued,
             idle_timeout_s=box.idle_timeout_s, min_idle_timeout_s=box.min_idle_timeout_s,
             sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib,
-            scheduler=scheduler_of(policy, box))
+            scheduler=scheduler_of(policy, box, slo_s))
         self.world.bind(self.controller)
         self.controller.learn({r.deployment.id: r.gaps for r in replayed if r.gaps})
         self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)

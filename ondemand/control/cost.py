@@ -1,0 +1,81 @@
+"""Make-room by cost (``scheduler = "cost"``): the take rule that lets make-room put away a
+deployment idle for less than its timeout when that pays. Pure: no clock, no I/O; what it reads of
+the core comes through ``CoreView``.
+
+The seed rule waits for a victim's whole idle timeout, so a model that needs whole GPUs waits out
+its queue timeout behind models idle with nothing in flight; Ollama's rule (any model with nothing
+in flight) ends those waits but puts a hot model away in every lull, and its next requests then
+wait for its GPUs. Neither weighs what a choice costs. This one does, per victim V:
+
+- **the requester's wait without V**, ``W``: V's idle timeout left (the seed rule would take it
+  then); a first form, which counts no other way the memory could come;
+- **V's expected loss**, ``E[max(0, max(0, R - t) + c - slo_s)]``: ``t`` V's next arrival from
+  now, drawn from its learned idle gaps longer than the idle time it has had (the gaps kept for
+  every on-demand deployment, as adaptive warmth keeps them); ``R`` the earliest moment the
+  requester could give the memory back (its own start or wake, then ``min_idle_timeout_s``);
+  ``c`` what V's next request then waits for (a wake from the tier V is put into, or a cold start);
+  ``slo_s`` the wait the users should not pass. With fewer than ``LEARN_AFTER`` gaps, V is taken to
+  be asked again at once (``t`` = 0).
+
+V is taken when ``W`` exceeds its expected loss, or when it is idle for its whole timeout (the
+seed's rule, whatever the cost). The rest is the seed scheduler's: the core never offers a victim
+with a slot in flight, with waiters, with engine metrics that show work, of higher priority than
+the request, or always on (``Slots.quiet_for``, ``Scheduler.may_take``). Where this first form
+differs from Belady's rule and the papers: design.md, "Make-room by cost".
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..engines.rhythm import LEARN_AFTER
+from ..model import Deployment
+
+
+class CoreView(Protocol):
+    """What the cost rule reads of the decision core."""
+
+    min_idle_timeout_s: float
+
+    def gaps(self, dep_id: int) -> Sequence[float]:
+        """Its learned idle gaps (seconds; none learned: empty)."""
+
+    def start_s(self, dep: Deployment) -> float:
+        """How long its start (stopped) or wake (asleep) takes now."""
+
+    def put_away_s(self, dep: Deployment) -> float:
+        """What its next request waits for once make-room puts it away now: the wake from the tier
+        it is put into, or a cold start."""
+
+
+def expected_loss(gaps: Sequence[float], idle_for_s: float, hold_s: float, come_back_s: float,
+                  slo_s: float) -> float:
+    """E[max(0, max(0, hold_s - t) + come_back_s - slo_s)] over its next arrival ``t`` (from now):
+    the learned gaps longer than ``idle_for_s``, less it; with fewer than ``LEARN_AFTER`` gaps, or
+    none that long, ``t`` = 0 (it is taken to be asked again at once)."""
+    later = [g - idle_for_s for g in gaps if g > idle_for_s] if len(gaps) >= LEARN_AFTER else []
+    if not later:
+        return max(0.0, hold_s + come_back_s - slo_s)
+    return sum(max(0.0, max(0.0, hold_s - t) + come_back_s - slo_s) for t in later) / len(later)
+
+
+class ByCost:
+    """The cost scheduler's take rule (module doc); told the core it serves by ``bind``."""
+
+    def __init__(self, slo_s: float):
+        self.slo_s = slo_s
+        self.core: CoreView | None = None
+
+    def bind(self, core: CoreView) -> None:
+        self.core = core
+
+    def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+        if idle_for_s >= idle_after_s:
+            return True
+        core = self.core
+        if core is None:
+            return False
+        wait_s = idle_after_s - idle_for_s
+        hold_s = core.start_s(requester) + core.min_idle_timeout_s
+        loss = expected_loss(core.gaps(victim.id), idle_for_s, hold_s, core.put_away_s(victim), self.slo_s)
+        return wait_s > loss

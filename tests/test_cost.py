@@ -1,0 +1,92 @@
+"""Make-room by cost (control/cost.py, ``scheduler = "cost"``) in the decision core, on
+test_controller's fake clock and recording effects: a victim idle for less than its timeout is
+taken only when the requester's wait without it outweighs its expected loss; never one with a
+slot in flight, of higher priority, or always on. The requester here starts cold (60 s, the test
+effects' cost), min_idle_timeout_s is 1 s and the SLO 5 s, so it could give the memory back 61 s
+from now; the victim sleeps when put away and wakes in 1 s."""
+from __future__ import annotations
+
+import pytest
+from test_controller import Clock, Effects, Req, make
+
+from ondemand.control import scheduler as schedulers
+from ondemand.control.cost import expected_loss
+from ondemand.errors import InsufficientMemory
+from ondemand.model import Mode, Priority, State
+
+SLO_S = 5.0
+
+
+@pytest.fixture
+def world():
+    clock = Clock()
+    return clock, Effects(clock)
+
+
+def lull(world, *, timeout: int, idle: float, gaps=(), **victim):
+    """2 (10 GiB, idle timeout ``timeout``) was used ``idle`` s ago; 1 (10 GiB) is refused for 6."""
+    c, fx, clock = make(world, scheduler=schedulers.scheduler("cost", SLO_S))
+    fx.add(1, 10)
+    fx.add(2, 10, idle_timeout_s=timeout, idle_action="sleep", **victim)
+    fx.set(2, state=State.READY)
+    if gaps:
+        c.learn({2: list(gaps)})
+    clock.advance(timeout + 1)
+    if victim.get("mode") is not Mode.ALWAYS_ON:
+        c.try_take(2).release()
+    clock.advance(idle)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    return c, fx, r
+
+
+def taken(fx) -> list[int]:
+    return [s[1] for s in fx.taken("stop")] + [s[1] for s in fx.taken("sleep")]
+
+
+def test_the_loss_by_hand():
+    # Few gaps: asked again at once; its next request waits the requester's hold and its wake.
+    assert expected_loss([], 5, hold_s=61, come_back_s=1, slo_s=5) == 57
+    # Its next arrivals 10 and 100 s away: 61 - 10 + 1 - 5 = 47, and nothing (it comes back first).
+    gaps = [15.0] * 10 + [105.0] * 10
+    assert expected_loss(gaps, 5, hold_s=61, come_back_s=1, slo_s=5) == pytest.approx(47 / 2)
+    # Only the gaps longer than the idle time it has had count: past 15 s, the next is 100 s away.
+    assert expected_loss(gaps, 20, hold_s=61, come_back_s=1, slo_s=5) == 0
+
+
+def test_a_victim_in_a_lull_is_taken_when_the_wait_outweighs_its_loss(world):
+    """Idle 5 s of 600: the requester would wait 595 s without it; its loss is 57 s."""
+    c, fx, r = lull(world, timeout=600, idle=5)
+    assert taken(fx) == [2] and r.queued == 0
+    assert c.precheck(1)(fx.deps[2]) and not c.precheck(None)(fx.deps[2])  # the reaper's rule would wait
+
+
+def test_a_hot_model_is_kept_when_its_loss_outweighs_the_wait(world):
+    """Idle 5 s of 60: 55 s of wait against a loss of 57 s: kept, and the request queues."""
+    c, fx, r = lull(world, timeout=60, idle=5)
+    assert taken(fx) == [] and r.queued == 1
+    assert not c.precheck(1)(fx.deps[2])
+
+
+def test_learned_gaps_that_put_its_next_request_far_make_it_cheap(world):
+    """The same lull, but its requests come every 1000 s: it will not be asked before the
+    requester can give the memory back, so it costs nothing to take."""
+    c, fx, r = lull(world, timeout=60, idle=5, gaps=[1000.0] * 30)
+    assert taken(fx) == [2] and r.queued == 0
+
+
+@pytest.mark.parametrize("why", ["inflight", "priority", "always_on"])
+def test_never_a_busy_a_higher_priority_or_an_always_on_victim(world, why):
+    kw = {"priority": Priority.HIGH} if why == "priority" else {"mode": Mode.ALWAYS_ON} if why == "always_on" else {}
+    c, fx, clock = make(world, scheduler=schedulers.scheduler("cost", SLO_S))
+    fx.add(1, 10)
+    fx.add(2, 10, idle_timeout_s=600, **kw)
+    fx.set(2, state=State.READY)
+    clock.advance(601)
+    slot = c.try_take(2)
+    if why != "inflight" and slot is not None:
+        slot.release()
+    clock.advance(5)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    assert taken(fx) == [] and r.queued == 1
