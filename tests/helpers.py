@@ -51,6 +51,17 @@ async def admin_ok(cfg, method: str, path: str, body=None, who: str = ""):
     return data
 
 
+def load_script(name: str):
+    """A script of scripts/ (not a package) imported as a module of its own name."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def sim_command(model: str = "m", *extra: str) -> list[str]:
     """The process backend's command for the engine simulator."""
     return ["ondemand", "sim-engine", "--port", "{port}", "--model", model, *extra]

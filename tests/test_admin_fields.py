@@ -32,7 +32,11 @@ VALUES = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size
 
 
 def _patch(base: str, headers: dict[str, str], dep_id: int, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{base}/api/deployments/{dep_id}", method="PATCH", data=orjson.dumps(body),
+    return _send("PATCH", f"{base}/api/deployments/{dep_id}", headers, body)
+
+
+def _send(method: str, url: str, headers: dict[str, str], body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, method=method, data=orjson.dumps(body),
                                  headers={**headers, "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -95,13 +99,7 @@ async def test_a_creation_of_any_type_is_201_or_400_naming_the_field(server):
     headers = server.admin_headers()
 
     def post(body: dict) -> tuple[int, dict]:
-        req = urllib.request.Request(f"{server.url}/api/deployments", method="POST", data=orjson.dumps(body),
-                                     headers={**headers, "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, orjson.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, orjson.loads(exc.read())
+        return _send("POST", f"{server.url}/api/deployments", headers, body)
 
     def delete(dep_id: int) -> None:
         req = urllib.request.Request(f"{server.url}/api/deployments/{dep_id}", method="DELETE", headers=headers)

@@ -1,17 +1,11 @@
 """scripts/boxes_sim.py, small: seeded, both policies on one trace, warm first never worse on cold starts."""
-import importlib.util
 import json
-import sys
 
-from helpers import ROOT
+from helpers import load_script
 
 
 def load_sim():
-    spec = importlib.util.spec_from_file_location("boxes_sim", ROOT / "scripts" / "boxes_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["boxes_sim"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("boxes_sim")
 
 
 def test_simulation_small_is_seeded_and_warm_first_starts_less(capsys):

@@ -5,13 +5,11 @@ ladder, the token sources and the cap, the same file from the same seed."""
 import collections
 import csv
 import hashlib
-import importlib.util
 import json
 import random
-import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, load_script
 
 from ondemand.replay.deployments import from_file
 from ondemand.replay.trace import Trace
@@ -22,15 +20,7 @@ MIX = ROOT / "bench" / "box-mix.toml"
 BOX = Box(gpus=(80.0,) * 16, host_gib=2048)
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("servegen_trace", ROOT / "scripts" / "servegen_trace.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["servegen_trace"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-sg = load_script()
+sg = load_script("servegen_trace")
 
 
 def test_the_committed_trace_has_real_rhythms_for_the_box_mix():
