@@ -59,7 +59,7 @@ MAX_INFLIGHT = 10000
 
 class KeepWarm(str, enum.Enum):
     """How long an idle engine stays awake: ``fixed``, its idle timeout; ``adaptive``, what its
-    learned rhythm says (engines/rhythm.py), within that timeout."""
+    learned rhythm says (control/rhythm.py), within that timeout."""
     FIXED = "fixed"
     ADAPTIVE = "adaptive"
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from test_controller import Clock, Effects, Req, make, start
 
+from ondemand.control import rhythm
 from ondemand.control.keepwarm import histogram, tier_costs
-from ondemand.engines import rhythm
 from ondemand.errors import InsufficientMemory
 from ondemand.model import Mode, State
 

@@ -15,7 +15,7 @@ import time
 import aiohttp
 from helpers import TwoPools, run_app, wait_for
 
-from ondemand.engines import rhythm
+from ondemand.control import rhythm
 
 CHAT = {"model": "R", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 INSIDE_S = 1.2  # between a burst's two requests

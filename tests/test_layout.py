@@ -40,25 +40,27 @@ ALLOWED = {
     "control": set(),
     # The decision core: the coordinator and its parts (design.md, "The decision core").
     "control.controller": {"control.attempts", "control.keepwarm", "control.modes", "control.protocol",
-                           "control.queue", "control.record", "control.scheduler", "control.slots", "control.ticket",
-                           "control.verdicts", "control.warmth_policy", "engines.rhythm", "errors", "model"},
+                           "control.queue", "control.record", "control.rhythm", "control.scheduler", "control.slots",
+                           "control.ticket", "control.verdicts", "control.warmth_policy", "errors", "model"},
     # The slots part: records, slots, waiters, drains, backoff, idle gaps, the idle rule, counters.
-    "control.slots": {"control.protocol", "control.record", "control.verdicts", "control.warmth_policy",
-                      "engines.rhythm", "errors", "model"},
+    "control.slots": {"control.protocol", "control.record", "control.rhythm", "control.verdicts",
+                      "control.warmth_policy", "errors", "model"},
     # The start side: each deployment's attempt, make-room for the queue's head, the queue's clock.
     "control.attempts": {"control.eviction", "control.placement", "control.protocol", "control.record",
                          "control.scheduler", "control.slots", "control.verdicts", "errors", "model"},
     # The scheduler: the queue's order and holds, make-room's victims, placement (one class each).
     "control.scheduler": {"control.cost", "control.eviction", "control.placement", "control.queue", "model"},
     # Make-room by cost (scheduler = "cost"): the take rule, pure; the core through its CoreView.
-    "control.cost": {"engines.rhythm", "model"},
+    "control.cost": {"control.rhythm", "model"},
     # How long an idle engine stays warm, per deployment: the policy's protocol and Fixed ...
     "control.warmth_policy": {"control.record", "model"},
-    # ... and Adaptive: each idle period's plan (engines.rhythm's), the pre-warm.
-    "control.keepwarm": {"control.record", "control.slots", "engines.rhythm", "engines.warmth", "model"},
+    # ... and Adaptive: each idle period's plan (control.rhythm's), the pre-warm.
+    "control.keepwarm": {"control.record", "control.rhythm", "control.slots", "engines.warmth", "model"},
+    # Adaptive warmth's decision: a deployment's idle gaps and the plan they give (pure).
+    "control.rhythm": set(),
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
     # its refusals, and the mode switch's plan.
-    "control.record": {"control.protocol", "engines.rhythm", "errors"}, "control.protocol": {"model"},
+    "control.record": {"control.protocol", "control.rhythm", "errors"}, "control.protocol": {"model"},
     "control.verdicts": {"control.placement", "control.ticket", "errors", "model"}, "control.modes": {"errors", "model"},
     # What a request is given: its ticket (deployment, upstream target, slot) and the words of its verdict.
     "control.ticket": {"model"},
@@ -67,7 +69,7 @@ ALLOWED = {
     "control.admission": {"control.controller", "control.ticket", "control.verdicts", "engines.deployer", "errors",
                           "model"},
     "control.effects": {"control.budget", "control.controller", "control.keepwarm", "control.protocol",
-                        "control.starts", "engines.deployer", "engines.metrics", "engines.rhythm", "engines.warmth",
+                        "control.rhythm", "control.starts", "engines.deployer", "engines.metrics", "engines.warmth",
                         "errors", "events", "model", "tasks"},
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
@@ -115,8 +117,6 @@ ALLOWED = {
     "engines.checkpoint": set(),
     # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
     "engines.warmth": {"model"}, "engines.metrics": {"engines.client", "http.pool", "model"}, "engines.dockerapi": set(),
-    # Adaptive warmth's decision core: a deployment's idle gaps and the plan they give (pure).
-    "engines.rhythm": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
     "engines.backends.process": {"engines.backends", "engines.backends.logs", "engines.backends.ports",
                                  "engines.recipes", "http.limits", "model", "tasks"},

@@ -1,11 +1,11 @@
-"""Adaptive warmth's decision core (engines/rhythm.py): pure, so every case is a list of gaps."""
+"""Adaptive warmth's decision core (control/rhythm.py): pure, so every case is a list of gaps."""
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ondemand.engines import rhythm
-from ondemand.engines.rhythm import Plan, Rhythm
+from ondemand.control import rhythm
+from ondemand.control.rhythm import Plan, Rhythm
 
 COSTS = {"asleep_1": 1.0, "asleep_2": 6.0, "stopped": 60.0}
 BOUNDS = {"idle_timeout_s": 600, "min_idle_timeout_s": 60}

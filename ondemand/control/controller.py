@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..engines.rhythm import TIERS, Rhythm
 from ..errors import InsufficientMemory
 from ..model import Deployment, State
 from . import modes, verdicts
@@ -34,6 +33,7 @@ from .modes import ModePlan
 from .protocol import Effects, Timer
 from .queue import WaitQueue
 from .record import Phase, Record, Waiter
+from .rhythm import TIERS, Rhythm
 from .scheduler import Scheduler, SeedScheduler
 from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
 from .ticket import Ticket, Waits, Want

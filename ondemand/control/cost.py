@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..engines.rhythm import LEARN_AFTER
 from ..model import Deployment
+from .rhythm import LEARN_AFTER
 
 
 class CoreView(Protocol):

@@ -17,13 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..engines import rhythm, warmth
+from ..engines import warmth
 from ..engines.deployer import Deployer
 from ..engines.metrics import MetricsSampler
 from ..errors import BudgetError, DeployerError, InsufficientMemory
 from ..events import CountersChanged, StopCause
 from ..model import Deployment
 from ..tasks import TaskGroup
+from . import rhythm
 from .budget import Budget, Reading
 from .controller import ACTOR, Controller
 from .keepwarm import rest_levels, tier_costs

@@ -1,5 +1,5 @@
 """Adaptive warmth in the decision core: what a deployment with ``keep_warm = "adaptive"`` does
-with the rhythm learned of its idle gaps (``engines/rhythm.py``).
+with the rhythm learned of its idle gaps (``rhythm.py``).
 
 Each idle period (from the release of its last slot to the next arrival: a ``Period``) gets one
 ``Plan``, made when first asked (by the reaper's step, make-room or a view; never on a request's
@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 from ..engines import warmth
-from ..engines.rhythm import LEARN_AFTER, Plan
 from ..model import Deployment, KeepWarm, State
 from .record import AdaptiveState, Period, Prewarm, Record
+from .rhythm import LEARN_AFTER, Plan
 from .slots import MIN_GAP_S, Slots
 
-# A rest tier's sleep level (engines.rhythm.TIERS' names; "stopped" is a stop).
+# A rest tier's sleep level (rhythm.TIERS' names; "stopped" is a stop).
 LEVELS = {"asleep_1": 1, "asleep_2": 2}
 # What coming back costs when nothing was measured yet: a wake from level 1, from level 2, a cold start.
 DEFAULT_WAKE_S = {1: 3.0, 2: 10.0}

@@ -28,7 +28,7 @@ class Effects(Protocol):
         """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
 
     def tiers(self, dep: Deployment) -> Mapping[str, float]:
-        """The tiers ``dep``'s idle engine may rest in now (``engines.rhythm.TIERS``' names:
+        """The tiers ``dep``'s idle engine may rest in now (``rhythm.TIERS``' names:
         ``asleep_1`` and ``asleep_2`` as far as its engine, its ``idle_action`` and the host
         reserve allow, and ``stopped``), each with its cost to come back in seconds (the median
         of its measured wakes, or cold starts, else a default): adaptive warmth's plan."""

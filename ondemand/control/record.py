@@ -8,9 +8,9 @@ import enum
 import math
 from collections.abc import Callable
 
-from ..engines.rhythm import Plan, Rhythm
 from ..errors import OndemandError
 from .protocol import Timer
+from .rhythm import Plan, Rhythm
 
 
 class Phase(enum.Enum):

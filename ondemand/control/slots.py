@@ -15,12 +15,12 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..engines.rhythm import Rhythm
 from ..errors import OndemandError
 from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, State
 from . import verdicts
 from .protocol import Effects
 from .record import NOTHING, Attempt, Backoff, Phase, Record, Waiter
+from .rhythm import Rhythm
 from .warmth_policy import WarmthPolicy
 
 log = logging.getLogger("ondemand.control.controller")  # the core's one logger

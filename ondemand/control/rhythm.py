@@ -1,9 +1,10 @@
 """Adaptive warmth's decision core: a deployment's rhythm, learned from its idle gaps.
 
-A pure room beside ``warmth`` (no I/O, no clock, no state but the gaps): the deployer records
-each idle gap (from the moment the engine became idle to the next request's arrival) and asks,
-when an idle period begins, for a ``Plan``: how long the engine stays awake, the tier it then
-rests in, and when a pre-warm brings it back before the next request is expected.
+A pure room of the decision core (no I/O, no clock, no state but the gaps): the slots part
+records each idle gap (from the moment the engine became idle to the next request's arrival) and
+adaptive warmth (``keepwarm.py``) asks, when an idle period begins, for a ``Plan``: how long the
+engine stays awake, the tier it then rests in, and when a pre-warm brings it back before the next
+request is expected.
 
 It starts from the hybrid-histogram policy of Shahrad et al. ("Serverless in the Wild", USENIX
 ATC '20): a histogram of idle times; when it shows a pattern (the coefficient of variation of
