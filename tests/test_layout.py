@@ -55,9 +55,11 @@ ALLOWED = {
     # How long an idle engine stays warm, per deployment: the policy's protocol and Fixed ...
     "control.warmth_policy": {"control.record", "model"},
     # ... and Adaptive: each idle period's plan (control.rhythm's), the pre-warm.
-    "control.keepwarm": {"control.record", "control.rhythm", "control.slots", "engines.warmth", "model"},
-    # Adaptive warmth's decision: a deployment's idle gaps and the plan they give (pure).
-    "control.rhythm": set(),
+    "control.keepwarm": {"control.record", "control.rhythm", "control.slots", "engines.tiers", "engines.warmth",
+                         "model"},
+    # Adaptive warmth's decision: a deployment's idle gaps and the plan they give (pure; the
+    # tiers it may rest in are engines.tiers').
+    "control.rhythm": {"engines.tiers"},
     # What the core holds (per deployment, attempt, waiter, slot), its window onto the world,
     # its refusals, and the mode switch's plan.
     "control.record": {"control.protocol", "control.rhythm", "errors"}, "control.protocol": {"model"},
@@ -74,17 +76,18 @@ ALLOWED = {
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
     "control.footprint": {"control.budget", "engines.deployer", "engines.memory", "model"},
-    "control.starts": {"events", "state.store", "tasks"},
+    "control.starts": {"engines.tiers", "events", "state.store", "tasks"},
     # engines/: the deployer and how engines run.
     "engines": set(),
     # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the
     # watchdog), deciding by its rules; the budget (control's) comes through engines.memory's protocol.
     "engines.deployer": {"engines.backends", "engines.client", "engines.memory", "engines.recipes",
-                         "engines.registry", "engines.rules", "engines.sleeper", "engines.start", "engines.unit",
-                         "engines.warmth", "errors", "events", "http.pool", "model", "state.store", "tasks"},
+                         "engines.registry", "engines.rules", "engines.sleeper", "engines.start", "engines.tiers",
+                         "engines.unit", "engines.warmth", "errors", "events", "http.pool", "model", "state.store",
+                         "tasks"},
     # The deployer's rules (may it start, approve a stop, which sleep level, a mark's fields, the
     # gates' order): pure, called by the deployer and by the replay's world.
-    "engines.rules": {"engines.recipes", "engines.warmth", "errors", "model"},
+    "engines.rules": {"engines.recipes", "engines.tiers", "engines.warmth", "errors", "model"},
     # What the deployer asks of the memory budget (protocols), and the arithmetic of a measured holding.
     "engines.memory": {"model"},
     # The units and the one writer of their rows (row + event + audit in one transaction); bookings.
@@ -98,7 +101,7 @@ ALLOWED = {
     "engines.start": {"engines.backends", "engines.phases", "engines.readahead", "engines.recipes", "events",
                       "model"},
     # The engine calls of a sleep and a wake, and the wake check, beside warmth's rules.
-    "engines.sleeper": {"engines.backends", "engines.client", "engines.warmth", "model"},
+    "engines.sleeper": {"engines.backends", "engines.client", "engines.tiers", "engines.warmth", "model"},
     # The one client to the engines: the traffic's pools (http.pool).
     "engines.client": {"engines.backends", "http.pool"},
     # Around a cold start: the compile cache, the weights read ahead, the phases in the engine's log.
@@ -112,11 +115,15 @@ ALLOWED = {
     # A recipe's checkpoint files read into the page cache before its cold start.
     "engines.readahead": {"engines.checkpoint", "model", "tasks"},
     # What an engine runs (command line, environment, mounts): derived from the deployment and the box.
-    "engines.recipes": {"config", "engines.checkpoint", "engines.compile_cache", "engines.warmth", "model"},
+    "engines.recipes": {"config", "engines.checkpoint", "engines.compile_cache", "engines.tiers", "engines.warmth",
+                        "model"},
     # Reads a checkpoint's safetensors headers and config.json on this host: the standard library only.
     "engines.checkpoint": set(),
-    # Pure as recipes: how deep an idle engine sleeps, and the engines' sleep and wake calls.
-    "engines.warmth": {"model"}, "engines.metrics": {"engines.client", "http.pool", "model"}, "engines.dockerapi": set(),
+    # The rest tiers, one object each (level, what it holds, the engine calls in and out, what
+    # prices coming back), shallow to deep: the one place they are spelled.
+    "engines.tiers": {"model"},
+    # Pure as recipes: which tier an idle engine goes to, the host reserve's verdict, the wake check.
+    "engines.warmth": {"engines.tiers", "model"}, "engines.metrics": {"engines.client", "http.pool", "model"}, "engines.dockerapi": set(),
     "engines.backends": {"engines.recipes", "errors", "model"},
     "engines.backends.process": {"engines.backends", "engines.backends.logs", "engines.backends.ports",
                                  "engines.recipes", "http.limits", "model", "tasks"},
@@ -147,7 +154,7 @@ ALLOWED = {
     "admin.fields": {"config", "engines.recipes", "engines.warmth", "errors", "model"},
     "admin.deployments": {"admin.actions", "admin.components", "admin.fields", "admin.wire", "engines.deployer",
                           "engines.metrics", "engines.warmth", "errors", "model"},
-    "admin.actions": {"admin.fields", "admin.wire", "engines.deployer", "engines.warmth", "errors", "model"},
+    "admin.actions": {"admin.fields", "admin.wire", "engines.deployer", "engines.tiers", "errors", "model"},
     "admin.streams": {"admin.fields", "admin.wire", "engines.backends", "engines.deployer", "errors", "events",
                       "model"},
     "admin.telemetry": {"events", "gateway.exchange", "model"},
@@ -167,21 +174,22 @@ ALLOWED = {
                    "sim.replies"},
     # cli/: the command line, an edge (it may import anything).
     "cli.shared": {"admin.client", "config", "engines.recipes", "errors"},
-    "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.warmth", "model"},
+    "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.tiers", "engines.warmth", "model"},
     "cli.serve": {"app", "cli.shared", "config", "gateway.keys", "sim.engine", "state.migrations", "state.store"},
     "cli.deploy": {"admin.client", "cli.shared", "cli.views", "engines.recipes", "model"},
-    "cli.warmth": {"cli.deploy", "cli.shared", "cli.views"},
+    "cli.warmth": {"cli.deploy", "cli.shared", "cli.views", "engines.tiers"},
     "cli.keys": {"cli.shared", "config", "gateway.keys"},
     "cli.replay": {"cli.shared", "config", "control.budget", "errors", "files", "replay.deployments", "replay.live",
                    "replay.page", "replay.report", "replay.run", "replay.trace", "replay.types"},
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
-    "replay": set(), "replay.types": {"config", "model"}, "replay.trace": {"replay.types"},
-    "replay.deployments": {"config", "control.placement", "control.starts", "model", "replay.types",
+    "replay": set(), "replay.types": {"config", "engines.tiers", "model"}, "replay.trace": {"replay.types"},
+    "replay.deployments": {"config", "control.placement", "control.starts", "engines.tiers", "model", "replay.types",
                            "state.store"},
     "replay.clock": set(),
     "replay.world": {"control.budget", "control.controller", "control.keepwarm", "control.placement", "engines.rules",
-                     "engines.warmth", "errors", "model", "replay.clock", "replay.engine", "replay.types"},
+                     "engines.tiers", "engines.warmth", "errors", "model", "replay.clock", "replay.engine",
+                     "replay.types"},
     # The simulated engine: a KV cache, prefill shared by the engine, decode bounded per engine.
     "replay.engine": {"replay.clock", "replay.types"},
     "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",

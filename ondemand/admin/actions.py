@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..engines import warmth
+from ..engines import tiers
 from ..engines.deployer import Deployer, StartFailed, StartInterrupted
 from ..errors import BudgetError, DeployerError, InsufficientMemory, OndemandError
 from ..model import State
@@ -99,7 +99,7 @@ async def _sleep_body(request: web.Request) -> tuple[int | None, float, bool]:
     if unknown:
         raise field_error(unknown[0], "unknown field; known: level, drain_s, force")
     level = data.get("level")
-    if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level not in warmth.LEVELS):
+    if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level not in tiers.LEVELS):
         raise field_error("level", "1 (weights kept in host memory) or 2 (weights dropped), or null "
                                     "(its idle_action's level)")
     drain = data.get("drain_s", DRAIN_S)

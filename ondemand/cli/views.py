@@ -108,8 +108,9 @@ def _keep_warm(view: dict[str, Any]) -> str:
         return "adaptive (as fixed: too few idle gaps learned yet)"
     if plan.get("awake_for_s") is None:
         return f"adaptive (as fixed: no pattern in its {plan['gaps']} idle gaps)"
-    rest = {"asleep_1": "asleep at level 1", "asleep_2": "asleep at level 2", "stopped": "stopped"}.get(
-        plan.get("rest") or "", "its idle action's tier")
+    from ..engines.tiers import BY_NAME
+    tier = BY_NAME.get(plan.get("rest") or "")
+    rest = tier.words if tier is not None else "its idle action's tier"
     said = f"adaptive ({plan['gaps']} gaps: awake {plan['awake_for_s']:g} s idle, then {rest}"
     if plan.get("prewarm_in_s") is not None:
         said += f"; woken again {plan['prewarm_in_s']:g} s after its last request"

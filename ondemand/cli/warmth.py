@@ -5,6 +5,7 @@ from typing import Any
 
 import click
 
+from ..engines.tiers import LEVELS
 from .deploy import _action, _idle_timeout, deploy
 from .shared import Ctx, _call, _echo_json, _views, cli, json_option, pass_ctx
 from .views import _warn_if_blind
@@ -55,8 +56,8 @@ def mode_set(ctx: Ctx, dep_id: int, new_mode: str, idle_timeout: str | None, as_
 
 @deploy.command("sleep")
 @click.argument("dep_id", type=int)
-@click.option("--level", type=click.IntRange(1, 2), help="1: weights kept in host memory; 2: weights dropped "
-                                                        "(default: its idle_action's level, else 1)")
+@click.option("--level", type=click.IntRange(min(LEVELS), max(LEVELS)),
+              help="1: weights kept in host memory; 2: weights dropped (default: its idle_action's level, else 1)")
 @click.option("--drain", "drain_s", type=click.FloatRange(0, 3600), default=None,
               help="seconds to wait for its requests in flight before it sleeps (default 30)")
 @click.option("--force", is_flag=True, help="sleep at once: the engine aborts the requests it runs")

@@ -29,31 +29,28 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
-from ..engines import warmth
+from ..engines import tiers, warmth
 from ..model import Deployment, KeepWarm, State
 from .record import AdaptiveState, Period, Prewarm, Record
 from .rhythm import LEARN_AFTER, Plan
 from .slots import MIN_GAP_S, Slots
 
-# A rest tier's sleep level (rhythm.TIERS' names; "stopped" is a stop).
-LEVELS = {"asleep_1": 1, "asleep_2": 2}
-# What coming back costs when nothing was measured yet: a wake from level 1, from level 2, a cold start.
-DEFAULT_WAKE_S = {1: 3.0, 2: 10.0}
-DEFAULT_START_S = 60.0
 HISTOGRAM_BINS = 12
 AWAKE = (State.STARTING, State.READY)
 
 
 def tier_costs(levels: Iterable[int], wake_s: Callable[[int], float | None], start_s: float | None
                ) -> dict[str, float]:
-    """The tiers an engine may rest in, each with its cost to come back: asleep at each of
-    ``levels`` (``wake_s(level)``: its measured wakes' median, or None) and stopped (``start_s``,
-    its cold starts' median, or None); a default where nothing was measured."""
+    """The tiers an engine may rest in (``tiers.TIERS``' names, shallow to deep: asleep at each
+    of ``levels``, and stopped), each with its cost to come back as the start history that prices
+    it measured it (``Tier.start``: a wake, ``wake_s(level)``, its wakes' median from that level;
+    a cold start, ``start_s``, its cold starts'; None: nothing measured), else the tier's default."""
     out = {}
-    for level in levels:
-        measured = wake_s(level)
-        out[f"asleep_{level}"] = DEFAULT_WAKE_S[level] if measured is None else measured
-    out["stopped"] = DEFAULT_START_S if start_s is None else start_s
+    for tier in tiers.TIERS:
+        if tier.level is not None and tier.level not in levels:
+            continue  # a sleep its engine, its idle action or the host reserve rules out now
+        measured = wake_s(tier.level) if tier.start == "wake" and tier.level is not None else start_s
+        out[tier.name] = tier.default_s if measured is None else measured
     return out
 
 
@@ -63,10 +60,9 @@ def rest_levels(dep: Deployment, per_gpu: bool, host_available_gib: float | None
     idle action sleeps, at its level or deeper, as deep as its engine was started able to; level
     1 only when the host reserve allows it (``warmth.host_level``; None: nothing is read here)."""
     idle = warmth.idle_level(dep, per_gpu)
-    levels = [level for level in warmth.LEVELS if idle and idle <= level <= warmth.deepest_level(dep, per_gpu)]
-    if 1 in levels and warmth.host_level(dep, 1, host_available_gib, host_reserve_gib, per_gpu) != 1:
-        levels.remove(1)
-    return levels
+    deepest = warmth.deepest_level(dep, per_gpu)
+    return [level for level in tiers.LEVELS if idle and idle <= level <= deepest
+            and warmth.host_level(dep, level, host_available_gib, host_reserve_gib, per_gpu) == level]
 
 
 def histogram(gaps: Sequence[float], bins: int = HISTOGRAM_BINS) -> dict[str, list[Any]]:
@@ -239,8 +235,8 @@ class Adaptive:
         idle = round((now - period.began) / 60, 2)
         back = round((period.began + plan.prewarm_in_s + period.cost_s - now) / 60, 1)
         why = f"after {idle:g} min idle (adaptive warmth: its next request is expected in about {back:g} min)"
-        if plan.rest in LEVELS:
-            level = LEVELS[plan.rest]
+        level = tiers.BY_NAME[plan.rest].level
+        if level is not None:
             self.effects.sleep(dep.id, text=f"Put to sleep at level {level} {why}", for_dep=None, level=level)
         else:
             self.effects.stop(dep.id, text=f"Stopped {why}", for_dep=None)

@@ -28,10 +28,10 @@ class Effects(Protocol):
         """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
 
     def tiers(self, dep: Deployment) -> Mapping[str, float]:
-        """The tiers ``dep``'s idle engine may rest in now (``rhythm.TIERS``' names:
-        ``asleep_1`` and ``asleep_2`` as far as its engine, its ``idle_action`` and the host
-        reserve allow, and ``stopped``), each with its cost to come back in seconds (the median
-        of its measured wakes, or cold starts, else a default): adaptive warmth's plan."""
+        """The tiers ``dep``'s idle engine may rest in now (``engines.tiers``' names: its sleep
+        levels as far as its engine, its ``idle_action`` and the host reserve allow, and
+        stopped), each with its cost to come back in seconds (the median of its measured wakes
+        from that level, or cold starts, else the tier's default): adaptive warmth's plan."""
 
     def admit(self, dep_id: int, *, text: str) -> None:
         """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the

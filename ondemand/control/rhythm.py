@@ -42,6 +42,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+# The rest tiers' names, shallow to deep: a plan's ``rest``, and the keys of the costs it is given.
+from ..engines.tiers import NAMES as TIERS
+
 # The gaps kept per deployment (the newest) and how many before a plan is made.
 KEEP = 500
 LEARN_AFTER = 20
@@ -56,8 +59,6 @@ HEAD_MARGIN, TAIL_MARGIN = 0.9, 1.1
 # min_idle_timeout_s (the shortest rest worth making scales with the shortest idle time allowed).
 WORTH = 10.0
 MIN_REST_RATIO = 0.5
-# The tiers, shallow to deep, as warmth names an idle engine's states.
-TIERS = ("asleep_1", "asleep_2", "stopped")
 
 
 @dataclass(frozen=True)

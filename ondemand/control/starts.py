@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 
+from ..engines.tiers import LEVELS
 from ..events import StartEnded
 from ..state.store import Store
 from ..tasks import TaskGroup
@@ -35,7 +36,7 @@ def wake_median(level: int, from_level: dict[int, list[float]], every: list[floa
     own = from_level.get(level)
     if own:
         return statistics.median(own)
-    if any(from_level.get(other) for other in (1, 2)):
+    if any(from_level.get(other) for other in LEVELS):
         return None
     return statistics.median(every) if every else None
 
@@ -56,7 +57,7 @@ class StartHistory:
                 durations = [d for k, d, _ in rows if k == kind][-ETA_OF:]
                 if durations:
                     into[dep_id] = durations
-            for level in (1, 2):
+            for level in LEVELS:
                 durations = [d for k, d, lv in rows if k == "wake" and lv == level][-ETA_OF:]
                 if durations:
                     self._wakes_from[(dep_id, level)] = durations
@@ -79,7 +80,7 @@ class StartHistory:
         """A removed deployment's history (its stored rows go with retention's next pass)."""
         self._durations.pop(dep_id, None)
         self._wakes.pop(dep_id, None)
-        for level in (1, 2):
+        for level in LEVELS:
             self._wakes_from.pop((dep_id, level), None)
 
     def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float,
@@ -119,7 +120,7 @@ class StartHistory:
         from that level (None when only the other level's are known); of all of them while no
         wake's level is known (the wakes of a state file from before schema 9)."""
         if level is not None:
-            from_level = {lv: self._wakes_from.get((dep_id, lv), []) for lv in (1, 2)}
+            from_level = {lv: self._wakes_from.get((dep_id, lv), []) for lv in LEVELS}
             median = wake_median(level, from_level, self._wakes.get(dep_id, []))
             return None if median is None else round(median, 1)
         durations = self._wakes.get(dep_id)

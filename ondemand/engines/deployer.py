@@ -58,7 +58,7 @@ from ..http.pool import Upstreams
 from ..model import HOLDING, Deployment, Mode, State
 from ..state.store import Store
 from ..tasks import TaskGroup
-from . import rules, warmth
+from . import rules, tiers, warmth
 from .backends import Backend, BackendError, Engine
 from .client import EngineClient
 from .memory import Memory, apps_gib, residue_after_drop
@@ -364,7 +364,7 @@ class Deployer(Registry):
             return 0 if stopped else None
         why = f" (level {got}: {reserve})" if got != want else ""
         marked = self.mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
-        if got == 1:
+        if tiers.asleep(got).host:  # a level 1: its weights go to host memory
             unit.host_reserved = warmth.predicted_host_gib(dep)  # until its call ends
         if on_marked is not None:
             on_marked()
@@ -412,7 +412,7 @@ class Deployer(Registry):
             # during the measurement below is written after it (the row never says asleep
             # for a stopped deployment).
             await self.persist(*marked, cause=None, detail={"level": level}, **persist)
-            before = await self._host_gib(engine) if level == 1 else None
+            before = await self._host_gib(engine) if tiers.asleep(level).host else None
             gpus_before = await self._gpus_used(dep)
             failure = await self.sleeper.sleep(engine, dep, level)
             if failure is not None:
@@ -470,7 +470,7 @@ class Deployer(Registry):
         fields: dict[str, Any] = {"host_gib": None if host is None else round(host, 3)}
         if residue is not None:
             fields["asleep_gib"] = round(residue, 3)
-        if level == 1 and host is not None and before is not None:
+        if tiers.asleep(level).host and host is not None and before is not None:
             fields["sleep_host_gib"] = round(max(0.0, host - before), 3)
         with contextlib.suppress(StateFileError, DeployerError):
             await self.update(unit.id, actor="ondemand", **fields)

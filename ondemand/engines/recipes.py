@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 
 from ..config import Config
 from ..model import Booking, Deployment
-from . import checkpoint, compile_cache, warmth
+from . import checkpoint, compile_cache, tiers, warmth
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def _derived(dep: Deployment, box: Box, gpu_size_gib: float | None, box_gpus: in
         args.append("--enable-metrics")  # /metrics: without it the sampler never sees the engine idle
         if sleep and box.sleep_flags:
             args.append("--enable-memory-saver")
-            if warmth.idle_level(dep, per_gpu) == 1:
+            if tiers.asleep(warmth.idle_level(dep, per_gpu)).host:
                 args.append("--enable-weights-cpu-backup")  # level 1: the weights kept in host memory
     else:  # llamacpp
         args = ["-m" if model.endswith(".gguf") else "-hf", model, "--alias", dep.served_name,

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import DeployerError
 from ..model import ADMIN_STARTABLE, HOLDING, Deployment, State
-from . import warmth
+from . import tiers, warmth
 from .recipes import may_sleep as sleep_flags
 
 # The fit check of a start (``control/budget.Budget.check_fit`` on a reading): the GPUs ``dep``
@@ -89,7 +89,7 @@ def asked_level(dep: Deployment, level: int | None, per_gpu: bool) -> int:
             raise DeployerError(f"{dep.name} sleeps at level {deepest} only: SGLang's level is set by its "
                                 "start flags (idle_action sleep: level 1, sleep2: level 2)")
         want = deepest
-    if want not in warmth.LEVELS or want > deepest:
+    if want not in tiers.LEVELS or want > deepest:
         raise DeployerError(f"{dep.name} cannot sleep at level {want}: its engine was started with SGLang's "
                             "--enable-weights-cpu-backup (level 1); set idle_action sleep2 for level 2")
     return want

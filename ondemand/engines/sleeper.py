@@ -1,14 +1,14 @@
 """The engine side of tiered warmth: the calls that put an engine to sleep and wake it, and the
 wake check.
 
-``warmth.py`` holds the rules (which level, which calls, in which order); this module makes the
-calls, through the engine client (``client.py``). The deployer decides when and at which level
-(``rules.py``), marks the state and writes what came of it.
+The tier of each sleep level (``tiers.py``) says which calls go in and out of it, in which order;
+this module makes them, through the engine client (``client.py``). The deployer decides when and
+at which level (``rules.py``), marks the state and writes what came of it.
 
-- A sleep is one call (``warmth.sleep_step``: vLLM ``/sleep?level=N``, SGLang
+- A sleep is the calls into its level's tier (``Tier.enter``: one, vLLM ``/sleep?level=N``, SGLang
   ``/release_memory_occupation``); one that fails is reported, and the deployer stops the engine
   (its state is not known).
-- A wake is the calls of its level in the engines' order (``warmth.wake_steps``), then the wake
+- A wake is the calls out of its level's tier, in the engines' order (``Tier.leave``), then the wake
   check: the greedy one-token completion recorded after the engine's cold start must come back
   the same (torch_memory_saver #71: a wake can answer garbage). An engine with no check recorded
   (not a completion model) must answer ``/health``. A failure is :class:`WakeFailed`, with
@@ -21,7 +21,7 @@ import json
 import logging
 
 from ..model import Deployment
-from . import warmth
+from . import tiers, warmth
 from .backends import Engine
 from .client import CallFailed, EngineClient
 
@@ -45,7 +45,7 @@ class Sleeper:
         self.client = client
         self.wake_timeout_s = wake_timeout_s  # a whole wake's calls; and the wake check's completion
 
-    async def call(self, engine: Engine, step: warmth.Step) -> None:
+    async def call(self, engine: Engine, step: tiers.Step) -> None:
         """One POST of the sleep API; raises WakeFailed unless it answers 200. No timeout of its
         own: a level-1 sleep copies the weights to host memory (a wake is bounded as a whole)."""
         path, query, body = step
@@ -55,17 +55,18 @@ class Sleeper:
             raise WakeFailed("failed", f"POST {path} {exc}" if exc.status else f"POST {path} failed: {exc}") from exc
 
     async def sleep(self, engine: Engine, dep: Deployment, level: int) -> str | None:
-        """The engine's sleep call; why it failed, or None."""
+        """The engine's sleep calls (into ``level``'s tier); why one failed, or None."""
         try:
-            await self.call(engine, warmth.sleep_step(dep, level))
+            for step in tiers.asleep(level).enter(dep):
+                await self.call(engine, step)
         except WakeFailed as exc:
             return str(exc)
         return None
 
     async def wake(self, engine: Engine, dep: Deployment, level: int) -> None:
-        """The engine calls that wake it from ``level``, in order, then the wake check; raises
-        WakeFailed. The caller bounds it (``wake_timeout_s``)."""
-        for step in warmth.wake_steps(dep, level):
+        """The engine calls that wake it from ``level`` (out of its tier), in order, then the wake
+        check; raises WakeFailed. The caller bounds it (``wake_timeout_s``)."""
+        for step in tiers.asleep(level).leave(dep):
             await self.call(engine, step)
         if dep.wake_check is None:
             if not await self.client.answers(engine, "/health"):

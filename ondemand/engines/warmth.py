@@ -1,11 +1,9 @@
-"""Tiered warmth: how deep an idle engine sleeps, and how it is put to sleep and woken.
+"""Tiered warmth: how deep an idle engine sleeps, and whether its wake brought it back.
 
 A pure room beside the deployer, as ``recipes`` is: no I/O, no logging, no state.
-The tiers, in the order ondemand uses them (BEHAVIOUR.md, "Tiered warmth"):
-
-    awake ──sleep──▶ asleep, level 1 ──▶ asleep, level 2 ──▶ stopped
-                     (weights in host RAM)  (weights dropped;
-                                             process and graphs kept)
+The tiers themselves (their levels, what each holds, the engine calls in and out, what
+coming back costs) are ``tiers.py``'s; the rules here choose among them (BEHAVIOUR.md,
+"Tiered warmth").
 
 A deployment's ``idle_action`` says which tier an idle engine goes to:
 ``auto`` is level 1 for a vLLM or SGLang recipe (a ``model``) on discrete GPUs
@@ -21,16 +19,6 @@ against it); one that would leave less than
 ``budget.host_reserve_gib`` available sleeps at level 2 instead, or stops where
 level 2 is not possible (``host_level``): nothing may push the box into swap.
 
-The engines' routes (vLLM's sleep mode with ``VLLM_SERVER_DEV_MODE=1``;
-SGLang's memory saver):
-
-- sleep: vLLM ``POST /sleep?level=N``; SGLang ``POST /release_memory_occupation`` (level 1
-  when started with ``--enable-weights-cpu-backup``, else level 2);
-- wake from level 1: vLLM ``POST /wake_up``; SGLang ``POST /resume_memory_occupation``;
-- wake from level 2: vLLM ``/wake_up?tags=weights``, ``/collective_rpc`` ``reload_weights``,
-  ``/wake_up?tags=kv_cache``, ``/reset_prefix_cache``; SGLang ``/resume_memory_occupation``,
-  ``/update_weights_from_disk``.
-
 After every wake one greedy one-token completion must match, as text, the one
 recorded after the engine's cold start (``check_body``, ``check_text``): a wake
 that silently answers garbage (torch_memory_saver #71) is caught and the
@@ -38,18 +26,15 @@ engine started cold instead.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ..model import Deployment, IdleAction
+from . import tiers
 
 SLEEP_ENGINES = frozenset({"vllm", "sglang"})
-LEVELS = (1, 2)
 # The wake check's prompt: any fixed text does; a greedy (temperature 0) one-token answer of the
 # same weights is the same token, so a different one means the weights did not come back whole.
 CHECK_PROMPT = "The capital of France is"
-
-Step = tuple[str, Mapping[str, str] | None, Mapping[str, Any] | None]  # (path, query, JSON body)
 
 
 def has_sleep_api(dep: Deployment) -> bool:
@@ -65,8 +50,8 @@ def idle_level(dep: Deployment, per_gpu: bool) -> int:
         return 0
     action = dep.idle_action
     if action is IdleAction.AUTO:
-        return 1 if dep.model is not None and per_gpu else 0
-    return {IdleAction.SLEEP: 1, IdleAction.SLEEP2: 2}.get(action, 0)
+        return tiers.LEVELS[0] if dep.model is not None and per_gpu else 0
+    return next((tier.level or 0 for tier in tiers.TIERS if tier.idle_action is action), 0)
 
 
 def deepest_level(dep: Deployment, per_gpu: bool) -> int:
@@ -74,7 +59,10 @@ def deepest_level(dep: Deployment, per_gpu: bool) -> int:
     flags chose (with the CPU backup of the weights, level 1 only); no sleep API, 0."""
     if not has_sleep_api(dep):
         return 0
-    return 1 if dep.engine == "sglang" and idle_level(dep, per_gpu) == 1 else 2
+    idle = idle_level(dep, per_gpu)
+    if dep.engine == "sglang" and idle and tiers.asleep(idle).host:
+        return idle  # started with the CPU backup of its weights: that level only
+    return tiers.LEVELS[-1]
 
 
 def predicted_host_gib(dep: Deployment) -> float:
@@ -85,34 +73,16 @@ def predicted_host_gib(dep: Deployment) -> float:
 
 def host_level(dep: Deployment, level: int, available_gib: float | None, reserve_gib: float,
                per_gpu: bool) -> int:
-    """The level to sleep at, given the host memory available now: ``level``, or level 2 (or 0,
-    a stop) when a level-1 sleep would leave less than ``reserve_gib`` available.
+    """The level to sleep at, given the host memory available now: ``level``, or the next deeper
+    one that holds nothing in host memory (level 2; or 0, a stop, when its engine cannot sleep
+    that deep) when a sleep at ``level`` would leave less than ``reserve_gib`` available.
     ``available_gib`` None: not known (nothing is read on this box): ``level`` stands."""
-    if level != 1 or available_gib is None or available_gib - predicted_host_gib(dep) >= reserve_gib:
+    if level not in tiers.LEVELS or not tiers.asleep(level).host or available_gib is None \
+            or available_gib - predicted_host_gib(dep) >= reserve_gib:
         return level
-    return 2 if deepest_level(dep, per_gpu) >= 2 else 0
-
-
-def sleep_step(dep: Deployment, level: int) -> Step:
-    """The engine call that puts it to sleep at ``level``."""
-    if dep.engine == "sglang":
-        return ("/release_memory_occupation", None, {})
-    return ("/sleep", {"level": str(level)}, None)
-
-
-def wake_steps(dep: Deployment, level: int) -> list[Step]:
-    """The engine calls that wake it from ``level``, in the engines' documented order."""
-    if dep.engine == "sglang":
-        steps: list[Step] = [("/resume_memory_occupation", None, {})]
-        if level >= 2:
-            steps.append(("/update_weights_from_disk", None, {"model_path": dep.model or ""}))
-        return steps
-    if level >= 2:
-        return [("/wake_up", {"tags": "weights"}, None),
-                ("/collective_rpc", None, {"method": "reload_weights"}),
-                ("/wake_up", {"tags": "kv_cache"}, None),
-                ("/reset_prefix_cache", None, None)]
-    return [("/wake_up", None, None)]
+    deepest = deepest_level(dep, per_gpu)
+    return next((deeper for deeper in tiers.LEVELS
+                 if level < deeper <= deepest and not tiers.asleep(deeper).host), 0)
 
 
 def check_body(dep: Deployment) -> dict[str, Any]:

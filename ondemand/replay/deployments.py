@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..control import placement
 from ..control.starts import wake_median
+from ..engines import tiers
 from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Mode, Priority, Role, State
 from ..state.store import deployment_fields
 from .types import Box, Costs, Replayed
@@ -274,22 +275,20 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
     history: dict[tuple[int, str], list[float]] = {}
     for dep_id, kind, duration, level in starts:
         history.setdefault((dep_id, kind), []).append(float(duration))
-        if kind == "wake" and level in (1, 2):
+        if kind == "wake" and level in tiers.LEVELS:
             history.setdefault((dep_id, f"wake{level}"), []).append(float(duration))
     out = []
     for row in rows:
         dep = _at_rest(Deployment.from_row(row), box)
         cold = history.get((dep.id, "start"))
-        from_level = {level: history.get((dep.id, f"wake{level}"), []) for level in (1, 2)}
+        from_level = {level: history.get((dep.id, f"wake{level}"), []) for level in tiers.LEVELS}
         every = history.get((dep.id, "wake"), [])
-        costs = Costs()
-        if cold:
-            costs = dataclasses.replace(costs, cold_start_s=statistics.median(cold))
-        wake1, wake2 = wake_median(1, from_level, every), wake_median(2, from_level, every)
-        if wake1 is not None:
-            costs = dataclasses.replace(costs, wake_s=wake1)
-        if wake2 is not None:
-            costs = dataclasses.replace(costs, wake2_s=wake2)
+        measured: dict[str, Any] = {tiers.STOPPED.cost_key: statistics.median(cold)} if cold else {}
+        for level in tiers.LEVELS:  # each sleep's tier, priced by its wakes from that level
+            wake = wake_median(level, from_level, every)
+            if wake is not None:
+                measured[tiers.asleep(level).cost_key] = wake
+        costs = dataclasses.replace(Costs(), **measured)
         out.append(Replayed(dep, costs, gaps=tuple(kept.get(dep.id, ()))))
     if not out:
         raise DeploymentError(f"{path}: the state file holds no deployment (give --deployments FILE)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import BudgetConfig, Config
+from ..engines.tiers import ASLEEP_1, ASLEEP_2, STOPPED, Tier
 from ..model import Deployment
 
 POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "lru", "sleep-lru", "fixed", "adaptive", "seed", "cost")
@@ -34,10 +35,11 @@ class Request:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Costs:
-    """What a deployment's engine costs (interfaces.md's defaults for one without a record)."""
-    cold_start_s: float = 60.0
-    wake_s: float = 3.0  # from level 1
-    wake2_s: float = 10.0  # from level 2
+    """What a deployment's engine costs (the tiers' defaults for one without a record). Coming
+    back from a rest tier costs the field its ``cost_key`` names (``back_s``)."""
+    cold_start_s: float = STOPPED.default_s
+    wake_s: float = ASLEEP_1.default_s  # from level 1
+    wake2_s: float = ASLEEP_2.default_s  # from level 2
     sleep_s: float = 2.0
     prefill_tokens_per_s: float = 5000.0  # the engine's, shared by the requests prefilling at once
     decode_tokens_per_s: float = 50.0  # one request's
@@ -45,6 +47,11 @@ class Costs:
     kv_tokens: int = 4 * 32768  # the KV cache: contexts (input + output) admitted at once
     decode_batch_tokens_per_s: float | None = None  # the engine's decode in all; None: no bound
     max_model_len: int = 32768  # a longer request (input + output) is rejected at its arrival
+
+    def back_s(self, tier: Tier) -> float:
+        """What coming back from ``tier`` costs this engine: a wake from its level, a cold start."""
+        cost: float = getattr(self, tier.cost_key)
+        return cost
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ this world keeps only the simulated engines, their timings and the box:
 - ``admit``: ``rules.admit`` (may it start, ``wanted``, the queue's holds, the real fit check:
   ``Budget.check_fit``) picks the GPUs; the deployment is marked ``starting`` and its engine
   starts behind the start-up gates of its GPUs (``rules.gate_keys``; one start at a time per
-  GPU), taking ``cold_start_s``, or wakes in ``wake_s`` (level 1) or ``wake2_s`` (level 2),
-  after its sleep's own call has ended;
+  GPU), taking what coming back from its tier costs (``Costs.back_s``: ``cold_start_s``, or a
+  wake's ``wake_s`` from level 1, ``wake2_s`` from level 2), after its sleep's own call has ended;
 - ``sleep``: with ``is_idle`` as the precheck, marked ``asleep`` at the level ``rules`` gives
   (asked, then the host reserve: a level 1 may become a level 2, or a stop), ``sleep_s`` for the
   engine's call; a level-1 sleep reserves its predicted host memory while its call is out (as
@@ -47,7 +47,7 @@ from ..control import placement
 from ..control.budget import Budget, Reading
 from ..control.controller import Controller
 from ..control.keepwarm import rest_levels, tier_costs
-from ..engines import rules, warmth
+from ..engines import rules, tiers, warmth
 from ..errors import DeployerError, InsufficientMemory
 from ..model import HOLDING, Deployment, Mode, Role, State
 from .clock import Timer, VirtualClock
@@ -205,7 +205,7 @@ class World:
         """Adaptive warmth's rest tiers (``DeployerEffects.tiers``' rule), at this one's costs."""
         costs = self._costs[dep.id]
         levels = rest_levels(dep, self.budget.per_gpu, self.host_available_gib(), self.box.host_reserve_gib)
-        return tier_costs(levels, lambda level: costs.wake_s if level == 1 else costs.wake2_s, costs.cold_start_s)
+        return tier_costs(levels, lambda level: costs.back_s(tiers.asleep(level)), costs.back_s(tiers.STOPPED))
 
     def host_available_gib(self) -> float:
         """The host memory available (``Budget.host_available_gib``, ``MemAvailable``): the box's
@@ -304,10 +304,10 @@ class World:
         costs = self._costs[dep.id]
         if waking:
             self.tallies[dep.name].wakes += 1
-            took = costs.wake_s if (dep.sleep_level or 1) == 1 else costs.wake2_s
+            took = costs.back_s(tiers.asleep(dep.sleep_level or tiers.LEVELS[0]))
         else:
             self.tallies[dep.name].cold_starts += 1
-            took = costs.cold_start_s
+            took = costs.back_s(tiers.STOPPED)
         dep = self._mark(dep.id, State.STARTING, gpus=gpus)
         keys = rules.gate_keys(dep.gpus, self.budget.per_gpu)
         self._through_gates(keys, lambda release: self._run_start(dep.id, took, waking, release))
@@ -394,7 +394,7 @@ class World:
             return
         took = self._costs[dep_id].sleep_s
         self._sleep_ends[dep_id] = self.clock.now + took
-        if got == 1:
+        if tiers.asleep(got).host:  # a level 1: its weights go to host memory
             self._reserved[dep_id] = warmth.predicted_host_gib(dep)  # until its call ends
         self.tallies[dep.name].sleeps += 1
         self._mark(dep_id, State.ASLEEP, extra={"sleep_level": got})
