@@ -5,6 +5,7 @@ engines/dockerapi holds every aiodocker call and is used by the docker backend, 
 import ast
 import functools
 import pathlib
+import re
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "ondemand"
 
@@ -329,6 +330,46 @@ def test_the_deployer_and_the_replay_world_call_one_set_of_rules():
                       "wake_check", "log_tail"}
     assert copied == set(), f"replay/world.py decides as the deployer does itself: call engines.rules ({copied})"
 
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of ``tree``'s docstrings (prose may name what the code may not)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                found.add(id(first.value))
+    return found
+
+
+def test_the_rest_tiers_are_spelled_in_one_place():
+    """Issue 41: a rest tier is one object (engines/tiers.py: its name and level, what it holds,
+    the engine calls in and out, which start history prices coming back), and the rest of the
+    package asks it: no other module names a tier in code ("asleep_1", f"asleep_{level}"), lists
+    the sleep levels ((1, 2), [1, 2]) or keeps a LEVELS or TIERS table of its own (importing
+    tiers' is not keeping one). A new tier is then one object there, not a search of 22 modules."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        name = path.relative_to(PKG).as_posix()
+        if name == "engines/tiers.py":
+            continue
+        tree = _tree(path)
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                    and re.search(r"\basleep_(\d|$)", node.value):
+                bad.append(f"{name}:{node.lineno} names a tier: {node.value!r}")
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) == 2 and all(
+                    isinstance(e, ast.Constant) and type(e.value) is int for e in node.elts) \
+                    and [e.value for e in node.elts if isinstance(e, ast.Constant)] == [1, 2]:
+                bad.append(f"{name}:{node.lineno} lists the sleep levels")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id in ("LEVELS", "TIERS") for t in targets):
+                    bad.append(f"{name}:{node.lineno} keeps a table of tiers of its own")
+    assert bad == [], "ask engines/tiers.py (TIERS, LEVELS, BY_NAME, asleep(level))"
 
 
 def _behaviour(cls: type) -> bool:
