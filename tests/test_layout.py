@@ -42,7 +42,8 @@ ALLOWED = {
     # The decision core: the coordinator and its parts (design.md, "The decision core").
     "control.controller": {"control.attempts", "control.keepwarm", "control.modes", "control.protocol",
                            "control.queue", "control.record", "control.rhythm", "control.scheduler", "control.slots",
-                           "control.ticket", "control.verdicts", "control.warmth_policy", "errors", "model"},
+                           "control.ticket", "control.verdicts", "control.warmth_policy", "engines.tiers", "errors",
+                           "model"},
     # The slots part: records, slots, waiters, drains, backoff, idle gaps, the idle rule, counters.
     "control.slots": {"control.protocol", "control.record", "control.rhythm", "control.verdicts",
                       "control.warmth_policy", "errors", "model"},

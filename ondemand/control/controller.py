@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..engines import tiers
 from ..errors import InsufficientMemory
 from ..model import Deployment, State
 from . import modes, verdicts
@@ -33,7 +34,7 @@ from .modes import ModePlan
 from .protocol import Effects, Timer
 from .queue import WaitQueue
 from .record import Phase, Record, Waiter
-from .rhythm import TIERS, Rhythm
+from .rhythm import Rhythm
 from .scheduler import Scheduler, SeedScheduler
 from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
 from .ticket import Ticket, Waits, Want
@@ -246,16 +247,19 @@ class Controller:
 
     def start_s(self, dep: Deployment) -> float:
         """Its start, or its wake from the level it sleeps at, as the tiers price them."""
-        tiers = self.effects.tiers(dep)
-        level = dep.sleep_level if dep.state is State.ASLEEP else None
-        return tiers.get(TIERS[level - 1] if level else TIERS[-1], tiers.get(TIERS[-1], 60.0))
+        return self._back_s(dep, dep.sleep_level if dep.state is State.ASLEEP else None)
 
     def put_away_s(self, dep: Deployment) -> float:
         """What its next request waits for once make-room puts it away: an awake engine that sleeps
         when idle wakes from that level; any other (stopped, or asleep and stopped) starts cold."""
-        tiers = self.effects.tiers(dep)
-        level = self.effects.idle_level(dep) if dep.state is State.READY else 0
-        return tiers.get(TIERS[level - 1] if level else TIERS[-1], tiers.get(TIERS[-1], 60.0))
+        return self._back_s(dep, self.effects.idle_level(dep) if dep.state is State.READY else None)
+
+    def _back_s(self, dep: Deployment, level: int | None) -> float:
+        """What coming back from the tier of sleep ``level`` (0 or None: stopped) costs ``dep``, as
+        the effects price the tiers it may rest in now; one they leave out costs a cold start."""
+        costs = self.effects.tiers(dep)
+        tier = tiers.asleep(level) if level else tiers.STOPPED
+        return costs.get(tier.name, costs.get(tiers.STOPPED.name, tiers.STOPPED.default_s))
 
     # --- what the effects ask and report (the start side's) ------------------------------
 
