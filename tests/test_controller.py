@@ -336,6 +336,24 @@ def test_too_big_is_queued_within_20_s_of_an_on_demand_stop(world):
     assert r.code() == "does_not_fit"
 
 
+def test_the_queues_clock_called_early_takes_the_place_of_its_timer(world):
+    """``tick`` called before its timer is due (the tests here, the replay's clairvoyant
+    reference, which looks the moment an engine goes quiet) moves the one clock on: the timer it
+    replaces is cancelled, else each early call left a second clock ticking beside the first."""
+    c, fx, clock = make(world)
+    fx.add(1, 30)
+    r = Req(c, 1)
+    c.on_refused(1, InsufficientMemory(30, 10, 30))  # queued: it fits once memory frees
+    assert 1 in c.queue and r.queued == 1
+
+    def clocks() -> int:
+        return sum(1 for t in clock.timers if not t.cancelled and t.callback == c.start_side.tick)
+    assert clocks() == 1
+    c.tick()
+    c.tick()
+    assert clocks() == 1
+
+
 def test_make_room_stops_lru_idle_victims_then_waits_for_memory(world):
     c, fx, clock = make(world)
     fx.add(1, 10)

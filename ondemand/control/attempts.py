@@ -353,6 +353,8 @@ class Attempts:
         self._tick_timer = self.effects.call_later(due - now, self.tick)
 
     def tick(self) -> None:
+        if self._tick_timer is not None:  # called before its timer (Controller.tick): it takes its place
+            self._tick_timer.cancel()
         self._tick_timer = None
         self._tick_due = math.inf
         self.advance_all()
