@@ -198,7 +198,12 @@ ALLOWED = {
                        "replay.world"},
     "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
     "replay.live": {"engines.backends.ports", "model", "replay.types", "state.store", "tasks"},
-    "replay.run": {"control.controller", "control.scheduler", "model", "replay.clock", "replay.flights", "replay.types", "replay.world"},
+    "replay.run": {"control.controller", "control.scheduler", "model", "replay.clairvoyant", "replay.clock", "replay.flights",
+                   "replay.types", "replay.world"},
+    # The clairvoyant reference: a scheduler, a warmth policy and early starts plugged into the core.
+    "replay.clairvoyant": {"control.controller", "control.cost", "control.eviction", "control.placement",
+                           "control.queue", "control.scheduler", "engines.tiers", "errors", "model", "replay.clock",
+                           "replay.flights", "replay.types", "replay.world"},
 }
 
 # Which packages each package's modules may import (besides its own and the shared top: model,

@@ -19,13 +19,19 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
 - ``fixed=S``: ondemand's tiered warmth with ``idle_timeout_s`` S for all;
 - ``adaptive``: ``keep_warm`` adaptive for the on-demand ones (their idle timeouts as given):
   each learns its idle gaps as the trace goes, from those the state file kept (``Replayed.gaps``)
-  or from none, and behaves as ``fixed`` until its 20th.
+  or from none, and behaves as ``fixed`` until its 20th;
+- ``clairvoyant``: a reference, not a product policy: it knows every arrival in advance, rests an
+  idle deployment at once when its next request is far enough, wakes or starts it just in time
+  when memory is free or can be freed from deployments needed later, and takes victims furthest
+  next arrival first (``clairvoyant.py``, its parts plugged into the same core). It is the one
+  policy that reads the trace ahead: ``replay`` then holds the trace's requests in memory.
 
 One ``Run`` per policy: its own virtual clock, world (``world.py``), controller and requests'
 edge (``flights.py``), and the reaper's step every ``reap_interval_s`` (at k × the period:
 a period that is no whole number of seconds does not drift). ``replay`` reads the trace once
 and hands each request to every run in turn (each runs its clock up to the arrival first), so
-nothing of the trace is held, and memory does not grow with the policies.
+nothing of the trace is held, and memory does not grow with the policies (but under
+``clairvoyant``, whose run is given the whole list first).
 
 **Idle spans are skipped, not stepped through** (a week of quiet, a gap of 10^8 s, a request
 that decodes for days: millions of steps that each decide nothing). A step is skipped when it
@@ -55,6 +61,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ..control.controller import Controller
 from ..control.scheduler import Scheduler, SeedScheduler, any_quiet, scheduler
 from ..model import IdleAction, KeepWarm, Mode, Role, State
+from . import clairvoyant
 from .clock import VirtualClock
 from .flights import Flights
 from .types import LRU_KINDS, TIMED_KINDS, Box, Policy, PolicyResult, Replayed, Request, Tally
@@ -75,6 +82,8 @@ def check_policy(policy: Policy, box: Box) -> None:
 def configure(replayed: Sequence[Replayed], policy: Policy, box: Box) -> list[Replayed]:
     """The deployments as ``policy`` sets them (module doc)."""
     check_policy(policy, box)
+    if policy.kind == clairvoyant.CLAIRVOYANT:
+        return clairvoyant.configure(replayed)
     out = []
     for r in replayed:
         dep = r.deployment
@@ -107,7 +116,7 @@ class Run:
     """One policy's replay (module doc)."""
 
     def __init__(self, policy: Policy, replayed: Sequence[Replayed], box: Box, slo_s: float,
-                 measure_from_s: float = 0.0, *, step_idle: bool = False):
+                 measure_from_s: float = 0.0, *, step_idle: bool = False, trace: Sequence[Request] | None = None):
         self.policy = policy
         self.box = box
         self.clock = clock = VirtualClock()
@@ -115,12 +124,25 @@ class Run:
         self.total = Tally()
         self.world = World(replayed, box, clock, self.tallies, self.total)
         self.refused = self.world.place_always_on()
+        # The clairvoyant reference's parts, given every request ahead (``trace``).
+        self.foresight: clairvoyant.Clairvoyant | None = None
+        sched: Scheduler
+        if policy.kind == clairvoyant.CLAIRVOYANT:
+            if trace is None:
+                raise ValueError("the clairvoyant policy is given the trace's requests in advance")
+            self.foresight = clairvoyant.Clairvoyant(trace, replayed, self.world, clock)
+            # Each early start's waiter takes no place a request would have had in the box's limit.
+            sched, max_queued = self.foresight.scheduler, box.max_queued + len(replayed)
+        else:
+            sched, max_queued = scheduler_of(policy, box, slo_s), box.max_queued
         self.controller = Controller(
-            self.world, clock=clock, wall=clock, queue_timeout_s=box.queue_timeout_s, max_queued=box.max_queued,
+            self.world, clock=clock, wall=clock, queue_timeout_s=box.queue_timeout_s, max_queued=max_queued,
             idle_timeout_s=box.idle_timeout_s, min_idle_timeout_s=box.min_idle_timeout_s,
             sleep_timeout_s=box.sleep_timeout_s, asleep_residue_gib=box.asleep_residue_gib,
-            scheduler=scheduler_of(policy, box, slo_s))
+            scheduler=sched)
         self.world.bind(self.controller)
+        if self.foresight is not None:
+            self.foresight.bind(self.controller)
         self.controller.learn({r.deployment.id: r.gaps for r in replayed if r.gaps})
         self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)
         self.measure_from_s = measure_from_s
@@ -193,7 +215,10 @@ class Run:
     def arrive(self, req: Request) -> None:
         self.clock.run_until(req.at_s)
         self._quiet_mark = -1  # something happened: the reaper's next step runs
-        self.flights.arrive(req)
+        if self.foresight is None:
+            self.flights.arrive(req)
+        else:
+            self.foresight.arrive(req, self.flights)
 
     def finish(self) -> PolicyResult:
         """Run on until the last request has ended; what is awake then stays (no stop)."""
@@ -213,8 +238,13 @@ def replay(requests: Iterable[Request], replayed: Sequence[Replayed], box: Box, 
            slo_s: float = 5.0, measure_from_s: float = 0.0, step_idle: bool = False,
            progress: Callable[[int], None] | None = None) -> list[PolicyResult]:
     """Each policy's result, in the order given, counted from ``measure_from_s`` (module doc);
-    ``progress(n)`` after every 256th request."""
-    runs = [Run(p, configure(replayed, p, box), box, slo_s, measure_from_s, step_idle=step_idle) for p in policies]
+    ``progress(n)`` after every 256th request. A ``clairvoyant`` policy reads the requests ahead:
+    they are then held in a list (the one case where the trace is in memory)."""
+    trace: Sequence[Request] | None = None
+    if any(p.kind == clairvoyant.CLAIRVOYANT for p in policies):
+        requests = trace = requests if isinstance(requests, Sequence) else list(requests)
+    runs = [Run(p, configure(replayed, p, box), box, slo_s, measure_from_s, step_idle=step_idle,
+                trace=trace if p.kind == clairvoyant.CLAIRVOYANT else None) for p in policies]
     n = 0
     for n, req in enumerate(requests, 1):
         for run in runs:

@@ -12,7 +12,8 @@ from ..config import BudgetConfig, Config
 from ..engines.tiers import ASLEEP_1, ASLEEP_2, STOPPED, Tier
 from ..model import Deployment
 
-POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "lru", "sleep-lru", "fixed", "adaptive", "seed", "cost")
+POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "lru", "sleep-lru", "fixed", "adaptive", "seed", "cost",
+                "clairvoyant")
 # The ones that take seconds: "ttl=300".
 TIMED_KINDS = frozenset({"ttl", "sleep-ttl", "lru", "sleep-lru", "fixed"})
 # Peers whose make-room takes any model with nothing in flight (Ollama's rule), not only one idle
@@ -94,12 +95,13 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """``current``, ``always-on``, ``adaptive``, ``seed``, ``cost``, ``ttl=S``, ``sleep-ttl=S``, ``lru=S``,
-        ``sleep-lru=S``, ``fixed=S`` (S whole seconds ≥ 1); ValueError naming the policy otherwise."""
+        """``current``, ``always-on``, ``adaptive``, ``seed``, ``cost``, ``clairvoyant``, ``ttl=S``,
+        ``sleep-ttl=S``, ``lru=S``, ``sleep-lru=S``, ``fixed=S`` (S whole seconds ≥ 1); ValueError naming the
+        policy otherwise."""
         kind, sep, value = text.strip().partition("=")
         if kind not in POLICY_KINDS:
             raise ValueError(f"unknown policy {text!r}: one of current, always-on, ttl=S, sleep-ttl=S, lru=S, "
-                             "sleep-lru=S, fixed=S, adaptive, seed, cost")
+                             "sleep-lru=S, fixed=S, adaptive, seed, cost, clairvoyant")
         if (kind in TIMED_KINDS) != bool(sep):
             raise ValueError(f"policy {text!r}: {kind} takes seconds ({kind}=S)" if kind in TIMED_KINDS
                              else f"policy {text!r}: {kind} takes no value")
