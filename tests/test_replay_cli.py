@@ -69,6 +69,16 @@ def test_a_replay_prints_its_table_and_writes_its_json_and_page(inputs):
     assert again.read_bytes() == out.read_bytes()  # the same inputs, the same bytes
 
 
+def test_the_clairvoyant_reference_is_replayed_and_not_run_live(inputs):
+    """It knows the trace ahead, which no serve can: ``--live`` says so and compares the others
+    (here none: no serve is started)."""
+    r = replay(str(inputs / "trace.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80",
+               "--host-gib", "512", "--policy", "clairvoyant", "--live")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[1].split()[0] == "clairvoyant"
+    assert "clairvoyant: a reference that knows every arrival in advance, not run live" in r.stderr
+
+
 def test_rows_without_a_model_follow_the_seed(inputs):
     (inputs / "nomodel.csv").write_text("timestamp,input_tokens,output_tokens\n" +
                                         "".join(f"{i * 7},100,10\n" for i in range(60)))

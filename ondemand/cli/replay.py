@@ -175,7 +175,8 @@ def _write(path: str, data: bytes) -> None:
 @click.option("--deployments", "deployments_file", metavar="FILE",
               help="a TOML file of [[deployment]] tables (default: the state file's deployments, read only)")
 @click.option("--policy", "policies", multiple=True, metavar="P",
-              help="current, always-on, ttl=S, sleep-ttl=S, fixed=S or adaptive; repeatable (default: current)")
+              help="current, always-on, ttl=S, sleep-ttl=S, lru=S, sleep-lru=S, fixed=S, adaptive, seed or "
+                   "clairvoyant (a reference that knows every arrival in advance); repeatable (default: current)")
 @click.option("--gpus", metavar="NxGIB", help="the box's GPUs, e.g. 8x80 (default: the configuration's budget)")
 @click.option("--host-gib", type=float, metavar="G", help="the box's host memory (default: this host's)")
 @click.option("--slo-s", type=float, default=5.0, show_default=True, metavar="S",
@@ -238,6 +239,10 @@ def _live(trace: Trace, replayed: list[Replayed], box: Box, results: list[Policy
     from ..replay.run import configure
     pairs, differ = [], False
     for virtual in results:
+        if virtual.policy.kind == "clairvoyant":  # it reads the trace ahead: no serve can
+            click.echo(f"{virtual.policy.name}: a reference that knows every arrival in advance, "
+                       "not run live", err=True)
+            continue
         configured = configure(replayed, virtual.policy, box)
         with tempfile.TemporaryDirectory(prefix="ondemand-replay-") as work:
             measured = _run(live_mod.run_live(trace, configured, box, virtual.policy, speed=speed, slo_s=slo_s,
