@@ -119,6 +119,18 @@ def test_an_early_start_never_delays_an_arrived_request():
     assert ("x", 220.0) not in [(name, round(at, 3)) for at, _, name, gib in r.memory if gib]
 
 
+def test_a_victim_is_not_woken_by_a_later_request_before_the_one_it_makes_room_for():
+    """One GPU, r and v of 50 GiB. v, idle from 62.2 s and due again at 80 s (a sleep and a wake
+    take 23 s: it stays up), is put to sleep for r's early start, r's request arriving at 70 s;
+    v's sleep takes 20 s. v's own request, at 80 s, mid-sleep, waits for r, which came first: r
+    starts once the sleep has freed the memory (waits 72.2 s), v after r rests (69.4 s). (A wake in
+    the middle of the sleep would have served v first, 5.2 s, and kept r waiting 97.4 s.)"""
+    r = run([dep(1, "r", 50), dep(2, "v", 50, costs=Costs(sleep_s=20))], [req(0, "v"), req(70, "r"), req(80, "v")],
+            "clairvoyant")
+    assert r.per_deployment["r"].waits == pytest.approx([72.2])
+    assert r.per_deployment["v"].waits == pytest.approx([60.0, 69.4])
+
+
 def test_ties_by_name():
     """a and b (50 GiB each, one at a time) are both due at 100 s; the file lists b first (id
     1), but a's name comes first: a starts early and is ready at 100 s, b waits for a's request
@@ -136,23 +148,16 @@ def test_ties_by_name():
     assert memory(r)[:4] == [(0.0, 0, "a", 45.0), (0.0, 1, "b", 45.0), (199.0, 0, "a", 0.0), (199.0, 0, "c", 50.0)]
 
 
-def test_an_early_start_leaves_a_sleeper_its_gpu():
-    """Two GPUs. s (40 GiB) sleeps on GPU 0 from 64.2 s until its request at 300 s; y (70 GiB),
-    due at 200 s and busy until 402 s, starts early at 140 s on GPU 1, not on GPU 0 where best
-    fit would put it (78 GiB free there, 80 on GPU 1): a sleeper wakes only on its own GPUs, and
-    s is woken on time (without it, s would wait for y's request to end: 105.2 s)."""
-    r = run([dep(1, "s", 40), dep(2, "y", 70)], [req(0, "s"), req(200, "y", tokens_out=10000), req(300, "s")],
-            "clairvoyant", box=TWO_GPUS)
-    assert (140.0, 1, "y", 70.0) in memory(r)
-    assert r.per_deployment["s"].waits == pytest.approx([60.0, 0.0])
-
-
-def test_a_sleepers_gpu_is_taken_when_nothing_else_fits():
-    """One GPU: s sleeps on it (its next request far off); y (50 GiB) fits only in what s would
-    take back: it takes it, rather than wait."""
-    r = run([dep(1, "s", 40), dep(2, "y", 50)], [req(0, "s"), req(200, "y"), req(5000, "s")], "clairvoyant")
-    assert r.per_deployment["y"].waits == [0.0]
-    assert r.total.failed == 0
+def test_an_early_start_leaves_a_sleeper_needed_before_it_its_room():
+    """One GPU. s (40 GiB) sleeps from 62.2 s; three of its requests come at 300-302 s. y
+    (50 GiB, a 200 s start) is due at 400 s, so its early start is at 200 s: the 78 GiB free then
+    include what s takes back to wake (a sleeper wakes only on its own GPUs), and s is needed
+    first. y waits for it: s is woken at 297 s and serves its three at once; y starts when s
+    rests again. (Placed at 200 s, y would have kept s's three waiting some 100 s each.)"""
+    r = run([dep(1, "s", 40), dep(2, "y", 50, costs=Costs(cold_start_s=200))],
+            [req(0, "s"), req(300, "s"), req(301, "s"), req(302, "s"), req(400, "y")], "clairvoyant")
+    assert r.per_deployment["s"].waits == pytest.approx([60.0, 0.0, 0.0, 0.0])
+    assert [round(at, 1) for at, _, name, gib in r.memory if name == "y" and gib] == [306.2]
 
 
 def test_the_trace_is_read_ahead_from_any_iterable():

@@ -40,9 +40,9 @@ plugged into it:
 Three readings of the rules, where the core alone would break them:
 
 - a sleeper wakes only on its own GPUs, so the memory it will take back is not free for an early
-  start needed after it (nor a victim: it is needed first), and anyone else takes it only when no
-  other GPUs fit (``ClairvoyantScheduler.held_for_others``): placement's best fit would otherwise
-  put a start on a sleeper's GPU before an empty one, and the sleeper's wake would wait for it;
+  start needed after it (nor is it a victim for one: it is needed first), though placement, which
+  only prefers to leave a sleeper its room, would take it when nothing else fits
+  (``ClairvoyantScheduler.held_for_others``);
 - a victim being put away for an arrived request is not woken by its own request, which came
   later, before that one is served (a wake during the sleep would take back what is being freed);
 - the queue's clock is moved on when an engine goes quiet or a rest's sleep ends: a victim (or
@@ -179,23 +179,23 @@ class EarlyStarts:
                 return True
         return False
 
-    def kept_for_sleepers(self, dep_id: int) -> tuple[dict[int, float], dict[int, float]]:
-        """GiB per GPU that the deployments asleep will take back when they wake (a sleeper wakes
-        only on its own GPUs; a sleep whose call is out holds it all anyway), but ``dep_id``
-        itself: (what those needed before ``dep_id`` take back, what the others do). An arrived
-        request is needed before any of them."""
+    def kept_for_sleepers(self, dep_id: int) -> dict[int, float]:
+        """GiB per GPU that the deployments asleep and needed before ``dep_id`` will take back
+        when they wake (a sleeper wakes only on its own GPUs; a sleep whose call is out holds it
+        all anyway). An arrived request is needed before any of them: none."""
+        if self.arrived_waiting(dep_id) > 0:
+            return {}
         world = self.world
-        need = self.future.key(dep_id) if self.arrived_waiting(dep_id) == 0 else (-math.inf, "")
-        before: dict[int, float] = {}
-        after: dict[int, float] = {}
+        need = self.future.key(dep_id)
+        kept: dict[int, float] = {}
         for dep in world.deployments():
-            if dep.id == dep_id or dep.state is not State.ASLEEP or world.sleeping(dep.id):
+            if dep.id == dep_id or dep.state is not State.ASLEEP or world.sleeping(dep.id) \
+                    or self.future.key(dep.id) >= need:
                 continue
-            kept = before if self.future.key(dep.id) < need else after
             gib = dep.footprint_gib - asleep_held(dep, world.box.asleep_residue_gib, world.pools, world.budget.per_gpu)
             for gpu, share in holdings(gib, dep.gpu_count, dep.gpus, world.pools, world.budget.per_gpu).items():
                 kept[gpu] = kept.get(gpu, 0.0) + share
-        return before, after
+        return kept
 
     # --- the moments ------------------------------------------------------------------
 
@@ -316,20 +316,12 @@ class ClairvoyantScheduler:
         return self.seed.settle_target(dep_id)
 
     def held_for_others(self, dep_id: int) -> dict[int, float]:
-        """The seed's holds, and what the sleepers will take back when they wake: memory free now
-        that an early start may not take when they are needed before it, and that anyone takes
-        only when nothing else fits (an arrived request is never kept waiting for it; a start
-        placed beside a sleeper makes its wake wait, or the other's)."""
+        """The seed's holds, and for an early start what the sleepers needed before it will take
+        back when they wake: free now, but theirs first (placement only prefers to leave a
+        sleeper its room, and takes it when nothing else fits)."""
         held = self.seed.held_for_others(dep_id)
-        before, after = self.early.kept_for_sleepers(dep_id)
-        for gpu, gib in before.items():
+        for gpu, gib in self.early.kept_for_sleepers(dep_id).items():
             held[gpu] = held.get(gpu, 0.0) + gib
-        if after:
-            both = dict(held)
-            for gpu, gib in after.items():
-                both[gpu] = both.get(gpu, 0.0) + gib
-            if self.early.world.fits(dep_id, both):
-                return both
         return held
 
     def room_coming(self, head: int, making_room: Iterable[int]) -> bool:

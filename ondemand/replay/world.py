@@ -194,15 +194,6 @@ class World:
         return [d.replace(state=State.READY, sleep_level=None)
                 if d.state is State.ASLEEP and d.id in self._sleep_ends else d for d in deps]
 
-    def fits(self, dep_id: int, held_for_others: Mapping[int, float]) -> bool:
-        """Would ``dep_id`` start now beside ``held_for_others`` (GiB per GPU not free for it)?
-        The deployer's fit check, asked ahead."""
-        try:
-            self.budget.check_fit(self._deps[dep_id], self._as_read(), READING, held_for_others)
-        except InsufficientMemory:
-            return False
-        return True
-
     def sleeping(self, dep_id: int) -> bool:
         """Is its sleep's engine call still out (its memory not yet freed)?"""
         return dep_id in self._sleep_ends
