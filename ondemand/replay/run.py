@@ -131,7 +131,8 @@ class Run:
             if trace is None:
                 raise ValueError("the clairvoyant policy is given the trace's requests in advance")
             self.foresight = clairvoyant.Clairvoyant(trace, replayed, self.world, clock)
-            # Each early start's waiter takes no place a request would have had in the box's limit.
+            # The waiters early starts join count in the core's limit of waiters: raised by the
+            # most of them out at once (one a deployment), no request is refused for them.
             sched, max_queued = self.foresight.scheduler, box.max_queued + len(replayed)
         else:
             sched, max_queued = scheduler_of(policy, box, slo_s), box.max_queued
