@@ -36,7 +36,10 @@ pytestmark = pytest.mark.llamacpp
 SERVED = "gemma-3-270m"
 NAME = "gemma"
 IDLE_S = 3  # the deployment's idle timeout (min_idle_timeout_s is 1 in run_app)
-STREAM_TOKENS = 200  # long enough to outlast IDLE_S (~5 s at 40 tokens/s, more on a busy machine)
+# The long stream must outlast IDLE_S: its length is sized from this machine's decode rate, measured
+# on a warm engine just before (CI's decoded 88 tokens/s where 40 were assumed: 200 tokens took 2.3 s).
+STREAM_AT_LEAST_S = IDLE_S + 3
+RATE_PROBE_TOKENS = 48
 
 
 # --- locating llama-server and the model ---------------------------------------
@@ -231,11 +234,18 @@ async def test_llamacpp_on_demand_end_to_end(tmp_path, engine_files):
         # 2. A long streamed chat: the sampler sees it running, the reaper leaves it
         #    alone for longer than the idle timeout, and the SSE bytes are sane.
         t = time.monotonic()
+        async with http.post(server.gw(d, "chat/completions"), headers=server.auth(),
+                             json=chat("Count to a hundred.", max_tokens=RATE_PROBE_TOKENS, ignore_eos=True)) as r:
+            assert r.status == 200, await r.text()
+            probed = (await r.json())["usage"]["completion_tokens"]
+        rate = probed / max(time.monotonic() - t, 1e-3)
+        stream_tokens = max(200, int(rate * STREAM_AT_LEAST_S * 1.5))
+        t = time.monotonic()
         busy_sample = None
         raw = b""
         async with http.post(server.gw(d, "chat/completions"), headers=server.auth(),
                              json=chat("Tell me a long story about a lighthouse.", stream=True,
-                                       max_tokens=STREAM_TOKENS, ignore_eos=True)) as r:
+                                       max_tokens=stream_tokens, ignore_eos=True)) as r:
             assert r.status == 200
             assert r.headers["Content-Type"].startswith("text/event-stream")
             async for piece in r.content.iter_any():
