@@ -94,7 +94,7 @@ def test_the_victim_is_the_one_whose_next_arrival_is_furthest():
             req(300, "a"), req(320, "b")]
     r = run(deps, reqs, "clairvoyant")
     assert memory(r)[:4] == [(0.0, 0, "a", 35.0), (100.0, 0, "b", 35.0), (259.0, 0, "b", 0.0), (259.0, 0, "c", 35.0)]
-    assert r.per_deployment["c"].waits == [0.0]
+    assert r.per_deployment["c"].waits.tolist() == [0.0]
     assert r.per_deployment["a"].waits == pytest.approx([100.0, 0.0, 0.0, 0.0])
 
 
@@ -138,7 +138,7 @@ def test_ties_by_name():
     (45 GiB, GPU 1), both idle and due at 240 s; c (50 GiB, due at 200 s, a 1 s start) needs
     either GPU: a's goes, the first name's (b's, the file's first, if ties went by id)."""
     r = run([dep(1, "b", 50), dep(2, "a", 50)], [req(100, "a"), req(100, "b")], "clairvoyant")
-    assert r.per_deployment["a"].waits == [0.0]
+    assert r.per_deployment["a"].waits.tolist() == [0.0]
     assert r.per_deployment["b"].waits == pytest.approx([64.2])
     slow = Costs(cold_start_s=100)
     deps = [dep(1, "b", 45, costs=slow, **STOPS), dep(2, "a", 45, costs=slow, **STOPS),

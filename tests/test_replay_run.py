@@ -117,7 +117,7 @@ def test_always_on_refuses_what_does_not_fit_beside_the_others():
     every request for it is refused (failed, no TTFT), counted against the SLO."""
     r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(1, "b"), req(2, "b")], "always-on")
     assert (r.total.requests, r.total.served, r.total.failed, r.total.slo_met) == (3, 1, 2, 1)
-    assert (r.per_deployment["b"].failed, r.per_deployment["b"].ttfts) == (2, [])
+    assert (r.per_deployment["b"].failed, r.per_deployment["b"].ttfts.tolist()) == (2, [])
 
 
 def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
