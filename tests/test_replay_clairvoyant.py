@@ -61,6 +61,18 @@ def test_it_rests_at_once_and_is_awake_again_at_its_next_arrival():
     assert r.queue == [(0.0, 0)]
 
 
+def test_a_request_too_long_for_its_engine_leaves_the_early_start_be():
+    """As above, with a request too long for the engine (max_model_len 4096) at 998 s, while the
+    early start for the one at 1000 s is out: it is rejected at once and is no arrival (the
+    reference's arrivals and the edge ask one rule, ``types.fits_engine``), and the second request
+    still finds the engine awake."""
+    a = dep(1, "a", 40, costs=Costs(max_model_len=4096))
+    r = run([a], [req(0), req(998, tokens_in=4000, tokens_out=200), req(1000)], "clairvoyant")
+    t = r.total
+    assert (t.rejected, t.wakes) == (1, 1)
+    assert t.waits == pytest.approx([60.0, 0.0])
+
+
 def test_it_stays_awake_when_its_next_arrival_is_nearer_than_a_sleep_and_a_wake():
     """The next request 3.8 s after the first ended (a sleep and a wake take 5 s): awake."""
     r = run([dep(1, "a", 40)], [req(0), req(66)], "clairvoyant")

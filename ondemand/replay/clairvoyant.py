@@ -70,7 +70,7 @@ from ..errors import OndemandError
 from ..model import REQUEST_STARTABLE, Deployment, IdleAction, KeepWarm, Mode, Role, State
 from .clock import Timer, VirtualClock
 from .flights import Flights
-from .types import Replayed, Request
+from .types import Replayed, Request, fits_engine
 from .world import World
 
 CLAIRVOYANT = "clairvoyant"
@@ -101,19 +101,20 @@ class Future:
     def __init__(self, requests: Iterable[Request], replayed: Sequence[Replayed]):
         self.ids = {r.deployment.name: r.deployment.id for r in replayed}
         self.names = {r.deployment.id: r.deployment.name for r in replayed}
-        self._limit = {r.deployment.id: r.costs.max_model_len for r in replayed}
+        self._costs = {r.deployment.id: r.costs for r in replayed}
         self._times = {dep_id: array("d") for dep_id in self.names}  # 8 bytes an arrival
         for req in requests:
-            if self._counts(req):
+            if self.counts(req):
                 self._times[self.ids[req.model]].append(req.at_s)
         self._came = dict.fromkeys(self.names, 0)
 
-    def _counts(self, req: Request) -> bool:
-        return req.input_tokens + req.output_tokens <= self._limit[self.ids[req.model]]
+    def counts(self, req: Request) -> bool:
+        """Is ``req`` an arrival at all (not rejected at once as too long for its engine)?"""
+        return fits_engine(req, self._costs[self.ids[req.model]])
 
     def came(self, req: Request) -> None:
         """``req`` arrives: its deployment's next arrival is the one after it."""
-        if self._counts(req):
+        if self.counts(req):
             self._came[self.ids[req.model]] += 1
 
     def next_at(self, dep_id: int) -> float:
@@ -472,6 +473,8 @@ class Clairvoyant:
     def arrive(self, req: Request, flights: Flights) -> None:
         self.future.came(req)
         flights.arrive(req)
+        if not self.future.counts(req):
+            return  # rejected at once: no arrival, so the early start standing for the next one stays
         dep_id = flights.ids[req.model]
         self.early.arrived(dep_id)
         dep = self.world.deployment(dep_id)

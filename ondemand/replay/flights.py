@@ -23,7 +23,7 @@ from ..control.ticket import Ticket, Want
 from ..errors import OndemandError
 from ..model import State
 from .clock import Timer, VirtualClock
-from .types import Request, Tally
+from .types import Request, Tally, fits_engine
 from .world import World
 
 RANK = {"ready": 0, "wake": 1, "cold": 2, "queue": 3}
@@ -96,7 +96,6 @@ class Flights:
         self.total = total
         self.slo_s = slo_s
         self.ids = {d.name: d.id for d in world.deployments()}
-        self.max_model_len = {d.id: world.costs(d.id).max_model_len for d in world.deployments()}
         self.names = {d.id: d.name for d in world.deployments()}
         self.open = 0  # requests arrived and not yet ended or refused
         self.measure_from_s = 0.0  # requests that arrived before are served but not counted
@@ -106,7 +105,7 @@ class Flights:
     def arrive(self, req: Request) -> None:
         f = Flight(self, req, self.ids[req.model], self.clock.now)
         self.open += 1
-        if req.input_tokens + req.output_tokens > self.max_model_len[f.dep_id]:
+        if not fits_engine(req, self.world.costs(f.dep_id)):
             self.finished(f, REJECTED)  # as vLLM answers a request longer than max_model_len: it starts nothing
             return
         ctl = self.controller

@@ -56,6 +56,13 @@ class Costs:
         return cost
 
 
+def fits_engine(req: Request, costs: Costs) -> bool:
+    """Does ``req`` fit its engine's ``max_model_len`` (input + output tokens)? A longer one is
+    rejected at its arrival, as vLLM rejects it, and starts nothing (the edge, and the
+    clairvoyant reference's arrivals, both ask this)."""
+    return req.input_tokens + req.output_tokens <= costs.max_model_len
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Replayed:
     """A deployment in the replay: its fields (ids 1..n, on demand and stopped unless it says
