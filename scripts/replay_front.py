@@ -72,8 +72,9 @@ def words(results: Sequence[PolicyResult]) -> str:
         by = dominated_by(p, list(pts.values()))
         said = f"`{name}`: {100 * p.within:.1f} % within the SLO at {p.gib_h:,.0f} GiB-h"
         if ref is not None:
-            gap = 100 * (p.within - ref.within)
-            said += f", {abs(gap):.1f} points {'above' if gap > 0 else 'below'} the reference"
+            gap = round(100 * (p.within - ref.within), 1)
+            said += (", level with the reference" if gap == 0 else
+                     f", {abs(gap):.1f} points {'above' if gap > 0 else 'below'} the reference")
         if p.timed_out:
             said += f"; {p.timed_out:,} requests timed out in the queue"
         said += f"; dominated by {', '.join(f'`{n}`' for n in by)}." if by else "; on the front."

@@ -39,11 +39,12 @@ class Effects(Protocol):
         ``on_start_error``."""
 
     def stop(self, dep_id: int, *, text: str, for_dep: int | None) -> None:
-        """Stop ``dep_id`` if ``is_idle`` still approves it; reports ``on_stopped``."""
+        """Stop ``dep_id`` if the core's precheck for it (``Controller.precheck(for_dep)``) still
+        approves it; reports ``on_stopped``."""
 
     def sleep(self, dep_id: int, *, text: str, for_dep: int | None, level: int | None = None) -> None:
         """Put ``dep_id`` to sleep at ``level`` (None: its idle level; adaptive warmth's plan
-        names one of ``tiers``') if ``is_idle`` still approves it (the host reserve may make it
+        names one of ``tiers``') if the core's precheck for it still approves it (the host reserve may make it
         level 2, or a stop); reports ``on_stopped``."""
 
     def prewarm(self, dep_id: int, *, text: str) -> None:

@@ -183,8 +183,8 @@ class Slots:
     # --- the idle rule ----------------------------------------------------------------
 
     def is_idle(self, dep: Deployment, now: float | None = None) -> bool:
-        """May this deployment be stopped as idle (the reaper; make-room under the seed
-        scheduler)? Quiet, and for as long as its warmth policy asks. The reaper's precheck."""
+        """May the reaper stop this deployment as idle? Quiet, and for as long as its warmth policy
+        asks (make-room asks the scheduler's rule over ``quiet_for`` instead). The reaper's precheck."""
         span = self.quiet_for(dep, now)
         return span is not None and span[0] >= span[1]
 

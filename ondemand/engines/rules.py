@@ -61,7 +61,8 @@ def gate_keys(gpus: Iterable[int], per_gpu: bool) -> list[int | None]:
 
 
 def may_stop(dep: Deployment, precheck: Precheck | None, owed: bool, has_engine: bool) -> bool:
-    """Approve a stop: the precheck (the controller's ``is_idle``), then the state. A stop of a
+    """Approve a stop: the precheck (the core's: the reaper's ``is_idle``, or make-room's rule for
+    its requester), then the state. A stop of a
     deployment owed a start is one (it cancels the debt); a failed one is stopped while its
     engine is still there; otherwise nothing is to stop once stopped, planned or stopping."""
     if precheck is not None and not precheck(dep):
@@ -97,7 +98,7 @@ def asked_level(dep: Deployment, level: int | None, per_gpu: bool) -> int:
 
 def may_sleep(dep: Deployment, has_engine: bool, removing: bool, precheck: Precheck | None) -> bool:
     """Whether it may be put to sleep now: ready, its engine there, not being removed, and the
-    precheck (the controller's ``is_idle``) approves."""
+    precheck (the core's: the reaper's ``is_idle``, or make-room's rule) approves."""
     return (dep.state is State.READY and has_engine and not removing
             and (precheck is None or precheck(dep)))
 

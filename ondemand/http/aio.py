@@ -112,7 +112,8 @@ class AioConnection(web.RequestHandler):
         not the gateway's on; ``paused``, reading was paused for the requests before it), with its
         seat in the caps' count."""
         self.seat = seat
-        seat.conn = self
+        if seat is not UNCOUNTED:  # the admin socket's shared seat keeps no connection
+            seat.conn = self
         if paused:  # this connection expects to read
             transport.resume_reading()
         self.connection_made(transport)

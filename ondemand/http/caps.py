@@ -15,10 +15,10 @@ only when every connection holds a whole request in progress. At ``max_connectio
 the one that gives way is the same peer's (so a peer's flood only churns its own connections,
 and LiteLLM's own pool is never refused because it grew), at ``max_connections`` anyone's.
 
-A connection tells its seat when it rests (:meth:`Seat.rest`, the newest idle) and when a whole
-request arrives (``seat.busy = True``, an attribute set and nothing more, on the hot path): a
-busy seat stays in the idle order until a cap reaches it, which drops it then (so each state
-change is O(1), and so is each give-way, spread over the seats it skips). Imports nothing of ours
+A connection tells its seat when a whole request arrives (``seat.busy = True``, an attribute set)
+and when it rests after the answer (:meth:`Seat.rest`: two dict moves, the price on the hot path
+of finding the oldest idle connection in O(1)): a busy seat stays in the idle order until a cap
+reaches it, which drops it then (so each give-way is O(1) too, spread over the seats it skips). Imports nothing of ours
 but this package and ``ratelog``.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ this world keeps only the simulated engines, their timings and the box:
   starts behind the start-up gates of its GPUs (``rules.gate_keys``; one start at a time per
   GPU), taking what coming back from its tier costs (``Costs.back_s``: ``cold_start_s``, or a
   wake's ``wake_s`` from level 1, ``wake2_s`` from level 2), after its sleep's own call has ended;
-- ``sleep``: with ``is_idle`` as the precheck, marked ``asleep`` at the level ``rules`` gives
+- ``sleep``: with the core's precheck (``Controller.precheck``), marked ``asleep`` at the level ``rules`` gives
   (asked, then the host reserve: a level 1 may become a level 2, or a stop), ``sleep_s`` for the
   engine's call; a level-1 sleep reserves its predicted host memory while its call is out (as
   the deployer's ``host_reserved``) and holds it from the call's end (the box's available host
@@ -359,7 +359,7 @@ class World:
         release()
 
     def _stop(self, dep_id: int, for_dep: int | None) -> None:
-        """``Deployer.stop`` with ``is_idle`` as its precheck, and the effect's report."""
+        """``Deployer.stop`` with the core's precheck, and the effect's report."""
         dep = self._deps.get(dep_id)
         if dep is None or not rules.may_stop(dep, self.controller.precheck(for_dep), False, dep_id in self.engines):
             self.controller.on_stopped(dep_id, False, for_dep)
@@ -378,7 +378,7 @@ class World:
         self.controller.on_stopped(dep_id, True, for_dep)
 
     def _sleep(self, dep_id: int, for_dep: int | None, level: int | None = None) -> None:
-        """``Deployer.sleep`` (at ``level``, else its idle level; ``or_stop``) with ``is_idle`` as
+        """``Deployer.sleep`` (at ``level``, else its idle level; ``or_stop``) with the core's precheck as
         its precheck."""
         ctl = self.controller
         dep = self._deps.get(dep_id)
