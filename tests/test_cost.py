@@ -90,3 +90,18 @@ def test_never_a_busy_a_higher_priority_or_an_always_on_victim(world, why):
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 4, 24))
     assert taken(fx) == [] and r.queued == 1
+
+
+def test_an_asleep_requesters_wake_is_priced_as_a_wake_even_where_it_may_not_rest_now(world):
+    """The tiers the effects offer are where a deployment may rest now (the host reserve can leave
+    level 1 out); a requester already asleep at level 1 still wakes from it: its default, not a
+    cold start. An awake victim whose sleep is left out would be stopped: a cold start."""
+    c, fx, clock = make(world, scheduler=schedulers.scheduler("cost", SLO_S))
+    fx.add(1, 10, idle_action="sleep")
+    fx.set(1, state=State.ASLEEP, sleep_level=1)
+    fx.rest_costs = {"stopped": 60.0}
+    assert c.start_s(fx.deps[1]) == 3.0
+    fx.rest_costs = {"asleep_1": 0.5, "stopped": 60.0}
+    assert c.start_s(fx.deps[1]) == 0.5
+    fx.set(1, state=State.STOPPED, sleep_level=None)
+    assert c.start_s(fx.deps[1]) == 60.0

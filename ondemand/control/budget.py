@@ -356,9 +356,9 @@ class Budget:
         for d in deps:
             if d.state is not State.ASLEEP or d.id == but:
                 continue
-            held = self.holdings(d, pools)
-            whole = placement.holdings(d.footprint_gib, d.gpu_count, d.gpus, pools, self.per_gpu)
-            needs = {g: max(0.0, gib - held.get(g, 0.0)) for g, gib in whole.items()}
+            # Both its footprint and what it keeps are split evenly over its GPUs.
+            needs = placement.holdings(max(0.0, d.footprint_gib - self.asleep_held(d, pools)), d.gpu_count,
+                                       d.gpus, pools, self.per_gpu)
             if any(needs.values()):
                 out.append(Sleeper(d.id, needs))
         return tuple(out)

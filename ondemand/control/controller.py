@@ -246,8 +246,12 @@ class Controller:
         return r.gaps if r is not None else ()
 
     def start_s(self, dep: Deployment) -> float:
-        """Its start, or its wake from the level it sleeps at, as the tiers price them."""
-        return self._back_s(dep, dep.sleep_level if dep.state is State.ASLEEP else None)
+        """Its start, or its wake from the level it sleeps at, as the tiers price them (a level the
+        effects leave out of where it may rest now, the host reserve say, still wakes: its default)."""
+        if dep.state is State.ASLEEP and dep.sleep_level:
+            tier = tiers.asleep(dep.sleep_level)
+            return self.effects.tiers(dep).get(tier.name, tier.default_s)
+        return self._back_s(dep, None)
 
     def put_away_s(self, dep: Deployment) -> float:
         """What its next request waits for once make-room puts it away: an awake engine that sleeps
