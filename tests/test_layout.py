@@ -502,7 +502,7 @@ def _aiohttp_private_names() -> set[str]:
 
 
 def test_no_aiohttp_private_module_attribute_or_class_swap():
-    """A connection belongs to one stack; nothing reaches into aiohttp (STYLE.md, habit 13):
+    """A connection belongs to one stack; nothing reaches into aiohttp (design.md, "The HTTP layer"):
     no import of its private modules (``aiohttp.web_protocol``, ``aiohttp.http_parser`` ...),
     no underscore attribute of aiohttp's that ondemand does not define itself, no class swap,
     and no override of aiohttp's underscore methods in a subclass."""

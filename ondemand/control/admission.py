@@ -46,7 +46,8 @@ class Admission:
     async def acquire(self, dep_id: int, *, arrival: float | None = None,
                       on_queued: Callable[[], None] | None = None) -> Ticket:
         """A traffic request's ticket of ``dep_id``: at once when it is ready, else once the core
-        says so (``wait``). Raises the core's refusals."""
+        says so (``wait``). Raises the core's refusals. The gateway asks ``admit`` and ``wait``
+        itself (its body may come between them); this is the races' tests' one call."""
         ticket = self.admit(dep_id, Want.TRAFFIC)
         if ticket.waits is None:
             return ticket

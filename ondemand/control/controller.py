@@ -120,8 +120,9 @@ class Controller:
 
     def try_take(self, dep_id: int) -> Ticket | None:
         """A slot at once when the deployment is ready, whatever its mode (no waiter), else None;
-        raises ``ondemand_busy`` past its ``max_inflight``. The replay's edge asks this; the
-        gateway's asks ``admit``."""
+        raises ``ondemand_busy`` past its ``max_inflight``. No edge of the product asks this (the
+        gateway's and the replay's ask ``admit``, then ``join`` and ``take``): the core's tests and
+        an administrator's drain tests take a ready slot with it."""
         dep = self.effects.deployment(dep_id)
         if dep is not None and dep.state is State.READY:
             return self._take_ready(dep)

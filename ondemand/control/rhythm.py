@@ -1,7 +1,8 @@
 """Adaptive warmth's decision core: a deployment's rhythm, learned from its idle gaps.
 
-A pure room of the decision core (no I/O, no clock, no state but the gaps): the slots part
-records each idle gap (from the moment the engine became idle to the next request's arrival) and
+A pure room of the decision core (no I/O, no clock, no state but the gaps): the controller's
+slots part learns each idle gap (from the moment the engine became idle to the next request's
+arrival; the effects keep it in the state file, so a restart keeps what was learned) and
 adaptive warmth (``keepwarm.py``) asks, when an idle period begins, for a ``Plan``: how long the
 engine stays awake, the tier it then rests in, and when a pre-warm brings it back before the next
 request is expected.
