@@ -146,3 +146,31 @@ def test_every_configuration_key_is_in_the_readmes_configuration_table():
     cells = {name for row in rows for name in ticked(row[0]) + ticked(row[-1])}
     assert keys - cells == set(), f"the README's configuration table lacks {sorted(keys - cells)}"
     assert first - keys == set(), f"the README's configuration table has keys the code lacks: {sorted(first - keys)}"
+
+
+# --- links between the docs ---------------------------------------------------------------
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file: GitHub's slug of each heading, and each ``<a id>``."""
+    text = path.read_text()
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+             for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    return slugs | set(re.findall(r'<a id="([^"]+)"', text))
+
+
+def broken_links(doc: Path) -> list[str]:
+    bad = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path = (doc.parent / target).resolve() if target else doc
+        if not path.exists():
+            bad.append(f"{doc.relative_to(ROOT)}: {target} does not exist")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            bad.append(f"{doc.relative_to(ROOT)}: {target or doc.name}#{anchor} is no heading there")
+    return bad
+
+
+def test_every_link_between_the_docs_lands():
+    docs = [*DOCS, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert [b for doc in docs for b in broken_links(doc)] == []
