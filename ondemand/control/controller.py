@@ -229,8 +229,28 @@ class Controller:
         return self.queue.place(dep_id)
 
     def status(self, dep_id: int) -> dict[str, Any]:
-        """The ``ondemand`` field of a deployment view."""
-        return self.slots.status(dep_id, self.queue.place(dep_id))
+        """The ``ondemand`` field of a deployment view: the slots part's, with ``held_for`` and
+        ``put_away_early`` (its last put-away, when make-room took it before its idle timeout)."""
+        out = self.slots.status(dep_id, self.queue.place(dep_id))
+        rec = self.slots.record(dep_id)
+        out["held_for"] = self.held_for(dep_id)
+        out["put_away_early"] = None if rec is None or rec.early is None else dict(rec.early)
+        return out
+
+    def held_for(self, dep_id: int) -> str | None:
+        """Why its warmth policy keeps an idle ``dep_id`` awake past where the seed's rule would
+        rest it (``WarmthPolicy.held_for``: ``slo``), or None."""
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            return None
+        rec = self.slots.record(dep_id)
+        return self._warmth(dep, rec).held_for(dep, rec, self.clock())
+
+    def make_rooms(self) -> dict[str, int]:
+        """The victims make-room put away so far, by the rule that allowed each
+        (``ondemand_make_room_total``): ``idle_timeout`` (idle for its whole timeout), ``cost``
+        (before it); a rule that took none is not there."""
+        return dict(self.start_side.make_rooms)
 
     def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
         """The idle gaps kept in the state file (after a restart): what was learned stays."""
@@ -326,6 +346,7 @@ class Controller:
         if dep.state is State.READY and (old is None or old.state is not State.READY):
             rec.last_activity = now
             rec.backoff = None
+            rec.early = None  # awake again: its early put-away is over
         if dep.state is State.ASLEEP:
             if old is None or old.state is not State.ASLEEP:
                 rec.asleep_since = now
