@@ -5,7 +5,8 @@ requester's deployment, with the victim and the scheduler's reason (``TakeRule.r
 view says so (``ondemand.put_away_early``) until it is ready again. First on test_controller's fake
 clock and recording effects (test_cost's lull: the requester starts cold in 60 s, min_idle_timeout_s
 1 s, SLO 5 s, the victim sleeps and wakes in 1 s: its loss is 61 + 1 - 5 = 57 s); then through a
-real ondemand: the audit row in the state file, the metric in a scrape, the view over HTTP."""
+real ondemand: the audit row in the state file, the metric in a scrape, the view over HTTP and
+``ondemand status``."""
 from __future__ import annotations
 
 from typing import Any
@@ -123,11 +124,12 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
 
 @pytest.mark.server(reap_interval_s=3600, scheduler="cost")
-async def test_a_real_make_room_by_cost_is_in_the_audit_the_metrics_and_the_view(server, http):
+async def test_a_real_make_room_by_cost_is_in_the_audit_the_metrics_the_view_and_status(tmp_path, server, http):
     """big (15 GiB) served a request a moment ago, of its 600 s idle timeout; x (12 GiB) does not fit
     beside it (24 GiB): the request for x would wait 600 s without big, and big's loss is what x's
     cold start (60 s, nothing measured) and its 1 s minimum hold cost big's next request, with big's
     own cold start, less the 5 s SLO (56 s and big's start): big is stopped for x at once."""
+    from test_cli import cli, write_config
     from test_telemetry import scrape, v
     big = await server.add("big", 15, idle_timeout_s=600)
     x = await server.add("x", 12)
@@ -159,3 +161,6 @@ async def test_a_real_make_room_by_cost_is_in_the_audit_the_metrics_and_the_view
     async with http.get(f"{server.url}/api/deployments/{big}", headers=server.admin_headers()) as r:
         early = (await r.json())["ondemand"]["put_away_early"]
     assert early["for"] == "x" and early["rule"] == "cost"
+    rc, out, err = await cli("status", config=write_config(tmp_path / "c.toml", server.cfg.state_dir))
+    assert rc == 0, err
+    assert any(line.startswith("big: put away early for x by cost (") for line in out.splitlines()), out

@@ -71,6 +71,7 @@ class Controller:
                                    make_room_wait_s=make_room_wait_s, recent_stop_s=recent_stop_s,
                                    max_tick_s=max_tick_s, asleep_residue_gib=asleep_residue_gib)
         self.min_idle_timeout_s: float = min_idle_timeout_s
+        self._holds: dict[int, str] = {}  # each held_for the reaper's step last saw (its view shows it)
         self.scheduler.bind(self)  # a cost rule reads the gaps and tiers below (cost.CoreView)
 
     @property
@@ -330,6 +331,7 @@ class Controller:
         """Every creation, change, transition and removal of a deployment."""
         now = self.clock()
         if dep is None:
+            self._holds.pop(dep_id, None)
             self.start_side.removed(dep_id)
             return
         rec = self.slots.record_for(dep_id)
@@ -367,6 +369,7 @@ class Controller:
         asked = []
         claimed = self.slots.claimed()
         for dep in self.effects.deployments():
+            self._show_hold(dep)
             if dep.id in claimed or not self.is_idle(dep, now) or self._held_awake(dep, now):
                 continue
             minutes = round(self.slots.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
@@ -387,6 +390,17 @@ class Controller:
                 self.effects.stop(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
             asked.append(dep.id)
         return asked
+
+    def _show_hold(self, dep: Deployment) -> None:
+        """Its view is published again when its ``held_for`` changed since the reaper's last step:
+        a hold begins as time passes (where the seed's rule would rest it), not with an event."""
+        held = self.held_for(dep.id)
+        if self._holds.get(dep.id) != held:
+            if held is None:
+                del self._holds[dep.id]
+            else:
+                self._holds[dep.id] = held
+            self.slots.counters_changed(dep.id)
 
     def _held_awake(self, dep: Deployment, now: float) -> bool:
         """Its warmth policy holds it awake though idle (adaptive: a pre-warmed engine waits for
