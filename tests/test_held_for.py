@@ -8,10 +8,13 @@ puts its own)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import subprocess
 
 import orjson
 import pytest
-from helpers import two_pools, wait_for
+from helpers import ROOT, two_pools, wait_for
 from test_cli import cli, write_config
 from test_controller import Clock, Effects, make
 
@@ -95,3 +98,27 @@ def test_status_says_why_it_is_kept_awake_and_that_it_was_put_away_early():
     assert _kept_and_taken(views) == [
         "a: kept awake: its wake would miss the SLO",
         "b: put away early for big by cost (42 s idle of its 600 s idle timeout: wait 558 s > expected loss 3.1 s)"]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no node to run the page's script")
+def test_the_page_says_why_it_is_kept_awake_and_that_it_was_put_away_early():
+    """app.js's rows, rendered by node over a fake DOM (tests/clients/page_rows.js): the state
+    cell says why the deployment is kept awake, and that make-room put it away early, for whom and
+    by which rule (the figures in its title)."""
+    base = {"served_name": "S", "engine": "vllm", "model": None, "role": "model", "mode": "on_demand",
+            "updated_at": 0, "gpus": [], "memory_gib": 4, "measured_gib": None, "litellm": None}
+    views = [{**base, "id": 1, "name": "a", "state": "ready", "ondemand": {"held_for": "slo"}},
+             {**base, "id": 2, "name": "b", "state": "asleep", "sleep_level": 1, "ondemand": {"put_away_early": {
+                 "for": "big", "rule": "cost", "idle_for_s": 42.0, "idle_after_s": 600.0, "wait_s": 558.0,
+                 "loss_s": 3.1}}},
+             {**base, "id": 3, "name": "c", "state": "ready", "ondemand": {"held_for": None, "put_away_early": None}}]
+    done = subprocess.run(["node", str(ROOT / "tests" / "clients" / "page_rows.js"),
+                           str(ROOT / "ondemand" / "admin" / "ui" / "app.js")],
+                          input=json.dumps(views), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    a, b, c = (row["State"] for row in json.loads(done.stdout))
+    assert "kept awake: its wake would miss the SLO" in a["text"]
+    assert "put away early for big by cost" in b["text"]
+    assert "42 s idle of its 10 min idle timeout · big would have waited 9 min 18 s, more than its expected loss " \
+           "of 3.1 s" in b["titles"]
+    assert "kept awake" not in c["text"] and "put away early" not in c["text"]
