@@ -290,7 +290,7 @@ async def _observe(app: web.Application) -> AsyncIterator[None]:
     gpu()  # the first reading, so that the first scrape has one
     telemetry = app[TELEMETRY] = Telemetry(deployments=deployer.all, inflight=controller.inflight,
                                            queued=controller.waiting, gpu_memory=gpu, busy=controller.busy_total,
-                                           prewarms=controller.prewarms)
+                                           prewarms=controller.prewarms, make_rooms=controller.make_rooms)
     app[BUS].subscribe(DeploymentChanged, telemetry.on_deployment)
     app[BUS].subscribe(events.StartEnded, telemetry.on_start_ended)
     app[BUS].subscribe(Slept, telemetry.on_slept)

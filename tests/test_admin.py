@@ -152,7 +152,7 @@ async def test_create_defaults_and_states(server):
     await wait_for(lambda: server.state(view["id"]) == "ready", what="always on starts at once")
     status, od = await api(server, "POST", "/deployments", new_dep("od"))
     assert od["mode"] == "on_demand" and od["state"] == "stopped"
-    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping", "queue_position": None, "idle_until": None, "backoff_until": None}
+    assert od["ondemand"] == {"inflight": 0, "queued": 0, "last_request_at": None, "phase": "sleeping", "queue_position": None, "idle_until": None, "backoff_until": None, "held_for": None, "put_away_early": None}
     status, planned = await api(server, "POST", "/deployments", new_dep("pl", mode="always_on", start=False))
     assert planned["state"] == "planned"
     status, err = await api(server, "POST", "/deployments", new_dep("od"))

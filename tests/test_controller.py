@@ -515,7 +515,7 @@ def test_a_hang_up_while_queued_removes_the_entry(world):
     r = Req(c, 1)
     c.on_refused(1, InsufficientMemory(10, 0, 24))
     assert c.status(1) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "queue_position": 1,
-                           "idle_until": None, "backoff_until": None}
+                           "idle_until": None, "backoff_until": None, "held_for": None, "put_away_early": None}
     r.leave()
     assert 1 not in c.queue and c.waiting() == 0 and c.status(1)["phase"] == "sleeping"
 

@@ -418,7 +418,7 @@ async def test_hang_up_while_queued_removes_the_entry(tmp_path, store):
         slot = await env.acquire(a)
         w = asyncio.ensure_future(env.acquire(x))
         await wait_for(lambda: x in c.queue)
-        assert c.status(x) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "queue_position": 1, "idle_until": None, "backoff_until": None}
+        assert c.status(x) == {"inflight": 0, "queued": 1, "last_request_at": None, "phase": "queued", "queue_position": 1, "idle_until": None, "backoff_until": None, "held_for": None, "put_away_early": None}
         w.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await w

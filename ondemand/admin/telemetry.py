@@ -17,8 +17,8 @@ one (the tests run several apps in one process). Four sources feed it:
   ``stopping`` carries the cause);
 - at scrape time only, a collector that reads the live state (in flight,
   queued, each deployment's state, GPU memory, the host memory asleep engines
-  hold) and the controller's counters (429s, pre-warms' results): nothing is
-  kept up to date on the forwarding path for them.
+  hold) and the controller's counters (429s, pre-warms' results, make-room's
+  victims by rule): nothing is kept up to date on the forwarding path for them.
 
 ``gpu_memory()`` gives ``(gpu index, capacity GiB, free GiB)`` per GPU and must
 not block; when it raises, the GPU samples are left out of that scrape.
@@ -65,13 +65,14 @@ class _Live:
 
     def __init__(self, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
                  queued: Callable[[int], int], gpu_memory: GpuMemory, busy: Callable[[int], int],
-                 prewarms: Callable[[int], Mapping[str, int]]):
+                 prewarms: Callable[[int], Mapping[str, int]], make_rooms: Callable[[], Mapping[str, int]]):
         self._deployments = deployments
         self._inflight = inflight
         self._queued = queued
         self._gpu_memory = gpu_memory
         self._busy = busy
         self._prewarms = prewarms
+        self._make_rooms = make_rooms
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily("ondemand_inflight", "Requests being answered by the engine, per deployment",
@@ -84,6 +85,12 @@ class _Live:
         prewarms = CounterMetricFamily("ondemand_prewarms", "Adaptive warmth's pre-warms that ended, by result: hit "
                                        "(a request came while the pre-warmed engine was awake, or waking) or miss (it "
                                        "went idle again unused)", labels=["deployment", "result"])
+        make_rooms = CounterMetricFamily("ondemand_make_room", "Victims make-room put away for a queued model, by "
+                                         "the rule that allowed it: idle_timeout (idle for its whole timeout) or "
+                                         "cost (before it, scheduler cost)", labels=["rule"])
+        # Both documented series from 0, whatever the box's scheduler (a rate needs its first sample).
+        for rule, n in {"idle_timeout": 0, "cost": 0, **self._make_rooms()}.items():
+            make_rooms.add_metric([rule], n)
         state = GaugeMetricFamily("ondemand_deployment_state", "1 for the deployment's current state, else 0",
                                   labels=["deployment", "state"])
         host_asleep = 0.0
@@ -114,14 +121,15 @@ class _Live:
         host = GaugeMetricFamily("ondemand_host_memory_asleep_bytes", "Host memory the asleep engines hold, "
                                  "as measured after their sleep (a level-1 sleeper's weights are there)",
                                  value=host_asleep * GIB)
-        return [inflight, queued, busy, prewarms, state, capacity, free, host]
+        return [inflight, queued, busy, prewarms, make_rooms, state, capacity, free, host]
 
 
 class Telemetry:
     def __init__(self, *, deployments: Callable[[], list[Deployment]], inflight: Callable[[int], int],
                  queued: Callable[[int], int], gpu_memory: GpuMemory,
                  busy: Callable[[int], int] = lambda dep_id: 0,
-                 prewarms: Callable[[int], Mapping[str, int]] = lambda dep_id: {}):
+                 prewarms: Callable[[int], Mapping[str, int]] = lambda dep_id: {},
+                 make_rooms: Callable[[], Mapping[str, int]] = dict):
         # No *_created series: they double the counters' series for a value nobody here reads.
         # (prometheus_client reads this switch when it writes a scrape; nothing else uses it.)
         disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client)
@@ -162,7 +170,7 @@ class Telemetry:
         self._health = Counter("ondemand_health_checks", "Health checks answered by the gateway, never forwarded",
                                ["deployment"], registry=r)
         self._syncs = Counter("ondemand_litellm_syncs", "LiteLLM syncs, by result", ["result"], registry=r)
-        r.register(_Live(deployments, inflight, queued, gpu_memory, busy, prewarms))
+        r.register(_Live(deployments, inflight, queued, gpu_memory, busy, prewarms, make_rooms))
         # Label children by key: the forwarding path looks one up instead of building it.
         self._by_code: dict[tuple[str, int], Counter] = {}
         self._by_dep: dict[str, tuple[Histogram, Histogram]] = {}

@@ -23,7 +23,7 @@ from .shared import (
     json_option,
     pass_ctx,
 )
-from .views import _DEP_HEADER, _dep_rows, _expected
+from .views import _DEP_HEADER, _dep_rows, _expected, _kept_and_taken
 
 # --- status ------------------------------------------------------------------
 
@@ -61,7 +61,7 @@ def status(ctx: Ctx, as_json: bool) -> None:
         click.echo("")
     click.echo(_table(_dep_rows(views), _DEP_HEADER) if views else "no deployments")
     import time
-    for line in _expected(views, time.time()):
+    for line in [*_expected(views, time.time()), *_kept_and_taken(views)]:
         click.echo(line)
     _echo_names(names)
     over = [v["name"] for v in views if Deployment.from_row(v).over_declared]

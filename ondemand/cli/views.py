@@ -84,6 +84,31 @@ def _expected(views: list[dict[str, Any]], now: float) -> list[str]:
     return lines
 
 
+# Why an idle deployment is kept awake past where the seed's rule would rest it (``ondemand.held_for``).
+HELD_WORDS = {"slo": "kept awake: its wake would miss the SLO"}
+
+
+def _kept_and_taken(views: list[dict[str, Any]]) -> list[str]:
+    """For each deployment its warmth policy keeps awake (``held_for``), why; and for each that
+    rests because make-room put it away before its idle timeout (``put_away_early``), for whom."""
+    lines = []
+    for v in views:
+        od = v.get("ondemand") or {}
+        held = od.get("held_for")
+        if held:
+            lines.append(f"{v['name']}: {HELD_WORDS.get(held, f'kept awake ({held})')}")
+        early = od.get("put_away_early")
+        if early:
+            said = f"{v['name']}: put away early for {early.get('for')} by {early.get('rule')}"
+            if early.get("idle_for_s") is not None and early.get("idle_after_s") is not None:
+                said += f" ({early['idle_for_s']:.0f} s idle of its {early['idle_after_s']:.0f} s idle timeout"
+                if early.get("wait_s") is not None and early.get("loss_s") is not None:
+                    said += f": wait {early['wait_s']:g} s > expected loss {early['loss_s']:g} s"
+                said += ")"
+            lines.append(said)
+    return lines
+
+
 def _warmth_lines(ctx: Ctx, view: dict[str, Any]) -> list[str]:
     """Its ``idle_action`` and the tier it gives (the effective level), and while asleep what
     the sleep holds."""

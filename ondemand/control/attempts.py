@@ -7,7 +7,8 @@ settle (freed memory to show as free); each effect's report (``on_*``, through t
 ``Controller``) decides the next step, and so does each change of a deployment that ends a start.
 A refused admit queues the deployment for memory; the scheduler says who is the head, what is
 held for it, and which idle models it may put away. While something is queued, the queue's clock
-(``tick``) looks again.
+(``tick``) looks again. Each victim put away is counted by the rule that allowed it (the scheduler's
+``reason``), and one taken before its idle timeout is audited ``ondemand_make_room``.
 
 A part the ``Controller`` owns: it reads and writes the slots part's records and waiters and the
 scheduler's queue, and acts through ``Effects``. Plain ``def``s, no await, no I/O.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import InsufficientMemory
 from ..model import REQUEST_STARTABLE, Deployment, State
@@ -49,6 +51,13 @@ class Attempts:
         self._last_ondemand_stop = -math.inf
         self._tick_timer: Timer | None = None
         self._tick_due = math.inf
+        # Each victim whose stop is out for a make-room: (the requester, taken before its idle
+        # timeout, why the scheduler's rule allowed it), until the stop reports (``on_stopped``: one
+        # report per stop, whatever happens).
+        self._taking: dict[int, tuple[int, bool, dict[str, Any]]] = {}
+        # The victims make-room put away, by the rule that allowed each (``TakeRule.reason``'s
+        # ``rule``; ``ondemand_make_room_total``).
+        self.make_rooms: dict[str, int] = {}
 
     # --- the attempt ----------------------------------------------------------------
 
@@ -160,6 +169,7 @@ class Attempts:
         dw.victims = {v.id for v in victims}
         dw.frees = {v.id: {g: gib for g, gib in v.holds.items() if g in chosen} for v in victims}
         dw.freed = 0.0
+        self._note_reasons(dep, victims)
         for v in victims:
             if v.tier == 0 and self._sleeps(v.id):
                 self.effects.sleep(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
@@ -196,6 +206,11 @@ class Attempts:
             self._last_ondemand_stop = self.clock()
         if for_dep is None:
             return
+        taking = self._taking.get(dep_id)
+        if taking is not None and taking[0] == for_dep:
+            del self._taking[dep_id]
+            if approved:  # counted and audited once it is done: a victim the precheck kept was not taken
+                self._took(dep_id, for_dep, *taking[1:])
         dw = self.slots.attempt(for_dep)
         if dw is None or dw.phase is not Phase.STOPPING or dep_id not in dw.victims:
             return
@@ -275,6 +290,45 @@ class Attempts:
             return False
         span = self.slots.quiet_for(victim, now)
         return span is not None and self.scheduler.takes(requester, victim, *span)
+
+    def _note_reasons(self, requester: Deployment, victims: list[Candidate]) -> None:
+        """Why the scheduler's rule allowed each victim, asked in the step that chose it (the
+        figures it weighed then), kept until its stop reports."""
+        now = self.clock()
+        for v in victims:
+            victim = self.effects.deployment(v.id)
+            span = self.slots.quiet_for(victim, now) if victim is not None else None
+            if victim is None or span is None:
+                continue  # not so: chosen in this step as quiet
+            why = self.scheduler.reason(requester, victim, *span)
+            self._taking[v.id] = (requester.id, span[0] < span[1], {**why, "idle_for_s": round(span[0], 1),
+                                                                    "idle_after_s": round(span[1], 1)})
+
+    def _took(self, victim_id: int, for_dep: int, early: bool, why: dict[str, Any]) -> None:
+        """A victim's stop was done for ``for_dep``: counted by its rule; taken before its idle
+        timeout (``early``), audited ``ondemand_make_room`` (the requester's row) and shown on its
+        view."""
+        rule = why["rule"]
+        self.make_rooms[rule] = self.make_rooms.get(rule, 0) + 1
+        rec = self.slots.record(victim_id)
+        if rec is not None:
+            rec.early = None
+        if not early:
+            return  # as the reaper would have: its ondemand_sleep row says it all
+        victim, requester = self.effects.deployment(victim_id), self.effects.deployment(for_dep)
+        vname = victim.name if victim is not None else f"deployment {victim_id}"
+        rname = requester.name if requester is not None else f"deployment {for_dep}"
+        done = f"Put {vname} to sleep" if victim is not None and victim.state is State.ASLEEP else f"Stopped {vname}"
+        how = (f"{rule}: wait {why['wait_s']:g} s > expected loss {why['loss_s']:g} s"
+               if "wait_s" in why and "loss_s" in why else rule)
+        text = (done + f" for {rname} after {why['idle_for_s']:.0f} s idle of its "
+                f"{why['idle_after_s']:.0f} s idle timeout ({how})")
+        log.info("%s", text)
+        self.effects.audit("ondemand_make_room", for_dep, text,
+                           {"victim_id": victim_id, "victim": vname, "for": rname, "reason": why})
+        if rec is not None:
+            rec.early = {"for": rname, "for_id": for_dep, "at": round(self.slots.wall(), 3), **why}
+            self.slots.counters_changed(victim_id)  # its view says so
 
     def _sleeps(self, dep_id: int) -> bool:
         """Is an idle ``dep_id`` put to sleep (not stopped)?"""

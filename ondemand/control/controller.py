@@ -71,6 +71,7 @@ class Controller:
                                    make_room_wait_s=make_room_wait_s, recent_stop_s=recent_stop_s,
                                    max_tick_s=max_tick_s, asleep_residue_gib=asleep_residue_gib)
         self.min_idle_timeout_s: float = min_idle_timeout_s
+        self._holds: dict[int, str] = {}  # each held_for the reaper's step last saw (its view shows it)
         self.scheduler.bind(self)  # a cost rule reads the gaps and tiers below (cost.CoreView)
 
     @property
@@ -230,8 +231,28 @@ class Controller:
         return self.queue.place(dep_id)
 
     def status(self, dep_id: int) -> dict[str, Any]:
-        """The ``ondemand`` field of a deployment view."""
-        return self.slots.status(dep_id, self.queue.place(dep_id))
+        """The ``ondemand`` field of a deployment view: the slots part's, with ``held_for`` and
+        ``put_away_early`` (its last put-away, when make-room took it before its idle timeout)."""
+        out = self.slots.status(dep_id, self.queue.place(dep_id))
+        rec = self.slots.record(dep_id)
+        out["held_for"] = self.held_for(dep_id)
+        out["put_away_early"] = None if rec is None or rec.early is None else dict(rec.early)
+        return out
+
+    def held_for(self, dep_id: int) -> str | None:
+        """Why its warmth policy keeps an idle ``dep_id`` awake past where the seed's rule would
+        rest it (``WarmthPolicy.held_for``: ``slo``), or None."""
+        dep = self.effects.deployment(dep_id)
+        if dep is None:
+            return None
+        rec = self.slots.record(dep_id)
+        return self._warmth(dep, rec).held_for(dep, rec, self.clock())
+
+    def make_rooms(self) -> dict[str, int]:
+        """The victims make-room put away so far, by the rule that allowed each
+        (``ondemand_make_room_total``): ``idle_timeout`` (idle for its whole timeout), ``cost``
+        (before it); a rule that took none is not there."""
+        return dict(self.start_side.make_rooms)
 
     def learn(self, gaps: Mapping[int, Iterable[float]]) -> None:
         """The idle gaps kept in the state file (after a restart): what was learned stays."""
@@ -311,6 +332,7 @@ class Controller:
         """Every creation, change, transition and removal of a deployment."""
         now = self.clock()
         if dep is None:
+            self._holds.pop(dep_id, None)
             self.start_side.removed(dep_id)
             return
         rec = self.slots.record_for(dep_id)
@@ -327,6 +349,7 @@ class Controller:
         if dep.state is State.READY and (old is None or old.state is not State.READY):
             rec.last_activity = now
             rec.backoff = None
+            rec.early = None  # awake again: its early put-away is over
         if dep.state is State.ASLEEP:
             if old is None or old.state is not State.ASLEEP:
                 rec.asleep_since = now
@@ -347,6 +370,7 @@ class Controller:
         asked = []
         claimed = self.slots.claimed()
         for dep in self.effects.deployments():
+            self._show_hold(dep)
             if dep.id in claimed or not self.is_idle(dep, now) or self._held_awake(dep, now):
                 continue
             minutes = round(self.slots.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
@@ -367,6 +391,17 @@ class Controller:
                 self.effects.stop(dep.id, text=f"Put to sleep after {minutes:g} min idle", for_dep=None)
             asked.append(dep.id)
         return asked
+
+    def _show_hold(self, dep: Deployment) -> None:
+        """Its view is published again when its ``held_for`` changed since the reaper's last step:
+        a hold begins as time passes (where the seed's rule would rest it), not with an event."""
+        held = self.held_for(dep.id)
+        if self._holds.get(dep.id) != held:
+            if held is None:
+                del self._holds[dep.id]
+            else:
+                self._holds[dep.id] = held
+            self.slots.counters_changed(dep.id)
 
     def _held_awake(self, dep: Deployment, now: float) -> bool:
         """Its warmth policy holds it awake though idle (adaptive: a pre-warmed engine waits for

@@ -26,10 +26,15 @@ differs from Belady's rule and the papers: design.md, "Make-room by cost".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..model import Deployment
 from .rhythm import LEARN_AFTER
+
+# Why make-room took a victim (``TakeRule.reason``, ``ondemand_make_room_total{rule}``): idle for its
+# whole timeout, whatever the rule; or before it, because this rule found that it pays.
+IDLE_TIMEOUT = "idle_timeout"
+COST = "cost"
 
 
 class CoreView(Protocol):
@@ -79,3 +84,25 @@ class ByCost:
         hold_s = core.start_s(requester) + core.min_idle_timeout_s
         loss = expected_loss(core.gaps(victim.id), idle_for_s, hold_s, core.put_away_s(victim), self.slo_s)
         return wait_s > loss
+
+    def figures(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+                ) -> dict[str, float]:
+        """What ``__call__`` weighs for a victim in a lull, by the same function (``expected_loss``):
+        the requester's wait without it (``wait_s``) against its expected loss (``loss_s``), with
+        the requester's hold (``hold_s``) and the victim's way back (``come_back_s``)."""
+        core = self.core
+        if core is None:
+            return {}
+        hold_s = core.start_s(requester) + core.min_idle_timeout_s
+        come_back_s = core.put_away_s(victim)
+        loss = expected_loss(core.gaps(victim.id), idle_for_s, hold_s, come_back_s, self.slo_s)
+        return {"wait_s": idle_after_s - idle_for_s, "loss_s": loss, "hold_s": hold_s, "come_back_s": come_back_s,
+                "slo_s": self.slo_s}
+
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        """``scheduler.TakeRule.reason``: idle for its whole timeout, else the cost's figures."""
+        if idle_for_s >= idle_after_s:
+            return {"rule": IDLE_TIMEOUT}
+        return {"rule": COST, **{k: round(v, 1) for k, v in
+                                 self.figures(requester, victim, idle_for_s, idle_after_s).items()}}

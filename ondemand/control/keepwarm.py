@@ -222,6 +222,11 @@ class Adaptive:
             return None
         return period.began + plan.awake_until_s
 
+    def held_for(self, dep: Deployment, rec: Record | None, now: float) -> str | None:
+        """None: nothing is held for the SLO here (its hold, ``held_until``, keeps a pre-warmed
+        engine for the request it was woken for)."""
+        return None
+
     def rest(self, dep: Deployment, rec: Record | None, now: float) -> bool:
         """Put an idle adaptive engine away in its plan's tier (asked by the reaper before the
         pre-warm's moment); False: the reaper puts it away as fixed does."""

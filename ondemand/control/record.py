@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import OndemandError
 from .protocol import Timer
@@ -63,7 +64,8 @@ class Record:
     its start backoff, its drains and its publishing. Made when first needed; a field at its
     default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
     __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
-                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm", "learned", "adaptive")
+                 "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm", "learned", "adaptive",
+                 "early")
 
     def __init__(self) -> None:
         self.inflight = 0  # granted slots
@@ -85,6 +87,9 @@ class Record:
         self.rhythm: Rhythm | None = None
         self.learned = 0
         self.adaptive: AdaptiveState | None = None  # keep_warm adaptive: its idle period, its pre-warms
+        # Its last put-away, when make-room took it before its idle timeout (the rule's reason, for
+        # whom, when): the view's ``put_away_early``, until it is ready again.
+        self.early: dict[str, Any] | None = None
 
     def waiters(self) -> int:
         return len(self.attempt.waiters) if self.attempt is not None else 0
@@ -100,6 +105,7 @@ class Record:
             self.adaptive = None
         self.backoff = None
         self.busy = 0
+        self.early = None
         self.published_at = -math.inf
         if self.publish_timer is not None:
             self.publish_timer.cancel()

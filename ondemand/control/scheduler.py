@@ -11,10 +11,10 @@ fit). A second scheduler is one new class beside it, named in ``SCHEDULERS``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..model import Deployment
-from .cost import ByCost, CoreView
+from .cost import IDLE_TIMEOUT, ByCost, CoreView
 from .eviction import Candidate, pick_victims
 from .placement import Fit
 from .queue import WaitQueue
@@ -53,6 +53,10 @@ class Scheduler(Protocol):
         flight, nobody waiting for it, its engine idle), has been idle ``idle_for_s``, and its
         warmth policy asks ``idle_after_s`` before the reaper may take it."""
 
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        """Why ``takes`` allowed ``victim`` (``TakeRule.reason``): make-room's audit and count."""
+
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         """Of the idle ``candidates``, the ones to put away and the GPUs the model then gets;
         ([], ()) when putting them all away would not make it fit."""
@@ -63,17 +67,40 @@ class TakeRule(Protocol):
 
     def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool: ...
 
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        """Why a take it allowed was allowed, asked once make-room chose the victim: ``{"rule":
+        IDLE_TIMEOUT}`` (``cost.py``) when the victim was idle for its whole timeout (the reaper's rule), else
+        ``{"rule": <the rule's name>, ...}`` with the figures it weighed (``ondemand_make_room``'s
+        detail, ``ondemand_make_room_total``'s label)."""
 
-def after_idle_timeout(requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+
+class AfterIdleTimeout:
     """ondemand's rule from the start (the design document's): a victim idle for its whole
     timeout, as the reaper would take it."""
-    return idle_for_s >= idle_after_s
+
+    def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+        return idle_for_s >= idle_after_s
+
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        return {"rule": IDLE_TIMEOUT}
 
 
-def any_quiet(requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+class AnyQuiet:
     """Ollama's rule: any model with no request in flight, however short its lull (the replay's
     ``lru=S`` and ``sleep-lru=S``, a peer to compare with; no box is configured so)."""
-    return True
+
+    def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
+        return True
+
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        return {"rule": IDLE_TIMEOUT if idle_for_s >= idle_after_s else "any_quiet"}
+
+
+after_idle_timeout = AfterIdleTimeout()
+any_quiet = AnyQuiet()
 
 
 class SeedScheduler:
@@ -121,6 +148,10 @@ class SeedScheduler:
 
     def takes(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
         return self.take(requester, victim, idle_for_s, idle_after_s)
+
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        return self.take.reason(requester, victim, idle_for_s, idle_after_s)
 
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         return pick_victims(candidates, fit.free, fit.choose)

@@ -32,6 +32,11 @@ class WarmthPolicy(Protocol):
     def held_until(self, dep: Deployment, rec: Record | None, now: float) -> float | None:
         """Until when (monotonic) the reaper leaves it awake though idle, or None."""
 
+    def held_for(self, dep: Deployment, rec: Record | None, now: float) -> str | None:
+        """Why it keeps an idle ``dep`` awake past where the seed's rule (its idle timeout, then
+        its idle action's tier) would rest it now: ``"slo"`` (its wake or start would keep its
+        next request past ``slo_s``), or None (the view's ``ondemand.held_for``)."""
+
     def rest(self, dep: Deployment, rec: Record | None, now: float) -> bool:
         """Asked by the reaper for an idle engine: put it away in a tier of the policy's own
         (True), or leave it to the reaper's rule, its idle action's tier (False)."""
@@ -57,6 +62,9 @@ class Fixed:
         return self.idle_timeout(dep)
 
     def held_until(self, dep: Deployment, rec: Record | None, now: float) -> float | None:
+        return None
+
+    def held_for(self, dep: Deployment, rec: Record | None, now: float) -> str | None:
         return None
 
     def rest(self, dep: Deployment, rec: Record | None, now: float) -> bool:

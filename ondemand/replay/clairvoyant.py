@@ -57,9 +57,10 @@ import dataclasses
 import math
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..control.controller import Controller, Waiter
-from ..control.cost import CoreView
+from ..control.cost import IDLE_TIMEOUT, CoreView
 from ..control.eviction import Candidate, pick_victims
 from ..control.placement import Fit, asleep_held, holdings
 from ..control.queue import WaitQueue
@@ -337,6 +338,10 @@ class ClairvoyantScheduler:
             return True
         return self.future.key(victim.id) > self.future.key(requester.id)
 
+    def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
+               ) -> dict[str, Any]:
+        return {"rule": IDLE_TIMEOUT if idle_for_s >= idle_after_s else CLAIRVOYANT}
+
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         """Furthest next arrival first, ties by name: ``pick_victims`` (the shortest prefix that
         makes the model fit on placement's best fit, and of it those on the chosen GPUs) given
@@ -424,6 +429,9 @@ class Foresight:
         return 0.0 if self.due(dep) is not None else math.inf
 
     def held_until(self, dep: Deployment, rec: object, now: float) -> float | None:
+        return None
+
+    def held_for(self, dep: Deployment, rec: object, now: float) -> str | None:
         return None
 
     def rest(self, dep: Deployment, rec: object, now: float) -> bool:

@@ -327,7 +327,7 @@ function row(v) {
                   el("span", {className: "sub"}, `${v.served_name} · ${v.engine}` + (v.model ? ` · ${v.model}` : "") +
                      (v.role !== "model" ? ` · ${v.role}` : "")));
   const state = el("td", {"data-label": "State", className: "state"}, badge(v), el("span", {className: "sub detail"}, stateDetail(v)),
-                   ...phaseBars(v));
+                   ...warmthNotes(v), ...phaseBars(v));
   const mode = el("td", {"data-label": "Mode", className: "mode"},
                   v.mode === "on_demand" ? "on demand" : "always on",
                   el("span", {className: "sub"}, modeDetail(v)), ...rhythm(v));
@@ -410,6 +410,25 @@ function rhythm(v) {
     s += ` · woken ${dur(a.prewarm_in_s)} after its last request`;
   }
   return [chart, el("span", {className: "sub rhythm-note"}, s)];
+}
+
+const HELD_WORDS = {slo: "kept awake: its wake would miss the SLO"};
+
+// Why an idle engine is kept awake past where the seed's rule would rest it (ondemand.held_for),
+// and, while it rests, that make-room put it away before its idle timeout (ondemand.put_away_early).
+function warmthNotes(v) {
+  const od = v.ondemand || {};
+  const out = [];
+  if (od.held_for) out.push(el("span", {className: "sub held-for"}, HELD_WORDS[od.held_for] || `kept awake (${od.held_for})`));
+  const early = od.put_away_early;
+  if (early) {
+    let title = `${dur(early.idle_for_s)} idle of its ${dur(early.idle_after_s)} idle timeout`;
+    if (early.wait_s !== undefined && early.loss_s !== undefined) {
+      title += ` · ${early.for} would have waited ${dur(early.wait_s)}, more than its expected loss of ${fmt(early.loss_s)} s`;
+    }
+    out.push(el("span", {className: "sub put-away-early", title}, `put away early for ${early.for} by ${early.rule}`));
+  }
+  return out;
 }
 
 function badge(v) {
