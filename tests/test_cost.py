@@ -10,7 +10,7 @@ import pytest
 from test_controller import Clock, Effects, Req, make
 
 from ondemand.control import scheduler as schedulers
-from ondemand.control.cost import expected_loss
+from ondemand.control.cost import ByCost, expected_loss
 from ondemand.errors import InsufficientMemory
 from ondemand.model import Mode, Priority, State
 
@@ -24,8 +24,10 @@ def world():
 
 
 def lull(world, *, timeout: int, idle: float, gaps=(), **victim):
-    """2 (10 GiB, idle timeout ``timeout``) was used ``idle`` s ago; 1 (10 GiB) is refused for 6."""
-    c, fx, clock = make(world, scheduler=schedulers.scheduler("cost", SLO_S))
+    """2 (10 GiB, idle timeout ``timeout``) was used ``idle`` s ago; 1 (10 GiB) is refused for 6.
+    The take rule alone: the cost scheduler's warmth by value (test_value) would move 2's idle
+    rule to ``min_idle_timeout_s``, its wake being cheap."""
+    c, fx, clock = make(world, scheduler=schedulers.SeedScheduler(ByCost(SLO_S)))
     fx.add(1, 10)
     fx.add(2, 10, idle_timeout_s=timeout, idle_action="sleep", **victim)
     fx.set(2, state=State.READY)
@@ -47,9 +49,10 @@ def taken(fx) -> list[int]:
 def test_the_loss_by_hand():
     # Few gaps: asked again at once; its next request waits the requester's hold and its wake.
     assert expected_loss([], 5, hold_s=61, come_back_s=1, slo_s=5) == 57
-    # Its next arrivals 10 and 100 s away: 61 - 10 + 1 - 5 = 47, and nothing (it comes back first).
+    # Its next arrivals 10 and 100 s away: 61 - 10 + 1 - 5 = 47 for the first, and behind it, at
+    # one request per mean gap (60 s), 47^2 / (2 x 60) more; nothing when it comes back first.
     gaps = [15.0] * 10 + [105.0] * 10
-    assert expected_loss(gaps, 5, hold_s=61, come_back_s=1, slo_s=5) == pytest.approx(47 / 2)
+    assert expected_loss(gaps, 5, hold_s=61, come_back_s=1, slo_s=5) == pytest.approx((47 + 47 ** 2 / 120) / 2)
     # Only the gaps longer than the idle time it has had count: past 15 s, the next is 100 s away.
     assert expected_loss(gaps, 20, hold_s=61, come_back_s=1, slo_s=5) == 0
 
@@ -73,6 +76,29 @@ def test_learned_gaps_that_put_its_next_request_far_make_it_cheap(world):
     requester can give the memory back, so it costs nothing to take."""
     c, fx, r = lull(world, timeout=60, idle=5, gaps=[1000.0] * 30)
     assert taken(fx) == [2] and r.queued == 0
+
+
+def test_a_hot_model_counts_the_burst_behind_its_next_request(world):
+    """Idle 5 s of 600, its gaps half a second when busy: its next request comes 1 s from now,
+    within the requester's hold, and about 40 more behind it. Its gaps say it will not stay idle
+    for its timeout, so the requester would wait out the queue (900 s): more than one request's
+    loss (57 s), less than the burst's; kept."""
+    gaps = [0.5] * 25 + [6.0] * 5
+    assert expected_loss(gaps[:0], 5, hold_s=61, come_back_s=1, slo_s=5) == 57
+    assert expected_loss(gaps, 5, hold_s=61, come_back_s=1, slo_s=5) > 900
+    c, fx, r = lull(world, timeout=600, idle=5, gaps=gaps)
+    assert taken(fx) == [] and r.queued == 1
+
+
+def test_a_victim_unlikely_to_reach_its_timeout_counts_the_queue_timeout(world):
+    """Idle 5 s of 60, its gaps mostly 20 s: it will most likely be asked again before its
+    timeout and never go idle for it, so the requester would wait out the queue (900 s), not 55 s:
+    against its loss (one request every 19 s behind the first), taken."""
+    gaps = [20.0] * 28 + [100.0] * 2
+    c, fx, r = lull(world, timeout=60, idle=5, gaps=gaps)
+    assert taken(fx) == [2] and r.queued == 0
+    figures = c.scheduler.take.figures(fx.deps[1], fx.deps[2], 5.0, 60.0)
+    assert figures["wait_s"] == pytest.approx(55 * 2 / 30 + 900 * 28 / 30)
 
 
 @pytest.mark.parametrize("why", ["inflight", "priority", "always_on"])

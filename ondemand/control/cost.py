@@ -35,18 +35,25 @@ from .rhythm import LEARN_AFTER
 # whole timeout, whatever the rule; or before it, because this rule found that it pays.
 IDLE_TIMEOUT = "idle_timeout"
 COST = "cost"
+# The shortest mean gap the burst behind a victim's next request is counted at (a model asked
+# without pause would otherwise count as an endless burst).
+MIN_GAP_S = 0.05
 
 
 class CoreView(Protocol):
     """What the cost rule reads of the decision core."""
 
     min_idle_timeout_s: float
+    queue_timeout_s: float
 
     def gaps(self, dep_id: int) -> Sequence[float]:
         """Its learned idle gaps (seconds; none learned: empty)."""
 
     def start_s(self, dep: Deployment) -> float:
         """How long its start (stopped) or wake (asleep) takes now."""
+
+    def waiting(self, dep_id: int) -> int:
+        """Its requests waiting for a slot, a start or memory."""
 
     def put_away_s(self, dep: Deployment) -> float:
         """What its next request waits for once make-room puts it away now: the wake from the tier
@@ -55,13 +62,37 @@ class CoreView(Protocol):
 
 def expected_loss(gaps: Sequence[float], idle_for_s: float, hold_s: float, come_back_s: float,
                   slo_s: float) -> float:
-    """E[max(0, max(0, hold_s - t) + come_back_s - slo_s)] over its next arrival ``t`` (from now):
-    the learned gaps longer than ``idle_for_s``, less it; with fewer than ``LEARN_AFTER`` gaps, or
-    none that long, ``t`` = 0 (it is taken to be asked again at once)."""
-    later = [g - idle_for_s for g in gaps if g > idle_for_s] if len(gaps) >= LEARN_AFTER else []
+    """V's requests' expected wait past the SLO, in request-seconds, when V is put away now: its
+    next arrival ``t`` waits ``max(0, hold_s - t) + come_back_s``, and the requests that follow it
+    until V is back, at one per mean gap, wait the rest of that time (the burst behind the first).
+    ``t`` is drawn from the learned gaps longer than ``idle_for_s``, less it; with fewer than
+    ``LEARN_AFTER`` gaps, or none that long, ``t`` = 0 and only that first request counts (nothing
+    says how many follow)."""
+    over = hold_s + come_back_s - slo_s  # an arrival before this moment waits past the SLO
+    if len(gaps) < LEARN_AFTER:
+        return max(0.0, over)
+    later = [g - idle_for_s for g in gaps if g > idle_for_s]
     if not later:
-        return max(0.0, hold_s + come_back_s - slo_s)
-    return sum(max(0.0, max(0.0, hold_s - t) + come_back_s - slo_s) for t in later) / len(later)
+        return max(0.0, over)
+    mean_gap = max(sum(gaps) / len(gaps), MIN_GAP_S)
+    total = 0.0
+    for t in later:
+        first = max(0.0, max(0.0, hold_s - t) + come_back_s - slo_s)
+        behind = max(0.0, over - t)
+        total += first + behind * behind / (2 * mean_gap)
+    return total / len(later)
+
+
+def reach_timeout(gaps: Sequence[float], idle_for_s: float, idle_after_s: float) -> float:
+    """The chance that V, idle for ``idle_for_s``, stays idle until ``idle_after_s`` (its gaps
+    longer than that, of those longer than ``idle_for_s``); 1 with fewer than ``LEARN_AFTER``
+    gaps, or none that long (nothing says it comes back sooner)."""
+    if len(gaps) < LEARN_AFTER:
+        return 1.0
+    longer = [g for g in gaps if g > idle_for_s]
+    if not longer:
+        return 1.0
+    return sum(1 for g in longer if g >= idle_after_s) / len(longer)
 
 
 class ByCost:
@@ -77,27 +108,27 @@ class ByCost:
     def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
         if idle_for_s >= idle_after_s:
             return True
-        core = self.core
-        if core is None:
-            return False
-        wait_s = idle_after_s - idle_for_s
-        hold_s = core.start_s(requester) + core.min_idle_timeout_s
-        loss = expected_loss(core.gaps(victim.id), idle_for_s, hold_s, core.put_away_s(victim), self.slo_s)
-        return wait_s > loss
+        figures = self.figures(requester, victim, idle_for_s, idle_after_s)
+        return bool(figures) and figures["wait_s"] > figures["loss_s"]
 
     def figures(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                 ) -> dict[str, float]:
-        """What ``__call__`` weighs for a victim in a lull, by the same function (``expected_loss``):
-        the requester's wait without it (``wait_s``) against its expected loss (``loss_s``), with
-        the requester's hold (``hold_s``) and the victim's way back (``come_back_s``)."""
+        """What ``__call__`` weighs for a victim in a lull (empty before ``bind``): the requester's
+        waiting requests' wait without it, in request-seconds (``wait_s``: each waits the victim's
+        timeout out if it stays idle that long, else until the queue gives it up), against its
+        expected loss (``loss_s``, ``expected_loss``), with the requester's hold (``hold_s``) and
+        the victim's way back (``come_back_s``)."""
         core = self.core
         if core is None:
             return {}
+        gaps = core.gaps(victim.id)
+        left = idle_after_s - idle_for_s
+        reach = reach_timeout(gaps, idle_for_s, idle_after_s)
+        wait_s = (reach * left + (1 - reach) * max(left, core.queue_timeout_s)) * max(1, core.waiting(requester.id))
         hold_s = core.start_s(requester) + core.min_idle_timeout_s
         come_back_s = core.put_away_s(victim)
-        loss = expected_loss(core.gaps(victim.id), idle_for_s, hold_s, come_back_s, self.slo_s)
-        return {"wait_s": idle_after_s - idle_for_s, "loss_s": loss, "hold_s": hold_s, "come_back_s": come_back_s,
-                "slo_s": self.slo_s}
+        loss = expected_loss(gaps, idle_for_s, hold_s, come_back_s, self.slo_s)
+        return {"wait_s": wait_s, "loss_s": loss, "hold_s": hold_s, "come_back_s": come_back_s, "slo_s": self.slo_s}
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
