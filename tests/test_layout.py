@@ -48,10 +48,13 @@ ALLOWED = {
     "control.slots": {"control.protocol", "control.record", "control.rhythm", "control.verdicts",
                       "control.warmth_policy", "errors", "model"},
     # The start side: each deployment's attempt, make-room for the queue's head, the queue's clock.
-    "control.attempts": {"control.eviction", "control.placement", "control.protocol", "control.record",
+    "control.attempts": {"control.eviction", "control.placement", "control.protocol", "control.record", "control.relocation",
                          "control.scheduler", "control.slots", "control.verdicts", "errors", "model"},
     # The scheduler: the queue's order and holds, make-room's victims, placement (one class each).
-    "control.scheduler": {"control.cost", "control.eviction", "control.placement", "control.queue", "model"},
+    "control.scheduler": {"control.cost", "control.eviction", "control.placement", "control.queue", "control.value",
+                          "control.warmth_policy", "model"},
+    "control.value": {"control.record", "control.rhythm", "control.warmth_policy", "model"},
+    "control.relocation": {"control.placement", "model"},
     # Make-room by cost (scheduler = "cost"): the take rule, pure; the core through its CoreView.
     "control.cost": {"control.rhythm", "model"},
     # How long an idle engine stays warm, per deployment: the policy's protocol and Fixed ...
@@ -202,6 +205,7 @@ ALLOWED = {
                    "replay.types", "replay.world"},
     # The clairvoyant reference: a scheduler, a warmth policy and early starts plugged into the core.
     "replay.clairvoyant": {"control.controller", "control.cost", "control.eviction", "control.placement",
+                           "control.warmth_policy",
                            "control.queue", "control.scheduler", "engines.tiers", "errors", "model", "replay.clock",
                            "replay.flights", "replay.types", "replay.world"},
 }

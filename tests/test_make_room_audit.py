@@ -4,7 +4,8 @@ timeout; ``cost``, before it); one taken before its timeout is audited ``ondeman
 requester's deployment, with the victim and the scheduler's reason (``TakeRule.reason``), and its
 view says so (``ondemand.put_away_early``) until it is ready again. First on test_controller's fake
 clock and recording effects (test_cost's lull: the requester starts cold in 60 s, min_idle_timeout_s
-1 s, SLO 5 s, the victim sleeps and wakes in 1 s: its loss is 61 + 1 - 5 = 57 s); then through a
+1 s, SLO 5 s, the victim sleeps and wakes in 4 s, dear enough that warmth by value keeps its idle
+timeout: its loss is 61 + 4 - 5 = 60 s); then through a
 real ondemand: the audit row in the state file, the metric in a scrape, the view over HTTP and
 ``ondemand status``."""
 from __future__ import annotations
@@ -45,6 +46,7 @@ def lull(world, scheduler: str, *, idle: float):
     """2 (10 GiB, idle timeout 600 s, sleeps when idle) was used ``idle`` s ago; 1 (10 GiB) is
     refused for 6 GiB and asks make-room."""
     c, fx, clock = make(world, scheduler=schedulers.scheduler(scheduler, SLO_S))
+    fx.rest_costs = {"asleep_1": 4.0, "asleep_2": 6.0, "stopped": 60.0}
     fx.add(1, 10)
     fx.add(2, 10, idle_timeout_s=600, idle_action="sleep")
     fx.set(2, state=State.READY)
@@ -72,12 +74,12 @@ def test_a_victim_taken_before_its_timeout_by_cost_is_audited_counted_and_shown(
     [(action, dep_id, text, detail)] = fx.audits
     assert action == "ondemand_make_room" and dep_id == 1  # the requester's row
     assert text == ("Put d2 to sleep for d1 after 42 s idle of its 600 s idle timeout "
-                    "(cost: wait 558 s > expected loss 57 s)")
+                    "(cost: wait 558 s > expected loss 60 s)")
     assert detail == {"victim_id": 2, "victim": "d2", "for": "d1",
-                      "reason": {"rule": "cost", "wait_s": 558.0, "loss_s": 57.0, "hold_s": 61.0, "come_back_s": 1.0,
+                      "reason": {"rule": "cost", "wait_s": 558.0, "loss_s": 60.0, "hold_s": 61.0, "come_back_s": 4.0,
                                  "slo_s": SLO_S, "idle_for_s": 42.0, "idle_after_s": 600.0}}
     early = c.status(2)["put_away_early"]
-    assert early["for"] == "d1" and early["for_id"] == 1 and early["rule"] == "cost" and early["loss_s"] == 57.0
+    assert early["for"] == "d1" and early["for_id"] == 1 and early["rule"] == "cost" and early["loss_s"] == 60.0
     assert early["at"] == 1.7e9 + c.clock()
     assert ("counters", 2, c.clock()) in fx.calls  # its view is published again with it
     assert c.status(1)["put_away_early"] is None and c.status(1)["held_for"] is None
@@ -123,15 +125,16 @@ def test_the_rules_say_why_they_took():
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
 
-@pytest.mark.server(reap_interval_s=3600, scheduler="cost")
+@pytest.mark.server(reap_interval_s=3600, scheduler="cost", slo_s=0.5)
 async def test_a_real_make_room_by_cost_is_in_the_audit_the_metrics_the_view_and_status(tmp_path, server, http):
     """big (15 GiB) served a request a moment ago, of its 600 s idle timeout; x (12 GiB) does not fit
     beside it (24 GiB): the request for x would wait 600 s without big, and big's loss is what x's
     cold start (60 s, nothing measured) and its 1 s minimum hold cost big's next request, with big's
-    own cold start, less the 5 s SLO (56 s and big's start): big is stopped for x at once."""
+    own cold start, less the 0.5 s SLO: big is stopped for x at once. (Its start, half a second, is
+    dear against that SLO: warmth by value keeps its idle timeout, so the take is cost's.)"""
     from test_cli import cli, write_config
     from test_telemetry import scrape, v
-    big = await server.add("big", 15, idle_timeout_s=600)
+    big = await server.add("big", 15, "--startup-delay", "0.5", idle_timeout_s=600)
     x = await server.add("x", 12)
     async with http.post(server.gw(big, "chat/completions"), json={**CHAT, "model": "BIG"},
                          headers=server.auth()) as r:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InsufficientMemory
 from ..model import REQUEST_STARTABLE, Deployment, State
-from . import verdicts
+from . import relocation, verdicts
 from .eviction import Candidate
 from .placement import Fit, asleep_held, holdings
 from .protocol import Effects, Timer
@@ -159,6 +159,8 @@ class Attempts:
                 self.schedule_tick()
                 return  # what the entries it overtook are freeing is held for it: wait for that
             victims, chosen = self._pick_victims(dep, fit)
+            if not victims and self._relocates(dep, dw, fit):
+                return  # stopped where it sleeps, to start cold where it fits (relocation.py)
             if not victims:
                 self._tell_queued(dw)
                 self.schedule_tick()
@@ -177,6 +179,28 @@ class Attempts:
                 self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
             else:
                 self.effects.stop(v.id, text=f"Stopped (asleep) to make room for {dep.served_name}", for_dep=dep_id)
+
+    def _relocates(self, dep: Deployment, dw: Attempt, fit: Fit) -> bool:
+        """A sleeper that cannot wake on its own GPUs, with no victim there, when the scheduler
+        relocates and a cold start fits elsewhere now: stopped (its own stop: the precheck asks
+        only that it still sleeps), then its attempt starts it cold."""
+        if not (self.scheduler.relocates and relocation.may_relocate(dep, fit)) or self._put_away_now(dep.id):
+            return False
+        if relocation.elsewhere(fit) is None:
+            return False
+        pools = len(fit.free)
+        dw.phase = Phase.STOPPING
+        dw.victims = {dep.id}
+        dw.frees = {dep.id: holdings(self._frees(dep, pools, fit.per_gpu), dep.gpu_count, dep.gpus, pools, fit.per_gpu)}
+        dw.freed = 0.0
+        log.info("%s cannot wake on GPUs %s: stopped, to start where it fits", dep.name, dep.gpus)
+        self.effects.stop(dep.id, text="Stopped (asleep) to start on other GPUs: its own are taken", for_dep=dep.id)
+        return True
+
+    def _put_away_now(self, dep_id: int) -> bool:
+        """Is ``dep_id`` a victim of a make-room under way (its sleep or stop not yet reported)?"""
+        return dep_id in self._taking or any(
+            rec.attempt is not None and dep_id in rec.attempt.victims for _, rec in self.slots.items())
 
     def on_budget_error(self, dep_id: int, reason: str) -> None:
         """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""

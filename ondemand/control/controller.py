@@ -73,6 +73,7 @@ class Controller:
         self.min_idle_timeout_s: float = min_idle_timeout_s
         self._holds: dict[int, str] = {}  # each held_for the reaper's step last saw (its view shows it)
         self.scheduler.bind(self)  # a cost rule reads the gaps and tiers below (cost.CoreView)
+        self.fixed = self.scheduler.warmth(self.fixed)  # cost: warmth by value over the timeouts
 
     @property
     def queue(self) -> WaitQueue:
@@ -222,6 +223,8 @@ class Controller:
             return self.is_idle
 
         def still(dep: Deployment) -> bool:
+            if dep.id == for_dep:  # a relocation (Attempts._relocates): its own waiters wait for its start
+                return dep.state is State.ASLEEP
             requester = self.effects.deployment(for_dep)
             return requester is not None and self.start_side.may_put_away(dep, requester)
         return still

@@ -18,12 +18,15 @@ from .cost import IDLE_TIMEOUT, ByCost, CoreView
 from .eviction import Candidate, pick_victims
 from .placement import Fit
 from .queue import WaitQueue
+from .value import ByValue
+from .warmth_policy import WarmthPolicy
 
 
 class Scheduler(Protocol):
     """What the controller asks of its scheduler (plain defs, no effects)."""
 
     queue: WaitQueue  # the deployments waiting for memory, in order, and what is held for each
+    relocates: bool  # may a sleeper that cannot wake where it is start cold elsewhere (relocation.py)?
 
     def behind(self, dep_id: int, head: int) -> bool:
         """Does ``dep_id``'s entry wait behind ``head``, a head of higher priority that took its
@@ -44,6 +47,10 @@ class Scheduler(Protocol):
 
     def bind(self, core: CoreView) -> None:
         """Told the core it serves (a rule that weighs costs reads its learned gaps and tiers)."""
+
+    def warmth(self, fixed: WarmthPolicy) -> WarmthPolicy:
+        """The warmth policy of the deployments whose ``keep_warm`` is ``fixed``: ``fixed`` itself,
+        or one of the scheduler's own over it (cost: ``value.ByValue``). Asked once, after ``bind``."""
 
     def may_take(self, requester: Deployment, victim: Deployment) -> bool:
         """May make-room put ``victim`` away for ``requester`` (if it is idle)?"""
@@ -109,13 +116,23 @@ class SeedScheduler:
     requester's priority or lower that ``take`` allows (idle for their whole timeout), picked by
     ``eviction.pick_victims`` on placement's best fit."""
 
-    def __init__(self, take: TakeRule = after_idle_timeout) -> None:
+    def __init__(self, take: TakeRule = after_idle_timeout, by_value_slo_s: float | None = None,
+                 relocates: bool = False) -> None:
         self.queue = WaitQueue()
         self.take = take
+        self.by_value_slo_s = by_value_slo_s  # warmth by value against this SLO; None: fixed's
+        self.relocates = relocates
+        self.core: CoreView | None = None
 
     def bind(self, core: CoreView) -> None:
+        self.core = core
         if isinstance(self.take, ByCost):
             self.take.bind(core)
+
+    def warmth(self, fixed: WarmthPolicy) -> WarmthPolicy:
+        if self.by_value_slo_s is None or self.core is None:
+            return fixed
+        return ByValue(fixed, self.core, self.by_value_slo_s)
 
     def behind(self, dep_id: int, head: int) -> bool:
         return dep_id != head and self.queue.overtaken_by(dep_id) == head
@@ -160,7 +177,7 @@ class SeedScheduler:
 def cost(slo_s: float) -> Scheduler:
     """``scheduler = "cost"``: the seed scheduler's queue and placement, make-room by cost
     (``cost.ByCost``: a victim idle for less than its timeout when that pays, against ``slo_s``)."""
-    return SeedScheduler(ByCost(slo_s))
+    return SeedScheduler(ByCost(slo_s), by_value_slo_s=slo_s, relocates=True)
 
 
 # The box's ``scheduler`` key (config's check names the same ones): each a new scheduler, given the

@@ -65,6 +65,7 @@ from ..control.eviction import Candidate, pick_victims
 from ..control.placement import Fit, asleep_held, holdings
 from ..control.queue import WaitQueue
 from ..control.scheduler import SeedScheduler
+from ..control.warmth_policy import WarmthPolicy
 from ..engines import tiers
 from ..engines.tiers import Tier
 from ..errors import OndemandError
@@ -299,9 +300,13 @@ class ClairvoyantScheduler:
         self.queue: WaitQueue = ArrivalQueue(lambda d: ARRIVED if early.arrived_waiting(d) > 0 else AHEAD)
         self.seed = SeedScheduler()
         self.seed.queue = self.queue  # the seed's rules, read over this queue
+        self.relocates = False
 
     def bind(self, core: CoreView) -> None:
         self.seed.bind(core)
+
+    def warmth(self, fixed: WarmthPolicy) -> WarmthPolicy:
+        return fixed  # its rests are its own (Foresight), not a warmth policy's
 
     def behind(self, dep_id: int, head: int) -> bool:
         return self.seed.behind(dep_id, head)

@@ -1,0 +1,133 @@
+"""Warmth by value (``scheduler = "cost"``): how long an idle engine stays awake, weighed against
+``slo_s`` instead of one timeout for all. The ``WarmthPolicy`` the cost scheduler gives the
+deployments whose ``keep_warm`` is ``fixed``. Pure: no clock, no I/O; it reads the core through
+``ValueView``.
+
+What a rest costs is what the next request waits for when it comes back: the wake from the tier
+the engine rests in, or a cold start (``CoreView.put_away_s``). Two kinds of engine:
+
+- **Cheap to bring back** (that wait at most ``CHEAP`` of ``slo_s``: a 0.25 s wake of a 0.6B, a
+  3 s wake of a 30B MoE): a rest costs its next request nothing against the SLO, and staying
+  awake costs the whole footprint, so it rests once idle for ``min_idle_timeout_s``, never sooner.
+- **Dear to bring back** (its wake or start passes that: a 5.4 s wake of a 235B over four GPUs,
+  any cold start): every rest costs its next request the SLO, and every second awake costs its
+  whole footprint. It stays awake while that pays at ``PRICE_GIB_S`` a miss: at idle time ``a``,
+  held until its next request or its idle timeout more, it would hold ``footprint x E[min(t,
+  timeout)]`` GiB-seconds (``t`` over its learned gaps longer than ``a``, less ``a``) to save the
+  miss of a request that comes within that time (the share of those gaps that end within it). So it
+  may rest before its timeout (its gaps say nothing comes back soon) or stay awake past it
+  (``held_for`` ``slo``: they say something will). With fewer than ``LEARN_AFTER`` gaps it keeps
+  its timeout.
+
+An asleep engine keeps its timeout's rule (the reaper's stop after ``sleep_timeout_s`` reads no
+idle time of ours), and make-room weighs an idle engine by cost whatever this says.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..model import Deployment, State
+from .record import Record
+from .rhythm import LEARN_AFTER
+from .warmth_policy import WarmthPolicy
+
+# An engine whose next request waits at most CHEAP x slo_s to bring it back rests early.
+CHEAP = 0.6
+# A dear engine stays awake while the memory it holds for each miss it saves costs at most this
+# (GiB-seconds a miss: 3 GiB-hours, the trade the replay's tables set; design.md).
+PRICE_GIB_S = 3 * 3600.0
+HELD_FOR_SLO = "slo"
+
+
+class ValueView(Protocol):
+    """What warmth by value reads of the decision core (a part of ``cost.CoreView``)."""
+
+    min_idle_timeout_s: float
+
+    def gaps(self, dep_id: int) -> Sequence[float]:
+        """Its learned idle gaps (seconds; none learned: empty)."""
+
+    def put_away_s(self, dep: Deployment) -> float:
+        """What its next request waits for once it is put away now."""
+
+
+def hold_until(ordered: Sequence[float], floor: float, horizon: float, gib: float, price_gib_s: float) -> float:
+    """The earliest idle time ``a`` >= ``floor`` (``floor`` or just after a gap) at which holding
+    ``gib`` awake no longer pays: the GiB-seconds it would hold until its next request or
+    ``horizon`` more, ``gib`` x E[min(t, horizon)], exceed ``price_gib_s`` times the chance that
+    the request comes within ``horizon`` (a miss it saves). ``t`` ranges over the gaps longer than
+    ``a``, less ``a``; ``ordered`` sorted. Past the longest gap nothing says a request comes back:
+    it rests there at the latest."""
+    n = len(ordered)
+    prefix = [0.0]
+    for g in ordered:
+        prefix.append(prefix[-1] + g)
+    for a in [floor] + [g for g in ordered if g > floor]:
+        first = bisect.bisect_right(ordered, a)
+        longer = n - first
+        if longer == 0:
+            return a
+        end = bisect.bisect_right(ordered, a + horizon)
+        soon = end - first
+        held = (prefix[end] - prefix[first] - soon * a) + (n - end) * horizon  # sum of min(t, horizon)
+        if gib * held / longer > price_gib_s * soon / longer:
+            return a
+    return floor
+
+
+class ByValue:
+    """Warmth by value (module doc), over ``fixed`` (its timeouts) and the core's ``view``."""
+
+    def __init__(self, fixed: WarmthPolicy, view: ValueView, slo_s: float):
+        self.fixed = fixed
+        self.view = view
+        self.slo_s = slo_s
+        self._memo: dict[int, tuple[tuple[int, float, float, float], float]] = {}
+
+    def cheap(self, dep: Deployment) -> bool:
+        """Does bringing it back from its rest cost its next request at most ``CHEAP`` of the SLO?"""
+        return self.view.put_away_s(dep) <= CHEAP * self.slo_s
+
+    def idle_after(self, dep: Deployment, rec: Record) -> float:
+        timeout = self.fixed.idle_after(dep, rec)
+        if dep.state is not State.READY:
+            return timeout
+        floor = min(float(self.view.min_idle_timeout_s), timeout)
+        if self.cheap(dep):
+            return floor
+        gaps = self.view.gaps(dep.id)
+        if len(gaps) < LEARN_AFTER:
+            return timeout
+        key = (len(gaps), gaps[-1], floor, timeout)
+        memo = self._memo.get(dep.id)
+        if memo is None or memo[0] != key:
+            memo = (key, hold_until(sorted(gaps), floor, timeout, dep.footprint_gib, PRICE_GIB_S))
+            self._memo[dep.id] = memo
+        return memo[1]
+
+    def held_for(self, dep: Deployment, rec: Record | None, now: float) -> str | None:
+        """``slo`` while it is kept awake past its timeout because its wake would miss the SLO and
+        its next request is likely soon; else None."""
+        if rec is None or rec.last_activity is None or rec.inflight or dep.state is not State.READY:
+            return None
+        idle_for = now - rec.last_activity
+        timeout = self.fixed.idle_after(dep, rec)
+        return HELD_FOR_SLO if timeout <= idle_for < self.idle_after(dep, rec) else None
+
+    def idle_began(self, dep: Deployment | None, rec: Record) -> None:
+        self.fixed.idle_began(dep, rec)
+
+    def idle_ended(self, dep: Deployment, rec: Record) -> None:
+        self.fixed.idle_ended(dep, rec)
+
+    def held_until(self, dep: Deployment, rec: Record | None, now: float) -> float | None:
+        return self.fixed.held_until(dep, rec, now)
+
+    def rest(self, dep: Deployment, rec: Record | None, now: float) -> bool:
+        return self.fixed.rest(dep, rec, now)
+
+    def changed(self, dep: Deployment, rec: Record) -> None:
+        self._memo.pop(dep.id, None)
+        self.fixed.changed(dep, rec)
