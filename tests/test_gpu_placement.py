@@ -12,10 +12,10 @@ import random
 import sys
 
 import pytest
-from helpers import wait_for
+from helpers import FAKES, wait_for
 from test_cli import cli, write_config
 
-FAKE = str(pathlib.Path(__file__).parent / "fakes" / "nvidia-smi")
+FAKE = str(FAKES / "nvidia-smi")
 GIB_MIB = 1024
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

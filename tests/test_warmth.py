@@ -5,15 +5,14 @@ holds; level 2 answers garbage until its weights are reloaded). BEHAVIOUR.md, "T
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import pytest
-from helpers import wait_for
+from helpers import FAKES, wait_for
 from test_gpu_placement import FAKE, add, ask, box, claimed
 
 # A host with plenty of memory: a level-1 sleep is never made level 2 by what this machine has free
 # (the host reserve has its own test, with a meminfo of its own).
-FAKE_MEMINFO = str(pathlib.Path(__file__).parent / "fakes" / "meminfo")
+FAKE_MEMINFO = str(FAKES / "meminfo")
 
 pytestmark = pytest.mark.server(**{"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
                                    "metrics_interval_s": 0.1, "reap_interval_s": 3600,
