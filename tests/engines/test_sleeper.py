@@ -2,7 +2,7 @@
 in this process, through the engine client and its pools: a sleep and a wake make their tier's
 calls, the wake check compares the one-token answer recorded after the start, and each failure
 comes back as ``WakeFailed`` with its result. The deployer's decisions around them, end to end:
-test_warmth.py."""
+test_tiered_warmth.py."""
 from __future__ import annotations
 
 import contextlib
