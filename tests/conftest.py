@@ -2,14 +2,29 @@
 configured with ``@pytest.mark.server(...)``), an HTTP client (``http``), a real Docker
 engine for the ``docker`` tests (``docker_env``), and the one fake of nvidia-smi (tests/fakes).
 
-Elsewhere in tests/: helpers.py (``run_app``, the one way to start the server, which
+tests/ mirrors the package: the tests of ``ondemand/control/`` in tests/control/, and so on
+(the package's top-level modules here, at the root); the suites that run the whole ondemand
+apart: e2e/ (end to end on loopback), hostile/ (malformed and flooding clients), heavy/ (real
+Docker, LiteLLM, llama.cpp, vLLM, Prometheus, a browser), bench/ (the benches' and the soak's
+short versions), packaging/. Test modules import each other by name (test_controller's
+recording effects, test_cli's helpers), as in one flat folder: every folder of tests/ is on
+``sys.path`` (below), so a file run alone finds them too.
+
+Here, at the root: helpers.py (``run_app``, the one way to start the server, which
 ``server`` wraps; ``wait_for``, the way to wait for something to happen instead of a
 fixed sleep; engine-simulator deployment rows), docker_double.py (a Docker Engine API
 on a Unix socket), docker_real.py (the real one's network and image), litellm_double.py,
 and test_backend_contract.py (what every engine backend must do)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+for _folder in sorted({p.parent for p in Path(__file__).parent.glob("*/**/test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 try:
     import aiohttp  # noqa: F401  (the project's dependencies live in its venv)
@@ -19,7 +34,7 @@ except ModuleNotFoundError:
 
 from helpers import FAKES, run_app  # noqa: E402
 
-from ondemand.state.store import Store
+from ondemand.state.store import Store  # noqa: E402
 
 
 def pytest_configure(config):

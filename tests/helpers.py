@@ -205,6 +205,24 @@ class Server:
         self.key = key
         self.token = token
         self.http = None  # the HttpServer (run_app sets it)
+        self.skipped = 0.0  # the controller's clock runs ahead of the loop's by this much (skip)
+
+    def clock(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def skip(self, seconds: float) -> None:
+        """Move the controller's clock on (idle timers, sleep timeouts, backoff, queue deadlines)
+        instead of waiting them out: the reaper's next step sees the time passed."""
+        self.skipped += seconds
+
+    async def idle_for(self, seconds: float, *dep_ids: int) -> None:
+        """Let deployments ``dep_ids`` be idle for ``seconds`` on the controller's clock: once their
+        last requests have let go (their activity is stamped then), skip the time, and wait until
+        the reaper's rule finds them idle (their engines' metrics read quiet too)."""
+        await wait_for(lambda: not any(self.controller.inflight(i) for i in dep_ids), what=f"{dep_ids} let go")
+        self.skip(seconds)
+        await wait_for(lambda: all(self.controller.is_idle(self.deployer.get(i)) for i in dep_ids),
+                       what=f"{dep_ids} idle by the reaper's rule")
 
     def set_limits(self, **changes) -> None:
         """Other HTTP bounds for the connections that open from now on (``ondemand.http.Limits``)."""
@@ -282,7 +300,8 @@ async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides)
     if write_key:
         keys.write_key_file(cfg.key_file, key)
     token = app_mod.ensure_token(cfg.token_file)
-    app = app_mod.build_app(cfg)
+    srv = Server(None, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)
+    app = srv.app = app_mod.build_app(cfg, clock=srv.clock)
     if limits is not None:
         app[LIMITS] = limits
     server = HttpServer(app, shutdown_timeout=1)
@@ -293,7 +312,6 @@ async def run_app(tmp_path, *, write_key: bool = True, limits=None, **overrides)
         await server.listen_tcp(admin[0], admin[1], serves="admin")
     await server.listen_unix(str(cfg.admin_socket))
     cfg.admin_socket.chmod(0o600)  # as serve makes it
-    srv = Server(app, f"http://127.0.0.1:{port}{cfg.base_path}", cfg, key, token)
     srv.http = server
     try:
         yield srv

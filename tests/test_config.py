@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from ondemand import config
 from ondemand.errors import ConfigError
@@ -108,7 +109,7 @@ def test_describe_lists_every_key():
 
 
 def test_readme_configuration_names_every_key():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Configuration\n"):readme.index("## Engine logs\n")]
     missing = [key for key, _, _ in config.describe() if f"`{key}`" not in table]
     assert not missing, f"the README's configuration table lacks {missing}"
@@ -116,7 +117,7 @@ def test_readme_configuration_names_every_key():
 
 @pytest.mark.parametrize("name", ["ondemand.example.toml", "ondemand.toml", "demo.toml", "real.toml"])
 def test_shipped_configs_load(name):
-    path = Path(__file__).resolve().parent.parent / "packaging" / name
+    path = ROOT / "packaging" / name
     cfg = config.load(path, env={})
     assert cfg.listen and cfg.state_dir
 

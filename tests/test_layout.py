@@ -326,7 +326,7 @@ def test_the_deployer_and_the_replay_world_call_one_set_of_rules():
     """Issue 41: the deployer's decisions are engines/rules.py's, and replay/world.py calls them
     instead of keeping copies (they had drifted): every rule is called by the deployer or its
     registry, the world calls each one the deployer's steps call, and names nothing only a copy
-    would need (tests/test_rules.py patches rules and sees the replay change)."""
+    would need (tests/engines/test_rules.py patches rules and sees the replay change)."""
     public = {n.name for n in _tree(PKG / "engines" / "rules.py").body
               if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
     deployer = _calls_of(_tree(PKG / "engines" / "deployer.py"), "rules")

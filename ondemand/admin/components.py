@@ -3,6 +3,7 @@ the deployment view built from them. ``app`` fills them in; the admin API and
 the publishers read them. Imports only the component types."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -45,6 +46,8 @@ PEERS = web.AppKey("peers", PeerPolicySource)
 GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG = web.AppKey("config", Config)
 STARTED_AT = web.AppKey("started_at", float)
+# The controller's clock (a test moves it on instead of waiting out an idle timeout).
+CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("clock")
 TASKS = web.AppKey("tasks", TaskGroup)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 ACCESS_LOG = web.AppKey("access_log", AccessLog)  # only when access_log is text or json

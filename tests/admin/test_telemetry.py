@@ -186,7 +186,7 @@ async def test_a_scrape_reads_a_cached_gpu_snapshot(server, http, monkeypatch):
 def test_a_failed_wakes_cold_start_is_timed_from_its_own_beginning():
     """A failed wake ends (its StartEnded, and its Woken), then the cold start after it begins in
     the same starting: its duration is from its own beginning, which the deployer's StartEnded
-    says (tests/test_start.py), not from the wake's; the wake is no start. A start taken back
+    says (tests/engines/test_start.py), not from the wake's; the wake is no start. A start taken back
     after ondemand's restart is counted, not timed (part of it ran before these metrics)."""
     from ondemand.admin.telemetry import Telemetry
     from ondemand.events import StartEnded, Woken

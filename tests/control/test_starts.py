@@ -96,7 +96,7 @@ async def test_failed_or_interrupted_starts_are_not_counted(store, end):
 
 
 async def test_a_wake_is_recorded_apart_and_a_start_from_before_a_restart_is_timed_from_its_row(store):
-    """(A start taken back after a restart begins at its row's stamp: tests/test_start.py.)"""
+    """(A start taken back after a restart begins at its row's stamp: tests/engines/test_start.py.)"""
     h = StartHistory(store)
     try:
         ended(h, 0.0, 2.0, level=1)

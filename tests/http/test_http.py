@@ -15,6 +15,17 @@ from ondemand.http.limits import Limits
 CHAT = orjson.dumps({"model": "A", "messages": [{"role": "user", "content": "hello"}]})
 
 
+async def _stalled(writer, timeout: float = 10) -> None:
+    """Until the writer's unsent bytes no longer shrink (the peer takes no more): three readings
+    apart, all equal and not nil."""
+    seen: list[int] = []
+
+    def still() -> bool:
+        seen.append(writer.transport.get_write_buffer_size())
+        return len(seen) >= 3 and seen[-1] > 0 and seen[-1] == seen[-2] == seen[-3]
+    await wait_for(still, timeout=timeout, interval=0.05, what="the client's writes to stall")
+
+
 def _port(server) -> int:
     return int(server.url.split(":")[2].split("/")[0])
 
@@ -249,7 +260,7 @@ async def test_a_gateway_body_past_the_high_water_mark_pauses_reading(ready):
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(server))
     try:
         writer.write(_gw(server, dep, body=body))
-        await asyncio.sleep(0.5)  # the client writes what the kernel takes
+        await _stalled(writer)  # the client has written what the kernel and the server take
         release.set()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     finally:

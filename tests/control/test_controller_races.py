@@ -94,7 +94,11 @@ async def test_states_that_wait_without_starting(tmp_path, store, how):
             await env.start(a)
             env.deployer.amend(a, state=State.STOPPING)  # as mid-stop
         waiter = asyncio.ensure_future(env.acquire(a))
-        await asyncio.sleep(0.3)  # a window in which nothing may start it
+        # Whatever could start it has run: the join, the queue's clock (driven here, not waited
+        # for) and the effects they asked for.
+        await wait_for(lambda: c.waiting(a) == 1, what="the request waiting")
+        c.tick()
+        await env.effects_done()
         assert not waiter.done()
         starts = [r for r in await store.audit(a) if r["action"] == "ondemand_start"]
         assert starts == []  # the controller started nothing itself

@@ -441,7 +441,9 @@ async def test_a_request_and_an_admin_start_during_an_owed_start_start_it_once(t
             return await real(dep, how)
         d.backend.start = counted
         request = asyncio.ensure_future(env.acquire(i))
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: env.controller.waiting(i) == 1, what="the request waiting")
+        env.controller.tick()  # the queue's clock, driven: it starts nothing owed either
+        await env.effects_done()
         assert not request.done() and d.get(i).state == "stopped" and starts == []
         admin = asyncio.ensure_future(d.restart(i, actor="admin"))
         tasks = d.restart_lost(env.controller.held_for_others)

@@ -190,7 +190,7 @@ async def test_key_rotation_without_restart(server, http):
     a = await server.add("a")
     old = server.key
     new = keys.generate_key()
-    # The file is looked at at most once a second (tests/test_keys.py times that); here more
+    # The file is looked at at most once a second (tests/gateway/test_keys.py times that); here more
     # often, and the test waits until the watcher has the new key.
     server.keys.STAT_INTERVAL_S = 0.05
     keys.write_key_file(server.cfg.key_file, new)

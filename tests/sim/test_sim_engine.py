@@ -13,10 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers import ROOT
 
 from ondemand.sim.engine import SimOptions, build_app, main, parse_args
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.asynccontextmanager

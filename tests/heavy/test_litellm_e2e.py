@@ -33,13 +33,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from helpers import free_port, run_app
+from helpers import ROOT, free_port, run_app
 
 from ondemand import app as app_mod
 from ondemand.litellm.client import LiteLLMClient, LiteLLMError
 from ondemand.litellm.entries import HEALTH_CHECK_HEADER, ondemand_entry
 
-CLIENT = Path(__file__).resolve().parent / "clients" / "litellm_client.py"
+CLIENT = ROOT / "tests" / "clients" / "litellm_client.py"
 MASTER = "sk-ondemand-e2e-master"
 
 

@@ -5,15 +5,14 @@ holds; level 2 answers garbage until its weights are reloaded). BEHAVIOUR.md, "T
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import pytest
-from helpers import wait_for
+from helpers import FAKES, wait_for
 from test_gpu_placement import FAKE, add, ask, box, claimed
 
 # A host with plenty of memory: a level-1 sleep is never made level 2 by what this machine has free
 # (the host reserve has its own test, with a meminfo of its own).
-FAKE_MEMINFO = str(pathlib.Path(__file__).parent / "fakes" / "meminfo")
+FAKE_MEMINFO = str(FAKES / "meminfo")
 
 pytestmark = pytest.mark.server(**{"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
                                    "metrics_interval_s": 0.1, "reap_interval_s": 3600,
@@ -50,6 +49,10 @@ async def engine_requests(server, dep_id: int) -> list[tuple[str, str]]:
                 if q["path"] not in ("/metrics", "/health", "/v1/models")]
 
 
+async def _received(server, dep_id: int, path: str) -> bool:
+    return path in [p for p, _ in await engine_requests(server, dep_id)]
+
+
 async def audit_rows(server, dep_id: int, action: str) -> list[dict]:
     return [r for r in await server.deployer.store.audit(dep_id) if r["action"] == action]
 
@@ -62,6 +65,7 @@ async def test_the_reaper_puts_an_idle_model_to_sleep_and_a_request_wakes_the_sa
     assert await ask(server, http, a) == (200, "")
     first = pid(server, a)
     assert server.deployer.get(a).wake_check == "tok0"  # the greedy one-token answer, recorded after the start
+    await server.idle_for(1, a)  # its idle timeout on the controller's clock: the reaper's next step
     dep = await wait_for(lambda: (d := server.deployer.get(a)).state.value == "asleep" and d.host_gib and d,
                          timeout=15, what="the reaper's sleep and its measurement")
     assert dep.sleep_level == 1 and dep.asleep_gib == pytest.approx(2)  # what it keeps on its GPU, measured
@@ -93,7 +97,7 @@ async def test_make_room_puts_awake_engines_to_sleep_before_it_stops_asleep_ones
     assert server.deployer.get(c).asleep_gib == pytest.approx(2)
     assert claimed(fake_nvidia_smi.apps) == {0: 44}
     d = await add(server, "d", 76, gpu_count=1)
-    await asyncio.sleep(1.3)  # c idle for its full timeout
+    await server.idle_for(1.3, c)  # c idle for its full timeout
     assert await ask(server, http, d) == (200, "")
     states = {n: server.state(i) for n, i in (("a", a), ("b", b), ("c", c), ("d", d))}
     assert states == {"a": "stopped", "b": "asleep", "c": "asleep", "d": "ready"}
@@ -111,7 +115,7 @@ async def test_a_busy_engine_is_never_put_to_sleep_and_a_higher_priority_one_is_
     body = {"model": "BUSY", "messages": [{"role": "user", "content": "hi"}]}
     long = asyncio.ensure_future(http.post(server.gw(busy, "chat/completions"), json=body, headers=server.auth()))
     await wait_for(lambda: server.controller.inflight(busy) == 1, what="the long request in flight")
-    await asyncio.sleep(1.2)
+    await server.idle_for(1.2, vip)  # vip idle past its timeout; busy still in flight
     new = await add(server, "new", 40, gpu_count=1)
     status, code = await asyncio.wait_for(_ask_with_timeout(server, http, new), 10)
     assert (status, code) == (503, "ondemand_queue_timeout")
@@ -159,6 +163,7 @@ async def test_a_level_2_sleeper_reloads_its_weights_in_vllms_order(fake_nvidia_
     a = await sleeper(server, "a", 20, idle_action="sleep2")
     assert await ask(server, http, a) == (200, "")
     first = pid(server, a)
+    await server.idle_for(1, a)
     dep = await wait_for(lambda: (d := server.deployer.get(a)).state.value == "asleep" and d, timeout=15,
                          what="the reaper's level-2 sleep")
     assert dep.sleep_level == 2
@@ -196,7 +201,7 @@ async def test_a_stop_during_a_wake_wins_and_its_waiters_hear_it(fake_nvidia_smi
     await admin(server, http, a, "sleep")
     waiting = asyncio.ensure_future(ask(server, http, a))
     await wait_for(lambda: server.state(a) == "starting", what="the wake")
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: _received(server, a, "/wake_up"), what="the wake call at the engine")
     await asyncio.wait_for(admin(server, http, a, "stop"), 5)  # it cancels the hung wake: no 5 s wait
     assert await waiting == (503, "ondemand_stopped")
     assert server.state(a) == "stopped" and claimed(fake_nvidia_smi.apps) == {}
@@ -218,12 +223,12 @@ async def test_the_host_reserve_makes_a_level_1_sleep_level_2_or_a_stop(fake_nvi
     s = await server.add("s", 10, "--flavor", "sglang", "--enable-memory-saver", "--enable-weights-cpu-backup",
                          gpu_count=1, idle_action="sleep", engine="sglang", idle_timeout_s=1)
     assert await ask(server, http, s) == (200, "")
-    await asyncio.sleep(1.2)
+    await server.idle_for(1.2, s)
     assert server.controller.reap() == [s]
     await wait_for(lambda: server.state(s) == "stopped", what="the stop instead of a sleep")
     meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 31457280 kB\n")  # 30 available: level 1 fits
     assert await ask(server, http, s) == (200, "")
-    await asyncio.sleep(1.2)
+    await server.idle_for(1.2, s)
     server.controller.reap()
     dep = await wait_for(lambda: (d := server.deployer.get(s)).state.value == "asleep" and d, what="sglang asleep")
     assert dep.sleep_level == 1
@@ -237,7 +242,9 @@ async def test_an_engine_asleep_longer_than_sleep_timeout_s_is_stopped(fake_nvid
     box(fake_nvidia_smi, gpus=8)
     a = await sleeper(server, "a", 20)
     assert await ask(server, http, a) == (200, "")
+    await server.idle_for(1, a)
     await wait_for(lambda: server.state(a) == "asleep", timeout=10, what="the sleep")
+    server.skip(1)  # asleep for its sleep_timeout_s
     await wait_for(lambda: server.state(a) == "stopped", timeout=10, what="the stop after sleep_timeout_s")
     rows = await audit_rows(server, a, "ondemand_sleep")
     assert any("min asleep (sleep_timeout_s)" in r["text"] for r in rows)
@@ -311,7 +318,7 @@ async def test_sleeps_the_reaper_starts_together_reserve_host_memory_against_eac
     a, b = [await sleeper(server, n, 8, "--sleep-delay", "0.3") for n in ("a", "b")]
     for dep_id in (a, b):
         assert await ask(server, http, dep_id) == (200, "")
-    await asyncio.sleep(1.2)
+    await server.idle_for(1.2, a, b)
     assert sorted(server.controller.reap()) == [a, b]
     await wait_for(lambda: server.state(a) == server.state(b) == "asleep", what="both asleep")
     assert sorted(server.deployer.get(i).sleep_level for i in (a, b)) == [1, 2]

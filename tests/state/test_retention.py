@@ -48,16 +48,21 @@ async def test_prune_forgets_the_start_history_of_removed_deployments(store):
 
 async def test_the_background_task_runs_soon_then_every_interval(store):
     clock = [1_000_000_000.0]
+    passes = []  # each pass reads the clock once
+
+    def now() -> float:
+        passes.append(clock[0])
+        return clock[0]
     await add_rows(store, clock[0] - 31 * DAY, 3)
     await store.write_audit(action="ondemand_queue_timeout", actor="ondemand", deployment_id=1, text="now")
-    task = asyncio.ensure_future(retention.prune_old_rows(store, 30, clock=lambda: clock[0], first_s=0.01,
-                                                        interval_s=0.05))
+    task = asyncio.ensure_future(retention.prune_old_rows(store, 30, clock=now, first_s=0.01, interval_s=0.05))
     try:
         await wait_for(lambda: count_is(store, "audit", 1), what="the old audit rows gone at the first pass")
         assert await count(store, "events") == 0
         # Time passes (the fake clock): rows written "now" age past the cut and go at a later pass.
         await add_rows(store, clock[0] - DAY, 2)
-        await asyncio.sleep(0.15)
+        seen = len(passes)
+        await wait_for(lambda: len(passes) >= seen + 2, what="two more passes")  # each begun after the rows
         assert await count(store, "events") == 2
         clock[0] += 30 * DAY
         await wait_for(lambda: count_is(store, "events", 0), what="the aged rows gone at a later pass")

@@ -358,11 +358,21 @@ async def test_a_malformed_request_behind_a_good_one_is_refused_after_its_answer
 async def test_a_chunked_body_that_breaks_while_the_gateway_reads_it_is_400_invalid_body(ready):
     server, dep = ready
     head = _req(server, dep, "Transfer-Encoding: chunked", body=b"").replace(b"Content-Length: 0\r\n", b"")
-    async with _conn(server) as (reader, writer):
-        writer.write(head + b"2\r\n{}")
-        await asyncio.sleep(0.2)  # the handler waits for the rest of the body
-        writer.write(b"\r\nzz\r\n")
-        status, headers, body = await _answer(reader)
+    gateway = server.app[GATEWAY]
+    handle, reading = gateway.handle, asyncio.Event()
+
+    async def entered(call):
+        reading.set()
+        await handle(call)
+    gateway.handle = entered
+    try:
+        async with _conn(server) as (reader, writer):
+            writer.write(head + b"2\r\n{}")
+            await asyncio.wait_for(reading.wait(), 5)  # the handler has begun: it waits for the rest
+            writer.write(b"\r\nzz\r\n")
+            status, headers, body = await _answer(reader)
+    finally:
+        gateway.handle = handle
     assert status.startswith(b"HTTP/1.1 400") and headers["connection"] == "close"
     assert orjson.loads(body)["error"]["code"] == "invalid_body"
     assert server.app[CONTROLLER].inflight(dep) == 0

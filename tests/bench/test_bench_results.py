@@ -1,7 +1,7 @@
 """One `make bench` writes every section of bench/results.md: scripts/bench.py rewrites its own
 part and keeps the sections the other benchmarks wrote: the cold path (bench_cold.py), the wake
 path (bench_wake.py), the start phases (bench_phases.py) and the real vLLM's warm compile cache
-(tests/test_vllm_cache.py, under make test-vllm)."""
+(tests/heavy/test_vllm_cache.py, under make test-vllm)."""
 import importlib.util
 import sys
 

@@ -31,10 +31,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "scripts" / "build_pyz.py"
 SOURCE_VERSION = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""",
                            (ROOT / "ondemand" / "__init__.py").read_text(), re.M).group(1)

@@ -12,10 +12,10 @@ import random
 import sys
 
 import pytest
-from helpers import wait_for
+from helpers import FAKES, wait_for
 from test_cli import cli, write_config
 
-FAKE = str(pathlib.Path(__file__).parent / "fakes" / "nvidia-smi")
+FAKE = str(FAKES / "nvidia-smi")
 GIB_MIB = 1024
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -135,7 +135,7 @@ async def test_make_room_on_a_two_gpu_box_stops_only_the_victim_on_the_chosen_gp
     # Both idle now; "old" is the least recently used. The newcomer (60 GiB on one GPU)
     # fits on GPU 0 once "old" is gone; "full" on GPU 1 frees nothing it could use.
     new = await add(server, "new", 60, gpu_count=1)
-    await asyncio.sleep(1.2)
+    await server.idle_for(1.2, old, full)  # past their idle timeouts, on the controller's clock
     assert await ask(server, http, new) == (200, "")
     assert server.state(old) == "stopped" and server.state(full) == "ready"
     assert gpus(server, new) == (0,) and gpus(server, old) == ()

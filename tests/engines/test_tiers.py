@@ -1,6 +1,6 @@
 """The rest tiers (ondemand/engines/tiers.py): one object each, shallow to deep, named as the views,
 the state file and a replay's deployments file name them. Pure, so each is asked directly; the
-sleeper's calls reach real engines in test_warmth.py and test_sim_engine.py."""
+sleeper's calls reach real engines in test_tiered_warmth.py and test_sim_engine.py."""
 from __future__ import annotations
 
 import dataclasses
