@@ -7,21 +7,24 @@ its queue timeout behind models idle with nothing in flight; Ollama's rule (any 
 in flight) ends those waits but puts a hot model away in every lull, and its next requests then
 wait for its GPUs. Neither weighs what a choice costs. This one does, per victim V:
 
-- **the requester's wait without V**, ``W``: V's idle timeout left (the seed rule would take it
-  then); a first form, which counts no other way the memory could come;
-- **V's expected loss**, ``E[max(0, max(0, R - t) + c - slo_s)]``: ``t`` V's next arrival from
-  now, drawn from its learned idle gaps longer than the idle time it has had (the gaps kept for
-  every on-demand deployment, as adaptive warmth keeps them); ``R`` the earliest moment the
-  requester could give the memory back (its own start or wake, then ``min_idle_timeout_s``);
-  ``c`` what V's next request then waits for (a wake from the tier V is put into, or a cold start);
-  ``slo_s`` the wait the users should not pass. With fewer than ``LEARN_AFTER`` gaps, V is taken to
-  be asked again at once (``t`` = 0).
+- **the requester's wait without V**, ``W``, in request-seconds: each of its waiting requests waits
+  V's idle timeout left if V stays idle that long (the seed rule would take it then), else the
+  queue's timeout (V's learned gaps say how likely it is to idle out; with fewer than
+  ``LEARN_AFTER``, it is taken to); no other way the memory could come is counted;
+- **V's expected loss**, in request-seconds past ``slo_s``: ``E[max(0, max(0, R - t) + c -
+  slo_s)]`` for its next request, ``t`` V's next arrival from now, drawn from its learned idle gaps
+  longer than the idle time it has had (the gaps kept for every on-demand deployment, as adaptive
+  warmth keeps them); ``R`` the earliest moment the requester could give the memory back (its own
+  start or wake, then ``min_idle_timeout_s``); ``c`` what V's next request then waits for (a wake
+  from the tier V is put into, or a cold start); plus the burst behind it, the requests that follow
+  at one per mean gap until V is back. With fewer than ``LEARN_AFTER`` gaps, V is taken to be asked
+  again at once (``t`` = 0), and only that request counts.
 
 V is taken when ``W`` exceeds its expected loss, or when it is idle for its whole timeout (the
 seed's rule, whatever the cost). The rest is the seed scheduler's: the core never offers a victim
 with a slot in flight, with waiters, with engine metrics that show work, of higher priority than
-the request, or always on (``Slots.quiet_for``, ``Scheduler.may_take``). Where this first form
-differs from Belady's rule and the papers: design.md, "Make-room by cost".
+the request, or always on (``Slots.quiet_for``, ``Scheduler.may_take``). Why this shape, and where
+it differs from Belady's rule and the papers: design.md, "The cost scheduler".
 """
 from __future__ import annotations
 
