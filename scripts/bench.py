@@ -33,6 +33,8 @@ which), 1 when it failed or requests failed, 130 when interrupted.
 All subprocesses are stopped on exit, on Ctrl-C and on errors; the gateway
 also gets SIGTERM if this process dies (PR_SET_PDEATHSIG), and it stops the
 engines it started.
+
+Its parts, and what the other benchmarks share with it, are in scripts/benchkit/.
 """
 from __future__ import annotations
 

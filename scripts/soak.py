@@ -58,6 +58,9 @@ the outcome of each request, is the machine's.
 It prints one summary: requests by outcome, faults injected, tiered warmth (sleeps by level
 and cause, wakes by result, cold starts), invariants checked; the exit code is 1 when an
 invariant broke. ``--record FILE`` writes the summary there too.
+
+Its parts are in scripts/soakkit/ (the plan, the clients, the faults, the checks); what it shares
+with the crash test, in scripts/soaklib.py.
 """
 from __future__ import annotations
 

@@ -46,6 +46,8 @@ STREAM_TOKENS = 200
 
 
 class Bench:
+    """One run of the proxy benchmark: its gateway, its deployments, its measures (``results``)."""
+
     def __init__(self, plan: Plan, procs: Procs, tmp: Path, log: Callable[[str], None],
                  access_log: str = "off", scrape_s: float = 0.0):
         self.plan = plan
