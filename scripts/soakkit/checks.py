@@ -122,12 +122,12 @@ async def quiet_checks(soak: Soak) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         _, views = await soak.od.api("GET", "/deployments")
-        if all(at_rest(soak, v) for v in views):
+        if all(at_rest(v) for v in views):
             break
         await asyncio.sleep(0.2)
     states = {v["name"]: v["state"] + (f" {v['sleep_level']}" if v["state"] == "asleep" else "") for v in views}
     soak.check("every idle engine put to sleep at its level (sleep, sleep2) or stopped by the reaper",
-               all(at_rest(soak, v) for v in views), ", ".join(f"{k} {v}" for k, v in states.items()))
+               all(at_rest(v) for v in views), ", ".join(f"{k} {v}" for k, v in states.items()))
     await agreement_check(soak, "at rest")
     await asyncio.sleep(1)
     fds, rss = soaklib.fd_count(soak.od.pid), soaklib.rss_kib(soak.od.pid)
@@ -148,7 +148,7 @@ async def quiet_checks(soak: Soak) -> None:
     soak.rss = (base_rss, rss)
 
 
-def at_rest(soak: Soak, view: dict[str, Any]) -> bool:
+def at_rest(view: dict[str, Any]) -> bool:
     """Stopped or failed; or asleep at its deployment's level (never one that stops when idle)."""
     if view["state"] in ("stopped", "failed"):
         return True

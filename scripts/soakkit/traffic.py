@@ -35,7 +35,7 @@ async def client(soak: Soak, session: aiohttp.ClientSession) -> None:
             await asyncio.sleep(random.uniform(0.3, 1.0))
 
 
-def body(soak: Soak, plan: Plan) -> dict[str, Any]:
+def body(plan: Plan) -> dict[str, Any]:
     model = NAMES[plan.dep].upper()
     if plan.route == "embeddings":
         return {"model": model, "input": "soak"}
@@ -66,7 +66,7 @@ async def exchange(soak: Soak, session: aiohttp.ClientSession, plan: Plan, key: 
 
 async def call(soak: Soak, session: aiohttp.ClientSession, url: str, headers: dict[str, str], plan: Plan) -> str:
     try:
-        async with session.post(url, json=body(soak, plan), headers=headers) as r:
+        async with session.post(url, json=body(plan), headers=headers) as r:
             if plan.hangup == "headers":
                 r.close()
                 return "hang-up as the answer began"
@@ -88,7 +88,7 @@ async def call(soak: Soak, session: aiohttp.ClientSession, url: str, headers: di
                 if b"garbage" in raw:
                     return "200 but garbage (the weights were not the model's)"
                 return "200" if data.get("data") or data.get("choices") else "200 but not an answer"
-            return await read_stream(soak, r, plan)
+            return await read_stream(r, plan)
     except aiohttp.ClientConnectorError:
         return "ondemand down (connection refused)"
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
@@ -97,7 +97,7 @@ async def call(soak: Soak, session: aiohttp.ClientSession, url: str, headers: di
         return "stream cut"
 
 
-async def read_stream(soak: Soak, r: aiohttp.ClientResponse, plan: Plan) -> str:
+async def read_stream(r: aiohttp.ClientResponse, plan: Plan) -> str:
     queued, chunks = False, 0
     async for line in r.content:
         if not line.startswith(b"data: "):
