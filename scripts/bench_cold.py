@@ -39,81 +39,15 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import BASE, ROOT, Procs, _env, chat_body, free_port, median, pct, raise_nofile  # noqa: E402
+from benchkit import results  # noqa: E402
+from benchkit.gateway import FAKE_SMI, Gateway, ask, fake_gpu  # noqa: E402
+from benchkit.measure import median, pct  # noqa: E402
+from benchkit.procs import ROOT, Procs, child_env, raise_nofile  # noqa: E402
 
 OUT = ROOT / "bench" / "results.md"
-FAKE_SMI = ROOT / "tests" / "fakes" / "nvidia-smi"
 SECTION = "## Cold path"
 T_READY_MS = 50.0
 T_MAKE_ROOM_MS = 100.0
-
-
-class Gateway:
-    """One ``ondemand serve`` with its own state directory and configuration."""
-
-    def __init__(self, procs: Procs, tmp: Path, name: str, budget: str, env: dict[str, str]):
-        self.procs, self.tmp, self.name, self.env = procs, tmp / name, name, env
-        self.tmp.mkdir(parents=True)
-        self.port = free_port()
-        self.state = self.tmp / "state"
-        cfg = self.tmp / "ondemand.toml"
-        cfg.write_text(f'state_dir = "{self.state}"\nlisten = "127.0.0.1:{self.port}"\n'
-                       'ondemand_allowed_cidrs = ["127.0.0.0/8"]\nlog_level = "warning"\n'
-                       'min_idle_timeout_s = 1\nreap_interval_s = 3600\nondemand_max_queued = 4096\n'
-                       'metrics_interval_s = 0.2\n[deployer]\nbackend = "process"\n' + budget)
-        self.cfg = cfg
-        self.admin: aiohttp.ClientSession | None = None
-        self.key = ""
-
-    async def start(self) -> None:
-        init = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ondemand", "--config", str(self.cfg), "key", "init", cwd=ROOT, env=self.env,
-            stdout=asyncio.subprocess.DEVNULL)
-        if await init.wait():
-            raise RuntimeError(f"ondemand key init failed (exit {init.returncode})")
-        self.key = (self.state / "ondemand.key").read_text().strip()
-        proc = self.procs.spawn(self.name, [sys.executable, "-m", "ondemand", "--config", str(self.cfg), "serve"],
-                                self.tmp / "serve.log", self.env)
-        sock = self.state / "admin.sock"
-        deadline = time.monotonic() + 30
-        while not sock.exists() or proc.poll() is not None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: ondemand serve did not start")
-            await asyncio.sleep(0.05)
-        self.admin = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock)))
-
-    async def api(self, method: str, path: str, body: Any = None) -> Any:
-        assert self.admin is not None
-        async with self.admin.request(method, f"http://localhost{BASE}/api{path}", json=body) as r:
-            data = await r.json(content_type=None)
-            if r.status >= 400:
-                raise RuntimeError(f"{method} {path}: {r.status} {data}")
-            return data
-
-    async def create(self, name: str, gib: float, *sim: str, **fields: Any) -> int:
-        dep = await self.api("POST", "/deployments", {
-            "name": name, "served_name": name, "engine": "vllm", "memory_gib": gib, "mode": "on_demand",
-            "command": ["ondemand", "sim-engine", "--port", "{port}", "--model", name, *sim], **fields})
-        return int(dep["id"])
-
-    def url(self, dep_id: int) -> str:
-        return f"http://127.0.0.1:{self.port}{BASE}/ondemand/{dep_id}/v1/chat/completions"
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}
-
-    async def close(self) -> None:
-        if self.admin is not None:
-            await self.admin.close()
-
-
-async def ask(http: aiohttp.ClientSession, gw: Gateway, dep_id: int, model: str) -> tuple[int, float]:
-    """(status, when its answer's head arrived)."""
-    async with http.post(gw.url(dep_id), data=chat_body(model, 4, False), headers=gw.headers(),
-                         timeout=aiohttp.ClientTimeout(total=120)) as r:
-        head = time.time()
-        await r.read()
-        return r.status, head
 
 
 async def engine_ready_at(http: aiohttp.ClientSession, gw: Gateway, dep_id: int) -> float:
@@ -230,21 +164,12 @@ def section(res: dict[str, Any], quick: bool) -> str:
 
 def write_section(text: str, out: Path, section: str = SECTION) -> None:
     """Put ``text`` (which begins with ``section``) in ``out`` in place of that section."""
-    old = out.read_text() if out.exists() else ""
-    if section in old:
-        head, _, rest = old.partition(section)
-        tail = rest.split("\n## ", 1)
-        old = head + (("## " + tail[1]) if len(tail) > 1 else "")
-    out.write_text(old.rstrip("\n") + "\n\n" + text)
+    results.write_section(text, out, section)
 
 
 async def run(tmp: Path, procs: Procs, quick: bool) -> dict[str, Any]:
-    env = _env()
-    apps = tmp / "gpu-apps"
-    apps.mkdir()
-    gpus = tmp / "gpus.csv"
-    gpus.write_text(f"{20 * 1024}, 0\n")
-    env.update(FAKE_NVIDIA_SMI_FILE=str(gpus), FAKE_NVIDIA_SMI_APPS=str(apps))
+    env = child_env()
+    env.update(fake_gpu(tmp, 20 * 1024))
     static = Gateway(procs, tmp, "static", '[budget]\nsource = "static"\ncapacity_gib = 20\n', env)
     measured = Gateway(procs, tmp, "measured", f'[budget]\nsource = "nvidia-smi"\nnvidia_smi = "{FAKE_SMI}"\n', env)
     rounds = 4 if quick else 12

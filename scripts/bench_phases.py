@@ -6,7 +6,7 @@ Run from the repository root (``make bench`` runs it after ``scripts/bench_wake.
     .venv/bin/python scripts/bench_phases.py           # about 5 minutes
     .venv/bin/python scripts/bench_phases.py --quick   # fewer starts, a smaller checkpoint
 
-Against ``python -m ondemand serve`` (process backend, ``bench_cold.Gateway``) and the engine
+Against ``python -m ondemand serve`` (process backend, ``benchkit.gateway.Gateway``) and the engine
 simulator, it measures:
 
 1. **The ETA's error.** One deployment, started cold over and over (``POST .../start``, then
@@ -50,8 +50,10 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, Procs, _env, median, pct, raise_nofile  # noqa: E402, I001
-from bench_cold import Gateway, ask, write_section  # noqa: E402
+from benchkit.gateway import Gateway, ask  # noqa: E402
+from benchkit.measure import median, pct  # noqa: E402
+from benchkit.procs import ROOT, Procs, child_env, raise_nofile  # noqa: E402
+from benchkit.results import write_section  # noqa: E402
 
 from ondemand.engines.readahead import read_files  # noqa: E402
 
@@ -274,7 +276,7 @@ def cold_read_s(files: list[Path]) -> tuple[float, float]:
 
 
 async def run(tmp: Path, procs: Procs, args: argparse.Namespace) -> dict[str, Any]:
-    env = _env()
+    env = child_env()
     res: dict[str, Any] = {"load": [os.getloadavg()[0]]}
     eta_gw = Gateway(procs, tmp, "eta", '[budget]\nsource = "static"\ncapacity_gib = 20\n', env)
     await eta_gw.start()

@@ -6,7 +6,7 @@ Run from the repository root (``make bench`` runs it after ``scripts/bench_cold.
     .venv/bin/python scripts/bench_wake.py            # about 3 minutes
     .venv/bin/python scripts/bench_wake.py --quick    # tiny delays, 2 rounds (the smoke test)
 
-Against ``python -m ondemand serve`` (process backend, ``bench_cold.Gateway``) and the engine
+Against ``python -m ondemand serve`` (process backend, ``benchkit.gateway.Gateway``) and the engine
 simulator as a vLLM engine with sleep mode (``--startup-delay 5 --wake-delay 0.3 --sleep-delay
 0.2``; ``idle_action = "sleep"``), it measures, for each budget (static, one pool; measured:
 the tests' fake nvidia-smi with one GPU), the time from sending a streamed chat completion to
@@ -42,9 +42,11 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, Procs, _env, chat_body, median, raise_nofile  # noqa: E402, I001
-import bench_cold  # noqa: E402
-from bench_cold import FAKE_SMI, Gateway  # noqa: E402
+from benchkit import results as results_md  # noqa: E402
+from benchkit.gateway import FAKE_SMI, Gateway, fake_gpu  # noqa: E402
+from benchkit.load import chat_body  # noqa: E402
+from benchkit.measure import median  # noqa: E402
+from benchkit.procs import ROOT, Procs, child_env, raise_nofile  # noqa: E402
 
 OUT = ROOT / "bench" / "results.md"
 SECTION = "## Wake path"
@@ -80,7 +82,7 @@ class Case:
 
 
 class WakeGateway(Gateway):
-    """bench_cold's gateway, sampling every ``metrics_s`` (bench_cold: 0.2 s). The footprint
+    """The benchmarks' gateway, sampling every ``metrics_s`` (benchkit.gateway: 0.2 s). The footprint
     sampler runs nvidia-smi at that interval too (ondemand's default is 10 s): every 0.2 s it
     would be a load of its own on the measured budget's rows."""
 
@@ -385,13 +387,13 @@ def section(results: dict[str, list[Case]], d: Delays, rounds: int, quick: bool,
 
 
 def write_section(text: str, out: Path) -> None:
-    """This section of ``out`` replaced by ``text``, the others kept (``bench_cold.write_section``)."""
-    bench_cold.write_section(text, out, SECTION)
+    """This section of ``out`` replaced by ``text``, the others kept (``benchkit.results.write_section``)."""
+    results_md.write_section(text, out, SECTION)
 
 
 async def run(tmp: Path, procs: Procs, d: Delays, rounds: int, only: str | None,
               trace: bool = False, metrics_s: float = 1.0) -> dict[str, list[Case]]:
-    env = _env()
+    env = child_env()
     smi = FAKE_SMI
     tracer = NO_TRACE
     if trace:
@@ -399,11 +401,7 @@ async def run(tmp: Path, procs: Procs, d: Delays, rounds: int, only: str | None,
         smi.write_text(TRACE_SMI.format(real=FAKE_SMI, log=tmp / "nvidia-smi.log"))
         smi.chmod(0o755)
         tracer = Tracer(True, tmp / "nvidia-smi.log")
-    apps = tmp / "gpu-apps"
-    apps.mkdir()
-    gpus = tmp / "gpus.csv"
-    gpus.write_text(f"{20 * GIB_MIB}, 0\n")
-    env.update(FAKE_NVIDIA_SMI_FILE=str(gpus), FAKE_NVIDIA_SMI_APPS=str(apps))
+    env.update(fake_gpu(tmp, 20 * GIB_MIB))
     # Plenty of host memory (the tests' fake meminfo): a level-1 sleep stays level 1 whatever is free.
     host = f'host_reserve_gib = 0\nmeminfo_path = "{ROOT / "tests" / "fakes" / "meminfo"}"\n'
     plans = {"static": ("Static budget (one pool of 20 GiB)",

@@ -22,79 +22,22 @@ the trace: nothing is held per policy).
 from __future__ import annotations
 
 import argparse
-import re
-import resource
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import replay_front as front  # noqa: E402
+from replaykit.markdown import per_deployment, write_md  # noqa: E402
+from replaykit.mix import BOX, BOXES, MIX, ROOT, SLO_S, TITLES, TRACES, known, run  # noqa: E402
 
 from ondemand.replay import page, report  # noqa: E402
 from ondemand.replay.deployments import from_file  # noqa: E402
-from ondemand.replay.run import replay  # noqa: E402
-from ondemand.replay.trace import Trace  # noqa: E402
-from ondemand.replay.types import Box, Policy, PolicyResult, Replayed  # noqa: E402
+from ondemand.replay.types import PolicyResult, Replayed  # noqa: E402
 
-MIX = ROOT / "bench" / "box-mix.toml"
-TRACES = {"code": ROOT / "bench" / "traces" / "AzureLLMInferenceTrace_code.csv",
-          "conv": ROOT / "bench" / "traces" / "AzureLLMInferenceTrace_conv.csv",
-          "servegen": ROOT / "bench" / "traces" / "servegen_language_7d.csv"}
-TITLES = {"code": "Azure LLM inference trace 2023, code", "conv": "Azure LLM inference trace 2023, conv",
-          "servegen": "ServeGen, 16 clients, a week"}
 POLICIES = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=300", "fixed=60", "fixed=300",
             "fixed=600", "fixed=1800", "adaptive", "cost", "clairvoyant")
-BOXES = {"dgx": Box(gpus=(80.0,) * 8, host_gib=2048),  # a DGX H100: 8 x 80 GiB, 2 TiB of host memory
-         "16x80": Box(gpus=(80.0,) * 16, host_gib=2048)}  # where always-on fits: 1045 GiB booked on 1280
-BOX = BOXES["dgx"]
-ROOMY = BOXES["16x80"]
-SLO_S = 5.0
 SPEED_LIMIT_S = 60.0
-
-
-def known(policies: tuple[str, ...]) -> tuple[str, ...]:
-    """The policies this tree can replay (``cost`` and ``clairvoyant`` come with their issues)."""
-    out = []
-    for name in policies:
-        try:
-            Policy.parse(name)
-        except ValueError:
-            continue
-        out.append(name)
-    return tuple(out)
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def run(name: str, deps: list[Replayed], policies: tuple[str, ...], *, box: Box = BOX
-        ) -> tuple[list[PolicyResult], dict[str, float]]:
-    """The trace under ``policies`` on ``box``."""
-    trace = Trace(str(TRACES[name]), deps, seed=0)
-    summary = trace.check()
-    wall, cpu = time.monotonic(), time.process_time()
-    results = replay(trace, deps, box, [Policy.parse(p) for p in policies], slo_s=SLO_S)
-    took = {"wall_s": time.monotonic() - wall, "cpu_s": time.process_time() - cpu, "rss_mib": peak_rss_mib(),
-            "requests": summary.requests, "models": len(summary.models)}
-    return results, took
-
-
-def per_deployment(result: PolicyResult) -> str:
-    """Where requests failed or waited, by deployment: one policy's rows."""
-    lines = ["| deployment | requests | wait ≤ SLO | timed out | refused | wait p99 | wake | cold | queue | "
-             "cold starts | wakes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for dep, tally in result.per_deployment.items():
-        j = report.tally_json(tally)
-        p99 = j["wait_s"]["p99"]
-        lines.append(f"| {dep} | {j['requests']} | {100 * j['wait_slo_met']:.1f} % | {j['timed_out']} | "
-                     f"{j['refused']} | {'-' if p99 is None else f'{p99:.1f} s'} | {j['waited']['wake']} | "
-                     f"{j['waited']['cold']} | {j['waited']['queue']} | {j['cold_starts']} | {j['wakes']} |")
-    return "\n".join(lines) + "\n"
 
 
 def section(results: list[PolicyResult], took: dict[str, float]) -> str:
@@ -106,19 +49,6 @@ def section(results: list[PolicyResult], took: dict[str, float]) -> str:
             + "\nEach policy against the reference and the others (the front: dominated by none):\n\n"
             + front.table(results) + "\nWhere ondemand's own policies stand:\n\n" + front.words(results)
             + "\nBy deployment, `seed` (today's default):\n\n" + per_deployment(by["seed"]))
-
-
-def write_md(sections: dict[str, str]) -> None:
-    path = ROOT / "bench" / "replay.md"
-    text = path.read_text()
-    for name, body in sections.items():
-        begin, end = f"<!-- replay:{name} -->", f"<!-- /replay:{name} -->"
-        pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-        m = pattern.search(text)
-        if m is None:
-            raise SystemExit(f"{path}: no {begin} ... {end} markers")
-        text = text[:m.start()] + f"{begin}\n{body}{end}" + text[m.end():]
-    path.write_text(text)
 
 
 def speed(deps: list[Replayed]) -> int:

@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import replay_bench as bench  # noqa: E402
 import replay_pareto as pareto  # noqa: E402
+from replaykit import mix  # noqa: E402
+from replaykit.markdown import write_md  # noqa: E402
 
 from ondemand.replay.deployments import from_file  # noqa: E402
 from ondemand.replay.run import replay  # noqa: E402
@@ -53,12 +54,12 @@ Point = tuple[float, int, int, int]  # GiB-hours, wake + cold, every wait, faile
 def one(trace: str, second_half: bool, box_name: str, timeouts: tuple[int, ...]) -> Point:
     """The trace under ``current`` with deployment i (by the mix's order: by weight) at
     ``timeouts[i]``."""
-    box = bench.BOX if box_name == "dgx" else bench.ROOMY
+    box = mix.BOX if box_name == "dgx" else mix.ROOMY
     deps = [dataclasses.replace(d, deployment=dataclasses.replace(d.deployment, idle_timeout_s=t))
-            for d, t in zip(from_file(str(bench.MIX), box), timeouts, strict=True)]
-    tr = Trace(str(bench.TRACES[trace]), deps, seed=0)
+            for d, t in zip(from_file(str(mix.MIX), box), timeouts, strict=True)]
+    tr = Trace(str(mix.TRACES[trace]), deps, seed=0)
     span = tr.check().span_s
-    r = replay(tr, deps, box, [Policy.parse("current")], slo_s=bench.SLO_S,
+    r = replay(tr, deps, box, [Policy.parse("current")], slo_s=mix.SLO_S,
                measure_from_s=span / 2 if second_half else 0.0)[0]
     return pareto.gib_hours(r), pareto.waits(r, False), pareto.waits(r, True), r.total.failed
 
@@ -102,7 +103,7 @@ def describe(t: tuple[int, ...]) -> str:
 
 
 def main() -> int:
-    n = len(from_file(str(bench.MIX), bench.BOX))
+    n = len(from_file(str(mix.MIX), mix.BOX))
     planned = [c + (KEEP,) * (n - PLANNED) for c in itertools.product((REST, KEEP), repeat=PLANNED)]
     by_rank = [(KEEP,) * k + (REST,) * (n - k) for k in range(n + 1)]
     fixed_t = [(t,) * n for t in (60, 300, 600, 1800)]
@@ -128,7 +129,7 @@ def main() -> int:
                         f"| {describe(t2)} | {cells(p2, curves)} |")
     body = "\n".join(rows) + "\n"
     print(body)
-    bench.write_md({"bounds": body})
+    write_md({"bounds": body})
     return 0
 
 

@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import replay_bench as bench  # noqa: E402
 import replay_pareto as pareto  # noqa: E402
+from replaykit import mix  # noqa: E402
+from replaykit.markdown import per_deployment, write_md  # noqa: E402
 
 from ondemand.replay import report  # noqa: E402
 from ondemand.replay.deployments import from_file  # noqa: E402
@@ -89,29 +90,29 @@ def write_csv(rows: list[tuple[float, str, int, int]], path: Path) -> None:
 
 
 def main() -> int:
-    deps = from_file(str(bench.MIX), bench.BOX)
+    deps = from_file(str(mix.MIX), mix.BOX)
     rows = []
     halves: dict[str, list[PolicyResult]] = {}
     with tempfile.TemporaryDirectory(prefix="ondemand-rhythms-") as work:
         csv = Path(work) / "rhythms.csv"
         write_csv(day(deps), csv)
-        for label, box, from_s in (("whole day", bench.BOX, 0.0), ("second half", bench.BOX, DAY_S / 2),
-                                   ("second half, 16 x 80 GiB", bench.ROOMY, DAY_S / 2)):
+        for label, box, from_s in (("whole day", mix.BOX, 0.0), ("second half", mix.BOX, DAY_S / 2),
+                                   ("second half, 16 x 80 GiB", mix.ROOMY, DAY_S / 2)):
             trace = Trace(str(csv), deps, seed=0)
             summary = trace.check()
-            results = replay(trace, deps, box, [Policy.parse(p) for p in POLICIES], slo_s=bench.SLO_S,
+            results = replay(trace, deps, box, [Policy.parse(p) for p in POLICIES], slo_s=mix.SLO_S,
                              measure_from_s=from_s)
-            print(f"{label}:\n{report.table(results, bench.SLO_S)}")
+            print(f"{label}:\n{report.table(results, mix.SLO_S)}")
             rows.append(("synthetic day", label, pareto.verdict({r.policy.name: r for r in results})))
             halves[label] = results
     roomy = halves["second half, 16 x 80 GiB"]
     by = {r.policy.name: r for r in roomy}
     body = (f"{summary.requests:,} requests over {DAY_S / 3600:.0f} hours (seed {SEED}), 16 deployments.\n\n"
             + pareto.table(rows)
-            + "\nIts second half on 16 x 80 GiB, policy by policy:\n\n" + report.markdown(roomy, bench.SLO_S)
-            + "\nBy deployment, `adaptive`, there:\n\n" + bench.per_deployment(by["adaptive"])
-            + "\nBy deployment, `fixed=600`, there:\n\n" + bench.per_deployment(by["fixed=600"]))
-    bench.write_md({"rhythms": body})
+            + "\nIts second half on 16 x 80 GiB, policy by policy:\n\n" + report.markdown(roomy, mix.SLO_S)
+            + "\nBy deployment, `adaptive`, there:\n\n" + per_deployment(by["adaptive"])
+            + "\nBy deployment, `fixed=600`, there:\n\n" + per_deployment(by["fixed=600"]))
+    write_md({"rhythms": body})
     return 0
 
 

@@ -398,52 +398,18 @@ class WarmthJournal:
             if p is None:  # the soak's own lines, or a process whose boot line is not ours
                 continue
             p["last_t"] = t
-            wake: Wake | None = p["wake"]
             if ev == "req":
-                path, n = e.get("path", ""), e.get("n")
-                if path in GENERATION:
-                    if p["window"]:
-                        self.asleep_served.append(f"{p['model']} pid {pid} {path} at {t:.2f}")
-                    elif wake is not None and wake.awake and wake.check_n is None:
-                        wake.check_n = n
-                    elif wake is not None and wake.checked:
-                        wake.close("ready", t)  # it serves
-                        p["wake"] = None
-                    p["inflight"][n] = path
-                elif path in SLEEP_CALLS:
-                    if p["inflight"]:
-                        self.busy_sleeps.append(f"{p['model']} pid {pid} at {t:.2f} with "
-                                                f"{sorted(p['inflight'].values())} in flight")
-                    if wake is not None:
-                        wake.close("ready" if wake.checked else "stopped", t)  # asleep again
-                    p["window"], p["wake"] = True, None
-                elif path in WAKE_CALLS and p["window"]:
-                    if wake is None:
-                        wake = p["wake"] = Wake(pid, p["model"], t, p["level"])
-                        self.wakes.append(wake)
-                    wake.call, wake.woke_in_call = n, False
+                self._request(pid, p, e, t)
             elif ev == "end":
-                n = e.get("n")
-                p["inflight"].pop(n, None)
-                if wake is not None and n == wake.call:
-                    wake.call = None
-                    if not wake.woke_in_call and p["asleep"]:
-                        wake.close("refused", t)  # answered, and nothing woke: an error
-                if wake is not None and wake.check_n is not None and n == wake.check_n:
-                    wake.checked = True
+                self._end(p, e, t)
             elif ev == "sleep":
                 level = int(e.get("level", 1))
                 p["asleep"], p["level"] = set(PARTS), level
                 self.sleeps.append((pid, p["model"], t, level))
             elif ev == "wake":
-                p["asleep"] -= set(e.get("tags", ()))
-                if wake is not None:
-                    wake.woke_in_call = True
-                if not p["asleep"]:
-                    p["window"] = False
-                    if wake is not None:
-                        wake.awake = True
+                self._woke(p, e)
             elif ev == "sigterm":
+                wake = p["wake"]
                 if wake is not None:
                     wake.close("mismatch" if wake.checked else "stopped", t)
                 p["wake"], p["sigterm"] = None, True
@@ -453,3 +419,54 @@ class WarmthJournal:
                 wake.close("killed after" if wake.checked else "killed", p["last_t"])
             elif p["window"] and not p["sigterm"]:
                 self.vanished_asleep.append((pid, p["model"], p["last_t"]))
+
+    def _request(self, pid: int, p: dict[str, Any], e: dict[str, Any], t: float) -> None:
+        """A ``req`` line of process ``p``: a generation request, a sleep call or a wake call."""
+        wake: Wake | None = p["wake"]
+        path, n = e.get("path", ""), e.get("n")
+        if path in GENERATION:
+            if p["window"]:
+                self.asleep_served.append(f"{p['model']} pid {pid} {path} at {t:.2f}")
+            elif wake is not None and wake.awake and wake.check_n is None:
+                wake.check_n = n
+            elif wake is not None and wake.checked:
+                wake.close("ready", t)  # it serves
+                p["wake"] = None
+            p["inflight"][n] = path
+        elif path in SLEEP_CALLS:
+            if p["inflight"]:
+                self.busy_sleeps.append(f"{p['model']} pid {pid} at {t:.2f} with "
+                                        f"{sorted(p['inflight'].values())} in flight")
+            if wake is not None:
+                wake.close("ready" if wake.checked else "stopped", t)  # asleep again
+            p["window"], p["wake"] = True, None
+        elif path in WAKE_CALLS and p["window"]:
+            if wake is None:
+                wake = p["wake"] = Wake(pid, p["model"], t, p["level"])
+                self.wakes.append(wake)
+            wake.call, wake.woke_in_call = n, False
+
+    @staticmethod
+    def _end(p: dict[str, Any], e: dict[str, Any], t: float) -> None:
+        """An ``end`` line: a request of process ``p`` answered (a wake call, a wake check)."""
+        wake: Wake | None = p["wake"]
+        n = e.get("n")
+        p["inflight"].pop(n, None)
+        if wake is not None and n == wake.call:
+            wake.call = None
+            if not wake.woke_in_call and p["asleep"]:
+                wake.close("refused", t)  # answered, and nothing woke: an error
+        if wake is not None and wake.check_n is not None and n == wake.check_n:
+            wake.checked = True
+
+    @staticmethod
+    def _woke(p: dict[str, Any], e: dict[str, Any]) -> None:
+        """A ``wake`` line: parts of process ``p`` woke; all of them, and it is awake."""
+        wake: Wake | None = p["wake"]
+        p["asleep"] -= set(e.get("tags", ()))
+        if wake is not None:
+            wake.woke_in_call = True
+        if not p["asleep"]:
+            p["window"] = False
+            if wake is not None:
+                wake.awake = True
