@@ -156,8 +156,9 @@ def summary(soak: Soak) -> str:
                      + (f", keep_warm adaptive, every {METRONOME_S:g} s" if KEEP_WARM[n] == "adaptive" else "")
                      + ")"
                      for n, name in enumerate(NAMES))
-    out = [f"Soak: seed {soak.seed}, {len(soak.done)} requests from {soak.clients} clients over "
-           f"{len(NAMES)} deployments of 10 GiB on one {GPU_MIB // GIB} GiB GPU (3 fit awake at once): {deps}; "
+    out = [f"Soak: seed {soak.seed}, scheduler {soak.scheduler}, {len(soak.done)} requests from {soak.clients} "
+           f"clients over {len(NAMES)} deployments of 10 GiB on one {GPU_MIB // GIB} GiB GPU (3 fit awake at once): "
+           f"{deps}; "
            f"{soak.elapsed:.0f} s; {soak.boots} engine starts, {soak.engine_requests} requests reached engines.",
            ""]
     out.append(soaklib.table("Requests by outcome", by.most_common(), ("outcome", "requests")))
@@ -171,7 +172,7 @@ async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ondemand-soak-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        soak = Soak(args.seed, args.requests, args.clients, work)
+        soak = Soak(args.seed, args.requests, args.clients, work, scheduler=args.scheduler)
         try:
             await run(soak)
         finally:
@@ -200,6 +201,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument("--scheduler", choices=("seed", "cost"), default="seed",
+                    help="the box's scheduler (the invariants hold under each)")
     ap.add_argument("--record", metavar="FILE", help="write the summary there too")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (logs, journal, state file)")
     return asyncio.run(main_async(ap.parse_args()))

@@ -24,6 +24,7 @@ class Soak:
     requests: int
     clients: int
     work: Path
+    scheduler: str = "seed"  # the box's scheduler key: the invariants hold under each
     od: Ondemand = field(init=False)
     journal: Path = field(init=False)
     ids: list[int] = field(default_factory=list)
@@ -73,7 +74,8 @@ class Soak:
         # looks (just after an idle timeout runs out), so make-room, and its priority rule, runs.
         self.od = Ondemand(self.work, {
             "min_idle_timeout_s": 1, "ondemand_idle_timeout_s": 2, "ondemand_queue_timeout_s": QUEUE_TIMEOUT_S,
-            "reap_interval_s": 2, "metrics_interval_s": 0.5, "shutdown_grace_s": 2, "log_level": "info"},
+            "reap_interval_s": 2, "metrics_interval_s": 0.5, "shutdown_grace_s": 2, "log_level": "info",
+            "scheduler": self.scheduler},
             {"budget": {"source": "nvidia-smi", "nvidia_smi": str(soaklib.FAKE_NVIDIA_SMI), "host_reserve_gib": 0,
                         # plenty of host memory: each engine sleeps at its own level whatever is free
                         "meminfo_path": str(soaklib.FAKE_NVIDIA_SMI.parent / "meminfo")},

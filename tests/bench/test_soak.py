@@ -18,12 +18,18 @@ finally:
 
 
 @pytest.mark.slow
-def test_soak_short(tmp_path):
+@pytest.mark.parametrize("scheduler", ["seed", "cost"])
+def test_soak_short(tmp_path, scheduler):
+    """The invariants (no busy model stopped, priorities, pre-warms never take memory, ...) hold
+    under each scheduler: the cost scheduler takes victims before their timeout, rests models
+    early and relocates sleepers, all through the same prechecks."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--seed", "7", "--requests", "1000",
-                           "--keep", str(tmp_path / "soak")], capture_output=True, text=True, timeout=900)
+                           "--scheduler", scheduler, "--keep", str(tmp_path / "soak")],
+                          capture_output=True, text=True, timeout=900)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "| ok" in proc.stdout and "FAILED" not in proc.stdout
+    assert f"scheduler {scheduler}," in proc.stdout
     assert "| no pre-warm began while a request waited for memory" in proc.stdout  # adaptive warmth's
     for row in ("sleeps at level 1", "sleeps at level 2", "wakes: ready", "wakes: refused", "wakes: mismatch",
                 "wake failures audited", "cold starts"):
