@@ -5,6 +5,7 @@ Run from the repository root::
 
     .venv/bin/python scripts/replay_bench.py            # every table (bench/replay.md, .html, .svg)
     .venv/bin/python scripts/replay_bench.py --speed    # the speed target alone (make bench)
+    .venv/bin/python scripts/replay_bench.py --mapping-seed 1   # the Azure traces mapped anew: prints only
 
 The traces (``bench/traces/``): the Azure LLM inference traces of 2023 (code and conv, an hour
 each, no model column: rows go to the mix's deployments by weight) and the ServeGen trace (a
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import replay_front as front  # noqa: E402
 from replaykit.markdown import per_deployment, write_md  # noqa: E402
 from replaykit.mix import BOX, BOXES, MIX, ROOT, SLO_S, TITLES, TRACES, known, run  # noqa: E402
+from replaykit.targets import words as target_words  # noqa: E402
 
 from ondemand.replay import page, report  # noqa: E402
 from ondemand.replay.deployments import from_file  # noqa: E402
@@ -40,14 +42,16 @@ POLICIES = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-l
 SPEED_LIMIT_S = 60.0
 
 
-def section(results: list[PolicyResult], took: dict[str, float]) -> str:
+def section(results: list[PolicyResult], took: dict[str, float], roomy: bool) -> str:
     end = max(r.end_s for r in results)
     by = front.by_name(results)
+    targets = target_words(results, roomy)
     return (f"{took['requests']:,} requests over {end / 3600:.2f} h of virtual time, {took['models']} deployments "
             f"requested; replayed under {len(results)} policies in {took['wall_s']:.1f} s "
             f"({took['cpu_s']:.1f} s of CPU).\n\n" + report.markdown(results, SLO_S)
             + "\nEach policy against the reference and the others (the front: dominated by none):\n\n"
             + front.table(results) + "\nWhere ondemand's own policies stand:\n\n" + front.words(results)
+            + (f"\n`cost` against its targets:\n\n{targets}" if targets else "")
             + "\nBy deployment, `seed` (today's default):\n\n" + per_deployment(by["seed"]))
 
 
@@ -69,6 +73,9 @@ def speed(deps: list[Replayed]) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--speed", action="store_true", help="the speed target alone")
+    ap.add_argument("--mapping-seed", type=int, default=0, metavar="N",
+                    help="send the Azure traces' rows to the deployments by this seed instead of 0 (traffic the "
+                         "tables were not made with): prints the sections, writes nothing")
     args = ap.parse_args()
     deps = from_file(str(MIX), BOX)
     if args.speed:
@@ -76,14 +83,21 @@ def main() -> int:
     policies = known(POLICIES)
     sections, parts, panels = {}, [], []
     for name in TRACES:
+        if args.mapping_seed and name == "servegen":
+            continue  # one client a deployment: no mapping to vary
         for box_name, box in BOXES.items():
-            results, took = run(name, deps, policies, box=box)
+            results, took = run(name, deps, policies, box=box, seed=args.mapping_seed)
             print(f"{name} on {box_name}: {took['wall_s']:.1f} s ({took['cpu_s']:.1f} s of CPU)", file=sys.stderr)
+            sections[f"{name}-{box_name}"] = section(results, took, roomy=box_name != "dgx")
+            if args.mapping_seed:
+                print(f"## {name} on {box_name}, mapping seed {args.mapping_seed}\n\n{sections[f'{name}-{box_name}']}")
+                continue
             print(report.table(results, SLO_S))
-            sections[f"{name}-{box_name}"] = section(results, took)
             panels.append((f"{TITLES[name]}, {'DGX H100' if box_name == 'dgx' else '16 x 80 GiB'}", results))
             if name != "servegen" and box_name == "dgx":
                 parts.append(page.section(results, box, title=TITLES[name], slo_s=SLO_S))
+    if args.mapping_seed:
+        return 0
     write_md(sections)
     (ROOT / "bench" / "replay.html").write_text(page.document("ondemand replay: the box mix", parts))
     (ROOT / "bench" / "replay-pareto.svg").write_text(front.svg(panels))

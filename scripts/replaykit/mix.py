@@ -40,10 +40,11 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(name: str, deps: list[Replayed], policies: tuple[str, ...], *, box: Box = BOX
+def run(name: str, deps: list[Replayed], policies: tuple[str, ...], *, box: Box = BOX, seed: int = 0
         ) -> tuple[list[PolicyResult], dict[str, float]]:
-    """The trace under ``policies`` on ``box``."""
-    trace = Trace(str(TRACES[name]), deps, seed=0)
+    """The trace under ``policies`` on ``box`` (``seed``: how rows without a model column go to
+    the deployments; 0 for the committed tables)."""
+    trace = Trace(str(TRACES[name]), deps, seed=seed)
     summary = trace.check()
     wall, cpu = time.monotonic(), time.process_time()
     results = replay(trace, deps, box, [Policy.parse(p) for p in policies], slo_s=SLO_S)
