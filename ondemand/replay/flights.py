@@ -191,14 +191,14 @@ class Flights:
             t.waited[f.waited] += 1
             if served:
                 t.served += 1
-                t.ttfts.append(f.ttft)
-                t.waits.append(f.wait)
+                t.add_ttft(f.ttft)
+                t.add_wait(f.wait)
                 t.slo_met += met
                 t.wait_slo_met += wait_met
                 continue
             t.failed += 1
             if outcome == TIMED_OUT:
                 t.timed_out += 1
-                t.waits.append(f.wait)
+                t.add_wait(f.wait)
             else:
                 t.refused += 1
