@@ -11,8 +11,8 @@ true value, ``RELATIVE_ACCURACY``, 0.5 % (``TINY``, 1 ns, at most in the shared 
 bucket of ties (a cold start's 60 s, many times over) gives that value itself. The count, the
 least and the greatest value are exact; so the lowest and highest rank are.
 
-A quantile is linear between the two nearest ranks as ``report.percentile`` takes it of the
-sorted values; both ends are within the bound, and so is any point between them.
+A quantile is linear between the two nearest ranks, as the exact one of the sorted values
+would be: both ends are within the bound, and so is any point between them.
 
 The buckets are one dense run of counts and sums, from the lowest bucket used to the highest
 (8 + 8 bytes a bucket): memory grows with the span of the values, log(max / min) / log(GAMMA)
