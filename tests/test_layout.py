@@ -188,7 +188,10 @@ ALLOWED = {
                    "replay.page", "replay.report", "replay.run", "replay.trace", "replay.types"},
     "cli.status": {"admin.client", "admin.doctor", "cli.shared", "cli.views", "model"},
     # replay/: a trace run on a virtual clock through the decision code; an edge like admin.
-    "replay": set(), "replay.types": {"config", "engines.tiers", "model"}, "replay.trace": {"replay.types"},
+    "replay": set(), "replay.types": {"config", "engines.tiers", "model", "replay.sketch"},
+    "replay.trace": {"replay.types"},
+    # The percentiles' sketch (a leaf): memory flat in the trace's length.
+    "replay.sketch": set(),
     "replay.deployments": {"config", "control.placement", "control.starts", "engines.tiers", "model", "replay.types",
                            "state.store"},
     "replay.clock": set(),
@@ -199,7 +202,7 @@ ALLOWED = {
     "replay.engine": {"replay.clock", "replay.types"},
     "replay.flights": {"control.controller", "control.ticket", "errors", "model", "replay.clock", "replay.types",
                        "replay.world"},
-    "replay.report": {"replay.types"}, "replay.page": {"replay.report", "replay.types"},
+    "replay.report": {"replay.sketch", "replay.types"}, "replay.page": {"replay.report", "replay.types"},
     "replay.live": {"engines.backends.ports", "model", "replay.types", "state.store", "tasks"},
     "replay.run": {"control.controller", "control.scheduler", "model", "replay.clairvoyant", "replay.clock", "replay.flights",
                    "replay.types", "replay.world"},

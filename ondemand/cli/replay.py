@@ -217,7 +217,8 @@ def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tu
              "measured")
     progress = Progress(summary.requests, f"requests x {len(parsed)} {'policy' if len(parsed) == 1 else 'policies'}")
     try:
-        results = run_replay(trace, replayed, box, parsed, slo_s=slo_s, measure_from_s=warmup_s, progress=progress)
+        results = run_replay(trace, replayed, box, parsed, slo_s=slo_s, measure_from_s=warmup_s, progress=progress,
+                             timelines=html_file is not None)  # only a page draws them: they grow with the trace
     finally:
         progress.close()
     click.echo(report.table(results, slo_s), nl=False)

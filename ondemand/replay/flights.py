@@ -85,10 +85,11 @@ class Flight:
 
 
 class Flights:
-    """The edge: arrivals, waits and ends; the tallies (per deployment, by name, and ``total``)."""
+    """The edge: arrivals, waits and ends; the tallies (per deployment, by name, and ``total``);
+    the queue's timeline when ``drawn`` (a page will draw it: it grows with the trace)."""
 
     def __init__(self, world: World, controller: Controller, clock: VirtualClock, tallies: Mapping[str, Tally],
-                 total: Tally, slo_s: float):
+                 total: Tally, slo_s: float, drawn: bool = True):
         self.world = world
         self.controller = controller
         self.clock = clock
@@ -100,7 +101,8 @@ class Flights:
         self.open = 0  # requests arrived and not yet ended or refused
         self.measure_from_s = 0.0  # requests that arrived before are served but not counted
         self.waiting_for_memory = 0
-        self.timeline: list[tuple[float, int]] = [(0.0, 0)]
+        self.drawn = drawn
+        self.timeline: list[tuple[float, int]] = [(0.0, 0)] if drawn else []
 
     def arrive(self, req: Request) -> None:
         f = Flight(self, req, self.ids[req.model], self.clock.now)
@@ -169,6 +171,8 @@ class Flights:
         if now_queued:
             f.wait_for("queue")
         self.waiting_for_memory += 1 if now_queued else -1
+        if not self.drawn:
+            return
         t = self.clock.now
         if self.timeline[-1][0] == t:
             self.timeline[-1] = (t, self.waiting_for_memory)
@@ -191,14 +195,14 @@ class Flights:
             t.waited[f.waited] += 1
             if served:
                 t.served += 1
-                t.ttfts.append(f.ttft)
-                t.waits.append(f.wait)
+                t.add_ttft(f.ttft)
+                t.add_wait(f.wait)
                 t.slo_met += met
                 t.wait_slo_met += wait_met
                 continue
             t.failed += 1
             if outcome == TIMED_OUT:
                 t.timed_out += 1
-                t.waits.append(f.wait)
+                t.add_wait(f.wait)
             else:
                 t.refused += 1

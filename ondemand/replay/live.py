@@ -340,7 +340,7 @@ def tally(policy: Policy, sent: Sequence[Sent], replayed: Sequence[Replayed], se
             t.served += served
             t.failed += not served
             if served:
-                t.ttfts.append(ttft)
+                t.add_ttft(ttft)
                 t.slo_met += ttft <= slo_s + 1e-9
     for key in ("cold_starts", "wakes", "sleeps", "stops"):
         setattr(total, key, sum(getattr(t, key) for t in per.values()))
@@ -377,7 +377,7 @@ def disagreements(virtual: PolicyResult, live: PolicyResult, within: float = 0.2
                            ("queued", vt.waited["queue"], xt.waited["queue"])):
             if v != x:
                 out.append(f"{name}: {what} {x} live, {v} virtual")
-    p50v, p50x = _median(virtual.total.ttfts), _median(live.total.ttfts)
+    p50v, p50x = virtual.total.ttft.quantile(0.5), live.total.ttft.quantile(0.5)
     if p50v is None or p50x is None:
         if p50v != p50x:
             out.append("nothing served in one of them")
@@ -385,10 +385,3 @@ def disagreements(virtual: PolicyResult, live: PolicyResult, within: float = 0.2
         out.append(f"TTFT p50 {p50x:.3f} s live, {p50v:.3f} s virtual ({100 * (p50x - p50v) / p50v:+.0f} %)")
     return out
 
-
-def _median(values: Sequence[float]) -> float | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

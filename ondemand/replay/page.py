@@ -49,8 +49,8 @@ def _time_axis(end: float, y: float) -> str:
 
 
 def cdf_chart(results: Sequence[PolicyResult], slo_s: float) -> str:
-    served = [sorted(r.total.ttfts) for r in results]
-    top = max((s[-1] for s in served if s), default=1.0)
+    served = [r.total.ttft for r in results]
+    top = max((s.max for s in served if s.count), default=1.0)
     lo, hi = -2, max(1, math.ceil(math.log10(max(top, 0.011))))
     h = CDF_HEIGHT
 
@@ -68,13 +68,14 @@ def cdf_chart(results: Sequence[PolicyResult], slo_s: float) -> str:
     parts.append(f'<line x1="{x(slo_s):.1f}" x2="{x(slo_s):.1f}" y1="0" y2="{h}" stroke="#999" '
                  f'stroke-dasharray="4 3"/><text x="{x(slo_s) + 4:.1f}" y="12">SLO {slo_s:g} s</text>')
     for i, (r, s) in enumerate(zip(results, served, strict=True)):
-        if not s or not r.total.requests:
+        if not s.count or not r.total.requests:
             continue
-        n = len(s)
+        n = s.count
         picks = sorted({round(k * (n - 1) / 400) for k in range(401)})
-        pts = [f"{x(s[k]):.1f},{h - h * (k + 1) / r.total.requests:.1f}" for k in picks]
+        pts = [f"{x(v):.1f},{h - h * (k + 1) / r.total.requests:.1f}" for k, v in zip(picks, s.at_ranks(picks),
+                                                                                         strict=True)]
         parts.append(f'<polyline fill="none" stroke="{POLICY_COLORS[i % len(POLICY_COLORS)]}" stroke-width="2" '
-                     f'points="{x(s[0]):.1f},{h} {" ".join(pts)}"><title>{html.escape(r.policy.name)}</title>'
+                     f'points="{x(s.min):.1f},{h} {" ".join(pts)}"><title>{html.escape(r.policy.name)}</title>'
                      '</polyline>')
     parts.append("</svg>")
     legend = "".join(f'<span><i style="background:{POLICY_COLORS[i % len(POLICY_COLORS)]}"></i>'

@@ -13,14 +13,16 @@ served requests whose wait met the SLO, over the requests less the ``rejected`` 
 their engine's ``max_model_len``, refused at arrival as vLLM refuses them). ``failed`` is
 ``timed_out`` (the queue's deadline) plus ``refused`` (answered at once with an error: the queue
 full, ``does_not_fit``, 429, a start's backoff). ``slo_met`` is the
-fraction of requests whose TTFT met the SLO (a refused request never does); a percentile is
-linear between the two nearest ranks, null with nothing served; ``trace.duration_s`` runs from
-the first arrival to the end of the last request (the longest of the policies');
+fraction of requests whose TTFT met the SLO (a refused request never does; the shares are
+exact counts); a percentile is linear between the two nearest ranks, of the tally's sketch
+(``sketch.py``: within 0.5 % of the exact value, ``max`` exact), null with nothing served;
+``trace.duration_s`` runs from the first arrival to the end of the last request (the longest
+of the policies');
 ``trace.models`` counts the deployments the trace's requests went to; ``trace.measured_from_s``,
 only with a warm-up (``--warmup-s``), is where the counts begin (the policies' counts and hours
 are the measured window's; ``trace.requests`` is the whole trace's).
-Numbers are rounded (seconds and hours to 3 decimals, fractions to 4), so the same inputs give
-the same bytes.
+Numbers are rounded (seconds and hours to 3 decimals, percentiles to 3 significant digits as
+well, fractions to 4), so the same inputs give the same bytes.
 """
 from __future__ import annotations
 
@@ -30,27 +32,26 @@ from typing import Any
 
 import orjson
 
+from .sketch import Sketch
 from .types import WAITED, Box, PolicyResult, Tally
-
-
-def percentile(ordered: Sequence[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of sorted values, linear between the nearest ranks; None if empty."""
-    if not ordered:
-        return None
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _r(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits) + 0.0  # + 0.0: never a -0.0
 
 
-def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    ordered = sorted(values)
-    return {"p50": _r(percentile(ordered, 0.5)), "p90": _r(percentile(ordered, 0.9)),
-            "p99": _r(percentile(ordered, 0.99)), "max": _r(ordered[-1] if ordered else None)}
+def _sig(x: float | None) -> float | None:
+    """A percentile as the JSON gives it: 3 significant digits (the sketch's 0.5 % is below half
+    of the third digit's step but near its top: rarely does it change the rounded value), and no
+    more than 3 decimals, as every other figure in seconds."""
+    if not x:
+        return _r(x)
+    return _r(x, min(3, 2 - math.floor(math.log10(x))))
+
+
+def _quantiles(values: Sketch) -> dict[str, float | None]:
+    return {"p50": _sig(values.quantile(0.5)), "p90": _sig(values.quantile(0.9)), "p99": _sig(values.quantile(0.99)),
+            "max": _r(values.max if values.count else None)}
 
 
 def tally_json(t: Tally) -> dict[str, Any]:
@@ -59,9 +60,9 @@ def tally_json(t: Tally) -> dict[str, Any]:
         "requests": t.requests, "served": t.served, "failed": t.failed,
         "timed_out": t.timed_out, "refused": t.refused, "rejected": t.rejected,
         "wait_slo_met": _r(t.wait_slo_met / counted if counted else 0.0, 4),
-        "wait_s": _quantiles(t.waits),
+        "wait_s": _quantiles(t.wait),
         "slo_met": _r(t.slo_met / t.requests if t.requests else 0.0, 4),
-        "ttft_s": _quantiles(t.ttfts),
+        "ttft_s": _quantiles(t.ttft),
         "waited": {k: t.waited[k] for k in WAITED},
         "cold_starts": t.cold_starts, "wakes": t.wakes, "sleeps": t.sleeps, "stops": t.stops,
         "prewarms": t.prewarms, "prewarm_hits": t.prewarm_hits,
@@ -114,9 +115,10 @@ def hit_rate(hits: int, prewarms: int) -> str:
 
 
 def _seconds(x: float | None) -> str:
+    """A percentile in the table: 3 significant digits, as the JSON has it (2 decimals below 1 s)."""
     if x is None:
         return "-"
-    return f"{x:.2f} s" if x < 100 else f"{x:.0f} s"
+    return f"{x:.2f} s" if x < 10 else f"{x:.1f} s" if x < 100 else f"{x:.0f} s"
 
 
 def _header(slo_s: float) -> list[str]:

@@ -31,7 +31,9 @@ edge (``flights.py``), and the reaper's step every ``reap_interval_s`` (at k × 
 a period that is no whole number of seconds does not drift). ``replay`` reads the trace once
 and hands each request to every run in turn (each runs its clock up to the arrival first), so
 nothing of the trace is held, and memory does not grow with the policies (but under
-``clairvoyant``, whose run is given the whole list first).
+``clairvoyant``, whose run is given the whole list first). Each tally sketches its TTFTs and
+waits (``sketch.py``), and keeps the page's timelines only when asked (``timelines``): a run's
+memory then does not grow with the trace's length either.
 
 **Idle spans are skipped, not stepped through** (a week of quiet, a gap of 10^8 s, a request
 that decodes for days: millions of steps that each decide nothing). A step is skipped when it
@@ -116,13 +118,14 @@ class Run:
     """One policy's replay (module doc)."""
 
     def __init__(self, policy: Policy, replayed: Sequence[Replayed], box: Box, slo_s: float,
-                 measure_from_s: float = 0.0, *, step_idle: bool = False, trace: Sequence[Request] | None = None):
+                 measure_from_s: float = 0.0, *, step_idle: bool = False, trace: Sequence[Request] | None = None,
+                 keep: bool = False, timelines: bool = True):
         self.policy = policy
         self.box = box
         self.clock = clock = VirtualClock()
-        self.tallies = {r.deployment.name: Tally() for r in replayed}
-        self.total = Tally()
-        self.world = World(replayed, box, clock, self.tallies, self.total)
+        self.tallies = {r.deployment.name: Tally.keeping(keep) for r in replayed}
+        self.total = Tally.keeping(keep)
+        self.world = World(replayed, box, clock, self.tallies, self.total, timelines)
         self.refused = self.world.place_always_on()
         # The clairvoyant reference's parts, given every request ahead (``trace``).
         self.foresight: clairvoyant.Clairvoyant | None = None
@@ -145,7 +148,7 @@ class Run:
         if self.foresight is not None:
             self.foresight.bind(self.controller)
         self.controller.learn({r.deployment.id: r.gaps for r in replayed if r.gaps})
-        self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s)
+        self.flights = Flights(self.world, self.controller, clock, self.tallies, self.total, slo_s, timelines)
         self.measure_from_s = measure_from_s
         self._hits_before: dict[str, int] = {}  # pre-warm hits before the measured window
         if measure_from_s > 0:
@@ -237,15 +240,21 @@ class Run:
 
 def replay(requests: Iterable[Request], replayed: Sequence[Replayed], box: Box, policies: Sequence[Policy], *,
            slo_s: float = 5.0, measure_from_s: float = 0.0, step_idle: bool = False,
-           progress: Callable[[int], None] | None = None) -> list[PolicyResult]:
+           progress: Callable[[int], None] | None = None, keep: bool = False, timelines: bool = True
+           ) -> list[PolicyResult]:
     """Each policy's result, in the order given, counted from ``measure_from_s`` (module doc);
     ``progress(n)`` after every 256th request. A ``clairvoyant`` policy reads the requests ahead:
-    they are then held in a list (the one case where the trace is in memory)."""
+    they are then held in a list (the one case where the trace is in memory). ``keep``: the
+    tallies keep each request's TTFT and wait besides their sketches (memory then grows with the
+    trace: for tests and small traces). ``timelines``: the page's timelines of memory and of the
+    queue are kept (they grow with the changes, so with the trace; without, the results' are
+    empty)."""
     trace: Sequence[Request] | None = None
     if any(p.kind == clairvoyant.CLAIRVOYANT for p in policies):
         requests = trace = requests if isinstance(requests, Sequence) else list(requests)
     runs = [Run(p, configure(replayed, p, box), box, slo_s, measure_from_s, step_idle=step_idle,
-                trace=trace if p.kind == clairvoyant.CLAIRVOYANT else None) for p in policies]
+                trace=trace if p.kind == clairvoyant.CLAIRVOYANT else None, keep=keep, timelines=timelines)
+            for p in policies]
     n = 0
     for n, req in enumerate(requests, 1):
         for run in runs:

@@ -9,7 +9,11 @@ access log, one at a time.
 - **JSON lines**: the access log (``access_log = "json"``), one line per gateway request. Only
   the model traffic is replayed (``POST`` to a generation route of a deployment that exists).
   A line is written when its request ends, so its arrival is ``time`` less ``duration_s``, and
-  the lines are read whole and put in arrival order. The log holds no token counts: the input is
+  the lines are put in arrival order as they stream: the file is read twice, first to check
+  every line and to find the longest duration and the most a line's ``time`` falls behind an
+  earlier one's; then a request is held only until no later line can arrive before it (those
+  that arrived within the longest request's duration of the latest end: memory does not grow
+  with the log's length). The log holds no token counts: the input is
   its body's bytes over ``BYTES_PER_TOKEN``, and the output what its deployment decodes in the
   time the request spent in the engine (``duration_s`` less ``queued_s``).
 
@@ -33,6 +37,7 @@ import bisect
 import csv
 import dataclasses
 import datetime
+import heapq
 import itertools
 import math
 import random
@@ -232,7 +237,42 @@ class Trace:
         return where
 
     def _json_rows(self, fh: TextIO) -> Iterator[_Row]:
-        rows = []
+        """The access log's requests in arrival order, streamed (module doc): a first read checks
+        every line and finds how far a line's arrival may come before an earlier line's (the
+        longest duration, and the most a line's ``time`` falls behind one before it); the second
+        holds a row only until no line after it can arrive earlier."""
+        longest, lag, latest = 0.0, 0.0, -math.inf
+        for end, duration, _ in self._json_records(fh):
+            longest = max(longest, duration)
+            lag = max(lag, latest - end)
+            latest = max(latest, end)
+        fh.seek(0)
+        # A later line arrives no earlier than the latest end so far less lag and longest; a second
+        # more keeps the float rounding of those sums on the safe side.
+        behind = lag + longest + 1.0
+        held: list[_Row] = []  # a heap in (arrival, line) order: the requests a later line may precede
+        first: _Row | None = None
+        latest = -math.inf
+        for end, _, row in self._json_records(fh):
+            heapq.heappush(held, row)
+            latest = max(latest, end)
+            while held and held[0][0] <= latest - behind:
+                row = heapq.heappop(held)
+                first = first or row
+                yield self._within_span(row, first)
+        while held:
+            row = heapq.heappop(held)
+            first = first or row
+            yield self._within_span(row, first)
+
+    def _within_span(self, row: _Row, first: _Row) -> _Row:
+        if row[0] - first[0] > MAX_SPAN_S:
+            raise self.error(row[1], f"arrives more than ten years after the first request (line {first[1]})")
+        return row
+
+    def _json_records(self, fh: TextIO) -> Iterator[tuple[float, float, _Row]]:
+        """Each model-traffic line of the log, in the file's order: its ``time``, its duration, its
+        row; TraceError at the first line that is no access log line."""
         for line, text in enumerate(self._lines(fh), 1):
             if not text.strip():
                 continue
@@ -246,17 +286,12 @@ class Trace:
                 queued = _number(rec, "queued_s", MAX_SPAN_S, "seconds (ten years)") \
                     if rec.get("queued_s") is not None else 0.0
                 bytes_in = _number(rec, "bytes_in", MAX_TOKENS * BYTES_PER_TOKEN, f"bytes ({MAX_TOKENS:,} tokens)")
-                at = seconds(str(rec["time"])) - duration
-                rows.append((at, line, str(rec["deployment"]), int(bytes_in) // BYTES_PER_TOKEN,
-                             max(0.0, duration - queued), True))
+                end = seconds(str(rec["time"]))
             except (ValueError, KeyError, orjson.JSONDecodeError) as exc:
                 what = f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else str(exc)
                 raise self.error(line, f"not an access log line: {what}") from None
-        rows.sort(key=lambda r: (r[0], r[1]))
-        for at, line, *_ in rows:
-            if at - rows[0][0] > MAX_SPAN_S:
-                raise self.error(line, f"arrives more than ten years after the first request (line {rows[0][1]})")
-        yield from rows
+            yield end, duration, (end - duration, line, str(rec["deployment"]), int(bytes_in) // BYTES_PER_TOKEN,
+                                  max(0.0, duration - queued), True)
 
     def _model(self, model: str, line: int, rng: random.Random) -> str:
         if model:

@@ -6,12 +6,12 @@ run (``run``) turns them and a ``Policy`` into a ``PolicyResult``; the report (`
 the results as a table, JSON and a page."""
 from __future__ import annotations
 
-import array
 import dataclasses
 
 from ..config import BudgetConfig, Config
 from ..engines.tiers import ASLEEP_1, ASLEEP_2, STOPPED, Tier
 from ..model import Deployment
+from .sketch import Sketch
 
 POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "lru", "sleep-lru", "fixed", "adaptive", "seed", "cost",
                 "clairvoyant")
@@ -123,17 +123,21 @@ class Policy:
 @dataclasses.dataclass(slots=True)
 class Tally:
     """What a policy gave, for the box or one deployment (the JSON's fields, before the
-    percentiles: ``ttfts`` holds each served request's TTFT, in the order they ended)."""
+    percentiles: ``ttft`` sketches each served request's TTFT, ``wait`` each wait)."""
     requests: int = 0
     served: int = 0
     failed: int = 0
-    slo_met: int = 0  # a count here; the JSON's is the fraction of requests
-    # Packed doubles, 8 bytes a request (a list of floats takes 32): the percentiles need every
-    # value, and a week of a busy box is hundreds of thousands of requests per policy.
-    ttfts: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+    slo_met: int = 0  # a count here, exact; the JSON's is the fraction of requests
+    # Sketches, not the values: their memory does not grow with the trace (a week of a busy box is
+    # hundreds of thousands of requests per policy), and a percentile is within 0.5 % (sketch.py).
+    ttft: Sketch = dataclasses.field(default_factory=Sketch)
     # What the gateway and the scheduling cost a request (arrival to the moment a ready engine took
     # it; a timed-out one counts at its deadline), of the served and the timed-out requests.
-    waits: array.array[float] = dataclasses.field(default_factory=lambda: array.array("d"))
+    wait: Sketch = dataclasses.field(default_factory=Sketch)
+    # Each value itself, in the order the requests ended, only when the replay is asked to keep
+    # them (``replay(keep=True)``: the tests, a small trace looked at closely); None otherwise.
+    ttfts: list[float] | None = None
+    waits: list[float] | None = None
     wait_slo_met: int = 0  # served requests whose wait met the SLO (a count; the JSON's is a fraction)
     timed_out: int = 0  # the queue's deadline passed
     refused: int = 0  # answered at once with an error (does_not_fit, the queue full, 429, a backoff)
@@ -148,9 +152,25 @@ class Tally:
     gpu_seconds: float = 0.0  # summed over GPUs: the time some engine held memory there
     gpu_gib_seconds: float = 0.0  # the GiB held times the time
 
+    @classmethod
+    def keeping(cls, keep: bool) -> Tally:
+        """A tally that keeps each value too when ``keep`` (``ttfts``, ``waits``)."""
+        return cls(ttfts=[], waits=[]) if keep else cls()
+
+    def add_ttft(self, ttft: float) -> None:
+        self.ttft.add(ttft)
+        if self.ttfts is not None:
+            self.ttfts.append(ttft)
+
+    def add_wait(self, wait: float) -> None:
+        self.wait.add(wait)
+        if self.waits is not None:
+            self.waits.append(wait)
+
     def reset(self) -> None:
-        """Everything back to nothing counted (a measured window begins)."""
-        fresh = Tally()
+        """Everything back to nothing counted (a measured window begins); one that keeps its
+        values goes on keeping them."""
+        fresh = Tally.keeping(self.ttfts is not None)
         for field in dataclasses.fields(self):
             setattr(self, field.name, getattr(fresh, field.name))
 

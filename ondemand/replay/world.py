@@ -61,12 +61,14 @@ READING = Reading(None)  # a static budget measures nothing: the deployments' bo
 class Ledger:
     """What each engine holds on each GPU over virtual time: per deployment its GPU-seconds (the
     GPUs it holds memory on, times the time) and GiB-seconds, for the box the seconds each GPU
-    had some engine's memory on it, and the timeline (t, GPU, deployment, GiB from then on)."""
+    had some engine's memory on it, and the timeline (t, GPU, deployment, GiB from then on), kept
+    only when ``drawn`` (a page will draw it: it grows with the changes, so with the trace)."""
 
-    def __init__(self, gpus: int, clock: VirtualClock, tallies: Mapping[str, Tally], box: Tally):
+    def __init__(self, gpus: int, clock: VirtualClock, tallies: Mapping[str, Tally], box: Tally, drawn: bool = True):
         self.clock = clock
         self.tallies = tallies
         self.box = box
+        self.drawn = drawn
         self.timeline: list[tuple[float, int, str, float]] = []
         self._held: dict[str, dict[int, float]] = {}
         self._since: dict[str, float] = {}
@@ -82,7 +84,8 @@ class Ledger:
             if abs(before - after) > 1e-9:
                 self._accrue_gpu(gpu, now)
                 self._total[gpu] += after - before
-                self.timeline.append((now, gpu, name, round(after, 3)))
+                if self.drawn:
+                    self.timeline.append((now, gpu, name, round(after, 3)))
         self._held[name] = dict(holdings)
 
     def _accrue(self, name: str, now: float) -> None:
@@ -124,7 +127,7 @@ class World:
     """The box, the deployer and the engines (module doc); the controller's ``Effects``."""
 
     def __init__(self, replayed: Sequence[Replayed], box: Box, clock: VirtualClock, tallies: Mapping[str, Tally],
-                 total: Tally):
+                 total: Tally, drawn: bool = True):
         self.clock = clock
         self.box = box
         self.tallies = tallies
@@ -132,7 +135,7 @@ class World:
                              gpu_capacity_gib=box.gpus if box.per_gpu else None, reserve_gib=box.reserve_gib,
                              host_reserve_gib=box.host_reserve_gib, asleep_residue_gib=box.asleep_residue_gib)
         self.pools = len(box.gpus)
-        self.ledger = Ledger(self.pools, clock, tallies, total)
+        self.ledger = Ledger(self.pools, clock, tallies, total, drawn)
         self._deps = {r.deployment.id: r.deployment for r in replayed}
         self._costs = {r.deployment.id: r.costs for r in replayed}
         self.engines: dict[int, Engine] = {}

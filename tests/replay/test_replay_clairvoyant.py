@@ -42,7 +42,7 @@ def test_every_deployment_is_on_demand_and_stopped_numbered_by_name():
     z = out["zeta"]
     assert (z.mode, z.state, z.keep_warm, z.idle_action) == (Mode.ON_DEMAND, State.STOPPED, KeepWarm.FIXED,
                                                              IdleAction.SLEEP)
-    [result] = replay([req(0, "zeta")], deps, BOX, [CLAIRVOYANT])
+    [result] = replay([req(0, "zeta")], deps, BOX, [CLAIRVOYANT], keep=True)
     assert result.total.waits == pytest.approx([60.0])  # started by its request, not ready before
 
 
@@ -106,7 +106,7 @@ def test_the_victim_is_the_one_whose_next_arrival_is_furthest():
             req(300, "a"), req(320, "b")]
     r = run(deps, reqs, "clairvoyant")
     assert memory(r)[:4] == [(0.0, 0, "a", 35.0), (100.0, 0, "b", 35.0), (259.0, 0, "b", 0.0), (259.0, 0, "c", 35.0)]
-    assert r.per_deployment["c"].waits.tolist() == [0.0]
+    assert r.per_deployment["c"].waits == [0.0]
     assert r.per_deployment["a"].waits == pytest.approx([100.0, 0.0, 0.0, 0.0])
 
 
@@ -150,7 +150,7 @@ def test_ties_by_name():
     (45 GiB, GPU 1), both idle and due at 240 s; c (50 GiB, due at 200 s, a 1 s start) needs
     either GPU: a's goes, the first name's (b's, the file's first, if ties went by id)."""
     r = run([dep(1, "b", 50), dep(2, "a", 50)], [req(100, "a"), req(100, "b")], "clairvoyant")
-    assert r.per_deployment["a"].waits.tolist() == [0.0]
+    assert r.per_deployment["a"].waits == [0.0]
     assert r.per_deployment["b"].waits == pytest.approx([64.2])
     slow = Costs(cold_start_s=100)
     deps = [dep(1, "b", 45, costs=slow, **STOPS), dep(2, "a", 45, costs=slow, **STOPS),
@@ -175,7 +175,7 @@ def test_an_early_start_leaves_a_sleeper_needed_before_it_its_room():
 def test_the_trace_is_read_ahead_from_any_iterable():
     """``replay`` is given a generator (the command line's trace is read as it goes): the
     clairvoyant run gets the whole list; a run made without it is refused."""
-    [result] = replay((r for r in [req(0), req(1000)]), [dep(1, "a", 40)], BOX, [CLAIRVOYANT])
+    [result] = replay((r for r in [req(0), req(1000)]), [dep(1, "a", 40)], BOX, [CLAIRVOYANT], keep=True)
     assert result.total.waits == pytest.approx([60.0, 0.0])
     with pytest.raises(ValueError, match="in advance"):
         Run(CLAIRVOYANT, configure([dep(1, "a", 40)], CLAIRVOYANT, BOX), BOX, 5.0)

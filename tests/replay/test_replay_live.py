@@ -10,6 +10,7 @@ import pytest
 from ondemand.model import Deployment, KeepWarm, Mode, State
 from ondemand.replay.live import Server, disagreements, start_kind
 from ondemand.replay.run import configure, replay
+from ondemand.replay.sketch import Sketch
 from ondemand.replay.types import Box, Costs, Policy, PolicyResult, Replayed, Request, Tally
 from ondemand.state.store import Store
 
@@ -45,14 +46,16 @@ async def test_the_live_server_gets_adaptive_warmth_and_what_was_learned_at_its_
 
 
 def tally(cold: int, wakes: int, queued: int, ttfts: list[float]) -> Tally:
-    t = Tally(cold_starts=cold, wakes=wakes, ttfts=ttfts)
+    t = Tally(cold_starts=cold, wakes=wakes, ttft=Sketch(ttfts))
     t.waited["queue"] = queued
     return t
 
 
 def result(per: dict[str, Tally]) -> PolicyResult:
     total = Tally(cold_starts=sum(t.cold_starts for t in per.values()), wakes=sum(t.wakes for t in per.values()),
-                  ttfts=[x for t in per.values() for x in t.ttfts])
+                  ttft=Sketch())
+    for t in per.values():
+        total.ttft.merge(t.ttft)
     total.waited["queue"] = sum(t.waited["queue"] for t in per.values())
     return PolicyResult(Policy.parse("current"), total, per)
 

@@ -10,6 +10,7 @@ import pytest
 from ondemand.model import Deployment, Mode, State
 from ondemand.replay import page, report
 from ondemand.replay.run import replay
+from ondemand.replay.sketch import Sketch
 from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
 
 BOX = Box(gpus=(80.0, 80.0), host_gib=512)
@@ -32,10 +33,12 @@ def results():
 
 
 def test_percentiles_are_linear_between_the_nearest_ranks():
-    assert report.percentile([], 0.5) is None
-    assert report.percentile([3.0], 0.99) == 3.0
-    assert report.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
-    assert report.percentile([float(i) for i in range(101)], 0.99) == pytest.approx(99.0)
+    """Of the sketch (sketch.py): exact here, each rank's value alone in its bucket or the least
+    or greatest (the bound's tests: test_replay_sketch.py)."""
+    assert Sketch().quantile(0.5) is None
+    assert Sketch([3.0]).quantile(0.99) == 3.0
+    assert Sketch([1.0, 2.0, 3.0, 4.0]).quantile(0.5) == 2.5
+    assert Sketch([float(i) for i in range(101)]).quantile(0.99) == pytest.approx(99.0)
 
 
 def test_the_json_has_exactly_the_documented_shape():
@@ -63,7 +66,9 @@ def test_the_json_has_exactly_the_documented_shape():
     assert always["per_deployment"]["c"]["ttft_s"] == {"p50": None, "p90": None, "p99": None, "max": None}
     current = doc["policies"]["current"]
     assert (current["cold_starts"], current["wakes"], current["sleeps"]) == (3, 1, 3)
-    assert current["per_deployment"]["a"]["ttft_s"] == {"p50": 195.95, "p90": 304.55, "p99": 328.985, "max": 331.7}
+    # a's two TTFTs, 60.2 and 331.7 s (the sketch's least and greatest: exact), interpolated to
+    # 195.95, 304.55 and 328.985 s; percentiles are given to 3 significant digits, max to the ms.
+    assert current["per_deployment"]["a"]["ttft_s"] == {"p50": 196.0, "p90": 305.0, "p99": 329.0, "max": 331.7}
     # GPU 0 held from 0 s, GPU 1 from 10 s, both to the end; a held 60 GiB until its sleep's call
     # ended, then 2, and 60 again from its wake.
     assert current["gpu_hours"] == round((1333.7 + 1323.7) / 3600, 3)

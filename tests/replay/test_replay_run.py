@@ -32,7 +32,7 @@ def dep(i: int, name: str, gib: float, *, costs: Costs = DEFAULTS, **kw) -> Repl
 
 
 def run(deps, reqs, policy="current", box=BOX, slo_s=5.0):
-    [result] = replay(reqs, deps, box, [Policy.parse(policy)], slo_s=slo_s)
+    [result] = replay(reqs, deps, box, [Policy.parse(policy)], slo_s=slo_s, keep=True)
     return result
 
 
@@ -117,7 +117,7 @@ def test_always_on_refuses_what_does_not_fit_beside_the_others():
     every request for it is refused (failed, no TTFT), counted against the SLO."""
     r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(1, "b"), req(2, "b")], "always-on")
     assert (r.total.requests, r.total.served, r.total.failed, r.total.slo_met) == (3, 1, 2, 1)
-    assert (r.per_deployment["b"].failed, r.per_deployment["b"].ttfts.tolist()) == (2, [])
+    assert (r.per_deployment["b"].failed, r.per_deployment["b"].ttfts) == (2, [])
 
 
 def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
@@ -168,7 +168,7 @@ def test_the_replay_runs_the_scheduler_its_box_names(monkeypatch):
     made.clear()
     box = dataclasses.replace(BOX, scheduler="counting")
     deps, reqs = [dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(100, "b")]
-    [current, fixed] = replay(reqs, deps, box, [Policy.parse("current"), Policy.parse("fixed=600")])
+    [current, fixed] = replay(reqs, deps, box, [Policy.parse("current"), Policy.parse("fixed=600")], keep=True)
     assert len(made) == 2 and all(s.victims_asked >= 1 for s in made)
     assert current.per_deployment["b"].ttfts == pytest.approx([662.25 + 2 + 60 + 0.2 - 100])
     assert current.per_deployment["b"].ttfts == run(deps, reqs).per_deployment["b"].ttfts
@@ -242,7 +242,8 @@ def test_lru_takes_a_model_in_a_lull_where_ttl_waits_for_its_timeout():
     sleep-lru=300 puts it to sleep instead."""
     deps = [dep(1, "a", 50), dep(2, "b", 50)]
     reqs = [req(0), req(100, "b")]
-    ttl, lru, sleep_lru = replay(reqs, deps, BOX, [Policy.parse(p) for p in ("ttl=300", "lru=300", "sleep-lru=300")])
+    ttl, lru, sleep_lru = replay(reqs, deps, BOX, [Policy.parse(p) for p in ("ttl=300", "lru=300", "sleep-lru=300")],
+                                 keep=True)
     assert ttl.per_deployment["b"].waits == pytest.approx([362.2 - 100 + 60], abs=0.1)  # woken as a's timeout ran out
     assert lru.per_deployment["b"].waits == pytest.approx([60.0])
     assert (lru.per_deployment["a"].stops, lru.per_deployment["a"].sleeps) == (1, 0)
@@ -387,7 +388,7 @@ def test_a_week_of_quiet_replays_as_fast_as_a_minute():
               [req(0, tokens_out=10_000_000), req(60, "b")]]
     with cpu_limit(5):
         began = time.process_time()
-        results = [replay(reqs, deps_long if i == 2 else deps, BOX, [Policy.parse(p) for p in POLICIES])
+        results = [replay(reqs, deps_long if i == 2 else deps, BOX, [Policy.parse(p) for p in POLICIES], keep=True)
                    for i, reqs in enumerate(traces)]
         took = time.process_time() - began
     assert took < 0.5, f"{took:.2f} s of CPU"
