@@ -40,7 +40,7 @@ def verdicts(results: Sequence[PolicyResult], roomy: bool) -> list[tuple[str, bo
     out.append(("within a point of the reference's share", cost.within >= floor - 1e-12,
                 f"{100 * cost.within:.2f} % against {100 * ref.within:.2f} %"))
     over = dominated_by(cost, list(pts.values()))
-    fact = "dominated by " + ", ".join(f"`{n}`" for n in over) if over else "on the front"
+    fact = "dominated by " + ", ".join(f"`{n}`" for n in over) if over else "dominated by none"
     ok = not over
     if roomy and "always-on" in pts:
         cap = max(pts["always-on"].gib_h / 2, ref.gib_h)
