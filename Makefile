@@ -64,7 +64,7 @@ lint: install
 # Four workers (pytest-xdist) on two cores, each test file on one of them (its module fixtures
 # stay its own): half of a test's time is spent waiting on engines and sockets, not on a core.
 test: lint
-	$(PYTEST) -q -n 4 --dist loadfile --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
+	$(PYTEST) -q -n 6 --dist loadfile --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
