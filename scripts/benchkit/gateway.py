@@ -15,6 +15,15 @@ from .load import chat_body
 from .procs import ROOT, Procs, free_port
 
 BASE = "/dgxmm"
+
+
+async def admin_call(admin: aiohttp.ClientSession, method: str, path: str, body: Any = None) -> Any:
+    """One admin API call over the admin socket's session; its JSON answer, or RuntimeError."""
+    async with admin.request(method, f"http://localhost{BASE}/api{path}", json=body) as r:
+        data = await r.json(content_type=None)
+        if r.status >= 400:
+            raise RuntimeError(f"{method} {path}: {r.status} {data}")
+        return data
 FAKE_SMI = ROOT / "tests" / "fakes" / "nvidia-smi"
 
 
@@ -54,11 +63,7 @@ class Gateway:
 
     async def api(self, method: str, path: str, body: Any = None) -> Any:
         assert self.admin is not None
-        async with self.admin.request(method, f"http://localhost{BASE}/api{path}", json=body) as r:
-            data = await r.json(content_type=None)
-            if r.status >= 400:
-                raise RuntimeError(f"{method} {path}: {r.status} {data}")
-            return data
+        return await admin_call(self.admin, method, path, body)
 
     async def create(self, name: str, gib: float, *sim: str, **fields: Any) -> int:
         dep = await self.api("POST", "/deployments", {

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from . import others, streams
-from .gateway import BASE
+from .gateway import BASE, admin_call
 from .load import Run, Target, chat_body, closed_loop, stream_loop, ttfb_loop
 from .measure import cpu_s, listen_backlog, machine_busy_s, n_fds, proc_status, rss_mib, self_cpu
 from .procs import ROOT, Procs, child_env, free_port
@@ -106,11 +106,7 @@ class Bench:
 
     async def api(self, method: str, path: str, body: Any = None) -> Any:
         assert self.admin is not None
-        async with self.admin.request(method, f"http://localhost{BASE}/api{path}", json=body) as r:
-            data = await r.json(content_type=None)
-            if r.status >= 400:
-                raise RuntimeError(f"{method} {path}: {r.status} {data}")
-            return data
+        return await admin_call(self.admin, method, path, body)
 
     async def create(self, name: str, *sim_args: str) -> int:
         dep = await self.api("POST", "/deployments", {
