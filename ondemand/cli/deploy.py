@@ -37,7 +37,8 @@ def _max_inflight(value: str) -> int | None:
     """--max-inflight: requests at once, or 'none' (no limit); the server checks the range."""
     if value == "none":
         return None
-    if not value.lstrip("-").isdigit():
+    digits = value.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 9):  # "²" is isdigit() too
         _fail("--max-inflight takes a whole number of requests or 'none'", EXIT_USAGE)
     return int(value)
 
@@ -46,7 +47,7 @@ def _idle_timeout(value: str) -> int | None:
     """--idle-timeout: whole seconds, or 'default' (null: ondemand_idle_timeout_s)."""
     if value == "default":
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit() and len(value) <= 9):  # "²" is isdigit() too
         _fail("--idle-timeout takes whole seconds or 'default'", EXIT_USAGE)
     return int(value)
 

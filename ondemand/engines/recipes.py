@@ -352,7 +352,8 @@ def booking(dep: Deployment, box: Box, gpu_sizes: Sequence[float] | None, per_gp
         given = flag_value(dep.args, _CONTEXT_FLAG[dep.engine])
         context = min(found.context, box.max_model_len)
         capped = context if context < found.context else None
-        if given is not None and given.isdigit() and int(given) > 0:
+        # ASCII digits of a sane length: "²" passes isdigit() and 5,000 digits int(), both then raise.
+        if given is not None and given.isascii() and given.isdigit() and len(given) <= 9 and int(given) > 0:
             context, capped = int(given), None  # the admin's own flag: it is what the engine runs with
         kv = box.kv_sequences * context * found.kv_bytes_per_token
         gib = (found.weights_bytes + kv) * 1.1 / GIB + gpus

@@ -289,7 +289,7 @@ class Response:
     @property
     def content_length(self) -> int | None:
         v = self._first(b"content-length")
-        return int(v) if v is not None and v.isdigit() else None
+        return int(v) if v is not None and v.isascii() and v.isdigit() else None
 
     @property
     def content_type(self) -> str:

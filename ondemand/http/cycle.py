@@ -76,7 +76,7 @@ class Call:
         self.raw_headers = raw_headers  # as llhttp gave them: forwarded without decoding
         self.peer = proto.peer
         length = headers.get("Content-Length")
-        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self.content_length = int(length) if length is not None and length.isascii() and length.isdigit() else None
         expect = headers.get("Expect")
         self.expect = expect is not None and expect.lower() == "100-continue"
         self.version = version

@@ -167,6 +167,11 @@ async def test_deploy_add_show_and_set_with_a_recipe(tmp_path, server):
     assert rc == 2 and "--env takes NAME=VALUE, not 'NOEQUALS'" in err
     rc, _, err = await cli("deploy", "set", str(dep_id), "--env", "A=1", "--no-env", config=cfg)
     assert rc == 2 and "exclude each other" in err
+    # "²" and "³" pass str.isdigit() and int() refuses them: bad usage, not a traceback
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--max-inflight", "²", config=cfg)
+    assert rc == 2 and "--max-inflight takes a whole number" in err and "Traceback" not in err
+    rc, _, err = await cli("deploy", "set", str(dep_id), "--idle-timeout", "³", config=cfg)
+    assert rc == 2 and "--idle-timeout takes whole seconds" in err and "Traceback" not in err
     rc, _, err = await cli("deploy", "set", str(dep_id), "--engine", "custom", config=cfg)
     assert rc == 1 and "model:" in err and "custom" in err
     assert server.deployer.get(dep_id).as_dict() == before

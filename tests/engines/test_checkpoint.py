@@ -214,3 +214,14 @@ async def test_the_deployer_reads_checkpoints_in_a_thread_not_on_the_event_loop(
         await d.admit_start(away.id, wanted=lambda: False)
         assert len(threads) == n + 3  # booked now: nothing more to read
     assert loop_thread not in threads, threads
+
+
+@pytest.mark.parametrize("given", ["²", "9" * 5000, "-1", "0", "8k"])
+def test_a_max_model_len_that_is_no_plain_number_books_the_checkpoints_context(tmp_path, given):
+    """The admin's flag counts only as ASCII digits of a sane length: "²" passed isdigit() and
+    5,000 digits int(), and both then raised (a 500 on the admin API); anything else is booked at
+    the checkpoint's context, capped as without the flag (the engine says what it makes of it)."""
+    path = model_dir(tmp_path / "llama")
+    d = booked(dep(model=str(path), args=["--max-model-len", given]))
+    assert d.booking.max_model_len == 32768
+    assert d.footprint_gib == pytest.approx(expected_gib(16 * GIB, 32768), abs=0.001)
