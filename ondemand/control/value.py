@@ -16,8 +16,8 @@ the engine rests in, or a cold start (``CoreView.put_away_s``). Two kinds of eng
   timeout)]`` GiB-seconds (``t`` over its learned gaps longer than ``a``, less ``a``) to save the
   miss of a request that comes within that time (the share of those gaps that end within it). So it
   may rest before its timeout (its gaps say nothing comes back soon) or stay awake past it
-  (``held_for`` ``slo``: they say something will). With fewer than ``LEARN_AFTER`` gaps it keeps
-  its timeout.
+  (``held_for`` ``slo``: they say something will). With fewer than ``HOLD_AFTER`` (10) gaps it
+  keeps its timeout.
 
 An asleep engine keeps its timeout's rule (the reaper's stop after ``sleep_timeout_s`` reads no
 idle time of ours), and make-room weighs an idle engine by cost whatever this says.
@@ -30,7 +30,6 @@ from typing import Protocol
 
 from ..model import Deployment, State
 from .record import Record
-from .rhythm import LEARN_AFTER
 from .warmth_policy import WarmthPolicy
 
 # An engine whose next request waits at most CHEAP x slo_s to bring it back rests early.
@@ -38,6 +37,11 @@ CHEAP = 0.6
 # A dear engine stays awake while the memory it holds for each miss it saves costs at most this
 # (GiB-seconds a miss: 3 GiB-hours, the trade the replay's tables set; design.md).
 PRICE_GIB_S = 3 * 3600.0
+# A dear engine's rule reads its gaps from the HOLD_AFTER-th on; before, it keeps its timeout. Fewer
+# than make-room's (rhythm.LEARN_AFTER, 20): a wrong guess here holds or rests one engine, where make-room's would
+# take a model in use from its users (on the replay's Azure traces a 235B seen 31 times an hour
+# learns its rhythm in time only so).
+HOLD_AFTER = 10
 HELD_FOR_SLO = "slo"
 
 
@@ -98,7 +102,7 @@ class ByValue:
         if self.cheap(dep):
             return floor
         gaps = self.view.gaps(dep.id)
-        if len(gaps) < LEARN_AFTER:
+        if len(gaps) < HOLD_AFTER:
             return timeout
         key = (len(gaps), gaps[-1], floor, timeout)
         memo = self._memo.get(dep.id)

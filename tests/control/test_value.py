@@ -2,7 +2,7 @@
 recording effects: an engine cheap to bring back rests once idle for ``min_idle_timeout_s``, never
 sooner; one whose wake passes the SLO stays awake past its timeout while its next request is
 likely soon (``held_for`` ``slo``) and rests before it when its gaps say nothing comes back soon;
-fewer than 20 gaps keep the timeout. Here min_idle_timeout_s is 10 s, the SLO 5 s, the idle
+fewer than 10 gaps keep the timeout. Here min_idle_timeout_s is 10 s, the SLO 5 s, the idle
 timeout 60 s; the test's tiers say a level-1 wake costs 1 s (cheap) unless a test makes it 8 s."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from test_controller import Clock, Effects, make
 
 from ondemand.control import scheduler as schedulers
-from ondemand.control.value import PRICE_GIB_S, hold_until
+from ondemand.control.value import HOLD_AFTER, PRICE_GIB_S, hold_until
 from ondemand.model import State
 
 SLO_S = 5.0
@@ -68,8 +68,15 @@ def test_under_seed_the_same_model_keeps_its_idle_timeout(world):
 
 
 def test_a_dear_model_with_few_gaps_keeps_its_timeout(world):
-    c, fx, clock = idle(world, wake_s=8.0, gaps=[30.0] * 19)
+    c, fx, clock = idle(world, wake_s=8.0, gaps=[30.0] * (HOLD_AFTER - 1))
     assert reaped_at(c, clock) == 60
+
+
+def test_from_its_tenth_gap_a_dear_models_rhythm_decides(world):
+    """Its gaps are 30 s: held until then (its next request likely soon), then nothing says one
+    comes back."""
+    c, fx, clock = idle(world, wake_s=8.0, gaps=[30.0] * HOLD_AFTER)
+    assert reaped_at(c, clock) == 30
 
 
 def test_a_dear_model_whose_next_request_is_likely_soon_is_held_past_its_timeout(world):
