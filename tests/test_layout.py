@@ -51,7 +51,8 @@ ALLOWED = {
     "control.attempts": {"control.eviction", "control.placement", "control.protocol", "control.record", "control.relocation",
                          "control.scheduler", "control.slots", "control.verdicts", "errors", "model"},
     # The scheduler: the queue's order and holds, make-room's victims, placement (one class each).
-    "control.scheduler": {"control.cost", "control.eviction", "control.placement", "control.queue", "control.value",
+    "control.scheduler": {"control.cost", "control.eviction", "control.placement", "control.queue", "control.record",
+                          "control.value",
                           "control.warmth_policy", "model"},
     "control.value": {"control.record", "control.rhythm", "control.warmth_policy", "model"},
     "control.relocation": {"control.placement", "model"},
@@ -208,7 +209,7 @@ ALLOWED = {
                    "replay.types", "replay.world"},
     # The clairvoyant reference: a scheduler, a warmth policy and early starts plugged into the core.
     "replay.clairvoyant": {"control.controller", "control.cost", "control.eviction", "control.placement",
-                           "control.warmth_policy",
+                           "control.record", "control.warmth_policy",
                            "control.queue", "control.scheduler", "engines.tiers", "errors", "model", "replay.clock",
                            "replay.flights", "replay.types", "replay.world"},
 }

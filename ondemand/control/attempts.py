@@ -26,7 +26,7 @@ from . import relocation, verdicts
 from .eviction import Candidate
 from .placement import Fit, asleep_held, holdings
 from .protocol import Effects, Timer
-from .record import Attempt, Phase
+from .record import Attempt, Phase, idled_out
 from .scheduler import Scheduler
 from .slots import Slots
 
@@ -325,7 +325,7 @@ class Attempts:
             if victim is None or span is None:
                 continue  # not so: chosen in this step as quiet
             why = self.scheduler.reason(requester, victim, *span)
-            self._taking[v.id] = (requester.id, span[0] < span[1], {**why, "idle_for_s": round(span[0], 1),
+            self._taking[v.id] = (requester.id, not idled_out(*span), {**why, "idle_for_s": round(span[0], 1),
                                                                     "idle_after_s": round(span[1], 1)})
 
     def _took(self, victim_id: int, for_dep: int, early: bool, why: dict[str, Any]) -> None:

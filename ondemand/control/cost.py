@@ -109,8 +109,7 @@ class ByCost:
         self.core = core
 
     def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
-        if idle_for_s >= idle_after_s:
-            return True
+        """May ``victim``, in a lull of ``idle_for_s`` of its ``idle_after_s``, be taken early?"""
         figures = self.figures(requester, victim, idle_for_s, idle_after_s)
         return bool(figures) and figures["wait_s"] > figures["loss_s"]
 
@@ -135,8 +134,6 @@ class ByCost:
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
-        """``scheduler.TakeRule.reason``: idle for its whole timeout, else the cost's figures."""
-        if idle_for_s >= idle_after_s:
-            return {"rule": IDLE_TIMEOUT}
+        """``scheduler.TakeRule.reason``: the cost's figures."""
         return {"rule": COST, **{k: round(v, 1) for k, v in
                                  self.figures(requester, victim, idle_for_s, idle_after_s).items()}}

@@ -150,4 +150,10 @@ class AdaptiveState:
         self.period = None
 
 
+def idled_out(idle_for_s: float, idle_after_s: float) -> bool:
+    """Idle for its whole timeout (its warmth policy's idle rule): the reaper may take it, and
+    make-room may whatever its scheduler's take rule (``Slots.quiet_for`` gives the two figures)."""
+    return idle_for_s >= idle_after_s
+
+
 NOTHING = Record()  # what is read of a deployment the controller holds nothing of (never written)

@@ -18,6 +18,7 @@ from .cost import IDLE_TIMEOUT, ByCost, CoreView
 from .eviction import Candidate, pick_victims
 from .placement import Fit
 from .queue import WaitQueue
+from .record import idled_out
 from .value import ByValue
 from .warmth_policy import WarmthPolicy
 
@@ -70,28 +71,35 @@ class Scheduler(Protocol):
 
 
 class TakeRule(Protocol):
-    """Which quiet deployments make-room may put away (the scheduler's one varying rule)."""
+    """Which quiet deployments make-room may put away before their whole idle timeout (the
+    scheduler's one varying rule; one idle for its whole timeout is taken whatever the rule, and
+    the scheduler says so, ``SeedScheduler.takes``)."""
 
     def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool: ...
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
-        """Why a take it allowed was allowed, asked once make-room chose the victim: ``{"rule":
-        IDLE_TIMEOUT}`` (``cost.py``) when the victim was idle for its whole timeout (the reaper's rule), else
-        ``{"rule": <the rule's name>, ...}`` with the figures it weighed (``ondemand_make_room``'s
-        detail, ``ondemand_make_room_total``'s label)."""
+        """Why an early take it allowed was allowed, asked once make-room chose the victim: ``{"rule":
+        <the rule's name>, ...}`` with the figures it weighed (``ondemand_make_room``'s detail,
+        ``ondemand_make_room_total``'s label)."""
+
+    def bind(self, core: CoreView) -> None:
+        """Told the core it serves (a rule that weighs costs reads its gaps and tiers)."""
 
 
 class AfterIdleTimeout:
-    """ondemand's rule from the start (the design document's): a victim idle for its whole
-    timeout, as the reaper would take it."""
+    """ondemand's rule from the start (the design document's): only a victim idle for its whole
+    timeout, as the reaper would take it: never one earlier."""
 
     def __call__(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
-        return idle_for_s >= idle_after_s
+        return False
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
-        return {"rule": IDLE_TIMEOUT}
+        return {"rule": IDLE_TIMEOUT}  # never asked: it takes nothing early
+
+    def bind(self, core: CoreView) -> None:
+        pass
 
 
 class AnyQuiet:
@@ -103,7 +111,10 @@ class AnyQuiet:
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
-        return {"rule": IDLE_TIMEOUT if idle_for_s >= idle_after_s else "any_quiet"}
+        return {"rule": "any_quiet"}
+
+    def bind(self, core: CoreView) -> None:
+        pass
 
 
 after_idle_timeout = AfterIdleTimeout()
@@ -126,8 +137,7 @@ class SeedScheduler:
 
     def bind(self, core: CoreView) -> None:
         self.core = core
-        if isinstance(self.take, ByCost):
-            self.take.bind(core)
+        self.take.bind(core)
 
     def warmth(self, fixed: WarmthPolicy) -> WarmthPolicy:
         if self.by_value_slo_s is None or self.core is None:
@@ -164,10 +174,12 @@ class SeedScheduler:
         return victim.priority.rank <= requester.priority.rank
 
     def takes(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float) -> bool:
-        return self.take(requester, victim, idle_for_s, idle_after_s)
+        return idled_out(idle_for_s, idle_after_s) or self.take(requester, victim, idle_for_s, idle_after_s)
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
+        if idled_out(idle_for_s, idle_after_s):
+            return {"rule": IDLE_TIMEOUT}
         return self.take.reason(requester, victim, idle_for_s, idle_after_s)
 
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:

@@ -19,7 +19,7 @@ from ..errors import OndemandError
 from ..model import REQUEST_STARTABLE, SLEEPING, STOPPABLE_WHEN_IDLE, Deployment, State
 from . import verdicts
 from .protocol import Effects
-from .record import NOTHING, Attempt, Backoff, Phase, Record, Waiter
+from .record import NOTHING, Attempt, Backoff, Phase, Record, Waiter, idled_out
 from .rhythm import Rhythm
 from .warmth_policy import WarmthPolicy
 
@@ -186,7 +186,7 @@ class Slots:
         """May the reaper stop this deployment as idle? Quiet, and for as long as its warmth policy
         asks (make-room asks the scheduler's rule over ``quiet_for`` instead). The reaper's precheck."""
         span = self.quiet_for(dep, now)
-        return span is not None and span[0] >= span[1]
+        return span is not None and idled_out(*span)
 
     def quiet_for(self, dep: Deployment, now: float | None = None) -> tuple[float, float] | None:
         """(how long it has been idle, how long its warmth policy asks before the reaper may take

@@ -64,6 +64,7 @@ from ..control.cost import IDLE_TIMEOUT, CoreView
 from ..control.eviction import Candidate, pick_victims
 from ..control.placement import Fit, asleep_held, holdings
 from ..control.queue import WaitQueue
+from ..control.record import idled_out
 from ..control.scheduler import SeedScheduler
 from ..control.warmth_policy import WarmthPolicy
 from ..engines import tiers
@@ -345,7 +346,7 @@ class ClairvoyantScheduler:
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:
-        return {"rule": IDLE_TIMEOUT if idle_for_s >= idle_after_s else CLAIRVOYANT}
+        return {"rule": IDLE_TIMEOUT if idled_out(idle_for_s, idle_after_s) else CLAIRVOYANT}
 
     def victims(self, candidates: list[Candidate], fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
         """Furthest next arrival first, ties by name: ``pick_victims`` (the shortest prefix that

@@ -114,10 +114,13 @@ def test_the_rules_say_why_they_took():
     before it, the rule's own name (the cost rule with its figures: test above)."""
     from ondemand.model import Deployment
     a, b = Deployment(id=1, name="a", served_name="A"), Deployment(id=2, name="b", served_name="B")
-    assert schedulers.after_idle_timeout.reason(a, b, 600, 600) == {"rule": "idle_timeout"}
-    assert schedulers.any_quiet.reason(a, b, 5, 600) == {"rule": "any_quiet"}
-    assert schedulers.any_quiet.reason(a, b, 700, 600) == {"rule": "idle_timeout"}
+    assert schedulers.SeedScheduler().reason(a, b, 600, 600) == {"rule": "idle_timeout"}
+    assert schedulers.SeedScheduler(schedulers.any_quiet).reason(a, b, 5, 600) == {"rule": "any_quiet"}
+    assert schedulers.SeedScheduler(schedulers.any_quiet).reason(a, b, 700, 600) == {"rule": "idle_timeout"}
     assert schedulers.scheduler("cost").reason(a, b, 600, 600) == {"rule": "idle_timeout"}
+    # The take rules decide only early takes: the seed's takes none, Ollama's any quiet one.
+    assert not schedulers.after_idle_timeout(a, b, 5, 600) and schedulers.any_quiet(a, b, 5, 600)
+    assert schedulers.SeedScheduler().takes(a, b, 600, 600) and not schedulers.SeedScheduler().takes(a, b, 5, 600)
 
 
 # --- through a real ondemand ----------------------------------------------------------------
