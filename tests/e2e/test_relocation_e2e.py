@@ -11,7 +11,7 @@ from test_gpu_placement import FAKE, ask, box, claimed, gpus
 from test_tiered_warmth import admin, audit_rows, sleeper
 
 SERVER = {"budget.source": "nvidia-smi", "budget.nvidia_smi": FAKE, "budget.capacity_gib": "",
-          "metrics_interval_s": 0.1, "reap_interval_s": 3600, "ondemand_queue_timeout_s": 2}
+          "metrics_interval_s": 0.1, "reap_interval_s": 3600}
 
 
 async def stranded(fake_nvidia_smi, server, http) -> tuple[int, int]:
@@ -29,7 +29,7 @@ async def stranded(fake_nvidia_smi, server, http) -> tuple[int, int]:
     return s, busy
 
 
-@pytest.mark.server(scheduler="cost", **SERVER)
+@pytest.mark.server(scheduler="cost", ondemand_queue_timeout_s=60, **SERVER)  # room for a loaded machine's start
 async def test_under_cost_a_sleeper_whose_gpu_was_taken_starts_cold_on_another(fake_nvidia_smi, server, http):
     s, busy = await stranded(fake_nvidia_smi, server, http)
     ticket = await server.admission.acquire(busy)  # a request in flight: make-room may not take busy
@@ -43,7 +43,7 @@ async def test_under_cost_a_sleeper_whose_gpu_was_taken_starts_cold_on_another(f
     assert row["text"].startswith("Stopped (asleep) to start on other GPUs: its own are taken"), row
 
 
-@pytest.mark.server(scheduler="seed", **SERVER)
+@pytest.mark.server(scheduler="seed", ondemand_queue_timeout_s=2, **SERVER)  # its deadline is the point
 async def test_under_seed_the_same_request_waits_for_memory_until_its_deadline(fake_nvidia_smi, server, http):
     s, busy = await stranded(fake_nvidia_smi, server, http)
     ticket = await server.admission.acquire(busy)
