@@ -199,8 +199,7 @@ class Attempts:
 
     def _put_away_now(self, dep_id: int) -> bool:
         """Is ``dep_id`` a victim of a make-room under way (its sleep or stop not yet reported)?"""
-        return dep_id in self._taking or any(
-            rec.attempt is not None and dep_id in rec.attempt.victims for _, rec in self.slots.items())
+        return any(rec.attempt is not None and dep_id in rec.attempt.victims for _, rec in self.slots.items())
 
     def on_budget_error(self, dep_id: int, reason: str) -> None:
         """The budget could not be read: nothing was tried, so no backoff; the waiters hear why."""

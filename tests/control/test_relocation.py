@@ -65,3 +65,21 @@ def test_no_relocation_of_a_sleeper_whose_gpus_are_pinned(world):
 def test_no_relocation_when_it_fits_nowhere_else(world):
     c, fx, r = stranded(world, free=(2.0, 8.0))
     assert fx.taken("stop") == [] and r.queued == 1
+
+
+def test_no_relocation_while_its_own_sleep_for_another_is_under_way(world):
+    """1 is being put to sleep for 3 (marked asleep, its sleep call not yet reported): a request
+    for 1 waits for that sleep, and is no reason to stop it."""
+    c, fx, clock = make(world, scheduler=schedulers.scheduler("cost", 5.0))
+    fx.add(1, 10, state=State.READY, gpus=(0,), gpu_count=1, idle_action="sleep", idle_timeout_s=1)
+    fx.add(3, 10)
+    c.try_take(1).release()
+    clock.advance(2)  # past its idle timeout: make-room's to take
+    Req(c, 3)
+    c.on_refused(3, InsufficientMemory(10, 4, 24))
+    assert [s[1:3] for s in fx.taken("sleep")] == [(1, 3)]
+    fx.set(1, state=State.ASLEEP, sleep_level=1)  # the deployer's mark, before its call ends
+    r = Req(c, 1)
+    fit = Fit(10.0, (2.0, 40.0), (80.0, 80.0), 1, (0,), True)
+    c.on_refused(1, InsufficientMemory(10, 2, 80, fit=fit))
+    assert fx.taken("stop") == [] and r.queued == 1
