@@ -124,8 +124,12 @@ def lock_state_dir(state_dir: Path) -> int:
         os.close(fd)
         raise StartupError(f"another ondemand (pid {holder or 'unknown'}) is running with state_dir "
                            f"{state_dir}: stop it first, or give this one its own state_dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the holder's pid, for the message above; a disk that takes no write fails the start
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        os.close(fd)  # and with it the lock: the start fails, and nothing is left held
+        raise
     return fd
 
 

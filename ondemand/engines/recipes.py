@@ -379,9 +379,9 @@ def check_model(engine: str, model: object) -> str | None:
     if engine == "custom":
         raise FieldError("model", "custom engines have no recipe: give image and args (docker) or command (process)")
     if not isinstance(model, str) or not model or len(model) > 1024 or model.startswith("-") \
-            or any(c.isspace() or ord(c) < 32 for c in model):
+            or any(c.isspace() or ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in model):
         raise FieldError("model", "a Hugging Face repo id (Qwen/Qwen3-8B) or a path (/models/...), "
-                                  "without spaces, not starting with '-'")
+                                  "without spaces or control characters, not starting with '-'")
     return model
 
 

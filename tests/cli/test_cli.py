@@ -181,6 +181,26 @@ async def test_second_serve_on_the_same_state_dir_refuses_and_touches_nothing(tm
     assert rc == 1 and "another ondemand" not in err and "cannot listen" in err, err
 
 
+def test_a_lock_whose_pid_cannot_be_written_is_let_go(tmp_path, monkeypatch):
+    """A disk that takes no write fails the start at the lock's pid, and leaves no descriptor
+    holding the lock: the next start (the disk freed) takes it."""
+    import errno
+
+    from ondemand import app
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        app.lock_state_dir(tmp_path / "s")
+    assert len(os.listdir("/proc/self/fd")) == before
+    monkeypatch.setattr(os, "pwrite", real)
+    fd = app.lock_state_dir(tmp_path / "s")
+    os.close(fd)
+
+
 async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
     import aiohttp
     from helpers import free_port

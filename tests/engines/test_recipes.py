@@ -176,8 +176,12 @@ def test_volume_rules(tmp_path):
 def test_model_and_engine_rules():
     assert recipes.check_model("vllm", "Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
     assert recipes.check_model("llamacpp", "/srv/m.gguf") == "/srv/m.gguf"
+    assert recipes.check_model("vllm", "/srv/modèles/ü") == "/srv/modèles/ü"  # non-ASCII letters are a path's
+    # DEL and the C1 controls (U+0080 to U+009F) would reach the engine's command line and the logs
+    # as they do C0's: refused alike.
     for engine, model in (("vllm", "--trust-remote-code"), ("vllm", "a b"), ("vllm", ""), ("vllm", 3),
-                          ("custom", "x/y")):
+                          ("custom", "x/y"), ("vllm", "Qwen/x\x7f"), ("vllm", "Qwen/\x85x"), ("vllm", "a\x9bb"),
+                          ("vllm", "a\x1bb")):
         with pytest.raises(FieldError) as err:
             recipes.check_model(engine, model)
         assert err.value.field == "model"
