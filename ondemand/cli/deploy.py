@@ -28,7 +28,7 @@ from .shared import (
     json_option,
     pass_ctx,
 )
-from .views import _DEP_HEADER, _dep_rows, _launch_lines, _state, _warmth_lines, _warn_if_blind
+from .views import _DEP_HEADER, _dep_rows, _kept_and_taken, _launch_lines, _state, _warmth_lines, _warn_if_blind
 
 IDLE_ACTIONS = [a.value for a in IdleAction]
 
@@ -319,6 +319,8 @@ def deploy_show(ctx: Ctx, dep_id: int, as_json: bool) -> None:
     place = f" (place {od['queue_position']} in the memory queue)" if od.get("queue_position") else ""
     click.echo(f"{'ondemand:':16} phase {od.get('phase')}, in-flight {od.get('inflight')}, queued {od.get('queued')}"
                f"{place}, last request {_ago(od.get('last_request_at'))}")
+    for line in _kept_and_taken([view]):  # why it is kept awake, or was put away early (as status says)
+        click.echo(line)
     if view.get("litellm"):
         click.echo(f"{'litellm:':16} {view['litellm'].get('status')} {view['litellm'].get('code') or ''}".rstrip())
     if view.get("log_tail") and view["state"] == "failed":

@@ -67,6 +67,9 @@ async def test_held_for_shows_in_the_view_the_event_stream_and_status(tmp_path, 
     rc, out, err = await cli("status", config=write_config(tmp_path / "c.toml", server.cfg.state_dir))
     assert rc == 0, err
     assert "warm: kept awake: its wake would miss the SLO" in out.splitlines()
+    rc, out, err = await cli("deploy", "show", str(dep), config=write_config(tmp_path / "c.toml", server.cfg.state_dir))
+    assert rc == 0, err
+    assert "warm: kept awake: its wake would miss the SLO" in out.splitlines()  # and one deployment's view says it
 
 
 def test_the_reapers_step_publishes_a_hold_once_as_it_begins_and_as_it_ends():

@@ -170,3 +170,6 @@ async def test_a_real_make_room_by_cost_is_in_the_audit_the_metrics_the_view_and
     rc, out, err = await cli("status", config=write_config(tmp_path / "c.toml", server.cfg.state_dir))
     assert rc == 0, err
     assert any(line.startswith("big: put away early for x by cost (") for line in out.splitlines()), out
+    rc, out, err = await cli("deploy", "show", str(big), config=write_config(tmp_path / "c.toml", server.cfg.state_dir))
+    assert rc == 0, err
+    assert any(line.startswith("big: put away early for x by cost (") for line in out.splitlines()), out
