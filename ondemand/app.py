@@ -104,13 +104,12 @@ def make_backend(cfg: Config) -> Backend:
 
 
 def lock_state_dir(state_dir: Path) -> int:
-    """Hold ``{state_dir}/ondemand.lock`` for the life of this process (an flock:
-    the kernel releases it when the process dies, however it dies).
+    """Hold ``{state_dir}/ondemand.lock`` for the life of this process (an flock: the kernel
+    releases it when the process dies, however it dies).
 
-    Only one ondemand may own a state directory: at start-up the deployer
-    adopts the engines it finds and kills the process backend's leftovers, so a
-    second ``serve`` (a second terminal, an overlapping restart) would kill the
-    engines of the one already running, busy or not. Returns the open file."""
+    Only one ondemand may own a state directory: at start-up the deployer adopts the engines it
+    finds and kills the process backend's leftovers, so a second ``serve`` (a second terminal, an
+    overlapping restart) would kill the engines of the one already running, busy or not."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     _private_dir(state_dir)
     path = state_dir / "ondemand.lock"

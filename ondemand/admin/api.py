@@ -120,6 +120,8 @@ async def host(request: web.Request) -> web.Response:
             "litellm_error": last.get("error") if isinstance(last, dict) else None,
             "queued": app[app_mod.CONTROLLER].waiting(),
             "queue": app[app_mod.CONTROLLER].queue.ids(),
+            "scheduler": cfg.scheduler,  # who waits and who holds the memory, and what it aims at
+            "slo_s": cfg.slo_s,
         },
     })
 

@@ -56,6 +56,8 @@ def status(ctx: Ctx, as_json: bool) -> None:
         litellm = ("ready" if od["litellm_ready"] else ("not ready: " + str(od["litellm_error"]))
                    ) if od["litellm_enabled"] else "disabled"
         click.echo(f"key: {key}; LiteLLM: {litellm}; waiting requests: {od['queued']}")
+        if od.get("scheduler"):  # (a server older than this command says nothing of it)
+            click.echo(f"scheduler: {od['scheduler']}, aiming at a wait of at most {od['slo_s']:g} s for a model")
         if host.get("host_memory"):
             click.echo(_host_memory_line(host["host_memory"]))
         click.echo("")

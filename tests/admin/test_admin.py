@@ -74,6 +74,7 @@ async def test_host_view(server):
                                         "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
     assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
     assert host["ondemand"]["litellm_ready"] is False
+    assert host["ondemand"]["scheduler"] == "seed" and host["ondemand"]["slo_s"] == 5.0
     assert set(host["host_memory"]) == {"total_gib", "available_gib", "asleep_gib", "reserve_gib"}
     assert host["host_memory"]["asleep_gib"] == 0 and host["host_memory"]["reserve_gib"] == 16.0
 

@@ -99,6 +99,7 @@ async def test_commands_against_a_running_server(tmp_path, server):
     assert rc == 0 and "ready" in out
     rc, out, _ = await cli("status", config=cfg)
     assert rc == 0 and "budget: 16 GiB free of 24 GiB" in out
+    assert "scheduler: seed, aiming at a wait of at most 5 s for a model" in out.splitlines()
     header = [l for l in out.splitlines() if l.startswith("ID")][0]
     for col in ("NAME", "MODE", "STATE", "PHASE", "IN-FLIGHT", "QUEUED", "LAST REQUEST", "MEMORY"):
         assert col in header
