@@ -61,7 +61,7 @@ lint: install
 	$(VENV)/bin/ruff check --quiet ondemand tests scripts
 	$(VENV)/bin/mypy
 
-# Four workers (pytest-xdist) on two cores, each test file on one of them (its module fixtures
+# Six workers (pytest-xdist) on two cores, each test file on one of them (its module fixtures
 # stay its own): half of a test's time is spent waiting on engines and sockets, not on a core.
 test: lint
 	$(PYTEST) -q -n 6 --dist loadfile --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
