@@ -63,7 +63,12 @@ lint: install
 
 # Six workers (pytest-xdist) on two cores, each test file on one of them (its module fixtures
 # stay its own): half of a test's time is spent waiting on engines and sockets, not on a core.
+# First the bytecode caches, once (a second of compileall and a collection, which writes pytest's
+# rewritten test modules): on a fresh clone the six workers and the first engine simulators
+# would each compile them all at once, 25 s of a first run beside a busy core.
 test: lint
+	$(PY) -m compileall -q ondemand tests scripts >/dev/null
+	$(PYTEST) -q --collect-only -m "not slow" >/dev/null
 	$(PYTEST) -q -n 6 --dist loadfile --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
 
 test-slow: install
