@@ -15,6 +15,7 @@ before the length it promised, so the client sees a broken download, not a whole
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import stat
@@ -28,8 +29,12 @@ from .wire import app_parts, json_answer
 
 REPLAYS_DIR = "replays"  # under state_dir
 LISTED = 20  # the newest reports listed
+log = logging.getLogger("ondemand.admin")
 MAX_BYTES = 64 << 20  # a report larger than this is not served (the box mix's page of two traces is 0.7 MiB)
 CHUNK = 256 << 10  # read from the file as the client takes it
+# A client that takes nothing of a download for this long is let go: its connection and the
+# report's descriptor would otherwise be held for as long as it stays connected.
+SEND_TIMEOUT_S = 60.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.html")
 
 
@@ -155,7 +160,14 @@ async def get_replay(request: web.Request) -> web.StreamResponse:
             if not chunk:  # cut short since: the connection ends before the promised length
                 resp.force_close()
                 break
-            await resp.write(chunk)  # waits while the client has not taken what went before
+            try:  # waits while the client has not taken what went before
+                await asyncio.wait_for(resp.write(chunk), SEND_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.info("replay report %s: the client took nothing for %g s; its connection is closed",
+                         name, SEND_TIMEOUT_S)
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             sent += len(chunk)
         await resp.write_eof()
     except ConnectionResetError:  # the client hung up

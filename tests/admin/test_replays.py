@@ -13,6 +13,7 @@ import urllib.parse
 
 import aiohttp
 import pytest
+from helpers import wait_for
 from test_replay_cli import DEPLOYMENTS, TRACE, replay
 
 
@@ -262,3 +263,22 @@ async def test_a_report_is_the_size_it_was_when_looked_at(server):
     writer.close()
     status, _, body = await get(server, "/replays/big.html")  # the server goes on: now it is 1 MiB
     assert status == 200 and body == data[:1 << 20]
+
+
+async def test_a_client_that_takes_nothing_is_let_go(server, monkeypatch):
+    """A download nobody reads is ended after SEND_TIMEOUT_S without a byte taken: its connection
+    is closed and the report's descriptor with it (they were held for as long as the client
+    stayed connected)."""
+    from ondemand.admin import replays
+    monkeypatch.setattr(replays, "SEND_TIMEOUT_S", 0.5)
+    big_report(server)
+    fds = len(os.listdir("/proc/self/fd"))
+    reader, writer, status, length = await slow_get(server, "/replays/big.html")
+    assert (status, length) == (200, REPORT_BYTES)
+
+    def ended() -> bool:  # the client takes nothing meanwhile; its own socket is still open
+        return len(os.listdir("/proc/self/fd")) <= fds + 1
+    await wait_for(ended, timeout=10, what="the report's descriptor and the server's socket closed")
+    got, _ = await asyncio.wait_for(read_body(reader, length), 10)
+    assert got < length and reader.at_eof()
+    writer.close()
