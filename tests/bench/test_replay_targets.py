@@ -58,3 +58,21 @@ def test_where_the_reference_reaches_99_5_percent_cost_needs_99():
 def test_nothing_said_without_cost_or_the_reference():
     assert verdicts(table()[:-1], roomy=True) == [] and words(table()[:-1], roomy=True) == ""
     assert words(table(queued=3), roomy=True).startswith("- **missed**: no request waits for memory")
+
+
+def test_the_quick_run_says_the_same_on_points():
+    """scripts/replay_cost.py judges ``cost`` on cached points with the same verdicts: a line ends
+    OK when every target is met, and names each missed one."""
+    from ondemand.replay import report
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from replay_cost import entry, table_line
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    for cost, said in (({}, "OK"), ({"queued": 3}, "missed: no request waits for memory"),
+                       ({"gib_h": 700}, "missed: on the front")):
+        results = table(**cost)
+        points = {r.policy.name: entry(r) for r in results}
+        assert points["seed"]["queue"] == report.tally_json(results[1].total)["waited"]["queue"] == 40
+        ok, line = table_line("code-16x80-s0", points.pop("cost"), points)
+        assert ok == (said == "OK") and line.startswith("code-16x80-s0") and said in line, line
