@@ -6,9 +6,10 @@ tests/ mirrors the package: the tests of ``ondemand/control/`` in tests/control/
 (the package's top-level modules here, at the root); the suites that run the whole ondemand
 apart: e2e/ (end to end on loopback), hostile/ (malformed and flooding clients), heavy/ (real
 Docker, LiteLLM, llama.cpp, vLLM, Prometheus, a browser), bench/ (the benches' and the soak's
-short versions), packaging/. Test modules import each other by name (test_controller's
-recording effects, test_cli's helpers), as in one flat folder: every folder of tests/ is on
-``sys.path`` (below), so a file run alone finds them too.
+short versions), packaging/. Test modules import each other and their folders' helpers by name
+(test_cli's helpers; control/core_doubles.py, the decision core's fake clock and recording effects),
+as in one flat folder: every folder of tests/ is on ``sys.path`` (below), so a file run alone finds
+them too.
 
 Here, at the root: helpers.py (``run_app``, the one way to start the server, which
 ``server`` wraps; ``wait_for``, the way to wait for something to happen instead of a

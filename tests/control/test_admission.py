@@ -1,6 +1,6 @@
 """A request's admission (ondemand/control/): the controller alone refuses, and what it lets in
 gets a ticket with the deployment, its engine's address and its slot, all read in the one step
-of the verdict. The core's rules on test_controller's recording fake and virtual clock; the
+of the verdict. The core's rules on core_doubles' recording fake and virtual clock; the
 same against a real deployer and engines; and through the gateway, where the deployment changes
 while a request's body is still on its way."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import socket
 
 import orjson
 import pytest
+from core_doubles import Clock, Effects, Req, make, start
 from helpers import controller_env, wait_for
-from test_controller import Clock, Effects, Req, make, start
 
 from ondemand.control.ticket import Waits, Want
 from ondemand.control.verdicts import Refusal

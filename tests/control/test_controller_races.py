@@ -1,4 +1,5 @@
-"""The controller against the real deployer, process backend and engine simulator."""
+"""The controller against the real deployer, process backend and engine simulator (what the real
+effects do on their own: test_effects.py)."""
 import asyncio
 import contextlib
 import random
@@ -141,37 +142,6 @@ async def test_make_room_stops_lru_idle_victims(tmp_path, store):
         assert queued == []  # make-room found its victim: no queued notice (only the queue gets one)
 
 
-async def test_only_make_rooms_own_reading_serves_the_admit_after_it(tmp_path, store):
-    """Issue 40: a fit check reads the GPUs anew, but for the admit that follows make-room's
-    settle, which takes the settle's reading (the one that showed the freed memory) in the same
-    step; nothing else is reused, so a reading from before the request never places a start."""
-    async with controller_env(tmp_path, store, capacity=24) as env:
-        d = env.deployer
-        a, x = await env.add("a", 16), await env.add("x", 12)
-        await env.start(a)
-        env.skip(1.1)  # a idle for its full timeout
-        await env.fresh_metrics()
-        reads, given = [], []
-        real_read, real_admit = d.budget.read, d.admit_start
-
-        async def read(deps):
-            reads.append(await real_read(deps))
-            return reads[-1]
-
-        async def admit_start(dep_id, **kw):
-            given.append((dep_id, kw.get("reading"), len(reads)))
-            return await real_admit(dep_id, **kw)
-        d.budget.read, d.admit_start = read, admit_start
-        await d.budget.read(d.all())  # a reading taken just before the request: never reused
-        async with await env.acquire(x):
-            assert env.state(x) == "ready" and env.state(a) == "stopped"
-        # The first admit read anew (refused: a holds the memory); the settle read until a's
-        # memory showed free, and the second admit was handed that very reading.
-        assert [(dep, r) for dep, r, _ in given] == [(x, None), (x, reads[-1])]
-        assert len(reads) >= 3 and given[1][2] == len(reads)
-        assert env.effects._settled is None  # never kept past the step that offered it
-
-
 async def test_victims_must_be_idle_for_their_full_timeout(tmp_path, store):
     async with controller_env(tmp_path, store, capacity=20, queue_timeout_s=30) as env:
         c = env.controller
@@ -218,20 +188,10 @@ async def test_all_victims_not_enough_stops_none(tmp_path, store):
         slot.release()
 
 
-async def test_queue_order_and_reservation(tmp_path, store, fake_nvidia_smi):
-    """Memory freed for the head is reserved for it: a later entry that fits
-    in what is free now, but not beside the reservation, must wait."""
+async def test_memory_freed_for_the_head_is_not_taken_by_a_later_entry(tmp_path, store, fake_nvidia_smi):
+    """Memory freed for the head is reserved for it (the queue on its own: test_queue.py): a later
+    entry that fits in what is free now, but not beside the reservation, must wait."""
     from ondemand.control.budget import Budget
-    from ondemand.control.queue import WaitQueue
-    q = WaitQueue()
-    assert q.add(2, 5.0) and q.add(1, 3.0) and not q.add(2, 1.0)
-    assert q.ids() == [1, 2] and q.head() == 1
-    q.reserve(1, {0: 8})
-    q.reserve(1, {0: 1, 3: 2})  # per GPU, adding up
-    assert q.reserved_for_others(2) == {0: 9, 3: 2} and q.reserved_for_others(1) == {}
-    q.remove(1)
-    assert q.head() == 2 and q.reserved_for_others(3) == {}
-
     smi = fake_nvidia_smi("20480, 10240")  # 20 GiB, v's 10 GiB in use
     budget = Budget("nvidia-smi", nvidia_smi=smi)
     async with controller_env(tmp_path, store, budget=budget, make_room_wait_s=0.3, queue_timeout_s=20) as env:
@@ -652,23 +612,6 @@ async def test_a_slow_make_room_holds_up_nobody(tmp_path):
             async with await cold as r:
                 assert r.status == 200
         assert server.state(x) == "ready" and server.state(victim) == "stopped"
-
-
-async def test_an_effect_cancelled_at_shutdown_leaves_no_attempt_stuck(tmp_path, store):
-    """Cancelling the effects (shutdown) while an admit reads the budget reports back: the
-    attempt is idle again, nothing was marked starting, and the waiter can still leave."""
-    from ondemand.control.controller import Phase
-    release = asyncio.Event()
-    async with controller_env(tmp_path, store, budget=held_budget(release)) as env:
-        a = await env.add("a")
-        w = asyncio.ensure_future(env.acquire(a))
-        await wait_for(lambda: env.controller.attempt_phase(a) is Phase.ADMITTING)
-        await env.effects.close()
-        assert env.controller.attempt_phase(a) is Phase.IDLE and env.state(a) == "stopped"
-        w.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await w
-        assert env.controller.waiting() == 0 and env.controller.attempt_phase(a) is None
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.slow] if s >= 1 else []) for s in range(10)])

@@ -1,5 +1,5 @@
 """Make-room by cost (control/cost.py, ``scheduler = "cost"``) in the decision core, on
-test_controller's fake clock and recording effects: a victim idle for less than its timeout is
+core_doubles' fake clock and recording effects: a victim idle for less than its timeout is
 taken only when the requester's wait without it outweighs its expected loss; never one with a
 slot in flight, of higher priority, or always on. The requester here starts cold (60 s, the test
 effects' cost), min_idle_timeout_s is 1 s and the SLO 5 s, so it could give the memory back 61 s
@@ -7,7 +7,7 @@ from now; the victim sleeps when put away and wakes in 1 s."""
 from __future__ import annotations
 
 import pytest
-from test_controller import Clock, Effects, Req, make
+from core_doubles import Clock, Effects, Req, make
 
 from ondemand.control import scheduler as schedulers
 from ondemand.control.cost import ByCost, expected_loss

@@ -14,9 +14,9 @@ import subprocess
 
 import orjson
 import pytest
+from core_doubles import Clock, Effects, make
 from helpers import ROOT, two_pools, wait_for
 from test_cli import cli, write_config
-from test_controller import Clock, Effects, make
 
 from ondemand.cli.views import _kept_and_taken
 from ondemand.model import State

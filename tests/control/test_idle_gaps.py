@@ -1,12 +1,12 @@
 """Adaptive warmth's learning in the decision core: an idle gap runs from the moment a
 deployment's last slot was released to the next request's arrival (a ready model's slot or a
 stopped one's waiter), is learned once, and only when it is idleness (at least MIN_GAP_S, on
-demand, no slot out). The recording fake of test_controller plays the deployer; the clock is
+demand, no slot out). The recording fake of core_doubles plays the deployer; the clock is
 virtual. A restart keeps what was learned: ``learn`` takes the state file's gaps back."""
 from __future__ import annotations
 
 import pytest
-from test_controller import Clock, Effects, Req, make
+from core_doubles import Clock, Effects, Req, make
 
 from ondemand.control.slots import MIN_GAP_S
 from ondemand.model import Mode, State

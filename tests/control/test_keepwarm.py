@@ -1,4 +1,4 @@
-"""Adaptive warmth in the decision core (control/keepwarm.py), deterministic: test_controller's
+"""Adaptive warmth in the decision core (control/keepwarm.py), deterministic: core_doubles'
 fake clock and recording effects, the test playing the deployer and the reaper's clock. A
 deployment with keep_warm adaptive learns its idle gaps; from its 20th, when they show a pattern,
 each idle period's plan says when it rests (awake_for_s, within min_idle_timeout_s and its
@@ -10,7 +10,7 @@ import random
 from typing import Any
 
 import pytest
-from test_controller import Clock, Effects, Req, make, start
+from core_doubles import Clock, Effects, Req, make, start
 
 from ondemand.control import rhythm
 from ondemand.control.keepwarm import histogram, tier_costs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from test_controller import FakeTimer
+from core_doubles import FakeTimer
 
 from ondemand.control.record import NOTHING, AdaptiveState, Attempt, Backoff, Period, Record, Waiter
 

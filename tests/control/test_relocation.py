@@ -1,11 +1,12 @@
-"""Relocation (control/relocation.py, ``scheduler = "cost"``), on test_controller's fake clock and
+"""Relocation (control/relocation.py, ``scheduler = "cost"``), on core_doubles' fake clock and
 recording effects: a sleeper whose GPUs are full of engines make-room may not take is stopped, so
-that its attempt starts it cold on GPUs where it fits; never under ``seed``, never one whose GPUs
-the administrator pinned, never when nothing fits elsewhere either."""
+that its attempt starts it cold on GPUs where it fits (those steps, the start side's:
+test_attempts.py); never under ``seed``, never one whose GPUs the administrator pinned, never when
+nothing fits elsewhere either. ``stranded`` is such a sleeper, asked for."""
 from __future__ import annotations
 
 import pytest
-from test_controller import Clock, Effects, Req, make
+from core_doubles import Clock, Effects, Req, make
 
 from ondemand.control import scheduler as schedulers
 from ondemand.control.placement import Fit
@@ -34,24 +35,6 @@ def stranded(world, sched: str = "cost", free=(2.0, 40.0), **sleeper):
     return c, fx, r
 
 
-def test_a_stranded_sleeper_is_stopped_to_start_where_it_fits(world):
-    c, fx, r = stranded(world)
-    assert [s[1:3] for s in fx.taken("stop")] == [(1, 1)]  # its own stop, for itself
-    assert r.queued == 0  # it never waited in the memory queue
-    assert c.precheck(1)(fx.deps[1])  # the stop's precheck: still asleep
-    fx.set(1, state=State.STOPPED, sleep_level=None, gpus=())
-    c.on_stopped(1, True, 1)
-    assert fx.taken("settle")[-1][1] == 1
-    c.on_settled(1)
-    assert fx.taken("admit")[-1][1] == 1  # asked again: a cold start, anywhere
-
-
-def test_a_relocation_stop_is_refused_once_it_woke(world):
-    c, fx, r = stranded(world)
-    fx.set(1, state=State.READY)
-    assert not c.precheck(1)(fx.deps[1])
-
-
 def test_no_relocation_under_seed(world):
     c, fx, r = stranded(world, sched="seed")
     assert fx.taken("stop") == [] and r.queued == 1
@@ -64,22 +47,4 @@ def test_no_relocation_of_a_sleeper_whose_gpus_are_pinned(world):
 
 def test_no_relocation_when_it_fits_nowhere_else(world):
     c, fx, r = stranded(world, free=(2.0, 8.0))
-    assert fx.taken("stop") == [] and r.queued == 1
-
-
-def test_no_relocation_while_its_own_sleep_for_another_is_under_way(world):
-    """1 is being put to sleep for 3 (marked asleep, its sleep call not yet reported): a request
-    for 1 waits for that sleep, and is no reason to stop it."""
-    c, fx, clock = make(world, scheduler=schedulers.scheduler("cost", 5.0))
-    fx.add(1, 10, state=State.READY, gpus=(0,), gpu_count=1, idle_action="sleep", idle_timeout_s=1)
-    fx.add(3, 10)
-    c.try_take(1).release()
-    clock.advance(2)  # past its idle timeout: make-room's to take
-    Req(c, 3)
-    c.on_refused(3, InsufficientMemory(10, 4, 24))
-    assert [s[1:3] for s in fx.taken("sleep")] == [(1, 3)]
-    fx.set(1, state=State.ASLEEP, sleep_level=1)  # the deployer's mark, before its call ends
-    r = Req(c, 1)
-    fit = Fit(10.0, (2.0, 40.0), (80.0, 80.0), 1, (0,), True)
-    c.on_refused(1, InsufficientMemory(10, 2, 80, fit=fit))
     assert fx.taken("stop") == [] and r.queued == 1

@@ -1,7 +1,7 @@
 """The scheduler, a part of the decision core (ondemand/control/scheduler.py): the seed scheduler's
 answers on a queue of its own, and the box's ``scheduler`` key choosing the one the running
-controller owns. Its rules inside the whole core, on the fake clock: test_controller.py (queue,
-make-room, priorities); in the replay: test_replay_run.py."""
+controller owns. Its rules inside the whole core, on the fake clock: test_queue.py (order, priorities, holds),
+test_attempts.py (make-room); in the replay: test_replay_run.py."""
 from __future__ import annotations
 
 import pytest
@@ -67,8 +67,8 @@ async def test_the_running_core_owns_the_scheduler_the_configuration_names(tmp_p
 
 @pytest.fixture
 def world():
-    """test_controller's fake clock and recording effects."""
-    from test_controller import Clock, Effects
+    """core_doubles' fake clock and recording effects."""
+    from core_doubles import Clock, Effects
     clock = Clock()
     return clock, Effects(clock)
 
@@ -76,7 +76,7 @@ def world():
 def _lull(world, take):
     """2 (10 GiB) was used 5 s ago, of its 60 s idle timeout: quiet (nothing in flight), not idle by
     the reaper's rule. 1 (10 GiB) is refused for 6 GiB."""
-    from test_controller import Req, make
+    from core_doubles import Req, make
 
     from ondemand.errors import InsufficientMemory
     from ondemand.model import State
@@ -108,3 +108,18 @@ def test_ollamas_rule_takes_any_quiet_model_and_its_precheck_asks_the_same(world
     slot = c.try_take(2)  # a request for 2 arrives before the deployer's step
     assert slot is not None and not c.precheck(1)(fx.deps[2])
     slot.release()
+
+
+def test_the_rules_say_why_they_took():
+    """Each take rule's reason: ``idle_timeout`` once idle for the whole timeout, whatever the rule;
+    before it, the rule's own name (the cost rule with its figures: test_attempts.py, make-room's
+    account of its victims)."""
+    from ondemand.model import Deployment
+    a, b = Deployment(id=1, name="a", served_name="A"), Deployment(id=2, name="b", served_name="B")
+    assert schedulers.SeedScheduler().reason(a, b, 600, 600) == {"rule": "idle_timeout"}
+    assert schedulers.SeedScheduler(schedulers.any_quiet).reason(a, b, 5, 600) == {"rule": "any_quiet"}
+    assert schedulers.SeedScheduler(schedulers.any_quiet).reason(a, b, 700, 600) == {"rule": "idle_timeout"}
+    assert schedulers.scheduler("cost").reason(a, b, 600, 600) == {"rule": "idle_timeout"}
+    # The take rules decide only early takes: the seed's takes none, Ollama's any quiet one.
+    assert not schedulers.after_idle_timeout(a, b, 5, 600) and schedulers.any_quiet(a, b, 5, 600)
+    assert schedulers.SeedScheduler().takes(a, b, 600, 600) and not schedulers.SeedScheduler().takes(a, b, 5, 600)

@@ -1,13 +1,13 @@
 """The slots part of the decision core on its own (ondemand/control/slots.py): its records,
 slots, drains, idle rule and backoff, driven directly with the fixed warmth policy, the fake
-clock and the recording effects of test_controller.py (the effects boundary the core asks).
-What the whole controller makes of them (queue, make-room, verdicts): test_controller.py."""
+clock and the recording effects of core_doubles.py (the effects boundary the core asks).
+What the whole controller makes of them: test_controller.py (and the start side's: test_attempts.py)."""
 from __future__ import annotations
 
 import math
 
 import pytest
-from test_controller import Clock, Effects
+from core_doubles import Clock, Effects
 
 from ondemand.control.record import Attempt, Phase
 from ondemand.control.slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots

@@ -1,4 +1,4 @@
-"""Warmth by value (control/value.py, ``scheduler = "cost"``), on test_controller's fake clock and
+"""Warmth by value (control/value.py, ``scheduler = "cost"``), on core_doubles' fake clock and
 recording effects: an engine cheap to bring back rests once idle for ``min_idle_timeout_s``, never
 sooner; one whose wake passes the SLO stays awake past its timeout while its next request is
 likely soon (``held_for`` ``slo``) and rests before it when its gaps say nothing comes back soon;
@@ -7,7 +7,7 @@ timeout 60 s; the test's tiers say a level-1 wake costs 1 s (cheap) unless a tes
 from __future__ import annotations
 
 import pytest
-from test_controller import Clock, Effects, make
+from core_doubles import Clock, Effects, make
 
 from ondemand.control import scheduler as schedulers
 from ondemand.control.value import HOLD_AFTER, PRICE_GIB_S, hold_until

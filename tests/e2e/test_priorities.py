@@ -1,7 +1,7 @@
 """Priorities and limits end to end: the whole ondemand on loopback with engine
 simulators (process backend, a static 24 GiB budget), driven over HTTP
 (BEHAVIOUR.md, "Priorities and limits"). The decisions themselves are tested
-one by one in test_controller.py.
+one by one in tests/control/test_queue.py and test_attempts.py.
 """
 from __future__ import annotations
 
