@@ -23,7 +23,7 @@ from ondemand.litellm.entries import entry_instance, entry_owned, ondemand_entry
 MASTER = "sk-master"
 
 # About 8 s (four starts of `ondemand serve`, an engine start): the fast suite has the same
-# rules in-process (tests/litellm/test_litellm.py, "Several boxes behind one LiteLLM").
+# rules in-process (tests/litellm/test_sync.py, "Several boxes behind one LiteLLM").
 pytestmark = pytest.mark.slow
 
 

@@ -3,7 +3,8 @@ its engine (with the process backend, always: it stops its children at shutdown,
 crashed one's) starts it again (``Deployer.restart_lost``), and LiteLLM keeps the name callable
 all along: the gateway entry while it starts, as for a switch to always on, then the direct one.
 The deployer's own cases (a crash, a refusal, the races, the Docker API double) are in
-test_deployer.py; real dockerd in test_dockerd_restart.py."""
+test_deployer.py, what a unit takes back (an orphan, a sleeper) in test_unit.py; real dockerd in
+test_dockerd_restart.py."""
 from __future__ import annotations
 
 import asyncio
