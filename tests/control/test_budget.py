@@ -273,15 +273,6 @@ def test_a_sleeper_nothing_was_read_of_holds_the_static_default_residue_per_gpu(
     assert Budget("static", 24, asleep_residue_gib=3).asleep_held(dep(4, 10, State.ASLEEP, gpu_count=1)) == 3
 
 
-def test_the_residue_after_the_drop_across_the_sleep_call():
-    from ondemand.engines.memory import residue_after_drop
-    # Held 40 on GPU 0 (booked); the sleep freed 37 there: it keeps 3. Another GPU's change is not its own.
-    assert residue_after_drop(40, [0], (50.0, 10.0), (13.0, 30.0)) == pytest.approx(3)
-    # Two GPUs, 20 each: one freed 18, the other all (and more, someone else's too): 2 + 0.
-    assert residue_after_drop(40, [0, 1], (30.0, 30.0), (12.0, 5.0)) == pytest.approx(2)
-    assert residue_after_drop(40, [2], (30.0,), (1.0,)) is None  # no reading of its GPU
-
-
 async def test_a_static_per_gpu_share_is_of_the_physical_total_when_nvidia_smi_reads_it(fake_nvidia_smi):
     declared = Budget("static", gpu_capacity_gib=[70, 70], nvidia_smi="/nonexistent/nvidia-smi")
     assert await declared.box_sizes() == (70, 70)  # nothing readable: the declared size

@@ -44,3 +44,11 @@ def test_a_sleepers_residue_is_its_share_per_gpu_less_the_drop_its_sleep_call_ma
 ])
 def test_a_sleepers_residue_is_unknown_when_the_readings_do_not_cover_its_gpus(gpus, before, after):
     assert residue_after_drop(8, gpus, before, after) is None
+
+
+def test_the_residue_after_the_drop_across_the_sleep_call():
+    # Held 40 on GPU 0 (booked); the sleep freed 37 there: it keeps 3. Another GPU's change is not its own.
+    assert residue_after_drop(40, [0], (50.0, 10.0), (13.0, 30.0)) == pytest.approx(3)
+    # Two GPUs, 20 each: one freed 18, the other all (and more, someone else's too): 2 + 0.
+    assert residue_after_drop(40, [0, 1], (30.0, 30.0), (12.0, 5.0)) == pytest.approx(2)
+    assert residue_after_drop(40, [2], (30.0,), (1.0,)) is None  # no reading of its GPU
