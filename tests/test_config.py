@@ -179,6 +179,13 @@ def test_connection_caps_are_keys_and_per_peer_is_at_most_the_total():
         config.load(env={}, overrides={"max_connections": 0})
 
 
+def test_admin_listen_is_host_port_or_nothing():
+    assert config.load(env={}).admin_listen is None
+    assert config.load(env={"ONDEMAND_ADMIN_LISTEN": "127.0.0.1:8091"}).admin_listen_host_port == ("127.0.0.1", 8091)
+    with pytest.raises(ConfigError, match="admin_listen"):
+        config.load(env={}, overrides={"admin_listen": "8091"})
+
+
 def test_the_scheduler_key_takes_the_schedulers_of_the_core_and_names_them():
     """``scheduler`` (default seed) is one of the decision core's schedulers, each made by name
     (control/scheduler.py); another value is refused with the key and the names."""

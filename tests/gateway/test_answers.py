@@ -1,14 +1,15 @@
 """The answer kinds (ondemand/gateway/answers.py), each with its own exchange with the engine:
 plain, the queued notice prepended to a non-streaming answer, and the engine's SSE after the
-notice. Against real loopback engine doubles (test_forward's) through the real pool; the
-client's side is a recorder of what a kind writes, as the lean front's ``Call`` takes it."""
+notice. Against real loopback engine doubles (tests/http/engine_double.py) through the real
+pool; the client's side is a recorder of what a kind writes, as the lean front's ``Call``
+takes it."""
 from __future__ import annotations
 
 import asyncio
 
 import orjson
 import pytest
-from test_forward import Engine, ok_answer
+from engine_double import Engine, ok_answer
 
 from ondemand.control.ticket import Ticket
 from ondemand.errors import OndemandError
@@ -203,6 +204,34 @@ async def test_after_the_notice_an_engine_error_answer_becomes_an_error_event(up
         await answers.after_notice(client, ups, ticket(eng.url), PATH, BODY)
     event = orjson.loads(client.body.split(b"\n\n")[0][6:])
     assert event["error"]["code"] == 500 and event["error"]["message"] == "x" * 2000  # read up to its bound
+
+
+async def test_after_the_notice_an_engine_error_in_pieces_is_passed_whole(ups):
+    error = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
+    raw = orjson.dumps(error)
+
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(raw), raw[:20]))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the engine double's behaviour: the error in two pieces
+        writer.write(raw[20:])
+        await writer.drain()
+    async with Engine(answer) as eng:
+        client = Client(started=True)
+        await answers.after_notice(client, ups, ticket(eng.url), PATH, BODY)
+    assert client.body == b"data: " + raw + b"\n\ndata: [DONE]\n\n" and client.ended, client.body
+
+
+async def test_after_the_notice_an_engine_breaking_off_its_error_is_an_upstream_error(ups):
+    async def answer(req, writer):
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+        return False
+    async with Engine(answer) as eng:
+        client = Client(started=True)
+        await answers.after_notice(client, ups, ticket(eng.url), PATH, BODY)
+    assert b'"ondemand_upstream_error"' in client.body and b"broke off" in client.body and client.ended
 
 
 async def test_after_the_notice_an_engine_not_reached_is_an_error_event_not_an_exception(ups):

@@ -541,25 +541,6 @@ async def test_engine_crash_mid_stream_is_not_a_clean_end(server, http):
     await wait_for(lambda: server.controller.inflight(a) == 0)
 
 
-@pytest.mark.uvloop
-async def test_a_client_per_deployment_closed_after_its_last_stream(server, http):
-    a = await server.add("a", 10, "--token-delay", "0.02", "--tokens", "20")  # a stream still running below
-    await server.deployer.restart(a)
-    from ondemand import app as app_mod
-    gw = server.app[app_mod.GATEWAY]
-    body = {**CHAT, "stream": True}
-    r = await http.post(server.gw(a, "chat/completions"), json=body, headers=server.auth())
-    await r.content.readuntil(b"\n\n")
-    old = gw.upstreams.pool(a)
-    # the engine restarts on a new address while the stream runs
-    lease = gw.upstreams.open(a, "http://127.0.0.1:9")
-    lease.end()
-    assert old.retired and not old.closed and old.conns
-    rest = await r.read()
-    assert rest.endswith(b"data: [DONE]\n\n")
-    await wait_for(lambda: old.closed and not old.conns, what="old pool closed after its stream")
-
-
 @pytest.mark.server(ondemand_allowed_cidrs=["127.0.0.2/32"])
 async def test_peer_guard_on_the_raw_peer(server):
     a = await server.add("a")
@@ -630,44 +611,6 @@ async def test_engine_cookies_never_reach_another_request(server, http):
             assert r.headers["X-Engine"] == "kept"
             assert "X-Hop" not in r.headers and "fake-engine" not in r.headers.get("Server", "")
         http.cookie_jar.clear()
-
-
-async def test_upstream_sessions_keep_no_cookies(tmp_path):
-    """By name (as engines are reached in Docker) a cookie jar would keep the engine's
-    cookie and send it with the next user's request."""
-    import sys as _sys
-
-    from helpers import FAKES, free_port
-
-    from ondemand.http.pool import Upstreams
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(_sys.executable, str(FAKES / "cookie_engine.py"), str(port))
-    ups = Upstreams()
-    try:
-        await wait_for(lambda: _connectable(port), what="engine up")
-        for _ in range(2):
-            lease = ups.open(1, f"http://localhost:{port}")
-            try:
-                r = await lease.request("POST", "/v1/chat/completions", b"Content-Type: application/json\r\n", b"{}")
-                try:
-                    assert orjson.loads(await r.read())["cookie"] is None
-                finally:
-                    r.release()
-            finally:
-                lease.end()
-    finally:
-        await ups.close()
-        proc.terminate()
-        await proc.wait()
-
-
-async def _connectable(port):
-    try:
-        _r, w = await asyncio.open_connection("127.0.0.1", port)
-        w.close()
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.uvloop

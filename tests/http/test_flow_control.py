@@ -1,7 +1,8 @@
 """Flow control of one connection (ondemand/http/flow_control.py) on a real loopback
 transport: reading resumes only when no reason to pause is left, and a writer waiting for the
 transport to drain wakes when it resumes, or fails when the connection is lost. Through the
-server (a slow client, a big body, pipelining): test_http.py and test_forward.py."""
+server (a slow client, a big body: test_cycle.py; pipelining: test_protocol.py) and through
+the engine's connections (a slow reader: test_connection.py)."""
 from __future__ import annotations
 
 import asyncio

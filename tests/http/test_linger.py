@@ -1,7 +1,7 @@
 """What a client still sends after its answer (ondemand/http/linger.py), on real loopback
 connections: the answer's end is a half-close (the client reads it all, then EOF), what follows
 is dropped, and the connection closes at the first of its bounds (time or bytes). Through the
-server, with httpx's whole-body-first sends: test_front.py and test_hostile.py."""
+server, with httpx's whole-body-first sends: test_protocol.py, test_aio.py and test_hostile.py."""
 from __future__ import annotations
 
 import asyncio

@@ -1,7 +1,8 @@
 """The server's own refusals (ondemand/http/refusals.py) as bytes on the wire: a whole answer
 that closes, in the documented JSON form; the checks of a request head still arriving and of a
-parsed one; the once-a-minute log of malformed requests. Through the running server (llhttp's
-parser, both stacks): test_front.py and test_hostile.py."""
+parsed one; the once-a-minute log of malformed requests; and on the wire of a running server,
+on both stacks, refusals in the documented JSON. The refusals of each stack in the order of
+its answers: test_protocol.py, test_aio.py and test_hostile.py."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ import logging
 import orjson
 import pytest
 from multidict import CIMultiDict
+from raw_http import admin, error_code, parse_answers, talk
 
 from ondemand.errors import OndemandError
 from ondemand.http import refusals
@@ -100,3 +102,18 @@ def test_malformed_requests_are_logged_at_most_once_a_minute_with_the_count(capl
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["refused a malformed request from 10.0.0.1 (400): Invalid method",
                      "refused a malformed request from 10.0.0.3 (431): Header value too long (5 more since the last such line)"]
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /dgxmm/api/deployments HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"GET * HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /dgxmm/ondemand%2F1/v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+])
+@pytest.mark.parametrize("after_admin", [False, True])
+async def test_refusals_are_the_documented_json(server, raw, after_admin):
+    """First on a connection (the lean front's parser) or after an admin request (aiohttp's)."""
+    answers = parse_answers(await talk(server, (admin(server) if after_admin else b"") + raw, timeout=5,
+                                       want=1 + after_admin))
+    assert len(answers) == 1 + after_admin and 400 <= answers[-1][0] < 500, answers
+    assert error_code(answers[-1])
