@@ -21,6 +21,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,10 +31,12 @@ from replaykit.targets import judge  # noqa: E402
 
 from ondemand.replay import report  # noqa: E402
 from ondemand.replay.deployments import from_file  # noqa: E402
+from ondemand.replay.types import PolicyResult, Replayed  # noqa: E402
 
 PEERS = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=300", "fixed=60", "fixed=300",
          "fixed=600", "fixed=1800", "adaptive", "clairvoyant")
 OWN = {"control/cost.py", "control/value.py", "control/relocation.py"}  # cost's rules: not in the hash
+Entry = dict[str, Any]  # a policy's point (replay_front.Point's fields) and its memory-queue waits
 TABLES = [f"{t}-{b}-s0" for t in TRACES for b in BOXES] + [f"{t}-{b}-s1" for t in ("code", "conv") for b in BOXES]
 
 
@@ -49,14 +52,14 @@ def peers_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def entry(r) -> dict:
+def entry(r: PolicyResult) -> Entry:
     return {**point(r).__dict__, "queue": report.tally_json(r.total)["waited"]["queue"]}
 
 
-def peers(deps, tables: list[str]) -> dict[str, dict[str, dict]]:
+def peers(deps: list[Replayed], tables: list[str]) -> dict[str, dict[str, Entry]]:
     """Each table's peers' points, from the cache or replayed (and cached)."""
     path = ROOT / ".cache" / f"replay-peers-{peers_hash()}.json"
-    cached = json.loads(path.read_text()) if path.exists() else {}
+    cached: dict[str, dict[str, Entry]] = json.loads(path.read_text()) if path.exists() else {}
     for key in tables:
         if key not in cached:
             trace, box, seed = key.split("-")
@@ -68,7 +71,7 @@ def peers(deps, tables: list[str]) -> dict[str, dict[str, dict]]:
     return cached
 
 
-def table_line(key: str, cost: dict, others: dict[str, dict]) -> tuple[bool, str]:
+def table_line(key: str, cost: Entry, others: dict[str, Entry]) -> tuple[bool, str]:
     """(all met, one line): ``cost``'s point and the targets it misses (replaykit.targets.judge)."""
     pts = {name: Point(**{k: v for k, v in p.items() if k != "queue"}) for name, p in {**others, "cost": cost}.items()}
     queued = {name: p["queue"] for name, p in {**others, "cost": cost}.items()}

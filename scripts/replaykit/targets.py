@@ -23,7 +23,8 @@ from ondemand.replay.types import PolicyResult
 def verdicts(results: Sequence[PolicyResult], roomy: bool) -> list[tuple[str, bool, str]]:
     """(target, met, the figures) for each target that applies; [] without ``cost`` and the reference."""
     by = {r.policy.name: r for r in results}
-    queued = {name: report.tally_json(by[name].total)["waited"]["queue"] for name in ("cost", "seed") if name in by}
+    queued: dict[str, int] = {name: report.tally_json(by[name].total)["waited"]["queue"]
+                              for name in ("cost", "seed") if name in by}
     return judge({name: point(r) for name, r in by.items()}, queued, roomy)
 
 
