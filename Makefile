@@ -66,11 +66,13 @@ lint: install
 # stay its own): half of a test's time is spent waiting on engines and sockets, not on a core.
 # First the bytecode caches, once (a second of compileall and a collection, which writes pytest's
 # rewritten test modules): on a fresh clone the six workers and the first engine simulators
-# would each compile them all at once, 25 s of a first run beside a busy core.
+# would each compile them all at once, 25 s of a first run beside a busy core. Files go out in the
+# order tests/conftest.py gives them, the longest first (xdist's own order is by number of tests:
+# a file of one 16 s test went last, and its worker ended alone 15 to 20 s after the others).
 test: lint
 	$(PY) -m compileall -q ondemand tests scripts >/dev/null
 	$(PYTEST) -q --collect-only -m "not slow" >/dev/null
-	$(PYTEST) -q -n 6 --dist loadfile --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
+	$(PYTEST) -q -n 6 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow and not docker and not litellm and not llamacpp and not browser and not prometheus and not vllm"
 
 test-slow: install
 	$(PYTEST) -q -m "slow"
