@@ -67,6 +67,7 @@ async def test_a_patch_of_any_type_is_200_or_400_naming_the_field(server):
     @example("gpu_ids", 0)  # the outside check's three (D2)
     @example("gpu_ids", 1.5)
     @example("gpu_ids", True)
+    @example("gpu_ids", [0, 1])  # two GPUs on a one-pool budget: the refusal names gpu_ids, as sent
     @example("env", {"A": "***"})  # a masked secret sent back for a name that has none
     @example("command", [["ondemand"]])
     def one(field: str, value: object) -> None:
