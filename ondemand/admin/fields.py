@@ -70,8 +70,8 @@ def _validate_new(data: dict[str, Any], cfg: Config, existing: list[Deployment],
         gpu_count = 1  # a recipe's engine uses one GPU unless told (NULL would book all of them)
     if not per_gpu and gpu_count is not None and gpu_count > 1:
         # Named as sent: several gpu_ids (their count follows from them) or a gpu_count.
-        field, allowed = ("gpu_ids", "one GPU at most") if gpu_ids else ("gpu_count", "0 or 1 (or null)")
-        raise field_error(field, f"{allowed}: this box's budget is one pool (meminfo, or static "
+        named, bound = ("gpu_ids", "one GPU at most") if gpu_ids else ("gpu_count", "0 or 1 (or null)")
+        raise field_error(named, f"{bound}: this box's budget is one pool (meminfo, or static "
                                  "with capacity_gib), which cannot place an engine on several GPUs")
     if gpu_sizes:
         recipes.check_fits_box(float(memory), gpu_count, gpu_sizes, per_gpu, model is not None)

@@ -557,5 +557,5 @@ async def test_gpu_count_above_1_on_a_one_pool_budget_is_refused_at_create_and_a
     status, err = await api(server, "PATCH", f"/deployments/{a['id']}", {"gpu_count": 2})
     assert status == 400 and err["error"]["message"].startswith("gpu_count:")
     status, err = await api(server, "PATCH", f"/deployments/{a['id']}", {"gpu_ids": [0, 1]})
-    assert status == 400 and err["error"]["message"].startswith("gpu_count:")  # a pin of two sets the count
+    assert status == 400 and err["error"]["message"].startswith("gpu_ids:")  # named as sent (it sets the count)
     assert server.deployer.get(a["id"]).gpu_count == 1
