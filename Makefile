@@ -79,10 +79,13 @@ test-slow: install
 
 # The path property tests (tests/hostile/test_fuzz_paths.py) at full size: 100,000 generated hostile paths
 # on the path functions and 100,000 through a running server to the engine simulator (make test
-# runs a few hundred). FUZZ_EXAMPLES=N to change it; about 7 minutes on 2 cores.
+# runs a few hundred). FUZZ_EXAMPLES=N to change it; about 7 minutes on 2 cores. Every property
+# test here draws new examples (make test draws the same ones each run: tests/conftest.py).
 FUZZ_EXAMPLES ?= 100000
 fuzz: install
-	ONDEMAND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -q tests/hostile/test_fuzz_paths.py
+	ONDEMAND_HYPOTHESIS=explore ONDEMAND_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -q tests/hostile/test_fuzz_paths.py \
+		tests/admin/test_admin_fields.py tests/gateway/test_paths.py tests/control/test_rhythm.py \
+		tests/control/test_placement.py tests/replay/test_replay_trace_stream.py tests/replay/test_replay_sketch.py
 
 docker-up:
 	bash $(HEAVY)/docker-up.sh
