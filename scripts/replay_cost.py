@@ -35,7 +35,9 @@ from ondemand.replay.types import PolicyResult, Replayed  # noqa: E402
 
 PEERS = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=300", "fixed=60", "fixed=300",
          "fixed=600", "fixed=1800", "adaptive", "clairvoyant")
-OWN = {"control/cost.py", "control/value.py", "control/relocation.py"}  # cost's rules: not in the hash
+# cost's rules: not in the hash (no peer runs them; the clairvoyant reference reads only cost.py's
+# names, IDLE_TIMEOUT and the CoreView protocol)
+OWN = {"control/cost.py", "control/value.py", "control/relocation.py"}
 Entry = dict[str, Any]  # a policy's point (replay_front.Point's fields) and its memory-queue waits
 TABLES = [f"{t}-{b}-s0" for t in TRACES for b in BOXES] + [f"{t}-{b}-s1" for t in ("code", "conv") for b in BOXES]
 

@@ -57,15 +57,8 @@ FIRST = ("e2e/test_adaptive_warmth.py", "control/test_controller_races.py", "gat
 
 
 def pytest_collection_modifyitems(session, config, items):
-    root = Path(__file__).parent
-    rank = {name: i for i, name in enumerate(FIRST)}
-
-    def order(item) -> int:
-        try:
-            return rank.get(Path(str(item.fspath)).relative_to(root).as_posix(), len(FIRST))
-        except ValueError:
-            return len(FIRST)
-    items.sort(key=order)  # stable: the rest keep their order, and each file its tests'
+    rank = {Path(__file__).parent / name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(FIRST)))  # stable: the rest keep their order
 
 
 def pytest_configure(config):

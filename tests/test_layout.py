@@ -565,3 +565,11 @@ def test_the_http_package_is_small_modules():
     grows into the one room everything passes through again."""
     big = {p.name: n for p in (PKG / "http").glob("*.py") if (n := len(p.read_text().splitlines())) >= 400}
     assert big == {}, f"split these: {big}"
+
+
+def test_the_files_make_test_hands_out_first_exist():
+    """tests/conftest.py's FIRST: a file renamed or moved would silently lose its place (and its
+    worker would end alone again)."""
+    from conftest import FIRST
+    tests = pathlib.Path(__file__).parent
+    assert [name for name in FIRST if not (tests / name).is_file()] == []

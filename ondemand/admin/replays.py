@@ -27,9 +27,10 @@ from aiohttp import web
 from ..errors import OndemandError
 from .wire import app_parts, json_answer
 
+log = logging.getLogger("ondemand.admin")
+
 REPLAYS_DIR = "replays"  # under state_dir
 LISTED = 20  # the newest reports listed
-log = logging.getLogger("ondemand.admin")
 MAX_BYTES = 64 << 20  # a report larger than this is not served (the box mix's page of two traces is 0.7 MiB)
 CHUNK = 256 << 10  # read from the file as the client takes it
 # A client that takes nothing of a download for this long is let go: its connection and the
