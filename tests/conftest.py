@@ -34,7 +34,7 @@ except ModuleNotFoundError:
     pytest.exit("the tests need the project's virtual environment: run `make test` "
                 "(or `make install`, then `.venv/bin/python -m pytest`)", returncode=4)
 
-from helpers import FAKES, run_app  # noqa: E402
+from helpers import FAKES, FIRST, run_app  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from ondemand.state.store import Store  # noqa: E402
@@ -45,16 +45,6 @@ from ondemand.state.store import Store  # noqa: E402
 settings.register_profile("fixed", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("ONDEMAND_HYPOTHESIS", "fixed"))
-
-# The files that take longest, most of it waiting on engines and clocks, first: `make test` hands
-# whole files to its six workers in the order collected (--no-loadscope-reorder), and one of these
-# handed out last kept its worker busy 15 to 20 s after the others had ended (a 16 s rhythm of
-# adaptive warmth).
-FIRST = ("e2e/test_adaptive_warmth.py", "control/test_controller_races.py", "gateway/test_gateway.py",
-         "http/test_protocol.py", "cli/test_cli.py", "engines/test_deployer.py", "cli/test_cli_deploy.py",
-         "e2e/test_tiered_warmth.py", "engines/backends/test_backend_contract.py", "replay/test_replay_run.py",
-         "replay/test_replay_cli.py", "admin/test_warmth_admin.py", "admin/test_admin.py")
-
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {Path(__file__).parent / name: i for i, name in enumerate(FIRST)}

@@ -362,3 +362,13 @@ async def two_pools():
     import aiohttp
     async with aiohttp.ClientSession() as gateway, aiohttp.ClientSession() as other:
         yield TwoPools(gateway, other)
+
+
+# The files that take longest, most of it waiting on engines and clocks: tests/conftest.py collects
+# them first, and `make test` hands whole files to its six workers in that order
+# (--no-loadscope-reorder); one of these handed out last kept its worker busy 15 to 20 s after the
+# others had ended (a 16 s rhythm of adaptive warmth).
+FIRST = ("e2e/test_adaptive_warmth.py", "control/test_controller_races.py", "gateway/test_gateway.py",
+         "http/test_protocol.py", "cli/test_cli.py", "engines/test_deployer.py", "cli/test_cli_deploy.py",
+         "e2e/test_tiered_warmth.py", "engines/backends/test_backend_contract.py", "replay/test_replay_run.py",
+         "replay/test_replay_cli.py", "admin/test_warmth_admin.py", "admin/test_admin.py")

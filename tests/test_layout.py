@@ -568,8 +568,8 @@ def test_the_http_package_is_small_modules():
 
 
 def test_the_files_make_test_hands_out_first_exist():
-    """tests/conftest.py's FIRST: a file renamed or moved would silently lose its place (and its
-    worker would end alone again)."""
-    from conftest import FIRST
+    """helpers.FIRST, the order tests/conftest.py gives: a file renamed or moved would silently lose
+    its place (and its worker would end alone again)."""
+    from helpers import FIRST
     tests = pathlib.Path(__file__).parent
     assert [name for name in FIRST if not (tests / name).is_file()] == []
