@@ -217,11 +217,11 @@ async def _state(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _starts(app: web.Application) -> AsyncIterator[None]:
-    """The start history, listening before the deployer loads: a start it takes back
-    after a restart is timed too."""
+    """The start history, listening before the deployer loads: a start taken back is timed too."""
     history = app[STARTS] = StartHistory(app[STORE])
     await history.load()
     app[BUS].subscribe(events.StartEnded, history.on_start_ended)
+    app[BUS].subscribe(events.Slept, history.on_slept)
     app[BUS].subscribe(DeploymentChanged, lambda e: history.forget(e.dep_id) if e.removed else None)
     yield
     await history.close()

@@ -113,11 +113,14 @@ class StartEnded:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Slept:
     """An engine was put to sleep at ``level`` (1 or 2): by the reaper (``idle``), make-room
-    (``make_room``) or an administrator (``admin``). Published after its change to asleep."""
+    (``make_room``) or an administrator (``admin``). Published after its change to asleep, when
+    its engine call has ended: ``took_s`` from the mark to that end (what a request that came in
+    between waited before its wake could begin)."""
     dep_id: int
     name: str
     level: int
     reason: StopCause
+    took_s: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -283,6 +283,10 @@ class Controller:
         when idle wakes from that level; any other (stopped, or asleep and stopped) starts cold."""
         return self._back_s(dep, self.effects.idle_level(dep) if dep.state is State.READY else None)
 
+    def sleep_s(self, dep: Deployment) -> float:
+        """How long its memory stays held once it is put to sleep when idle (the effects' measure)."""
+        return self.effects.sleep_s(dep)
+
     def _back_s(self, dep: Deployment, level: int | None) -> float:
         """What coming back from the tier of sleep ``level`` (0 or None: stopped) costs ``dep``, as
         the effects price the tiers it may rest in now; one they leave out costs a cold start."""

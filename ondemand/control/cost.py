@@ -62,6 +62,9 @@ class CoreView(Protocol):
         """What its next request waits for once make-room puts it away now: the wake from the tier
         it is put into, or a cold start."""
 
+    def sleep_s(self, dep: Deployment) -> float:
+        """How long its memory stays held once it is put to sleep (0: unknown, or it stops)."""
+
 
 def expected_loss(gaps: Sequence[float], idle_for_s: float, hold_s: float, come_back_s: float,
                   slo_s: float) -> float:

@@ -86,6 +86,11 @@ class DeployerEffects:
             return tier_costs(levels, lambda level: None, None)
         return tier_costs(levels, lambda level: starts.wake_eta_s(dep.id, level), starts.eta_s(dep.id))
 
+    def sleep_s(self, dep: Deployment) -> float:
+        level = self.idle_level(dep)
+        took = self.starts.sleep_eta_s(dep.id, level) if self.starts is not None and level else None
+        return took or 0.0
+
     # --- actions ------------------------------------------------------------------
 
     def admit(self, dep_id: int, *, text: str) -> None:

@@ -33,6 +33,11 @@ class Effects(Protocol):
         stopped), each with its cost to come back in seconds (the median of its measured wakes
         from that level, or cold starts, else the tier's default): adaptive warmth's plan."""
 
+    def sleep_s(self, dep: Deployment) -> float:
+        """How long ``dep``'s memory stays held once its idle engine is put to sleep at its idle
+        level (the median of its measured sleep calls at that level; 0 while none is known, and
+        for an engine that stops when idle): a request that comes meanwhile waits for it."""
+
     def admit(self, dep_id: int, *, text: str) -> None:
         """Fit check and start, keeping ``held_for_others(dep_id)`` out of reach (asked in the
         step of the check); reports ``on_admitted``, ``on_refused``, ``on_budget_error`` or

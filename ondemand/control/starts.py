@@ -6,7 +6,10 @@ Durations come from the bus: a start's ``StartEnded`` says how long it took, fro
 marked it ``starting`` (a failed wake's cold start: from the step its wake ended; a start that
 began before ondemand restarted: from its stored row's stamp) to its end, and whether it
 ended ``ready``; only those are kept. A wake is kept apart: it says nothing of how long a cold
-start takes, and its own history gives ``wake_eta_s``.
+start takes, and its own history gives ``wake_eta_s``. A sleep's call (the bus's ``Slept``) is kept
+too, by level, for ``sleep_eta_s``: how long a sleeper's memory stays held once it is put to
+sleep, which warmth by value weighs (a request that comes meanwhile waits for the call, then the
+wake). Sleeps are kept in memory only: after a restart they are learned again.
 
 The views read memory only (no await); each new start is written to the state file
 (``starts``, the last ``KEEP`` per deployment; a wake with the level it woke from) by a named
@@ -18,7 +21,7 @@ import logging
 import statistics
 
 from ..engines.tiers import LEVELS
-from ..events import StartEnded
+from ..events import Slept, StartEnded
 from ..state.store import Store
 from ..tasks import TaskGroup
 
@@ -50,6 +53,7 @@ class StartHistory:
         self._wakes: dict[int, list[float]] = {}  # wakes, the same way
         # Wakes by the level they woke from (the state file keeps it since schema 9).
         self._wakes_from: dict[tuple[int, int], list[float]] = {}
+        self._sleeps: dict[tuple[int, int], list[float]] = {}  # sleep calls by level, the same way
 
     async def load(self) -> None:
         for dep_id, rows in (await self.store.starts(self.keep)).items():
@@ -76,12 +80,19 @@ class StartHistory:
             return
         self.record(e.dep_id, e.duration_s, "wake" if e.kind == "wake" else "start", at=e.at, level=e.level)
 
+    def on_slept(self, e: Slept) -> None:
+        """A sleep's call ended: how long it took is kept (no await, nothing written)."""
+        sleeps = self._sleeps.setdefault((e.dep_id, e.level), [])
+        sleeps.append(max(0.0, e.took_s))
+        del sleeps[:-ETA_OF]
+
     def forget(self, dep_id: int) -> None:
         """A removed deployment's history (its stored rows go with retention's next pass)."""
         self._durations.pop(dep_id, None)
         self._wakes.pop(dep_id, None)
         for level in LEVELS:
             self._wakes_from.pop((dep_id, level), None)
+            self._sleeps.pop((dep_id, level), None)
 
     def record(self, dep_id: int, duration_s: float, kind: str = "start", *, at: float,
                level: int | None = None) -> None:
@@ -125,6 +136,11 @@ class StartHistory:
             return None if median is None else round(median, 1)
         durations = self._wakes.get(dep_id)
         return round(statistics.median(durations), 1) if durations else None
+
+    def sleep_eta_s(self, dep_id: int, level: int) -> float | None:
+        """The median of its last ETA_OF sleeps at ``level`` since ondemand started, or None."""
+        sleeps = self._sleeps.get((dep_id, level))
+        return statistics.median(sleeps) if sleeps else None
 
     def fields(self, dep_id: int, asleep: bool = False) -> dict[str, float | None]:
         """The view's fields; an asleep deployment's (``asleep``) adds ``wake_eta_s``."""

@@ -9,6 +9,12 @@ the engine rests in, or a cold start (``CoreView.put_away_s``). Two kinds of eng
 - **Cheap to bring back** (that wait at most ``CHEAP`` of ``slo_s``: a 0.25 s wake of a 0.6B, a
   3 s wake of a 30B MoE): a rest costs its next request nothing against the SLO, and staying
   awake costs the whole footprint, so it rests once idle for ``min_idle_timeout_s``, never sooner.
+  Unless its sleep is slow: a request that comes while the sleep's call is out waits for its end
+  and then the wake (a 30B MoE's level-1 sleep takes 21 s). When the sleep (``sleep_s``, measured)
+  and the wake leave a *window* after the rest begins in which the next request would miss, it
+  rests at the idle time that makes least of the memory held awake and the misses of requests
+  that come in the window, at the same price (``rest_at``): past a cluster of gaps that ends
+  just after ``min_idle_timeout_s``, say.
 - **Dear to bring back** (its wake or start passes that: a 5.4 s wake of a 235B over four GPUs,
   any cold start): every rest costs its next request the SLO, and every second awake costs its
   whole footprint. It stays awake while that pays at ``PRICE_GIB_S`` a miss: at idle time ``a``,
@@ -56,6 +62,9 @@ class ValueView(Protocol):
     def put_away_s(self, dep: Deployment) -> float:
         """What its next request waits for once it is put away now."""
 
+    def sleep_s(self, dep: Deployment) -> float:
+        """How long its memory stays held once it is put to sleep (0: unknown, or it stops)."""
+
 
 def hold_until(ordered: Sequence[float], floor: float, horizon: float, gib: float, price_gib_s: float) -> float:
     """The earliest idle time ``a`` >= ``floor`` (``floor`` or just after a gap) at which holding
@@ -81,6 +90,32 @@ def hold_until(ordered: Sequence[float], floor: float, horizon: float, gib: floa
     return floor
 
 
+def rest_at(ordered: Sequence[float], floor: float, window: float, gib: float, price_gib_s: float) -> float:
+    """When an engine cheap to wake, whose sleep holds its next request past the SLO for
+    ``window`` seconds after the rest begins, should rest: the idle time ``a`` >= ``floor`` that
+    makes least of ``gib`` x E[min(t, a) - floor] (the GiB-seconds held awake) + ``price_gib_s``
+    x P(a < t < a + ``window``) (a miss: its next request comes during the sleep), ``t`` over the
+    learned gaps longer than ``floor``; ``ordered`` sorted. Only ``floor`` and the gaps themselves
+    can be best (the held memory grows with ``a``, and a gap leaves the window only once ``a``
+    passes it); ties go to the earlier."""
+    longer = list(ordered[bisect.bisect_right(ordered, floor):])
+    n = len(longer)
+    if not n:
+        return floor  # no gap lasts past the floor: nothing says a request comes back
+    prefix = [0.0]
+    for g in longer:
+        prefix.append(prefix[-1] + g)
+    best, best_cost = floor, float("inf")
+    for a in [floor] + longer:
+        done = bisect.bisect_right(longer, a)  # gaps ended by a: held for all of them
+        held = prefix[done] - done * floor + (n - done) * (a - floor)
+        missed = max(0, bisect.bisect_left(longer, a + window) - done)  # gaps that end in the window
+        cost = (gib * held + price_gib_s * missed) / n
+        if cost < best_cost - 1e-9:
+            best, best_cost = a, cost
+    return best
+
+
 class ByValue:
     """Warmth by value (module doc), over ``fixed`` (its timeouts) and the core's ``view``."""
 
@@ -99,15 +134,24 @@ class ByValue:
         if dep.state is not State.READY:
             return timeout
         floor = min(float(self.view.min_idle_timeout_s), timeout)
-        if self.cheap(dep):
-            return floor
+        cheap = self.cheap(dep)
+        window = 0.0
+        if cheap:
+            # A request that comes during the sleep's call waits for its end, then the wake.
+            window = self.view.sleep_s(dep) + self.view.put_away_s(dep) - self.slo_s
+            if window <= 0:
+                return floor
         gaps = self.view.gaps(dep.id)
         if len(gaps) < HOLD_AFTER:
-            return timeout
+            return floor if cheap else timeout
         key = (len(gaps), gaps[-1], floor, timeout)
         memo = self._memo.get(dep.id)
         if memo is None or memo[0] != key:
-            memo = (key, hold_until(sorted(gaps), floor, timeout, dep.footprint_gib, PRICE_GIB_S))
+            if cheap:
+                at = rest_at(sorted(gaps), floor, window, dep.footprint_gib, PRICE_GIB_S)
+            else:
+                at = hold_until(sorted(gaps), floor, timeout, dep.footprint_gib, PRICE_GIB_S)
+            memo = (key, at)
             self._memo[dep.id] = memo
         return memo[1]
 

@@ -375,6 +375,7 @@ class Deployer(Registry):
                       cause: StopCause, persist: dict[str, Any]) -> int | None:
         """The sleep marked: its call, then a stop if it failed, else what it still holds measured."""
         dep = marked[0]
+        began = self.clock()
         failure, before = await self._sleep_call(unit, engine, level, marked, persist)
         if failure is not None:
             if unit.is_(State.ASLEEP):  # not woken or stopped meanwhile
@@ -382,7 +383,8 @@ class Deployer(Registry):
                                 text=f"the engine's sleep failed ({failure}): stopped")
                 return 0
             return None
-        self.publish(Slept(unit.id, dep.name, level, cause))  # it slept, even if a wake came meanwhile
+        # It slept, even if a wake came meanwhile.
+        self.publish(Slept(unit.id, dep.name, level, cause, self.clock() - began))
         if not unit.is_(State.ASLEEP):
             return level  # a wake or a stop came during the call: it carries on from here
         if cause is StopCause.MAKE_ROOM:

@@ -214,6 +214,10 @@ class World:
         levels = rest_levels(dep, self.budget.per_gpu, self.host_available_gib(), self.box.host_reserve_gib)
         return tier_costs(levels, lambda level: costs.back_s(tiers.asleep(level)), costs.back_s(tiers.STOPPED))
 
+    def sleep_s(self, dep: Deployment) -> float:
+        """Its sleep's cost (``DeployerEffects.sleep_s``' rule, known here rather than measured)."""
+        return self._costs[dep.id].sleep_s if self.idle_level(dep) else 0.0
+
     def host_available_gib(self) -> float:
         """The host memory available (``Budget.host_available_gib``, ``MemAvailable``): the box's
         less what the level-1 sleepers whose call ended hold; not yet those under way."""

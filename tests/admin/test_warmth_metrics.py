@@ -36,10 +36,10 @@ async def test_slept_and_woken_events_are_counted_and_timed(server, http):
     bus = server.app[app_mod.BUS]
     a = await server.add("a", 4)
     b = await server.add("b", 4)
-    bus.publish(Slept(a, "a", 1, StopCause.IDLE))
-    bus.publish(Slept(a, "a", 1, StopCause.IDLE))
-    bus.publish(Slept(a, "a", 2, StopCause.MAKE_ROOM))
-    bus.publish(Slept(b, "b", 1, StopCause.ADMIN))
+    bus.publish(Slept(a, "a", 1, StopCause.IDLE, 1.0))
+    bus.publish(Slept(a, "a", 1, StopCause.IDLE, 1.0))
+    bus.publish(Slept(a, "a", 2, StopCause.MAKE_ROOM, 1.0))
+    bus.publish(Slept(b, "b", 1, StopCause.ADMIN, 1.0))
     bus.publish(Woken(a, "a", "ready", 0.08))
     bus.publish(Woken(a, "a", "ready", 3.0))
     bus.publish(Woken(a, "a", "failed", 300.0))
@@ -151,7 +151,7 @@ async def test_the_app_subscribes_the_telemetry_to_sleeps_and_wakes(server, http
     own bus is in the next scrape."""
     a = await server.add("a", 4)
     bus = server.app[app_mod.BUS]
-    bus.publish(Slept(a, "a", 1, StopCause.IDLE))
+    bus.publish(Slept(a, "a", 1, StopCause.IDLE, 1.0))
     bus.publish(Woken(a, "a", "ready", 0.5))
     m = await scrape(server, http)
     assert v(m, "ondemand_sleeps_total", deployment="a", level="1", reason="idle") == 1

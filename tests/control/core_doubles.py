@@ -59,6 +59,7 @@ class Effects:
         self.busy_engines: set[int] = set()
         self.controller: Controller | None = None
         self.rest_costs: dict[str, float] = {"asleep_1": 1.0, "asleep_2": 6.0, "stopped": 60.0}
+        self.sleep_costs: dict[int, float] = {}  # a sleep's call, by deployment (none: 0 s)
         self.audits: list[tuple[str, int, str, dict[str, Any]]] = []  # every audit row, its detail too
 
     # reads
@@ -76,6 +77,9 @@ class Effects:
 
     def tiers(self, dep: Deployment) -> dict[str, float]:
         return dict(self.rest_costs)  # what the test says the tiers cost (test_keepwarm sets them)
+
+    def sleep_s(self, dep: Deployment) -> float:
+        return self.sleep_costs.get(dep.id, 0.0)
 
     # actions
     def admit(self, dep_id: int, *, text: str) -> None:

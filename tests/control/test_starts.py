@@ -12,7 +12,7 @@ from helpers import dep_fields, running_deployer, wait_for
 from ondemand.control.starts import ETA_OF, StartHistory
 from ondemand.engines.start import Start
 from ondemand.engines.startwatch import StartWatch
-from ondemand.events import StartEnded
+from ondemand.events import Slept, StartEnded, StopCause
 from ondemand.gateway import notice
 from ondemand.model import Deployment, State
 from ondemand.state import migrations
@@ -183,6 +183,22 @@ async def test_wakes_of_unknown_level_serve_every_level_until_one_is_known(store
         ended(h, 10.0, 18.0, level=2)
         assert h.wake_eta_s(1, 2) == 8.0 and h.wake_eta_s(1, 1) is None and h.wake_eta_s(1) == 3.5
         await written(store, 1, 4)
+    finally:
+        await h.close()
+
+
+async def test_sleeps_are_timed_by_level_and_forgotten_with_the_deployment(store):
+    """How long a sleep's call holds the memory (warmth by value's window): the median of the
+    last five at that level, kept in memory only."""
+    h = StartHistory(store)
+    try:
+        assert h.sleep_eta_s(1, 1) is None
+        for took in (20.0, 1.0, 22.0, 21.0, 30.0, 19.0):  # the first falls out of the five
+            h.on_slept(Slept(1, "d", 1, StopCause.IDLE, took))
+        h.on_slept(Slept(1, "d", 2, StopCause.MAKE_ROOM, 3.0))
+        assert h.sleep_eta_s(1, 1) == 21.0 and h.sleep_eta_s(1, 2) == 3.0 and h.sleep_eta_s(2, 1) is None
+        h.forget(1)
+        assert h.sleep_eta_s(1, 1) is None and h.sleep_eta_s(1, 2) is None
     finally:
         await h.close()
 

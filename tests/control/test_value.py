@@ -10,7 +10,7 @@ import pytest
 from core_doubles import Clock, Effects, make
 
 from ondemand.control import scheduler as schedulers
-from ondemand.control.value import HOLD_AFTER, PRICE_GIB_S, hold_until
+from ondemand.control.value import HOLD_AFTER, PRICE_GIB_S, hold_until, rest_at
 from ondemand.model import State
 
 SLO_S = 5.0
@@ -22,10 +22,13 @@ def world():
     return clock, Effects(clock)
 
 
-def idle(world, *, wake_s: float = 1.0, gaps=(), sched: str = "cost", memory_gib: float = 10):
-    """1 (ready, idle timeout 60 s, sleeps when idle) has just given its last slot back."""
+def idle(world, *, wake_s: float = 1.0, gaps=(), sched: str = "cost", memory_gib: float = 10,
+         sleep_s: float = 0.0):
+    """1 (ready, idle timeout 60 s, sleeps when idle, its sleep's call taking ``sleep_s``) has
+    just given its last slot back."""
     c, fx, clock = make(world, scheduler=schedulers.scheduler(sched, SLO_S), min_idle_timeout_s=10)
     fx.rest_costs = {"asleep_1": wake_s, "asleep_2": 6.0, "stopped": 60.0}
+    fx.sleep_costs[1] = sleep_s
     fx.add(1, memory_gib, idle_timeout_s=60, idle_action="sleep")
     fx.set(1, state=State.READY)
     if gaps:
@@ -60,6 +63,34 @@ def test_a_model_cheap_to_wake_rests_at_min_idle_timeout_never_sooner(world):
     c, fx, clock = idle(world, wake_s=1.0)
     assert reaped_at(c, clock) == 10
     assert fx.taken("sleep")[-1][1] == 1
+
+
+def test_rest_at_by_hand():
+    # Gaps past the floor of 10 s: 10 of 12 s and 10 of 1000 s; a window of 16 s (a 20 s sleep
+    # and a 1 s wake against a 5 s SLO). At 10 s the 12 s gaps fall in the window: half a miss
+    # at 3 GiB-h against nothing held; at 12 s they are past: 10 GiB x 2 s held, no miss.
+    gaps = sorted([12.0] * 10 + [1000.0] * 10)
+    assert rest_at(gaps, 10, 16, 10, PRICE_GIB_S) == 12
+    # With no window (its sleep is quick) or no price, at the floor.
+    assert rest_at(gaps, 10, 0, 10, PRICE_GIB_S) == 10
+    assert rest_at(gaps, 10, 16, 10, 0.0) == 10
+    # Gaps far past the window say nothing against the floor; none past the floor neither.
+    assert rest_at(sorted([100.0] * 20), 10, 16, 10, PRICE_GIB_S) == 10
+    assert rest_at(sorted([5.0] * 20), 10, 16, 10, PRICE_GIB_S) == 10
+    # A giant pays more to hold than the misses it saves.
+    assert rest_at(gaps, 10, 16, 100_000, PRICE_GIB_S) == 10
+
+
+def test_a_cheap_model_whose_sleep_is_slow_rests_past_the_gaps_that_end_during_it(world):
+    """A 1 s wake, but a 20 s sleep: a request 12 s after idle would come 2 s into a rest at
+    10 s and wait 18 s + 1 s. Half its gaps end so: held until 12 s, then put away."""
+    c, fx, clock = idle(world, wake_s=1.0, sleep_s=20.0, gaps=[12.0] * 10 + [1000.0] * 10)
+    assert reaped_at(c, clock) == 12
+
+
+def test_a_cheap_model_whose_sleep_is_quick_rests_at_min_idle_timeout_whatever_its_gaps(world):
+    c, fx, clock = idle(world, wake_s=1.0, sleep_s=2.0, gaps=[12.0] * 10 + [1000.0] * 10)
+    assert reaped_at(c, clock) == 10
 
 
 def test_under_seed_the_same_model_keeps_its_idle_timeout(world):

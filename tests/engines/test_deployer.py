@@ -196,6 +196,19 @@ async def test_sleep_and_wake(tmp_path, store):
             await d.sleep(llama.id)
 
 
+async def test_a_sleep_is_published_with_how_long_its_call_held_the_memory(tmp_path, store):
+    """Warmth by value weighs a slow sleep (a request that comes meanwhile waits for it): the
+    ``Slept`` event says how long the engine's sleep call took, from the mark to its end."""
+    from ondemand.events import Slept
+    seen: list[Slept] = []
+    async with running_deployer(tmp_path, store, publish=lambda e: isinstance(e, Slept) and seen.append(e)) as d:
+        dep = await d.create(dep_fields("a", 10, "on_demand", "--sleep-delay", "0.4"))
+        await d.restart(dep.id)
+        await d.sleep(dep.id)
+    assert [e.name for e in seen] == ["a"]
+    assert 0.4 <= seen[0].took_s < 5
+
+
 async def test_remove_stops_and_forgets(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
