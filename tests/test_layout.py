@@ -18,11 +18,13 @@ ALLOWED = {
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
     "http.headers": set(), "http.refusals": {"errors", "http.limits", "ratelog"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
-    "http.protocol": {"errors", "http.caps", "http.cycle", "http.flow_control", "http.headers", "http.linger",
-                      "http.refusals", "http.server"},  # (server for types only)
+    "http.protocol": {"errors", "http.caps", "http.cycle", "http.flow_control", "http.front", "http.headers",
+                      "http.linger", "http.refusals"},  # (front for types only)
+    # What the front serves and its connections share; no aiohttp (aio for types only).
+    "http.front": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "http.aio": {"errors", "http.caps", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
     "http.connection": {"http.body", "http.flow_control", "http.headers", "http.limits"},
-    "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
+    "http.server": {"http.aio", "http.caps", "http.front", "http.limits", "http.protocol"},
     "http.caps": {"http.limits", "http.refusals", "ratelog"}, "http.forward": {"http.headers"}, "http.linger": {"http.limits"},
     # gateway/: the routes and their checks.
     "gateway": set(),
