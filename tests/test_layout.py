@@ -18,11 +18,13 @@ ALLOWED = {
     # The HTTP layer (design.md, "The HTTP layer"): the errors' one renderer, nothing else of ours.
     "http": {"http.cycle", "http.limits"}, "http.limits": set(), "http.flow_control": set(), "http.body": set(),
     "http.headers": set(), "http.refusals": {"errors", "http.limits", "ratelog"}, "http.cycle": {"http.flow_control", "http.limits", "http.protocol"},
-    "http.protocol": {"errors", "http.caps", "http.cycle", "http.flow_control", "http.headers", "http.linger",
-                      "http.refusals", "http.server"},  # (server for types only)
+    "http.protocol": {"errors", "http.caps", "http.cycle", "http.flow_control", "http.front", "http.headers",
+                      "http.linger", "http.refusals"},  # (front for types only)
+    # What the front serves and its connections share; no aiohttp (aio for types only).
+    "http.front": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
     "http.aio": {"errors", "http.caps", "http.limits", "http.refusals"}, "http.pool": {"http.connection", "http.limits"},
     "http.connection": {"http.body", "http.flow_control", "http.headers", "http.limits"},
-    "http.server": {"http.aio", "http.caps", "http.cycle", "http.limits", "http.protocol", "http.refusals"},
+    "http.server": {"http.aio", "http.caps", "http.front", "http.limits", "http.protocol"},
     "http.caps": {"http.limits", "http.refusals", "ratelog"}, "http.forward": {"http.headers"}, "http.linger": {"http.limits"},
     # gateway/: the routes and their checks.
     "gateway": set(),
@@ -172,12 +174,14 @@ ALLOWED = {
                      "engines.recipes", "gateway.keys", "litellm.client", "model"},
     "sim": {"sim.engine"},
     "sim.engine": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.record", "sim.replies",
-                   "sim.routes"},
+                   "sim.routes", "sim.server"},
     "sim.options": set(), "sim.phases": {"sim.options"}, "sim.faults": set(), "sim.record": set(), "sim.replies": set(),
-    "sim.memory": {"sim.faults", "sim.options", "sim.record", "sim.replies"},
-    "sim.generation": {"sim.faults", "sim.memory", "sim.options", "sim.replies"},
+    # Its HTTP: the lean front (http/), through the modules of it that import no aiohttp.
+    "sim.server": {"http.cycle", "http.front", "http.limits", "sim.replies"},
+    "sim.memory": {"sim.faults", "sim.options", "sim.record", "sim.replies", "sim.server"},
+    "sim.generation": {"sim.faults", "sim.memory", "sim.options", "sim.replies", "sim.server"},
     "sim.routes": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.phases", "sim.record",
-                   "sim.replies"},
+                   "sim.replies", "sim.server"},
     # cli/: the command line, an edge (it may import anything).
     "cli.shared": {"admin.client", "config", "engines.recipes", "errors"},
     "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.tiers", "engines.warmth", "model"},
@@ -222,7 +226,8 @@ FLOW = {
     "engines": {"http", "state"},  # http: the engine client (its pool, its bounds)
     "litellm": {"gateway", "http"},  # the key it registers with, the header parsers
     "admin": {"control", "engines", "gateway", "http", "litellm", "state"},
-    "state": set(), "http": set(), "sim": set(),
+    "state": set(), "http": set(),
+    "sim": {"http"},  # the lean front it serves on, as the gateway does (sim/server.py)
     "replay": {"control", "engines", "state"},  # the decisions it replays, the state file it reads
 }
 # The imports against the flow that remain, each with the reason it is still there.

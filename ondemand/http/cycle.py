@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
-import sys
 import time
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
-import aiohttp
 from multidict import CIMultiDictProxy
 
 from .flow_control import BODY
@@ -32,8 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["Call", "BodyTooLarge", "BodyMalformed"]
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
-# The Server header aiohttp's answers carry, so that both stacks' look alike.
-SERVER_SOFTWARE = f"Python/{sys.version_info[0]}.{sys.version_info[1]} aiohttp/{aiohttp.__version__}"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -46,17 +42,17 @@ class BodyMalformed(Exception):
 
 
 class _Date:
-    """The Date and Server lines, formatted once a second."""
+    """The Date line, formatted once a second."""
     second = -1
-    lines = ""
+    line = ""
 
     @classmethod
     def now(cls) -> str:
         t = int(time.time())
         if t != cls.second:
             cls.second = t
-            cls.lines = f"Date: {email.utils.formatdate(t, usegmt=True)}\r\nServer: {SERVER_SOFTWARE}\r\n"
-        return cls.lines
+            cls.line = f"Date: {email.utils.formatdate(t, usegmt=True)}\r\n"
+        return cls.line
 
 
 class Call:
@@ -187,7 +183,7 @@ class Call:
             connection = "Connection: close\r\n"
         else:  # HTTP/1.1 keeps it without saying so; 1.0 only when told
             connection = "Connection: keep-alive\r\n" if version == "1.0" else ""
-        last.append(f"{_Date.now()}{connection}\r\n")
+        last.append(f"{_Date.now()}{self._proto.front.server_line}{connection}\r\n")
         self.status = status
         self.started = True
         # Our header names and values are constants or came through llhttp (which refuses CR

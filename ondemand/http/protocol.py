@@ -29,7 +29,7 @@ from .linger import Linger
 from .refusals import NO_VERSION, Refuse, check_head, refusal, unfinished_head
 
 if TYPE_CHECKING:
-    from .server import Front
+    from .front import Front
 
 _log = logging.getLogger("ondemand.http")
 
@@ -386,7 +386,7 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         seat, self.seat = self.seat, UNCOUNTED  # aiohttp's connection holds the seat from now
-        self.front.aiohttp_connection().take_over(transport, seat, data, paused)
+        self.front.take_over(transport, seat, data, paused)
 
     # --- shutting down ---
 

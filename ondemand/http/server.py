@@ -1,7 +1,7 @@
 """The HTTP server: its listeners, the two stacks, and their shutdown.
 
 Every connection starts on the lean front (:class:`~.protocol.HttpProtocol`), which serves
-the gateway's routes (:class:`Route`) itself and hands any other connection to aiohttp's
+the gateway's routes (:class:`~.front.Route`) itself and hands any other connection to aiohttp's
 application once, for good (:class:`~.aio.AioConnection`). aiohttp's runner is used through
 its public API only: ``AppRunner.setup``, ``runner.server`` (whose connections it drains at
 shutdown), ``cleanup``; the listeners are ours (``loop.create_server``), so no aiohttp class
@@ -18,84 +18,27 @@ import asyncio
 import contextlib
 import logging
 import resource
-import socket
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Callable
 
+import aiohttp
 from aiohttp import web
 
 from .aio import AioConnection
-from .caps import OpenConnections, Seat, Yields, peer_of
-from .cycle import Call
+from .caps import OpenConnections, peer_of
+from .front import Front, Route
 from .limits import Limits
 from .protocol import HttpProtocol
-from .refusals import REFUSALS, RefusalLog
 
 _log = logging.getLogger("ondemand.http")
 
-__all__ = ["Route", "ROUTE", "LIMITS", "HttpServer", "Front"]
+__all__ = ["Route", "ROUTE", "LIMITS", "HttpServer", "Front", "SERVER_SOFTWARE"]
 
-
-class Route:
-    """What the lean front serves: requests whose target starts with ``prefix + "/"``, handed
-    to ``handle(call)``; ``max_body()``: how much body a request may buffer before its
-    handler asks for it (the handler's own limit applies from then); ``allows(ip)``: whether the
-    peer policy lets a client IP reach the gateway (a listener of the gateway's alone closes one
-    it refuses at the accept)."""
-
-    def __init__(self, prefix: str, handle: Callable[[Call], Awaitable[None]], max_body: Callable[[], int],
-                 allows: Callable[[str], bool] | None = None):
-        self.prefix = (prefix.rstrip("/") + "/").encode()
-        self.handle = handle
-        self.max_body = max_body
-        self.allows = allows
-
+# The Server header aiohttp's answers carry, on the lean front's too: both stacks' look alike.
+SERVER_SOFTWARE = f"Python/{sys.version_info[0]}.{sys.version_info[1]} aiohttp/{aiohttp.__version__}"
 
 ROUTE = web.AppKey("http_route", Route)
 LIMITS = web.AppKey("http_limits", Limits)
-
-
-class Front:
-    """What the lean front's connections share: the route, the bounds, the set of open
-    connections (for the shutdown), their count against the caps (one listener's) and how to
-    make aiohttp's connection for a hand-off."""
-
-    def __init__(self, route: Route, limits: Limits, aiohttp_connection: Callable[[], AioConnection],
-                 refusals: RefusalLog = REFUSALS, *, hand_off: bool = True):
-        self.loop = asyncio.get_running_loop()
-        self.hand_off = hand_off  # False: a listener of the gateway's alone (admin_listen is set)
-        self.prefix = route.prefix
-        self.handle = route.handle
-        self.max_body = route.max_body
-        self.limits = limits
-        self.aiohttp_connection = aiohttp_connection
-        self.refusals = refusals
-        self.connections: set[HttpProtocol] = set()
-        self.open = OpenConnections()
-        # The gateway's listener alone: a peer the policy refuses could reach nothing there.
-        self.allows = None if hand_off else route.allows
-
-    def __call__(self) -> HttpProtocol:
-        return HttpProtocol(self)
-
-    def accept(self, transport: asyncio.BaseTransport, conn: Yields) -> tuple[str, Seat | None]:
-        """A connection just accepted: its peer (``""``: the admin socket), and its seat in the
-        count (``caps.py``), or None when it is closed at once: the peer policy refuses it (on the
-        gateway's listener alone), or it is over a cap with no idle connection to give way.
-        TCP_NODELAY on the others."""
-        peer = peer_of(transport)
-        seat = None
-        if peer and self.allows is not None and not self.allows(peer):
-            self.open.refused(peer, "the peer policy refuses it")
-        else:
-            seat = self.open.admit(peer, self.limits, conn)
-        if seat is None:
-            transport.close()
-            return peer, None
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return peer, seat
 
 
 class _AdminGate(asyncio.Protocol):
@@ -141,6 +84,7 @@ class HttpServer:
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
         self.front: Front | None = None
         self.gateway_only: Front | None = None
+        self.aiohttp_connection: Callable[[], AioConnection] | None = None  # once started
         self.admin_open = OpenConnections()  # the admin listener's own count: a flood on listen leaves it be
         self.listeners: list[asyncio.AbstractServer] = []
         app.on_shutdown.append(self._drain)  # after the application's own (signals run in order)
@@ -155,19 +99,21 @@ class HttpServer:
 
         def aiohttp_connection() -> AioConnection:
             return AioConnection(server, front.limits, loop, access_log=None)
-        front = self.front = Front(route, self.limits, aiohttp_connection)
-        self.gateway_only = Front(route, self.limits, aiohttp_connection, hand_off=False)
+        self.aiohttp_connection = aiohttp_connection
+        front = self.front = Front(route, self.limits, aiohttp_connection, server=SERVER_SOFTWARE)
+        # A listener of the gateway's alone (admin_listen is set): no hand-off.
+        self.gateway_only = Front(route, self.limits, None, server=SERVER_SOFTWARE)
         self.gateway_only.connections = front.connections  # one set: the shutdown drains both
 
     async def listen_tcp(self, host: str | None, port: int, *, backlog: int = 4096,
                          serves: str = "all") -> None:
         """``serves``: "all" (the lean front, handing other connections to aiohttp), "gateway"
         (the gateway alone: anything else is 404) or "admin" (aiohttp's from the first byte)."""
-        assert self.front is not None and self.gateway_only is not None
-        front = self.front
+        assert self.front is not None and self.gateway_only is not None and self.aiohttp_connection is not None
+        front, connect = self.front, self.aiohttp_connection
         factories: dict[str, Callable[[], asyncio.Protocol]] = {
             "all": front, "gateway": self.gateway_only,
-            "admin": lambda: _AdminGate(self.admin_open, lambda: front.limits, front.aiohttp_connection)}
+            "admin": lambda: _AdminGate(self.admin_open, lambda: front.limits, connect)}
         factory = factories[serves]
         self.listeners.append(await asyncio.get_running_loop().create_server(
             factory, host, port, reuse_address=True, backlog=backlog))

@@ -1,4 +1,4 @@
-"""A simulated LLM engine: an aiohttp server that answers like vLLM's OpenAI server.
+"""A simulated LLM engine: a server that answers like vLLM's OpenAI server.
 
 It is not a real engine and says so (``owned_by`` is ``ondemand-simulator``, and
 the startup line on stderr). It lets the gateway, its tests, its benchmark and
@@ -97,12 +97,13 @@ instead while asleep (from the sleep until both parts are awake; default 0), as 
 residue (CUDA context, graphs) once its weights and KV cache are released. The file is
 rewritten atomically (a temporary file, then a rename).
 
-This module is the program (its command line, ``serve`` and ``main``) and names what it is
-made of: ``options`` (``SimOptions``), ``routes`` (``Sim``, ``build_app``: what every request
-passes through, the control and ``/_sim/*`` routes), ``generation`` (the generation routes and
-their timing), ``memory`` (sleep and wake, host memory, the fake nvidia-smi's file),
-``faults`` (the ``--fail`` modes after the start), ``record`` (the request record, the
-journal) and ``replies`` (the answers every route shares).
+This module is the program (its command line, ``SimServer``, ``serve`` and ``main``) and names
+what it is made of: ``options`` (``SimOptions``), ``server`` (its HTTP on ondemand's lean front,
+with no aiohttp: a request as the routes see it, the router, the listener and its shutdown),
+``routes`` (``Sim``, ``router``: what every request passes through, the control and ``/_sim/*``
+routes), ``generation`` (the generation routes and their timing), ``memory`` (sleep and wake,
+host memory, the fake nvidia-smi's file), ``faults`` (the ``--fail`` modes after the start),
+``record`` (the request record, the journal) and ``replies`` (the answers every route shares).
 """
 from __future__ import annotations
 
@@ -115,8 +116,6 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from aiohttp import web
-
 # What the simulator is made of, named here too (its public names were this module's).
 from .faults import CRASH_AFTER
 from .generation import GENERATION
@@ -124,19 +123,40 @@ from .memory import PARTS, claim_gpu_memory, visible_gpus
 from .options import FAILURES, FLAVORS, SimOptions
 from .record import Journal
 from .replies import SimError
-from .routes import SIM_KEY, Sim, build_app, sim_launch
+from .routes import Sim, sim_launch
+from .server import Listener
 
-__all__ = ["CRASH_AFTER", "FAILURES", "FLAVORS", "GENERATION", "PARTS", "SIM_KEY", "Journal", "Sim", "SimError",
-           "SimOptions", "build_app", "claim_gpu_memory", "main", "parse_args", "serve", "sim_launch",
-           "visible_gpus"]
+__all__ = ["CRASH_AFTER", "FAILURES", "FLAVORS", "GENERATION", "PARTS", "Journal", "Sim", "SimError", "SimOptions",
+           "SimServer", "claim_gpu_memory", "main", "parse_args", "serve", "sim_launch", "visible_gpus"]
+
+
+class SimServer:
+    """The simulator in this process (``serve``'s, and the tests'): ``start`` begins its load and
+    listens (the port: ``opts.port``, or a free one for 0), ``stop`` ends it (the requests in flight
+    get ``shutdown_timeout``, then are cancelled). ``sim``: its state."""
+
+    def __init__(self, opts: SimOptions, shutdown_timeout: float = 0.5):
+        self.opts = opts
+        self.sim = Sim(opts)
+        self.listener = Listener(self.sim.handle, shutdown_timeout)
+        self.port = 0
+
+    async def start(self) -> int:
+        self.sim.start()
+        self.port = await self.listener.listen(self.opts.host, self.opts.port)
+        return self.port
+
+    async def stop(self) -> None:
+        await self.listener.stop()
+        self.sim.cleanup()
 
 
 async def serve(opts: SimOptions) -> None:
     """Serve until SIGINT or SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    app = build_app(opts)
-    sim = app[SIM_KEY]
+    server = SimServer(opts)
+    sim = server.sim
     sim.journal.write("boot", model=opts.model)
 
     def on_signal() -> None:
@@ -145,12 +165,9 @@ async def serve(opts: SimOptions) -> None:
         stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the startup line: whoever reads it may stop us at once
         loop.add_signal_handler(sig, on_signal)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
     claimed = sim.mem.gpu_file = claim_gpu_memory(opts)
     try:
-        await web.TCPSite(runner, opts.host, opts.port, backlog=1024).start()
-        port = runner.addresses[0][1]
+        port = await server.start()
         print(f"ondemand simulator (not a real engine) serving {opts.model} on {opts.host}:{port}",
               file=sys.stderr, flush=True)
         await stop.wait()
@@ -161,7 +178,7 @@ async def serve(opts: SimOptions) -> None:
         if claimed is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(claimed)
-        await runner.cleanup()
+        await server.stop()
 
 
 def parse_args(argv: list[str] | None = None) -> SimOptions:

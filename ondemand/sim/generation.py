@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import orjson
-from aiohttp import web
 
 from .faults import CRASH_AFTER, die
 from .memory import Memory
 from .options import SimOptions
-from .replies import SimError, answer
+from .replies import STREAMED, Reply, SimError, answer, text
+from .server import Request
 
 GENERATION = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -81,7 +81,7 @@ class Generation:
 
     # -- what every generation shares ------------------------------------------------
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: Request) -> dict[str, Any]:
         if self.json_only and request.content_type != "application/json":
             raise SimError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
@@ -133,24 +133,24 @@ class Generation:
             await asyncio.sleep(prompt / self.opts.prefill_rate)
         return True
 
-    async def _generate(self, n: int, make: Callable[[], object], prompt: int = 0) -> web.StreamResponse:
+    async def _generate(self, n: int, make: Callable[[], object], prompt: int = 0) -> Reply:
         await self._enter()
         try:
             await self._prefill(prompt)
             if self.opts.token_delay:
                 await asyncio.sleep(self.opts.token_delay * n)
             out = make()
-            return out if isinstance(out, web.StreamResponse) else answer(out)
+            return out if isinstance(out, Reply) else answer(out)
         finally:
             self._leave()
 
-    async def _stream(self, request: web.Request, n: int, before: list[bytes], frame: Callable[[int], bytes],
-                      after: Callable[[], Iterable[bytes]], prompt: int = 0) -> web.StreamResponse:
+    async def _stream(self, request: Request, n: int, before: list[bytes], frame: Callable[[int], bytes],
+                      after: Callable[[], Iterable[bytes]], prompt: int = 0) -> Reply:
         await self._enter()
-        resp = web.StreamResponse(headers=_SSE)
+        call = request.call
         try:
-            await resp.prepare(request)
-            write = resp.write
+            await call.start(200, _SSE)
+            write = call.write
             for b in before:
                 await write(b)
             prefilled = await self._prefill(prompt)
@@ -160,8 +160,8 @@ class Generation:
                 if delay and (not prefilled or i):
                     await asyncio.sleep(delay)
                 if self.mem.sleeping:  # as vLLM's sleep: what the engine runs is aborted, the stream cut short
-                    await resp.write_eof()
-                    return resp
+                    await call.end()
+                    return STREAMED
                 if i == crash_at:
                     die("crash mid-stream (--fail crash-mid-stream)")
                 await write(frame(i))
@@ -169,12 +169,12 @@ class Generation:
                 await asyncio.sleep(delay)  # the last token's: the stream ends n delays after the prefill
             for b in after():
                 await write(b)
-            await resp.write_eof()
+            await call.end()
         except ConnectionResetError:
             pass  # the client went away; so does the generation
         finally:
             self._leave()
-        return resp
+        return STREAMED
 
     # -- the routes -----------------------------------------------------------------
 
@@ -200,7 +200,7 @@ class Generation:
             yield _DONE
         return after
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Reply:
         body = await self._body(request)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -225,7 +225,7 @@ class Generation:
                                             "tool_calls": [], "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
-    async def chat_batch(self, request: web.Request) -> web.StreamResponse:
+    async def chat_batch(self, request: Request) -> Reply:
         body = await self._body(request)
         convs = body.get("messages")
         if not isinstance(convs, list) or not convs:
@@ -242,7 +242,7 @@ class Generation:
             "choices": [self._chat_choice(i, tok, finish) for i in range(len(convs))],
             "usage": self._usage(p, n * len(convs))})
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Reply:
         body = await self._body(request)
         prompt = body.get("prompt")
         if prompt is None:
@@ -275,7 +275,7 @@ class Generation:
                 "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "truncation": "disabled",
                 "usage": usage}
 
-    async def responses(self, request: web.Request) -> web.StreamResponse:
+    async def responses(self, request: Request) -> Reply:
         body = await self._body(request)
         if body.get("input") is None:
             raise SimError(400, "input: Field required", param="input")
@@ -319,7 +319,7 @@ class Generation:
                                   lambda i: head + b"%d" % (4 + i) + mid_b + tj[i] + b',"logprobs":[]}\n\n',
                                   lambda: final(4 + n))
 
-    async def messages(self, request: web.Request) -> web.StreamResponse:
+    async def messages(self, request: Request) -> Reply:
         body = await self._body(request)
         if not isinstance(body.get("messages"), list):
             raise SimError(400, "messages: Field required", param="messages")
@@ -354,7 +354,7 @@ class Generation:
         norm = sum(x * x for x in v) ** 0.5 or 1.0
         return [x / norm for x in v]
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+    async def embeddings(self, request: Request) -> Reply:
         body = await self._body(request)
         inp = body.get("input")
         if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
@@ -379,7 +379,7 @@ class Generation:
     def _score(self, a: str, b: str) -> float:
         return random.Random(f"{'garbage' if self.mem.garbage else ''}\x00{a}\x00{b}").random()
 
-    async def rerank(self, request: web.Request) -> web.StreamResponse:
+    async def rerank(self, request: Request) -> Reply:
         body = await self._body(request)
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str) or not isinstance(docs, list):
@@ -395,7 +395,7 @@ class Generation:
         return await self._generate(1, lambda: {"id": "rerank-" + _uid(), "model": self.model,
                                                 "usage": {"total_tokens": tokens}, "results": results[:top]})
 
-    async def score(self, request: web.Request) -> web.StreamResponse:
+    async def score(self, request: Request) -> Reply:
         body = await self._body(request)
         a, b = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
         if a is None or b is None:
@@ -412,7 +412,7 @@ class Generation:
                      for i, (x, y) in enumerate(zip(a, b, strict=False))],
             "usage": {"prompt_tokens": p, "total_tokens": p, "completion_tokens": 0, "prompt_tokens_details": None}})
 
-    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
+    async def transcriptions(self, request: Request) -> Reply:
         if request.content_type != "multipart/form-data":
             raise SimError(400, "Expected multipart/form-data with a file field", param="file")
         from email.parser import BytesParser  # here: it costs startup time, and this route is rare
@@ -428,8 +428,8 @@ class Generation:
         if model and model != self.model and self.vllm:
             raise SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         size = len(fields["file"].get_payload(decode=True) or b"")
-        text = f"simulated transcription of {size} bytes"
+        said = f"simulated transcription of {size} bytes"
         fmt = (cast(bytes, fields["response_format"].get_payload(decode=True)).decode()
                if "response_format" in fields else "json")
-        return await self._generate(1, lambda: web.Response(text=text) if fmt == "text" else {"text": text})
+        return await self._generate(1, lambda: text(said) if fmt == "text" else {"text": said})
 

@@ -10,12 +10,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from .faults import wake_fault
 from .options import SimOptions
 from .record import Journal
-from .replies import SimError, answer
+from .replies import Reply, SimError, answer, empty
+from .server import Request
 
 PARTS = ("weights", "kv_cache")  # what sleeps, as vLLM's wake_up tags name them
 
@@ -61,7 +61,7 @@ def claim_gpu_memory(opts: SimOptions, mib: int | None = None) -> str | None:
 
 
 class Memory:
-    """How the engine sleeps, and vLLM's and SGLang's routes for it (``routes.build_app``
+    """How the engine sleeps, and vLLM's and SGLang's routes for it (``routes.router``
     adds the flavor's)."""
 
     def __init__(self, opts: SimOptions, journal: Journal):
@@ -137,14 +137,14 @@ class Memory:
 
     # -- vLLM's routes ---------------------------------------------------------------
 
-    async def sleep(self, request: web.Request) -> web.StreamResponse:
+    async def sleep(self, request: Request) -> Reply:
         level = request.query.get("level", "1")
         if level not in ("1", "2"):
             raise SimError(400, f"level must be 1 or 2, got {level!r}", param="level")
         await self._sleep(int(level))
-        return web.Response()
+        return empty()
 
-    async def wake_up(self, request: web.Request) -> web.StreamResponse:
+    async def wake_up(self, request: Request) -> Reply:
         tags = request.query.getall("tags", [])
         unknown = [t for t in tags if t not in PARTS]
         if unknown:
@@ -153,12 +153,12 @@ class Memory:
         if fault is not None:
             raise SimError(500, fault, "InternalServerError")
         await self._wake(tags or PARTS)
-        return web.Response()
+        return empty()
 
-    async def is_sleeping(self, request: web.Request) -> web.StreamResponse:
+    async def is_sleeping(self, request: Request) -> Reply:
         return answer({"is_sleeping": self.sleeping})
 
-    async def collective_rpc(self, request: web.Request) -> web.StreamResponse:
+    async def collective_rpc(self, request: Request) -> Reply:
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
@@ -174,12 +174,12 @@ class Memory:
             raise SimError(400, why)
         return answer({"results": [None]})
 
-    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
-        return web.Response()
+    async def reset_prefix_cache(self, request: Request) -> Reply:
+        return empty()
 
     # -- SGLang's routes -------------------------------------------------------------
 
-    async def _sglang_body(self, request: web.Request) -> dict[str, Any]:
+    async def _sglang_body(self, request: Request) -> dict[str, Any]:
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
@@ -190,12 +190,12 @@ class Memory:
                                                "param": None, "code": 400})
         return body
 
-    async def release_memory_occupation(self, request: web.Request) -> web.StreamResponse:
+    async def release_memory_occupation(self, request: Request) -> Reply:
         await self._sglang_body(request)
         await self._sleep(1 if self.opts.weights_cpu_backup else 2)
         return answer(None)
 
-    async def resume_memory_occupation(self, request: web.Request) -> web.StreamResponse:
+    async def resume_memory_occupation(self, request: Request) -> Reply:
         await self._sglang_body(request)
         fault = await wake_fault(self.opts.fail)
         if fault is not None:
@@ -203,7 +203,7 @@ class Memory:
         await self._wake(PARTS)
         return answer(None)
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.StreamResponse:
+    async def update_weights_from_disk(self, request: Request) -> Reply:
         body = await self._sglang_body(request)
         if not isinstance(body.get("model_path"), str):
             message = "model_path: Field required"
@@ -216,6 +216,6 @@ class Memory:
 
     # -- the simulator's own route -----------------------------------------------------
 
-    async def sim_state(self, request: web.Request) -> web.StreamResponse:
+    async def sim_state(self, request: Request) -> Reply:
         return answer({"sleeping": self.asleep, "level": self.sleep_level, "garbage": self.garbage,
                        "wakes": self.wakes, "sleeps": self.sleeps})

@@ -1,5 +1,5 @@
 """The simulator's options (``SimOptions``), as the command line (``engine.parse_args``) or a
-test in the same process (``routes.build_app``) gives them, and the choices two of them take."""
+test in the same process (``engine.SimServer``) gives them, and the choices two of them take."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ FAILURES = ("exit-at-start", "never-ready", "crash-mid-stream", "exit-after", "w
 
 @dataclass
 class SimOptions:
-    """The command-line options, for in-process use with ``build_app``."""
+    """The command-line options, for in-process use with ``engine.SimServer``."""
 
     host: str = "127.0.0.1"
     port: int = 8000

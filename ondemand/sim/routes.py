@@ -1,6 +1,7 @@
-"""The simulator's HTTP side: ``Sim`` (what every request passes through: the record, the
-journal, loading and sleeping; the control routes; the ``/_sim/*`` routes) and ``build_app``,
-which routes each path to it, to its ``Memory`` (sleep and wake) or to its ``Generation``."""
+"""The simulator's routes: ``Sim`` (what every request passes through: the record, the journal,
+loading and sleeping; the control routes; the ``/_sim/*`` routes) and ``router``, which routes
+each path to it, to its ``Memory`` (sleep and wake) or to its ``Generation`` (served by
+``server.Listener``)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,6 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from .faults import exit_later
 from .generation import GENERATION, Generation
@@ -20,7 +19,8 @@ from .memory import Memory
 from .options import FAILURES, FLAVORS, SimOptions
 from .phases import print_phases
 from .record import Journal, Recorded, listing
-from .replies import SimError, answer, error
+from .replies import JSON, TEXT, Reply, SimError, answer, empty, error
+from .server import NoRoute, Request, Router
 
 _LOADING = orjson.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}})
 
@@ -51,17 +51,19 @@ class Sim:
         self.models_body = orjson.dumps({"object": "list", "data": [self.card]})
         self.mem = Memory(opts, self.journal)
         self.gen = Generation(opts, self.mem)
+        self.router = router(self)
 
     # -- plumbing -------------------------------------------------------------------
 
-    async def on_startup(self, app: web.Application) -> None:
+    def start(self) -> None:
+        """The start (before the socket listens): the loading's clock, its lines, ``--fail exit-after``."""
         self.began = time.monotonic()
         self.weights_read = asyncio.Event()
         # With --load-weights, ready once the weights are read (``_loaded`` says when).
         self.ready_at = self.began + self.opts.startup_delay if self.opts.weights_path is None else float("inf")
         if self.opts.fail == "exit-after":
-            # The simulator is a program of its own and imports nothing of ondemand
-            # (tests/test_layout.py); the task is kept in self.tasks and cancelled at cleanup.
+            # The simulator is a program of its own and imports nothing of ondemand but the lean
+            # front (tests/test_layout.py); the task is kept in self.tasks and cancelled at cleanup.
             self.tasks.append(asyncio.ensure_future(  # noqa: TID251
                 exit_later(self.opts.startup_delay, self.opts.fail_after)))
         loads = self.opts.startup_delay > 0 or self.opts.weights_path is not None
@@ -82,67 +84,71 @@ class Sim:
         await asyncio.sleep(max(0.0, self.ready_at - time.monotonic()))
         print(f"{self.opts.model} loaded: application startup complete", file=sys.stderr, flush=True)
 
-    async def on_cleanup(self, app: web.Application) -> None:
+    def cleanup(self) -> None:
+        """The end (after the socket closed and the requests ended): its own tasks are cancelled."""
         for t in self.tasks:
             t.cancel()
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def handle(self, request: Request) -> Reply:
+        """Every request: ``/_sim/*`` straight to its route; any other recorded with its body (and
+        journaled), then answered as the engine would (``_answer``)."""
         path = request.path
         if path.startswith("/_sim/"):
-            return await handler(request)
+            try:
+                return await self.router.resolve(request)(request)
+            except NoRoute as e:
+                return e.reply()
         generation = path in GENERATION
         self.inflight += generation
         try:
-            body = await request.read() if request.body_exists else b""
-            self.record.append((time.time(), request.method, path, request.query_string, request.raw_headers, body,
+            body = await request.read()
+            raw_headers = request.raw_headers
+            self.record.append((time.time(), request.method, path, request.query_string, raw_headers, body,
                                 request.raw_path))
             if self.journal.fd < 0:
-                return await self._handle(request, handler, path)
+                return await self._answer(request, path)
             self.seq += 1
             n = self.seq
-            self.journal.write("req", n=n, path=path,
-                               h=sorted({k.decode("latin-1").lower() for k, _ in request.raw_headers}))
+            self.journal.write("req", n=n, path=path, h=sorted({k.decode("latin-1").lower() for k, _ in raw_headers}))
             try:
-                return await self._handle(request, handler, path)
+                return await self._answer(request, path)
             finally:
                 self.journal.write("end", n=n)
         finally:
             self.inflight -= generation
 
-    async def _handle(self, request: web.Request, handler: Handler, path: str) -> web.StreamResponse:
+    async def _answer(self, request: Request, path: str) -> Reply:
+        """503 while loading (any path), generation 503 while asleep, else the route's answer: a
+        ``SimError`` as its error, no route as FastAPI says it (what vLLM answers)."""
         if not self.ready:
             if self.opts.fail == "never-ready" or time.monotonic() < self.ready_at:
-                return web.Response(status=503, body=_LOADING, content_type="application/json")
+                return Reply(503, _LOADING, JSON)
             self.ready = True
         if self.mem.sleeping and path in GENERATION:
             wake = "/resume_memory_occupation" if self.sglang else "/wake_up"
             return error(503, f"The engine is sleeping; POST {wake} first.", "ServiceUnavailableError")
         try:
-            return await handler(request)
+            return await self.router.resolve(request)(request)
         except SimError as e:
             return answer(e.body, e.status) if e.body is not None else error(e.status, e.message, e.type, e.param)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            # FastAPI's shape, which is what vLLM answers for unknown routes
+        except NoRoute as e:
             return answer({"detail": e.reason}, e.status)
 
     # -- control routes -------------------------------------------------------------
 
-    async def health(self, request: web.Request) -> web.StreamResponse:
-        return answer({"status": "ok"}) if self.opts.flavor == "llamacpp" else web.Response()
+    async def health(self, request: Request) -> Reply:
+        return answer({"status": "ok"}) if self.opts.flavor == "llamacpp" else empty()
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=self.models_body, content_type="application/json")
+    async def models(self, request: Request) -> Reply:
+        return Reply(200, self.models_body, JSON)
 
-    async def model_card(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["model"]
+    async def model_card(self, request: Request) -> Reply:
+        name = request.match
         if name != self.model:
             raise SimError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return answer(self.card)
 
-    async def metrics(self, request: web.Request) -> web.StreamResponse:
+    async def metrics(self, request: Request) -> Reply:
         name = self.model.replace("\\", "\\\\").replace('"', '\\"')
         label = f'{{model_name="{name}"}}'
         if self.sglang:
@@ -169,62 +175,47 @@ class Sim:
                 "# HELP llamacpp:requests_deferred Number of requests deferred.\n"
                 "# TYPE llamacpp:requests_deferred gauge\n"
                 f"llamacpp:requests_deferred {self.gen.waiting}\n")
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return Reply(200, text.encode(), TEXT)
 
     # -- the simulator's own routes (besides /_sim/state, the memory's) ------------------
 
-    async def sim_requests(self, request: web.Request) -> web.StreamResponse:
+    async def sim_requests(self, request: Request) -> Reply:
         return answer(listing(self.record))
 
-    async def sim_clear(self, request: web.Request) -> web.StreamResponse:
+    async def sim_clear(self, request: Request) -> Reply:
         self.record.clear()
-        return web.Response(status=204)
+        return empty(204)
 
 
-async def sim_launch(request: web.Request) -> web.StreamResponse:
+async def sim_launch(request: Request) -> Reply:
     """How this process was started: its argv and environment (tests check what a recipe and
     the box gave the engine: flags, HF_HOME, HF_TOKEN, the deployment's env)."""
-    return web.json_response({"argv": sys.argv, "env": dict(os.environ)})
+    import json  # here: this route is rare, and json (unlike orjson) writes any str the environment holds
+    return Reply(200, json.dumps({"argv": sys.argv, "env": dict(os.environ)}).encode(),
+                 {"Content-Type": "application/json; charset=utf-8"})
 
 
-SIM_KEY = web.AppKey("sim", Sim)
-
-
-def build_app(opts: SimOptions) -> web.Application:
-    """The simulator as an aiohttp application; its ``Sim`` state is ``app[SIM_KEY]``."""
-    sim = Sim(opts)
-    app = web.Application(middlewares=[sim.middleware], client_max_size=256 * 1024 * 1024)
-    app[SIM_KEY] = sim
-    app.on_startup.append(sim.on_startup)
-    app.on_cleanup.append(sim.on_cleanup)
-    r, mem, gen = app.router, sim.mem, sim.gen
-    r.add_get("/health", sim.health)
-    r.add_get("/v1/models", sim.models)
-    r.add_get("/v1/models/{model}", sim.model_card)
-    r.add_get("/metrics", sim.metrics)
+def router(sim: Sim) -> Router:
+    """Each path to its route: ``sim``'s, its memory's or its generation's, by flavor."""
+    r, mem, gen = Router(), sim.mem, sim.gen
+    for path, route in (("/health", sim.health), ("/v1/models", sim.models), ("/v1/models/{model}", sim.model_card),
+                        ("/metrics", sim.metrics), ("/_sim/requests", sim.sim_requests),
+                        ("/_sim/state", mem.sim_state), ("/_sim/launch", sim_launch)):
+        r.add("GET", path, route)
+    r.add("DELETE", "/_sim/requests", sim.sim_clear)
     if sim.sglang:
-        r.add_post("/release_memory_occupation", mem.release_memory_occupation)
-        r.add_post("/resume_memory_occupation", mem.resume_memory_occupation)
-        r.add_post("/update_weights_from_disk", mem.update_weights_from_disk)
+        posts = [("/release_memory_occupation", mem.release_memory_occupation),
+                 ("/resume_memory_occupation", mem.resume_memory_occupation),
+                 ("/update_weights_from_disk", mem.update_weights_from_disk)]
     else:
-        r.add_post("/sleep", mem.sleep)
-        r.add_post("/wake_up", mem.wake_up)
-        r.add_get("/is_sleeping", mem.is_sleeping)
-        r.add_post("/collective_rpc", mem.collective_rpc)
-        r.add_post("/reset_prefix_cache", mem.reset_prefix_cache)
-    r.add_get("/_sim/requests", sim.sim_requests)
-    r.add_get("/_sim/state", mem.sim_state)
-    r.add_get("/_sim/launch", sim_launch)
-    r.add_delete("/_sim/requests", sim.sim_clear)
-    r.add_post("/v1/chat/completions", gen.chat)
-    r.add_post("/v1/chat/completions/batch", gen.chat_batch)
-    r.add_post("/v1/completions", gen.completions)
-    r.add_post("/v1/responses", gen.responses)
-    r.add_post("/v1/messages", gen.messages)
-    r.add_post("/v1/embeddings", gen.embeddings)
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        r.add_post(path, gen.rerank)
-    for path in ("/v1/score", "/score"):
-        r.add_post(path, gen.score)
-    r.add_post("/v1/audio/transcriptions", gen.transcriptions)
-    return app
+        r.add("GET", "/is_sleeping", mem.is_sleeping)
+        posts = [("/sleep", mem.sleep), ("/wake_up", mem.wake_up), ("/collective_rpc", mem.collective_rpc),
+                 ("/reset_prefix_cache", mem.reset_prefix_cache)]
+    posts += [("/v1/chat/completions", gen.chat), ("/v1/chat/completions/batch", gen.chat_batch),
+              ("/v1/completions", gen.completions), ("/v1/responses", gen.responses), ("/v1/messages", gen.messages),
+              ("/v1/embeddings", gen.embeddings), ("/v1/rerank", gen.rerank), ("/rerank", gen.rerank),
+              ("/v2/rerank", gen.rerank), ("/v1/score", gen.score), ("/score", gen.score),
+              ("/v1/audio/transcriptions", gen.transcriptions)]
+    for path, route in posts:
+        r.add("POST", path, route)
+    return r

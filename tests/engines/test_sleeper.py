@@ -9,31 +9,28 @@ import contextlib
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from ondemand.engines.backends import Engine
 from ondemand.engines.client import EngineClient
 from ondemand.engines.sleeper import Sleeper, WakeFailed
 from ondemand.http.pool import Upstreams
 from ondemand.model import Deployment, State
-from ondemand.sim.engine import build_app
+from ondemand.sim.engine import SimServer
 from ondemand.sim.options import SimOptions
 
 
 @contextlib.asynccontextmanager
 async def engine(**kw):
     """(the sleeper, a running simulator as an Engine, the simulator's own session)."""
-    runner = web.AppRunner(build_app(SimOptions(port=0, model="M", **kw)), access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    server = SimServer(SimOptions(port=0, model="M", **kw), shutdown_timeout=0.1)
+    url = f"http://127.0.0.1:{await server.start()}"
     upstreams = Upstreams()
     try:
         async with aiohttp.ClientSession(url) as sim:
             yield Sleeper(EngineClient(upstreams, probe_timeout_s=2), wake_timeout_s=2), Engine(1, "m", url), sim
     finally:
         await upstreams.close()
-        await runner.cleanup()
+        await server.stop()
 
 
 DEP = Deployment(id=1, name="m", served_name="M", engine="vllm", memory_gib=10, state=State.READY)

@@ -12,24 +12,21 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 from helpers import ROOT
 
-from ondemand.sim.engine import SimOptions, build_app, main, parse_args
+from ondemand.sim.engine import SimOptions, SimServer, main, parse_args
 
 
 @contextlib.asynccontextmanager
 async def simulator(**kw):
     kw.setdefault("model", "demo")
-    runner = web.AppRunner(build_app(SimOptions(port=0, **kw)), access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = runner.addresses[0][1]
+    server = SimServer(SimOptions(port=0, **kw), shutdown_timeout=0.1)
+    port = await server.start()
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
             yield session
     finally:
-        await runner.cleanup()
+        await server.stop()
 
 
 @pytest.fixture
@@ -675,12 +672,11 @@ async def test_load_weights_reads_the_checkpoint_and_is_ready_only_after(tmp_pat
     opts = parse_args(["--load-weights", str(model), "--served-model-name", "demo", "--startup-delay", "0.3",
                        "--weights-delay", "0.1", "--compile-delay", "0.1"])
     assert opts.weights_path == str(model) and opts.model == "demo"
-    runner = web.AppRunner(build_app(dataclasses.replace(opts, port=0)), access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server = SimServer(dataclasses.replace(opts, port=0), shutdown_timeout=0.1)
+    port = await server.start()
     writer = None
     try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as s:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
             writer = await asyncio.to_thread(open, fifo, "wb")  # the reader has opened it: the load began
             writer.write(b"\0" * 4096)
             await asyncio.sleep(0.6)  # past the whole --startup-delay: still loading, the read goes on
@@ -702,7 +698,7 @@ async def test_load_weights_reads_the_checkpoint_and_is_ready_only_after(tmp_pat
     finally:
         if writer is not None and not writer.closed:
             writer.close()
-        await runner.cleanup()
+        await server.stop()
 
 
 def test_load_weights_needs_a_local_model(tmp_path):
