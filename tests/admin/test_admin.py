@@ -1,11 +1,13 @@
-"""The admin API and the wiring of the app: token and socket, validation,
-mode switches, SSE events, audit, and the LiteLLM sync's triggers."""
+"""The admin API's deployments (ondemand/admin/deployments.py and fields.py) and the wiring of the
+app, against the whole ondemand on loopback: the socket born 0600, creation and its validation,
+edits in place, and the LiteLLM sync's triggers. Its other modules have their own files here:
+test_api.py (the guard, host, audit, UI, /healthz), test_wire.py, test_actions.py,
+test_streams.py, test_components.py. ``api`` and ``new_dep`` are theirs too."""
 import asyncio
 import os
 import stat
 
 import aiohttp
-import orjson
 import pytest
 from helpers import run_app, sim_command, two_pools, wait_for
 from litellm_double import litellm_double
@@ -29,16 +31,6 @@ def new_dep(name="a", **kw):
     body = {"name": name, "command": sim_command(name), "memory_gib": 10, "mode": "on_demand"}
     body.update(kw)
     return body
-
-
-async def test_token_on_tcp_never_the_ondemand_key(server):
-    assert (await api(server, "GET", "/host"))[0] == 200
-    status, body = await api(server, "GET", "/host", headers={})
-    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
-    status, _ = await api(server, "GET", "/host", headers={"Authorization": f"Bearer {server.key}"})
-    assert status == 401
-    status, _ = await api(server, "GET", "/host", headers={"Authorization": f"Bearer {server.token}x"})
-    assert status == 401
 
 
 async def test_socket_is_open_and_0600(tmp_path):
@@ -66,19 +58,6 @@ async def test_socket_is_open_and_0600(tmp_path):
     assert not cfg.admin_socket.exists()
 
 
-async def test_host_view(server):
-    status, host = await api(server, "GET", "/host")
-    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "starting": 0.0, "free": 24.0,
-                              "ondemand_capacity": 24.0, "per_gpu": False,
-                              "gpus": [{"index": 0, "uuid": None, "capacity": 24.0, "used": 0.0, "starting": 0.0,
-                                        "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
-    assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
-    assert host["ondemand"]["litellm_ready"] is False
-    assert host["ondemand"]["scheduler"] == "seed" and host["ondemand"]["slo_s"] == 5.0
-    assert set(host["host_memory"]) == {"total_gib", "available_gib", "asleep_gib", "reserve_gib"}
-    assert host["host_memory"]["asleep_gib"] == 0 and host["host_memory"]["reserve_gib"] == 16.0
-
-
 @pytest.mark.parametrize("body, field", [
     ({"name": "Bad Name"}, "name"), ({"name": "a", "engine": "tgi"}, "engine"),
     ({"name": "a", "mode": "sometimes"}, "mode"), ({"name": "a", "memory_gib": -1}, "memory_gib"),
@@ -100,52 +79,6 @@ async def test_validation_names_the_field(server, body, field):
     assert server.deployer.all() == []
 
 
-@pytest.mark.parametrize("unix", [False, True])
-async def test_routing_refusals_are_json_errors(server, unix):
-    # aiohttp's own answers (no route, wrong method, body too large) in the
-    # API's error form, on TCP and on the socket; nothing is created.
-    headers = {} if unix else server.admin_headers()
-    if unix:
-        conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))
-        base = f"http://ondemand{server.cfg.base_path}"
-    else:
-        conn, base = None, server.url
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async def call(method, path, **kw):
-            kw.setdefault("headers", headers)
-            async with s.request(method, base + path, **kw) as r:
-                assert r.content_type == "application/json", (method, path, await r.text())
-                return r.status, r.headers, await r.json()
-
-        status, _, body = await call("GET", "/api/nosuch")
-        assert status == 404 and body["error"]["code"] == "not_found"
-        status, h, body = await call("PUT", "/api/host")
-        assert status == 405 and body["error"]["code"] == "method_not_allowed" and "GET" in h["Allow"]
-        assert "GET" in body["error"]["message"]
-        status, _, body = await call("POST", "/api/deployments/1/mode")
-        assert status == 405 and body["error"]["code"] == "method_not_allowed"
-        status, _, body = await call("POST", "/api/deployments", data=b"x" * (16 * 2**20 + 2),
-                                     headers={**headers, "Content-Type": "application/json"})
-        assert status == 413 and body["error"]["code"] == "request_too_large"
-        assert set(body["error"]) == {"message", "type", "code"}
-        status, _, body = await call("GET", "/elsewhere")  # outside the API too
-        assert status == 404 and body["error"]["code"] == "not_found"
-    assert server.deployer.all() == []
-    # Redirects stay redirects.
-    async with two_pools() as s, s.get(server.url + "/ui", allow_redirects=False) as r:
-        assert r.status == 302 and r.headers["Location"].endswith("/ui/")
-
-
-async def test_a_defect_of_ours_is_a_json_500(server, monkeypatch):
-    def broken():
-        raise RuntimeError("a bug")
-    monkeypatch.setattr(server.deployer, "all", broken)
-    status, body = await api(server, "GET", "/deployments")
-    assert status == 500 and body["error"]["code"] == "internal_error" and "a bug" not in body["error"]["message"]
-    monkeypatch.undo()
-    assert (await api(server, "GET", "/deployments"))[0] == 200
-
-
 async def test_create_defaults_and_states(server):
     status, view = await api(server, "POST", "/deployments", {"name": "ao", "served_name": "AO", "command": sim_command("AO"),
                                                         "memory_gib": 4})
@@ -162,33 +95,6 @@ async def test_create_defaults_and_states(server):
     assert [v["name"] for v in lst] == ["ao", "od", "pl"]
     status, err = await api(server, "GET", "/deployments/99")
     assert status == 404
-
-
-async def test_mode_switch_is_audited_and_bounded(server):
-    _, v = await api(server, "POST", "/deployments", new_dep("a"))
-    status, err = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "on_demand", "idle_timeout_s": 5000000})
-    assert status == 400 and err["error"]["message"] == "idle_timeout_s: must be 1 to 86400 seconds, or null"
-    status, view = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "always_on"})
-    assert status == 200 and view["pending_mode"] == "always_on" and view["mode"] == "on_demand"
-    await wait_for(lambda: server.deployer.get(v["id"]).mode == "always_on", what="pending mode applied at ready")
-    _, audit = await api(server, "GET", "/audit")
-    row = [r for r in audit if r["action"] == "ondemand_mode"][0]
-    assert row["detail"]["old"]["mode"] == "on_demand" and row["detail"]["new"]["pending_mode"] == "always_on"
-    status, view = await api(server, "PATCH", f"/deployments/{v['id']}/mode", {"mode": "on_demand", "idle_timeout_s": 120})
-    assert view["mode"] == "on_demand" and view["idle_timeout_s"] == 120
-
-
-async def test_audit_pages_newest_first(server):
-    for i in range(5):
-        await server.deployer.store.write_audit(action="ondemand_mode", actor="admin", text=f"row {i}")
-    _, first = await api(server, "GET", "/audit?limit=2")
-    assert [r["text"] for r in first] == ["row 4", "row 3"]
-    _, second = await api(server, "GET", f"/audit?limit=2&before={first[-1]['id']}")
-    assert [r["text"] for r in second] == ["row 2", "row 1"]
-    _, last = await api(server, "GET", f"/audit?limit=2&before={second[-1]['id']}")
-    assert [r["text"] for r in last] == ["row 0"]
-    status, err = await api(server, "GET", "/audit?before=soon")
-    assert status == 400 and err["error"]["code"] == "invalid_field"
 
 
 async def test_edit_in_place(server):
@@ -248,25 +154,6 @@ async def test_edit_in_place(server):
     assert status == 200 and view["served_name"] == "X" and view["state"] == "stopped"
 
 
-async def test_a_deployment_id_in_a_path_is_canonical_decimal(server):
-    i = (await api(server, "POST", "/deployments", new_dep("a")))[1]["id"]
-    assert i == 1
-    assert (await api(server, "GET", "/deployments/1"))[0] == 200
-    # "01" and "٣" were deployment 1 and 3; "¹" and 5,000 digits were a 500 (int() raised)
-    for raw in ("01", "001", "+1", "1.0", "%D9%A1", "%C2%B9", "%EF%BC%91", "9" * 5000, "99999999999999999999"):
-        for method, path, body in (("GET", f"/deployments/{raw}", None), ("PATCH", f"/deployments/{raw}", {"port": 9}),
-                                   ("DELETE", f"/deployments/{raw}", None), ("POST", f"/deployments/{raw}/stop", None),
-                                   ("GET", f"/deployments/{raw}/logs", None)):
-            status, err = await api(server, method, path, body)
-            assert status == 404 and err["error"]["code"] == "not_found", (raw, method, path, err)
-            assert len(err["error"]["message"]) < 80
-    assert server.deployer.get(i).port == 8000 and server.state(i) == "stopped"
-    # a log tail's count: ASCII digits, a few ("¹" and 5,000 digits were a 500 too)
-    for tail in ("%C2%B9", "1" * 5000, "-1", "10001"):
-        status, err = await api(server, "GET", f"/deployments/{i}/logs?tail={tail}")
-        assert status == 400 and err["error"]["message"].startswith("tail:"), (tail, err)
-
-
 async def test_a_name_or_served_name_with_a_control_character_is_refused(server):
     # served_name took them, and they reached the log lines that quote it
     i = (await api(server, "POST", "/deployments", new_dep("a")))[1]["id"]
@@ -317,56 +204,6 @@ async def test_edit_of_served_name_is_synced_to_litellm(tmp_path):
                            what="the entry follows the new served_name")
 
 
-async def test_actions(server):
-    _, v = await api(server, "POST", "/deployments", new_dep("a"))
-    i = v["id"]
-    status, view = await api(server, "POST", f"/deployments/{i}/start?wait=1")
-    assert status == 200 and view["state"] == "ready" and view["base_url"].startswith("http://127.0.0.1:")
-    status, view = await api(server, "POST", f"/deployments/{i}/sleep")
-    assert view["state"] == "asleep"
-    status, view = await api(server, "POST", f"/deployments/{i}/wake?wait=1")
-    assert view["state"] == "ready"
-    status, view = await api(server, "POST", f"/deployments/{i}/stop")
-    assert view["state"] == "stopped"
-    status, err = await api(server, "POST", f"/deployments/{i}/wake")
-    assert status == 409
-    _, big = await api(server, "POST", "/deployments", new_dep("big", memory_gib=20))
-    await api(server, "POST", f"/deployments/{i}/start?wait=1")
-    status, err = await api(server, "POST", f"/deployments/{big['id']}/start")
-    assert status == 409 and err["error"]["code"] == "insufficient_memory"
-    status, body = await api(server, "DELETE", f"/deployments/{i}")
-    assert status == 200 and server.deployer.get(i) is None
-    _, events = await api(server, "GET", f"/deployments/{big['id']}/events")
-    assert events[-1]["text"].startswith("created")
-
-
-async def test_events_stream_views_and_folds_counters(server):
-    _, v = await api(server, "POST", "/deployments", new_dep("a"))
-    i = v["id"]
-    await server.deployer.restart(i)
-    got = []
-
-    async def reader():
-        async with two_pools() as s:
-            async with s.get(f"{server.url}/api/events", headers=server.admin_headers()) as r:
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        got.append(orjson.loads(line[6:]))
-    task = asyncio.ensure_future(reader())
-    await wait_for(lambda: got, what="initial views")
-    got.clear()
-    slots = [await server.admission.acquire(i) for _ in range(10)]
-    for s in slots:
-        s.release()
-    # the last of the folded changes arrives (the burst is held back, at most one event a second)
-    await wait_for(lambda: any(e.get("id") == i and e.get("ondemand", {}).get("inflight") == 0 for e in got),
-                   timeout=5, what="the event with the counters back at 0")
-    task.cancel()
-    counters = [e for e in got if e.get("id") == i]
-    assert 1 <= len(counters) <= 2  # twenty changes, at most one event a second
-    assert counters[0]["ondemand"]["inflight"] >= 1 and counters[-1]["ondemand"]["inflight"] == 0
-
-
 async def test_litellm_sync_is_wired(tmp_path):
     async with litellm_double("sk-m") as double:
         mk = tmp_path / "master.key"
@@ -407,121 +244,6 @@ async def test_planned_deployment_is_registered_in_litellm_once_started(tmp_path
             assert double.models == []
             await api(server, "POST", f"/deployments/{v['id']}/start")
             await wait_for(lambda: any(m["model_name"] == "p" for m in double.models), what="registered at its start")
-
-
-async def test_published_views_of_a_cold_start(server):
-    """The view published with `starting` says starting_for_request; updated_at follows the file."""
-    from ondemand.admin import components
-    _, v = await api(server, "POST", "/deployments", new_dep("a", command=sim_command("a", "--startup-delay", "0.3")))
-    i = v["id"]
-    seen = []
-    from ondemand.events import ViewPublished
-    server.app[components.BUS].subscribe(ViewPublished, lambda e: e.view.get("id") == i and seen.append(
-        (e.view["state"], e.view["ondemand"]["phase"], e.view["updated_at"])))
-    async with two_pools() as s, s.post(server.gw(i, "chat/completions"), headers=server.auth(),
-                      json={"model": "a", "messages": [{"role": "user", "content": "hi"}]}) as r:
-        assert r.status == 200
-    phases = [(state, phase) for state, phase, _ in seen]
-    assert ("starting", "starting_for_request") in phases, phases
-    stored = await server.deployer.store.deployment(i)
-    _, view = await api(server, "GET", f"/deployments/{i}")
-    assert view["updated_at"] == stored["updated_at"] > v["created_at"]
-    assert seen[-1][2] >= seen[0][2]
-
-
-async def test_ui_page_is_served_without_data(server):
-    """Three static files, no credentials to load them, a strict CSP (scripts and styles from
-    the page's own files), and nothing else under the package reachable."""
-    page = {}
-    async with two_pools() as s:
-        for name, kind in (("", "text/html"), ("app.js", "text/javascript"), ("app.css", "text/css")):
-            async with s.get(f"{server.url}/ui/{name}") as r:
-                assert r.status == 200 and r.content_type == kind, name
-                assert "script-src 'self'" in r.headers["Content-Security-Policy"]
-                assert "unsafe-inline" not in r.headers["Content-Security-Policy"]
-                page[name] = await r.text()
-        for name in ("../admin.py", "app.py", "index.html%00.js", "BEHAVIOUR.md"):
-            async with s.get(f"{server.url}/ui/{name}") as r:
-                assert r.status == 404, name
-    assert 'src="app.js"' in page[""] and "../api/" in page["app.js"] and "events" in page["app.js"]
-    assert "<script>" not in page[""] and " style=" not in page[""]  # nothing inline: the CSP forbids it
-    for text in page.values():
-        assert server.token not in text and server.key not in text
-
-
-async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_not_answer(server, monkeypatch):
-    from ondemand.admin import api as admin
-    async with two_pools() as s:
-        async with s.get(f"{server.url}/healthz") as r:  # no token, no key
-            assert r.status == 200 and await r.json() == {"status": "ok"}
-        monkeypatch.setattr(admin, "HEALTH_TIMEOUT_S", 0.2)
-        async with server.deployer.store.transaction():  # a transaction that does not end: reads wait
-            async with s.get(f"{server.url}/healthz") as r:
-                body = await r.json()
-                assert r.status == 503 and body["status"] == "unavailable" and "in time" in body["reason"]
-        async with s.get(f"{server.url}/healthz") as r:
-            assert r.status == 200
-
-
-async def _logs(server, dep_id, query=""):
-    async with two_pools() as s, \
-            s.get(f"{server.url}/api/deployments/{dep_id}/logs{query}", headers=server.admin_headers()) as r:
-        return r.status, r.headers.get("Content-Type", ""), await r.read()
-
-
-async def test_logs_route_tail_and_its_errors(server):
-    status, body = await api(server, "POST", "/deployments", new_dep("lg"))
-    dep_id = body["id"]
-    assert await _logs(server, dep_id) == (200, "text/plain; charset=utf-8", b"")  # never ran: empty
-    status, _, raw = await _logs(server, 999)
-    assert status == 404 and orjson.loads(raw)["error"]["code"] == "not_found"
-    for bad in ("?tail=-1", "?tail=x", "?tail=10001", "?follow=2"):
-        status, _, raw = await _logs(server, dep_id, bad)
-        assert status == 400 and orjson.loads(raw)["error"]["code"] == "invalid_field", bad
-        assert orjson.loads(raw)["error"]["message"].startswith(bad[1:].split("=")[0])
-    assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
-    status, _, raw = await _logs(server, dep_id, "?tail=1")
-    assert status == 200 and b"serving lg" in raw and raw.count(b"\n") == 1
-    status, _, raw = await _logs(server, dep_id, "?tail=0&follow=0")
-    assert (status, raw) == (200, b"")
-    # Over the socket too, as the command line reads it.
-    conn = aiohttp.UnixConnector(path=str(server.cfg.admin_socket))
-    async with aiohttp.ClientSession(connector=conn) as s, \
-            s.get(f"http://ondemand{server.cfg.base_path}/api/deployments/{dep_id}/logs?tail=5") as r:
-        assert r.status == 200 and b"serving lg" in await r.read()
-
-
-async def test_logs_follow_a_start_live_until_the_engine_stops(server):
-    status, body = await api(server, "POST", "/deployments", new_dep("fl", command=sim_command(
-        "FL", "--startup-delay", "30")))
-    dep_id = body["id"]
-    assert (await api(server, "POST", f"/deployments/{dep_id}/start"))[0] == 200
-    got = b""
-    async with two_pools() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
-                                                   headers=server.admin_headers()) as r:
-        assert r.status == 200
-        while b"serving FL" not in got:
-            got += await asyncio.wait_for(r.content.readany(), 20)
-        assert server.state(dep_id) == "starting"  # followed while it starts
-        assert (await api(server, "POST", f"/deployments/{dep_id}/stop"))[0] == 200
-        got += await asyncio.wait_for(r.content.read(), 20)  # the answer ends with the engine's log
-    assert b"serving FL" in got
-
-
-async def test_a_follower_that_hangs_up_leaves_nothing_behind(server):
-    status, body = await api(server, "POST", "/deployments", new_dep("hu"))
-    dep_id = body["id"]
-    assert (await api(server, "POST", f"/deployments/{dep_id}/start?wait=1"))[0] == 200
-    backend = server.deployer.backend
-    before = {t.get_name() for t in asyncio.all_tasks()}
-    async with two_pools() as s:
-        r = await s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1", headers=server.admin_headers())
-        assert b"serving hu" in await asyncio.wait_for(r.content.readany(), 10)
-        assert backend.followers("hu") == 1
-        r.close()  # hang up while the engine runs on
-    await wait_for(lambda: backend.followers("hu") == 0, what="the follower gone with its client")
-    await wait_for(lambda: {t.get_name() for t in asyncio.all_tasks()} <= before, what="no task left")
-    assert server.state(dep_id) == "ready"
 
 
 async def test_priority_and_max_inflight_fields(server):

@@ -8,7 +8,6 @@ from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ondemand import app as app_mod
-from ondemand.admin.gpu_memory import GpuMemory
 from ondemand.admin.telemetry import START_BUCKETS
 
 CHAT = {"model": "A", "messages": [{"role": "user", "content": "hello"}]}
@@ -146,19 +145,6 @@ async def test_an_unreadable_budget_leaves_out_the_gpu_samples_only(server, http
     assert ("ondemand_auth_failures_total", ()) in m  # the rest is there
 
 
-@pytest.mark.server(**{"budget.source": "nvidia-smi"})
-async def test_gpu_memory_is_read_in_the_background_and_a_failure_forgets_it(server, fake_nvidia_smi, monkeypatch):
-    server.deployer.budget.nvidia_smi = fake_nvidia_smi("24576, 1024")
-    gpu = GpuMemory(server.deployer, server.deployer.budget, max_age_s=0)
-    try:
-        assert gpu() == []  # nothing read yet, and the caller does not wait for it
-        assert await wait_for(gpu) == [(0, 24.0, 23.0)]
-        monkeypatch.setenv("FAKE_NVIDIA_SMI_FAIL", "1")
-        await wait_for(lambda: gpu() == [])
-    finally:
-        await gpu.close()
-
-
 def test_a_failing_gpu_memory_leaves_the_scrape_whole():
     from ondemand.admin.telemetry import Telemetry
 
@@ -167,20 +153,6 @@ def test_a_failing_gpu_memory_leaves_the_scrape_whole():
     t = Telemetry(deployments=list, inflight=lambda i: 0, queued=lambda i: 0, gpu_memory=broken)
     m = parse(t.exposition().decode())
     assert not any(name.startswith("ondemand_gpu_") for name, _ in m) and ("ondemand_rate_limited_total", ()) in m
-
-
-async def test_a_scrape_reads_a_cached_gpu_snapshot(server, http, monkeypatch):
-    budget = server.deployer.budget
-    reads = []
-    real = budget.snapshot
-
-    async def counted(*a, **kw):
-        reads.append(1)
-        return await real(*a, **kw)
-    monkeypatch.setattr(budget, "snapshot", counted)
-    for _ in range(5):
-        await scrape(server, http)
-    assert len(reads) <= 1  # the start-up's reading is under 5 s old: at most one more
 
 
 def test_a_failed_wakes_cold_start_is_timed_from_its_own_beginning():

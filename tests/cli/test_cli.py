@@ -1,6 +1,8 @@
-"""The command line as an admin uses it: real processes, the real socket and state file. The
-deployment commands (add, set, show, logs, warmth) are test_cli_deploy's; `cli` and `write_config`
-are shared with it."""
+"""The command line as an admin uses it: real processes, the real socket and state file: the
+commands against a running server, key, migrate and serve. The deployment commands (add, set,
+show, logs, warmth) are test_cli_deploy's; what every command shares, test_shared's; status,
+audit and doctor, test_status's; how a view reads, test_views's. `cli` and `write_config` are
+theirs too."""
 import asyncio
 import json
 import os
@@ -52,21 +54,6 @@ async def test_key_init_show_rotate(tmp_path):
     rc, out, _ = await cli("key", "rotate", "--json", config=cfg)
     assert rc == 0 and json.loads(out)["fingerprint"] != out
     assert key_file.read_text().strip() != key
-
-
-@pytest.mark.parametrize("text, key", [("bogus = 1\n", "bogus"),
-                                       ("ondemand_queue_timeout_s = -1\n", "ondemand_queue_timeout_s")])
-async def test_bad_config_names_the_key(tmp_path, text, key):
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(text)
-    rc, out, err = await cli("migrate", config=cfg)
-    assert rc == 2 and key in err and len(err.strip().splitlines()) == 1
-
-
-async def test_bad_environment_names_the_key(tmp_path):
-    rc, _, err = await cli("migrate", env={"ONDEMAND_ONDEMAND_MAX_QUEUED": "0",
-                                           "ONDEMAND_STATE_DIR": str(tmp_path)})
-    assert rc == 2 and "ondemand_max_queued" in err
 
 
 async def test_serve_refuses_one_file_for_admin_token_and_ondemand_key(tmp_path):
@@ -124,28 +111,6 @@ async def test_commands_against_a_running_server(tmp_path, server):
     assert rc == 0
     rc, _, err = await cli("deploy", "show", str(dep["id"]), config=cfg)
     assert rc == 1
-
-
-async def test_read_only_commands_without_a_server(tmp_path):
-    async with run_app(tmp_path) as server:
-        await server.add("alpha")
-        await server.deployer.update(1, env={"HF_X_TOKEN": "s3cret", "A": "1"}, model="Qwen/Qwen3-8B")
-    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-    rc, out, _ = await cli("status", config=cfg)
-    assert rc == 0 and "no server runs" in out and "alpha" in out
-    for args in (("deploy", "show", "1"), ("deploy", "show", "1", "--json"), ("deploy", "list", "--json")):
-        rc, out, _ = await cli(*args, config=cfg)
-        assert rc == 0 and "s3cret" not in out and "HF_X_TOKEN" in out  # masked as a view masks it
-    rc, out, _ = await cli("deploy", "show", "1", config=cfg)
-    assert "argv:            - (derived by the running server" in out and "model:           Qwen/Qwen3-8B" in out
-    rc, out, _ = await cli("deploy", "list", "--json", config=cfg)
-    assert json.loads(out)[0]["name"] == "alpha"
-    rc, _, err = await cli("deploy", "start", "1", config=cfg)
-    assert rc == 3 and "ondemand serve" in err
-    rc, _, err = await cli("deploy", "set", "1", "--memory-gib", "4", config=cfg)
-    assert rc == 3 and "ondemand serve" in err  # a change goes through the server, like start
-    rc, out, _ = await cli("doctor", config=cfg)
-    assert rc == 0 and "no server runs" in out
 
 
 async def test_second_serve_on_the_same_state_dir_refuses_and_touches_nothing(tmp_path):
@@ -230,76 +195,3 @@ async def test_serve_demo_answers_and_stops_on_sigint(tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-async def test_doctor_flags_llamacpp_without_metrics(tmp_path, server):
-    await server.deployer.create(dict(name="blind", served_name="b", engine="llamacpp", mode="on_demand",
-                                      state="stopped", role="model", command=["llama-server", "--port", "{port}"]))
-    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-    rc, out, _ = await cli("doctor", "--json", config=cfg)
-    checks = {c["check"]: c for c in json.loads(out)}
-    assert rc == 1 and checks["engines"]["ok"] is False and "blind" in checks["engines"]["detail"]
-
-
-async def test_doctor_flags_open_files_and_a_footprint_over_its_declared_size(tmp_path, server):
-    import stat
-    assert stat.S_IMODE(server.cfg.state_dir.stat().st_mode) == 0o700  # serve made it private
-    dep = await server.deployer.create(dict(name="liar", served_name="l", engine="vllm", mode="on_demand",
-                                            state="stopped", role="model", memory_gib=20,
-                                            command=sim_command("l")))
-    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-    rc, out, _ = await cli("doctor", "--json", config=cfg)
-    checks = {c["check"]: c for c in json.loads(out)}
-    assert checks["files"]["ok"] and "footprints" not in checks
-    await server.deployer.update(dep.id, measured_gib=30.0)
-    server.cfg.token_file.chmod(0o644)
-    rc, out, _ = await cli("doctor", "--json", config=cfg)
-    checks = {c["check"]: c for c in json.loads(out)}
-    assert rc == 1 and checks["files"]["ok"] is False and "admin.token is mode 644" in checks["files"]["detail"]
-    assert checks["footprints"]["ok"] is False and "liar (declared 20 GiB, measured 30.0)" in checks["footprints"]["detail"]
-    rc, out, _ = await cli("status", config=cfg)
-    assert "20 GiB (measured 30.0 !)" in out and "liar: measured more than 10 % over" in out
-
-
-async def test_adding_or_switching_llamacpp_without_metrics_warns(tmp_path, server):
-    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-    rc, out, err = await cli("deploy", "add", "blind", "--engine", "llamacpp", "--mode", "on_demand",
-                             "--command", "llama-server --port {port}", config=cfg)
-    assert rc == 0 and "created blind" in out
-    assert err.startswith("warning: blind: llama.cpp without --metrics") and "never put to sleep" in err
-    rc, out, err = await cli("deploy", "add", "seen", "--engine", "llamacpp", "--mode", "on_demand",
-                             "--command", "llama-server --metrics --port {port}", config=cfg)
-    assert rc == 0 and err == ""
-    rc, out, err = await cli("deploy", "add", "later", "--engine", "llamacpp", "--no-start",
-                             "--command", "llama-server --port {port}", config=cfg)
-    assert rc == 0 and err == ""  # always on: nothing to put to sleep
-    later = server.deployer.all()[-1].id
-    rc, out, err = await cli("mode", "set", str(later), "on_demand", config=cfg)
-    assert rc == 0 and "warning: later:" in err
-
-
-def test_every_command_says_what_it_does():
-    import click
-
-    from ondemand.cli import cli as root
-
-    def walk(cmd, path):
-        assert cmd.help or cmd.short_help, f"`{path} --help` has no description"
-        for name, sub in getattr(cmd, "commands", {}).items():
-            walk(sub, f"{path} {name}")
-    walk(root, "ondemand")
-    assert isinstance(root, click.Group) and len(root.commands) >= 8
-
-
-async def test_audit_without_a_server(tmp_path):
-    async with run_app(tmp_path) as server:
-        a = await server.add("alpha")
-        await server.deployer.edit(a, {"idle_action": "sleep2"}, user="socket")
-    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
-    rc, out, err = await cli("audit", config=cfg)
-    assert rc == 0, err
-    assert re.search(rf" deployment_update +admin \(socket\) +{a} \(alpha\) +edited idle_action$", out, re.M), out
-    rc, out, _ = await cli("audit", "--json", config=cfg)
-    assert [r["action"] for r in json.loads(out)] == ["deployment_update"]
-    rc, _, err = await cli("audit", config=write_config(tmp_path / "d.toml", tmp_path / "empty"))
-    assert rc == 3 and "no state file" in err

@@ -1,7 +1,7 @@
 """``held_for`` end to end: why a warmth policy keeps an idle deployment awake past where the seed's
 rule would rest it (``WarmthPolicy.held_for``, read through ``Controller.held_for``) shows in the
 view's ``ondemand`` object over the admin API, in the event stream's views and in ``ondemand
-status``; the reaper's step publishes a view again when its hold begins or ends. ``fixed`` and
+status`` (its lines: tests/cli/test_views.py); the reaper's step publishes a view again when its hold begins or ends. ``fixed`` and
 ``adaptive`` hold nothing for the SLO: the policy that says ``slo`` is the test's own, put where the
 controller picks a deployment's warmth (``Controller.fixed``, as the replay's clairvoyant reference
 puts its own)."""
@@ -18,7 +18,6 @@ from core_doubles import Clock, Effects, make
 from helpers import ROOT, two_pools, wait_for
 from test_cli import cli, write_config
 
-from ondemand.cli.views import _kept_and_taken
 from ondemand.model import State
 
 
@@ -90,17 +89,6 @@ def test_the_reapers_step_publishes_a_hold_once_as_it_begins_and_as_it_ends():
     c.fixed = c.fixed.inner  # the hold ends as time passes (here: the policy says so)
     c.reap()
     assert [call[1] for call in fx.taken("counters")] == [1] and c.status(1)["held_for"] is None
-
-
-def test_status_says_why_it_is_kept_awake_and_that_it_was_put_away_early():
-    views = [{"name": "a", "ondemand": {"held_for": "slo", "put_away_early": None}},
-             {"name": "b", "ondemand": {"held_for": None, "put_away_early": {
-                 "for": "big", "rule": "cost", "idle_for_s": 42.0, "idle_after_s": 600.0, "wait_s": 558.0,
-                 "loss_s": 3.1}}},
-             {"name": "c", "ondemand": {"held_for": None, "put_away_early": None}}, {"name": "d", "ondemand": None}]
-    assert _kept_and_taken(views) == [
-        "a: kept awake: its wake would miss the SLO",
-        "b: put away early for big by cost (42 s idle of its 600 s idle timeout: wait 558 s > expected loss 3.1 s)"]
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="no node to run the page's script")

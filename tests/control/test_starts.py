@@ -255,20 +255,6 @@ async def test_views_carry_the_history_of_real_starts(server, http):
     assert gateway.start_eta(dep_id + 1) is None
 
 
-def test_status_says_when_a_starting_or_queued_model_is_expected():
-    from ondemand.cli.views import _dep_rows, _expected
-    views = [
-        {"name": "a", "state": "starting", "updated_at": 100.0, "start_eta_s": 40.0, "ondemand": {"phase": "idle"}},
-        {"name": "b", "state": "stopped", "updated_at": 0.0, "start_eta_s": 12.0, "ondemand": {"phase": "queued"}},
-        {"name": "c", "state": "starting", "updated_at": 100.0, "start_eta_s": None, "ondemand": {"phase": "idle"}},
-        {"name": "d", "state": "ready", "updated_at": 0.0, "start_eta_s": 5.0, "ondemand": {"phase": "idle"}},
-    ]
-    assert _expected(views, now=110.0) == ["a: starting, expected in about 30 s",
-                                           "b: queued for GPU memory; once it starts, expected in about 12 s"]
-    row = {"id": 1, "served_name": "A", "mode": "on_demand", "memory_gib": 1, **views[0]}
-    assert _dep_rows([row])[0][-1] == "~40s"
-
-
 async def test_the_queued_notice_of_the_gateway_carries_the_eta(server, http):
     import time
 

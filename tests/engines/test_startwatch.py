@@ -217,14 +217,3 @@ def _bus_key():
 def _watch_key():
     from ondemand.admin.components import WATCH
     return WATCH
-
-
-def test_status_says_a_starting_models_phase_and_what_is_left():
-    from ondemand.cli.views import _expected
-    views = [{"name": "a", "state": "starting", "updated_at": 100.0, "start_eta_s": 12.0, "start_phase": "weights",
-              "ondemand": {"phase": "idle"}},
-             {"name": "b", "state": "starting", "updated_at": 100.0, "start_eta_s": 40.0, "start_phase": None,
-              "ondemand": {"phase": "idle"}}]
-    # With a phase, start_eta_s is what is left already; without one (a wake), counted from updated_at.
-    assert _expected(views, now=110.0) == ["a: starting (weights), expected in about 12 s",
-                                           "b: starting, expected in about 30 s"]

@@ -16,7 +16,6 @@ from ondemand.gateway.peers import (
     PeerGuard,
     PeerPolicy,
     PeerPolicySource,
-    container_ids_from_proc,
     parse_allowed,
     peer_guard_middleware,
 )
@@ -170,20 +169,6 @@ def test_allows_cache_is_bounded_and_policies_compare_by_content():
     assert len(p._cache) <= 4096
     assert p == PeerPolicy.compute("auto", [DGXMM])
     assert p != PeerPolicy.compute("auto", [DGXMM, LLM])
-
-
-def test_container_ids_from_proc():
-    cid = "a" * 64
-    other = "b" * 64
-    mountinfo = (f"612 590 0:54 /docker/containers/{cid}/hostname /etc/hostname rw,relatime - ext4 "
-                 "/dev/nvme0n1p2 rw\n605 590 0:54 / / rw - overlay overlay rw\n")
-    cgroup_v1 = f"12:pids:/docker/{other}\n11:cpuset:/docker/{other}\n"
-    cgroup_v2 = f"0::/system.slice/docker-{other}.scope\n"
-    assert container_ids_from_proc("0::/\n", mountinfo) == [cid]
-    assert container_ids_from_proc(cgroup_v1, mountinfo) == [cid, other]
-    assert container_ids_from_proc(cgroup_v2, "") == [other]
-    assert container_ids_from_proc("0::/user.slice/" + "c" * 64, "") == []
-    assert container_ids_from_proc(None, None) == []
 
 
 # -- the refresher against the Docker API double ----------------------------------------------

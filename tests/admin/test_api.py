@@ -1,0 +1,93 @@
+"""ondemand/admin/api.py: the admin API's guard and its routes of its own, against the whole
+ondemand on loopback (the ``server`` fixture): the admin token on TCP (never the on-demand key),
+a defect of ours as a JSON 500, the host view, the audit's pages, the UI's static files and
+/healthz while the state file does not answer. The deployments' routes: test_admin.py."""
+from helpers import two_pools
+from test_admin import api
+
+from ondemand.gateway import keys
+
+
+async def test_token_on_tcp_never_the_ondemand_key(server):
+    assert (await api(server, "GET", "/host"))[0] == 200
+    status, body = await api(server, "GET", "/host", headers={})
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+    status, _ = await api(server, "GET", "/host", headers={"Authorization": f"Bearer {server.key}"})
+    assert status == 401
+    status, _ = await api(server, "GET", "/host", headers={"Authorization": f"Bearer {server.token}x"})
+    assert status == 401
+
+
+
+async def test_host_view(server):
+    status, host = await api(server, "GET", "/host")
+    assert host["budget"] == {"source": "static", "capacity": 24.0, "used": 0.0, "starting": 0.0, "free": 24.0,
+                              "ondemand_capacity": 24.0, "per_gpu": False,
+                              "gpus": [{"index": 0, "uuid": None, "capacity": 24.0, "used": 0.0, "starting": 0.0,
+                                        "free": 24.0, "ondemand_capacity": 24.0, "deployments": []}]}
+    assert host["ondemand"]["configured"] is True and host["ondemand"]["key_fingerprint"] == keys.fingerprint(server.key)
+    assert host["ondemand"]["litellm_ready"] is False
+    assert host["ondemand"]["scheduler"] == "seed" and host["ondemand"]["slo_s"] == 5.0
+    assert set(host["host_memory"]) == {"total_gib", "available_gib", "asleep_gib", "reserve_gib"}
+    assert host["host_memory"]["asleep_gib"] == 0 and host["host_memory"]["reserve_gib"] == 16.0
+
+
+
+async def test_a_defect_of_ours_is_a_json_500(server, monkeypatch):
+    def broken():
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(server.deployer, "all", broken)
+    status, body = await api(server, "GET", "/deployments")
+    assert status == 500 and body["error"]["code"] == "internal_error" and "a bug" not in body["error"]["message"]
+    monkeypatch.undo()
+    assert (await api(server, "GET", "/deployments"))[0] == 200
+
+
+
+async def test_audit_pages_newest_first(server):
+    for i in range(5):
+        await server.deployer.store.write_audit(action="ondemand_mode", actor="admin", text=f"row {i}")
+    _, first = await api(server, "GET", "/audit?limit=2")
+    assert [r["text"] for r in first] == ["row 4", "row 3"]
+    _, second = await api(server, "GET", f"/audit?limit=2&before={first[-1]['id']}")
+    assert [r["text"] for r in second] == ["row 2", "row 1"]
+    _, last = await api(server, "GET", f"/audit?limit=2&before={second[-1]['id']}")
+    assert [r["text"] for r in last] == ["row 0"]
+    status, err = await api(server, "GET", "/audit?before=soon")
+    assert status == 400 and err["error"]["code"] == "invalid_field"
+
+
+
+async def test_ui_page_is_served_without_data(server):
+    """Three static files, no credentials to load them, a strict CSP (scripts and styles from
+    the page's own files), and nothing else under the package reachable."""
+    page = {}
+    async with two_pools() as s:
+        for name, kind in (("", "text/html"), ("app.js", "text/javascript"), ("app.css", "text/css")):
+            async with s.get(f"{server.url}/ui/{name}") as r:
+                assert r.status == 200 and r.content_type == kind, name
+                assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+                assert "unsafe-inline" not in r.headers["Content-Security-Policy"]
+                page[name] = await r.text()
+        for name in ("../admin.py", "app.py", "index.html%00.js", "BEHAVIOUR.md"):
+            async with s.get(f"{server.url}/ui/{name}") as r:
+                assert r.status == 404, name
+    assert 'src="app.js"' in page[""] and "../api/" in page["app.js"] and "events" in page["app.js"]
+    assert "<script>" not in page[""] and " style=" not in page[""]  # nothing inline: the CSP forbids it
+    for text in page.values():
+        assert server.token not in text and server.key not in text
+
+
+
+async def test_healthz_needs_no_credentials_and_fails_while_the_state_file_does_not_answer(server, monkeypatch):
+    from ondemand.admin import api as admin
+    async with two_pools() as s:
+        async with s.get(f"{server.url}/healthz") as r:  # no token, no key
+            assert r.status == 200 and await r.json() == {"status": "ok"}
+        monkeypatch.setattr(admin, "HEALTH_TIMEOUT_S", 0.2)
+        async with server.deployer.store.transaction():  # a transaction that does not end: reads wait
+            async with s.get(f"{server.url}/healthz") as r:
+                body = await r.json()
+                assert r.status == 503 and body["status"] == "unavailable" and "in time" in body["reason"]
+        async with s.get(f"{server.url}/healthz") as r:
+            assert r.status == 200
