@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 import signal
 import time
@@ -17,7 +16,6 @@ import pytest
 from ondemand.control import scheduler as schedulers
 from ondemand.control.scheduler import SeedScheduler
 from ondemand.model import Deployment, KeepWarm, Mode, State
-from ondemand.replay.clock import VirtualClock
 from ondemand.replay.run import Run, configure, replay
 from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
 
@@ -323,24 +321,6 @@ def test_adaptive_sets_keep_warm_on_the_on_demand_deployments_only():
 def test_a_policy_the_replay_cannot_run_is_named():
     with pytest.raises(ValueError, match=r"policy 'ttl=30': 30 s is below the box's min_idle_timeout_s \(60 s\)"):
         configure([dep(1, "a", 40)], Policy.parse("ttl=30"), BOX)
-
-
-def test_the_virtual_clock_fires_in_time_order_and_same_times_in_the_order_set():
-    clock, fired = VirtualClock(), []
-    clock.call_later(5, lambda: fired.append(("b", clock())))
-    clock.call_later(1, lambda: fired.append(("a", clock())))
-    clock.call_later(5, lambda: fired.append(("c", clock())))
-    clock.call_later(3, lambda: fired.append(("never", clock()))).cancel()
-    clock.call_later(1, lambda: clock.call_later(0, lambda: fired.append(("a2", clock()))))
-    clock.run_until(4)
-    assert (fired, clock()) == ([("a", 1), ("a2", 1)], 4)
-    clock.run_while(lambda: len(fired) < 3)
-    assert (fired[2:], clock()) == ([("b", 5)], 5)
-    assert (clock.fired, clock.next_due(), clock.horizon) == (4, 5, math.inf)  # 4 callbacks; "c" is next
-    clock.call_at(7, lambda: fired.append(("d", clock())))
-    clock.call_at(2, lambda: fired.append(("late", clock())))  # a moment past: now, after those set before
-    clock.run_until(6)
-    assert (fired[3:], clock.fired, clock.next_due(), clock.horizon) == ([("c", 5), ("late", 5)], 6, 7, 6)
 
 
 # --- idle spans: skipped, with the results stepping through them gives -------------------------
