@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ondemand.sim.engine import parse_args
+from ondemand.sim.options import FAILURES, FLAVORS, SimOptions
 
 
 def test_parse_args():
@@ -58,3 +59,18 @@ def test_load_weights_needs_a_local_model(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert parse_args(["--load-weights", "-m", str(gguf)]).weights_path == str(gguf)
+
+
+def test_the_command_lines_defaults_are_the_options_defaults():
+    """A simulator started with no flag and one a test makes with ``SimOptions()`` are the same
+    simulator: every field's default agrees."""
+    assert parse_args([]) == SimOptions()
+
+
+def test_each_failure_and_flavor_the_options_name_is_taken_from_the_command_line():
+    for mode in FAILURES:
+        given = [mode, "1.5"] if mode == "exit-after" else [mode]
+        assert (parse_args(["--fail", *given]).fail, parse_args(["--fail", *given]).fail_after) == (
+            mode, 1.5 if mode == "exit-after" else 0.0)
+    for flavor in FLAVORS:
+        assert parse_args(["--flavor", flavor]).flavor == flavor

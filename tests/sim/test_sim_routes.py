@@ -8,7 +8,10 @@ import asyncio
 import json
 import time
 
+import pytest
 from sim_helpers import CHAT, metrics_until, simulator
+
+from ondemand.sim.engine import SimOptions, SimServer
 
 
 async def test_models(sim):
@@ -84,3 +87,12 @@ async def test_requests_are_recorded():
             assert r.status == 204
         async with s.get("/_sim/requests") as r:
             assert await r.json() == []
+
+
+def test_a_simulator_refuses_options_it_cannot_play():
+    """A test in the same process gives ``SimOptions`` without the command line's checks: a
+    flavor or failure ``options.py`` does not name, or no token to answer, is refused at once."""
+    for bad, says in (({"flavor": "tgi"}, "flavor must be one of"), ({"fail": "explode"}, "fail must be one of"),
+                      ({"tokens": 0}, "tokens must be at least 1")):
+        with pytest.raises(ValueError, match=says):
+            SimServer(SimOptions(port=0, **bad))
