@@ -1,14 +1,13 @@
-"""What a replay says (ondemand/replay/report.py, page.py): the JSON in exactly its documented
-shape and the same bytes for the same inputs, the table, and one self-contained page."""
+"""What a replay says (ondemand/replay/report.py): the JSON in exactly its documented shape and
+the same bytes for the same inputs, and the table (its page: test_replay_page.py, from these
+results)."""
 from __future__ import annotations
-
-import re
 
 import orjson
 import pytest
 
 from ondemand.model import Deployment, Mode, State
-from ondemand.replay import page, report
+from ondemand.replay import report
 from ondemand.replay.run import replay
 from ondemand.replay.sketch import Sketch
 from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
@@ -97,14 +96,3 @@ def test_the_table_has_a_row_a_policy():
     assert "75.0 %" in lines[3]
     md = report.markdown(results(), 5.0).splitlines()
     assert md[0].startswith("| policy | wait ≤ 5 s | failed | GiB-h | requests |") and md[1].startswith("| --- | ---: |") and len(md) == 5
-
-
-def test_the_page_is_self_contained_with_its_charts():
-    res = results()
-    html = page.document("replay", [page.section(res, BOX, title="a trace", slo_s=5.0)])
-    assert html.startswith("<!doctype html>") and html.endswith("</html>\n")
-    assert not re.search(r"""(src|href)\s*=|url\(|https?://(?!www\.w3\.org)|@import""", html)
-    assert html.count('aria-label="TTFT distribution"') == 1
-    assert html.count('aria-label="GPU 0"') == html.count('aria-label="GPU 1"') == len(POLICIES)
-    assert html.count('aria-label="queued for memory"') == len(POLICIES)
-    assert "<title>a: 60 GiB</title>" in html  # a deployment's band names it and what it holds

@@ -1,5 +1,7 @@
-"""The replay in virtual time (ondemand/replay/run.py, world.py, flights.py): cases whose answers
-follow by hand, each through ondemand's own controller. The costs are the defaults unless a case
+"""The replay in virtual time (ondemand/replay/run.py): the policies and whole replays, cases whose
+answers follow by hand, each through ondemand's own controller (what the world and the requests'
+edge decide on their own: test_replay_world.py, test_replay_flights.py; the clock:
+test_replay_clock.py). The helpers here are theirs too. The costs are the defaults unless a case
 says otherwise: a cold start 60 s, a level-1 wake 3 s, level 2 10 s, a sleep 2 s, prefill 5000
 and decode 50 tokens/s, 16 at once. A request of 1000 tokens in and 100 out is therefore 0.2 s of
 prefill and 2 s of decode; the reaper looks every 15 s."""
@@ -7,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 import signal
 import time
@@ -17,7 +18,6 @@ import pytest
 from ondemand.control import scheduler as schedulers
 from ondemand.control.scheduler import SeedScheduler
 from ondemand.model import Deployment, KeepWarm, Mode, State
-from ondemand.replay.clock import VirtualClock
 from ondemand.replay.run import Run, configure, replay
 from ondemand.replay.types import Box, Costs, Policy, Replayed, Request
 
@@ -112,14 +112,6 @@ def test_always_on_is_ready_when_the_trace_begins():
     assert t.gpu_gib_seconds == pytest.approx(40 * 1002.2)
 
 
-def test_always_on_refuses_what_does_not_fit_beside_the_others():
-    """50 + 50 GiB on one 80 GiB GPU: the first in the file is placed, the second fails and
-    every request for it is refused (failed, no TTFT), counted against the SLO."""
-    r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0), req(1, "b"), req(2, "b")], "always-on")
-    assert (r.total.requests, r.total.served, r.total.failed, r.total.slo_met) == (3, 1, 2, 1)
-    assert (r.per_deployment["b"].failed, r.per_deployment["b"].ttfts) == (2, [])
-
-
 def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
     r = run([dep(1, "a", 40)], THREE, "fixed=60")
     assert r.total.ttfts == pytest.approx([60.4, 50.4, 3.2])  # asleep at the step after 122.4 s: 135 s
@@ -127,26 +119,6 @@ def test_fixed_sets_the_idle_timeout_of_every_on_demand_deployment():
     d = configure([dep(1, "a", 40), dep(2, "b", 40, mode="always_on")], Policy.parse("fixed=60"), BOX)
     assert [(x.deployment.idle_timeout_s, x.deployment.mode) for x in d] == [(60, Mode.ON_DEMAND),
                                                                              (None, Mode.ALWAYS_ON)]
-
-
-def test_the_host_reserve_makes_a_level_two_sleep_whose_wake_is_longer():
-    """40 GiB of weights would leave 512 - 40 < 500 GiB of host memory: level 2, a 10 s wake."""
-    r = run([dep(1, "a", 40)], THREE, box=Box(gpus=(80.0,), host_gib=512, host_reserve_gib=500))
-    assert r.total.ttfts == pytest.approx([60.4, 50.4, 10.2])
-
-
-def test_an_engine_that_cannot_sleep_at_level_two_is_stopped_instead():
-    """SGLang started for level 1 (idle_action sleep) cannot sleep at level 2: the host reserve
-    makes the reaper's sleep a stop."""
-    r = run([dep(1, "a", 40, engine="sglang", idle_action="sleep")], THREE,
-            box=Box(gpus=(80.0,), host_gib=512, host_reserve_gib=500))
-    assert (r.total.sleeps, r.total.stops, r.total.cold_starts) == (0, 1, 2)
-
-
-def test_a_wake_waits_for_its_sleeps_own_call():
-    """Asleep at 675 s, its sleep call out until 677 s: a request at 676 s wakes it after that."""
-    r = run([dep(1, "a", 40)], [req(0), req(676)])
-    assert r.total.ttfts == pytest.approx([60.2, 677 + 3 + 0.2 - 676])
 
 
 def test_two_models_that_cannot_share_the_gpu():
@@ -182,59 +154,6 @@ def test_a_request_queues_for_memory_behind_a_busy_model():
     assert r.per_deployment["b"].ttfts == pytest.approx([760.25 + 2 + 60 + 0.2 - 70])
 
 
-def test_inside_a_busy_engine_requests_wait_their_turn():
-    """One at a time in the engine: the second waits for the first's 2.2 s; it waited for nothing
-    at the gateway (ready), its wait is inside the engine."""
-    r = run([dep(1, "a", 40, costs=Costs(max_concurrency=1))], [req(0), req(0), req(0.5)], "always-on")
-    assert r.total.ttfts == pytest.approx([0.2, 2.4, 4.6 - 0.5])
-    assert r.total.waited["ready"] == 3
-
-
-def test_a_requests_wait_is_what_the_scheduling_cost_it():
-    """wait_s runs from arrival to the moment a ready engine takes the request: the cold start's
-    60 s for the first, 50 s for the second (it came at 10 s), the wake's 3 s for the third; the
-    TTFT adds the prefill. Only the wake's wait meets a 5 s SLO."""
-    r = run([dep(1, "a", 40)], THREE)
-    t = r.total
-    assert t.waits == pytest.approx([60.0, 50.0, 3.0])
-    assert (t.wait_slo_met, t.timed_out, t.refused, t.rejected) == (1, 0, 0, 0)
-    assert r.per_deployment["a"].waits == t.waits
-
-
-def test_a_request_longer_than_max_model_len_is_rejected_at_its_arrival():
-    """As vLLM answers a request whose input and output exceed max_model_len: at once, starting
-    nothing; counted apart from the failures, and out of the wait SLO's denominator."""
-    r = run([dep(1, "a", 40, costs=Costs(max_model_len=4096))], [req(0, tokens_in=4000, tokens_out=100), req(5)])
-    t = r.total
-    assert (t.requests, t.rejected, t.failed, t.served, t.cold_starts) == (2, 1, 0, 1, 1)
-    assert t.waits == pytest.approx([60.0]) and t.waited["cold"] == 1  # the second started it
-    r = run([dep(1, "a", 40, costs=Costs(max_model_len=4096))], [req(0, tokens_in=4000, tokens_out=100)])
-    assert (r.total.rejected, r.total.cold_starts, r.end_s) == (1, 0, 0.0)
-
-
-def test_a_request_that_times_out_in_the_queue_waited_until_its_deadline():
-    """b waits for memory behind a busy a (decoding 100 s); with a 30 s queue timeout its request
-    times out at 100 s: timed out, its wait the 30 s to its deadline."""
-    box = Box(gpus=(80.0,), host_gib=512, queue_timeout_s=30)
-    r = run([dep(1, "a", 50), dep(2, "b", 50)], [req(0, tokens_out=5000), req(70, "b")], box=box)
-    b = r.per_deployment["b"]
-    assert (b.timed_out, b.refused, b.failed, b.served) == (1, 0, 1, 0)
-    assert b.waits == pytest.approx([30.0]) and b.waited["queue"] == 1
-
-
-def test_a_victims_memory_is_free_only_when_its_sleep_has_ended():
-    """a (60 GiB) idle is put to sleep for b (60 GiB); its sleep's call takes 10 s. c (60 GiB),
-    arriving 1 s into that sleep, must not take the memory mid-sleep (a marked asleep holds all of
-    it until the call ends, as nvidia-smi would show): b, the head, starts when the sleep ends."""
-    slow = Costs(sleep_s=10)
-    deps = [dep(1, "a", 60, costs=slow, idle_timeout_s=60), dep(2, "b", 60), dep(3, "c", 60)]
-    # a's request ends at 62.2 s: idle for its 60 s at 122.2 s, before the reaper's step at 135 s.
-    r = run(deps, [req(0), req(125, "b"), req(126, "c")])
-    b = r.per_deployment["b"]
-    assert b.waits == pytest.approx([10.0 + 60.0], abs=0.2)  # the sleep's 10 s, then its cold start
-    assert r.per_deployment["c"].waited["queue"] == 1  # c waited for memory behind b
-
-
 def test_lru_takes_a_model_in_a_lull_where_ttl_waits_for_its_timeout():
     """a (50 GiB) served at 0 s, b (50 GiB) asked at 100 s on one 80 GiB GPU. Under ttl=300 make-room
     may take a only once it has been idle its 300 s (at 362.2 s), so b waits for that, its stop
@@ -255,30 +174,6 @@ def test_seed_runs_the_seed_scheduler_whatever_the_box_says():
     box = dataclasses.replace(BOX, scheduler="seed")
     r = run([dep(1, "a", 40)], THREE, "seed", box=box)
     assert r.total.waits == pytest.approx([60.0, 50.0, 3.0])
-
-
-def test_max_inflight_refuses_at_once():
-    """One request at a time through the gateway: the second, while the first decodes 5000
-    tokens (100 s), is refused at once (429, counted failed); an always-on deployment's requests
-    take no slot, so its limit never refuses (the gateway's rule)."""
-    r = run([dep(1, "a", 40, max_inflight=1)], [req(0, tokens_out=5000), req(70)])
-    assert (r.total.served, r.total.failed, r.total.waited["ready"]) == (1, 1, 1)
-    r = run([dep(1, "a", 40, max_inflight=1)], [req(0, tokens_out=5000), req(70)], "always-on")
-    assert (r.total.served, r.total.failed) == (2, 0)
-
-
-def test_a_non_streamed_request_gets_its_first_token_with_its_last():
-    r = run([dep(1, "a", 40)], [req(0, stream=False)], "always-on")
-    assert r.total.ttfts == pytest.approx([2.2])
-
-
-def test_starts_on_one_gpu_pass_its_start_up_gate_one_at_a_time():
-    """a and b fit together on the GPU, but one engine starts there at a time: b's start begins
-    when a is ready."""
-    r = run([dep(1, "a", 30), dep(2, "b", 30)], [req(0), req(1, "b")])
-    assert r.per_deployment["b"].ttfts == pytest.approx([120.2 - 1])
-    two = run([dep(1, "a", 30), dep(2, "b", 30)], [req(0), req(1, "b")], box=Box(gpus=(40.0, 40.0), host_gib=512))
-    assert two.per_deployment["b"].ttfts == pytest.approx([60.2])  # another GPU: its own gate
 
 
 def test_a_request_never_puts_a_model_of_higher_priority_away():
@@ -323,24 +218,6 @@ def test_adaptive_sets_keep_warm_on_the_on_demand_deployments_only():
 def test_a_policy_the_replay_cannot_run_is_named():
     with pytest.raises(ValueError, match=r"policy 'ttl=30': 30 s is below the box's min_idle_timeout_s \(60 s\)"):
         configure([dep(1, "a", 40)], Policy.parse("ttl=30"), BOX)
-
-
-def test_the_virtual_clock_fires_in_time_order_and_same_times_in_the_order_set():
-    clock, fired = VirtualClock(), []
-    clock.call_later(5, lambda: fired.append(("b", clock())))
-    clock.call_later(1, lambda: fired.append(("a", clock())))
-    clock.call_later(5, lambda: fired.append(("c", clock())))
-    clock.call_later(3, lambda: fired.append(("never", clock()))).cancel()
-    clock.call_later(1, lambda: clock.call_later(0, lambda: fired.append(("a2", clock()))))
-    clock.run_until(4)
-    assert (fired, clock()) == ([("a", 1), ("a2", 1)], 4)
-    clock.run_while(lambda: len(fired) < 3)
-    assert (fired[2:], clock()) == ([("b", 5)], 5)
-    assert (clock.fired, clock.next_due(), clock.horizon) == (4, 5, math.inf)  # 4 callbacks; "c" is next
-    clock.call_at(7, lambda: fired.append(("d", clock())))
-    clock.call_at(2, lambda: fired.append(("late", clock())))  # a moment past: now, after those set before
-    clock.run_until(6)
-    assert (fired[3:], clock.fired, clock.next_due(), clock.horizon) == ([("c", 5), ("late", 5)], 6, 7, 6)
 
 
 # --- idle spans: skipped, with the results stepping through them gives -------------------------
