@@ -7,7 +7,7 @@
 #   1. rootfs: `debootstrap --variant=minbase --include=python3 bookworm` from
 #      the Debian mirror configured for apt on this machine, saved as a plain tar
 #      in $CACHE/engine-image/ (keyed by suite/variant/packages; ~1 min, once).
-#   2. libs: `pip install --target` of the pinned aiohttp/orjson/uvloop as cp311
+#   2. libs: `pip install --target` of the pinned aiohttp/orjson/uvloop/httptools as cp311
 #      manylinux wheels (bookworm's python3 is 3.11, glibc 2.36), cached per pin set.
 #   3. the whole `ondemand/` package dir is copied to /opt/ondemand/lib.
 #   4. `docker import` of rootfs + /opt/ondemand with ENV/CMD/EXPOSE set.
@@ -31,9 +31,10 @@ REPO="$(cd "$HERE/../.." && pwd)"
 RECIPE=1                      # bump when the image layout below changes
 SUITE=bookworm                # python3 3.11 == the cp311 wheels below
 INCLUDE=python3
-# The simulator's runtime pins, read from setup.cfg (the one place that pins them).
-mapfile -t PINS < <(python3 "$REPO/scripts/requirements.py" | grep -E '^(aiohttp|orjson|uvloop)==')
-[[ ${#PINS[@]} -eq 3 ]] || die "could not read the aiohttp, orjson and uvloop pins from setup.cfg"
+# The simulator's runtime pins, read from setup.cfg (the one place that pins them): it serves on
+# the lean front (httptools, and aiohttp's multidict) and no longer imports aiohttp itself.
+mapfile -t PINS < <(python3 "$REPO/scripts/requirements.py" | grep -E '^(aiohttp|orjson|uvloop|httptools)==')
+[[ ${#PINS[@]} -eq 4 ]] || die "could not read the aiohttp, orjson, uvloop and httptools pins from setup.cfg"
 IMAGE=ondemand-sim-engine
 PKG_DIR="$REPO/ondemand"
 DIR="$CACHE/engine-image"
@@ -192,8 +193,8 @@ rm -rf "$work"
 trap - EXIT
 
 # Sanity: the package imports inside the image.
-docker run --rm "$REF" python3 -c 'import aiohttp, orjson, uvloop, ondemand.sim.engine' \
-  || die "image $REF: importing aiohttp/orjson/uvloop/ondemand.sim.engine failed"
+docker run --rm "$REF" python3 -c 'import multidict, orjson, uvloop, httptools, ondemand.sim.engine' \
+  || die "image $REF: importing multidict/orjson/uvloop/httptools/ondemand.sim.engine failed"
 
 # Keep the newest 5 input tags (plus whatever :latest points to).
 docker images "$IMAGE" --format '{{.Tag}} {{.CreatedAt}}' | grep -v '^latest ' \
