@@ -70,3 +70,21 @@ def test_run_while_asks_before_each_timer_and_stands_at_the_last_it_fired():
     assert asked == [[], [1], [1, 2]]  # before each, and once more to stop
     clock.run_while(lambda: True)
     assert (fired, clock(), clock.fired) == ([1, 2, 3, 4], 4, 4)
+
+
+def test_cancelled_timers_leave_the_heap_once_they_are_most_of_it():
+    """A served request cancels its deadline timer at once: a week's requests must not pile up
+    in the heap until their deadlines pass. The order of what is left is kept."""
+    clock, fired = VirtualClock(), []
+    for i in range(10_000):
+        clock.call_later(900, lambda i=i: fired.append(i)).cancel()
+        assert len(clock) <= 2 * 101  # compacted whenever the cancelled ones are over half
+    keep = [clock.call_later(900 - i, lambda i=i: fired.append(i)) for i in range(50)]
+    for _ in range(150):
+        clock.call_later(1000, lambda: fired.append("never")).cancel()
+    keep[0].cancel()  # counted once, however often it is cancelled
+    keep[0].cancel()
+    clock.run_until(2000)
+    assert fired == list(range(49, 0, -1)) and clock.fired == 49 and len(clock) == 0
+    keep[1].cancel()  # fired already: nothing to drop, nothing counted
+    assert clock.next_due() == math.inf and clock._cancelled == 0
