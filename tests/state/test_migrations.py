@@ -19,15 +19,14 @@ async def columns(db: aiosqlite.Connection, table: str) -> set[str]:
 
 async def test_ondemand_mode_migration_upgrades_old_rows(tmp_path):
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    await migrations.upgrade(db, target=1)
-    cols = await columns(db, "deployments")
-    assert "mode" not in cols and "idle_timeout_s" not in cols
-    for i in range(3):
-        await db.execute(
-            "INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
-            "VALUES (?, ?, 'vllm', 'ready', 0, 0)", (f"d{i}", f"D{i}"))
-    await db.close()
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=1)
+        cols = await columns(db, "deployments")
+        assert "mode" not in cols and "idle_timeout_s" not in cols
+        for i in range(3):
+            await db.execute(
+                "INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                "VALUES (?, ?, 'vllm', 'ready', 0, 0)", (f"d{i}", f"D{i}"))
 
     store = await Store.open(path)
     try:
@@ -55,14 +54,13 @@ async def test_priorities_migration_skips_the_gap_and_keeps_old_rows_normal_with
     what is missing in order and skips a number it does not know."""
     assert [m.version for m in migrations.MIGRATIONS if m.version > 4][:1] in ([5], [6])
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    assert await migrations.upgrade(db, target=4) == (0, 4)
-    assert "priority" not in await columns(db, "deployments")
-    await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
-                     "VALUES ('old', 'Old', 'vllm', 'ready', 0, 0)")
-    assert await migrations.upgrade(db) == (4, migrations.LATEST)
-    assert await migrations.schema_version(db) == migrations.LATEST >= 6
-    await db.close()
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        assert await migrations.upgrade(db, target=4) == (0, 4)
+        assert "priority" not in await columns(db, "deployments")
+        await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                         "VALUES ('old', 'Old', 'vllm', 'ready', 0, 0)")
+        assert await migrations.upgrade(db) == (4, migrations.LATEST)
+        assert await migrations.schema_version(db) == migrations.LATEST >= 6
     store = await Store.open(path)
     try:
         [old] = await store.deployments()
@@ -80,30 +78,28 @@ async def test_priorities_migration_skips_the_gap_and_keeps_old_rows_normal_with
 async def test_priorities_migration_is_idempotent_on_a_file_that_has_the_columns(tmp_path):
     """A file whose columns came another way (a branch's build) migrates without an error."""
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    await migrations.upgrade(db, target=4)
-    await db.execute("ALTER TABLE deployments ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal'")
-    assert await migrations.upgrade(db) == (4, migrations.LATEST)
-    assert {"priority", "max_inflight"} <= await columns(db, "deployments")
-    await db.close()
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=4)
+        await db.execute("ALTER TABLE deployments ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal'")
+        assert await migrations.upgrade(db) == (4, migrations.LATEST)
+        assert {"priority", "max_inflight"} <= await columns(db, "deployments")
 
 
 async def test_migration_is_one_transaction(tmp_path, monkeypatch):
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    await migrations.upgrade(db, target=1)
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=1)
 
-    async def broken(db):
-        await db.execute("ALTER TABLE deployments ADD COLUMN mode TEXT")
-        raise RuntimeError("power cut")
+        async def broken(db):
+            await db.execute("ALTER TABLE deployments ADD COLUMN mode TEXT")
+            raise RuntimeError("power cut")
 
-    monkeypatch.setattr(migrations, "MIGRATIONS",
-                        [migrations.MIGRATIONS[0], migrations.Migration(2, "broken", broken)])
-    with pytest.raises(RuntimeError):
-        await migrations.upgrade(db)
-    assert await migrations.schema_version(db) == 1
-    assert "mode" not in await columns(db, "deployments")
-    await db.close()
+        monkeypatch.setattr(migrations, "MIGRATIONS",
+                            [migrations.MIGRATIONS[0], migrations.Migration(2, "broken", broken)])
+        with pytest.raises(RuntimeError):
+            await migrations.upgrade(db)
+        assert await migrations.schema_version(db) == 1
+        assert "mode" not in await columns(db, "deployments")
 
 
 async def test_a_migration_another_process_applied_first_is_not_applied_again(tmp_path, monkeypatch):
@@ -157,19 +153,18 @@ async def test_recipes_migration_widens_engines_and_keeps_rows_and_ids(tmp_path)
     column survives, a removed deployment's id is never handed out again, and the new engines
     and fields are accepted."""
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    await migrations.upgrade(db, target=4)
-    await migrations.add_missing_columns(db)
-    for i in range(3):
-        await db.execute(
-            "INSERT INTO deployments (name, served_name, engine, state, mode, args, gpu_count, pending_mode, "
-            "created_at, updated_at) VALUES (?, ?, 'llamacpp', 'ready', 'on_demand', '[\"--x\"]', 2, ?, 0, 0)",
-            (f"d{i}", f"D{i}", "always_on" if i == 1 else None))
-    await db.execute("DELETE FROM deployments WHERE name = 'd2'")  # id 3 is gone
-    with pytest.raises(sqlite3.IntegrityError):
-        await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
-                         "VALUES ('s', 'S', 'sglang', 'stopped', 0, 0)")
-    await db.close()
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=4)
+        await migrations.add_missing_columns(db)
+        for i in range(3):
+            await db.execute(
+                "INSERT INTO deployments (name, served_name, engine, state, mode, args, gpu_count, pending_mode, "
+                "created_at, updated_at) VALUES (?, ?, 'llamacpp', 'ready', 'on_demand', '[\"--x\"]', 2, ?, 0, 0)",
+                (f"d{i}", f"D{i}", "always_on" if i == 1 else None))
+        await db.execute("DELETE FROM deployments WHERE name = 'd2'")  # id 3 is gone
+        with pytest.raises(sqlite3.IntegrityError):
+            await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                             "VALUES ('s', 'S', 'sglang', 'stopped', 0, 0)")
 
     store = await Store.open(path)
     try:
@@ -192,11 +187,10 @@ async def test_adaptive_warmth_migration_keeps_rows_fixed_and_the_idle_gaps_thei
     """Migration 8: old rows read keep_warm 'fixed'; a deployment's idle gaps are kept, the newest
     ``keep``, across a reopen (a restart keeps what was learned), and go with the deployment."""
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    await migrations.upgrade(db, target=7)
-    await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
-                     "VALUES ('a', 'A', 'vllm', 'stopped', 0, 0)")
-    await db.close()
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=7)
+        await db.execute("INSERT INTO deployments (name, served_name, engine, state, created_at, updated_at) "
+                         "VALUES ('a', 'A', 'vllm', 'stopped', 0, 0)")
 
     store = await Store.open(path)
     try:
@@ -226,12 +220,11 @@ async def test_wake_levels_migration_keeps_old_rows_without_a_level(tmp_path):
     """Migration 9: ``starts`` gains a wake's level; the rows written before keep none (a wake of
     unknown level, a cold start), the rows after carry theirs, and no other level is taken."""
     path = tmp_path / "ondemand.db"
-    db = await aiosqlite.connect(path, isolation_level=None)
-    await migrations.upgrade(db, target=8)
-    assert "level" not in await columns(db, "starts")
-    await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 0, 40, 'start')")
-    await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 1, 2.5, 'wake')")
-    await db.close()
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=8)
+        assert "level" not in await columns(db, "starts")
+        await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 0, 40, 'start')")
+        await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 1, 2.5, 'wake')")
 
     store = await Store.open(path)
     try:
