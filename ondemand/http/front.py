@@ -18,7 +18,7 @@ from .caps import OpenConnections, Seat, Yields, peer_of
 from .cycle import Call
 from .limits import Limits
 from .protocol import HttpProtocol
-from .refusals import REFUSALS, RefusalLog
+from .refusals import GATEWAY_ONLY, REFUSALS, RefusalLog
 
 if TYPE_CHECKING:
     from .aio import AioConnection
@@ -45,12 +45,14 @@ class Front:
     """What the lean front's connections share: the route, the bounds, the set of open
     connections (for the shutdown), their count against the caps (one listener's), the Server
     line of their answers and how to make aiohttp's connection for a hand-off (None: no
-    hand-off; a target outside the route is refused, as on a listener of the gateway's alone)."""
+    hand-off; a target outside the route is refused with ``outside``: by default the gateway's
+    404, which names ``admin_listen``)."""
 
     def __init__(self, route: Route, limits: Limits, aiohttp_connection: Callable[[], AioConnection] | None,
-                 refusals: RefusalLog = REFUSALS, *, server: str):
+                 refusals: RefusalLog = REFUSALS, *, server: str, outside: bytes = GATEWAY_ONLY):
         self.loop = asyncio.get_running_loop()
         self.hand_off = aiohttp_connection is not None
+        self.outside = outside  # the whole answer to a target outside the route, with no hand-off
         self.prefix = route.prefix
         self.handle = route.handle
         self.max_body = route.max_body

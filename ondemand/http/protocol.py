@@ -201,7 +201,7 @@ class HttpProtocol(asyncio.Protocol):
         check_head(parser.should_upgrade(), headers)
         if not self.url.startswith(self.front.prefix):
             if not self.front.hand_off:
-                raise Refuse(refusals.GATEWAY_ONLY)
+                raise Refuse(self.front.outside)
             if self.raw is None:
                 raise Refuse(refusals.PIPELINED)
             self.broken = True

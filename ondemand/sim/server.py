@@ -31,6 +31,7 @@ from multidict import CIMultiDictProxy, MultiDict
 from ..http.cycle import BodyMalformed, BodyTooLarge, Call
 from ..http.front import Front, Route
 from ..http.limits import Limits, MiB
+from ..http.refusals import refusal
 from .replies import STREAMED, Reply, text
 
 _log = logging.getLogger("ondemand.sim")
@@ -41,6 +42,10 @@ MAX_BODY = 256 * MiB  # aiohttp's client_max_size here: a body over it is 413
 # no time bound on a head or a body (an hour here) and no cap on connections (a million here).
 LIMITS = Limits(max_field_size=8190, keepalive_timeout_s=75.0, head_timeout_s=3600.0, body_timeout_s=3600.0,
                 max_connections=1 << 20, max_connections_per_peer=1 << 20)
+
+# A target that is not a path (absolute form, "*"): an engine's 404, not the gateway's (which
+# names a gateway setting).
+OUTSIDE = refusal(404, "not_found", "Not found: the request target is not a path")
 
 _ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
 QUERY_KEPT = "+&=;"  # escapes yarl's query_string keeps, so that the pairs stay apart
@@ -188,7 +193,8 @@ class Listener:
 
     async def listen(self, host: str, port: int, backlog: int = 1024) -> int:
         """Listen on ``host:port`` (0: a free port); the port."""
-        self.front = Front(Route("/", self._serve, lambda: MAX_BODY), LIMITS, None, server=SOFTWARE)
+        self.front = Front(Route("/", self._serve, lambda: MAX_BODY), LIMITS, None, server=SOFTWARE,
+                           outside=OUTSIDE)
         self.server = await asyncio.get_running_loop().create_server(self.front, host, port, backlog=backlog)
         port_: int = self.server.sockets[0].getsockname()[1]
         return port_

@@ -23,6 +23,7 @@ async def test_admin_listen_gives_the_admin_api_a_listener_of_its_own(tmp_path):
         assert [a[0] for a in answers] == [200, 200]
         [answer] = parse_answers(await talk(server, admin(server)))
         assert answer[0] == 404 and error_code(answer) == "not_found"
+        assert "admin_listen" in orjson.loads(answer[2])["error"]["message"]  # where the admin API is
 
         async def admin_talk(data: bytes) -> bytes:
             reader, writer = await asyncio.open_connection("127.0.0.1", admin_port)

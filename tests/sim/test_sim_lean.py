@@ -72,3 +72,26 @@ def test_the_path_and_query_decode_as_yarl_decodes_them(raw):
     assert unquote("/" + raw) == url.path
     assert unquote("/" + raw, "/%") == url.path_safe
     assert unquote(raw, QUERY_KEPT, plus=True) == url.query_string
+
+
+async def test_a_target_that_is_not_a_path_gets_an_engines_404_not_the_gateways():
+    """The front refuses an absolute-form target where it hands nothing off; the simulator's
+    answer names no setting of the gateway's (``admin_listen``), as an engine's would not."""
+    import asyncio
+
+    import orjson
+
+    from ondemand.sim.engine import SimOptions, SimServer
+    server = SimServer(SimOptions(port=0, model="m"), shutdown_timeout=0.1)
+    port = await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET http://x/v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)  # it ends the connection
+        writer.close()
+    finally:
+        await server.stop()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 ")
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "not_found" and "admin_listen" not in error["message"]
