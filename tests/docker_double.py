@@ -462,3 +462,15 @@ class DockerDouble:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def networked() -> tuple[DockerDouble, str]:
+    """A double with ondemand's container on ``dgxmm`` (IPv4 and IPv6), a ``decider`` network
+    it is not attached to, and the default ``bridge``: what the peer policy reads of Docker
+    (``engines/dockerapi.own_networks``). Its container's id is the second value."""
+    d = DockerDouble()
+    d.add_network("dgxmm", [("172.18.0.0/16", "172.18.0.1"), ("fd00:18::/64", "fd00:18::1")])
+    d.add_network("decider", [("172.30.0.0/24", "172.30.0.1")])
+    d.add_network("bridge", [("172.17.0.0/16", "172.17.0.1")])
+    cid = d.add_container("ondemand", {"dgxmm": ["172.18.0.3", "fd00:18::3"]})
+    return d, cid

@@ -47,7 +47,9 @@ async def test_mode_switch_is_audited_and_bounded(server):
 
 
 @pytest.mark.parametrize("body", [{"drain_s": -1}, {"drain_s": 3601}, {"drain_s": "5"}, {"drain_s": True},
-                                  {"force": 1}, {"force": "yes"}, {"level": 1, "soon": True}])
+                                  {"force": 1}, {"force": "yes"}, {"level": 1, "soon": True},
+                                  {"level": 3}, {"level": 0}, {"level": "1"}, {"level": True}, {"level": 1.5},
+                                  {"lvl": 1}])
 async def test_a_sleeps_body_is_checked_before_anything_sleeps(server, body):
     _, view = await api(server, "POST", "/deployments", sleeper("a"))
     i = view["id"]

@@ -7,7 +7,7 @@ inspected and never pulled, and docker info. The backend's container life cycle 
 Docker: tests/heavy/test_docker_backend.py (the ``docker`` marker); the peer policy built on
 these: tests/gateway/test_peers.py."""
 import pytest
-from docker_double import DockerDouble
+from docker_double import DockerDouble, networked
 
 from ondemand.engines import dockerapi
 from ondemand.engines.dockerapi import AttachedNetwork, OutsideDocker, container_ids_from_proc, own_networks
@@ -37,16 +37,8 @@ def test_read_proc_ids_reads_both_files_and_does_without_either(tmp_path):
     assert dockerapi.read_proc_ids(str(tmp_path)) == [cid, other]
 
 
-def double() -> tuple[DockerDouble, str]:
-    d = DockerDouble()
-    d.add_network("dgxmm", [("172.18.0.0/16", "172.18.0.1"), ("fd00:18::/64", "fd00:18::1")])
-    d.add_network("decider", [("172.30.0.0/24", "172.30.0.1")])
-    cid = d.add_container("ondemand", {"dgxmm": ["172.18.0.3", "fd00:18::3"]})
-    return d, cid
-
-
 async def test_own_networks_by_a_hint_with_the_deciders_subnets_when_not_attached_to_it():
-    d, cid = double()
+    d, cid = networked()
     async with d as sock:
         attached, decider = await own_networks(f"unix://{sock}", None, cid[:12], "decider")
         assert decider == ["172.30.0.0/24"]
@@ -60,7 +52,7 @@ async def test_own_networks_by_a_hint_with_the_deciders_subnets_when_not_attache
 
 
 async def test_own_networks_by_procs_id_and_a_network_gone_between_two_calls(tmp_path):
-    d, cid = double()
+    d, cid = networked()
     (tmp_path / "mountinfo").write_text(f"1 2 0:1 /docker/containers/{cid}/hostname /etc/hostname rw\n")
     d.remove_network("dgxmm")  # the container's endpoint is all that is left of it
     async with d as sock:
@@ -70,7 +62,7 @@ async def test_own_networks_by_procs_id_and_a_network_gone_between_two_calls(tmp
 
 
 async def test_outside_docker_without_an_id_or_with_a_hint_it_does_not_believe():
-    d, cid = double()
+    d, cid = networked()
     d.add_container("dgx01", {"dgxmm": "172.18.0.9"}, hostname="f00d")  # its hostname is not the hint
     async with d as sock:
         with pytest.raises(OutsideDocker, match="no container id"):

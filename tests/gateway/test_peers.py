@@ -21,9 +21,9 @@ from ondemand.gateway.peers import (
 )
 
 try:
-    from docker_double import DockerDouble
+    from docker_double import DockerDouble, networked
 except ImportError:  # tests/ as a package
-    from tests.docker_double import DockerDouble
+    from tests.docker_double import DockerDouble, networked
 
 DGXMM = AttachedNetwork("dgxmm", ("172.18.0.0/16",), ("172.18.0.1",), id="n1")
 LLM = AttachedNetwork("llm", ("172.20.0.0/24", "fd00:20::/64"), ("172.20.0.1", "fd00:20::1"), id="n2")
@@ -173,17 +173,8 @@ def test_allows_cache_is_bounded_and_policies_compare_by_content():
 
 # -- the refresher against the Docker API double ----------------------------------------------
 
-def _double() -> tuple[DockerDouble, str]:
-    d = DockerDouble()
-    d.add_network("dgxmm", [("172.18.0.0/16", "172.18.0.1"), ("fd00:18::/64", "fd00:18::1")])
-    d.add_network("decider", [("172.30.0.0/24", "172.30.0.1")])
-    d.add_network("bridge", [("172.17.0.0/16", "172.17.0.1")])
-    cid = d.add_container("ondemand", {"dgxmm": ["172.18.0.3", "fd00:18::3"]})
-    return d, cid
-
-
 async def test_refresh_reads_the_attached_networks():
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         src = PeerPolicySource("auto", container_id_hint=cid[:12], docker_url=f"unix://{sock}",
                                proc_dir=None)
@@ -197,7 +188,7 @@ async def test_refresh_reads_the_attached_networks():
 
 
 async def test_refresh_follows_network_changes_and_the_decider():
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         src = PeerPolicySource("auto", decider_network="decider", container_id_hint=cid,
                                docker_url=f"unix://{sock}", proc_dir=None)
@@ -214,7 +205,7 @@ async def test_refresh_follows_network_changes_and_the_decider():
 
 
 async def test_refresh_explicit_list_refuses_decider_subnets_inspected_by_name(caplog):
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         src = PeerPolicySource(["172.16.0.0/12"], decider_network="decider", container_id_hint=cid,
                                docker_url=f"unix://{sock}", proc_dir=None)
@@ -225,7 +216,7 @@ async def test_refresh_explicit_list_refuses_decider_subnets_inspected_by_name(c
 
 
 async def test_container_found_through_proc(tmp_path):
-    d, cid = _double()
+    d, cid = networked()
     (tmp_path / "cgroup").write_text("0::/\n")
     (tmp_path / "mountinfo").write_text(f"1 2 0:1 /docker/containers/{cid}/hostname /etc/hostname rw\n")
     async with d as sock:
@@ -237,7 +228,7 @@ async def test_container_found_through_proc(tmp_path):
 
 
 async def test_a_hint_naming_another_container_is_not_believed():
-    d, cid = _double()
+    d, cid = networked()
     d.add_container("dgx01", {"bridge": "172.17.0.9"}, hostname="f00d")  # not our hostname
     async with d as sock:
         src = PeerPolicySource("auto", container_id_hint="dgx01", docker_url=f"unix://{sock}",
@@ -250,7 +241,7 @@ async def test_a_hint_naming_another_container_is_not_believed():
 
 
 async def test_network_gone_between_calls_falls_back_to_the_endpoint():
-    d, cid = _double()
+    d, cid = networked()
     d.remove_network("dgxmm")
     async with d as sock:
         src = PeerPolicySource("auto", container_id_hint=cid, docker_url=f"unix://{sock}", proc_dir=None)
@@ -260,7 +251,7 @@ async def test_network_gone_between_calls_falls_back_to_the_endpoint():
 
 
 async def test_outside_docker_cases():
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         # No container id at all.
         src = PeerPolicySource("auto", docker_url=f"unix://{sock}", proc_dir=None)
@@ -279,7 +270,7 @@ async def test_outside_docker_cases():
 
 
 async def test_docker_failure_after_success_keeps_the_previous_policy(caplog):
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         src = PeerPolicySource("auto", container_id_hint=cid, docker_url=f"unix://{sock}", proc_dir=None)
         await src.refresh()
@@ -297,7 +288,7 @@ async def test_docker_failure_after_success_keeps_the_previous_policy(caplog):
 
 async def test_one_warning_per_distinct_policy(caplog):
     caplog.set_level(logging.INFO, logger="ondemand.gateway.peers")
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         src = PeerPolicySource(["172.18.0.0/16"], container_id_hint=cid, docker_url=f"unix://{sock}",
                                proc_dir=None)
@@ -330,7 +321,7 @@ async def test_auto_outside_docker_warns_once(caplog):
 
 
 async def test_run_refreshes_periodically():
-    d, cid = _double()
+    d, cid = networked()
     async with d as sock:
         src = PeerPolicySource("auto", container_id_hint=cid, docker_url=f"unix://{sock}", proc_dir=None)
         task = asyncio.create_task(src.run(interval_s=0.05))
