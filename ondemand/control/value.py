@@ -123,7 +123,7 @@ class ByValue:
         self.fixed = fixed
         self.view = view
         self.slo_s = slo_s
-        self._memo: dict[int, tuple[tuple[int, float, float, float], float]] = {}
+        self._memo: dict[int, tuple[tuple[int, float, float, float, float], float]] = {}
 
     def cheap(self, dep: Deployment) -> bool:
         """Does bringing it back from its rest cost its next request at most ``CHEAP`` of the SLO?"""
@@ -144,7 +144,7 @@ class ByValue:
         gaps = self.view.gaps(dep.id)
         if len(gaps) < HOLD_AFTER:
             return floor if cheap else timeout
-        key = (len(gaps), gaps[-1], floor, timeout)
+        key = (len(gaps), gaps[-1], floor, timeout, window)  # a sleep measured anew moves the window
         memo = self._memo.get(dep.id)
         if memo is None or memo[0] != key:
             if cheap:

@@ -88,6 +88,17 @@ def test_a_cheap_model_whose_sleep_is_slow_rests_past_the_gaps_that_end_during_i
     assert reaped_at(c, clock) == 12
 
 
+def test_a_sleep_measured_slower_moves_the_rest_at_once(world):
+    """The window is read at every reaper step: a sleep measured slower while the model idles
+    (the start history's median moved) counts at once, not from its next learned gap. Gaps of
+    20 s: a 4 s window (an 8 s sleep) misses none of them from 10 s on; a 16 s one would."""
+    c, fx, clock = idle(world, wake_s=1.0, sleep_s=8.0, gaps=[20.0] * 10 + [1000.0] * 10)
+    clock.advance(5)
+    assert c.reap() == []  # its rest planned at 10 s
+    fx.sleep_costs[1] = 20.0
+    assert reaped_at(c, clock) == 15  # at 20 s idle
+
+
 def test_a_cheap_model_whose_sleep_is_quick_rests_at_min_idle_timeout_whatever_its_gaps(world):
     c, fx, clock = idle(world, wake_s=1.0, sleep_s=2.0, gaps=[12.0] * 10 + [1000.0] * 10)
     assert reaped_at(c, clock) == 10
