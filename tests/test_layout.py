@@ -177,7 +177,7 @@ ALLOWED = {
                    "sim.routes", "sim.server"},
     "sim.options": set(), "sim.phases": {"sim.options"}, "sim.faults": set(), "sim.record": set(), "sim.replies": set(),
     # Its HTTP: the lean front (http/), through the modules of it that import no aiohttp.
-    "sim.server": {"http.cycle", "http.front", "http.limits", "sim.replies"},
+    "sim.server": {"http.cycle", "http.front", "http.limits", "http.refusals", "sim.replies"},
     "sim.memory": {"sim.faults", "sim.options", "sim.record", "sim.replies", "sim.server"},
     "sim.generation": {"sim.faults", "sim.memory", "sim.options", "sim.replies", "sim.server"},
     "sim.routes": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.phases", "sim.record",
