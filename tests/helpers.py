@@ -368,7 +368,8 @@ async def two_pools():
 # them first, and `make test` hands whole files to its six workers in that order
 # (--no-loadscope-reorder); one of these handed out last kept its worker busy 15 to 20 s after the
 # others had ended (a 16 s rhythm of adaptive warmth).
-FIRST = ("e2e/test_adaptive_warmth.py", "control/test_controller_races.py", "gateway/test_gateway.py",
-         "http/test_protocol.py", "cli/test_cli.py", "engines/test_deployer.py", "cli/test_cli_deploy.py",
-         "e2e/test_tiered_warmth.py", "engines/backends/test_backend_contract.py", "replay/test_replay_run.py",
-         "replay/test_replay_cli.py", "admin/test_warmth_admin.py", "admin/test_admin.py")
+FIRST = ("e2e/test_adaptive_warmth.py", "cli/test_cli_deploy.py", "control/test_controller_races.py",
+         "gateway/test_gateway.py", "e2e/test_tiered_warmth.py", "engines/test_deployer.py", "replay/test_replay_cli.py",
+         "replay/test_replay_run.py", "engines/backends/test_backend_contract.py", "http/test_protocol.py",
+         "cli/test_cli.py", "engines/test_unit.py", "e2e/test_sleep_drain.py", "engines/test_start.py",
+         "e2e/test_priorities.py", "hostile/test_hostile.py")
