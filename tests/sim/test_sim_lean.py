@@ -95,3 +95,37 @@ async def test_a_target_that_is_not_a_path_gets_an_engines_404_not_the_gateways(
     assert head.startswith(b"HTTP/1.1 404 ")
     error = orjson.loads(body)["error"]
     assert error["code"] == "not_found" and "admin_listen" not in error["message"]
+
+
+async def test_a_request_goes_on_when_its_client_hangs_up_once_it_is_in(tmp_path):
+    """Listener._serve's shield: as under aiohttp, a route whose request has come in whole runs
+    to its end when the client goes away (the journal's end line comes after the whole answer,
+    1 s of tokens here, not at the hang-up)."""
+    import asyncio
+
+    import orjson
+
+    from ondemand.sim.engine import SimOptions, SimServer
+    journal = tmp_path / "journal"
+    server = SimServer(SimOptions(port=0, model="m", tokens=10, token_delay=0.1, journal=str(journal)),
+                       shutdown_timeout=0.1)
+    port = await server.start()
+    try:
+        body = b'{"prompt": "a", "max_tokens": 10}'
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the request is in
+        writer.close()
+        lines: list[dict] = []
+        for _ in range(100):
+            lines = [orjson.loads(line) for line in journal.read_bytes().splitlines()] if journal.exists() else []
+            if any(e["ev"] == "end" for e in lines):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await server.stop()
+    req = next(e for e in lines if e["ev"] == "req")
+    end = next(e for e in lines if e["ev"] == "end")
+    assert end["t"] - req["t"] >= 0.9
