@@ -116,14 +116,17 @@ async def test_a_request_goes_on_when_its_client_hangs_up_once_it_is_in(tmp_path
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         await writer.drain()
-        await asyncio.sleep(0.2)  # the request is in
+
+        async def journal_has(ev: str) -> list[dict]:
+            for _ in range(400):  # 20 s at most: a loaded machine
+                lines = [orjson.loads(line) for line in journal.read_bytes().splitlines()] if journal.exists() else []
+                if any(e["ev"] == ev for e in lines):
+                    return lines
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"no {ev} line in the journal")
+        await journal_has("req")  # the request is in (read whole, recorded)
         writer.close()
-        lines: list[dict] = []
-        for _ in range(100):
-            lines = [orjson.loads(line) for line in journal.read_bytes().splitlines()] if journal.exists() else []
-            if any(e["ev"] == "end" for e in lines):
-                break
-            await asyncio.sleep(0.05)
+        lines = await journal_has("end")
     finally:
         await server.stop()
     req = next(e for e in lines if e["ev"] == "req")
