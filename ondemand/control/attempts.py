@@ -173,7 +173,7 @@ class Attempts:
         dw.freed = 0.0
         self._note_reasons(dep, victims)
         for v in victims:
-            if v.tier == 0 and self._sleeps(v.id):
+            if v.tier == 0 and not v.stop and self._sleeps(v.id):
                 self.effects.sleep(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
             elif v.tier == 0:
                 self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
@@ -294,17 +294,29 @@ class Attempts:
             self.slots.notify_queued(waiter)
 
     def _pick_victims(self, requester: Deployment, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
-        """The idle deployments the scheduler may take for ``requester``, and its choice of them."""
+        """The idle deployments the scheduler may take for ``requester``, and its choice of them: put
+        to sleep where they sleep when idle; when that cannot make it fit (what they keep asleep
+        stands in the way), stopped instead."""
         now = self.clock()
         claimed = self.slots.claimed()
         pools = len(fit.free)
         per_gpu = fit.per_gpu
-        candidates = [Candidate(d.id, holdings(self._frees(d, pools, per_gpu), d.gpu_count, d.gpus, pools, per_gpu),
-                                self.slots.last_active(d.id, now), d.priority.rank,
-                                0 if d.state is State.READY else 1)
-                      for d in self.effects.deployments()
-                      if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
-        return self.scheduler.victims(candidates, fit)
+        quiet = [d for d in self.effects.deployments()
+                 if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
+
+        def candidates(stop: bool) -> list[Candidate]:
+            return [Candidate(d.id, holdings(self._frees(d, pools, per_gpu, stop), d.gpu_count, d.gpus, pools, per_gpu),
+                              self.slots.last_active(d.id, now), d.priority.rank,
+                              0 if d.state is State.READY else 1, stop and self._sleeps_now(d))
+                    for d in quiet]
+        victims, chosen = self.scheduler.victims(candidates(False), fit)
+        if not victims and any(self._sleeps_now(d) for d in quiet):
+            victims, chosen = self.scheduler.victims(candidates(True), fit)
+        return victims, chosen
+
+    def _sleeps_now(self, dep: Deployment) -> bool:
+        """Is ``dep`` awake and put to sleep (not stopped) when make-room takes it?"""
+        return dep.state is State.READY and self.effects.idle_level(dep) > 0
 
     def may_put_away(self, victim: Deployment, requester: Deployment, now: float | None = None) -> bool:
         """May make-room put ``victim`` away for ``requester``: quiet, and taken by the scheduler's
@@ -358,16 +370,16 @@ class Attempts:
         dep = self.effects.deployment(dep_id)
         return dep is not None and self.effects.idle_level(dep) > 0
 
-    def _frees(self, dep: Deployment, pools: int, per_gpu: bool) -> float:
-        """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what
-        it kept asleep last time (as measured; nothing known, all); awake and stopped, all;
-        asleep and stopped, what it keeps (as found after its sleep, else
-        ``asleep_residue_gib`` per GPU: never nothing, so an asleep engine is always a victim
-        when its GPU is needed)."""
+    def _frees(self, dep: Deployment, pools: int, per_gpu: bool, stop: bool = False) -> float:
+        """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what it
+        keeps asleep (``placement.asleep_held``, as the budget counts it: measured after its last
+        sleep, else ``asleep_residue_gib`` per GPU); awake and stopped (``stop``, or it stops when
+        idle), all; asleep and stopped, what it keeps (never nothing, so an asleep engine is always
+        a victim when its GPU is needed)."""
         if dep.state is State.ASLEEP:
             return asleep_held(dep, self.asleep_residue_gib, pools, per_gpu)
-        if self.effects.idle_level(dep) > 0:
-            return dep.footprint_gib - dep.residue_gib
+        if not stop and self.effects.idle_level(dep) > 0:
+            return dep.footprint_gib - asleep_held(dep, self.asleep_residue_gib, pools, per_gpu)
         return dep.footprint_gib
 
     # --- what the deployer reports ------------------------------------------------------

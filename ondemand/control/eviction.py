@@ -26,6 +26,7 @@ class Candidate:
     last_used: float  # monotonic time of the last slot granted or released
     rank: int = 1  # Priority.rank: lower ranks go first
     tier: int = 0  # 0 awake (put to sleep, or stopped), 1 asleep (stopped): awake ones go first
+    stop: bool = False  # awake and stopped, not put to sleep: sleeping them all would not make it fit
 
 
 def pick_victims(candidates: list[Candidate], free: Sequence[float],

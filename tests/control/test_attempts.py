@@ -520,11 +520,11 @@ def test_an_awake_engine_that_sleeps_is_put_to_sleep_for_make_room_with_the_old_
     fx.add(2, 10, idle_action="sleep2")
     idle_ready(fx, c, clock, 2)
     r = Req(c, 1)
-    c.on_refused(1, InsufficientMemory(10, 0, 24))
+    c.on_refused(1, InsufficientMemory(8, 0, 24))  # asleep, 2 keeps the default residue (2): frees 8
     (call,) = fx.taken("sleep")
     assert call[1:] == (2, 1, "Put to sleep to make room for D1") and fx.taken("stop") == []
     c.on_stopped(2, True, 1)  # the sleep effect reports as a stop does
-    assert fx.taken("settle") == [("settle", 1)] and c.queue.reserved_for_others(99) == {0: 10}
+    assert fx.taken("settle") == [("settle", 1)] and c.queue.reserved_for_others(99) == {0: 8}
     assert r.take() is None
 
 
@@ -576,6 +576,55 @@ def test_an_asleep_engine_nothing_was_read_of_is_stopped_for_room_as_freeing_the
     c.on_refused(1, InsufficientMemory(20, 18, 80, fit=Fit(20, (18.0,), (80.0,), 1, None, True)))  # 2 short
     assert [s[1] for s in fx.taken("stop")] == [2]
     assert c.record(1).attempt.frees == {2: {0: 3.0}}  # what it keeps: 3 on its GPU
+
+
+def test_an_awake_victim_nothing_was_read_of_frees_all_but_the_default_residue_when_put_to_sleep(world):
+    """Put to sleep, an engine never measured asleep keeps ``asleep_residue_gib`` per GPU, as the
+    budget counts it: make-room counts that, so it does not put it to sleep for room it will not
+    free (counting 0 once left a 76.7 GiB model 0.7 GiB short behind two small sleepers' residues
+    on the replay's DGX, its requests timing out)."""
+    c, fx, clock = make(world, asleep_residue_gib=3)
+    fx.add(1, 20)
+    fx.add(2, 30, idle_action="sleep", gpu_count=1, gpus=(0,))
+    idle_ready(fx, c, clock, 2)
+    clock.advance(61)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(20, 0, 80, fit=Fit(20, (0.0,), (80.0,), 1, None, True)))
+    assert [s[1] for s in fx.taken("sleep")] == [2]
+    assert c.record(1).attempt.frees == {2: {0: 27.0}}  # 30 less the 3 it keeps asleep
+
+
+def test_victims_whose_sleep_would_not_make_room_are_stopped_instead(world):
+    """When putting the quiet engines to sleep cannot make it fit (what they keep asleep is in the
+    way: a model that needs nearly a whole GPU), make-room stops them instead, rather than leave
+    the request to wait out its queue timeout beside free memory."""
+    c, fx, clock = make(world, asleep_residue_gib=2)
+    fx.add(1, 76.7)
+    fx.add(2, 29, idle_action="sleep", gpu_count=1, gpus=(0,))
+    fx.add(3, 17.9, idle_action="sleep", gpu_count=1, gpus=(0,))
+    idle_ready(fx, c, clock, 2, 3)
+    clock.advance(61)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(76.7, 33.1, 80, fit=Fit(76.7, (33.1,), (80.0,), 1, None, True)))
+    # asleep, the two would keep 4 of the 80: 33.1 + 27 + 15.9 = 76 < 76.7; stopped they free all
+    assert fx.taken("sleep") == []
+    # the design document's text for every stop of an awake victim
+    assert sorted((s[1], s[3]) for s in fx.taken("stop")) == [(2, "Put to sleep to make room for D1"),
+                                                               (3, "Put to sleep to make room for D1")]
+    assert c.record(1).attempt.frees == {2: {0: 29.0}, 3: {0: 17.9}}
+
+
+def test_a_sleep_that_makes_room_is_still_preferred_to_a_stop(world):
+    """Stopping is the fallback only: where sleeping the victims frees enough, they sleep."""
+    c, fx, clock = make(world, asleep_residue_gib=2)
+    fx.add(1, 70)
+    fx.add(2, 29, idle_action="sleep", gpu_count=1, gpus=(0,))
+    fx.add(3, 17.9, idle_action="sleep", gpu_count=1, gpus=(0,))
+    idle_ready(fx, c, clock, 2, 3)
+    clock.advance(61)
+    Req(c, 1)
+    c.on_refused(1, InsufficientMemory(70, 33.1, 80, fit=Fit(70, (33.1,), (80.0,), 1, None, True)))
+    assert sorted(s[1] for s in fx.taken("sleep")) == [2, 3] and fx.taken("stop") == []
 
 
 # --- the queued notice: only for the queue --------------------------------------------------------
