@@ -594,37 +594,28 @@ def test_an_awake_victim_nothing_was_read_of_frees_all_but_the_default_residue_w
     assert c.record(1).attempt.frees == {2: {0: 27.0}}  # 30 less the 3 it keeps asleep
 
 
-def test_victims_whose_sleep_would_not_make_room_are_stopped_instead(world):
-    """When putting the quiet engines to sleep cannot make it fit (what they keep asleep is in the
-    way: a model that needs nearly a whole GPU), make-room stops them instead, rather than leave
-    the request to wait out its queue timeout beside free memory."""
+@pytest.mark.parametrize("need, sleeps", [(70.0, True), (76.7, False)])
+def test_victims_whose_sleep_would_not_make_room_are_stopped_instead(world, need, sleeps):
+    """Where putting the quiet engines to sleep makes room, they sleep; where it cannot (what they
+    keep asleep is in the way: a model that needs nearly a whole GPU), make-room stops them
+    instead, rather than leave the request to wait out its queue timeout beside free memory."""
     c, fx, clock = make(world, asleep_residue_gib=2)
-    fx.add(1, 76.7)
+    fx.add(1, need)
     fx.add(2, 29, idle_action="sleep", gpu_count=1, gpus=(0,))
     fx.add(3, 17.9, idle_action="sleep", gpu_count=1, gpus=(0,))
     idle_ready(fx, c, clock, 2, 3)
     clock.advance(61)
     Req(c, 1)
-    c.on_refused(1, InsufficientMemory(76.7, 33.1, 80, fit=Fit(76.7, (33.1,), (80.0,), 1, None, True)))
-    # asleep, the two would keep 4 of the 80: 33.1 + 27 + 15.9 = 76 < 76.7; stopped they free all
+    c.on_refused(1, InsufficientMemory(need, 33.1, 80, fit=Fit(need, (33.1,), (80.0,), 1, None, True)))
+    # asleep, the two would keep 4 of the 80: 33.1 + 27 + 15.9 = 76, enough for 70, not for 76.7
+    if sleeps:
+        assert sorted(s[1] for s in fx.taken("sleep")) == [2, 3] and fx.taken("stop") == []
+        return
     assert fx.taken("sleep") == []
     # the design document's text for every stop of an awake victim
     assert sorted((s[1], s[3]) for s in fx.taken("stop")) == [(2, "Put to sleep to make room for D1"),
                                                                (3, "Put to sleep to make room for D1")]
     assert c.record(1).attempt.frees == {2: {0: 29.0}, 3: {0: 17.9}}
-
-
-def test_a_sleep_that_makes_room_is_still_preferred_to_a_stop(world):
-    """Stopping is the fallback only: where sleeping the victims frees enough, they sleep."""
-    c, fx, clock = make(world, asleep_residue_gib=2)
-    fx.add(1, 70)
-    fx.add(2, 29, idle_action="sleep", gpu_count=1, gpus=(0,))
-    fx.add(3, 17.9, idle_action="sleep", gpu_count=1, gpus=(0,))
-    idle_ready(fx, c, clock, 2, 3)
-    clock.advance(61)
-    Req(c, 1)
-    c.on_refused(1, InsufficientMemory(70, 33.1, 80, fit=Fit(70, (33.1,), (80.0,), 1, None, True)))
-    assert sorted(s[1] for s in fx.taken("sleep")) == [2, 3] and fx.taken("stop") == []
 
 
 # --- the queued notice: only for the queue --------------------------------------------------------
