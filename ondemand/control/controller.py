@@ -287,6 +287,14 @@ class Controller:
         """How long its memory stays held once it is put to sleep when idle (the effects' measure)."""
         return self.effects.sleep_s(dep)
 
+    def arrival_gap_s(self, dep_id: int) -> float | None:
+        """Its mean time between requests lately (``Slots.arrival_gap_s``; None: too few seen)."""
+        return self.slots.arrival_gap_s(dep_id)
+
+    def queue_room(self) -> int:
+        """How many more requests may wait before the queue is full (``max_queued``)."""
+        return max(0, self.slots.max_queued - self.slots.waiting())
+
     def _back_s(self, dep: Deployment, level: int | None) -> float:
         """What coming back from the tier of sleep ``level`` (0 or None: stopped) costs ``dep``, as
         the effects price the tiers it may rest in now; one they leave out costs a cold start."""

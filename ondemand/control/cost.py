@@ -65,6 +65,12 @@ class CoreView(Protocol):
     def sleep_s(self, dep: Deployment) -> float:
         """How long its memory stays held once it is put to sleep (0: unknown, or it stops)."""
 
+    def arrival_gap_s(self, dep_id: int) -> float | None:
+        """Its mean time between requests lately, idle or busy (None: too few seen)."""
+
+    def queue_room(self) -> int:
+        """How many more requests may wait before the queue is full (``max_queued``)."""
+
 
 def expected_loss(gaps: Sequence[float], idle_for_s: float, hold_s: float, come_back_s: float,
                   slo_s: float) -> float:
@@ -87,6 +93,15 @@ def expected_loss(gaps: Sequence[float], idle_for_s: float, hold_s: float, come_
         behind = max(0.0, over - t)
         total += first + behind * behind / (2 * mean_gap)
     return total / len(later)
+
+
+def refused(away_s: float, arrival_gap_s: float | None, queue_room: int) -> float:
+    """How many of V's requests the queue would refuse while V is away ``away_s``: those that come
+    at one per ``arrival_gap_s`` past the room left in the queue (0 with no rate known). The
+    learned idle gaps cannot say it: a hot model is rarely idle, and its gaps are the lulls."""
+    if arrival_gap_s is None:
+        return 0.0
+    return max(0.0, away_s / max(arrival_gap_s, MIN_GAP_S) - queue_room)
 
 
 def reach_timeout(gaps: Sequence[float], idle_for_s: float, idle_after_s: float) -> float:
@@ -133,7 +148,11 @@ class ByCost:
         hold_s = core.start_s(requester) + core.min_idle_timeout_s
         come_back_s = core.put_away_s(victim)
         loss = expected_loss(gaps, idle_for_s, hold_s, come_back_s, self.slo_s)
-        return {"wait_s": wait_s, "loss_s": loss, "hold_s": hold_s, "come_back_s": come_back_s, "slo_s": self.slo_s}
+        # A request the full queue refuses fails outright: counted as one that waited out the queue.
+        overflow = refused(hold_s + come_back_s, core.arrival_gap_s(victim.id), core.queue_room())
+        loss += overflow * core.queue_timeout_s
+        return {"wait_s": wait_s, "loss_s": loss, "hold_s": hold_s, "come_back_s": come_back_s, "slo_s": self.slo_s,
+                "refused": overflow}
 
     def reason(self, requester: Deployment, victim: Deployment, idle_for_s: float, idle_after_s: float
                ) -> dict[str, Any]:

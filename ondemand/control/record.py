@@ -3,6 +3,7 @@ one for its waiters (``Attempt``) and of each waiting request (``Waiter``); a gr
 a request's ``ticket.Ticket``. Plain state: the decisions are the controller's."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
@@ -65,7 +66,7 @@ class Record:
     default is what "nothing held" was before (no activity seen, no attempt, no backoff)."""
     __slots__ = ("inflight", "last_activity", "last_request_at", "asleep_since", "attempt", "backoff", "busy",
                  "published_at", "publish_timer", "drains", "drained", "idle_since", "rhythm", "learned", "adaptive",
-                 "early")
+                 "early", "arrivals")
 
     def __init__(self) -> None:
         self.inflight = 0  # granted slots
@@ -90,6 +91,8 @@ class Record:
         # Its last put-away, when make-room took it before its idle timeout (the rule's reason, for
         # whom, when): the view's ``put_away_early``, until it is ready again.
         self.early: dict[str, Any] | None = None
+        # When its last requests came (slots and waiters alike; the newest ARRIVALS_KEPT): its rate.
+        self.arrivals: collections.deque[float] | None = None
 
     def waiters(self) -> int:
         return len(self.attempt.waiters) if self.attempt is not None else 0

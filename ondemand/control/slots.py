@@ -10,6 +10,7 @@ may let a queued request look sooner). Plain ``def``s, no await, no I/O, as the 
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +23,9 @@ from .protocol import Effects
 from .record import NOTHING, Attempt, Backoff, Phase, Record, Waiter, idled_out
 from .rhythm import Rhythm
 from .warmth_policy import WarmthPolicy
+
+ARRIVALS_KEPT = 64  # the newest arrivals a deployment's rate is read from
+ARRIVALS_KNOWN = 8  # fewer: its rate is not known
 
 log = logging.getLogger("ondemand.control.controller")  # the core's one logger
 
@@ -256,6 +260,7 @@ class Slots:
         """A ready deployment's slot, counted; False while an administrator's sleep drains it.
         Raises ``ondemand_busy`` past its ``max_inflight``."""
         rec = self.record_for(dep.id)
+        self._count_arrival(rec)
         if rec.idle_since is not None:
             self.arrived(dep, rec)
         if rec.drains:
@@ -263,6 +268,19 @@ class Slots:
         self._check_limit(dep, rec)
         self._grant(dep, rec)
         return True
+
+    def _count_arrival(self, rec: Record) -> None:
+        if rec.arrivals is None:
+            rec.arrivals = collections.deque(maxlen=ARRIVALS_KEPT)
+        rec.arrivals.append(self.clock())
+
+    def arrival_gap_s(self, dep_id: int) -> float | None:
+        """Its mean time between requests over its newest ``ARRIVALS_KEPT`` (the silence since the
+        last counted), or None before ``ARRIVALS_KNOWN``."""
+        rec = self._records.get(dep_id)
+        if rec is None or rec.arrivals is None or len(rec.arrivals) < ARRIVALS_KNOWN:
+            return None
+        return (self.clock() - rec.arrivals[0]) / len(rec.arrivals)
 
     def _check_limit(self, dep: Deployment, rec: Record) -> None:
         """Read in the step that grants: never two past the limit. Only granted slots
@@ -332,6 +350,7 @@ class Slots:
             raise verdicts.queue_full(self._waiting)
         waiter = Waiter(dep.id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
         rec = self.record_for(dep.id)
+        self._count_arrival(rec)
         if rec.idle_since is not None:
             self.arrived(dep, rec)
         dw = rec.attempt

@@ -812,7 +812,7 @@ def test_a_victim_taken_before_its_timeout_by_cost_is_audited_counted_and_shown(
                     "(cost: wait 558 s > expected loss 60 s)")
     assert detail == {"victim_id": 2, "victim": "d2", "for": "d1",
                       "reason": {"rule": "cost", "wait_s": 558.0, "loss_s": 60.0, "hold_s": 61.0, "come_back_s": 4.0,
-                                 "slo_s": SLO_S, "idle_for_s": 42.0, "idle_after_s": 600.0}}
+                                 "slo_s": SLO_S, "refused": 0.0, "idle_for_s": 42.0, "idle_after_s": 600.0}}
     early = c.status(2)["put_away_early"]
     assert early["for"] == "d1" and early["for_id"] == 1 and early["rule"] == "cost" and early["loss_s"] == 60.0
     assert early["at"] == 1.7e9 + c.clock()

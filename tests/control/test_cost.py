@@ -10,7 +10,7 @@ import pytest
 from core_doubles import Clock, Effects, Req, make
 
 from ondemand.control import scheduler as schedulers
-from ondemand.control.cost import ByCost, expected_loss
+from ondemand.control.cost import ByCost, expected_loss, refused
 from ondemand.errors import InsufficientMemory
 from ondemand.model import Mode, Priority, State
 
@@ -23,17 +23,21 @@ def world():
     return clock, Effects(clock)
 
 
-def lull(world, *, timeout: int, idle: float, gaps=(), **victim):
+def lull(world, *, timeout: int, idle: float, gaps=(), every: float = 0.0, max_queued: int = 256, **victim):
     """2 (10 GiB, idle timeout ``timeout``) was used ``idle`` s ago; 1 (10 GiB) is refused for 6.
     The take rule alone: the cost scheduler's warmth by value (test_value) would move 2's idle
-    rule to ``min_idle_timeout_s``, its wake being cheap."""
-    c, fx, clock = make(world, scheduler=schedulers.SeedScheduler(ByCost(SLO_S)))
+    rule to ``min_idle_timeout_s``, its wake being cheap. ``every``: 2 was asked 64 times before,
+    one request each ``every`` seconds (its rate)."""
+    c, fx, clock = make(world, scheduler=schedulers.SeedScheduler(ByCost(SLO_S)), max_queued=max_queued)
     fx.add(1, 10)
     fx.add(2, 10, idle_timeout_s=timeout, idle_action="sleep", **victim)
     fx.set(2, state=State.READY)
     if gaps:
         c.learn({2: list(gaps)})
     clock.advance(timeout + 1)
+    for _ in range(64 if every else 0):
+        c.try_take(2).release()
+        clock.advance(every)
     if victim.get("mode") is not Mode.ALWAYS_ON:
         c.try_take(2).release()
     clock.advance(idle)
@@ -99,6 +103,25 @@ def test_a_victim_unlikely_to_reach_its_timeout_counts_the_queue_timeout(world):
     assert taken(fx) == [2] and r.queued == 0
     figures = c.scheduler.take.figures(fx.deps[1], fx.deps[2], 5.0, 60.0)
     assert figures["wait_s"] == pytest.approx(55 * 2 / 30 + 900 * 28 / 30)
+
+
+def test_the_refused_by_hand():
+    # Away 62 s at a request every half second: 124 come, and the queue has room for 100.
+    assert refused(62, 0.5, 100) == pytest.approx(24)
+    assert refused(62, 0.5, 200) == 0 and refused(62, None, 0) == 0  # room enough; no rate known
+
+
+@pytest.mark.parametrize("room, kept", [(256, False), (40, True)])
+def test_a_victim_whose_requests_would_overflow_the_queue_is_kept(world, room, kept):
+    """Idle 5 s of 600, taken when nothing more is known (the first test); asked every second
+    lately, its 62 s away bring 62 requests: with room for them in the queue it is taken; where
+    the queue would refuse some (each a failure, counted as a request that waited out the queue)
+    it is kept. Its learned idle gaps cannot say so: a hot model is rarely idle."""
+    c, fx, r = lull(world, timeout=600, idle=5, every=1.0, max_queued=room)
+    assert taken(fx) == ([] if kept else [2])
+    figures = c.scheduler.take.figures(fx.deps[1], fx.deps[2], 5.0, 600.0)
+    # the newest 64 of its 65 arrivals: 63 s to the last, 5 s since, one each 68/64 s; 1 waits
+    assert figures["refused"] == pytest.approx(max(0.0, 62 / (68 / 64) - (room - 1)))
 
 
 @pytest.mark.parametrize("why", ["inflight", "priority", "always_on"])

@@ -10,7 +10,7 @@ import pytest
 from core_doubles import Clock, Effects
 
 from ondemand.control.record import Attempt, Phase
-from ondemand.control.slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
+from ondemand.control.slots import ARRIVALS_KEPT, ARRIVALS_KNOWN, BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
 from ondemand.control.warmth_policy import Fixed
 from ondemand.model import Mode, State
 
@@ -44,6 +44,29 @@ def test_the_last_release_begins_an_idle_period_and_a_release_too_many_counts_no
     assert slots.release(1) is False and slots.record(1).idle_since is None  # one still in flight
     assert slots.release(1) is True and slots.record(1).idle_since == clock.t
     assert slots.release(1) is True and slots.inflight(1) == 0  # never below nothing
+
+
+def test_a_deployments_rate_is_read_from_its_newest_requests_slots_and_waiters_alike(parts):
+    """The mean time between its requests (the cost rule's count of what a full queue would
+    refuse): none before ``ARRIVALS_KNOWN``; then over the newest ``ARRIVALS_KEPT``, the silence
+    since the last one included, so a model gone quiet reads slower."""
+    clock, fx, make = parts
+    fx.add(1, state=State.READY)
+    fx.add(2, state=State.STOPPED)
+    slots = make()
+    for _ in range(ARRIVALS_KNOWN - 1):
+        assert slots.take_ready(fx.deps[1])
+        clock.advance(2)
+    assert slots.arrival_gap_s(1) is None
+    slots.join(fx.deps[1], arrival=clock.t, notify=lambda: None, on_queued=None, queued=False)  # a waiter counts
+    assert slots.arrival_gap_s(1) == pytest.approx(2 * (ARRIVALS_KNOWN - 1) / ARRIVALS_KNOWN)
+    clock.advance(100)
+    assert slots.arrival_gap_s(1) == pytest.approx((2 * (ARRIVALS_KNOWN - 1) + 100) / ARRIVALS_KNOWN)
+    for _ in range(2 * ARRIVALS_KEPT):
+        slots.take_ready(fx.deps[1])
+        clock.advance(0.5)
+    assert slots.arrival_gap_s(1) == pytest.approx(0.5)  # the old ones dropped
+    assert slots.arrival_gap_s(2) is None
 
 
 def test_the_idle_rule_counts_from_the_last_activity_and_needs_the_engines_metrics_quiet(parts):
