@@ -8,7 +8,7 @@
 #   make fuzz       the path property tests with 100,000 generated paths each (for the soak)
 #   make replay     three traces (Azure code and conv, a ServeGen week) over the box mix, on 8 and
 #                   16 GPUs, under ondemand's and its peers' policies (bench/replay.md)
-#   make replay-cost  the cost scheduler alone against its targets on ten tables (half a minute)
+#   make replay-cost  the cost scheduler alone against its targets on eighteen tables (a minute)
 #   make replay-bounds  whether any per-deployment idle timeouts could meet adaptive warmth's
 #                   targets on those traces (about 16 minutes of CPU, on every core)
 #   make replay-rhythms  adaptive warmth on a synthetic day whose models have rhythms (20 s)
@@ -159,8 +159,8 @@ bench: install
 replay: install
 	$(PY) scripts/replay_bench.py
 
-# `cost` alone against its targets on make replay's six tables and the Azure traces mapped anew
-# (four more), the other policies read from a cache (.cache/): half a minute once it is filled.
+# `cost` alone against its targets on make replay's six tables and the Azure traces mapped anew by
+# three more seeds (twelve more), the other policies read from a cache (.cache/): a minute once filled.
 replay-cost: install
 	$(PY) scripts/replay_cost.py
 

@@ -1,17 +1,17 @@
-"""The cost scheduler against its targets on ten tables, in about half a minute: the six of ``make
-replay`` and the Azure traces mapped anew (``--mapping-seed``, traffic the tables were not made
-with), ``cost`` alone replayed, the other policies' points read from a cache. For trying a change
-of the cost scheduler's rules (``ondemand/control/cost.py``, ``value.py``, ``relocation.py``):
-``make replay`` replays all thirteen policies on six tables, about three minutes.
+"""The cost scheduler against its targets on eighteen tables, in about a minute: the six of ``make
+replay`` and the Azure traces mapped anew by three more seeds (``--mapping-seed`` 1 to 3, traffic
+the tables were not made with), ``cost`` alone replayed, the other policies' points read from a
+cache. For trying a change of the cost scheduler's rules (``ondemand/control/cost.py``, ``value.py``,
+``relocation.py``): ``make replay`` replays all thirteen policies on six tables, about three minutes.
 
 Run from the repository root::
 
-    .venv/bin/python scripts/replay_cost.py               # ten tables, one line each
+    .venv/bin/python scripts/replay_cost.py               # eighteen tables, one line each
     .venv/bin/python scripts/replay_cost.py code-dgx-s1   # some of them (trace-box-sSEED)
 
 The cache (``.cache/replay-peers-HASH.json``, ignored by git) holds the other policies' points per
 table; HASH covers the package's sources but the cost scheduler's own modules, the box mix and
-the traces, so a change anywhere else replays the peers anew (about three minutes). The verdicts
+the traces, so a change anywhere else replays the peers anew (about five minutes). The verdicts
 are ``scripts/replaykit/targets.py``'s (``judge``): a line ends ``OK`` or says what was missed.
 """
 from __future__ import annotations
@@ -39,7 +39,9 @@ PEERS = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=
 # names, IDLE_TIMEOUT and the CoreView protocol)
 OWN = {"control/cost.py", "control/value.py", "control/relocation.py"}
 Entry = dict[str, Any]  # a policy's point (replay_front.Point's fields) and its memory-queue waits
-TABLES = [f"{t}-{b}-s0" for t in TRACES for b in BOXES] + [f"{t}-{b}-s1" for t in ("code", "conv") for b in BOXES]
+MAPPINGS = (1, 2, 3)  # the Azure traces sent to the deployments by these seeds too
+TABLES = [f"{t}-{b}-s0" for t in TRACES for b in BOXES] + [f"{t}-{b}-s{m}" for m in MAPPINGS
+                                                           for t in ("code", "conv") for b in BOXES]
 
 
 def peers_hash() -> str:
