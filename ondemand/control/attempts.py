@@ -162,6 +162,8 @@ class Attempts:
             if not victims and self._relocates(dep, dw, fit):
                 return  # stopped where it sleeps, to start cold where it fits (relocation.py)
             if not victims:
+                victims, chosen = self._pick_victims(dep, fit, escalate=True)
+            if not victims:
                 self._tell_queued(dw)
                 self.schedule_tick()
                 return  # queued until something changes
@@ -293,26 +295,26 @@ class Attempts:
         for waiter in dw.waiters:
             self.slots.notify_queued(waiter)
 
-    def _pick_victims(self, requester: Deployment, fit: Fit) -> tuple[list[Candidate], tuple[int, ...]]:
-        """The idle deployments the scheduler may take for ``requester``, and its choice of them: put
-        to sleep where they sleep when idle; when that cannot make it fit (what they keep asleep
-        stands in the way), stopped instead."""
+    def _pick_victims(self, requester: Deployment, fit: Fit, escalate: bool = False
+                      ) -> tuple[list[Candidate], tuple[int, ...]]:
+        """The idle deployments the scheduler may take for ``requester``, and its choice of them,
+        put to sleep where they sleep when idle. ``escalate``, when that cannot make it fit (what
+        they would keep asleep stands in the way; asked after relocation, which costs only the
+        requester): the awake ones are stopped instead, all of those the choice takes, so the GPU a
+        model needs nearly whole is cleared of what would stand in its way again."""
         now = self.clock()
         claimed = self.slots.claimed()
         pools = len(fit.free)
         per_gpu = fit.per_gpu
         quiet = [d for d in self.effects.deployments()
                  if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
-
-        def candidates(stop: bool) -> list[Candidate]:
-            return [Candidate(d.id, holdings(self._frees(d, pools, per_gpu, stop), d.gpu_count, d.gpus, pools, per_gpu),
-                              self.slots.last_active(d.id, now), d.priority.rank,
-                              0 if d.state is State.READY else 1, stop and self._sleeps_now(d))
-                    for d in quiet]
-        victims, chosen = self.scheduler.victims(candidates(False), fit)
-        if not victims and any(self._sleeps_now(d) for d in quiet):
-            victims, chosen = self.scheduler.victims(candidates(True), fit)
-        return victims, chosen
+        if escalate and not any(self._sleeps_now(d) for d in quiet):
+            return [], ()
+        return self.scheduler.victims(
+            [Candidate(d.id, holdings(self._frees(d, pools, per_gpu, escalate), d.gpu_count, d.gpus, pools, per_gpu),
+                       self.slots.last_active(d.id, now), d.priority.rank,
+                       0 if d.state is State.READY else 1, escalate and self._sleeps_now(d))
+             for d in quiet], fit)
 
     def _sleeps_now(self, dep: Deployment) -> bool:
         """Is ``dep`` awake and put to sleep (not stopped) when make-room takes it?"""

@@ -4,7 +4,9 @@ Candidates are already known to be stoppable (the controller's idle rules)
 and of the requester's priority or lower (the controller leaves out every
 deployment of higher priority: it is never a victim of a lower request); each
 says what putting it away frees on each GPU (an awake one put to sleep: all but
-what it keeps asleep; an asleep one stopped: what it keeps). This only picks,
+what it keeps asleep; an awake one stopped, ``stop``, where make-room found that
+sleeping them all cannot make room: all of it; an asleep one stopped: what it keeps).
+This only picks,
 lowest priority first, then awake before asleep (the tiers: a sleep costs a
 wake of seconds, a stop a cold start), then least recently used, the shortest
 prefix after whose stop some allowed set of GPUs fits the model (``choose``),

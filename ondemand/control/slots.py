@@ -260,11 +260,11 @@ class Slots:
         """A ready deployment's slot, counted; False while an administrator's sleep drains it.
         Raises ``ondemand_busy`` past its ``max_inflight``."""
         rec = self.record_for(dep.id)
-        self._count_arrival(rec)
         if rec.idle_since is not None:
             self.arrived(dep, rec)
         if rec.drains:
-            return False
+            return False  # it waits (``join``), and is counted there
+        self._count_arrival(rec)
         self._check_limit(dep, rec)
         self._grant(dep, rec)
         return True
@@ -346,11 +346,11 @@ class Slots:
             raise verdicts.planned(dep)
         if dep.state in REQUEST_STARTABLE:  # a start by hand is waited for, backoff or not
             self._check_backoff(dep)
+        rec = self.record_for(dep.id)
+        self._count_arrival(rec)  # refused for a full queue or not: it was asked
         if self._waiting >= self.max_queued:
             raise verdicts.queue_full(self._waiting)
         waiter = Waiter(dep.id, arrival, arrival + self.queue_timeout_s, on_queued, notify)
-        rec = self.record_for(dep.id)
-        self._count_arrival(rec)
         if rec.idle_since is not None:
             self.arrived(dep, rec)
         dw = rec.attempt

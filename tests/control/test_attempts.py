@@ -594,11 +594,12 @@ def test_an_awake_victim_nothing_was_read_of_frees_all_but_the_default_residue_w
     assert c.record(1).attempt.frees == {2: {0: 27.0}}  # 30 less the 3 it keeps asleep
 
 
-@pytest.mark.parametrize("need, sleeps", [(70.0, True), (76.7, False)])
-def test_victims_whose_sleep_would_not_make_room_are_stopped_instead(world, need, sleeps):
+@pytest.mark.parametrize("need, stopped", [(70.0, []), (76.7, [2, 3])])
+def test_victims_whose_sleep_would_not_make_room_are_stopped_instead(world, need, stopped):
     """Where putting the quiet engines to sleep makes room, they sleep; where it cannot (what they
     keep asleep is in the way: a model that needs nearly a whole GPU), make-room stops them
-    instead, rather than leave the request to wait out its queue timeout beside free memory."""
+    instead, all that it takes (the GPU is cleared of what would stand in the model's way again),
+    rather than leave the request to wait out its queue timeout beside free memory."""
     c, fx, clock = make(world, asleep_residue_gib=2)
     fx.add(1, need)
     fx.add(2, 29, idle_action="sleep", gpu_count=1, gpus=(0,))
@@ -607,15 +608,28 @@ def test_victims_whose_sleep_would_not_make_room_are_stopped_instead(world, need
     clock.advance(61)
     Req(c, 1)
     c.on_refused(1, InsufficientMemory(need, 33.1, 80, fit=Fit(need, (33.1,), (80.0,), 1, None, True)))
-    # asleep, the two would keep 4 of the 80: 33.1 + 27 + 15.9 = 76, enough for 70, not for 76.7
-    if sleeps:
-        assert sorted(s[1] for s in fx.taken("sleep")) == [2, 3] and fx.taken("stop") == []
-        return
-    assert fx.taken("sleep") == []
+    # asleep, 2 and 3 keep 2 each: 33.1 + 27 + 15.9 = 76, enough for 70, not for 76.7
+    assert sorted(s[1] for s in fx.taken("sleep")) == [d for d in (2, 3) if d not in stopped]
     # the design document's text for every stop of an awake victim
-    assert sorted((s[1], s[3]) for s in fx.taken("stop")) == [(2, "Put to sleep to make room for D1"),
-                                                               (3, "Put to sleep to make room for D1")]
-    assert c.record(1).attempt.frees == {2: {0: 29.0}, 3: {0: 17.9}}
+    assert [(s[1], s[3]) for s in fx.taken("stop")] == [(d, "Put to sleep to make room for D1") for d in stopped]
+    frees = {2: 29.0 if 2 in stopped else 27.0, 3: 17.9 if 3 in stopped else 15.9}
+    assert c.record(1).attempt.frees == {d: {0: pytest.approx(gib)} for d, gib in frees.items()}
+
+
+def test_a_stranded_sleeper_relocates_before_make_room_stops_awake_engines_for_it(world):
+    """A sleeper that cannot wake where it is, under a scheduler that relocates: starting it cold
+    elsewhere costs only its own requests, where stopping the awake engines on its GPU costs
+    theirs too; so it relocates first."""
+    c, fx, clock = make(world, asleep_residue_gib=2, scheduler=schedulers.cost(SLO_S))
+    fx.add(1, 77, state=State.ASLEEP, sleep_level=1, gpu_count=1, gpus=(0,), idle_action="sleep")
+    fx.add(2, 29, idle_action="sleep", gpu_count=1, gpus=(0,))
+    idle_ready(fx, c, clock, 2)
+    clock.advance(61)
+    Req(c, 1)
+    # GPU 0: 2 awake (29), which asleep would keep 2 (49 + 27 = 76 < 77; stopped, 78 would do);
+    # GPU 1 empty: a cold start fits there now
+    c.on_refused(1, InsufficientMemory(77, 49, 80, fit=Fit(77, (49.0, 80.0), (80.0, 80.0), 1, (0,), True)))
+    assert [s[1:3] for s in fx.taken("stop")] == [(1, 1)] and fx.taken("sleep") == []
 
 
 # --- the queued notice: only for the queue --------------------------------------------------------

@@ -12,6 +12,7 @@ from core_doubles import Clock, Effects
 from ondemand.control.record import Attempt, Phase
 from ondemand.control.slots import ARRIVALS_KEPT, ARRIVALS_KNOWN, BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
 from ondemand.control.warmth_policy import Fixed
+from ondemand.errors import OndemandError
 from ondemand.model import Mode, State
 
 
@@ -67,6 +68,25 @@ def test_a_deployments_rate_is_read_from_its_newest_requests_slots_and_waiters_a
         clock.advance(0.5)
     assert slots.arrival_gap_s(1) == pytest.approx(0.5)  # the old ones dropped
     assert slots.arrival_gap_s(2) is None
+
+
+def test_a_request_is_counted_once_for_the_rate_drained_or_refused_for_a_full_queue(parts):
+    """A request that finds its deployment drained is counted where it waits (``join``), not at
+    each look before (the gateway asks ``take_ready`` twice); one the full queue refuses was
+    asked all the same: the rate must not read low just when the queue overflows."""
+    clock, fx, make = parts
+    fx.add(1, state=State.READY)
+    slots = make(max_queued=1)
+    slots.drain(1, lambda: None)
+    for _ in range(ARRIVALS_KNOWN - 1):
+        assert not slots.take_ready(fx.deps[1]) and not slots.take_ready(fx.deps[1])
+    assert slots.record(1).arrivals is None
+    slots.join(fx.deps[1], arrival=clock.t, notify=lambda: None, on_queued=None, queued=False)
+    for _ in range(ARRIVALS_KNOWN - 1):
+        with pytest.raises(OndemandError) as e:
+            slots.join(fx.deps[1], arrival=clock.t, notify=lambda: None, on_queued=None, queued=False)
+        assert e.value.code == "ondemand_queue_full"
+    assert len(slots.record(1).arrivals) == ARRIVALS_KNOWN
 
 
 def test_the_idle_rule_counts_from_the_last_activity_and_needs_the_engines_metrics_quiet(parts):
