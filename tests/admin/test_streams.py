@@ -74,11 +74,16 @@ async def test_logs_follow_a_start_live_until_the_engine_stops(server):
     dep_id = body["id"]
     assert (await api(server, "POST", f"/deployments/{dep_id}/start"))[0] == 200
     got = b""
-    async with two_pools() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=0",
+    # tail=10, not 0: on a loaded machine the engine may print its first line before the follow
+    # is open, and a follow that missed it waited for the start's timeout (then, the stream ended,
+    # read b"" for ever: a hang; now an assertion says so).
+    async with two_pools() as s, s.get(f"{server.url}/api/deployments/{dep_id}/logs?follow=1&tail=10",
                                                    headers=server.admin_headers()) as r:
         assert r.status == 200
         while b"serving FL" not in got:
-            got += await asyncio.wait_for(r.content.readany(), 20)
+            chunk = await asyncio.wait_for(r.content.readany(), 20)
+            assert chunk, f"the log stream ended before the engine's line: {got!r}"
+            got += chunk
         assert server.state(dep_id) == "starting"  # followed while it starts
         assert (await api(server, "POST", f"/deployments/{dep_id}/stop"))[0] == 200
         got += await asyncio.wait_for(r.content.read(), 20)  # the answer ends with the engine's log
