@@ -158,11 +158,12 @@ class Attempts:
             if self._room_coming(dep_id):
                 self.schedule_tick()
                 return  # what the entries it overtook are freeing is held for it: wait for that
-            victims, chosen = self._pick_victims(dep, fit)
+            quiet = self._quiet(dep)
+            victims, chosen = self._pick_victims(quiet, fit)
             if not victims and self._relocates(dep, dw, fit):
                 return  # stopped where it sleeps, to start cold where it fits (relocation.py)
-            if not victims:
-                victims, chosen = self._pick_victims(dep, fit, escalate=True)
+            if not victims and any(self._sleeps_now(d) for d in quiet):
+                victims, chosen = self._pick_victims(quiet, fit, escalate=True)
             if not victims:
                 self._tell_queued(dw)
                 self.schedule_tick()
@@ -295,21 +296,24 @@ class Attempts:
         for waiter in dw.waiters:
             self.slots.notify_queued(waiter)
 
-    def _pick_victims(self, requester: Deployment, fit: Fit, escalate: bool = False
-                      ) -> tuple[list[Candidate], tuple[int, ...]]:
-        """The idle deployments the scheduler may take for ``requester``, and its choice of them,
-        put to sleep where they sleep when idle. ``escalate``, when that cannot make it fit (what
-        they would keep asleep stands in the way; asked after relocation, which costs only the
-        requester): the awake ones are stopped instead, all of those the choice takes, so the GPU a
-        model needs nearly whole is cleared of what would stand in its way again."""
+    def _quiet(self, requester: Deployment) -> list[Deployment]:
+        """The deployments make-room may put away for ``requester`` now (``may_put_away``), but the
+        victims some attempt is putting away already."""
         now = self.clock()
         claimed = self.slots.claimed()
+        return [d for d in self.effects.deployments()
+                if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
+
+    def _pick_victims(self, quiet: list[Deployment], fit: Fit, escalate: bool = False
+                      ) -> tuple[list[Candidate], tuple[int, ...]]:
+        """The scheduler's choice of the ``quiet`` deployments, put to sleep where they sleep when
+        idle. ``escalate``, when that cannot make it fit (what they would keep asleep stands in the
+        way; asked after relocation, which costs only the requester): the awake ones are stopped
+        instead, all of those the choice takes, so the GPU a model needs nearly whole is cleared of
+        what would stand in its way again."""
+        now = self.clock()
         pools = len(fit.free)
         per_gpu = fit.per_gpu
-        quiet = [d for d in self.effects.deployments()
-                 if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
-        if escalate and not any(self._sleeps_now(d) for d in quiet):
-            return [], ()
         return self.scheduler.victims(
             [Candidate(d.id, holdings(self._frees(d, pools, per_gpu, escalate), d.gpu_count, d.gpus, pools, per_gpu),
                        self.slots.last_active(d.id, now), d.priority.rank,
