@@ -38,7 +38,7 @@ from ondemand.replay.deployments import from_file  # noqa: E402
 from ondemand.replay.types import PolicyResult, Replayed  # noqa: E402
 
 POLICIES = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=300", "fixed=60", "fixed=300",
-            "fixed=600", "fixed=1800", "adaptive", "cost", "clairvoyant")
+            "fixed=600", "fixed=1800", "adaptive", "cost", "clairvoyant", "clairvoyant=60")
 SPEED_LIMIT_S = 60.0
 
 

@@ -34,7 +34,7 @@ from ondemand.replay.deployments import from_file  # noqa: E402
 from ondemand.replay.types import PolicyResult, Replayed  # noqa: E402
 
 PEERS = ("always-on", "seed", "ttl=300", "sleep-ttl=300", "lru=300", "sleep-lru=300", "fixed=60", "fixed=300",
-         "fixed=600", "fixed=1800", "adaptive", "clairvoyant")
+         "fixed=600", "fixed=1800", "adaptive", "clairvoyant", "clairvoyant=60")
 # cost's rules: not in the hash (no peer runs them; the clairvoyant reference reads only cost.py's
 # names, IDLE_TIMEOUT and the CoreView protocol)
 OWN = {"control/cost.py", "control/value.py", "control/relocation.py"}

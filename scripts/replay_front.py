@@ -6,7 +6,9 @@ words that say where ondemand's own policies lose, and the picture, a hand-writt
 A policy is *dominated* when another (the reference aside) has a higher share within the SLO and
 no more GiB-hours, or the same share with fewer; the front is those that are not. The reference
 knows every arrival in advance: it is no product policy, so it dominates nobody here, and its row
-says how far each policy is from what knowing the future gives.
+says how far each policy is from what knowing the future gives. ``clairvoyant=60``, the reference
+resting nothing before 60 s idle (the product's floor, ``min_idle_timeout_s``), is a reference too:
+the least memory a policy with that floor holds.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ondemand.replay import report
 from ondemand.replay.types import PolicyResult
 
 REFERENCE = "clairvoyant"
+FLOORED = "clairvoyant=60"  # the reference under the box mix's min_idle_timeout_s (the default, 60 s)
 OURS = ("seed", "fixed=600", "adaptive", "cost")  # ondemand's own: the default first
 PANEL_W, PANEL_H = 420, 300
 PAD_L, PAD_R, PAD_T, PAD_B = 52, 16, 28, 40
@@ -39,8 +42,13 @@ def point(r: PolicyResult) -> Point:
     return Point(r.policy.name, j["gpu_gib_hours"], j["wait_slo_met"], j["failed"], j["timed_out"], j["refused"])
 
 
+def is_reference(name: str) -> bool:
+    """``clairvoyant``, or the same with a floor (``clairvoyant=S``)."""
+    return name.partition("=")[0] == REFERENCE
+
+
 def dominated_by(p: Point, others: Sequence[Point]) -> list[str]:
-    return [o.name for o in others if o.name not in (p.name, REFERENCE)
+    return [o.name for o in others if o.name != p.name and not is_reference(o.name)
             and o.within >= p.within and o.gib_h <= p.gib_h and (o.within > p.within or o.gib_h < p.gib_h)]
 
 
@@ -54,7 +62,7 @@ def table(results: Sequence[PolicyResult]) -> str:
     for p in pts:
         gap = "" if ref is None or p is ref else f"{100 * (p.within - ref.within):+.1f} pts"
         share = "" if ref is None or p is ref or ref.gib_h <= 0 else f"{p.gib_h / ref.gib_h:.2f}"
-        by = "reference" if p.name == REFERENCE else (", ".join(dominated_by(p, pts)) or "on the front")
+        by = "reference" if is_reference(p.name) else (", ".join(dominated_by(p, pts)) or "on the front")
         lines.append(f"| {p.name} | {100 * p.within:.1f} % | {gap} | {p.failed} ({p.timed_out} + {p.refused}) | "
                      f"{p.gib_h:,.0f} | {share} | {by} |")
     return "\n".join(lines) + "\n"
@@ -123,12 +131,12 @@ def _panel(title: str, results: Sequence[PolicyResult], ox: float, oy: float) ->
     parts.append(f'<text x="{ox + PAD_L + w / 2}" y="{oy + PANEL_H - 6}" text-anchor="middle">GiB-hours (log)</text>'
                  f'<text x="{ox + 12}" y="{oy + PAD_T + h / 2}" text-anchor="middle" '
                  f'transform="rotate(-90 {ox + 12} {oy + PAD_T + h / 2})">waited ≤ SLO</text>')
-    front = sorted((p for p in pts if p.name != REFERENCE and not dominated_by(p, pts)), key=lambda p: p.gib_h)
+    front = sorted((p for p in pts if not is_reference(p.name) and not dominated_by(p, pts)), key=lambda p: p.gib_h)
     if len(front) > 1:
         parts.append('<polyline fill="none" stroke="#999" stroke-dasharray="4 3" points="' + " ".join(
             f"{px(math.log10(max(p.gib_h, 1.0))):.1f},{py(100 * p.within):.1f}" for p in front) + '"/>')
     for p, x, y in zip(pts, xs, ys, strict=True):
-        color = "#c0392b" if p.name == REFERENCE else "#2c7fb8" if p.name in OURS else "#777"
+        color = "#c0392b" if is_reference(p.name) else "#2c7fb8" if p.name in OURS else "#777"
         parts.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{color}"><title>{html.escape(p.name)}: '
                      f'{y:.1f} % within the SLO, {p.gib_h:,.0f} GiB-h, {p.failed} failed</title></circle>'
                      f'<text x="{px(x) + 5:.1f}" y="{py(y) - 5:.1f}" fill="{color}">{html.escape(p.name)}</text>')

@@ -10,7 +10,9 @@ Its rules:
   taken furthest next arrival first, on the GPU set the product's placement picks;
 - an idle deployment rests at once (asleep at level 1, else stopped) when its next arrival is at
   least ``sleep_s`` + ``wake_s`` away (``cold_start_s`` when it would stop: a stop takes no time
-  here);
+  here); ``clairvoyant=S`` rests it no sooner than S seconds idle, then by the same rule: the least
+  memory a policy that keeps the product's floor (``min_idle_timeout_s``) could hold, to tell a
+  target of memory that no such policy can reach from one a policy misses;
 - it wakes or starts at its next arrival less its wake or start time when memory is free then, or
   can be freed from idle deployments whose next arrival is later, without delaying a request that
   has arrived;
@@ -367,14 +369,16 @@ class Foresight:
     queue's look when an engine went quiet or a rest's sleep freed its memory (the core's own
     clock looks every ``max_tick_s``, when an idle timeout may make a victim)."""
 
-    def __init__(self, future: Future, world: World, clock: VirtualClock, early: EarlyStarts):
+    def __init__(self, future: Future, world: World, clock: VirtualClock, early: EarlyStarts, floor_s: float = 0.0):
         self.future = future
         self.world = world
         self.clock = clock
         self.early = early
+        self.floor_s = floor_s  # no rest before this long idle (``clairvoyant=S``)
         self._controller: Controller | None = None
         self._out = False  # a step of the core's is asked for, one event later
         self._reap = self._tick = False
+        self._floors: dict[int, Timer] = {}  # dep id -> the look when its floor has passed
 
     def bind(self, controller: Controller) -> None:
         self._controller = controller
@@ -382,7 +386,7 @@ class Foresight:
     def due(self, dep: Deployment) -> Tier | None:
         """The tier an awake ``dep`` rests in now (asleep at level 1, else stopped), or None: its
         next arrival is too near."""
-        if dep.state is not State.READY or not dep.on_demand:
+        if dep.state is not State.READY or not dep.on_demand or self._floor_at(dep) > self.clock.now:
             return None
         costs = self.world.costs(dep.id)
         sleep_and_wake = costs.sleep_s + costs.back_s(tiers.ASLEEP_1)
@@ -393,10 +397,31 @@ class Foresight:
             return tiers.ASLEEP_1 if gap >= sleep_and_wake else None
         return tiers.STOPPED if gap >= costs.back_s(tiers.STOPPED) else None
 
+    def _floor_at(self, dep: Deployment) -> float:
+        """When ``dep`` will have been idle ``floor_s`` (its last activity, as the reaper reads it)."""
+        if not self.floor_s or self._controller is None:
+            return -math.inf
+        return self._controller.slots.last_active(dep.id, self.clock.now) + self.floor_s
+
     def check(self, dep: Deployment) -> None:
-        """A rest due now is taken now."""
+        """A rest due now is taken now; one held back by the floor is looked at again when the
+        floor has passed (a request before then moves the last activity, and the look finds no
+        rest due)."""
         if self.due(dep) is not None:
             self._soon(reap=True)
+        elif self.floor_s and dep.state is State.READY and dep.on_demand:
+            at = self._floor_at(dep)
+            old = self._floors.get(dep.id)
+            if at > self.clock.now and (old is None or old.cancelled or old.when != at):
+                if old is not None:
+                    old.cancel()
+                self._floors[dep.id] = self.clock.call_at(at, lambda: self._floor_passed(dep.id))
+
+    def _floor_passed(self, dep_id: int) -> None:
+        self._floors.pop(dep_id, None)
+        dep = self.world.deployment(dep_id)
+        if dep is not None:
+            self.check(dep)
 
     def look_again(self) -> None:
         """Memory may be free, or a victim quiet: the queue looks now."""
@@ -470,12 +495,12 @@ class Clairvoyant:
     with, then ``bind`` plugs the rest in; ``arrive`` hands each request on to the edge."""
 
     def __init__(self, requests: Iterable[Request], replayed: Sequence[Replayed], world: World,
-                 clock: VirtualClock):
+                 clock: VirtualClock, floor_s: float = 0.0):
         self.world = world
         self.future = Future(requests, replayed)
         self.early = EarlyStarts(self.future, world, clock)
         self.scheduler = ClairvoyantScheduler(self.future, self.early)
-        self.warmth = Foresight(self.future, world, clock, self.early)
+        self.warmth = Foresight(self.future, world, clock, self.early, floor_s)
         self.early.left = self.warmth.check
 
     def bind(self, controller: Controller) -> None:

@@ -25,6 +25,8 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
   when memory is free or can be freed from deployments needed later, and takes victims furthest
   next arrival first (``clairvoyant.py``, its parts plugged into the same core). It is the one
   policy that reads the trace ahead: ``replay`` then holds the trace's requests in memory.
+  ``clairvoyant=S`` is the same reference resting no deployment before S seconds idle (the floor
+  the product keeps, ``min_idle_timeout_s``): the least memory a policy with that floor holds.
 
 One ``Run`` per policy: its own virtual clock, world (``world.py``), controller and requests'
 edge (``flights.py``), and the reaper's step every ``reap_interval_s`` (at k × the period:
@@ -133,7 +135,7 @@ class Run:
         if policy.kind == clairvoyant.CLAIRVOYANT:
             if trace is None:
                 raise ValueError("the clairvoyant policy is given the trace's requests in advance")
-            self.foresight = clairvoyant.Clairvoyant(trace, replayed, self.world, clock)
+            self.foresight = clairvoyant.Clairvoyant(trace, replayed, self.world, clock, float(policy.seconds or 0))
             # The waiters early starts join count in the core's limit of waiters: raised by the
             # most of them out at once (one a deployment), no request is refused for them.
             sched, max_queued = self.foresight.scheduler, box.max_queued + len(replayed)

@@ -17,6 +17,9 @@ POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "lru", "sleep-lru", 
                 "clairvoyant")
 # The ones that take seconds: "ttl=300".
 TIMED_KINDS = frozenset({"ttl", "sleep-ttl", "lru", "sleep-lru", "fixed"})
+# The ones that may take seconds or not: "clairvoyant" rests at once, "clairvoyant=60" no sooner
+# than 60 s idle (the floor every product policy keeps: min_idle_timeout_s).
+FLOORED_KINDS = frozenset({"clairvoyant"})
 # Peers whose make-room takes any model with nothing in flight (Ollama's rule), not only one idle
 # for its whole timeout.
 LRU_KINDS = frozenset({"lru", "sleep-lru"})
@@ -104,13 +107,13 @@ class Policy:
     @classmethod
     def parse(cls, text: str) -> Policy:
         """``current``, ``always-on``, ``adaptive``, ``seed``, ``cost``, ``clairvoyant``, ``ttl=S``,
-        ``sleep-ttl=S``, ``lru=S``, ``sleep-lru=S``, ``fixed=S`` (S whole seconds ≥ 1); ValueError naming the
-        policy otherwise."""
+        ``sleep-ttl=S``, ``lru=S``, ``sleep-lru=S``, ``fixed=S``, ``clairvoyant=S`` (S whole seconds ≥ 1);
+        ValueError naming the policy otherwise."""
         kind, sep, value = text.strip().partition("=")
         if kind not in POLICY_KINDS:
             raise ValueError(f"unknown policy {text!r}: one of current, always-on, ttl=S, sleep-ttl=S, lru=S, "
-                             "sleep-lru=S, fixed=S, adaptive, seed, cost, clairvoyant")
-        if (kind in TIMED_KINDS) != bool(sep):
+                             "sleep-lru=S, fixed=S, adaptive, seed, cost, clairvoyant, clairvoyant=S")
+        if (kind in TIMED_KINDS) != bool(sep) and kind not in FLOORED_KINDS:
             raise ValueError(f"policy {text!r}: {kind} takes seconds ({kind}=S)" if kind in TIMED_KINDS
                              else f"policy {text!r}: {kind} takes no value")
         if not sep:

@@ -8,13 +8,16 @@ the choice of the default (``seed`` until ``cost`` meets them on every table) re
 3. ``cost``'s share within the SLO is within 1 point of ``clairvoyant``'s, and at least 99 %
    where ``clairvoyant`` reaches 99.5 %.
 4. No policy but the reference dominates ``cost``; where every model fits, it holds at most half of
-   always-on's GiB-hours, or no more than ``clairvoyant`` where that is more.
+   always-on's GiB-hours, or no more than ``clairvoyant`` where that is more. Where
+   ``clairvoyant=60`` was replayed, the figures also say what it holds: the least memory a policy
+   that rests nothing before ``min_idle_timeout_s`` (60 s in the box mix) holds, knowing the future;
+   a cap below it is one no product policy can meet.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from replay_front import REFERENCE, Point, dominated_by, point
+from replay_front import FLOORED, REFERENCE, Point, dominated_by, point
 
 from ondemand.replay import report
 from ondemand.replay.types import PolicyResult
@@ -52,6 +55,9 @@ def judge(pts: Mapping[str, Point], queued: Mapping[str, int], roomy: bool) -> l
         cap = max(pts["always-on"].gib_h / 2, ref.gib_h)
         ok = ok and cost.gib_h <= cap
         fact += f"; {cost.gib_h:,.0f} GiB-h against at most {cap:,.0f}"
+        if FLOORED in pts:
+            fact += (f"; the reference resting nothing before 60 s holds {pts[FLOORED].gib_h:,.0f}"
+                     + (", over the cap" if pts[FLOORED].gib_h > cap else ""))
     out.append(("on the front" + (", at most half of always-on's memory" if roomy else ""), ok, fact))
     return out
 

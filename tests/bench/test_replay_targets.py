@@ -49,6 +49,18 @@ def test_each_target_missed_alone():
     assert [ok for _, ok, _ in got] == [True, True, False] and "`fixed=60`" in got[2][2]
 
 
+def test_the_floored_reference_is_said_and_dominates_nobody():
+    """``clairvoyant=60`` (the reference resting nothing before 60 s) is named in the memory
+    verdict, with "over the cap" when it holds more than the cap; a reference, it never dominates
+    ``cost``, though it has a higher share for less memory here."""
+    rows = [*table(gib_h=550), result("clairvoyant=60", met=995, gib_h=520)]
+    got = verdicts(rows, roomy=True)[3]
+    assert not got[1] and "dominated by none" in got[2]
+    assert "resting nothing before 60 s holds 520, over the cap" in got[2], got
+    rows[-1] = result("clairvoyant=60", met=995, gib_h=480)
+    assert "holds 480" in verdicts(rows, roomy=True)[3][2] and "over" not in verdicts(rows, roomy=True)[3][2]
+
+
 def test_where_the_reference_reaches_99_5_percent_cost_needs_99():
     rows = table(met=989)
     rows[3] = result("clairvoyant", met=996, gib_h=400)

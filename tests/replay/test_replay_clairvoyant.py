@@ -26,10 +26,12 @@ def memory(result):
     return [(round(at, 3), gpu, name, gib) for at, gpu, name, gib in result.memory]
 
 
-def test_the_policy_is_parsed_and_takes_no_value():
+def test_the_policy_is_parsed_with_or_without_a_floor():
     assert Policy.parse("clairvoyant") == Policy("clairvoyant", "clairvoyant")
-    with pytest.raises(ValueError, match="takes no value"):
-        Policy.parse("clairvoyant=60")
+    assert Policy.parse("clairvoyant=60") == Policy("clairvoyant=60", "clairvoyant", 60)
+    for bad in ("clairvoyant=0", "clairvoyant=1.5", "clairvoyant="):
+        with pytest.raises(ValueError, match="whole seconds"):
+            Policy.parse(bad)
 
 
 def test_every_deployment_is_on_demand_and_stopped_numbered_by_name():
@@ -79,6 +81,34 @@ def test_it_stays_awake_when_its_next_arrival_is_nearer_than_a_sleep_and_a_wake(
     assert r.total.waits == pytest.approx([60.0, 0.0])
     assert (r.total.sleeps, r.total.wakes) == (0, 0)
     assert memory(r) == [(0.0, 0, "a", 40.0)]
+
+
+def test_with_a_floor_it_rests_no_sooner_than_the_floor_then_by_the_same_rule():
+    """``clairvoyant=60``: requests at 0 and 1000 s. Idle from 62.2 s, it rests at 122.2 s (not at
+    once, as ``clairvoyant`` does), its sleep's call ending at 124.2 s, and is woken in time; a
+    request at 100 s moves the floor (rest at 162.2 s, the first floor's look finding none due);
+    one at 125 s, 2.8 s after the floor (a sleep and a wake take 5 s), keeps it awake; an engine
+    that cannot sleep is stopped at its floor."""
+    far = run([dep(1, "a", 40)], [req(0), req(1000)], "clairvoyant=60")
+    assert far.total.waits == pytest.approx([60.0, 0.0])
+    assert memory(far) == [(0.0, 0, "a", 40.0), (124.2, 0, "a", 2.0), (997.0, 0, "a", 40.0)]
+    moved = run([dep(1, "a", 40)], [req(0), req(100), req(1000)], "clairvoyant=60")
+    assert memory(moved) == [(0.0, 0, "a", 40.0), (164.2, 0, "a", 2.0), (997.0, 0, "a", 40.0)]
+    assert moved.total.sleeps == 1
+    near = run([dep(1, "a", 40)], [req(0), req(125)], "clairvoyant=60")
+    assert (near.total.sleeps, near.total.wakes) == (0, 0)
+    assert near.total.waits == pytest.approx([60.0, 0.0])
+    stops = run([dep(1, "a", 40, **STOPS)], [req(0), req(1000)], "clairvoyant=60")
+    assert memory(stops) == [(0.0, 0, "a", 40.0), (122.2, 0, "a", 0.0), (940.0, 0, "a", 40.0)]
+
+
+def test_a_floor_holds_more_memory_and_never_less():
+    """The same day under both: the floor only keeps engines awake longer (its point is the least
+    memory a policy that keeps it holds)."""
+    deps = [dep(1, "a", 50), dep(2, "b", 30), dep(3, "c", 40)]
+    at_once, floored = (run(deps, _day(), p) for p in ("clairvoyant", "clairvoyant=60"))
+    assert floored.total.gpu_gib_seconds > at_once.total.gpu_gib_seconds
+    assert floored.total.sleeps < at_once.total.sleeps
 
 
 def test_an_engine_that_cannot_sleep_is_stopped_and_started_in_time():
@@ -190,16 +220,18 @@ def _day() -> list[Request]:
 
 
 @pytest.mark.parametrize("measure_from_s", [0.0, 10_000.0])
-def test_skipping_idle_spans_gives_what_stepping_through_them_gives(measure_from_s):
+@pytest.mark.parametrize("policy", ["clairvoyant", "clairvoyant=60"])
+def test_skipping_idle_spans_gives_what_stepping_through_them_gives(measure_from_s, policy):
     """Three models that do not fit together (50 + 30 + 40 GiB on 80), a day of them: the
-    reference's own steps (a rest at once, an early start) change nothing in the run's skip of
-    idle spans; the results are those of stepping, to the last timeline entry."""
+    reference's own steps (a rest at once or at its floor, an early start) change nothing in the
+    run's skip of idle spans; the results are those of stepping, to the last timeline entry."""
     reqs = _day()
     deps = [dep(1, "a", 50), dep(2, "b", 30), dep(3, "c", 40)]
     box = dataclasses.replace(BOX, reap_interval_s=7.3)
+    pol = Policy.parse(policy)
 
     def one(step_idle: bool):
-        r = Run(CLAIRVOYANT, configure(deps, CLAIRVOYANT, box), box, 5.0, measure_from_s, step_idle=step_idle,
+        r = Run(pol, configure(deps, pol, box), box, 5.0, measure_from_s, step_idle=step_idle,
                 trace=reqs)
         for q in reqs:
             r.arrive(q)
