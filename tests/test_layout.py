@@ -215,7 +215,8 @@ ALLOWED = {
     "replay.clairvoyant": {"control.controller", "control.cost", "control.eviction", "control.placement",
                            "control.record", "control.warmth_policy",
                            "control.queue", "control.scheduler", "engines.tiers", "errors", "model", "replay.clock",
-                           "replay.flights", "replay.types", "replay.world"},
+                           "replay.flights", "replay.foresight", "replay.types", "replay.world"},
+    "replay.foresight": {"control.controller", "engines.tiers", "model", "replay.clock", "replay.world"},
 }
 
 # Which packages each package's modules may import (besides its own and the shared top: model,

@@ -176,8 +176,7 @@ def _write(path: str, data: bytes) -> None:
               help="a TOML file of [[deployment]] tables (default: the state file's deployments, read only)")
 @click.option("--policy", "policies", multiple=True, metavar="P",
               help="current, always-on, ttl=S, sleep-ttl=S, lru=S, sleep-lru=S, fixed=S, adaptive, seed, cost, "
-                   "clairvoyant (a reference that knows every arrival in advance) or clairvoyant=S (the same, "
-                   "resting nothing before S s idle); repeatable (default: current)")
+                   "clairvoyant[=S] (knows every arrival; =S: no rest before S s idle); repeatable (default: current)")
 @click.option("--gpus", metavar="NxGIB", help="the box's GPUs, e.g. 8x80 (default: the configuration's budget)")
 @click.option("--host-gib", type=float, metavar="G", help="the box's host memory (default: this host's)")
 @click.option("--slo-s", type=float, default=5.0, show_default=True, metavar="S",

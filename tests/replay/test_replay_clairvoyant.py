@@ -83,34 +83,6 @@ def test_it_stays_awake_when_its_next_arrival_is_nearer_than_a_sleep_and_a_wake(
     assert memory(r) == [(0.0, 0, "a", 40.0)]
 
 
-def test_with_a_floor_it_rests_no_sooner_than_the_floor_then_by_the_same_rule():
-    """``clairvoyant=60``: requests at 0 and 1000 s. Idle from 62.2 s, it rests at 122.2 s (not at
-    once, as ``clairvoyant`` does), its sleep's call ending at 124.2 s, and is woken in time; a
-    request at 100 s moves the floor (rest at 162.2 s, the first floor's look finding none due);
-    one at 125 s, 2.8 s after the floor (a sleep and a wake take 5 s), keeps it awake; an engine
-    that cannot sleep is stopped at its floor."""
-    far = run([dep(1, "a", 40)], [req(0), req(1000)], "clairvoyant=60")
-    assert far.total.waits == pytest.approx([60.0, 0.0])
-    assert memory(far) == [(0.0, 0, "a", 40.0), (124.2, 0, "a", 2.0), (997.0, 0, "a", 40.0)]
-    moved = run([dep(1, "a", 40)], [req(0), req(100), req(1000)], "clairvoyant=60")
-    assert memory(moved) == [(0.0, 0, "a", 40.0), (164.2, 0, "a", 2.0), (997.0, 0, "a", 40.0)]
-    assert moved.total.sleeps == 1
-    near = run([dep(1, "a", 40)], [req(0), req(125)], "clairvoyant=60")
-    assert (near.total.sleeps, near.total.wakes) == (0, 0)
-    assert near.total.waits == pytest.approx([60.0, 0.0])
-    stops = run([dep(1, "a", 40, **STOPS)], [req(0), req(1000)], "clairvoyant=60")
-    assert memory(stops) == [(0.0, 0, "a", 40.0), (122.2, 0, "a", 0.0), (940.0, 0, "a", 40.0)]
-
-
-def test_a_floor_holds_more_memory_and_never_less():
-    """The same day under both: the floor only keeps engines awake longer (its point is the least
-    memory a policy that keeps it holds)."""
-    deps = [dep(1, "a", 50), dep(2, "b", 30), dep(3, "c", 40)]
-    at_once, floored = (run(deps, _day(), p) for p in ("clairvoyant", "clairvoyant=60"))
-    assert floored.total.gpu_gib_seconds > at_once.total.gpu_gib_seconds
-    assert floored.total.sleeps < at_once.total.sleeps
-
-
 def test_an_engine_that_cannot_sleep_is_stopped_and_started_in_time():
     """llama.cpp: its rest is a stop, due when its next request is at least a cold start away:
     stopped at 62.2 s, started at 940 s, ready at 1000 s; with the next request 50 s away (less
@@ -211,7 +183,7 @@ def test_the_trace_is_read_ahead_from_any_iterable():
         Run(CLAIRVOYANT, configure([dep(1, "a", 40)], CLAIRVOYANT, BOX), BOX, 5.0)
 
 
-def _day() -> list[Request]:
+def a_day() -> list[Request]:
     reqs = [req(k * 1800 + (k * 37) % 40, "a") for k in range(24)]
     for burst in (3000, 20_000, 21_000):
         reqs += [req(burst + i * 9.5, "b", tokens_out=100 + 250 * i) for i in range(12)]
@@ -225,7 +197,7 @@ def test_skipping_idle_spans_gives_what_stepping_through_them_gives(measure_from
     """Three models that do not fit together (50 + 30 + 40 GiB on 80), a day of them: the
     reference's own steps (a rest at once or at its floor, an early start) change nothing in the
     run's skip of idle spans; the results are those of stepping, to the last timeline entry."""
-    reqs = _day()
+    reqs = a_day()
     deps = [dep(1, "a", 50), dep(2, "b", 30), dep(3, "c", 40)]
     box = dataclasses.replace(BOX, reap_interval_s=7.3)
     pol = Policy.parse(policy)
