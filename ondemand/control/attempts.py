@@ -176,7 +176,8 @@ class Attempts:
         dw.freed = 0.0
         self._note_reasons(dep, victims)
         for v in victims:
-            if v.tier == 0 and not v.stop and self._sleeps(v.id):
+            victim = self.effects.deployment(v.id)
+            if v.tier == 0 and not v.stop and victim is not None and self._sleeps_now(victim):
                 self.effects.sleep(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
             elif v.tier == 0:
                 self.effects.stop(v.id, text=f"Put to sleep to make room for {dep.served_name}", for_dep=dep_id)
@@ -370,11 +371,6 @@ class Attempts:
         if rec is not None:
             rec.early = {"for": rname, "for_id": for_dep, "at": round(self.slots.wall(), 3), **why}
             self.slots.counters_changed(victim_id)  # its view says so
-
-    def _sleeps(self, dep_id: int) -> bool:
-        """Is an idle ``dep_id`` put to sleep (not stopped)?"""
-        dep = self.effects.deployment(dep_id)
-        return dep is not None and self.effects.idle_level(dep) > 0
 
     def _frees(self, dep: Deployment, pools: int, per_gpu: bool, stop: bool = False) -> float:
         """GiB on its GPUs that putting ``dep`` away frees: awake and put to sleep, all but what it
