@@ -9,16 +9,18 @@ ended ``ready``; only those are kept. A wake is kept apart: it says nothing of h
 start takes, and its own history gives ``wake_eta_s``. A sleep's call (the bus's ``Slept``) is kept
 too, by level, for ``sleep_eta_s``: how long a sleeper's memory stays held once it is put to
 sleep, which warmth by value weighs (a request that comes meanwhile waits for the call, then the
-wake). Sleeps are kept in memory only: after a restart they are learned again.
+wake), timed on the deployer's clock.
 
-The views read memory only (no await); each new start is written to the state file
-(``starts``, the last ``KEEP`` per deployment; a wake with the level it woke from) by a named
-task, and read back at start-up.
+The views read memory only (no await); each new start, wake and sleep is written to the state
+file (``starts``, the last ``KEEP`` per deployment of each kind and level; a wake with the level
+it woke from, a sleep with its level) by a named task, and read back at start-up.
 """
 from __future__ import annotations
 
 import logging
 import statistics
+import time
+from collections.abc import Callable
 
 from ..engines.tiers import LEVELS
 from ..events import Slept, StartEnded
@@ -45,9 +47,10 @@ def wake_median(level: int, from_level: dict[int, list[float]], every: list[floa
 
 
 class StartHistory:
-    def __init__(self, store: Store, *, keep: int = KEEP):
+    def __init__(self, store: Store, *, keep: int = KEEP, wall: Callable[[], float] = time.time):
         self.store = store
         self.keep = keep
+        self.wall = wall  # a sleep's row's stamp (a start's comes with its StartEnded)
         self.tasks = TaskGroup("starts")
         self._durations: dict[int, list[float]] = {}  # cold starts, oldest first, at most ETA_OF
         self._wakes: dict[int, list[float]] = {}  # wakes, the same way
@@ -62,9 +65,10 @@ class StartHistory:
                 if durations:
                     into[dep_id] = durations
             for level in LEVELS:
-                durations = [d for k, d, lv in rows if k == "wake" and lv == level][-ETA_OF:]
-                if durations:
-                    self._wakes_from[(dep_id, level)] = durations
+                for kind, by_level in (("wake", self._wakes_from), ("sleep", self._sleeps)):
+                    durations = [d for k, d, lv in rows if k == kind and lv == level][-ETA_OF:]
+                    if durations:
+                        by_level[(dep_id, level)] = durations
 
     async def close(self) -> None:
         await self.tasks.close()
@@ -81,10 +85,12 @@ class StartHistory:
         self.record(e.dep_id, e.duration_s, "wake" if e.kind == "wake" else "start", at=e.at, level=e.level)
 
     def on_slept(self, e: Slept) -> None:
-        """A sleep's call ended: how long it took is kept (no await, nothing written)."""
+        """A sleep's call ended: how long it took is kept, and written (no await)."""
+        took = max(0.0, e.took_s)
         sleeps = self._sleeps.setdefault((e.dep_id, e.level), [])
-        sleeps.append(max(0.0, e.took_s))
+        sleeps.append(took)
         del sleeps[:-ETA_OF]
+        self.tasks.spawn(self._write(e.dep_id, took, "sleep", self.wall(), e.level), f"write sleep {e.dep_id}")
 
     def forget(self, dep_id: int) -> None:
         """A removed deployment's history (its stored rows go with retention's next pass)."""
@@ -100,7 +106,7 @@ class StartHistory:
         durations = (self._durations if kind == "start" else self._wakes).setdefault(dep_id, [])
         durations.append(duration_s)
         del durations[:-ETA_OF]
-        level = level if kind == "wake" else None  # a cold start has none
+        level = level if kind == "wake" else None  # a cold start has none (a sleep: ``on_slept``)
         if level is not None:
             from_level = self._wakes_from.setdefault((dep_id, level), [])
             from_level.append(duration_s)
@@ -138,7 +144,7 @@ class StartHistory:
         return round(statistics.median(durations), 1) if durations else None
 
     def sleep_eta_s(self, dep_id: int, level: int) -> float | None:
-        """The median of its last ETA_OF sleeps at ``level`` since ondemand started, or None."""
+        """The median of its last ETA_OF sleeps at ``level`` (the state file's too), or None."""
         sleeps = self._sleeps.get((dep_id, level))
         return statistics.median(sleeps) if sleeps else None
 

@@ -12,8 +12,8 @@
 - **The state file**, opened read only (``mode=ro``, and ``immutable`` when no write-ahead log
   is there, so that not even its side files are made): the box's own deployments, their engines'
   costs from the recorded history (the median cold start, and the median wake from each sleep
-  level, ``wake_s`` and ``wake2_s``, by the box's own rule: ``control.starts.wake_median``),
-  else ``Costs``' defaults,
+  level, ``wake_s`` and ``wake2_s``, by the box's own rule: ``control.starts.wake_median``; the
+  median level-1 sleep, else any, ``sleep_s``), else ``Costs``' defaults,
   and the idle gaps adaptive warmth kept of each (``idle_gaps``): what the box had learned.
 
 Every deployment starts the replay at rest (on demand: stopped; always on: placed at the start).
@@ -275,8 +275,8 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
     history: dict[tuple[int, str], list[float]] = {}
     for dep_id, kind, duration, level in starts:
         history.setdefault((dep_id, kind), []).append(float(duration))
-        if kind == "wake" and level in tiers.LEVELS:
-            history.setdefault((dep_id, f"wake{level}"), []).append(float(duration))
+        if kind in ("wake", "sleep") and level in tiers.LEVELS:
+            history.setdefault((dep_id, f"{kind}{level}"), []).append(float(duration))
     out = []
     for row in rows:
         dep = _at_rest(Deployment.from_row(row), box)
@@ -288,6 +288,9 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
             wake = wake_median(level, from_level, every)
             if wake is not None:
                 measured[tiers.asleep(level).cost_key] = wake
+        slept = history.get((dep.id, "sleep1")) or history.get((dep.id, "sleep"))  # its idle sleeps' level first
+        if slept:
+            measured["sleep_s"] = statistics.median(slept)
         costs = dataclasses.replace(Costs(), **measured)
         out.append(Replayed(dep, costs, gaps=tuple(kept.get(dep.id, ()))))
     if not out:
@@ -297,8 +300,9 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
 
 
 def _starts(con: sqlite3.Connection) -> list[tuple[int, str, float, int | None]]:
-    """Every recorded start, oldest first: (deployment, kind, duration_s, the level a wake woke
-    from); no level in a state file from before schema 9, which a replay does not migrate."""
+    """Every recorded start, wake and sleep, oldest first: (deployment, kind, duration_s, the level
+    a wake woke from or a sleep went to); no level in a state file from before schema 9, which a
+    replay does not migrate (and no sleep before schema 10)."""
     columns = {row[1] for row in con.execute("PRAGMA table_info(starts)")}
     level = "level" if "level" in columns else "NULL"
     return con.execute(f"SELECT deployment_id, kind, duration_s, {level} FROM starts ORDER BY id").fetchall()

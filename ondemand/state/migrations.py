@@ -207,6 +207,31 @@ async def _v9_wake_levels(db: aiosqlite.Connection) -> None:
     await _add_columns(db, "starts", (("level", "INTEGER CHECK (level IS NULL OR level IN (1, 2))"),))
 
 
+_OLD_KINDS = "CHECK (kind IN ('start', 'wake'))"
+_KINDS = "CHECK (kind IN ('start', 'wake', 'sleep'))"
+
+
+async def _v10_sleeps(db: aiosqlite.Connection) -> None:
+    # A sleep's call beside the starts and wakes (kind 'sleep', with its level), so that a restart
+    # keeps how long each level's sleep holds the memory (warmth by value and make-room weigh it).
+    # SQLite cannot alter a CHECK: the table is made anew and its rows copied (as in version 5),
+    # keeping AUTOINCREMENT's high-water mark, then its index made again.
+    async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'starts'") as cur:
+        row = await cur.fetchone()
+    sql = row[0] if row else ""
+    if _OLD_KINDS not in sql:
+        return
+    async with db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'starts'") as cur:
+        seq = await cur.fetchone()
+    await db.execute(sql.replace(_OLD_KINDS, _KINDS).replace("CREATE TABLE starts", "CREATE TABLE starts_v10", 1))
+    await db.execute("INSERT INTO starts_v10 SELECT * FROM starts")
+    await db.execute("DROP TABLE starts")
+    await db.execute("ALTER TABLE starts_v10 RENAME TO starts")
+    if seq is not None:
+        await db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'starts'", (seq[0],))
+    await db.execute("CREATE INDEX IF NOT EXISTS starts_deployment ON starts (deployment_id, id)")
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "deployments, events and audit", _v1_initial),
     Migration(2, "deployments: on-demand mode", _v2_ondemand_mode),
@@ -217,6 +242,7 @@ MIGRATIONS: list[Migration] = [
     Migration(7, "deployments: tiered warmth (idle_action; sleep level, host memory, wake check)", _v7_tiered_warmth),
     Migration(8, "deployments: adaptive warmth (keep_warm); idle_gaps", _v8_adaptive_warmth),
     Migration(9, "starts: the level a wake woke from", _v9_wake_levels),
+    Migration(10, "starts: sleeps (how long each level's sleep call took)", _v10_sleeps),
 ]
 
 LATEST = MIGRATIONS[-1].version

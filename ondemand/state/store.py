@@ -237,9 +237,10 @@ class Store:
 
     async def write_start(self, deployment_id: int, *, at: float, duration_s: float, kind: str,
                           keep: int, level: int | None = None) -> None:
-        """One successful start (a wake: ``level``, the sleep level it woke from). Only the last
-        ``keep`` of each kind and level are kept per deployment, so that frequent cold starts
-        or level-1 wakes do not push out its rare level-2 wakes."""
+        """One successful start (a wake: ``level``, the sleep level it woke from), or a sleep's
+        call (``kind`` "sleep", at ``level``). Only the last ``keep`` of each kind and level are
+        kept per deployment, so that frequent cold starts or level-1 wakes do not push out its
+        rare level-2 wakes."""
         async with self.transaction() as db:
             await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind, level) VALUES (?, ?, ?, ?, ?)",
                              (deployment_id, at, duration_s, kind, level))
@@ -250,8 +251,8 @@ class Store:
 
     async def starts(self, limit: int) -> dict[int, list[tuple[str, float, int | None]]]:
         """Each deployment's starts, oldest first: (kind, duration_s, level), the level a wake woke
-        from (None for a cold start, and for a wake recorded before schema 9); the last ``limit``
-        of each kind and level."""
+        from or a sleep went to (None for a cold start, and for a wake recorded before schema 9;
+        sleeps are recorded since schema 10); the last ``limit`` of each kind and level."""
         out: dict[int, list[tuple[str, float, int | None]]] = {}
         # The table holds a few rows per deployment (write_start's keep): read them all.
         async with self._reading() as db, db.execute(

@@ -189,8 +189,8 @@ async def test_wakes_of_unknown_level_serve_every_level_until_one_is_known(store
 
 async def test_sleeps_are_timed_by_level_and_forgotten_with_the_deployment(store):
     """How long a sleep's call holds the memory (warmth by value's window): the median of the
-    last five at that level, kept in memory only."""
-    h = StartHistory(store)
+    last five at that level."""
+    h = StartHistory(store, wall=lambda: 1000.0)
     try:
         assert h.sleep_eta_s(1, 1) is None
         for took in (20.0, 1.0, 22.0, 21.0, 30.0, 19.0):  # the first falls out of the five
@@ -201,6 +201,31 @@ async def test_sleeps_are_timed_by_level_and_forgotten_with_the_deployment(store
         assert h.sleep_eta_s(1, 1) is None and h.sleep_eta_s(1, 2) is None
     finally:
         await h.close()
+
+
+async def test_sleeps_are_written_and_a_restart_keeps_them(store):
+    """Each sleep's call is a row of its own (kind ``sleep``, its level, stamped on the wall
+    clock), so a restart of ondemand keeps each level's median, as it keeps the starts and
+    wakes; six at one level keep the last five in memory, and all six in the file (its bound is
+    ``KEEP``)."""
+    h = StartHistory(store, wall=lambda: 1234.5)
+    try:
+        for took in (20.0, 1.0, 22.0, 21.0, 30.0, 19.0):
+            h.on_slept(Slept(1, "d", 1, StopCause.IDLE, took))
+        h.on_slept(Slept(1, "d", 2, StopCause.ADMIN, 3.0))
+        h.on_slept(Slept(1, "d", 1, StopCause.IDLE, -0.5))  # a clock that went back: none, not less
+        rows = await written(store, 1, 8)
+        assert [r for r in rows if r[2] == 2] == [("sleep", 3.0, 2)]
+        assert [d for k, d, lv in rows if lv == 1] == [20.0, 1.0, 22.0, 21.0, 30.0, 19.0, 0.0]
+        assert {k for k, _, _ in rows} == {"sleep"}
+    finally:
+        await h.close()
+    async with store._reading() as db, db.execute("SELECT DISTINCT at FROM starts") as cur:
+        assert [tuple(r) for r in await cur.fetchall()] == [(1234.5,)]
+    again = StartHistory(store)
+    await again.load()
+    assert again.sleep_eta_s(1, 1) == 21.0 and again.sleep_eta_s(1, 2) == 3.0
+    assert again.fields(1) == {"last_start_s": None, "start_eta_s": None}  # a sleep is no start
 
 
 async def test_the_state_file_keeps_a_bounded_history(store):

@@ -165,6 +165,8 @@ async def state_file(tmp_path) -> str:
         await store.write_start(b["id"], at=1.0, duration_s=90, kind="start", keep=20)
         for level, seconds in [(1, 1.0), (2, 9.0), (1, 2.0), (2, 11.0), (2, 14.0)]:  # b's wakes, by level
             await store.write_start(b["id"], at=1.0, duration_s=seconds, kind="wake", keep=20, level=level)
+        for level, seconds in [(1, 20.0), (2, 3.0), (1, 22.0)]:  # b's sleeps' calls, by level
+            await store.write_start(b["id"], at=1.0, duration_s=seconds, kind="sleep", keep=20, level=level)
         for gap in (1800.0, 1790.5, 1812.25):  # what adaptive warmth learned of a, oldest first
             await store.write_idle_gap(a["id"], at=1.0, gap_s=gap, keep=500)
     finally:
@@ -188,7 +190,8 @@ def test_the_state_file_is_read_without_a_write(tmp_path):
     # The medians of its starts and of its wakes, whose level is unknown: they stand for both levels.
     assert a.costs == Costs(cold_start_s=55, wake_s=3, wake2_s=3)
     assert (b.deployment.state, b.deployment.sleep_level, b.deployment.footprint_gib) == (State.STOPPED, None, 30.5)
-    assert b.costs == Costs(cold_start_s=90, wake_s=1.5, wake2_s=11)  # each level's wakes apart
+    # Each level's wakes apart; its sleeps' calls at level 1, the level an idle one sleeps at.
+    assert b.costs == Costs(cold_start_s=90, wake_s=1.5, wake2_s=11, sleep_s=21)
     assert c.deployment.state is State.PLANNED and c.deployment.memory_gib == 72.0  # 0.9 of a GPU: nothing to read
     assert c.costs == Costs()  # no history: the defaults
     assert a.gaps == (1800.0, 1790.5, 1812.25) and b.gaps == c.gaps == ()  # the idle gaps the box learned
@@ -208,7 +211,8 @@ def test_a_state_file_from_before_wake_levels_is_read_as_it_is(tmp_path):
     a, b, _c, _decider = from_state(path, BOX)
     assert files(path) == before
     assert a.costs == Costs(cold_start_s=55, wake_s=3, wake2_s=3)
-    assert b.costs == Costs(cold_start_s=90, wake_s=9, wake2_s=9)  # all five wakes' median, level unknown
+    # All five wakes' median and all three sleeps', level unknown.
+    assert b.costs == Costs(cold_start_s=90, wake_s=9, wake2_s=9, sleep_s=20)
 
 
 def test_wakes_of_unknown_level_are_left_out_once_a_level_is_known(tmp_path):

@@ -238,6 +238,35 @@ async def test_wake_levels_migration_keeps_old_rows_without_a_level(tmp_path):
         await store.close()
 
 
+async def test_sleeps_migration_rebuilds_starts_keeping_rows_ids_and_the_index(tmp_path):
+    """Migration 10: ``starts`` is made anew so that ``kind`` may be ``sleep``; every row keeps
+    its id, the next id follows the highest ever handed out (a deleted last row's too), the
+    index on (deployment, id) is made again, and a kind outside the three is still refused."""
+    path = tmp_path / "ondemand.db"
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=9)
+        with pytest.raises(sqlite3.IntegrityError):
+            await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 0, 3, 'sleep')")
+        await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 0, 40, 'start')")
+        await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind, level) VALUES (1, 1, 2.5, 'wake', 1)")
+        await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (2, 2, 50, 'start')")
+        await db.execute("DELETE FROM starts WHERE deployment_id = 2")  # id 3 was handed out
+
+    store = await Store.open(path)
+    try:
+        assert await store.version() == migrations.LATEST >= 10
+        await store.write_start(1, at=3.0, duration_s=21.0, kind="sleep", keep=20, level=1)
+        assert await store.starts(20) == {1: [("start", 40.0, None), ("wake", 2.5, 1), ("sleep", 21.0, 1)]}
+        async with store._reading() as db:
+            assert [r[0] for r in await db.execute_fetchall("SELECT id FROM starts ORDER BY id")] == [1, 2, 4]
+            assert [tuple(r) for r in await db.execute_fetchall(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'starts'")] == [("starts_deployment",)]
+        with pytest.raises(sqlite3.IntegrityError):
+            await store.write_start(1, at=4.0, duration_s=1.0, kind="nap", keep=20)
+    finally:
+        await store.close()
+
+
 def test_the_migrations_are_numbered_from_one_in_order_each_described():
     """The runner applies them in the list's order and stores the last one's number: a number
     repeated or out of order would skip a migration on some files."""
