@@ -180,6 +180,11 @@ async def test_a_level_2_sleeper_reloads_its_weights_in_vllms_order(fake_nvidia_
                 if kind == "wake"]
     assert await wait_for(wakes, what="the wake in the state file") == [("wake", 2)]  # with its level
 
+    async def sleeps():  # the sleep's call too, so that a restart keeps how long it held the memory
+        return [(kind, level) for kind, _, level in (await server.deployer.store.starts(20)).get(a, [])
+                if kind == "sleep"]
+    assert await wait_for(sleeps, what="the sleep in the state file") == [("sleep", 2)]
+
 
 async def test_a_sleep_raced_by_a_request_wakes_it_and_never_lets_the_sleeper_answer(fake_nvidia_smi, server, http):
     box(fake_nvidia_smi, gpus=8)
