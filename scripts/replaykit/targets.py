@@ -7,7 +7,8 @@ the choice of the default (``seed`` until ``cost`` meets them on every table) re
 2. ``cost`` times out no more requests than ``clairvoyant``, and none where every model fits.
 3. ``cost``'s share within the SLO is within 1 point of ``clairvoyant``'s, and at least 99 %
    where ``clairvoyant`` reaches 99.5 %.
-4. No policy but the reference dominates ``cost``; where every model fits, it holds at most half of
+4. No policy but the reference dominates ``cost`` (each one that does is named with its failed
+   requests beside ``cost``'s); where every model fits, it holds at most half of
    always-on's GiB-hours, or no more than ``clairvoyant`` where that is more. Where
    ``clairvoyant=60`` was replayed, the figures also say what it holds: the least memory a policy
    that rests nothing before ``min_idle_timeout_s`` (60 s in the box mix) holds, knowing the future;
@@ -49,7 +50,10 @@ def judge(pts: Mapping[str, Point], queued: Mapping[str, int], roomy: bool) -> l
     out.append(("within a point of the reference's share", cost.within >= floor - 1e-12,
                 f"{100 * cost.within:.2f} % against {100 * ref.within:.2f} %"))
     over = dominated_by(cost, list(pts.values()))
-    fact = "dominated by " + ", ".join(f"`{n}`" for n in over) if over else "dominated by none"
+    # Each dominating policy's failures beside cost's: a share that counts a request refused or
+    # timed out after 15 minutes as one more miss can put a policy that fails hundreds ahead.
+    fact = "dominated by " + ", ".join(f"`{n}` ({pts[n].failed:,} failed)" for n in over) + \
+        f", `cost` {cost.failed:,} failed" if over else "dominated by none"
     ok = not over
     if roomy and "always-on" in pts:
         cap = max(pts["always-on"].gib_h / 2, ref.gib_h)

@@ -44,9 +44,12 @@ def test_each_target_missed_alone():
     # Above half of always-on's 1,000 GiB-h and the reference's 400: missed, though on the front.
     got = verdicts(table(gib_h=550), roomy=True)
     assert [ok for _, ok, _ in got] == [True, True, True, False] and "dominated by none" in got[3][2]
-    # Dominated by fixed=60 (98.5 % at 600 GiB-h).
+    # Dominated by fixed=60 (98.5 % at 600 GiB-h); each dominating policy's failures are said.
     got = verdicts(table(met=984, gib_h=650), roomy=False)
-    assert [ok for _, ok, _ in got] == [True, True, False] and "`fixed=60`" in got[2][2]
+    assert [ok for _, ok, _ in got] == [True, True, False] and "`fixed=60` (0 failed), `cost` 0 failed" in got[2][2]
+    rows = table(met=984, gib_h=650)
+    rows[2] = result("fixed=60", met=985, gib_h=600, timed_out=12)
+    assert "`fixed=60` (12 failed), `cost` 0 failed" in verdicts(rows, roomy=False)[2][2]
 
 
 def test_the_floored_reference_is_said_and_dominates_nobody():
