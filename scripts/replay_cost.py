@@ -10,8 +10,8 @@ Run from the repository root::
     .venv/bin/python scripts/replay_cost.py code-dgx-s1   # some of them (trace-box-sSEED)
 
 The cache (``.cache/replay-peers-HASH.json``, ignored by git) holds the other policies' points per
-table; HASH covers the package's sources but the cost scheduler's own modules, the box mix and
-the traces, so a change anywhere else replays the peers anew (about five minutes). The verdicts
+table; HASH covers the peers' names, the package's sources but the cost scheduler's own modules,
+the box mix and the traces, so a change anywhere else replays the peers anew (about five minutes). The verdicts
 are ``scripts/replaykit/targets.py``'s (``judge``): a line ends ``OK`` or says what was missed.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ TABLES = [f"{t}-{b}-s0" for t in TRACES for b in BOXES] + [f"{t}-{b}-s{m}" for m
 
 
 def peers_hash() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256("\0".join(PEERS).encode())  # a policy added to PEERS is replayed, not missed
     pkg = ROOT / "ondemand"
     for path in sorted(pkg.rglob("*.py")):
         name = path.relative_to(pkg).as_posix()

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..control import placement
-from ..control.starts import wake_median
+from ..control.starts import ETA_OF, wake_median
 from ..engines import tiers
 from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Mode, Priority, Role, State
 from ..state.store import deployment_fields
@@ -277,6 +277,8 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
         history.setdefault((dep_id, kind), []).append(float(duration))
         if kind in ("wake", "sleep") and level in tiers.LEVELS:
             history.setdefault((dep_id, f"{kind}{level}"), []).append(float(duration))
+    for durations in history.values():  # the newest ETA_OF of each, as the box's own history keeps
+        del durations[:-ETA_OF]
     out = []
     for row in rows:
         dep = _at_rest(Deployment.from_row(row), box)

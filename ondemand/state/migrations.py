@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import aiosqlite
@@ -219,11 +220,17 @@ async def _v10_sleeps(db: aiosqlite.Connection) -> None:
     async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'starts'") as cur:
         row = await cur.fetchone()
     sql = row[0] if row else ""
+    if _KINDS in sql or "CHECK (kind IN" not in sql:
+        return  # made so already, or nothing holds the kinds back
     if _OLD_KINDS not in sql:
-        return
+        # Only migration 4 made this table; anything else would pass this version and then
+        # refuse every sleep's row: say so now, in the transaction that rolls back.
+        raise RuntimeError(f"the state file's starts table is not as migration 4 made it: {sql!r}")
     async with db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'starts'") as cur:
         seq = await cur.fetchone()
-    await db.execute(sql.replace(_OLD_KINDS, _KINDS).replace("CREATE TABLE starts", "CREATE TABLE starts_v10", 1))
+    # The name as SQLite keeps it: quoted once a table was renamed (as this one is below).
+    new_sql = re.sub(r'^CREATE TABLE\s+"?starts"?', "CREATE TABLE starts_v10", sql.replace(_OLD_KINDS, _KINDS))
+    await db.execute(new_sql)
     await db.execute("INSERT INTO starts_v10 SELECT * FROM starts")
     await db.execute("DROP TABLE starts")
     await db.execute("ALTER TABLE starts_v10 RENAME TO starts")

@@ -9,7 +9,7 @@ the choice of the default (``seed`` until ``cost`` meets them on every table) re
    where ``clairvoyant`` reaches 99.5 %.
 4. No policy but the reference dominates ``cost`` (each one that does is named with its failed
    requests beside ``cost``'s); where every model fits, it holds at most half of
-   always-on's GiB-hours, or no more than ``clairvoyant`` where that is more. Where
+   always-on's GiB-hours, or no more than ``clairvoyant`` where that is more. There, where
    ``clairvoyant=60`` was replayed, the figures also say what it holds: the least memory a policy
    that rests nothing before ``min_idle_timeout_s`` (60 s in the box mix) holds, knowing the future;
    a cap below it is one no product policy can meet.

@@ -235,6 +235,26 @@ def test_wakes_of_unknown_level_are_left_out_once_a_level_is_known(tmp_path):
     assert d.costs == Costs(wake2_s=20.0)  # wake_s: the default
 
 
+def test_the_newest_five_of_each_kind_and_level_price_it_as_the_box_does(tmp_path):
+    """The state file keeps 20 of each kind and level; the box prices a start, a wake or a sleep
+    by the median of its newest five (control.starts.ETA_OF), and so does a replay of the file."""
+    async def make() -> str:
+        path = tmp_path / "ondemand.db"
+        store = await Store.open(path)
+        try:
+            d = await store.insert_deployment(dict(name="d", served_name="D", engine="vllm", model="org/d",
+                                                   memory_gib=10, gpu_count=1, state="stopped", role="model"))
+            for seconds in (100.0, 100.0, 10.0, 20.0, 30.0, 40.0, 50.0):  # all seven: 40; the newest five: 30
+                await store.write_start(d["id"], at=1.0, duration_s=seconds, kind="start", keep=20)
+                await store.write_start(d["id"], at=1.0, duration_s=seconds / 10, kind="wake", keep=20, level=1)
+                await store.write_start(d["id"], at=1.0, duration_s=seconds / 5, kind="sleep", keep=20, level=1)
+        finally:
+            await store.close()
+        return str(path)
+    (d,) = from_state(asyncio.run(make()), BOX)
+    assert d.costs == Costs(cold_start_s=30.0, wake_s=3.0, sleep_s=6.0)
+
+
 async def test_the_state_file_is_read_while_a_server_has_it_open(tmp_path):
     """With the write-ahead log there (a server runs), its rows are read too."""
     path = await state_file(tmp_path)

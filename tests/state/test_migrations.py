@@ -267,6 +267,24 @@ async def test_sleeps_migration_rebuilds_starts_keeping_rows_ids_and_the_index(t
         await store.close()
 
 
+async def test_sleeps_migration_refuses_a_starts_table_it_did_not_make(tmp_path):
+    """A ``starts`` whose kinds are held back by a CHECK other than migration 4's is not passed
+    over (every sleep's row would be refused later): the migration says so, and the file stays at
+    version 9 with its rows."""
+    path = tmp_path / "ondemand.db"
+    async with aiosqlite.connect(path, isolation_level=None) as db:
+        await migrations.upgrade(db, target=9)
+        await db.execute("DROP TABLE starts")
+        await db.execute("CREATE TABLE starts (id INTEGER PRIMARY KEY AUTOINCREMENT, deployment_id INTEGER NOT NULL, "
+                         "at REAL NOT NULL, duration_s REAL NOT NULL, kind TEXT NOT NULL CHECK (kind IN ('start')), "
+                         "level INTEGER)")
+        await db.execute("INSERT INTO starts (deployment_id, at, duration_s, kind) VALUES (1, 0, 40, 'start')")
+        with pytest.raises(RuntimeError, match="not as migration 4 made it"):
+            await migrations.upgrade(db)
+        assert await migrations.schema_version(db) == 9
+        assert await db.execute_fetchall("SELECT COUNT(*) FROM starts") == [(1,)]
+
+
 def test_the_migrations_are_numbered_from_one_in_order_each_described():
     """The runner applies them in the list's order and stores the last one's number: a number
     repeated or out of order would skip a migration on some files."""
