@@ -7,7 +7,7 @@ A policy is *dominated* when another (the reference aside) has a higher share wi
 no more GiB-hours, or the same share with fewer; the front is those that are not. The reference
 knows every arrival in advance: it is no product policy, so it dominates nobody here, and its row
 says how far each policy is from what knowing the future gives. ``clairvoyant=60``, the reference
-resting nothing before 60 s idle (the product's floor, ``min_idle_timeout_s``), is a reference too:
+whose own rests wait 60 s idle (the product's floor, ``min_idle_timeout_s``), is a reference too:
 the least memory a policy with that floor holds.
 """
 from __future__ import annotations

@@ -129,7 +129,8 @@ def _finite(option: str, value: float) -> None:
         _bad(f"{option} {value:g}: not a finite number")
 
 
-def _check_numbers(slo_s: float, speed: float, live: bool, warmup_s: float) -> None:
+def _check_numbers(slo_s: float, speed: float, live: bool, warmup_s: float) -> float:
+    """The SLO to measure against, once every number is checked (exit 2 naming a bad one)."""
     for option, value in (("--slo-s", slo_s), ("--speed", speed), ("--warmup-s", warmup_s)):
         _finite(option, value)
     if slo_s <= 0:
@@ -138,6 +139,7 @@ def _check_numbers(slo_s: float, speed: float, live: bool, warmup_s: float) -> N
         _bad(f"--speed {speed:g}: above 0, and only with --live")
     if warmup_s < 0 or (warmup_s > 0 and live):
         _bad(f"--warmup-s {warmup_s:g}: seconds of 0 or more, and not with --live (which compares whole runs)")
+    return slo_s
 
 
 def _check_policies(policies: list[Policy], box: Box) -> None:
@@ -179,8 +181,8 @@ def _write(path: str, data: bytes) -> None:
                    "clairvoyant[=S] (knows every arrival; =S: no rest before S s idle); repeatable (default: current)")
 @click.option("--gpus", metavar="NxGIB", help="the box's GPUs, e.g. 8x80 (default: the configuration's budget)")
 @click.option("--host-gib", type=float, metavar="G", help="the box's host memory (default: this host's)")
-@click.option("--slo-s", type=float, default=5.0, show_default=True, metavar="S",
-              help="a request meets the SLO when its TTFT is at most this")
+@click.option("--slo-s", type=float, metavar="S",
+              help="a request meets the SLO when it waits at most this for its engine (default: slo_s, 5 s unset)")
 @click.option("--seed", type=int, default=0, show_default=True, help="for the model of rows that name none")
 @click.option("--warmup-s", type=float, default=0.0, metavar="S",
               help="replay the trace's first S seconds without counting them: each policy is measured from the "
@@ -193,7 +195,7 @@ def _write(path: str, data: bytes) -> None:
               help="with --live: every duration divided by X")
 @pass_ctx
 def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tuple[str, ...], gpus: str | None,
-           host_gib: float | None, slo_s: float, seed: int, warmup_s: float, json_file: str | None,
+           host_gib: float | None, slo_s: float | None, seed: int, warmup_s: float, json_file: str | None,
            html_file: str | None, live: bool, speed: float) -> None:
     """Replay TRACE (a CSV file, or the JSON access log) against the deployments under each
     policy, in virtual time through ondemand's own decisions: who waited for what, for how
@@ -203,7 +205,7 @@ def replay(ctx: Ctx, trace_file: str, deployments_file: str | None, policies: tu
     from ..replay.run import replay as run_replay
     from ..replay.trace import Trace, TraceError
     parsed = _policies(policies)
-    _check_numbers(slo_s, speed, live, warmup_s)
+    slo_s = _check_numbers(ctx.cfg.slo_s if slo_s is None else slo_s, speed, live, warmup_s)  # cost's aim
     box = _box(ctx.cfg, gpus, host_gib)
     _check_policies(parsed, box)
     replayed = _deployments(ctx, deployments_file, box)

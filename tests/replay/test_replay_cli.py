@@ -218,6 +218,22 @@ def test_the_box_and_deployments_from_the_configuration_and_the_state_file(tmp_p
     assert per["a"]["ttft_s"]["max"] == 20.2 and per["b"]["ttft_s"]["max"] == 60.2
 
 
+def test_the_slo_is_the_configurations_unless_asked(inputs):
+    """``slo_s`` of the configuration is what the replay measures against (what ``cost`` aims
+    at), and ``--slo-s`` says otherwise: b's one request waits for its 30 s cold start, within
+    70 s and not within 5 s."""
+    (inputs / "slo.toml").write_text("slo_s = 70\n")
+    (inputs / "t.csv").write_text("timestamp,model,input_tokens,output_tokens\n0,b,100,10\n")
+    args = [str(inputs / "t.csv"), "--deployments", str(inputs / "deps.toml"), "--gpus", "1x80", "--host-gib", "512"]
+    r = replay(*args, "--json", str(inputs / "a.json"), config=str(inputs / "slo.toml"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].split()[:5] == ["policy", "wait", "≤", "70", "s"]
+    assert json.loads((inputs / "a.json").read_text())["policies"]["current"]["wait_slo_met"] == 1.0
+    r = replay(*args, "--slo-s", "5", "--json", str(inputs / "b.json"), config=str(inputs / "slo.toml"))
+    assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:5] == ["policy", "wait", "≤", "5", "s"]
+    assert json.loads((inputs / "b.json").read_text())["policies"]["current"]["wait_slo_met"] == 0.0
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
