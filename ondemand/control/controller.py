@@ -388,7 +388,11 @@ class Controller:
             self._show_hold(dep)
             if dep.id in claimed or not self.is_idle(dep, now) or self._held_awake(dep, now):
                 continue
-            minutes = round(self.slots.idle_timeout(dep) / 60, 2)  # "0.33", "10", "1.5"
+            # How long its rule had it wait: its timeout, or its warmth policy's (warmth by value
+            # rests a model cheap to wake at min_idle_timeout_s, or holds a dear one longer).
+            span = self.slots.quiet_for(dep, now)
+            after = span[1] if span is not None else float(self.slots.idle_timeout(dep))
+            minutes = round(after / 60, 2)  # "0.33", "10", "1.5"
             if dep.state is State.ASLEEP:
                 # Asleep it stays, until a request wakes it, make-room needs its memory, or
                 # it has slept sleep_timeout_s.

@@ -62,7 +62,9 @@ def test_hold_until_by_hand():
 def test_a_model_cheap_to_wake_rests_at_min_idle_timeout_never_sooner(world):
     c, fx, clock = idle(world, wake_s=1.0)
     assert reaped_at(c, clock) == 10
-    assert fx.taken("sleep")[-1][1] == 1
+    last = fx.taken("sleep")[-1]
+    # Its event says how long its rule had it idle: 10 s, not its idle timeout's 60.
+    assert last[1] == 1 and last[3] == "Put to sleep after 0.17 min idle"
 
 
 def test_rest_at_by_hand():
