@@ -32,7 +32,7 @@ from aiohttp import web
 from ..errors import OndemandError, internal_error
 from .caps import UNCOUNTED, Seat
 from .limits import Limits
-from .refusals import REFUSALS
+from .refusals import REFUSALS, line_without_version
 
 _log = logging.getLogger("ondemand.http")
 
@@ -95,6 +95,10 @@ class AioConnection(web.RequestHandler):
         self.broken_body: BodyMalformedError | None = None  # the body being received broke
         self.begun = False  # a request head began on this connection
         self.no_version = False  # a request line without an HTTP version: refused
+        # The head's bytes while they may be its request line alone (``refusals.line_without_version``),
+        # kept only for a head that began a piece: a piece that also ends a body holds that body too.
+        self.watch_line: list[bytes] | None = None
+        self.piece_fresh = True  # the piece being watched began between two messages
         self.seat: Seat = UNCOUNTED  # its place in its listener's count (the caps)
         self.pending = 0  # whole request heads not answered yet
         self.drop_left: int | None = None  # of a body aiohttp reads and drops after its answer
@@ -147,6 +151,7 @@ class AioConnection(web.RequestHandler):
                 return
         watch = self.watch
         if watch is not None:
+            self.piece_fresh = not self.watch_head and not self.watch_in_body
             try:
                 watch.feed_data(data)
             except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # aiohttp's parser answers it
@@ -166,17 +171,36 @@ class AioConnection(web.RequestHandler):
                     self.head_refused(431, "headers_too_large",
                                        f"The request head is larger than {self.limits.max_head_bytes // 1024} KiB")
                     return
+                if self.request_line_refused(data):  # llhttp would wait for headers (a bare "GET /")
+                    self.head_refused(400, "invalid_request", "The request line has no HTTP version")
+                    return
         super().data_received(data)
+
+    def request_line_refused(self, data: bytes) -> bool:
+        """Has the head's request line ended, in ``data`` (the piece just watched), with no HTTP
+        version? Joined only once a line ends, so a head sent a byte at a time costs no more."""
+        line = self.watch_line
+        if line is None:
+            return False
+        line.append(data)
+        if b"\n" not in data:
+            return False
+        ended = line_without_version(line)
+        if ended is not None:
+            self.watch_line = None
+        return bool(ended)
 
     def head_begins(self) -> None:
         self.begun = True
         self.watch_head = True
         self.watch_bytes = 0
+        self.watch_line = [] if self.piece_fresh else None
         if self.watch_timer is None:
             self.watch_timer = self.watch_loop.call_later(self.limits.head_timeout_s, self.head_late)
 
     def head_ends(self) -> None:
         self.watch_head = False
+        self.watch_line = None
         self.watch_in_body = True
         self.pending += 1
         self.seat.busy = True

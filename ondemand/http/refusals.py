@@ -58,11 +58,19 @@ def unfinished_head(limits: Limits, size: int, version: str, line: list[bytes] |
         return refusal(431, "headers_too_large", f"The request head is larger than {limits.max_head_bytes // 1024} KiB")
     if version == "0.9":
         return NO_VERSION
-    if line is not None:
-        first, end, _ = b"".join(line).lstrip(b"\r\n").partition(b"\n")
-        if end and not first.rstrip(b"\r").rpartition(b" ")[2].startswith(b"HTTP/"):
-            return NO_VERSION
+    if line is not None and line_without_version(line):
+        return NO_VERSION
     return None
+
+
+def line_without_version(line: list[bytes]) -> bool | None:
+    """Of a head's bytes while they may be its request line alone (empty lines before it
+    allowed): True once the line has ended with no HTTP version, False once it has ended with
+    one, None while it goes on. The lean front and the admin listener ask it alike."""
+    first, end, _ = b"".join(line).lstrip(b"\r\n").partition(b"\n")
+    if not end:
+        return None
+    return not first.rstrip(b"\r").rpartition(b" ")[2].startswith(b"HTTP/")
 
 
 class Refuse(Exception):

@@ -58,9 +58,27 @@ async def test_after_an_admin_request_a_head_too_large_is_431_json(server):
 
 
 async def test_after_an_admin_request_a_request_line_without_a_version_is_400(server):
-    """aiohttp read it as HTTP/0.9 and answered "HTTP/0.9 401"."""
+    """aiohttp read it as HTTP/0.9 and answered "HTTP/0.9 401"; a bare one (no header, no empty
+    line: HTTP/0.9's whole request) waited for the head's timeout, then 408."""
     answers = parse_answers(await talk(server, admin(server) + b"GET /dgxmm/api/host\r\nHost: x\r\n\r\n"))
     assert [a[0] for a in answers] == [200, 400] and error_code(answers[1]) == "invalid_request"
+    server.set_limits(head_timeout_s=30)
+    t0 = asyncio.get_running_loop().time()
+    answers = parse_answers(await talk(server, admin(server) + b"GET /dgxmm/api/host\r\n", timeout=10))
+    assert [a[0] for a in answers] == [200, 400] and error_code(answers[1]) == "invalid_request"
+    assert asyncio.get_running_loop().time() - t0 < 5
+
+
+async def test_a_body_that_ends_in_the_piece_of_the_next_head_is_no_request_line(ready):
+    """A POST whose body holds a line break, with the next request in the same write: the piece
+    that holds the next head's start holds the body's end too, which is no request line (the
+    pipelined request is answered, not refused for its "version")."""
+    server, dep = ready
+    body = b'{"mode":\n"on_demand"}'
+    data = admin(server, f"/dgxmm/api/deployments/{dep}/mode", "Content-Type: application/json", method="PATCH",
+                 body=body) + admin(server)
+    answers = parse_answers(await talk(server, admin(server) + data))
+    assert [a[0] for a in answers] == [200, 200, 200], answers
 
 
 @pytest.mark.uvloop

@@ -39,6 +39,21 @@ async def test_admin_listen_gives_the_admin_api_a_listener_of_its_own(tmp_path):
         # aiohttp's from the first byte: a request line without a version is refused there too.
         answers = parse_answers(await admin_talk(b"GET /dgxmm/api/host\r\nHost: x\r\n\r\n"))
         assert answers[0][0] == 400 and error_code(answers[0]) == "invalid_request"
+        # A bare request line (HTTP/0.9's whole request) is 400 at once, not 408 at the head's
+        # timeout (llhttp waits for headers), in pieces too: the line ends only with its piece.
+        for pieces in ([b"GET /\r\n"], [b"GET /dgxm", b"m/api/host", b"\r\n"], [b"\r\nGET /\n"]):
+            t0 = asyncio.get_running_loop().time()
+            reader, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+            try:
+                answers = parse_answers(await asyncio.wait_for(reader.read(65536), 5))
+            finally:
+                writer.close()
+            assert answers[0][0] == 400 and error_code(answers[0]) == "invalid_request", pieces
+            assert asyncio.get_running_loop().time() - t0 < 2, pieces
 
 
 async def test_admin_then_gateway_is_421_and_the_connection_ends(ready):
