@@ -134,26 +134,36 @@ _OLD_ENGINES = "CHECK (engine IN ('vllm', 'llamacpp'))"
 _ENGINES = "CHECK (engine IN ('vllm', 'sglang', 'llamacpp', 'custom'))"
 
 
+async def _table_sql(db: aiosqlite.Connection, table: str) -> str:
+    """The statement that made ``table``, as SQLite keeps it ("" when there is none)."""
+    async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)) as cur:
+        row = await cur.fetchone()
+    return row[0] if row else ""
+
+
+async def _widen_check(db: aiosqlite.Connection, table: str, sql: str, old: str, new: str) -> None:
+    """``table`` (made by ``sql``) made anew with its CHECK ``old`` as ``new`` and its rows copied,
+    when ``old`` is in it: SQLite cannot alter a CHECK (its "other kinds of table schema
+    changes"). AUTOINCREMENT's high-water mark is kept; its indexes go with the old table, and the
+    caller makes them again. The name is matched quoted or not: SQLite quotes a renamed table's."""
+    if old not in sql:
+        return
+    async with db.execute("SELECT seq FROM sqlite_sequence WHERE name = ?", (table,)) as cur:
+        seq = await cur.fetchone()
+    await db.execute(re.sub(rf'^CREATE TABLE\s+"?{table}"?', f"CREATE TABLE {table}_new", sql.replace(old, new)))
+    await db.execute(f"INSERT INTO {table}_new SELECT * FROM {table}")
+    await db.execute(f"DROP TABLE {table}")
+    await db.execute(f"ALTER TABLE {table}_new RENAME TO {table}")
+    if seq is not None:
+        await db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = ?", (seq[0], table))
+
+
 async def _v5_engine_recipes(db: aiosqlite.Connection) -> None:
     # Engine recipes: two more engines, and what a recipe needs (the model, env, volumes). Rows
-    # keep model NULL: they run their image/args or command exactly as before.
-    async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'deployments'") as cur:
-        row = await cur.fetchone()
-    sql = row[0] if row else ""
-    if _OLD_ENGINES in sql:
-        # SQLite cannot alter a CHECK: the table is made anew and the rows copied (SQLite's
-        # "other kinds of table schema changes"), keeping AUTOINCREMENT's high-water mark so
-        # that no removed deployment's id is handed out again (LiteLLM's entries name ids).
-        async with db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'deployments'") as cur:
-            seq = await cur.fetchone()
-        new_sql = sql.replace(_OLD_ENGINES, _ENGINES).replace("CREATE TABLE deployments",
-                                                              "CREATE TABLE deployments_v5", 1)
-        await db.execute(new_sql)
-        await db.execute("INSERT INTO deployments_v5 SELECT * FROM deployments")
-        await db.execute("DROP TABLE deployments")
-        await db.execute("ALTER TABLE deployments_v5 RENAME TO deployments")
-        if seq is not None:
-            await db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'deployments'", (seq[0],))
+    # keep model NULL: they run their image/args or command exactly as before. The table is made
+    # anew, keeping its id mark: no removed deployment's id is handed out again (LiteLLM's entries
+    # name ids).
+    await _widen_check(db, "deployments", await _table_sql(db, "deployments"), _OLD_ENGINES, _ENGINES)
     await _add_columns(db, "deployments", (
         ("model", "TEXT"),
         ("env", "TEXT NOT NULL DEFAULT '{}'"),  # JSON object
@@ -215,27 +225,15 @@ _KINDS = "CHECK (kind IN ('start', 'wake', 'sleep'))"
 async def _v10_sleeps(db: aiosqlite.Connection) -> None:
     # A sleep's call beside the starts and wakes (kind 'sleep', with its level), so that a restart
     # keeps how long each level's sleep holds the memory (warmth by value and make-room weigh it).
-    # SQLite cannot alter a CHECK: the table is made anew and its rows copied (as in version 5),
-    # keeping AUTOINCREMENT's high-water mark, then its index made again.
-    async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'starts'") as cur:
-        row = await cur.fetchone()
-    sql = row[0] if row else ""
+    # The table is made anew (``_widen_check``, as in version 5), then its index again.
+    sql = await _table_sql(db, "starts")
     if _KINDS in sql or "CHECK (kind IN" not in sql:
         return  # made so already, or nothing holds the kinds back
     if _OLD_KINDS not in sql:
         # Only migration 4 made this table; anything else would pass this version and then
         # refuse every sleep's row: say so now, in the transaction that rolls back.
         raise RuntimeError(f"the state file's starts table is not as migration 4 made it: {sql!r}")
-    async with db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'starts'") as cur:
-        seq = await cur.fetchone()
-    # The name as SQLite keeps it: quoted once a table was renamed (as this one is below).
-    new_sql = re.sub(r'^CREATE TABLE\s+"?starts"?', "CREATE TABLE starts_v10", sql.replace(_OLD_KINDS, _KINDS))
-    await db.execute(new_sql)
-    await db.execute("INSERT INTO starts_v10 SELECT * FROM starts")
-    await db.execute("DROP TABLE starts")
-    await db.execute("ALTER TABLE starts_v10 RENAME TO starts")
-    if seq is not None:
-        await db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'starts'", (seq[0],))
+    await _widen_check(db, "starts", sql, _OLD_KINDS, _KINDS)
     await db.execute("CREATE INDEX IF NOT EXISTS starts_deployment ON starts (deployment_id, id)")
 
 

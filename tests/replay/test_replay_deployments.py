@@ -215,43 +215,39 @@ def test_a_state_file_from_before_wake_levels_is_read_as_it_is(tmp_path):
     assert b.costs == Costs(cold_start_s=90, wake_s=9, wake2_s=9, sleep_s=20)
 
 
-def test_wakes_of_unknown_level_are_left_out_once_a_level_is_known(tmp_path):
-    """A box upgraded to schema 9 holds old wakes (no level) beside new ones: a level with wakes
-    of its own costs their median, the other its default, the old wakes neither (as the box
-    itself prices them, control.starts.wake_median)."""
+def one_deployment(tmp_path, rows: list[tuple[str, float, int | None]]) -> str:
+    """A state file of one stopped deployment ``d`` with these rows of its history (kind,
+    duration, level), oldest first."""
     async def make() -> str:
         path = tmp_path / "ondemand.db"
         store = await Store.open(path)
         try:
             d = await store.insert_deployment(dict(name="d", served_name="D", engine="vllm", model="org/d",
                                                    memory_gib=10, gpu_count=1, state="stopped", role="model"))
-            for seconds in (2.0, 4.0, 10.0):
-                await store.write_start(d["id"], at=1.0, duration_s=seconds, kind="wake", keep=20)
-            await store.write_start(d["id"], at=2.0, duration_s=20.0, kind="wake", keep=20, level=2)
+            for kind, seconds, level in rows:
+                await store.write_start(d["id"], at=1.0, duration_s=seconds, kind=kind, keep=20, level=level)
         finally:
             await store.close()
         return str(path)
-    (d,) = from_state(asyncio.run(make()), BOX)
+    return asyncio.run(make())
+
+
+def test_wakes_of_unknown_level_are_left_out_once_a_level_is_known(tmp_path):
+    """A box upgraded to schema 9 holds old wakes (no level) beside new ones: a level with wakes
+    of its own costs their median, the other its default, the old wakes neither (as the box
+    itself prices them, control.starts.wake_median)."""
+    rows = [("wake", 2.0, None), ("wake", 4.0, None), ("wake", 10.0, None), ("wake", 20.0, 2)]
+    (d,) = from_state(one_deployment(tmp_path, rows), BOX)
     assert d.costs == Costs(wake2_s=20.0)  # wake_s: the default
 
 
 def test_the_newest_five_of_each_kind_and_level_price_it_as_the_box_does(tmp_path):
     """The state file keeps 20 of each kind and level; the box prices a start, a wake or a sleep
     by the median of its newest five (control.starts.ETA_OF), and so does a replay of the file."""
-    async def make() -> str:
-        path = tmp_path / "ondemand.db"
-        store = await Store.open(path)
-        try:
-            d = await store.insert_deployment(dict(name="d", served_name="D", engine="vllm", model="org/d",
-                                                   memory_gib=10, gpu_count=1, state="stopped", role="model"))
-            for seconds in (100.0, 100.0, 10.0, 20.0, 30.0, 40.0, 50.0):  # all seven: 40; the newest five: 30
-                await store.write_start(d["id"], at=1.0, duration_s=seconds, kind="start", keep=20)
-                await store.write_start(d["id"], at=1.0, duration_s=seconds / 10, kind="wake", keep=20, level=1)
-                await store.write_start(d["id"], at=1.0, duration_s=seconds / 5, kind="sleep", keep=20, level=1)
-        finally:
-            await store.close()
-        return str(path)
-    (d,) = from_state(asyncio.run(make()), BOX)
+    rows = []
+    for seconds in (100.0, 100.0, 10.0, 20.0, 30.0, 40.0, 50.0):  # all seven: 40; the newest five: 30
+        rows += [("start", seconds, None), ("wake", seconds / 10, 1), ("sleep", seconds / 5, 1)]
+    (d,) = from_state(one_deployment(tmp_path, rows), BOX)
     assert d.costs == Costs(cold_start_s=30.0, wake_s=3.0, sleep_s=6.0)
 
 
