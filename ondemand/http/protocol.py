@@ -120,8 +120,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._head_pending():
             # Timed from its first read: a head that came whole (the usual) never needs the timer.
-            answer = unfinished_head(self.limits, self.head_bytes, self.parser.get_http_version() if self.in_head
-                                     else "", self.raw if self.in_head and not self.raw_headers else None)
+            version = self.parser.get_http_version() if self.in_head else ""
+            answer = unfinished_head(self.limits, self.head_bytes, version,
+                                     self.raw if self.in_head and not self.raw_headers and b"\n" in data else None)
             if answer is not None:
                 self._refuse(answer)
             elif self.head_timer is None:

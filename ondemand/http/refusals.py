@@ -53,7 +53,9 @@ def unfinished_head(limits: Limits, size: int, version: str, line: list[bytes] |
     while it may go on: 431 past ``max_head_bytes``; 400 for a request line without an HTTP
     version. llhttp takes one for HTTP/0.9 and waits for headers, and says so (``version``) only
     from the byte after the line, so ``line``, the head's bytes while they may be its request
-    line alone, is looked at too (a bare ``GET /`` waited for the head timeout)."""
+    line alone, is looked at too (a bare ``GET /`` waited for the head timeout); a caller gives it
+    only with a read that brought a line break, so a line sent a byte at a time is not joined at
+    every byte."""
     if size > limits.max_head_bytes:
         return refusal(431, "headers_too_large", f"The request head is larger than {limits.max_head_bytes // 1024} KiB")
     if version == "0.9":

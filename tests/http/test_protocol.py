@@ -320,6 +320,41 @@ async def test_a_request_line_without_a_version_is_400_and_closed(server, raw):
 
 
 @pytest.mark.uvloop
+@pytest.mark.parametrize("pieces, status", [
+    ([b"GET /dgx", b"mm/api/", b"host", b"\r\n"], b"HTTP/1.1 400"),  # the line ends in a read of its own
+    ([b"\r", b"\nGET /", b"\r\n"], b"HTTP/1.1 400"),  # an empty line first, a byte at a time
+    ([b"GET /dgxmm/healthz HT", b"TP/1.1\r", b"\nHost: x\r\n", b"Connection: close\r\n\r\n"], b"HTTP/1.1 200"),
+])
+async def test_a_request_line_in_pieces_is_judged_when_it_ends(server, pieces, status):
+    """The line is looked at in the read that ends it (not joined again at every byte): one
+    without a version is 400 at once, one with it read on, whatever the pieces."""
+    async with connection(server) as (reader, writer):
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        got, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+    assert got.startswith(status), got
+
+
+async def test_a_request_line_sent_a_byte_at_a_time_is_read_once_it_ends(server, monkeypatch):
+    """Its bytes are joined and read only in the read that brings its line break, not at every
+    byte (a long line sent a byte at a time would otherwise cost its length squared)."""
+    from ondemand.http import refusals
+    calls = []
+    real = refusals.line_without_version
+    monkeypatch.setattr(refusals, "line_without_version", lambda line: calls.append(1) or real(line))
+    async with connection(server) as (reader, writer):
+        for byte in b"GET /dgxmm/healthz?" + b"x" * 200 + b" HTTP/1.1\r\n":
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.write(b"Host: x\r\nConnection: close\r\n\r\n")
+        got, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+    assert got.startswith(b"HTTP/1.1 200") and len(calls) <= 2, (got, len(calls))
+
+
+@pytest.mark.uvloop
 async def test_the_rest_of_a_refused_body_is_read_for_a_bounded_time_and_size(server):
     """What comes after the answer is read and dropped for ``lingering_s`` and
     ``linger_max_bytes`` at most, then the connection closes: a client that keeps sending
