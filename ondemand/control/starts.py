@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..engines.tiers import LEVELS
 from ..events import Slept, StartEnded
@@ -46,6 +46,20 @@ def wake_median(level: int, from_level: dict[int, list[float]], every: list[floa
     return statistics.median(every) if every else None
 
 
+def newest(rows: Iterable[tuple[str, float, int | None]]) -> dict[str | tuple[str, int], list[float]]:
+    """One deployment's recorded rows (kind, duration_s, level), oldest first, as the box prices
+    them: the newest ``ETA_OF`` of each kind (key ``kind``) and of each kind at a known level (key
+    ``(kind, level)``). The box at start-up and a replay of its state file both read them so."""
+    out: dict[str | tuple[str, int], list[float]] = {}
+    for kind, duration, level in rows:
+        out.setdefault(kind, []).append(duration)
+        if level in LEVELS:
+            out.setdefault((kind, level), []).append(duration)
+    for durations in out.values():
+        del durations[:-ETA_OF]
+    return out
+
+
 class StartHistory:
     def __init__(self, store: Store, *, keep: int = KEEP, wall: Callable[[], float] = time.time):
         self.store = store
@@ -60,15 +74,14 @@ class StartHistory:
 
     async def load(self) -> None:
         for dep_id, rows in (await self.store.starts(self.keep)).items():
+            kept = newest(rows)
             for kind, into in (("start", self._durations), ("wake", self._wakes)):
-                durations = [d for k, d, _ in rows if k == kind][-ETA_OF:]
-                if durations:
-                    into[dep_id] = durations
+                if kind in kept:
+                    into[dep_id] = kept[kind]
             for level in LEVELS:
                 for kind, by_level in (("wake", self._wakes_from), ("sleep", self._sleeps)):
-                    durations = [d for k, d, lv in rows if k == kind and lv == level][-ETA_OF:]
-                    if durations:
-                        by_level[(dep_id, level)] = durations
+                    if (kind, level) in kept:
+                        by_level[(dep_id, level)] = kept[(kind, level)]
 
     async def close(self) -> None:
         await self.tasks.close()

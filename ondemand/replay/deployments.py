@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..control import placement
-from ..control.starts import ETA_OF, wake_median
+from ..control.starts import newest, wake_median
 from ..engines import tiers
 from ..model import MAX_INFLIGHT, Deployment, IdleAction, KeepWarm, Mode, Priority, Role, State
 from ..state.store import deployment_fields
@@ -272,25 +272,22 @@ def from_state(db_path: str | os.PathLike[str], box: Box) -> list[Replayed]:
             con.close()
     except sqlite3.Error as exc:
         raise DeploymentError(f"{path}: cannot read the state file: {exc}") from None
-    history: dict[tuple[int, str], list[float]] = {}
+    rows_of: dict[int, list[tuple[str, float, int | None]]] = {}
     for dep_id, kind, duration, level in starts:
-        history.setdefault((dep_id, kind), []).append(float(duration))
-        if kind in ("wake", "sleep") and level in tiers.LEVELS:
-            history.setdefault((dep_id, f"{kind}{level}"), []).append(float(duration))
-    for durations in history.values():  # the newest ETA_OF of each, as the box's own history keeps
-        del durations[:-ETA_OF]
+        rows_of.setdefault(dep_id, []).append((kind, float(duration), level))
     out = []
     for row in rows:
         dep = _at_rest(Deployment.from_row(row), box)
-        cold = history.get((dep.id, "start"))
-        from_level = {level: history.get((dep.id, f"wake{level}"), []) for level in tiers.LEVELS}
-        every = history.get((dep.id, "wake"), [])
+        history = newest(rows_of.get(dep.id, ()))  # what the box itself would price it by
+        cold = history.get("start")
+        from_level = {level: history.get(("wake", level), []) for level in tiers.LEVELS}
+        every = history.get("wake", [])
         measured: dict[str, Any] = {tiers.STOPPED.cost_key: statistics.median(cold)} if cold else {}
         for level in tiers.LEVELS:  # each sleep's tier, priced by its wakes from that level
             wake = wake_median(level, from_level, every)
             if wake is not None:
                 measured[tiers.asleep(level).cost_key] = wake
-        slept = history.get((dep.id, "sleep1")) or history.get((dep.id, "sleep"))  # its idle sleeps' level first
+        slept = history.get(("sleep", 1)) or history.get("sleep")  # its idle sleeps' level first
         if slept:
             measured["sleep_s"] = statistics.median(slept)
         costs = dataclasses.replace(Costs(), **measured)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import dep_fields, running_deployer, wait_for
 
-from ondemand.control.starts import ETA_OF, StartHistory
+from ondemand.control.starts import ETA_OF, StartHistory, newest
 from ondemand.engines.start import Start
 from ondemand.engines.startwatch import StartWatch
 from ondemand.events import Slept, StartEnded, StopCause
@@ -226,6 +226,17 @@ async def test_sleeps_are_written_and_a_restart_keeps_them(store):
     await again.load()
     assert again.sleep_eta_s(1, 1) == 21.0 and again.sleep_eta_s(1, 2) == 3.0
     assert again.fields(1) == {"last_start_s": None, "start_eta_s": None}  # a sleep is no start
+
+
+def test_the_rows_kept_by_kind_and_by_level_the_newest_five_each():
+    """``newest``, which the box at start-up and a replay of its state file both price by: each
+    kind's newest five, and each kind's at a known level apart (a wake of unknown level counts
+    only in its kind's)."""
+    rows = [("start", float(i), None) for i in range(7)] + [("wake", 1.0, None), ("wake", 2.0, 1)]
+    rows += [("sleep", float(i), 2) for i in range(6)]
+    assert newest(rows) == {"start": [2.0, 3.0, 4.0, 5.0, 6.0], "wake": [1.0, 2.0], ("wake", 1): [2.0],
+                            "sleep": [1.0, 2.0, 3.0, 4.0, 5.0], ("sleep", 2): [1.0, 2.0, 3.0, 4.0, 5.0]}
+    assert newest([]) == {}
 
 
 async def test_the_state_file_keeps_a_bounded_history(store):
