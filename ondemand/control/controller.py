@@ -33,7 +33,7 @@ from .keepwarm import Adaptive
 from .modes import ModePlan
 from .protocol import Effects, Timer
 from .queue import WaitQueue
-from .record import Phase, Record, Waiter
+from .record import Phase, Record, Waiter, idled_out
 from .rhythm import Rhythm
 from .scheduler import Scheduler, SeedScheduler
 from .slots import BACKOFF_FIRST_S, BACKOFF_MAX_S, Slots
@@ -386,13 +386,12 @@ class Controller:
         claimed = self.slots.claimed()
         for dep in self.effects.deployments():
             self._show_hold(dep)
-            if dep.id in claimed or not self.is_idle(dep, now) or self._held_awake(dep, now):
+            span = None if dep.id in claimed else self.slots.quiet_for(dep, now)  # Slots.is_idle's reading
+            if span is None or not idled_out(*span) or self._held_awake(dep, now):
                 continue
             # How long its rule had it wait: its timeout, or its warmth policy's (warmth by value
             # rests a model cheap to wake at min_idle_timeout_s, or holds a dear one longer).
-            span = self.slots.quiet_for(dep, now)
-            after = span[1] if span is not None else float(self.slots.idle_timeout(dep))
-            minutes = round(after / 60, 2)  # "0.33", "10", "1.5"
+            minutes = round(span[1] / 60, 2)  # "0.33", "10", "1.5"
             if dep.state is State.ASLEEP:
                 # Asleep it stays, until a request wakes it, make-room needs its memory, or
                 # it has slept sleep_timeout_s.
