@@ -25,8 +25,9 @@ A policy is ondemand configured to behave like it, not a scheduler of its own (`
   when memory is free or can be freed from deployments needed later, and takes victims furthest
   next arrival first (``clairvoyant.py``, its parts plugged into the same core). It is the one
   policy that reads the trace ahead: ``replay`` then holds the trace's requests in memory.
-  ``clairvoyant=S`` is the same reference resting no deployment before S seconds idle (the floor
-  the product keeps, ``min_idle_timeout_s``): the least memory a policy with that floor holds.
+  ``clairvoyant=S`` is the same reference whose own rests wait until a deployment has been idle S
+  seconds (the floor the product keeps, ``min_idle_timeout_s``; its make-room may take one
+  sooner, as the product's may): the least memory a policy with that floor holds.
 
 One ``Run`` per policy: its own virtual clock, world (``world.py``), controller and requests'
 edge (``flights.py``), and the reaper's step every ``reap_interval_s`` (at k × the period:

@@ -17,8 +17,8 @@ POLICY_KINDS = ("current", "always-on", "ttl", "sleep-ttl", "lru", "sleep-lru", 
                 "clairvoyant")
 # The ones that take seconds: "ttl=300".
 TIMED_KINDS = frozenset({"ttl", "sleep-ttl", "lru", "sleep-lru", "fixed"})
-# The ones that may take seconds or not: "clairvoyant" rests at once, "clairvoyant=60" no sooner
-# than 60 s idle (the floor every product policy keeps: min_idle_timeout_s).
+# The ones that may take seconds or not: "clairvoyant" rests at once, "clairvoyant=60" its own rests
+# no sooner than 60 s idle (the floor every product policy keeps: min_idle_timeout_s).
 FLOORED_KINDS = frozenset({"clairvoyant"})
 # Peers whose make-room takes any model with nothing in flight (Ollama's rule), not only one idle
 # for its whole timeout.

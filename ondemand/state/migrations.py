@@ -224,7 +224,7 @@ _KINDS = "CHECK (kind IN ('start', 'wake', 'sleep'))"
 
 async def _v10_sleeps(db: aiosqlite.Connection) -> None:
     # A sleep's call beside the starts and wakes (kind 'sleep', with its level), so that a restart
-    # keeps how long each level's sleep holds the memory (warmth by value and make-room weigh it).
+    # keeps how long each level's sleep holds the memory (warmth by value weighs it).
     # The table is made anew (``_widen_check``, as in version 5), then its index again.
     sql = await _table_sql(db, "starts")
     if _KINDS in sql or "CHECK (kind IN" not in sql:
