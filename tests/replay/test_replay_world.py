@@ -3,7 +3,8 @@ and the engines on the virtual clock. Its ledger alone, booked by hand; then cas
 follow by hand, each through ondemand's own controller (test_replay_run.py's helpers and costs:
 a cold start 60 s, a level-1 wake 3 s, level 2 10 s, a sleep 2 s), for what the world itself
 decides: the always-on placed before the trace, a sleep's level under the host reserve, a sleep
-whose call is still out holding its memory, the start-up gate of each GPU."""
+whose call is still out holding its memory (and a victim's own request then waking it back), the
+start-up gate of each GPU."""
 from __future__ import annotations
 
 import pytest
@@ -95,6 +96,23 @@ def test_a_victims_memory_is_free_only_when_its_sleep_has_ended():
     b = r.per_deployment["b"]
     assert b.waits == pytest.approx([10.0 + 60.0], abs=0.2)  # the sleep's 10 s, then its cold start
     assert r.per_deployment["c"].waited["queue"] == 1  # c waited for memory behind b
+
+
+@pytest.mark.parametrize("policy", ["seed", "cost"])
+def test_a_victims_own_request_during_its_sleep_wakes_it_back_before_the_head(policy):
+    """a (60 GiB) idle is put to sleep for b (60 GiB) at 125 s; its sleep's call takes 10 s. A
+    request of a's own at 126 s wakes it when the call ends (135 + 3 s): the hold for b begins
+    only when the call reports (design.md, invariant 5), so b waits, queued, until a has idled out
+    again (its request ends at 140.2 s, its 60 s at 200.2 s), then a's second sleep and b's cold
+    start: 200.25 + 10 + 60 - 125."""
+    slow = Costs(sleep_s=10)
+    deps = [dep(1, "a", 60, costs=slow, idle_timeout_s=60), dep(2, "b", 60)]
+    r = run(deps, [req(0), req(125, "b"), req(126, "a")], policy)
+    a, b = r.per_deployment["a"], r.per_deployment["b"]
+    assert a.waits == pytest.approx([60.0, 135 + 3 - 126])
+    assert (a.sleeps, a.wakes) == (2, 1)
+    assert b.waits == pytest.approx([200.25 + 10 + 60 - 125])
+    assert b.waited["queue"] == 1
 
 
 def test_starts_on_one_gpu_pass_its_start_up_gate_one_at_a_time():
