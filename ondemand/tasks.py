@@ -31,6 +31,13 @@ class TaskGroup:
         if not task.cancelled() and task.exception() is not None:
             log.error("task %s failed", task.get_name(), exc_info=task.exception())
 
+    async def finish(self, within_s: float, reason: str = "shutdown") -> None:
+        """Let the tasks out now end on their own for up to ``within_s`` (short writes that must
+        not be lost at shutdown), then ``close`` what is left."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=within_s)
+        await self.close(reason)
+
     async def close(self, reason: str = "shutdown") -> None:
         tasks = list(self._tasks)
         for task in tasks:

@@ -1,7 +1,8 @@
 """ondemand/tasks.py: ``TaskGroup``, through which every background task goes, on a real event
 loop: a task named after its owner and held until it ends, a failure logged with its traceback
-(a cancellation is not one), and ``close`` cancelling every task with its reason and waiting
-until each has ended, even one that swallows its first cancellation."""
+(a cancellation is not one), ``close`` cancelling every task with its reason and waiting
+until each has ended, even one that swallows its first cancellation, and ``finish`` letting them
+end on their own for a while first."""
 import asyncio
 import logging
 
@@ -85,3 +86,23 @@ async def test_close_cancels_again_a_task_that_swallowed_its_cancellation(caplog
         await asyncio.wait_for(group.close(), 10)
     assert task.cancelled() and cancels == [1, 1]
     assert "task owner:stubborn ignored its cancellation; cancelling again" in caplog.text
+
+
+async def test_finish_lets_the_tasks_end_on_their_own_within_its_time_then_cancels_the_rest():
+    group = TaskGroup("owner")
+    ends = []
+
+    async def short():
+        await asyncio.sleep(0.05)
+        ends.append("short")
+
+    async def endless():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            ends.append("cancelled")
+            raise
+    group.spawn(short(), "short")
+    group.spawn(endless(), "endless")
+    await group.finish(0.5)
+    assert sorted(ends) == ["cancelled", "short"] and len(group) == 0

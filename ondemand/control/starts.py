@@ -31,6 +31,7 @@ log = logging.getLogger("ondemand.control.starts")
 
 KEEP = 20  # starts kept per deployment in the state file
 ETA_OF = 5  # the ETA is the median of this many last starts (or wakes)
+WRITE_GRACE_S = 2.0  # at shutdown, how long the rows still being written may take (``close``)
 
 
 def wake_median(level: int, from_level: dict[int, list[float]], every: list[float]) -> float | None:
@@ -84,7 +85,9 @@ class StartHistory:
                         by_level[(dep_id, level)] = kept[(kind, level)]
 
     async def close(self) -> None:
-        await self.tasks.close()
+        """The rows still being written are written (a start or a sleep that ended as ondemand
+        shuts down is kept): each is one insert, so they get ``WRITE_GRACE_S``, then are cancelled."""
+        await self.tasks.finish(WRITE_GRACE_S)
 
     # --- the bus -------------------------------------------------------------------
 

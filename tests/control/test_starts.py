@@ -228,6 +228,16 @@ async def test_sleeps_are_written_and_a_restart_keeps_them(store):
     assert again.fields(1) == {"last_start_s": None, "start_eta_s": None}  # a sleep is no start
 
 
+async def test_a_sleep_or_start_that_ends_as_ondemand_shuts_down_keeps_its_row(store):
+    """The rows are written by tasks; ``close`` (shutdown) lets the ones out finish instead of
+    cancelling them, so the last sleep and start before a restart are in the file."""
+    h = StartHistory(store, wall=lambda: 50.0)
+    h.on_slept(Slept(1, "d", 1, StopCause.IDLE, 21.0))
+    ended(h, began=10.0, at=70.0)
+    await h.close()  # in the same step: no write has begun yet
+    assert sorted((await store.starts(100))[1]) == [("sleep", 21.0, 1), ("start", 60.0, None)]
+
+
 def test_the_rows_kept_by_kind_and_by_level_the_newest_five_each():
     """``newest``, which the box at start-up and a replay of its state file both price by: each
     kind's newest five, and each kind's at a known level apart (a wake of unknown level counts
