@@ -10,9 +10,7 @@ connections; ``config`` reads the environment once).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import fcntl
 import gc
 import logging
 import os
@@ -70,6 +68,7 @@ from .engines.deployer import Deployer
 from .engines.metrics import MetricsSampler
 from .engines.recipes import Box
 from .engines.startwatch import StartWatch
+from .errors import StartupError
 from .events import CountersChanged, DeploymentChanged, EventBus, KeyRotated, Slept, ViewPublished, Woken
 from .gateway import keys as keys_mod
 from .gateway.accesslog import AccessLog
@@ -84,15 +83,12 @@ from .http.server import LIMITS, ROUTE, HttpServer, Route, raise_open_files
 from .litellm.client import LiteLLMClient
 from .litellm.sync import LiteLLMSync
 from .model import State
+from .state.lock import lock_state_dir
 from .state.retention import prune_old_rows
 from .state.store import Store
 from .tasks import TaskGroup
 
 log = logging.getLogger("ondemand.app")
-
-class StartupError(Exception):
-    """The server cannot start; the message says why and what to do."""
-
 
 def make_backend(cfg: Config) -> Backend:
     if cfg.deployer.backend == "process":
@@ -101,44 +97,6 @@ def make_backend(cfg: Config) -> Backend:
     return DockerBackend(docker_url=cfg.deployer.docker_url, network=cfg.deployer.network,
                          own_container_id=socket.gethostname(), gpus=cfg.deployer.gpus,
                          shm_size_gib=cfg.deployer.shm_size_gib, publish_host=cfg.deployer.publish_host)
-
-
-def lock_state_dir(state_dir: Path) -> int:
-    """Hold ``{state_dir}/ondemand.lock`` for the life of this process (an flock: the kernel
-    releases it when the process dies, however it dies).
-
-    Only one ondemand may own a state directory: at start-up the deployer adopts the engines it
-    finds and kills the process backend's leftovers, so a second ``serve`` (a second terminal, an
-    overlapping restart) would kill the engines of the one already running, busy or not."""
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _private_dir(state_dir)
-    path = state_dir / "ondemand.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = ""
-        with contextlib.suppress(OSError):
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise StartupError(f"another ondemand (pid {holder or 'unknown'}) is running with state_dir "
-                           f"{state_dir}: stop it first, or give this one its own state_dir") from None
-    try:  # the holder's pid, for the message above; a disk that takes no write fails the start
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        os.close(fd)  # and with it the lock: the start fails, and nothing is left held
-        raise
-    return fd
-
-
-def _private_dir(state_dir: Path) -> None:
-    """The state directory holds the key, the admin token, the socket and the state file:
-    only its owner may look inside (0700). One of ours that others can read is tightened."""
-    st = state_dir.stat()
-    if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.getuid():
-        os.chmod(state_dir, 0o700)
-        log.warning("state_dir %s was open to others (mode %o): now 0700", state_dir, stat.S_IMODE(st.st_mode))
 
 
 def ensure_token(path: Path) -> str:

@@ -106,3 +106,7 @@ class NameTaken(DeployerError):
 
 class ConfigError(Exception):
     """A configuration key is unknown or out of range; the message names it."""
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says why and what to do."""

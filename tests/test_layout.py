@@ -142,7 +142,7 @@ ALLOWED = {
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),
-    "state.retention": {"state.store"},
+    "state.retention": {"state.store"}, "state.lock": {"errors"},
     # litellm/: LiteLLM's admin API and the sync.
     "litellm": set(), "litellm.client": {"errors", "litellm.entries"},
     "litellm.entries": {"gateway.keys", "http.headers"},
@@ -185,7 +185,8 @@ ALLOWED = {
     # cli/: the command line, an edge (it may import anything).
     "cli.shared": {"admin.client", "config", "engines.recipes", "errors"},
     "cli.views": {"cli.shared", "control.budget", "engines.metrics", "engines.tiers", "engines.warmth", "model"},
-    "cli.serve": {"app", "cli.shared", "config", "gateway.keys", "sim.engine", "state.migrations", "state.store"},
+    "cli.serve": {"app", "cli.shared", "config", "errors", "gateway.keys", "sim.engine", "state.lock", "state.migrations",
+                  "state.store"},
     "cli.deploy": {"admin.client", "cli.shared", "cli.views", "engines.recipes", "model"},
     "cli.warmth": {"cli.deploy", "cli.shared", "cli.views", "engines.tiers"},
     "cli.keys": {"cli.shared", "config", "gateway.keys"},

@@ -54,13 +54,15 @@ async def _seed_demo(cfg: config_mod.Config) -> list[str]:
 def serve(ctx: Ctx, demo: bool) -> None:
     """Run the gateway, the admin API, the controller and the deployer."""
     from .. import app
+    from ..errors import StartupError
+    from ..state.lock import lock_state_dir
     cfg = ctx.cfg
     if demo:
         if cfg.deployer.backend != "process":
             _fail("--demo runs the engine simulator as child processes: set deployer.backend = process", EXIT_USAGE)
         try:  # not behind the back of a server that owns this state directory
-            lock = app.lock_state_dir(cfg.state_dir)
-        except app.StartupError as exc:
+            lock = lock_state_dir(cfg.state_dir)
+        except StartupError as exc:
             _fail(str(exc))
         try:
             for item in _run(_seed_demo(cfg)):
@@ -75,7 +77,7 @@ def serve(ctx: Ctx, demo: bool) -> None:
         # A disk that takes no more writes fails the start (the token, the lock, the state
         # file's migrations, each whole or not at all): one line, as any other start-up error.
         line = disk_error(exc, cfg, cfg.state_dir)
-        if line is None and not isinstance(exc, app.StartupError):
+        if line is None and not isinstance(exc, StartupError):
             raise
         _fail(f"cannot start: {line}" if line else str(exc))
 

@@ -152,7 +152,7 @@ def test_a_lock_whose_pid_cannot_be_written_is_let_go(tmp_path, monkeypatch):
     holding the lock: the next start (the disk freed) takes it."""
     import errno
 
-    from ondemand import app
+    from ondemand.state.lock import lock_state_dir
     real = os.pwrite
 
     def full(fd, data, offset):
@@ -160,10 +160,10 @@ def test_a_lock_whose_pid_cannot_be_written_is_let_go(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "pwrite", full)
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError):
-        app.lock_state_dir(tmp_path / "s")
+        lock_state_dir(tmp_path / "s")
     assert len(os.listdir("/proc/self/fd")) == before
     monkeypatch.setattr(os, "pwrite", real)
-    fd = app.lock_state_dir(tmp_path / "s")
+    fd = lock_state_dir(tmp_path / "s")
     os.close(fd)
 
 
