@@ -332,8 +332,10 @@ class Budget:
                     used[i] += gib
                 elif d.id != exclude and pending:
                     starting[i] += gib
-                elif d.id == exclude and not declared and d.state is State.ASLEEP:
-                    used[i] = max(0.0, used[i] - gib)  # what a sleeper keeps is its own to wake into
+                elif d.id == exclude and not declared:
+                    # What a sleeper keeps is its own to wake into: its residue, or all of it while
+                    # its sleep's call is out (``rules.as_read`` counts it so).
+                    used[i] = max(0.0, used[i] - gib)
             if d.mode is Mode.ALWAYS_ON or d.role is not Role.MODEL:
                 # Nothing on demand frees it, and asleep it wakes into its whole footprint.
                 for i, gib in placement.holdings(d.footprint_gib, d.gpu_count, d.gpus, n, self.per_gpu).items():

@@ -193,7 +193,7 @@ class DeployerEffects:
                     return
                 try:
                     reading = await self.budget.read(self.deployer.all())
-                    self.budget.check_fit(dep, self.deployer.all(), reading,
+                    self.budget.check_fit(dep, self.deployer.as_read(), reading,
                                           self.controller.held_for_others(target))
                     settled = (target, reading)
                     return

@@ -202,7 +202,7 @@ class Deployer(Registry):
         self._book_missing()
         unit = self._unit_of(dep_id)
         gpus = rules.admit(unit.dep, unit.removing, wanted, held_for_others,
-                           lambda dep, held: self.budget.check_fit(dep, self.all(), reading, held))
+                           lambda dep, held: self.budget.check_fit(dep, self.as_read(), reading, held))
         if gpus is None:
             return False
         waking = unit.dep.state is State.ASLEEP

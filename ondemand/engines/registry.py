@@ -75,6 +75,11 @@ class Registry:
     def all(self) -> list[Deployment]:
         return [unit.dep for unit in self._units.values()]
 
+    def as_read(self) -> list[Deployment]:
+        """The deployments as a fit check counts them (``rules.as_read``: a sleep whose engine
+        call is out still holds its whole footprint)."""
+        return rules.as_read(self.all(), lambda dep_id: self._units[dep_id].sleeping)
+
     def unit(self, dep_id: int) -> Unit | None:
         return self._units.get(dep_id)
 

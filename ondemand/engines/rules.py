@@ -7,6 +7,7 @@ replay says (design.md, "The replay").
 
 - ``may_start``, ``admit``: may this start (or wake) begin; the start step in its order (may
   it, is it still wanted, the queue's holds, the fit check: the control side's, handed in);
+- ``as_read``: the deployments as a fit check counts them (a sleep whose call is out holds all);
 - ``gate_keys``: the start-up gates a start takes, in index order;
 - ``may_stop``: approve this stop;
 - ``asked_level``, ``may_sleep``, ``sleep_level``: which sleep level, after the host reserve
@@ -51,6 +52,17 @@ def admit(dep: Deployment, removing: bool, wanted: Callable[[], bool] | None,
     if not may_start(dep, removing) or (wanted is not None and not wanted()):
         return None
     return fit(dep, held_for_others() if held_for_others is not None else None)
+
+
+def as_read(deps: Iterable[Deployment], sleeping: Callable[[int], bool]) -> list[Deployment]:
+    """The deployments as a fit check counts them: one marked asleep whose sleep's engine call is
+    still out (``sleeping``) holds its whole footprint until the call ends, as it does on the GPUs
+    (nvidia-smi shows the memory used until the engine has freed it). So no start takes that
+    memory mid-sleep on a budget that measures nothing either (the ``static`` one), and the start
+    make-room freed it for is not overtaken before its hold begins, when the call reports; the
+    sleeper's own wake may still use it (its own holding never counts against itself)."""
+    return [d.replace(state=State.READY, sleep_level=None) if d.state is State.ASLEEP and sleeping(d.id) else d
+            for d in deps]
 
 
 def gate_keys(gpus: Iterable[int], per_gpu: bool) -> list[int | None]:

@@ -187,15 +187,10 @@ class World:
         return list(self._deps.values())
 
     def _as_read(self) -> list[Deployment]:
-        """The deployments as the budget would read the box: one whose sleep call is still out
-        holds its whole footprint until the call ends (nvidia-smi shows the memory used until the
-        engine has freed it), so no start takes it mid-sleep and the start it was freed for waits
-        for it, as make-room's settle does on a real box."""
-        deps = list(self._deps.values())
-        if not self._sleep_ends:
-            return deps
-        return [d.replace(state=State.READY, sleep_level=None)
-                if d.state is State.ASLEEP and d.id in self._sleep_ends else d for d in deps]
+        """The deployments as the budget would read the box (``rules.as_read``: one whose sleep
+        call is still out holds its whole footprint until the call ends), so no start takes it
+        mid-sleep and the start it was freed for waits for it, as make-room's settle does."""
+        return rules.as_read(self._deps.values(), self._sleep_ends.__contains__)
 
     def sleeping(self, dep_id: int) -> bool:
         """Is its sleep's engine call still out (its memory not yet freed)?"""

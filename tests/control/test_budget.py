@@ -228,6 +228,26 @@ def test_waking_keeps_the_gpus_it_holds():
     assert b.check_fit(asleep, [asleep], gpus(0, 0, 0, 20)) == (3,)
 
 
+def test_a_sleep_whose_call_is_out_holds_all_its_memory_for_others_and_none_against_its_own_wake():
+    """Marked asleep, its call still out (``rules.as_read`` counts it whole): on a static budget
+    another start does not fit in its 60 GiB, on a measured one its own wake fits in what the
+    GPU still shows it using (its own), as a sleeper's residue does once the call has ended."""
+    from ondemand.engines.rules import as_read
+    asleep = dep(1, 60, State.ASLEEP, gpu_count=1, gpus=(0,), sleep_level=1)
+    other = dep(2, 40, State.STOPPED, gpu_count=1)
+    mid_call = as_read([asleep, other], lambda dep_id: dep_id == 1)
+    assert [d.state for d in mid_call] == [State.READY, State.STOPPED]
+    static = Budget("static", gpu_capacity_gib=[80], asleep_residue_gib=2)
+    with pytest.raises(InsufficientMemory):
+        static.check_fit(other, mid_call, Reading(None))
+    assert static.check_fit(other, as_read([asleep, other], lambda dep_id: False), Reading(None)) == (0,)
+    assert static.check_fit(asleep, mid_call, Reading(None)) == (0,)
+    measured = Budget("nvidia-smi")
+    assert measured.check_fit(asleep, mid_call, gpus(60)) == (0,)  # the GPU still shows its 60 GiB
+    with pytest.raises(InsufficientMemory):
+        measured.check_fit(other, mid_call, gpus(60))
+
+
 def test_each_gpu_shows_who_holds_it():
     b = Budget("static", gpu_capacity_gib=(80, 80))
     deps = [dep(1, 60, State.READY, gpu_count=1, gpus=(1,)), dep(2, 40, State.STARTING, gpu_count=2, gpus=(0, 1))]

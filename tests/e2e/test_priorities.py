@@ -92,6 +92,32 @@ async def test_low_and_high_queued_behind_a_busy_model_the_high_one_starts_first
     assert server.state(low) == "stopped" and server.state(busy) == "stopped"
 
 
+@pytest.mark.server(ondemand_queue_timeout_s=6)
+async def test_memory_a_sleep_frees_for_the_high_head_is_not_taken_by_the_normal_entry_behind_it(server, http):
+    """The budget counts nothing measured (static): a victim marked asleep counted only its
+    residue while its sleep's call (1 s) was still out, so the normal entry queued behind the
+    high head started in that memory, and the high request waited for it to idle out."""
+    small = await server.add("small", 10, "--sleep-delay", "1", idle_action="sleep")
+    normal = await server.add("normal", 16)
+    high = await server.add("high", 16, priority="high")
+    await server.deployer.restart(small)
+    slot = await server.admission.acquire(small)  # busy: nothing can be put away for now
+    normal_req = asyncio.ensure_future(chat(http, server, normal))
+    await wait_for(lambda: server.controller.queue.ids() == [normal], what="the normal request to queue")
+    high_req = asyncio.ensure_future(chat(http, server, high))
+    await wait_for(lambda: server.controller.queue.ids() == [high, normal], what="the high one to take the head")
+    slot.release()
+    await server.app[app_mod.SAMPLER].sample_once()
+    idle_now(server, small)
+    server.controller.tick()  # make-room for the head: small is put to sleep
+    status, _, body = await high_req
+    assert status == 200, body
+    status, _, body = await normal_req  # it may not put the high one away: it times out
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "ondemand_queue_timeout"
+    starts = [a["deployment_id"] for a in reversed(await audit(http, server)) if a["action"] == "ondemand_start"]
+    assert starts == [high]
+
+
 async def test_over_the_limit_is_429_at_once_and_200_again_after(server, http):
     dep = await server.add("lim", 10, max_inflight=1)
     await server.deployer.restart(dep)

@@ -209,6 +209,36 @@ async def test_a_sleep_is_published_with_how_long_its_call_held_the_memory(tmp_p
     assert 0.4 <= seen[0].took_s < 5
 
 
+async def test_a_sleeps_memory_is_not_free_for_another_start_until_its_call_ends(tmp_path, store):
+    """On the static budget (nothing measured) a sleeper counted only its residue from its mark,
+    so a start could take memory still in use, and one queued behind a head could take what
+    make-room was freeing for the head. Until the call ends the sleeper holds all of it, but
+    for its own wake."""
+    async with running_deployer(tmp_path, store, capacity=24) as d:
+        a = await d.create(dep_fields("a", 10, "on_demand", "--sleep-delay", "1"))
+        b = await d.create(dep_fields("b", 16))
+        await d.restart(a.id)
+        sleeping = asyncio.ensure_future(d.sleep(a.id))
+        await wait_for(lambda: d.get(a.id).state == "asleep", what="a marked asleep")
+        with pytest.raises(InsufficientMemory):
+            await d.admit_start(b.id)
+        assert await sleeping  # its level (not stopped instead)
+        await d.restart(b.id)  # the call has ended: a keeps its residue only
+        assert d.get(b.id).state == "ready"
+
+
+async def test_a_sleeper_may_wake_into_its_own_memory_while_its_call_is_out(tmp_path, store):
+    async with running_deployer(tmp_path, store, capacity=24) as d:
+        a = await d.create(dep_fields("a", 10, "on_demand", "--sleep-delay", "0.5"))
+        await d.restart(a.id)
+        sleeping = asyncio.ensure_future(d.sleep(a.id))
+        await wait_for(lambda: d.get(a.id).state == "asleep", what="a marked asleep")
+        assert await d.admit_start(a.id)  # its wake waits for the call, then wakes
+        await d.wait_started(a.id)
+        await sleeping
+        assert d.get(a.id).state == "ready"
+
+
 async def test_remove_stops_and_forgets(tmp_path, store):
     async with running_deployer(tmp_path, store) as d:
         dep = await d.create(dep_fields("a"))
