@@ -284,6 +284,9 @@ class AioConnection(web.RequestHandler):
             text = f"Malformed HTTP request: {first[0] if first else 'Bad Request'}"
             REFUSALS.note(peer, text, status)
             err = OndemandError(status, "invalid_request", text)
-        resp = web.Response(status=status, body=err.body(), content_type="application/json")
+        # Said in the answer too: aiohttp names a close only in an HTTP/1.1 answer, and a head it
+        # could not parse is answered as HTTP/1.0.
+        resp = web.Response(status=status, body=err.body(), content_type="application/json",
+                            headers={"Connection": "close"})
         resp.force_close()
         return resp

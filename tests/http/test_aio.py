@@ -69,6 +69,16 @@ async def test_after_an_admin_request_a_request_line_without_a_version_is_400(se
     assert asyncio.get_running_loop().time() - t0 < 5
 
 
+@pytest.mark.parametrize("bad", [b"GET /dgxmm/healthz\r\n\r\n", b"GET /dgxmm/healthz HTTP/1.1\nHost: x\n\n",
+                                 b"POST /dgxmm/api/host HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n"])
+async def test_after_an_admin_request_a_refused_head_says_connection_close(server, bad):
+    """A refusal ends its connection and says so (interfaces.md, "The front, for everyone"):
+    aiohttp answers a head it could not parse as HTTP/1.0, where it names no close."""
+    answers = parse_answers(await talk(server, admin(server) + bad))
+    assert [a[0] for a in answers] == [200, 400] and answers[1][1].get("connection") == "close", answers
+
+
 async def test_a_body_that_ends_in_the_piece_of_the_next_head_is_no_request_line(ready):
     """A POST whose body holds a line break, with the next request in the same write: the piece
     that holds the next head's start holds the body's end too, which is no request line (the
