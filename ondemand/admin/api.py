@@ -27,7 +27,7 @@ from ..gateway import keys as keys_mod
 from ..http.headers import bearer, token_bytes
 from ..http.limits import Limits
 from ..http.server import LIMITS
-from ..model import State
+from ..model import State, parse_id
 from . import actions, components, deployments, replays, streams
 from .fields import field_error
 from .telemetry import CONTENT_TYPE
@@ -141,17 +141,36 @@ def host_memory(deployer: Deployer, budget: Budget) -> dict[str, float | None]:
             "reserve_gib": budget.host_reserve_gib}
 
 
+# GET /api/audit: the default and the largest page.
+AUDIT_LIMIT = 100
+AUDIT_MAX_LIMIT = 1000
+
+
 async def audit(request: web.Request) -> web.Response:
+    """The audit rows, newest first: ``limit`` of them, of deployment ``deployment_id``, older
+    than row ``before``; each out of its range is 400 naming it (a limit out of range was
+    clamped, and an id beyond SQLite's 64 bits a 500)."""
     app_mod, app = app_parts(request)
-    try:
-        limit = min(1000, max(1, int(request.query.get("limit", "100"))))
-        dep = request.query.get("deployment_id")
-        dep_id = int(dep) if dep else None
-        before_text = request.query.get("before")
-        before = int(before_text) if before_text else None
-    except ValueError:
-        raise field_error("limit", "limit, deployment_id and before are whole numbers") from None
-    return json_answer(await app[app_mod.STORE].audit(dep_id, limit=limit, before=before))
+    raw_limit = request.query.get("limit", str(AUDIT_LIMIT))
+    # ASCII digits, a few: "¹" passes isdigit() and 5,000 digits int() (as ?tail= of the logs).
+    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 6) \
+            or not 1 <= int(raw_limit) <= AUDIT_MAX_LIMIT:
+        raise field_error("limit", f"whole rows, 1 to {AUDIT_MAX_LIMIT} (default {AUDIT_LIMIT})")
+    dep_id = _query_id(request, "deployment_id", "a deployment's id")
+    before = _query_id(request, "before", "an audit row's id (the next page: rows older than it)")
+    return json_answer(await app[app_mod.STORE].audit(dep_id, limit=int(raw_limit), before=before))
+
+
+def _query_id(request: web.Request, name: str, what: str) -> int | None:
+    """An id of the query, canonical decimal as in a path (at most 18 digits: SQLite's integers
+    are 64-bit); absent or empty: None."""
+    raw = request.query.get(name)
+    if not raw:
+        return None
+    value = parse_id(raw)
+    if value is None:
+        raise field_error(name, f"{what}: a whole number, at most 18 digits")
+    return value
 
 
 async def sync_now(request: web.Request) -> web.Response:

@@ -57,6 +57,26 @@ async def test_audit_pages_newest_first(server):
     assert status == 400 and err["error"]["code"] == "invalid_field"
 
 
+async def test_audit_query_out_of_its_range_is_400_naming_it(server):
+    # An id beyond SQLite's 64 bits was a 500; a limit out of 1..1000 was clamped; any bad
+    # value was refused as "limit: ...".
+    for i in range(3):
+        await server.deployer.store.write_audit(action="ondemand_mode", actor="admin", text=f"row {i}")
+    huge = "99999999999999999999999"
+    for query, field in ((f"before={huge}", "before"), (f"deployment_id={huge}", "deployment_id"),
+                         ("deployment_id=abc", "deployment_id"), ("deployment_id=-1", "deployment_id"),
+                         ("before=1.5", "before"), ("limit=0", "limit"), ("limit=-5", "limit"),
+                         ("limit=1001", "limit"), ("limit=100000", "limit"), (f"limit={huge}", "limit"),
+                         ("limit=²", "limit"), ("limit=ten", "limit")):
+        status, err = await api(server, "GET", f"/audit?{query}")
+        assert status == 400 and err["error"]["code"] == "invalid_field", (query, status, err)
+        assert err["error"]["message"].startswith(f"{field}: "), (query, err)
+    for query, rows in (("limit=1", 1), ("limit=1000", 3), ("deployment_id=999999999999999999", 0),
+                        ("before=999999999999999999", 3), ("deployment_id=&before=", 3)):
+        status, got = await api(server, "GET", f"/audit?{query}")
+        assert status == 200 and len(got) == rows, (query, got)
+
+
 
 async def test_ui_page_is_served_without_data(server):
     """Three static files, no credentials to load them, a strict CSP (scripts and styles from
