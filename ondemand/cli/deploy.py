@@ -17,6 +17,7 @@ from .shared import (
     EXIT_NO_SERVER,
     EXIT_USAGE,
     Ctx,
+    Whole,
     _ago,
     _call,
     _echo_json,
@@ -27,6 +28,7 @@ from .shared import (
     cli,
     json_option,
     pass_ctx,
+    whole_number,
 )
 from .views import _DEP_HEADER, _dep_rows, _kept_and_taken, _launch_lines, _state, _warmth_lines, _warn_if_blind
 
@@ -71,16 +73,16 @@ def deploy() -> None:
                                                    "one); repeat")
 @click.option("--command", "command", help="the engine's command line, {port} for its port (process backend, "
                                            "without --model)")
-@click.option("--port", type=int, default=8000, show_default=True, help="the engine's port in its container")
+@click.option("--port", type=Whole(), default=8000, show_default=True, help="the engine's port in its container")
 @click.option("--memory-gib", type=float, default=0, show_default=True, help="GPU memory it needs in all")
-@click.option("--gpu-count", type=int, help="how many GPUs (0: none; default: 1 with --model, else every GPU)")
+@click.option("--gpu-count", type=Whole(), help="how many GPUs (0: none; default: 1 with --model, else every GPU)")
 @click.option("--gpu-ids", help="the GPUs it must run on, as indices: 0,3")
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help="added to the engine's environment; repeat")
 @click.option("--volume", "volumes", multiple=True, metavar="HOST:CONTAINER[:ro]",
               help="a host directory under deployer.volume_roots (docker backend); repeat")
 @click.option("--role", type=click.Choice(["model", "decision", "system"]), default="model", show_default=True)
 @click.option("--mode", type=click.Choice(["on_demand", "always_on"]), default="always_on", show_default=True)
-@click.option("--idle-timeout", type=int, help="seconds idle before it is put to sleep (on demand)")
+@click.option("--idle-timeout", type=Whole(), help="seconds idle before it is put to sleep (on demand)")
 @click.option("--priority", type=click.Choice(["low", "normal", "high"]),
               help="who waits and who is put to sleep for whom (default: normal)")
 @click.option("--max-inflight", help="requests it serves at once through the gateway; more get 429 (default: none)")
@@ -178,15 +180,8 @@ def _env_option(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def _int_option(flag: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        _fail(f"{flag}: a whole number, not {value!r}", EXIT_USAGE)
-
-
 def _gpu_list(value: str) -> list[int]:
-    return [_int_option("--gpu-ids", v.strip()) for v in value.split(",") if v.strip()]
+    return [whole_number("--gpu-ids", v.strip()) for v in value.split(",") if v.strip()]
 
 
 def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
@@ -209,7 +204,7 @@ def _gpu_fields(gpu_count: int | None, gpu_ids: str | None) -> dict[str, Any]:
 @click.option("--arg", "args", multiple=True, help="an engine argument; repeat; replaces them all")
 @click.option("--no-args", is_flag=True, help="no engine arguments")
 @click.option("--command", "command", help="the engine's command line, {port} for its port (process backend)")
-@click.option("--port", type=int, help="the engine's port in its container")
+@click.option("--port", type=Whole(), help="the engine's port in its container")
 @click.option("--memory-gib", type=float, help="GPU memory it needs in all")
 @click.option("--gpu-count", help="how many GPUs (0: none), or 'all' for every GPU")
 @click.option("--gpu-ids", help="the GPUs it must run on, as indices (0,3), or 'any' to drop the pin")
@@ -273,7 +268,7 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
     if max_inflight is not None:
         body["max_inflight"] = _max_inflight(max_inflight)
     if gpu_count is not None:
-        body["gpu_count"] = None if gpu_count == "all" else _int_option("--gpu-count", gpu_count)
+        body["gpu_count"] = None if gpu_count == "all" else whole_number("--gpu-count", gpu_count)
     if gpu_ids is not None:
         body["gpu_ids"] = None if gpu_ids == "any" else _gpu_list(gpu_ids)
     if idle_action is not None:

@@ -40,6 +40,30 @@ def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     sys.exit(code)
 
 
+def whole_number(flag: str, value: str, digits: int = 9) -> int:
+    """A number option's value: ASCII digits (a '-' too, for the server to refuse with its
+    range), at most ``digits`` of them; else one line and exit 2. int() took 10**23, which
+    the client could not send (orjson writes 64-bit integers: a traceback) nor SQLite hold."""
+    bare = value.strip().removeprefix("-")
+    if not (bare.isascii() and bare.isdigit() and len(bare) <= digits):  # "²" is isdigit() too
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        _fail(f"{flag} takes a whole number of at most {digits} digits, not {shown!r}", EXIT_USAGE)
+    return int(value)
+
+
+class Whole(click.ParamType[int, Any]):
+    """click's type for a ``whole_number`` option (the server checks the range)."""
+    name = "integer"
+
+    def __init__(self, digits: int = 9):
+        self.digits = digits
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):  # a default
+            return value
+        flag = max(param.opts, key=len) if param is not None and param.opts else "a number"
+        return whole_number(flag, str(value), self.digits)
+
 
 # A disk that takes no more writes: full, over quota, read only.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})

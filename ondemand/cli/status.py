@@ -13,6 +13,7 @@ from .shared import (
     EXIT_FAILED,
     EXIT_NO_SERVER,
     Ctx,
+    Whole,
     _call,
     _echo_json,
     _fail,
@@ -112,7 +113,7 @@ def _echo_names(names: Any) -> None:
 # --- audit ---------------------------------------------------------------------
 
 @cli.command()
-@click.option("--deployment", "dep_id", type=int, help="only this deployment's rows")
+@click.option("--deployment", "dep_id", type=Whole(18), help="only this deployment's rows")
 @click.option("-n", "--limit", default=20, show_default=True, type=click.IntRange(1, 1000), help="how many rows")
 @json_option
 @pass_ctx

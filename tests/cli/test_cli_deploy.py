@@ -122,6 +122,29 @@ async def test_deploy_logs_without_a_server(tmp_path):
     assert rc == 3 and "no server" in err
 
 
+async def test_numbers_beyond_what_the_client_sends_are_usage_errors(tmp_path, server):
+    """One line and exit 2: a number beyond 64 bits was orjson's TypeError, a traceback and
+    exit 1. A number in reach goes to the server, whose 400 is relayed as before."""
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    a = await server.add("alpha")
+    before = server.deployer.get(a).as_dict()
+    huge = "99999999999999999999999"
+    add = ("deploy", "add", "x", "--command", "x {port}")
+    for argv, flag in (((*add, "--port", huge), "--port"), ((*add, "--gpu-count", huge), "--gpu-count"),
+                       ((*add, "--idle-timeout", huge), "--idle-timeout"),
+                       (("deploy", "set", str(a), "--port", huge), "--port"),
+                       (("deploy", "set", str(a), "--gpu-count", huge), "--gpu-count"),
+                       (("deploy", "set", str(a), "--gpu-ids", huge), "--gpu-ids"),
+                       (("deploy", "set", str(a), "--gpu-ids", f"0,{huge}"), "--gpu-ids"),
+                       (("deploy", "set", str(a), "--port", "٣"), "--port")):
+        rc, out, err = await cli(*argv, config=cfg)
+        assert rc == 2 and err.startswith(f"ondemand: {flag} takes a whole number") and err.count("\n") == 1, \
+            (argv, rc, err)
+    rc, _, err = await cli("deploy", "set", str(a), "--port", "999999999", config=cfg)
+    assert rc == 1 and "port:" in err and "invalid_field" in err, err
+    assert [d.name for d in server.deployer.all()] == ["alpha"] and server.deployer.get(a).as_dict() == before
+
+
 async def test_deploy_add_show_and_set_with_a_recipe(tmp_path, server):
     cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
     add = ("deploy", "add", "qwen", "--engine", "vllm", "--model", "Qwen/Qwen3-8B", "--memory-gib", "12",

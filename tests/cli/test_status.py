@@ -90,3 +90,21 @@ async def test_audit_of_one_deployment_against_a_running_server_names_it(tmp_pat
     assert [r["deployment_id"] for r in json.loads(out)] == [b]
     rc, _, err = await cli("audit", "-n", "0", config=cfg)
     assert rc == 2 and "limit" in err
+
+
+async def test_audit_of_a_deployment_id_beyond_64_bits_is_a_usage_error(tmp_path):
+    # Relayed as the server's 500, and without a server SQLite's OverflowError as a traceback.
+    huge = "99999999999999999999999"
+    async with run_app(tmp_path) as server:
+        a = await server.add("alpha")
+        await server.deployer.edit(a, {"idle_action": "sleep2"}, user="socket")
+        cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+        rc, _, err = await cli("audit", "--deployment", huge, config=cfg)
+        assert rc == 2 and err.startswith("ondemand: --deployment takes a whole number") and err.count("\n") == 1, err
+        rc, out, err = await cli("audit", "--deployment", "999999999999999999", config=cfg)
+        assert rc == 0 and out == "no audit rows\n", err
+    for value in (huge, "abc", "¹"):
+        rc, _, err = await cli("audit", "--deployment", value, config=cfg)
+        assert rc == 2 and "--deployment takes a whole number" in err and err.count("\n") == 1, (value, err)
+    rc, out, err = await cli("audit", "--deployment", str(a), config=cfg)
+    assert rc == 0 and "edited idle_action" in out, err
