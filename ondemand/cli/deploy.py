@@ -122,7 +122,6 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
               idle_timeout: int | None, priority: str | None, max_inflight: str | None,
               idle_action: str | None, keep_warm: str | None, no_start: bool) -> dict[str, Any]:
     """`deploy add`'s POST body."""
-    import shlex
     body: dict[str, Any] = {"name": name, "engine": engine, "port": port, "memory_gib": memory_gib,
                             "role": role, "mode": mode, "args": list(args), "start": not no_start}
     if served_name:
@@ -132,7 +131,7 @@ def _add_body(name: str, served_name: str | None, engine: str, model: str | None
     if image:
         body["image"] = image
     if command:
-        body["command"] = shlex.split(command)
+        body["command"] = _command(command)
     if idle_timeout is not None:
         body["idle_timeout_s"] = idle_timeout
     if env:
@@ -178,6 +177,16 @@ def _env_option(items: tuple[str, ...]) -> dict[str, str]:
             _fail(f"--env takes NAME=VALUE, not {item!r}", EXIT_USAGE)
         out[name] = value
     return out
+
+
+def _command(value: str) -> list[str]:
+    """--command, split as a shell splits a line; one it cannot split (an unbalanced quote, a
+    last backslash) is one line and exit 2, not shlex's traceback."""
+    import shlex
+    try:
+        return shlex.split(value)
+    except ValueError as exc:
+        _fail(f"--command: {str(exc).lower()} (it is split as a shell splits a line)", EXIT_USAGE)
 
 
 def _gpu_list(value: str) -> list[int]:
@@ -243,7 +252,6 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
               idle_timeout: str | None, priority: str | None, max_inflight: str | None,
               idle_action: str | None, keep_warm: str | None) -> dict[str, Any]:
     """`deploy set`'s PATCH body: only the fields given."""
-    import shlex
     for given, none, flags in ((args, no_args, "--arg and --no-args"), (model, no_model, "--model and --no-model"),
                                (env, no_env, "--env and --no-env"), (volumes, no_volumes, "--volume and --no-volumes")):
         if given and none:
@@ -260,7 +268,7 @@ def _set_body(name: str | None, served_name: str | None, engine: str | None, mod
     if volumes or no_volumes:
         body["volumes"] = list(volumes)
     if command is not None:
-        body["command"] = shlex.split(command)
+        body["command"] = _command(command)
     if idle_timeout is not None:
         body["idle_timeout_s"] = _idle_timeout(idle_timeout)
     if priority is not None:

@@ -145,6 +145,20 @@ async def test_numbers_beyond_what_the_client_sends_are_usage_errors(tmp_path, s
     assert [d.name for d in server.deployer.all()] == ["alpha"] and server.deployer.get(a).as_dict() == before
 
 
+async def test_a_command_with_an_unbalanced_quote_is_a_usage_error(tmp_path, server):
+    """One line and exit 2: shlex's ValueError was a traceback and exit 1."""
+    cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
+    a = await server.add("alpha")
+    before = server.deployer.get(a).as_dict()
+    for argv, why in ((("deploy", "add", "ok1", "--dry-run", "--command", "'unterminated"), "no closing quotation"),
+                      (("deploy", "add", "ok1", "--command", 'x "{port}'), "no closing quotation"),
+                      (("deploy", "set", str(a), "--command", "'bad"), "no closing quotation"),
+                      (("deploy", "set", str(a), "--command", "x \\"), "no escaped character")):
+        rc, _, err = await cli(*argv, config=cfg)
+        assert rc == 2 and err.startswith(f"ondemand: --command: {why}") and err.count("\n") == 1, (argv, rc, err)
+    assert [d.name for d in server.deployer.all()] == ["alpha"] and server.deployer.get(a).as_dict() == before
+
+
 async def test_deploy_add_show_and_set_with_a_recipe(tmp_path, server):
     cfg = write_config(tmp_path / "c.toml", server.cfg.state_dir)
     add = ("deploy", "add", "qwen", "--engine", "vllm", "--model", "Qwen/Qwen3-8B", "--memory-gib", "12",
