@@ -114,8 +114,8 @@ def _validate_engine(data: dict[str, Any], cfg: Config) -> dict[str, Any]:
             raise field_error("command", "required with the process backend (argv with {port})")
         raise field_error("model", "required: the model the engine loads (or a command with {port}, as given)")
     return {"engine": engine, "model": model, "image": image, "args": data.get("args", []),
-            "command": data.get("command", []), "env": recipes.check_env(data.get("env")),
-            "volumes": recipes.check_volumes(data.get("volumes"), recipes.Box.from_config(cfg))}
+            "command": data.get("command", []), "env": recipes.check_env(data.get("env", {})),
+            "volumes": recipes.check_volumes(data.get("volumes", []), recipes.Box.from_config(cfg))}
 
 
 MAX_GPUS = 64

@@ -386,8 +386,8 @@ def check_model(engine: str, model: object) -> str | None:
 
 
 def check_env(env: object) -> dict[str, str]:
-    if env is None:
-        return {}
+    """A deployment's own environment. Null is refused as ``args``' null is (an edit of
+    ``{"env": null}`` stored ``{}``): ``{}`` is none."""
     if not isinstance(env, Mapping):
         raise FieldError("env", "an object of NAME: value")
     out: dict[str, str] = {}
@@ -421,8 +421,7 @@ def _under(path: str, roots: Sequence[Path]) -> bool:
 
 
 def check_volumes(volumes: object, box: Box) -> list[str]:
-    if volumes is None:
-        return []
+    """A deployment's volumes. Null is refused, as ``check_env``'s: ``[]`` is none."""
     if not isinstance(volumes, list) or not all(isinstance(v, str) for v in volumes):
         raise FieldError("volumes", "a list of \"/host/path:/container/path[:ro]\"")
     if volumes and not box.in_container:

@@ -124,3 +124,27 @@ async def test_a_creation_of_any_type_is_201_or_400_naming_the_field(server):
         assert [d.name for d in server.deployer.all()] == []
 
     await asyncio.to_thread(one)
+
+
+async def test_null_for_a_list_or_an_object_is_400_naming_it(server):
+    """``env`` and ``volumes`` are an object and a list, as ``args`` and ``command`` are lists: null
+    is none of them (an edit of ``{"env": null}`` was 200 and stored ``{}``; ``[]`` and ``{}``
+    clear them). On an edit and at creation, nothing written."""
+    dep_id = await server.add("a", 4, env={"X": "1"})
+    db, headers = str(server.cfg.db_path), server.admin_headers()
+
+    def check() -> None:
+        before, stored = server.deployer.get(dep_id).as_dict(), _stored(db, dep_id)
+        for field in ("env", "volumes", "args", "command"):
+            for method, url, body in (
+                    ("PATCH", f"{server.url}/api/deployments/{dep_id}", {field: None}),
+                    ("POST", f"{server.url}/api/deployments", {"name": "n", "command": sim_command("n"), field: None})):
+                status, answer = _send(method, url, headers, body)
+                assert status == 400 and answer["error"]["code"] == "invalid_field", (method, field, answer)
+                assert answer["error"]["message"].startswith(f"{field}:"), (method, field, answer)
+        assert server.deployer.get(dep_id).as_dict() == before and _stored(db, dep_id) == stored
+        assert [d.name for d in server.deployer.all()] == ["a"]
+        status, answer = _patch(server.url, headers, dep_id, {"env": {}, "volumes": []})
+        assert status == 200 and answer["env"] == {} and answer["volumes"] == [], answer
+
+    await asyncio.to_thread(check)

@@ -149,7 +149,7 @@ def test_one_pool_is_one_device():
 def test_env_rules():
     assert recipes.check_env({"VLLM_X": "1", "_Y2": ""}) == {"VLLM_X": "1", "_Y2": ""}
     for bad in ({"lower": "1"}, {"1X": "1"}, {"A-B": "1"}, {"X": 1}, {"X": "a\0b"}, ["X=1"],
-                {"CUDA_VISIBLE_DEVICES": "0"}, {"NVIDIA_VISIBLE_DEVICES": "all"}, {"HF_TOKEN": "t"}):
+                {"CUDA_VISIBLE_DEVICES": "0"}, {"NVIDIA_VISIBLE_DEVICES": "all"}, {"HF_TOKEN": "t"}, None):
         with pytest.raises(FieldError) as err:
             recipes.check_env(bad)
         assert err.value.field == "env", bad
@@ -165,7 +165,7 @@ def test_volume_rules(tmp_path):
     assert recipes.check_volumes(ok, box) == ok
     for bad in ([f"{root}/m"], ["m:/models"], [f"{root}/m:models"], [f"{root}/m:/x:rx"], [f"{root}/../x:/x"],
                 [f"{root}/escape:/x"], ["/:/host"], [f"{root}/m:/"], ["/var/run/docker.sock:/var/run/docker.sock"],
-                [f"{root}/sock:/d.sock"], ["/etc:/etc"], "x", [1]):
+                [f"{root}/sock:/d.sock"], ["/etc:/etc"], "x", [1], None):
         with pytest.raises(FieldError) as err:
             recipes.check_volumes(bad, box)
         assert err.value.field == "volumes", bad
