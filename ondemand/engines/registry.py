@@ -340,19 +340,20 @@ class Registry:
         same id, audited ``deployment_update`` with the old and new values of the fields
         that differ. The checks and the in-memory change are one step (no await).
         Raises DeploymentBusy in another state or while its engine still runs (unless only
-        ``LIVE_FIELDS`` change), NameTaken for another deployment's name."""
+        ``LIVE_FIELDS`` change: a field given its current value is no change, and an edit that
+        changes nothing is taken in any state), NameTaken for another deployment's name."""
         if set(changes) & _REBOOK:  # read before the step: ``update`` books from what was read
             await self.book(self._get(dep_id).replace(**changes))
         unit = self._unit_of(dep_id)
         dep = unit.dep
-        if (dep.state not in EDITABLE or unit.engine is not None) and not (changes and set(changes) <= LIVE_FIELDS):
-            running = " and its engine still runs" if dep.state in EDITABLE else ""
-            raise DeploymentBusy(f"{dep.name} is {dep.state}{running}: only a stopped, failed or planned "
-                                 "deployment can be edited; stop it first")
         edited = dep.replace(**changes)
         changed = {k: getattr(edited, k) for k in changes if getattr(edited, k) != getattr(dep, k)}
         if not changed:
             return dep
+        if (dep.state not in EDITABLE or unit.engine is not None) and not set(changed) <= LIVE_FIELDS:
+            running = " and its engine still runs" if dep.state in EDITABLE else ""
+            raise DeploymentBusy(f"{dep.name} is {dep.state}{running}: only a stopped, failed or planned "
+                                 "deployment can be edited; stop it first")
         name = changed.get("name")
         if name is not None and any(d.name == name for d in self.all() if d.id != dep_id):
             raise NameTaken(f"name: a deployment named {name!r} exists")

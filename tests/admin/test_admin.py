@@ -154,6 +154,31 @@ async def test_edit_in_place(server):
     assert status == 200 and view["served_name"] == "X" and view["state"] == "stopped"
 
 
+async def test_an_edit_that_changes_nothing_is_taken_in_any_state(server):
+    """A field given its current value is no change: on a ready or asleep deployment such an
+    edit is 200, writes nothing and restarts nothing (it was 409 deployment_busy: the busy
+    check saw no field changed, so not "only priority, max_inflight and keep_warm")."""
+    _, v = await api(server, "POST", "/deployments", new_dep("a", engine="vllm", idle_action="sleep",
+                                                             priority="high", keep_warm="fixed"))
+    i = v["id"]
+    assert (await api(server, "POST", f"/deployments/{i}/start?wait=1"))[0] == 200
+    engine = server.deployer.base_url(i)
+    same = ({"priority": "high"}, {"keep_warm": "fixed"}, {}, {"priority": "high", "max_inflight": None},
+            {"served_name": "a", "memory_gib": 10, "port": 8000})
+    for state in ("ready", "asleep"):
+        if state == "asleep":
+            assert (await api(server, "POST", f"/deployments/{i}/sleep", {"level": 1}))[0] == 200
+        before = server.deployer.get(i).as_dict()
+        for body in same:
+            status, view = await api(server, "PATCH", f"/deployments/{i}", body)
+            assert status == 200 and view["state"] == state, (state, body, view)
+        for body in ({"served_name": "X"}, {"priority": "high", "memory_gib": 12}):
+            status, err = await api(server, "PATCH", f"/deployments/{i}", body)
+            assert status == 409 and err["error"]["code"] == "deployment_busy", (state, body, err)
+        assert server.deployer.get(i).as_dict() == before and server.deployer.base_url(i) == engine
+    assert not [r for r in await server.deployer.store.audit(i) if r["action"] == "deployment_update"]
+
+
 async def test_a_name_or_served_name_with_a_control_character_is_refused(server):
     # served_name took them, and they reached the log lines that quote it
     i = (await api(server, "POST", "/deployments", new_dep("a")))[1]["id"]

@@ -75,6 +75,8 @@ async def test_deploy_add_and_set_priority_and_max_inflight(tmp_path):
         assert rc == 0, err
         assert (json.loads(out)["priority"], json.loads(out)["max_inflight"], json.loads(out)["state"]) == \
             ("low", None, "ready")
+        rc, out, err = await cli("deploy", "set", str(view["id"]), "--priority", "low", config=cfg)
+        assert rc == 0 and out.startswith("updated coder"), err  # as it is: no change, not busy
         rc, out, _ = await cli("deploy", "set", str(view["id"]), "--max-inflight", "2", config=cfg)
         assert rc == 0
         rc, out, _ = await cli("status", config=cfg)

@@ -66,6 +66,8 @@ async def test_an_engine_that_runs_is_edited_in_its_live_fields_only_and_a_name_
             await d.edit(a, {"memory_gib": 12})
         assert (await d.edit(a, {"max_inflight": 4, "priority": "low"})).max_inflight == 4
         assert await d.edit(a, {"max_inflight": 4}) is d.get(a)  # nothing differs: nothing written
+        for same in ({"memory_gib": 10}, {}):  # no change is no edit, whatever the fields: not busy
+            assert await d.edit(a, same) is d.get(a)
         [audit] = [r for r in await store.audit(a) if r["action"] == "deployment_update"]
         assert audit["detail"] == {"old": {"max_inflight": None, "priority": "normal"},
                                    "new": {"max_inflight": 4, "priority": "low"}}
