@@ -156,7 +156,7 @@ ALLOWED = {
                          "gateway.peers", "gateway.routes", "litellm.sync", "model", "state.store", "tasks"},
     "admin.api": {"admin.actions", "admin.components", "admin.deployments", "admin.fields", "admin.replays", "admin.streams",
                   "admin.telemetry", "admin.wire", "config", "control.budget", "engines.deployer", "errors", "gateway.keys",
-                  "http.headers", "http.limits", "http.server", "model"},
+                  "http.aio", "http.headers", "http.limits", "http.server", "model"},
     "admin.wire": {"admin.components", "errors", "http.aio", "http.server", "model"},
     "admin.replays": {"admin.wire", "errors"},
     "admin.fields": {"config", "engines.recipes", "engines.warmth", "errors", "model"},

@@ -24,6 +24,7 @@ from ..control.budget import Budget
 from ..engines.deployer import Deployer
 from ..errors import BudgetError, OndemandError, StateFileError, internal_error, misdirected, upgrade_refused
 from ..gateway import keys as keys_mod
+from ..http.aio import ClientGone
 from ..http.headers import bearer, token_bytes
 from ..http.limits import Limits
 from ..http.server import LIMITS
@@ -35,6 +36,8 @@ from .wire import JSON, app_parts, http_error, is_unix, json_answer, refusal
 
 # The admin API's logger: its name is the one its logs had before the API was split.
 log = logging.getLogger("ondemand.admin.api")
+# A request whose client went away before it could be answered (nginx's code, as the gateway's).
+CLIENT_GONE = 499
 
 
 def auth_middleware(cfg: Config) -> Middleware:
@@ -82,6 +85,12 @@ def auth_middleware(cfg: Config) -> Middleware:
             if exc.status < 400:
                 raise
             return http_error(exc, (request.app.get(LIMITS) or Limits()).admin_max_body)
+        except ClientGone:
+            log.debug("%s %s: the client hung up before its body had arrived; nothing was done",
+                      request.method, request.path)
+            gone = web.Response(status=CLIENT_GONE)  # for no one: aiohttp drops it on the closed connection
+            gone.force_close()
+            return gone
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             if request.writer is None or request.writer.output_size:

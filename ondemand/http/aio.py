@@ -59,15 +59,24 @@ class BodyMalformedError(Exception):
     """The body's framing broke (a bad chunk size, say)."""
 
 
+class ClientGone(ConnectionResetError):
+    """The client hung up before its request's body had arrived: nothing was done, no one is
+    left to answer, and it is no defect of ours."""
+
+
 async def read_body(request: web.BaseRequest, limits: Limits) -> bytes:
     """An admin request's body, within ``body_timeout_s``; a malformed one is 400 at once.
-    Raises ``OndemandError`` (408 and 400 close the connection)."""
+    Raises ``OndemandError`` (408 and 400 close the connection), or ``ClientGone``."""
     conn = request.protocol if isinstance(request.protocol, AioConnection) else None
     if conn is not None:
         conn.reading = request
         conn.body_broke()
     try:
         return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except ConnectionResetError:
+        # aiohttp fails the read and cancels the handler, but wait_for (before Python 3.12) hands
+        # on the read's error, which the admin API logged as a defect with its traceback.
+        raise ClientGone("the client hung up before its request's body had arrived") from None
     except asyncio.TimeoutError:  # TimeoutError itself from 3.11
         err = OndemandError(408, "request_timeout", f"The request body did not arrive within "
                             f"{limits.body_timeout_s:g} s", headers={"Connection": "close"})
