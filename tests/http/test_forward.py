@@ -50,7 +50,8 @@ async def test_lower_case_header_names_are_kept_from_the_engine_too(ready):
     raw = (f"POST /dgxmm/ondemand/{dep}/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
            f"authorization: Bearer {server.key}\r\ncookie: session=1\r\nconnection: keep-alive, x-private\r\n"
            f"x-private: secret\r\nkeep-alive: timeout=5\r\naccept-encoding: gzip\r\nproxy-connection: x\r\n"
-           f"x-custom: kept\r\ncontent-type: application/json\r\ncontent-length: {len(CHAT)}\r\n\r\n").encode() + CHAT
+           f"x-custom: kept\r\nupgrade: h2c\r\ncontent-type: application/json\r\ncontent-length: {len(CHAT)}\r\n"
+           "\r\n").encode() + CHAT
     async with connection(server) as (reader, writer):
         writer.write(raw)
         assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
@@ -60,7 +61,8 @@ async def test_lower_case_header_names_are_kept_from_the_engine_too(ready):
     names = {}
     for k, v in rows[-1]["headers"]:
         names.setdefault(k.lower(), []).append(v)
-    for banned in ("authorization", "cookie", "x-private", "keep-alive", "proxy-connection", "connection"):
+    # An Upgrade not named in Connection asks nothing (the request is served), and is not forwarded.
+    for banned in ("authorization", "cookie", "x-private", "keep-alive", "proxy-connection", "connection", "upgrade"):
         assert banned not in names, banned
     assert names["host"] == [server.deployer.base_url(dep).split("://")[1]]  # ours, once
     assert names["accept-encoding"] == ["identity"] and names["x-custom"] == ["kept"]
