@@ -1,12 +1,10 @@
 """Configuration: read once at the command-line edge, validated, passed down.
 
-One TOML file (``--config``, else ``$ONDEMAND_CONFIG``, else built-in
-defaults); every key can be overridden by ``ONDEMAND_<KEY>`` in upper case,
-with the dot of a table key written as ``_`` (``budget.source`` is
-``ONDEMAND_BUDGET_SOURCE``). An unknown key or a value out of range raises
-``ConfigError`` whose one-line message names the key and what it allows.
-No other module reads ``os.environ``: configuration is read and validated once. Imports nothing of
-ours but ``errors``.
+One TOML file (``--config``, else ``$ONDEMAND_CONFIG``, else built-in defaults); every key can be overridden by
+``ONDEMAND_<KEY>`` in upper case, with the dot of a table key written as ``_`` (``budget.source`` is
+``ONDEMAND_BUDGET_SOURCE``). An unknown key or a value out of range raises ``ConfigError`` whose one-line
+message names the key and what it allows. No other module reads ``os.environ``: configuration is read and
+validated once. Imports nothing of ours but ``errors``.
 """
 from __future__ import annotations
 
@@ -392,8 +390,10 @@ def load(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None 
                 raw = _flatten(tomllib.load(fh))
         except FileNotFoundError:
             raise ConfigError(f"config file {path}: not found") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8: other bytes are not TOML
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+        except OSError as exc:  # a directory, no permission: one line, as for a missing file
+            raise ConfigError(f"config file {path}: cannot be read: {exc.strerror or exc}") from None
     for key in raw:
         if key not in _KEYS:
             raise ConfigError(f"unknown configuration key {key!r} in {path}; known keys: {', '.join(_KEYS)}")

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,22 @@ def test_bad_values_name_the_key(tmp_path, text, key):
         config.load(f, env={})
     msg = str(exc.value)
     assert key in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: p.mkdir(), "cannot be read: Is a directory"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "not valid TOML"),
+    (lambda p: p.write_bytes(b'listen = "\xe9"\n'), "not valid TOML"),
+], ids=["a directory", "not UTF-8", "Latin-1 in a string"])
+def test_an_unreadable_config_file_is_a_config_error(tmp_path, make, says):
+    """A directory or bytes that are not UTF-8 are one ConfigError, as a missing file is: not an
+    OSError or UnicodeDecodeError the command line would print as a traceback."""
+    f = tmp_path / "c.toml"
+    make(f)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {f}: {says}")):
+        config.load(f, env={})
+    with pytest.raises(ConfigError, match="not found"):
+        config.load(tmp_path / "missing.toml", env={})
 
 
 def test_gpu_capacities_from_the_file_and_the_environment(tmp_path):

@@ -39,6 +39,16 @@ async def test_bad_config_names_the_key(tmp_path, text, key):
 
 
 
+@pytest.mark.parametrize("command", ["status", "serve", "migrate"])
+async def test_a_config_path_that_is_a_directory_or_not_utf8_is_one_line(tmp_path, command):
+    """Not a traceback (IsADirectoryError, UnicodeDecodeError): one line and exit 2, as a missing file."""
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe")
+    for cfg, says in ((tmp_path, "Is a directory"), (binary, "not valid TOML")):
+        rc, out, err = await cli(command, config=cfg)
+        assert rc == 2 and says in err and str(cfg) in err and len(err.strip().splitlines()) == 1, err
+
+
 async def test_bad_environment_names_the_key(tmp_path):
     rc, _, err = await cli("migrate", env={"ONDEMAND_ONDEMAND_MAX_QUEUED": "0",
                                            "ONDEMAND_STATE_DIR": str(tmp_path)})
