@@ -83,7 +83,7 @@ from .http.server import LIMITS, ROUTE, HttpServer, Route, raise_open_files
 from .litellm.client import LiteLLMClient
 from .litellm.sync import LiteLLMSync
 from .model import State
-from .state.lock import lock_state_dir
+from .state.lock import lock_state_dir, make_state_dir
 from .state.retention import prune_old_rows
 from .state.store import Store
 from .tasks import TaskGroup
@@ -407,6 +407,7 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
     grace period, then cancel what is left (uvicorn's order)."""
     setup_logging(cfg.log_level)
     raise_open_files(cfg.max_connections)
+    make_state_dir(cfg.state_dir)  # a file in its place is one line, before the token is written there
     ensure_token(cfg.token_file)
     app = build_app(cfg)
     server = HttpServer(app, shutdown_timeout=cfg.shutdown_grace_s)

@@ -141,7 +141,7 @@ ALLOWED = {
     "engines.backends.logs": {"http.limits", "ratelog"},
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
-    "state": set(), "state.store": {"errors", "state.migrations"}, "state.migrations": set(),
+    "state": set(), "state.store": {"errors", "state.lock", "state.migrations"}, "state.migrations": set(),
     "state.retention": {"state.store"}, "state.lock": {"errors"},
     # litellm/: LiteLLM's admin API and the sync.
     "litellm": set(), "litellm.client": {"errors", "litellm.entries"},

@@ -89,6 +89,7 @@ def serve(ctx: Ctx, demo: bool) -> None:
 @pass_ctx
 def migrate(ctx: Ctx, as_json: bool) -> None:
     """Apply the state file's migrations and print its schema version."""
+    from ..errors import StateFileError
     from ..state.migrations import SchemaTooNew
     from ..state.store import Store
 
@@ -100,7 +101,7 @@ def migrate(ctx: Ctx, as_json: bool) -> None:
             await store.close()
     try:
         version = _run(go())
-    except SchemaTooNew as exc:
+    except (SchemaTooNew, StateFileError) as exc:  # StateFileError: a state_dir that is a file
         _fail(str(exc))
     _echo_json({"db": str(ctx.cfg.db_path), "schema_version": version}) if as_json else \
         click.echo(f"{ctx.cfg.db_path}: schema version {version}")

@@ -27,6 +27,7 @@ import orjson
 
 from ..errors import StateFileError
 from . import migrations
+from .lock import not_a_directory
 
 DEPLOYMENT_FIELDS = (
     "id", "name", "served_name", "engine", "image", "args", "command", "port", "memory_gib",
@@ -84,7 +85,11 @@ class Store:
     @classmethod
     async def open(cls, path: str | os.PathLike[str], *, migrate: bool = True) -> Store:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file in the directory's place: one line (migrate)
+            raise StateFileError(f"the state file {path} cannot be opened: {path.parent} "
+                                 f"{not_a_directory(path.parent)}; give state_dir a directory's path") from None
         # A file that cannot be opened (a read-only disk, a directory not ours) fails here, in a
         # plain thread: aiosqlite's failed connect leaves its worker thread to call the loop
         # after a command's loop has closed ("Exception in thread ...": a traceback after the

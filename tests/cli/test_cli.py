@@ -65,6 +65,20 @@ async def test_serve_refuses_one_file_for_admin_token_and_ondemand_key(tmp_path)
     assert not (state / "ondemand.db").exists()  # stopped before it touched anything
 
 
+@pytest.mark.parametrize("command", [["serve"], ["serve", "--demo"], ["migrate"]], ids=" ".join)
+@pytest.mark.parametrize("under", [False, True], ids=["state_dir a file", "state_dir under a file"])
+async def test_a_state_dir_that_is_a_file_is_one_line(tmp_path, command, under):
+    """Not mkdir's FileExistsError or NotADirectoryError in a traceback: one line naming the file
+    in the way, exit 1, as `key init` says it; the file is left as it was."""
+    (tmp_path / "f").write_text("mine\n")
+    state = tmp_path / "f" / "s" if under else tmp_path / "f"
+    cfg = write_config(tmp_path / "c.toml", state)
+    rc, out, err = await asyncio.wait_for(cli(*command, config=cfg), 30)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{tmp_path / 'f'} is a file" in err and str(state) in err
+    assert (tmp_path / "f").read_text() == "mine\n"
+
+
 async def test_migrate(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
     rc, out, _ = await cli("migrate", "--json", config=cfg)

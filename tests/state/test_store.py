@@ -2,6 +2,7 @@ import asyncio
 
 import pytest
 
+from ondemand.errors import StateFileError
 from ondemand.state import migrations
 from ondemand.state.store import Store
 
@@ -19,6 +20,16 @@ async def test_fresh_file_is_wal_at_latest_version(tmp_path):
         assert dep["args"] == ["--x"] and dep["mode"] == "on_demand" and dep["pending_mode"] is None
     finally:
         await store.close()
+
+
+async def test_a_file_where_the_directory_should_be_is_a_state_file_error(tmp_path):
+    """A file in the state directory's place (or above it) is a StateFileError naming it, which
+    `migrate` says in one line; not mkdir's FileExistsError or NotADirectoryError."""
+    (tmp_path / "f").write_text("")
+    with pytest.raises(StateFileError, match=f"{tmp_path / 'f'} is a file, not a directory"):
+        await Store.open(tmp_path / "f" / "ondemand.db")
+    with pytest.raises(StateFileError, match=f"{tmp_path / 'f' / 's'} cannot be made: {tmp_path / 'f'} is a file"):
+        await Store.open(tmp_path / "f" / "s" / "ondemand.db")
 
 
 async def test_transactions_nest_and_roll_back_together(tmp_path):
