@@ -51,6 +51,16 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 ENGINES = ("vllm", "sglang", "llamacpp", "custom")
 MAX_GPUS = 64  # --gpus
 MAX_GPU_GIB = 100_000  # --gpus: a GPU's GiB
+# The bounds of a deployments file's numbers, which no real engine leaves: beyond them a replay
+# means nothing, or never ends (a prefill of 1e-50 tokens a second ran forever). Sizes: at most
+# the largest box --gpus can describe. Speeds: from 1 token a second (the trace's 10^7 tokens
+# then take 116 days) to 10^7 (box-mix's fastest prefill is 430,000; a token at 10^7 still
+# moves a float clock ten years in, the trace's longest span). Times: at most a day.
+MAX_BOX_GIB = MAX_GPUS * MAX_GPU_GIB
+MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1, 10_000_000
+MAX_COST_S = 86400
+MAX_KV_BYTES_PER_TOKEN = 1 << 30  # a dense 175B model's KV of a token in FP32 is under 10 MiB
+MAX_WEIGHT = 10**9  # relative shares: counts of a week's requests fit
 ENGINE_DEFAULT_SHARE = 0.90  # a recipe's booking with nothing to read (BEHAVIOUR.md): of each GPU
 
 
@@ -66,14 +76,20 @@ def _one_of(*names: str) -> Callable[[Any], str]:
     return check
 
 
-def _number(lo: float, strict: bool = True) -> Callable[[Any], float]:
+def _number(lo: float, hi: float, unit: str, strict: bool = True) -> Callable[[Any], float]:
+    """A finite number above ``lo`` (``strict``) or of at least it, and at most ``hi``, in ``unit``."""
     def check(v: Any) -> float:
         # TOML has inf (a cold start that never ends) and nan (which no comparison refuses).
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or not (v > lo if strict else v >= lo):
-            raise ValueError(f"{v!r} is not a finite number {'above' if strict else 'of at least'} {lo:g}")
+                or not (v > lo if strict else v >= lo) or v > hi:
+            raise ValueError(f"{v!r} is not a finite number {'above' if strict else 'of at least'} {lo:g} "
+                             f"and at most {hi:,} ({unit})")
         return float(v)
     return check
+
+
+_SECONDS = _number(0, MAX_COST_S, "seconds", strict=False)
+_SPEED = _number(MIN_TOKENS_PER_S, MAX_TOKENS_PER_S, "tokens a second", strict=False)
 
 
 def _whole(lo: int, hi: int) -> Callable[[Any], int]:
@@ -107,7 +123,7 @@ def fields_checks(box: Box) -> dict[str, Callable[[Any], Any]]:
     """Each deployment field a file may give, and its check (ValueError says what is wrong)."""
     return {
         "name": _name, "served_name": _text, "engine": _one_of(*ENGINES), "model": _text,
-        "memory_gib": _number(0), "gpu_count": _whole(0, len(box.gpus)), "gpu_ids": _gpu_ids,
+        "memory_gib": _number(0, MAX_BOX_GIB, "GiB"), "gpu_count": _whole(0, len(box.gpus)), "gpu_ids": _gpu_ids,
         "mode": _one_of(*(m.value for m in Mode)), "idle_timeout_s": _whole(box.min_idle_timeout_s, 86400),
         "idle_action": _one_of(*(a.value for a in IdleAction)), "priority": _one_of(*(p.value for p in Priority)),
         "max_inflight": _whole(1, MAX_INFLIGHT), "keep_warm": _one_of(*(k.value for k in KeepWarm)),
@@ -115,14 +131,17 @@ def fields_checks(box: Box) -> dict[str, Callable[[Any], Any]]:
 
 
 COSTS: dict[str, Callable[[Any], Any]] = {
-    "cold_start_s": _number(0, strict=False), "wake_s": _number(0, strict=False),
-    "wake2_s": _number(0, strict=False), "sleep_s": _number(0, strict=False),
-    "prefill_tokens_per_s": _number(0), "decode_tokens_per_s": _number(0), "max_concurrency": _whole(1, 1_000_000),
-    "kv_tokens": _whole(1, 10**9), "decode_batch_tokens_per_s": _number(0), "max_model_len": _whole(1, 10**7),
+    "cold_start_s": _SECONDS, "wake_s": _SECONDS, "wake2_s": _SECONDS, "sleep_s": _SECONDS,
+    "prefill_tokens_per_s": _SPEED, "decode_tokens_per_s": _SPEED, "max_concurrency": _whole(1, 1_000_000),
+    "kv_tokens": _whole(1, 10**9), "decode_batch_tokens_per_s": _SPEED, "max_model_len": _whole(1, 10**7),
 }
 # What derives kv_tokens when the file gives none: the booking less the weights, at the model's KV
-# bytes per token (layers x KV heads x head size x 2 x the dtype's bytes).
-KV_SIZING: dict[str, Callable[[Any], Any]] = {"weights_gib": _number(0), "kv_bytes_per_token": _number(0)}
+# bytes per token (layers x KV heads x head size x 2 x the dtype's bytes). At least a byte: the
+# KV cache's tokens, that booking over it, stay a number (1e-300 made them inf, int() a traceback).
+KV_SIZING: dict[str, Callable[[Any], Any]] = {
+    "weights_gib": _number(0, MAX_BOX_GIB, "GiB"),
+    "kv_bytes_per_token": _number(1, MAX_KV_BYTES_PER_TOKEN, "bytes", strict=False)}
+_WEIGHT = _number(0, MAX_WEIGHT, "a share of the rows without a model", strict=False)
 
 
 class _Lines:
@@ -186,7 +205,7 @@ def _one(path: str, lines: _Lines, i: int, table: dict[str, Any], box: Box) -> R
     for key, value in table.items():
         at = f"{path}:{lines.of(i, key)}"
         check = (checks.get(key) or COSTS.get(key) or KV_SIZING.get(key)
-                 or (_number(0, strict=False) if key == "weight" else None))
+                 or (_WEIGHT if key == "weight" else None))
         if check is None:
             known = ", ".join([*checks, *COSTS, *KV_SIZING, "weight"])
             raise DeploymentError(f"{at}: {label}: unknown field {key!r} (known: {known})")

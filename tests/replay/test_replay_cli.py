@@ -151,6 +151,17 @@ def test_numbers_beyond_what_a_trace_can_mean_are_one_line_and_exit_2(inputs, na
     assert r.stderr == f"{inputs / name}:{line}: {says}\n"
 
 
+def test_an_engine_speed_no_engine_has_is_one_line_and_exit_2(inputs):
+    """A prefill of 1e-50 tokens a second ran the replay forever: refused, FILE:LINE naming the
+    deployment and the field, before the replay starts."""
+    deps = inputs / "slow.toml"
+    deps.write_text(DEPLOYMENTS.replace("weight = 3", "weight = 3\nprefill_tokens_per_s = 1e-50"))
+    r = replay(str(inputs / "trace.csv"), "--deployments", str(deps), "--gpus", "1x80", "--host-gib", "512")
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr[-2000:]
+    assert r.stderr == (f"{deps}:6: deployment 'a': prefill_tokens_per_s: 1e-50 is not a finite number of at least 1 "
+                        "and at most 10,000,000 (tokens a second)\n")
+
+
 def test_a_trace_of_one_endless_line_is_refused_at_its_first_mib(inputs):
     """/dev/zero grew to 9-15 GB; here 256 MiB of its zeros (sparse), in a file named neither
     .csv nor .jsonl (its first line decides), and the process stays small."""

@@ -96,6 +96,53 @@ def test_a_bad_file_is_named_with_its_line(tmp_path, change, line, says):
     assert says in str(e.value)
 
 
+ENGINE_BOUNDS = [
+    ("prefill_tokens_per_s", "1e-50", "of at least 1 and at most 10,000,000 (tokens a second)"),
+    ("decode_tokens_per_s", "1e-50", "of at least 1 and at most 10,000,000 (tokens a second)"),
+    ("decode_batch_tokens_per_s", "1e-50", "of at least 1 and at most 10,000,000 (tokens a second)"),
+    ("prefill_tokens_per_s", "0.5", "of at least 1"),
+    ("decode_tokens_per_s", "2e7", "at most 10,000,000"),
+    ("cold_start_s", "86401", "of at least 0 and at most 86,400 (seconds)"),
+    ("wake_s", "1e300", "at most 86,400 (seconds)"),
+    ("wake2_s", "1e6", "at most 86,400 (seconds)"),
+    ("sleep_s", "1e6", "at most 86,400 (seconds)"),
+    ("weights_gib", "1e300", "above 0 and at most 6,400,000 (GiB)"),
+    ("kv_bytes_per_token", "1e-300", "of at least 1 and at most 1,073,741,824 (bytes)"),
+    ("kv_bytes_per_token", "2e9", "at most 1,073,741,824 (bytes)"),
+    ("weight", "1e300", "at most 1,000,000,000"),
+]
+
+
+@pytest.mark.parametrize("key,value,says", ENGINE_BOUNDS, ids=[f"{k}={v}" for k, v, _ in ENGINE_BOUNDS])
+def test_engine_numbers_no_real_engine_has_are_named_with_their_line(tmp_path, key, value, says):
+    """A prefill of 1e-50 tokens a second ran the replay forever, 1e-20 gave TTFTs of 2e16 s, and
+    1e300 GiB of weights was taken: every number has a bound a real engine stays within."""
+    path = write(tmp_path, f'[[deployment]]\nname = "a"\nmemory_gib = 10\n{key} = {value}\n')
+    with pytest.raises(DeploymentError) as e:
+        from_file(path, BOX)
+    assert str(e.value).startswith(f"{path}:4: deployment 'a': {key}: {float(value)!r} is not a finite number ") \
+        or str(e.value).startswith(f"{path}:4: deployment 'a': {key}: {value} is not a finite number "), str(e.value)
+    assert says in str(e.value)
+
+
+def test_memory_gib_is_at_most_what_any_box_could_hold(tmp_path):
+    path = write(tmp_path, '[[deployment]]\nname = "a"\nmemory_gib = 1e300\n')
+    with pytest.raises(DeploymentError, match=r":3: deployment 'a': memory_gib: 1e\+300 is not a finite number above 0 "
+                                              r"and at most 6,400,000 \(GiB\)"):
+        from_file(path, Box(gpus=(1e5,) * 64, host_gib=512))
+
+
+def test_the_bounds_hold_the_benchmark_mix_and_their_edges(tmp_path):
+    """bench/box-mix.toml's published figures are all within the bounds, and so are the edges."""
+    from helpers import ROOT
+    assert len(from_file(str(ROOT / "bench" / "box-mix.toml"), Box(gpus=(80.0,) * 8, host_gib=2048))) == 16
+    edges = ('[[deployment]]\nname = "a"\nmemory_gib = 10\nprefill_tokens_per_s = 1\ndecode_tokens_per_s = 1e7\n'
+             'decode_batch_tokens_per_s = 1\ncold_start_s = 86400\nwake_s = 0\nweights_gib = 9\n'
+             'kv_bytes_per_token = 1\nweight = 1e9\n')
+    (a,) = from_file(write(tmp_path, edges), BOX)
+    assert (a.costs.prefill_tokens_per_s, a.costs.decode_tokens_per_s, a.costs.kv_tokens) == (1, 1e7, 2**30)
+
+
 def test_a_file_without_tables_or_not_there(tmp_path):
     with pytest.raises(DeploymentError, match=r":1: no \[\[deployment\]\] table"):
         from_file(write(tmp_path, "# nothing\n"), BOX)
