@@ -170,8 +170,8 @@ ALLOWED = {
     "admin.gpu_memory": {"control.budget", "engines.deployer", "errors", "tasks"},
     "admin.client": {"config", "state.store"},
     # recipes: the images the deployments run, and the checks of a deployment against the box.
-    "admin.doctor": {"admin.client", "config", "control.budget", "engines.dockerapi", "engines.metrics",
-                     "engines.recipes", "gateway.keys", "litellm.client", "model"},
+    "admin.doctor": {"admin.client", "config", "control.budget", "control.verdicts", "engines.dockerapi",
+                     "engines.metrics", "engines.recipes", "gateway.keys", "litellm.client", "model"},
     "sim": {"sim.engine"},
     "sim.engine": {"sim.faults", "sim.generation", "sim.memory", "sim.options", "sim.record", "sim.replies",
                    "sim.routes", "sim.server"},

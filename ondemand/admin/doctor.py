@@ -12,12 +12,15 @@ import asyncio
 import os
 import stat as stat_mod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..engines import recipes
 from ..model import Deployment
 from .client import NoServer, request, stored_deployments
+
+if TYPE_CHECKING:
+    from ..control.budget import Budget, Reading
 
 Check = dict[str, Any]
 
@@ -214,14 +217,24 @@ def check_compile_cache(cfg: Config) -> Check:
     return _check("compile cache", True, f"{path} is writable ({keys} configuration(s) cached)")
 
 
-def check_fits(rows: list[dict[str, Any]] | None, sizes: tuple[float, ...] | None, per_gpu: bool) -> Check | None:
+def check_fits(rows: list[dict[str, Any]] | None, sizes: tuple[float, ...] | None, per_gpu: bool,
+               budget: Budget | None = None, reading: Reading | None = None) -> Check | None:
     """Each deployment's GPU count, pin and memory share against the box's GPUs (``sizes``:
-    each GPU's total, or the one pool's); None when either is unknown."""
+    each GPU's total, or the one pool's), then whether it can ever fit beside the always-on and
+    system deployments, as the controller asks before it answers 503 ``does_not_fit`` (a deployment
+    without a recipe has no share to check: 30 GiB on a 24 GiB GPU was said to fit). ``budget`` and
+    ``reading``: the box's (its reserve, its cap); without them, ``sizes`` declared. None when
+    the deployments or the sizes are unknown."""
+    from ..control import verdicts
+    from ..control.budget import Budget, Reading
     if not rows or not sizes:
         return None
+    if budget is None or reading is None:
+        budget = Budget("static", None if per_gpu else sizes[0], gpu_capacity_gib=sizes if per_gpu else None)
+        reading = Reading(None)
+    deps = [Deployment.from_row(row) for row in rows]
     wrong = []
-    for row in rows:
-        dep = Deployment.from_row(row)
+    for dep in deps:
         try:
             recipes.check_fits_box(dep.memory_gib, dep.gpu_count, sizes, per_gpu, dep.model is not None)
         except recipes.FieldError as exc:
@@ -230,19 +243,26 @@ def check_fits(rows: list[dict[str, Any]] | None, sizes: tuple[float, ...] | Non
         if per_gpu and dep.gpu_ids and max(dep.gpu_ids) >= len(sizes):
             wrong.append(f"{dep.name}: pinned to GPU {max(dep.gpu_ids)}, but this box has GPUs 0 to "
                          f"{len(sizes) - 1} (deploy set {dep.id} --gpu-ids ...)")
+            continue
+        fit = budget.never_fits(dep, deps, reading)
+        if fit is not None:
+            verdict = verdicts.does_not_fit(dep, fit, sum(fit.ondemand))
+            wrong.append(f"{dep.name}: can never fit, a request for it gets 503 does_not_fit: "
+                         f"{verdict.message} (deploy set {dep.id} --memory-gib ... or --gpu-count ...)")
     if wrong:
         return _check("fits", False, "; ".join(wrong))
     box = f"{len(sizes)} GPUs of {min(sizes):g} GiB" if per_gpu else f"one pool of {sizes[0]:g} GiB"
     return _check("fits", True, f"{len(rows)} deployments fit the box ({box})")
 
 
-async def _box_sizes(cfg: Config) -> tuple[tuple[float, ...] | None, bool]:
+async def _box(cfg: Config) -> tuple[tuple[float, ...] | None, bool, Budget, Reading | None]:
+    """The box's GPU sizes, whether it tells GPUs apart, its budget and a reading of it."""
     from ..control.budget import Budget, BudgetError
     budget = Budget.from_config(cfg)
     try:
-        return await budget.box_sizes(), budget.per_gpu
+        return await budget.box_sizes(), budget.per_gpu, budget, await budget.read(())
     except BudgetError:  # the budget check says why
-        return None, budget.per_gpu
+        return None, budget.per_gpu, budget, None
 
 
 def _images(cfg: Config, rows: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -347,7 +367,7 @@ async def run(cfg: Config) -> list[Check]:
            check_hf_token(cfg), check_model_cache(cfg), check_compile_cache(cfg), await check_litellm(cfg)]
     rows = await _deployments(cfg)
     out.extend(await check_docker_host(cfg, rows))
-    out.extend(c for c in (check_engines(rows), check_footprints(rows), check_fits(rows, *await _box_sizes(cfg)))
+    out.extend(c for c in (check_engines(rows), check_footprints(rows), check_fits(rows, *await _box(cfg)))
                if c is not None)
     server = await check_server(cfg)
     out.append(server)

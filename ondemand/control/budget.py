@@ -365,6 +365,17 @@ class Budget:
                 out.append(Sleeper(d.id, needs))
         return tuple(out)
 
+    def never_fits(self, dep: Deployment, deps: Iterable[Deployment], reading: Reading) -> Fit | None:
+        """``dep``'s Fit when it can never fit here, not even with every on-demand model stopped
+        (a request for it gets 503 ``does_not_fit``: ``verdicts.does_not_fit`` words it); None when
+        it can. The controller reaches the same verdict from a refused start's Fit; ``doctor`` asks
+        it ahead of any request. Its own holding is left out: what it could ever have."""
+        snap = self.snapshot_of(reading, [d for d in deps if d.id != dep.id])
+        count, allowed = placement.demand(dep.gpu_count, dep.gpu_ids, len(snap.pools), self.per_gpu)
+        ondemand = tuple(p.ondemand_capacity for p in snap.pools)
+        fit = Fit(dep.footprint_gib, ondemand, ondemand, count, allowed, self.per_gpu, self._sizes_of(reading))
+        return fit if fit.never_fits() else None
+
     def check_fit(self, dep: Deployment, deps: list[Deployment], reading: Reading,
                   held_for_others: Mapping[int, float] | None = None) -> tuple[int, ...]:
         """The GPUs ``dep`` starts on (its view's ``gpus``); raises InsufficientMemory

@@ -128,6 +128,53 @@ def test_each_deployment_against_the_box():
     assert doctor.check_fits([], sizes, True) is None and doctor.check_fits(rows, None, True) is None
 
 
+def test_a_deployment_that_can_never_fit_is_named_with_the_503_it_gets():
+    """A deployment without a recipe has no memory share to check: 30 GiB on the demo's one GPU of
+    24 was said to fit, while every request for it got 503 does_not_fit. Its words are the 503's."""
+    rows = [row("demo-small", model="demo/demo-small", memory_gib=10, gpu_count=1),
+            row("big", id=3, memory_gib=30, gpu_count=1, command=["x"], mode="on_demand")]
+    c = doctor.check_fits(rows, (24.0,), True)
+    assert c == {"check": "fits", "ok": False, "detail": (
+        "big: can never fit, a request for it gets 503 does_not_fit: big needs 30 GiB on one GPU, more than what "
+        "on-demand models can ever use on this box's 1 GPUs (at most 24 GiB on one GPU) "
+        "(deploy set 3 --memory-gib ... or --gpu-count ...)")}
+    one_pool = doctor.check_fits(rows, (24.0,), False)["detail"]
+    assert one_pool.startswith("big: can never fit") and "than the 24 GiB that on-demand models can ever use here" \
+        in one_pool and "demo-small" not in one_pool
+    assert doctor.check_fits(rows[:1], (24.0,), True)["ok"] is True
+
+
+def test_never_fits_counts_what_always_on_deployments_hold_and_the_reserve():
+    """As the controller counts it: an always-on engine holding memory leaves the rest to the
+    on-demand ones (not when it is stopped); budget.reserve_gib is never theirs."""
+    from ondemand.control.budget import Budget, Reading
+    resident = row("resident", id=1, memory_gib=16, gpu_count=1, command=["x"], mode="always_on", state="ready",
+                   gpus=[0])
+    od = row("od", id=2, memory_gib=10, gpu_count=1, command=["x"], mode="on_demand")
+    c = doctor.check_fits([resident, od], (24.0,), True)
+    assert c["ok"] is False and c["detail"].startswith("od: can never fit") and "at most 8 GiB on one GPU" in c["detail"]
+    assert doctor.check_fits([dict(resident, state="stopped"), od], (24.0,), True)["ok"] is True
+    reserved = Budget("static", gpu_capacity_gib=(24.0,), reserve_gib=16)
+    c = doctor.check_fits([od], (24.0,), True, reserved, Reading(None))
+    assert c["ok"] is False and "at most 8 GiB on one GPU" in c["detail"]
+
+
+async def test_run_says_which_stored_deployment_can_never_fit(tmp_path):
+    """doctor against the configured box (its reserve) and the state file's deployments."""
+    from ondemand.state.store import Store
+    cfg = make_cfg(tmp_path, **{"deployer.backend": "process", "budget.gpu_capacity_gib": [24],
+                                "budget.reserve_gib": 4})
+    store = await Store.open(cfg.db_path)
+    try:
+        await store.insert_deployment(dict(name="big", served_name="big", engine="custom", command=["x"],
+                                           memory_gib=22, gpu_count=1, mode="on_demand", state="stopped"))
+    finally:
+        await store.close()
+    by = {c["check"]: c for c in await doctor.run(cfg)}
+    assert by["fits"]["ok"] is False and "big needs 22 GiB on one GPU" in by["fits"]["detail"]
+    assert "(at most 20 GiB on one GPU)" in by["fits"]["detail"]
+
+
 # --- Docker: the images and the GPU runtime --------------------------------------------------
 
 def test_gpu_runtime_from_docker_info():

@@ -177,6 +177,24 @@ def test_does_not_fit_on_any_allowed_set():
     assert exc.value.fit.never_fits()  # 25 on GPU 0 can never be had
 
 
+def test_never_fits_asks_ahead_what_a_refused_start_concludes():
+    """Budget.never_fits (doctor's question, before any request) gives the Fit a refused start
+    gives, for the same deployments: never fits, or None where stopping on-demand models would do."""
+    b = Budget("nvidia-smi")
+    reading = gpus(60, 70)
+    always = dep(5, 60, State.READY, Mode.ALWAYS_ON, gpu_count=1, gpus=(0,))
+    on_demand = dep(6, 60, State.READY, gpu_count=1, gpus=(1,))
+    for gib, never in ((40, False), (50, True)):
+        want = dep(7, gib, State.STOPPED, gpu_count=2, gpu_ids=(0, 1))
+        deps = [always, on_demand, want]
+        with pytest.raises(InsufficientMemory) as exc:
+            b.check_fit(want, deps, reading)
+        assert exc.value.fit.never_fits() is never
+        fit = b.never_fits(want, deps, reading)
+        assert (fit is not None) is never and (fit is None or fit.ondemand == exc.value.fit.ondemand)
+    assert b.never_fits(always, [always, on_demand], reading) is None  # its own holding is its own
+
+
 def test_gpu_count_zero_needs_no_gpu_memory_and_every_gpu_is_the_default():
     b = Budget("nvidia-smi")
     full = gpus(80, 80)
