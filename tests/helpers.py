@@ -74,6 +74,29 @@ def dep_fields(name: str, memory_gib: float = 10, mode: str = "on_demand", *sim_
     return fields
 
 
+def fill_the_disk(store, monkeypatch) -> None:
+    """Every write to ``store``'s file fails as on a full disk (SQLite's own words, raised where
+    the statement runs): a write then ends in the store's StateFileError, as on a real full disk
+    (tests/state/test_full_disk.py fills a tmpfs, which needs root)."""
+    import sqlite3
+    real = store.db.execute
+
+    def execute(sql, *args, **kw):
+        if sql.lstrip().upper().startswith(("INSERT", "DELETE", "UPDATE")):
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(sql, *args, **kw)
+    monkeypatch.setattr(store.db, "execute", execute)
+
+
+def one_line_errors(caplog, logger: str) -> list[str]:
+    """The records ``logger`` wrote, each as the log shows it; asserts each is one line (no traceback)."""
+    import logging
+    lines = [logging.Formatter("%(levelname)s %(name)s: %(message)s").format(r)
+             for r in caplog.records if r.name == logger]
+    assert all("\n" not in line for line in lines), lines
+    return lines
+
+
 async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str | None = None):
     """Wait until ``predicate()`` (a function, or one returning an awaitable) is truthy and
     return its value: the way to wait for something to happen, instead of a fixed sleep.

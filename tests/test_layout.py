@@ -84,7 +84,7 @@ ALLOWED = {
     "control.budget": {"config", "control.placement", "errors", "model"},
     # Measures engines (budget's nvidia-smi, the backend's pids) and tells the deployer.
     "control.footprint": {"control.budget", "engines.deployer", "engines.memory", "model"},
-    "control.starts": {"engines.tiers", "events", "state.store", "tasks"},
+    "control.starts": {"engines.tiers", "errors", "events", "state.store", "tasks"},
     # engines/: the deployer and how engines run.
     "engines": set(),
     # The deployer: the registry and the operations on its units (admit a start, stop, sleep, the
@@ -142,7 +142,7 @@ ALLOWED = {
     "engines.backends.docker": {"engines.backends", "engines.dockerapi", "engines.recipes", "model"},
     # state/: the SQLite file.
     "state": set(), "state.store": {"errors", "state.lock", "state.migrations"}, "state.migrations": set(),
-    "state.retention": {"state.store"}, "state.lock": {"errors"},
+    "state.retention": {"errors", "state.store"}, "state.lock": {"errors"},
     # litellm/: LiteLLM's admin API and the sync.
     "litellm": set(), "litellm.client": {"errors", "litellm.entries"},
     "litellm.entries": {"gateway.keys", "http.headers"},

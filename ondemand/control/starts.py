@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..engines.tiers import LEVELS
+from ..errors import StateFileError
 from ..events import Slept, StartEnded
 from ..state.store import Store
 from ..tasks import TaskGroup
@@ -133,8 +134,10 @@ class StartHistory:
         try:
             await self.store.write_start(dep_id, at=at, duration_s=duration_s, kind=kind, keep=self.keep,
                                          level=level)
-        except Exception:  # the history is a courtesy: a failed write costs one entry
-            log.exception("cannot record the start of deployment %d", dep_id)
+        except StateFileError as exc:  # a full disk: one line, which file and why (no traceback of ours)
+            log.error("cannot record the %s of deployment %d: %s", kind, dep_id, exc)
+        except Exception:  # the history is a courtesy: a failed write costs one entry; a defect shows its traceback
+            log.exception("cannot record the %s of deployment %d", kind, dep_id)
 
     # --- reads (no await) --------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 background task the composition runs; ``Store.prune`` deletes). The first pass comes shortly
 after the start, then one an hour. A pass deletes at most ``RETENTION_BATCH`` rows of each
 table in one transaction, so the state file's lock is never held for long; when it had more to
-delete, the next pass follows after ``RETENTION_AGAIN_S``. Imports nothing of ours but the store.
+delete, the next pass follows after ``RETENTION_AGAIN_S``. A pass the disk refuses (full) is one
+line in the log, and the next pass tries again. Imports nothing of ours but the store and its error.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from ..errors import StateFileError
 from .store import Store
 
 __all__ = ["prune_old_rows", "RETENTION_FIRST_S", "RETENTION_INTERVAL_S", "RETENTION_BATCH", "RETENTION_AGAIN_S"]
@@ -32,7 +34,9 @@ async def prune_old_rows(store: Store, retention_days: int, *, clock: Callable[[
         counts = {"events": 0, "audit": 0}
         try:
             counts = await store.prune(clock() - retention_days * 86400.0, RETENTION_BATCH)
-        except Exception:
+        except StateFileError as exc:  # a full disk: one line an hour, not a traceback
+            log.error("retention: cannot delete old rows: %s", exc)
+        except Exception:  # a defect of ours: its traceback
             log.exception("retention: cannot delete old rows")
         if any(counts.values()):
             log.info("retention: deleted %d events, %d audit rows older than %d days", counts["events"],

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 
 import pytest
-from helpers import controller_env, wait_for
+from helpers import controller_env, fill_the_disk, one_line_errors, wait_for
 from test_controller_races import held_budget
 
 from ondemand.control.effects import DeployerEffects
@@ -118,6 +118,35 @@ async def test_a_put_away_reports_once_whatever_happens(how, outcome, approved):
     put_away(3, text="Put to sleep to make room for D7", for_dep=7)
     await wait_for(lambda: len(fx.tasks) == 0, what="the put-away's task to end")
     assert deployer.calls == [how] and core.reports == [("stopped", 3, approved, 7)]
+
+
+async def test_an_idle_gap_or_audit_row_the_disk_refused_is_one_line_and_a_defect_keeps_its_traceback(
+        store, monkeypatch, caplog):
+    """interfaces.md: a full disk is a one-line error. The idle gaps and the core's audit rows,
+    written by tasks as the start history is, logged the StateFileError's whole traceback."""
+    fx, _core, deployer = effects_on(True)
+    deployer.store = store
+    fill_the_disk(store, monkeypatch)
+    fx.idle_gap(1, 42.0)
+    fx.audit("ondemand_queue_timeout", 1, "D1 was not ready within 900 s", {})
+    await wait_for(lambda: len(fx.tasks) == 0, what="the writes to end")
+    lines = sorted(one_line_errors(caplog, "ondemand.control.effects"))
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("ERROR ondemand.control.effects: cannot keep an idle gap of deployment 1: the state "
+                               "file ") and "database or disk is full" in lines[0]
+    assert lines[1].startswith("ERROR ondemand.control.effects: cannot write the audit row ondemand_queue_timeout: "
+                               "the state file ") and "database or disk is full" in lines[1]
+    caplog.clear()
+
+    async def defect(*args, **kw):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(store, "write_idle_gap", defect)
+    monkeypatch.setattr(store, "write_audit", defect)
+    fx.idle_gap(1, 42.0)
+    fx.audit("ondemand_queue_timeout", 1, "again", {})
+    await wait_for(lambda: len(fx.tasks) == 0, what="the writes to end")
+    records = [r for r in caplog.records if r.name == "ondemand.control.effects"]
+    assert len(records) == 2 and all(r.exc_info is not None for r in records)
 
 
 # --- against the real deployer and engine processes -----------------------------------------------

@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from helpers import dep_fields, running_deployer, wait_for
+from helpers import dep_fields, fill_the_disk, one_line_errors, running_deployer, wait_for
 
 from ondemand.control.starts import ETA_OF, StartHistory, newest
 from ondemand.engines.start import Start
@@ -236,6 +236,32 @@ async def test_a_sleep_or_start_that_ends_as_ondemand_shuts_down_keeps_its_row(s
     ended(h, began=10.0, at=70.0)
     await h.close()  # in the same step: no write has begun yet
     assert sorted((await store.starts(100))[1]) == [("sleep", 21.0, 1), ("start", 60.0, None)]
+
+
+async def test_a_full_disk_is_one_line_in_the_log_and_a_defect_keeps_its_traceback(store, monkeypatch, caplog):
+    """interfaces.md: a full disk is a one-line error. A start's row the disk refused logged the
+    StateFileError's whole traceback; now its message, in one line. A defect of ours keeps its traceback."""
+    fill_the_disk(store, monkeypatch)
+    h = StartHistory(store)
+    ended(h, 100.0, 142.0)
+    h.on_slept(Slept(1, "d", 1, StopCause.IDLE, 3.0))
+    await h.close()
+    assert h.fields(1)["last_start_s"] == 42.0  # memory keeps it
+    lines = one_line_errors(caplog, "ondemand.control.starts")
+    assert len(lines) == 2 and all(line.startswith("ERROR ") for line in lines), lines
+    assert lines[0].startswith("ERROR ondemand.control.starts: cannot record the start of deployment 1: the state "
+                               "file ") and "database or disk is full" in lines[0]
+    assert "cannot record the sleep of deployment 1" in lines[1]
+    caplog.clear()
+
+    async def defect(*args, **kw):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(store, "write_start", defect)
+    h = StartHistory(store)
+    ended(h, 100.0, 142.0)
+    await h.close()
+    (record,) = [r for r in caplog.records if r.name == "ondemand.control.starts"]
+    assert record.exc_info is not None and record.getMessage() == "cannot record the start of deployment 1"
 
 
 def test_the_rows_kept_by_kind_and_by_level_the_newest_five_each():

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from helpers import wait_for
+from helpers import fill_the_disk, one_line_errors, wait_for
 
 from ondemand import config
 from ondemand.errors import ConfigError
@@ -70,6 +70,21 @@ async def test_the_background_task_runs_soon_then_every_interval(store):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_a_pass_the_disk_refuses_is_one_line_and_the_next_pass_tries_again(store, monkeypatch, caplog):
+    """interfaces.md: a full disk is a one-line error, not a traceback an hour."""
+    fill_the_disk(store, monkeypatch)
+    task = asyncio.ensure_future(retention.prune_old_rows(store, 30, first_s=0, interval_s=0.01))
+    try:
+        await wait_for(lambda: len(caplog.records) >= 2, what="two passes refused")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    lines = one_line_errors(caplog, "ondemand.state.retention")
+    assert lines[0].startswith("ERROR ondemand.state.retention: retention: cannot delete old rows: the state file ")
+    assert "database or disk is full" in lines[0]
 
 
 async def count_is(store, table, n):
