@@ -83,7 +83,7 @@ from .http.server import LIMITS, ROUTE, HttpServer, Route, raise_open_files
 from .litellm.client import LiteLLMClient
 from .litellm.sync import LiteLLMSync
 from .model import State
-from .state.lock import lock_state_dir, make_state_dir
+from .state.lock import lock_state_dir, make_state_dir, not_a_directory
 from .state.retention import prune_old_rows
 from .state.store import Store
 from .tasks import TaskGroup
@@ -103,7 +103,10 @@ def ensure_token(path: Path) -> str:
     """The admin token in ``path``, written there first (a new one) when there is none."""
     token = keys_mod.read_key_file(path)
     if token is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # one line, as for the state directory
+            raise StartupError(f"admin_token_file {path}: {path.parent} {not_a_directory(path.parent)}") from None
         token = keys_mod.generate_key().replace("odk-", "oda-", 1)
         keys_mod.write_key_file(path, token)
         log.info("wrote a new admin token to %s", path)

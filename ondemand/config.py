@@ -273,7 +273,7 @@ def _one_of(*names: str) -> Callable[[Any], bool]:
 
 
 _KEYS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
-    "state_dir": (lambda v: Path(_str(v)), bool, "a directory path"),
+    "state_dir": (_opt_path, lambda p: p is not None, "a directory path"),  # "" is none, not the cwd
     "instance": (_str, lambda s: bool(_INSTANCE.fullmatch(s)) and len(s) <= 63,
                  "lower-case letters, digits, '.', '_', '-' (first a letter or digit), at most 63"),
     "listen": (_listen, bool, "HOST:PORT"),

@@ -104,6 +104,18 @@ def test_bad_environment_value_names_the_key():
         config.load(env={"ONDEMAND_QUEUE_TIMOUT": "5"})
 
 
+def test_an_empty_state_dir_is_refused_not_read_as_the_working_directory(tmp_path):
+    """``ONDEMAND_STATE_DIR=`` (or ``state_dir = ""``) put the key, the token and the state file in
+    the working directory; "." still says so on purpose."""
+    with pytest.raises(ConfigError, match="state_dir"):
+        config.load(env={"ONDEMAND_STATE_DIR": ""})
+    path = tmp_path / "c.toml"
+    path.write_text('state_dir = ""\n')
+    with pytest.raises(ConfigError, match="state_dir"):
+        config.load(path, env={})
+    assert str(config.load(env={"ONDEMAND_STATE_DIR": "."}).state_dir) == "."
+
+
 def test_idle_timeout_bound_follows_min_idle_timeout():
     cfg = config.load(env={"ONDEMAND_MIN_IDLE_TIMEOUT_S": "1", "ONDEMAND_ONDEMAND_IDLE_TIMEOUT_S": "2"})
     assert cfg.ondemand_idle_timeout_s == 2

@@ -79,6 +79,14 @@ async def test_a_state_dir_that_is_a_file_is_one_line(tmp_path, command, under):
     assert (tmp_path / "f").read_text() == "mine\n"
 
 
+async def test_an_admin_token_file_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "f").write_text("mine\n")
+    cfg = write_config(tmp_path / "c.toml", tmp_path / "s", admin_token_file=str(tmp_path / "f" / "admin.token"))
+    rc, out, err = await asyncio.wait_for(cli("serve", config=cfg), 30)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "admin_token_file" in err and f"{tmp_path / 'f'} is a file" in err
+
+
 async def test_migrate(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "s")
     rc, out, _ = await cli("migrate", "--json", config=cfg)
