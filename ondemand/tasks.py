@@ -34,9 +34,11 @@ class TaskGroup:
     async def finish(self, within_s: float, reason: str = "shutdown") -> None:
         """Let the tasks out now end on their own for up to ``within_s`` (short writes that must
         not be lost at shutdown), then ``close`` what is left."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=within_s)
-        await self.close(reason)
+        try:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=within_s)
+        finally:  # a shutdown cancelled meanwhile still cancels what is left, before the store closes
+            await self.close(reason)
 
     async def close(self, reason: str = "shutdown") -> None:
         tasks = list(self._tasks)

@@ -106,3 +106,16 @@ async def test_finish_lets_the_tasks_end_on_their_own_within_its_time_then_cance
     group.spawn(endless(), "endless")
     await group.finish(0.5)
     assert sorted(ends) == ["cancelled", "short"] and len(group) == 0
+
+
+async def test_finish_cancelled_while_it_waits_still_cancels_what_is_left():
+    """A second Ctrl-C during shutdown's grace: the tasks must not outlive it (the store they
+    write to closes next)."""
+    group = TaskGroup("owner")
+    task = group.spawn(asyncio.sleep(60), "endless")
+    finishing = asyncio.ensure_future(group.finish(30))
+    await asyncio.sleep(0.05)
+    finishing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await finishing
+    assert task.cancelled() and len(group) == 0
