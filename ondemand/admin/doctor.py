@@ -233,6 +233,9 @@ def check_fits(rows: list[dict[str, Any]] | None, sizes: tuple[float, ...] | Non
         budget = Budget("static", None if per_gpu else sizes[0], gpu_capacity_gib=sizes if per_gpu else None)
         reading = Reading(None)
     deps = [Deployment.from_row(row) for row in rows]
+    # A recipe with no memory_gib is booked by the server from its checkpoint: a state file's row
+    # read with no server running has no size, and never_fits would count it as nothing.
+    unsized = [d.name for d in deps if d.footprint_gib <= 0 and d.model is not None]
     wrong = []
     for dep in deps:
         try:
@@ -244,15 +247,18 @@ def check_fits(rows: list[dict[str, Any]] | None, sizes: tuple[float, ...] | Non
             wrong.append(f"{dep.name}: pinned to GPU {max(dep.gpu_ids)}, but this box has GPUs 0 to "
                          f"{len(sizes) - 1} (deploy set {dep.id} --gpu-ids ...)")
             continue
-        fit = budget.never_fits(dep, deps, reading)
+        fit = None if unsized else budget.never_fits(dep, deps, reading)
         if fit is not None:
             verdict = verdicts.does_not_fit(dep, fit, sum(fit.ondemand))
-            wrong.append(f"{dep.name}: can never fit, a request for it gets 503 does_not_fit: "
+            gets = "a request for it gets 503 does_not_fit" if dep.on_demand else "its start is refused"
+            wrong.append(f"{dep.name}: can never fit, {gets}: "
                          f"{verdict.message} (deploy set {dep.id} --memory-gib ... or --gpu-count ...)")
     if wrong:
         return _check("fits", False, "; ".join(wrong))
     box = f"{len(sizes)} GPUs of {min(sizes):g} GiB" if per_gpu else f"one pool of {sizes[0]:g} GiB"
-    return _check("fits", True, f"{len(rows)} deployments fit the box ({box})")
+    unknown = f"; not checked beside each other: {', '.join(unsized)} have no size until ondemand books them" \
+        if unsized else ""
+    return _check("fits", True, f"{len(rows)} deployments fit the box ({box}){unknown}")
 
 
 async def _box(cfg: Config) -> tuple[tuple[float, ...] | None, bool, Budget, Reading | None]:

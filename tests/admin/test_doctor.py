@@ -159,6 +159,20 @@ def test_never_fits_counts_what_always_on_deployments_hold_and_the_reserve():
     assert c["ok"] is False and "at most 8 GiB on one GPU" in c["detail"]
 
 
+def test_a_recipe_with_no_size_yet_is_not_counted_as_nothing_and_always_on_is_worded_as_a_start():
+    """With no server running, a recipe without memory_gib has no booking yet (the server books it
+    from its checkpoint): counted as 0 GiB, an always-on one beside a 10 GiB model said "fits"
+    where the box refused it; doctor says it could not check instead. An always-on deployment
+    gets no 503: its start is refused."""
+    unsized = row("resident", id=1, model="org/model", gpu_count=1, mode="always_on", state="ready", gpus=[0])
+    od = row("od", id=2, memory_gib=10, gpu_count=1, command=["x"], mode="on_demand")
+    c = doctor.check_fits([unsized, od], (24.0,), True)
+    assert c["ok"] is True and "not checked beside each other: resident have no size" in c["detail"]
+    big = row("big", id=3, memory_gib=30, gpu_count=1, command=["x"], mode="always_on")
+    c = doctor.check_fits([big], (24.0,), True)
+    assert c["ok"] is False and c["detail"].startswith("big: can never fit, its start is refused: big needs 30 GiB")
+
+
 async def test_run_says_which_stored_deployment_can_never_fit(tmp_path):
     """doctor against the configured box (its reserve) and the state file's deployments."""
     from ondemand.state.store import Store
