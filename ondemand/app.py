@@ -245,6 +245,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     controller.learn(await deployer.store.idle_gaps())  # adaptive warmth: a restart keeps what was learned
     app[ADMISSION] = Admission(controller, deployer)
     bus.subscribe(DeploymentChanged, lambda e: controller.on_deployment(e.dep_id, e.dep, e.old))
+    bus.subscribe(Slept, lambda e: controller.on_slept(e.dep_id))  # its memory is free: the queue looks
     yield
     controller.close()
     await effects.close()

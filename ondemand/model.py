@@ -123,6 +123,7 @@ OVER_DECLARED = 1.10
 _LIFE_FIELDS = frozenset({"id", "state", "state_reason", "log_tail", "pending_mode", "gpus", "measured_gib",
                           "created_at", "updated_at", "sleep_level", "host_gib", "asleep_gib", "sleep_host_gib",
                           "wake_check", "booking"})
+_MEASURED = ("measured_gib", "host_gib", "asleep_gib", "sleep_host_gib", "log_tail", "booking", "updated_at")
 
 
 # How a plain value (a stored row, a JSON body) becomes the field's type.
@@ -233,6 +234,11 @@ class Deployment:
         """Everything an administrator sets (not its state): a change of it (an edit,
         a mode switch) resets the start backoff."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _LIFE_FIELDS)
+
+    def measured_since(self, old: Deployment) -> bool:
+        """Is ``old`` this deployment but for what was measured of its engine (its memory awake or
+        asleep, its host memory, its log's tail, its booking)? A measurement's update, not a change."""
+        return dataclasses.replace(old, **{f: getattr(self, f) for f in _MEASURED}) == self
 
     @property
     def booked_gib(self) -> float:

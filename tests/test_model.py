@@ -24,3 +24,14 @@ def test_replace_takes_plain_values_and_as_dict_gives_them_back():
         edited.state = State.STOPPED  # type: ignore[misc]
     with pytest.raises(ValueError):
         dep.replace(mode="sometimes")
+
+
+def test_a_measurement_is_no_change_of_the_deployment():
+    """``measured_since``: what was measured of its engine (memory awake or asleep, host memory,
+    its log's tail, its booking) changed and nothing else (the controller then only offers the
+    memory that may read free, ``Attempts.offer``)."""
+    d = Deployment(id=1, name="a", served_name="A", state=State.ASLEEP, sleep_level=1)
+    measured = d.replace(asleep_gib=1.5, host_gib=20.0, updated_at=5.0, log_tail="x")
+    assert measured.measured_since(d) and d.measured_since(d)
+    assert not d.replace(state=State.READY).measured_since(d)
+    assert not measured.replace(memory_gib=30).measured_since(d)

@@ -106,7 +106,7 @@ async def host(request: web.Request) -> web.Response:
     cfg: Config = app[app_mod.CONFIG]
     deployer, gpus = app[app_mod.DEPLOYER], app[app_mod.BUDGET]
     try:
-        snap = (await gpus.snapshot(deployer.all())).as_dict()
+        snap = (await gpus.snapshot(deployer.as_read())).as_dict()  # as a start's fit check counts it
         budget: dict[str, Any] = {"source": gpus.source, **snap}
     except BudgetError as exc:
         budget = {"source": gpus.source, "error": str(exc)}

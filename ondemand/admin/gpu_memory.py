@@ -38,7 +38,7 @@ class GpuMemory:
     async def _read(self) -> None:
         deployer = self._deployer
         try:
-            snap = await self._budget.snapshot(deployer.all())
+            snap = await self._budget.snapshot(deployer.as_read())  # as a start's fit check counts it
             self._last = [(p.index, p.capacity, p.free) for p in snap.pools]
         except BudgetError as exc:
             log.debug("GPU memory for the metrics: %s", exc)

@@ -115,6 +115,7 @@ class Attempts:
         if dw is None:
             return
         dw.phase = Phase.IDLE
+        dw.offer_only = False
         if not started:
             # Starting or ready already, being removed, or nobody waits: the change that
             # follows (or none is needed) moves it on. Never ask again from here: a loop.
@@ -132,10 +133,12 @@ class Attempts:
         if dw is not None:
             dw.phase = Phase.IDLE
             dw.starting_for_request = False
+            dw.offer_only = False
         return dw
 
     def on_refused(self, dep_id: int, exc: InsufficientMemory) -> None:
         """The fit check said no: does_not_fit, or queue, and the head makes room."""
+        offered = (self.slots.attempt(dep_id) or Attempt()).offer_only
         dw = self._admit_ended(dep_id)
         if dw is None:
             return
@@ -151,6 +154,12 @@ class Attempts:
         if self.slots.closing:
             return  # its waiters heard it already
         self._enqueue(dep_id, dw, dep)
+        if offered:
+            if not self.queue.is_head_or_empty(dep_id):
+                self._tell_queued(dw)
+            self.schedule_tick()
+            self._release_held(dep_id)
+            return  # asked on an offer of freed memory: make-room waits for the queue's look
         if not self.queue.is_head_or_empty(dep_id):
             self._tell_queued(dw)
             return  # only the head makes room
@@ -160,6 +169,10 @@ class Attempts:
                 return  # what the entries it overtook are freeing is held for it: wait for that
             quiet = self._quiet(dep)
             victims, chosen = self._pick_victims(quiet, fit)
+            if not victims and self._sleep_ending(dep_id):
+                self._tell_queued(dw)
+                self.schedule_tick()
+                return  # memory is on its way from a sleep: wait for its call's end, then look again
             if not victims and self._relocates(dep, dw, fit):
                 return  # stopped where it sleeps, to start cold where it fits (relocation.py)
             if not victims and any(self._sleeps_now(d) for d in quiet):
@@ -188,7 +201,7 @@ class Attempts:
         """A sleeper that cannot wake on its own GPUs, with no victim there, when the scheduler
         relocates and a cold start fits elsewhere now: stopped (its own stop: the precheck asks
         only that it still sleeps), then its attempt starts it cold."""
-        if not (self.scheduler.relocates and relocation.may_relocate(dep, fit)) or self._put_away_now(dep.id):
+        if not (self.scheduler.relocates and relocation.may_relocate(dep, fit)) or self.put_away_now(dep.id):
             return False
         if relocation.elsewhere(fit) is None:
             return False
@@ -201,7 +214,7 @@ class Attempts:
         self.effects.stop(dep.id, text="Stopped (asleep) to start on other GPUs: its own are taken", for_dep=dep.id)
         return True
 
-    def _put_away_now(self, dep_id: int) -> bool:
+    def put_away_now(self, dep_id: int) -> bool:
         """Is ``dep_id`` a victim of a make-room under way (its sleep or stop not yet reported)?"""
         return any(rec.attempt is not None and dep_id in rec.attempt.victims for _, rec in self.slots.items())
 
@@ -302,8 +315,14 @@ class Attempts:
         victims some attempt is putting away already."""
         now = self.clock()
         claimed = self.slots.claimed()
-        return [d for d in self.effects.deployments()
-                if d.id != requester.id and d.id not in claimed and self.may_put_away(d, requester, now)]
+        return [d for d in self.effects.deployments() if d.id != requester.id and d.id not in claimed
+                and not self.effects.sleeping(d.id) and self.may_put_away(d, requester, now)]
+
+    def _sleep_ending(self, but: int) -> bool:
+        """Is a sleep's call out (but ``but``'s)? Its memory is on its way: counted as held until
+        the call ends (``rules.as_read``), never taken mid-call, and looked at again then
+        (``Controller.on_slept``)."""
+        return any(self.effects.sleeping(d.id) for d in self.effects.deployments() if d.id != but)
 
     def _pick_victims(self, quiet: list[Deployment], fit: Fit, escalate: bool = False
                       ) -> tuple[list[Candidate], tuple[int, ...]]:
@@ -414,6 +433,18 @@ class Attempts:
         self.slots.removed(dep_id)
 
     # --- the queue's clock ---------------------------------------------------------------
+
+    def offer(self) -> None:
+        """Memory was freed outside any make-room (a sleep's call ended): each attempt that waits
+        asks now whether it fits, but one that does not takes no victim here; make-room stays with
+        the queue's look (``tick``), as when a deployment becomes idle (design.md)."""
+        for dep_id in [*self.queue.ids(), *(d for d in self.slots.attempts() if d not in self.queue)]:
+            dw = self.slots.attempt(dep_id)
+            if dw is not None and dw.phase is Phase.IDLE:
+                dw.offer_only = True
+                self.advance(dep_id)
+                if self.slots.attempt_phase(dep_id) is not Phase.ADMITTING:
+                    dw.offer_only = False  # it asked nothing (ready, backoff, behind the head)
 
     def advance_all(self) -> None:
         # The queue's order first: when memory frees, the head asks before the others.

@@ -334,6 +334,13 @@ class Controller:
     def on_stopped(self, dep_id: int, approved: bool, for_dep: int | None) -> None:
         self.start_side.on_stopped(dep_id, approved, for_dep)
 
+    def on_slept(self, dep_id: int) -> None:
+        """A sleep's engine call ended (the deployer's ``Slept``): its memory is free now. A
+        make-room's victim reports through ``on_stopped``; after any other sleep (the reaper's, an
+        administrator's, adaptive warmth's) the queue looks again now, not at its next tick."""
+        if not self.start_side.put_away_now(dep_id):
+            self.start_side.offer()
+
     def on_settled(self, dep_id: int) -> None:
         self.start_side.on_settled(dep_id)
 
@@ -373,7 +380,10 @@ class Controller:
         self._warmth(dep, rec).changed(dep, rec)
         if old is not None and old.state is State.STARTING and dep.state is not State.STARTING:
             self.start_side.start_ended(dep)
-        self.start_side.advance_all()
+        if old is not None and dep.measured_since(old):  # memory may read free now: no victim for it
+            self.start_side.offer()
+        else:
+            self.start_side.advance_all()
 
     # --- the reaper's step ----------------------------------------------------------------
 

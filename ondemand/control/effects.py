@@ -74,6 +74,10 @@ class DeployerEffects:
     def engine_idle(self, dep_id: int) -> bool:
         return self.sampler.idle(dep_id)
 
+    def sleeping(self, dep_id: int) -> bool:
+        unit = self.deployer.unit(dep_id)
+        return unit is not None and unit.sleeping
+
     def idle_level(self, dep: Deployment) -> int:
         return warmth.idle_level(dep, self.budget.per_gpu)
 

@@ -24,6 +24,9 @@ class Effects(Protocol):
     def engine_idle(self, dep_id: int) -> bool:
         """The engine's last metrics sample (< 60 s old) shows no running or waiting request."""
 
+    def sleeping(self, dep_id: int) -> bool:
+        """Its sleep's engine call is out: marked asleep, its memory not yet free (``rules.as_read``)."""
+
     def idle_level(self, dep: Deployment) -> int:
         """The tier ``dep``'s idle engine goes to: 1 or 2 (asleep at that level), 0 (stopped)."""
 

@@ -51,6 +51,9 @@ class Attempt:
     # What each victim frees on the GPU set chosen for this attempt: held for it once stopped.
     frees: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     freed: float = 0.0
+    # Asked when a sleep's call ended (``Attempts.offer``): a refusal then takes no victim; make-room
+    # waits for the queue's look.
+    offer_only: bool = False
 
 
 @dataclasses.dataclass

@@ -20,7 +20,8 @@ this world keeps only the simulated engines, their timings and the box:
   memory, as ``MemAvailable`` would show it) until it wakes or stops. After the call it keeps
   ``asleep_residue_gib`` per GPU (the ``static`` budget's rule: nothing is measured); until the
   call ends the fit checks count its whole footprint (``_as_read``: a real budget reads the
-  memory still used), so nothing takes it mid-sleep;
+  memory still used), so nothing takes it mid-sleep; its end is the deployer's ``Slept``
+  (``Controller.on_slept``: the queue is offered the memory);
 - ``stop``: approved by ``rules.may_stop`` with the same precheck, ``stopping`` then ``stopped``
   (an engine's exit costs no time here);
 - ``prewarm`` (adaptive warmth): ``admit`` without make-room, ``prewarm_wanted`` asked in the
@@ -414,6 +415,7 @@ class World:
         dep = self._deps.get(dep_id)
         if dep is not None and dep.state is State.ASLEEP:
             self._hold(dep)  # the call freed all but what it keeps
+        self.controller.on_slept(dep_id)  # the deployer's Slept, published before the effect reports
         self.controller.on_stopped(dep_id, True, for_dep)
 
     def _settle(self, dep_id: int, deadline: float) -> None:

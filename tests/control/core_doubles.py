@@ -60,6 +60,7 @@ class Effects:
         self.controller: Controller | None = None
         self.rest_costs: dict[str, float] = {"asleep_1": 1.0, "asleep_2": 6.0, "stopped": 60.0}
         self.sleep_costs: dict[int, float] = {}  # a sleep's call, by deployment (none: 0 s)
+        self.sleep_calls_out: set[int] = set()  # marked asleep, the call still out
         self.audits: list[tuple[str, int, str, dict[str, Any]]] = []  # every audit row, its detail too
 
     # reads
@@ -71,6 +72,9 @@ class Effects:
 
     def engine_idle(self, dep_id: int) -> bool:
         return dep_id not in self.busy_engines
+
+    def sleeping(self, dep_id: int) -> bool:
+        return dep_id in self.sleep_calls_out  # the test says whose sleep's call is out
 
     def idle_level(self, dep: Deployment) -> int:
         return warmth.idle_level(dep, per_gpu=True)  # discrete GPUs: a vLLM recipe sleeps at level 1

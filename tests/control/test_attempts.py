@@ -325,6 +325,52 @@ def test_make_room_stops_lru_idle_victims_then_waits_for_memory(world):
     assert r.take() is not None
 
 
+def test_a_sleep_whose_call_is_out_is_waited_for_never_taken_and_its_end_offers_the_memory(world):
+    """2 was put to sleep by the reaper; its call is still out, so its memory is not free yet
+    (``rules.as_read``). The head takes no victim meanwhile (2 is no victim mid-call: stopping it
+    would cost its next request a cold start) and does not relocate or stop others; the call's end
+    (``on_slept``) offers the memory: the head asks again at once."""
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10)
+    idle_ready(fx, c, clock, 2)
+    fx.set(2, state=State.ASLEEP, sleep_level=1)
+    fx.sleep_calls_out.add(2)
+    r = Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    assert fx.taken("stop") == [] and fx.taken("sleep") == [] and r.queued == 1
+    fx.sleep_calls_out.discard(2)
+    c.on_slept(2)
+    assert [a[1] for a in fx.taken("admit")] == [1]
+
+
+def test_memory_offered_by_a_sleeps_end_takes_no_victim_the_queues_look_does(world):
+    """An offer (a sleep's end, a measurement's update) lets whoever fits start; a head that does
+    not fit takes no victim then: make-room waits for the queue's look (design.md)."""
+    c, fx, clock = make(world)
+    fx.add(1, 10)
+    fx.add(2, 10)
+    fx.add(3, 10)
+    idle_ready(fx, c, clock, 2)
+    fx.busy_engines.add(2)  # its engine's metrics show work: no victim for now
+    Req(c, 1)
+    fx.taken("admit")
+    c.on_refused(1, InsufficientMemory(10, 4, 24))  # queued: nothing to take
+    fx.set(3, state=State.ASLEEP, sleep_level=1)  # 3, awake elsewhere, is marked asleep: the queue looks
+    assert [a[1] for a in fx.taken("admit")] == [1]
+    c.on_refused(1, InsufficientMemory(10, 4, 24))  # its call is out: nothing freed yet, nothing to take
+    fx.busy_engines.discard(2)  # 2 is quiet now; the queue has not looked since
+    c.on_slept(3)
+    assert [a[1] for a in fx.taken("admit")] == [1]
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    assert fx.taken("stop") == [] and fx.taken("sleep") == []  # the offer took no victim
+    c.tick()
+    assert [a[1] for a in fx.taken("admit")] == [1]
+    c.on_refused(1, InsufficientMemory(10, 4, 24))
+    assert [v[1] for v in fx.taken("sleep") + fx.taken("stop")] == [2]  # the look makes room
+
+
 @pytest.mark.parametrize("why", ["timeout", "metrics", "inflight", "waiters", "always_on", "pending"])
 def test_who_is_never_a_victim(world, why):
     c, fx, clock = make(world)

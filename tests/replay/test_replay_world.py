@@ -115,6 +115,19 @@ def test_a_victims_own_request_during_its_sleep_wakes_it_back_before_the_head(po
     assert b.waited["queue"] == 1
 
 
+@pytest.mark.parametrize("policy", ["seed", "cost"])
+def test_a_sleep_the_reaper_began_is_waited_for_not_stopped_and_its_end_offers_the_memory(policy):
+    """a (60 GiB) is put to sleep by the reaper at 135 s, its call 10 s long; b (22 GiB) arrives
+    at 136 s and does not fit beside a's memory until the call ends. a is no victim mid-call (it
+    was stopped, 2 cold starts), and b starts the moment the call ends (not at the queue's next
+    look): 145 + 60 - 136."""
+    slow = Costs(sleep_s=10)
+    r = run([dep(1, "a", 60, costs=slow, idle_timeout_s=60), dep(2, "b", 22)], [req(0), req(136, "b")], policy)
+    a, b = r.per_deployment["a"], r.per_deployment["b"]
+    assert (a.sleeps, a.stops, a.cold_starts) == (1, 0, 1)
+    assert b.waits == pytest.approx([145 + 60 - 136]) and b.waited["queue"] == 1
+
+
 def test_starts_on_one_gpu_pass_its_start_up_gate_one_at_a_time():
     """a and b fit together on the GPU, but one engine starts there at a time: b's start begins
     when a is ready."""
