@@ -7,6 +7,7 @@ extra headers. ``detail`` is for the log only. Imports nothing of ours.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -89,6 +90,16 @@ class BudgetError(Exception):
 class StateFileError(Exception):
     """The state file cannot be written (its disk is full, read-only, failing): nothing of
     the change was written (SQLite rolled it back); the message says which file and why."""
+
+
+def log_unwritten(log: logging.Logger, exc: BaseException, what: str, *args: Any) -> None:
+    """A background write to the state file failed (``what % args`` says which): a
+    ``StateFileError`` (a full disk) is one line with its message; anything else is a defect of
+    ours, logged with its traceback."""
+    if isinstance(exc, StateFileError):
+        log.error(what + ": %s", *args, exc)
+    else:
+        log.error(what, *args, exc_info=exc)
 
 
 class DeployerError(Exception):

@@ -20,7 +20,7 @@ from typing import Any
 from ..engines import warmth
 from ..engines.deployer import Deployer
 from ..engines.metrics import MetricsSampler
-from ..errors import BudgetError, DeployerError, InsufficientMemory, StateFileError
+from ..errors import BudgetError, DeployerError, InsufficientMemory, log_unwritten
 from ..events import CountersChanged, StopCause
 from ..model import Deployment
 from ..tasks import TaskGroup
@@ -221,10 +221,8 @@ class DeployerEffects:
         try:
             await self.deployer.store.write_audit(action=action, actor=ACTOR, deployment_id=dep_id,
                                                   text=text, detail=detail)
-        except StateFileError as exc:  # a full disk: one line, which file and why
-            log.error("cannot write the audit row %s: %s", action, exc)
-        except Exception:  # a defect of ours: its traceback
-            log.exception("cannot write the audit row %s", action)
+        except Exception as exc:
+            log_unwritten(log, exc, "cannot write the audit row %s", action)
 
     def idle_gap(self, dep_id: int, gap_s: float) -> None:
         self.tasks.spawn(self._idle_gap(dep_id, gap_s), f"idle gap {dep_id}")
@@ -232,10 +230,8 @@ class DeployerEffects:
     async def _idle_gap(self, dep_id: int, gap_s: float) -> None:
         try:
             await self.deployer.store.write_idle_gap(dep_id, at=time.time(), gap_s=gap_s, keep=rhythm.KEEP)
-        except StateFileError as exc:  # a full disk: one line; a gap not kept is a little less learned
-            log.error("cannot keep an idle gap of deployment %d: %s", dep_id, exc)
-        except Exception:  # a defect of ours: its traceback (never a failed request)
-            log.exception("cannot keep an idle gap of deployment %d", dep_id)
+        except Exception as exc:  # a gap not kept is a little less learned, never a failed request
+            log_unwritten(log, exc, "cannot keep an idle gap of deployment %d", dep_id)
 
     def counters_changed(self, dep_id: int) -> None:
         self.publish(CountersChanged(dep_id))

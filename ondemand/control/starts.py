@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..engines.tiers import LEVELS
-from ..errors import StateFileError
+from ..errors import log_unwritten
 from ..events import Slept, StartEnded
 from ..state.store import Store
 from ..tasks import TaskGroup
@@ -134,10 +134,8 @@ class StartHistory:
         try:
             await self.store.write_start(dep_id, at=at, duration_s=duration_s, kind=kind, keep=self.keep,
                                          level=level)
-        except StateFileError as exc:  # a full disk: one line, which file and why (no traceback of ours)
-            log.error("cannot record the %s of deployment %d: %s", kind, dep_id, exc)
-        except Exception:  # the history is a courtesy: a failed write costs one entry; a defect shows its traceback
-            log.exception("cannot record the %s of deployment %d", kind, dep_id)
+        except Exception as exc:  # the history is a courtesy: a failed write costs one entry
+            log_unwritten(log, exc, "cannot record the %s of deployment %d", kind, dep_id)
 
     # --- reads (no await) --------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..errors import StateFileError
+from ..errors import log_unwritten
 from .store import Store
 
 __all__ = ["prune_old_rows", "RETENTION_FIRST_S", "RETENTION_INTERVAL_S", "RETENTION_BATCH", "RETENTION_AGAIN_S"]
@@ -34,10 +34,8 @@ async def prune_old_rows(store: Store, retention_days: int, *, clock: Callable[[
         counts = {"events": 0, "audit": 0}
         try:
             counts = await store.prune(clock() - retention_days * 86400.0, RETENTION_BATCH)
-        except StateFileError as exc:  # a full disk: one line an hour, not a traceback
-            log.error("retention: cannot delete old rows: %s", exc)
-        except Exception:  # a defect of ours: its traceback
-            log.exception("retention: cannot delete old rows")
+        except Exception as exc:  # a full disk: one line an hour, not a traceback
+            log_unwritten(log, exc, "retention: cannot delete old rows")
         if any(counts.values()):
             log.info("retention: deleted %d events, %d audit rows older than %d days", counts["events"],
                      counts["audit"], retention_days)
