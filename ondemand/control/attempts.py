@@ -138,7 +138,8 @@ class Attempts:
 
     def on_refused(self, dep_id: int, exc: InsufficientMemory) -> None:
         """The fit check said no: does_not_fit, or queue, and the head makes room."""
-        offered = (self.slots.attempt(dep_id) or Attempt()).offer_only
+        dw = self.slots.attempt(dep_id)
+        offered = dw is not None and dw.offer_only  # read before _admit_ended clears it
         dw = self._admit_ended(dep_id)
         if dw is None:
             return
@@ -154,14 +155,11 @@ class Attempts:
         if self.slots.closing:
             return  # its waiters heard it already
         self._enqueue(dep_id, dw, dep)
-        if offered:
-            if not self.queue.is_head_or_empty(dep_id):
-                self._tell_queued(dw)
-            self.schedule_tick()
-            self._release_held(dep_id)
-            return  # asked on an offer of freed memory: make-room waits for the queue's look
-        if not self.queue.is_head_or_empty(dep_id):
+        if not self.queue.is_head_or_empty(dep_id) or offered:
             self._tell_queued(dw)
+            if offered:  # asked on an offer of freed memory: make-room waits for the queue's look
+                self.schedule_tick()
+                self._release_held(dep_id)
             return  # only the head makes room
         try:
             if self._room_coming(dep_id):
